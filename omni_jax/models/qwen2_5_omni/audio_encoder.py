@@ -16,6 +16,7 @@ whose.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -26,8 +27,6 @@ import numpy as np
 from flax import nnx
 
 from omni_jax.models.param_map import ParamRule, conv1d_kernel, linear_kernel
-
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 AUDIO_IGNORE: tuple[str, ...] = (r"audio_bos_eos_token\.weight",)
 """HF tensors the encoder does not use (the thinker never reads ``audio_bos_eos_token``)."""
@@ -51,8 +50,8 @@ class RowSplit:
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int]) -> RowSplit:
-        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int) if lengths else []
-        return cls(tuple(int(o) for o in offsets), tuple(int(n) for n in lengths))
+        lengths = tuple(int(n) for n in lengths)
+        return cls(tuple(itertools.accumulate(lengths, initial=0))[:-1], lengths)
 
     @property
     def total(self) -> int:
@@ -63,17 +62,15 @@ class RowSplit:
         return [out[o : o + n] for o, n in zip(self.offsets, self.lengths, strict=True)]
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array) -> jax.Array:
-    """Softmax attention inside each block of ``[blocks, L, heads, D]``; invalid keys masked.
+def block_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Softmax attention inside each block of ``[blocks, L, heads, D]`` over its first ``lengths`` keys.
 
-    Blocks stand for the reference's ``cu_seqlens`` segments. The mask value is finite so an
-    all-padding block yields finite garbage (never NaN) that no real row reads.
+    Blocks stand for the reference's ``cu_seqlens`` segments, left-aligned so that a length
+    is the whole mask. All-padding blocks attend to their first slot, so they stay finite
+    (never NaN); no real row reads them.
     """
-    scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(scale, q.dtype)
-    scores = jnp.where(key_valid[:, None, None, :], scores.astype(jnp.float32), _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    lengths = jnp.maximum(lengths, 1).astype(jnp.int32)
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,13 +180,13 @@ class AudioAttention(nnx.Module):
         self.v_proj = nnx.Linear(d, d, **kw)
         self.out_proj = nnx.Linear(d, d, **kw)
 
-    def __call__(self, x: jax.Array, token_valid: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
         c, t, d = x.shape
         heads = (c, t, self.num_heads, d // self.num_heads)
         q = self.q_proj(x).reshape(heads)
         k = self.k_proj(x).reshape(heads)
         v = self.v_proj(x).reshape(heads)
-        return self.out_proj(masked_attention(q, k, v, token_valid).reshape(c, t, d))
+        return self.out_proj(block_attention(q, k, v, lengths).reshape(c, t, d))
 
 
 def _layer_norm(dim: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -210,8 +207,8 @@ class AudioEncoderLayer(nnx.Module):
         self.fc2 = nnx.Linear(spec.ffn_dim, d, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.final_layer_norm = _layer_norm(d, dtype, rngs)
 
-    def __call__(self, x: jax.Array, token_valid: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), token_valid)
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), lengths)
         return x + self.fc2(jax.nn.gelu(self.fc1(self.final_layer_norm(x)), approximate=False))
 
 
@@ -239,9 +236,9 @@ class AudioEncoder(nnx.Module):
         x = jax.nn.gelu(self.conv1(x), approximate=False) * frame_valid[..., None].astype(x.dtype)
         x = jax.nn.gelu(self.conv2(x), approximate=False)
         x = x + jnp.asarray(sinusoid_positions(n, spec.d_model), x.dtype)
-        token_valid = jnp.arange(n) < ((batch.chunk_lens - 1) // 2 + 1)[:, None]
+        tokens = (batch.chunk_lens - 1) // 2 + 1
         for layer in self.layers:
-            x = layer(x, token_valid)
+            x = layer(x, tokens)
         flat = x.reshape(-1, spec.d_model)
         pooled = (flat[batch.pool_pairs[:, 0]] + flat[batch.pool_pairs[:, 1]]) / 2
         return self.proj(self.ln_post(pooled))
