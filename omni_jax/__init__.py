@@ -1,0 +1,1 @@
+"""omni_jax: a JAX/Flax inference engine for multi-stage omni models."""

@@ -1,0 +1,65 @@
+"""One AR stage's engine: a scheduler deciding steps and a runner executing them."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+from omni_jax.engine.ar_runner import ARRunner
+from omni_jax.engine.kv_cache import PageAllocator
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.scheduler import ARRequest, PositionFn, Scheduler, SchedulerConfig, text_positions
+
+
+class AREngine:
+    """Continuous batching over an :class:`ARRunner`; model-agnostic."""
+
+    def __init__(
+        self,
+        runner: ARRunner,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        positions: PositionFn = text_positions,
+    ):
+        c = runner.cache_cfg
+        self.runner = runner
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_model_len=c.max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                page_size=c.page_size,
+                max_prefill_chunk=max_num_batched_tokens,
+            ),
+            PageAllocator(c.num_pages),
+            positions,
+        )
+        self._arrivals = 0
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> ARRequest:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = ARRequest(
+            request_id=request_id,
+            arrival=self._arrivals,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            seed=seed,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self._arrivals += 1
+        self.scheduler.add(req)
+        return req
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[ARRequest]:
+        """Run one step; return the requests that finished in it."""
+        step = self.scheduler.schedule()
+        if not step:
+            return []
+        result = self.runner.execute([row for _, row in step])
+        return self.scheduler.update(step, result)

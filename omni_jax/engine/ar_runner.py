@@ -1,0 +1,191 @@
+"""Runs scheduled AR steps: packs rows into bucketed arrays, calls the one jitted step.
+
+The step is a pure function of ``(params, kv_cache, inputs, metadata, sampling tensors)``
+that donates the cache, so the cache is updated in place on device and the host only ever
+sees sampled tokens (and hidden states when a later stage asked for them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from omni_jax.engine.buckets import bucket
+from omni_jax.engine.kv_cache import init_kv_cache
+from omni_jax.engine.sampling import SamplingParams, SamplingTensors, pack_sampling, sample
+from omni_jax.models.attention import AttentionMetadata, Backend
+
+
+class ARModel(Protocol):
+    """What the engine needs of an AR model; nothing here is model-specific."""
+
+    def embed(self, tokens: jax.Array) -> jax.Array: ...
+
+    def __call__(
+        self, embeds: jax.Array, positions: jax.Array, kv_cache: Any, md: AttentionMetadata, backend: Backend
+    ) -> tuple[jax.Array, Any]: ...
+
+    def logits(self, hidden: jax.Array) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    page_size: int
+    dtype: Any
+    max_model_len: int
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+
+@dataclasses.dataclass
+class StepRow:
+    """One sequence's share of a step: tokens ``[start, end)`` of its full id list."""
+
+    token_ids: Sequence[int]
+    positions: np.ndarray
+    pages: Sequence[int]
+    start: int
+    sample: bool
+    params: SamplingParams
+    seed: int
+    draw_index: int
+    history: Sequence[int]
+    prompt_len: int
+    suppress: Sequence[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclasses.dataclass
+class StepResult:
+    tokens: np.ndarray  # [rows]
+    logprob_ids: np.ndarray  # [rows, 1 + N]
+    logprobs: np.ndarray  # [rows, 1 + N]
+    hidden: np.ndarray | None  # [rows, T, D] when requested
+
+
+def _step_fn(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    kv_cache: Any,
+    tokens: jax.Array,
+    positions: jax.Array,
+    md: AttentionMetadata,
+    logits_idx: jax.Array,
+    st: SamplingTensors,
+    *,
+    num_logprobs: int,
+    backend: Backend,
+    return_hidden: bool,
+) -> tuple[Any, ...]:
+    model = nnx.merge(graphdef, state)
+    hidden, kv_cache = model(model.embed(tokens), positions, kv_cache, md, backend)
+    last = hidden[jnp.arange(hidden.shape[0]), logits_idx]
+    toks, ids, lps = sample(model.logits(last), st, num_logprobs)
+    return toks, ids, lps, (hidden if return_hidden else None), kv_cache
+
+
+class ARRunner:
+    """Owns the params, the KV cache arrays and the compiled step of one AR stage."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        cache: CacheConfig,
+        *,
+        max_num_seqs: int,
+        backend: Backend = "auto",
+        min_prefill_bucket: int = 16,
+    ):
+        self.graphdef, self.state = nnx.split(model)
+        self.cache_cfg = cache
+        self.max_num_seqs = max_num_seqs
+        self.backend = backend
+        self.min_prefill_bucket = min_prefill_bucket
+        self.kv_cache = init_kv_cache(
+            cache.num_layers, cache.num_kv_heads, cache.num_pages, cache.page_size, cache.head_dim, cache.dtype
+        )
+        self._step = jax.jit(
+            functools.partial(_step_fn, self.graphdef),
+            donate_argnames=("kv_cache",),
+            static_argnames=("num_logprobs", "backend", "return_hidden"),
+        )
+
+    def token_bucket(self, n: int) -> int:
+        return 1 if n == 1 else bucket(n, self.min_prefill_bucket)
+
+    def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
+        c = self.cache_cfg
+        n = len(rows)
+        b = bucket(n, maximum=bucket(self.max_num_seqs))
+        t = self.token_bucket(max(len(r.token_ids) for r in rows))
+        oob = c.num_pages * c.page_size  # slot index the cache write drops
+        tokens = np.zeros((b, t), np.int32)
+        pos_shape = rows[0].positions.shape[:-1]
+        positions = np.zeros((*pos_shape, b, t), np.int32)
+        slots = np.full((b, t), oob, np.int32)
+        tables = np.zeros((b, c.pages_per_seq), np.int32)
+        ctx = np.zeros((b,), np.int32)
+        qlen = np.zeros((b,), np.int32)
+        for i, r in enumerate(rows):
+            m = len(r.token_ids)
+            tokens[i, :m] = r.token_ids
+            positions[..., i, :m] = r.positions
+            idx = np.arange(r.start, r.end)
+            pages = np.asarray(r.pages, np.int32)
+            slots[i, :m] = pages[idx // c.page_size] * c.page_size + idx % c.page_size
+            tables[i, : len(pages)] = pages
+            ctx[i], qlen[i] = r.end, m
+        needs_history = any(
+            r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
+            for r in rows
+        )
+        history_len = c.max_model_len if needs_history else 1
+        histories = [r.history if needs_history else [] for r in rows]
+        st = pack_sampling(
+            [r.params for r in rows],
+            histories,
+            [r.prompt_len for r in rows],
+            [r.seed for r in rows],
+            [r.draw_index for r in rows],
+            [r.suppress for r in rows],
+            batch=b,
+            history_len=history_len,
+            suppress_len=bucket(max(len(r.suppress) for r in rows), 4),
+        )
+        most = max((r.params.logprobs or 0) for r in rows)
+        num_logprobs = bucket(most) if most else 0
+        md = AttentionMetadata(slots, tables, ctx, qlen)
+        toks, ids, lps, hidden, self.kv_cache = self._step(
+            self.state,
+            self.kv_cache,
+            tokens,
+            positions,
+            md,
+            np.maximum(qlen - 1, 0),
+            st,
+            num_logprobs=num_logprobs,
+            backend=self.backend,
+            return_hidden=return_hidden,
+        )
+        return StepResult(
+            tokens=np.asarray(toks)[:n],
+            logprob_ids=np.asarray(ids)[:n],
+            logprobs=np.asarray(lps)[:n],
+            hidden=None if hidden is None else np.asarray(hidden)[:n],
+        )

@@ -1,0 +1,209 @@
+"""``SamplingParams`` (vLLM's names and semantics) and the batched, jitted sampler.
+
+Every parameter is per request inside one batch: the host packs them into
+:class:`SamplingTensors` rows and one compiled function applies penalties, temperature,
+min-p, top-k and top-p and draws. Randomness is batch-invariant: a row's key is its own seed
+folded with the index of the token being drawn, never a key shared across the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How one AR stage decodes one request (field names and meaning follow vLLM)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first out-of-range field."""
+        checks = [
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "must be > 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "must not exceed max_tokens"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be a non-negative integer"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+        for t in self.stop_token_ids or []:
+            if not isinstance(t, (int, np.integer)) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise ValueError(f"stop_token_ids contains {t!r}, outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling inputs of one step, ``[B]`` unless noted.
+
+    history: ``[B, L]`` prompt + output token ids (padded with ``-1``) for the penalties.
+    prompt_lens: how many leading ``history`` entries are prompt (penalties differ).
+    seeds: ``[B, 2]`` uint32 raw threefry keys made from each request's seed.
+    draw_index: which output token of its request each row draws (folded into its key).
+    suppress: ``[B, S]`` token ids to forbid this step (EOS under ``min_tokens``; ``-1`` pad).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    history: jax.Array
+    prompt_lens: jax.Array
+    seeds: jax.Array
+    draw_index: jax.Array
+    suppress: jax.Array
+
+
+def _penalise(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    b, v = logits.shape
+    hist = st.history
+    valid = hist >= 0
+    idx = jnp.where(valid, hist, v)  # out of range -> dropped by the scatters
+    is_output = jnp.arange(hist.shape[1])[None, :] >= st.prompt_lens[:, None]
+    rows = jnp.arange(b)[:, None]
+    seen = jnp.zeros((b, v), bool).at[rows, idx].set(True, mode="drop")
+    counts = jnp.zeros((b, v), jnp.float32).at[rows, idx].add((valid & is_output).astype(jnp.float32), mode="drop")
+    rep = st.repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalised, logits)
+    logits = logits - st.frequency_penalty[:, None] * counts
+    return logits - st.presence_penalty[:, None] * (counts > 0)
+
+
+def _truncate(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Apply min-p, top-k and top-p to temperature-scaled logits (``-inf`` outside)."""
+    v = logits.shape[-1]
+    neg = jnp.finfo(jnp.float32).min
+    probs = jax.nn.softmax(logits, axis=-1)
+    keep = probs >= st.min_p[:, None] * probs.max(axis=-1, keepdims=True)
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    k = jnp.where(st.top_k < 1, v, jnp.minimum(st.top_k, v))
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    keep &= logits >= kth  # ties with the k-th value stay, as in transformers
+    sorted_probs = jax.nn.softmax(jnp.where(sorted_logits >= kth, sorted_logits, neg), axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    n_keep = jnp.maximum(jnp.sum(mass_before < st.top_p[:, None], axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
+    keep &= logits >= pth
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _draw(x: jax.Array, st: SamplingTensors) -> jax.Array:
+    temp = jnp.where(st.temperature > 0, st.temperature, 1.0)
+    scaled = _truncate(x / temp[:, None], st)
+    v = x.shape[-1]
+
+    def noise(seed: jax.Array, index: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), index)
+        return jax.random.gumbel(key, (v,), jnp.float32)
+
+    drawn = jnp.argmax(scaled + jax.vmap(noise)(st.seeds, st.draw_index), axis=-1)
+    return jnp.where(st.temperature > 0, drawn, jnp.argmax(x, axis=-1))
+
+
+def sample(logits: jax.Array, st: SamplingTensors, num_logprobs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draw one token per row of float32 ``logits [B, V]``.
+
+    Returns ``(tokens [B], ids [B, 1 + N], logprobs [B, 1 + N])``: column 0 is the drawn
+    token, then the top-``N`` (static) of the model's raw distribution (vLLM's default).
+    The penalty scatter and the sort behind top-k/top-p only run when a row needs them.
+    """
+    b, v = logits.shape
+    rows = jnp.arange(b)[:, None]
+    needs_penalty = jnp.any(
+        (st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)
+    )
+    x = jax.lax.cond(needs_penalty, _penalise, lambda lg, _: lg, logits, st)
+    x = x.at[rows, jnp.where(st.suppress >= 0, st.suppress, v)].set(-jnp.inf, mode="drop")
+    tokens = jax.lax.cond(
+        jnp.any(st.temperature > 0), _draw, lambda y, _: jnp.argmax(y, axis=-1), x, st
+    ).astype(jnp.int32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)
+    ids = jnp.concatenate([tokens[:, None], top_ids.astype(jnp.int32)], axis=-1)
+    return tokens, ids, jnp.concatenate([token_lp, top_lp], axis=-1)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A 63-bit seed as the two uint32 words of a raw threefry key."""
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def pack_sampling(
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    seeds: Sequence[int],
+    draw_index: Sequence[int],
+    suppress: Sequence[Sequence[int]],
+    batch: int,
+    history_len: int,
+    suppress_len: int,
+) -> SamplingTensors:
+    """Host-side numpy rows for :func:`sample`, padded to ``batch`` rows (bucketed)."""
+    n = len(params)
+
+    def col(values: list[float], dtype: type, pad: float) -> np.ndarray:
+        return np.asarray(values + [pad] * (batch - n), dtype)
+
+    hist = np.full((batch, history_len), -1, np.int32)
+    for i, h in enumerate(histories):
+        hist[i, : len(h)] = h
+    supp = np.full((batch, suppress_len), -1, np.int32)
+    for i, s in enumerate(suppress):
+        supp[i, : len(s)] = s
+    seed_rows = np.zeros((batch, 2), np.uint32)
+    for i, s in enumerate(seeds):
+        seed_rows[i] = seed_words(s)
+    return SamplingTensors(
+        temperature=col([p.temperature for p in params], np.float32, 0.0),
+        top_k=col([p.top_k for p in params], np.int32, -1),
+        top_p=col([p.top_p for p in params], np.float32, 1.0),
+        min_p=col([p.min_p for p in params], np.float32, 0.0),
+        repetition_penalty=col([p.repetition_penalty for p in params], np.float32, 1.0),
+        presence_penalty=col([p.presence_penalty for p in params], np.float32, 0.0),
+        frequency_penalty=col([p.frequency_penalty for p in params], np.float32, 0.0),
+        history=hist,
+        prompt_lens=col(list(prompt_lens), np.int32, 0),
+        seeds=seed_rows,
+        draw_index=col(list(draw_index), np.int32, 0),
+        suppress=supp,
+    )

@@ -1,0 +1,242 @@
+"""AR continuous batching: waiting/running queues, a token budget, paging, preemption.
+
+Prefill and decode are one mechanism: each step a running request computes the tokens of
+its id list that are not yet in the cache (a prompt chunk, a recomputation after
+preemption, or the one token sampled last step). A row whose chunk reaches the end of its
+list samples the next token. When pages run out, the newest running request is preempted:
+its pages are freed and it re-enters the waiting queue at the front, to be recomputed from
+its prompt plus what it had generated, so its results equal an unconstrained run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from omni_jax.engine.ar_runner import StepResult, StepRow
+from omni_jax.engine.buckets import bucket
+from omni_jax.engine.kv_cache import PageAllocator, pages_needed
+from omni_jax.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class ARRequest:
+    """Host-side state of one request inside one AR stage."""
+
+    request_id: str
+    arrival: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...] = ()
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def stop_ids(self) -> set[int]:
+        ids = set(self.params.stop_token_ids or [])
+        if not self.params.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
+
+
+PositionFn = Callable[[ARRequest, int, int], np.ndarray]
+
+
+def text_positions(req: ARRequest, start: int, end: int) -> np.ndarray:
+    """1-D RoPE: a token's position is its index in the sequence."""
+    del req
+    return np.arange(start, end, dtype=np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    page_size: int
+    max_prefill_chunk: int
+
+
+class Scheduler:
+    """Decides each step's rows; owns the page allocator; applies sampled tokens."""
+
+    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, positions: PositionFn = text_positions):
+        self.cfg = cfg
+        self.allocator = allocator
+        self.positions = positions
+        self.waiting: deque[ARRequest] = deque()
+        self.running: list[ARRequest] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------
+    def add(self, req: ARRequest) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> ARRequest | None:
+        for req in list(self.running) + list(self.waiting):
+            if req.request_id == request_id:
+                self._finish(req, "abort")
+                return req
+        return None
+
+    def _finish(self, req: ARRequest, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def _preempt(self, req: ARRequest) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.pages)
+        req.pages, req.num_computed = [], 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _reserve(self, req: ARRequest, end: int, protected: list[ARRequest]) -> bool:
+        """Give ``req`` pages up to token ``end``, preempting newer requests if needed."""
+        need = pages_needed(end, self.cfg.page_size) - len(req.pages)
+        while need > self.allocator.num_free:
+            victims = [r for r in self.running if r is not req and r not in protected]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda r: r.arrival))
+        if need > 0:
+            req.pages.extend(self.allocator.allocate(need))
+        return True
+
+    # -- one step ---------------------------------------------------------------------
+    def schedule(self) -> list[tuple[ARRequest, StepRow]]:
+        """The next step's rows with their requests (empty when there is nothing to do).
+
+        Prompt chunks go first; the decode rows ride along when the padded step
+        (``bucket(rows) * bucket(longest chunk)``) still fits the token budget.
+        """
+        cfg = self.cfg
+        prefilling = [r for r in self.running if r.remaining > 1]
+        decoding = [r for r in self.running if r.remaining == 1]
+        plan = self._plan_prefill(prefilling)
+        if plan:
+            t = bucket(max(c for _, c in plan), 16)
+            n = len(plan) + len(decoding)
+            if n <= cfg.max_num_seqs and bucket(n) * t <= cfg.max_num_batched_tokens:
+                plan += [(r, 1) for r in decoding]
+        else:
+            plan = [(r, 1) for r in decoding]
+        plan.sort(key=lambda rc: rc[0].arrival)
+        step: list[tuple[ARRequest, StepRow]] = []
+        for req, chunk in plan:
+            if req.status is not Status.RUNNING:  # preempted for an older row this step
+                continue
+            if self._reserve(req, req.num_computed + chunk, [r for r, _ in step]):
+                step.append((req, self._row(req, chunk)))
+            else:
+                self._preempt(req)
+        return step
+
+    def _plan_prefill(self, prefilling: list[ARRequest]) -> list[tuple[ARRequest, int]]:
+        """Running requests with uncomputed prompt first, then admissions in FIFO order."""
+        cfg = self.cfg
+        plan: list[tuple[ARRequest, int]] = []
+
+        def take(req: ARRequest) -> bool:
+            chunk = min(req.remaining, cfg.max_prefill_chunk)
+            longest = max([chunk] + [c for _, c in plan])
+            if plan and bucket(len(plan) + 1) * bucket(longest, 16) > cfg.max_num_batched_tokens:
+                return False
+            plan.append((req, chunk))
+            return True
+
+        for req in prefilling:
+            if not take(req):
+                return plan
+        while self.waiting and len(self.running) < cfg.max_num_seqs and take(self.waiting[0]):
+            req = self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+        return plan
+
+    def _row(self, req: ARRequest, chunk: int) -> StepRow:
+        start, end = req.num_computed, req.num_computed + chunk
+        ids = req.all_ids
+        sample = end == req.num_tokens
+        suppress: list[int] = []
+        if sample and len(req.output_ids) < req.params.min_tokens:
+            suppress = sorted(req.stop_ids())
+        return StepRow(
+            token_ids=ids[start:end],
+            positions=self.positions(req, start, end),
+            pages=req.pages,
+            start=start,
+            sample=sample,
+            params=req.params,
+            seed=req.seed,
+            draw_index=len(req.output_ids),
+            history=ids,
+            prompt_len=len(req.prompt_ids),
+            suppress=suppress,
+        )
+
+    def update(self, step: Sequence[tuple[ARRequest, StepRow]], result: StepResult) -> list[ARRequest]:
+        """Apply a step's sampled tokens; return the requests that finished."""
+        done = []
+        for i, (req, row) in enumerate(step):
+            req.num_computed = row.end
+            if not row.sample:
+                continue
+            tok = int(result.tokens[i])
+            req.output_ids.append(tok)
+            if req.params.logprobs is not None:
+                n = req.params.logprobs + 1
+                ids, lps = result.logprob_ids[i, :n], result.logprobs[i, :n]
+                req.logprobs.append({int(a): float(b) for a, b in zip(ids, lps, strict=True)})
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+                done.append(req)
+        return done
+
+    def _stop_reason(self, req: ARRequest, tok: int) -> str | None:
+        if tok in req.stop_ids():  # stop ids were suppressed while under min_tokens
+            return "stop"
+        if req.params.max_tokens is not None and len(req.output_ids) >= req.params.max_tokens:
+            return "length"
+        if req.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None
+

@@ -1,0 +1,1 @@
+"""Pure Flax NNX model modules and their HF parameter maps; no scheduling here."""

@@ -1,0 +1,141 @@
+"""Paged attention behind one function, with a portable jnp path and the Pallas GPU kernel.
+
+The cache layout is per layer ``[kv_heads, num_pages, page_size, head_dim]`` for K and V,
+the layout ``jax.experimental.pallas.ops.gpu.paged_attention`` reads, so the decode hot path
+can hand the cache to that kernel untouched. A step is a padded ``[B, T]`` block of query
+tokens: row ``b`` holds ``query_lens[b]`` new tokens that end at ``context_lens[b]``, so the
+same function serves a fresh prefill, a continued (chunked or recomputed) prefill and a
+``T == 1`` decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Backend = Literal["auto", "jnp", "pallas", "pallas_interpret"]
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens live in the paged cache.
+
+    slot_mapping: ``[B, T]`` flat slot (``page * page_size + offset``) each new token's K/V
+        is written to; padding tokens carry an out-of-range slot and are dropped.
+    block_tables: ``[B, P]`` page ids of each sequence, in order.
+    context_lens: ``[B]`` tokens in the cache for each sequence once this step is written.
+    query_lens: ``[B]`` real (non-padding) tokens of each row in this step.
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+    query_lens: jax.Array
+
+    def query_positions(self, num_tokens: int) -> jax.Array:
+        """``[B, T]`` cache index of each query token (its causal horizon)."""
+        start = self.context_lens - self.query_lens
+        return start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+
+
+def write_kv(
+    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter new ``k, v [B, T, kv_heads, D]`` into their slots; padding slots are dropped."""
+    kvh, num_pages, page_size, d = k_pages.shape
+    slots = slot_mapping.reshape(-1)
+
+    def put(pages: jax.Array, new: jax.Array) -> jax.Array:
+        flat = pages.reshape(kvh, num_pages * page_size, d)
+        new = new.reshape(-1, kvh, d).transpose(1, 0, 2).astype(pages.dtype)
+        return flat.at[:, slots].set(new, mode="drop").reshape(pages.shape)
+
+    return put(k_pages, k), put(v_pages, v)
+
+
+def _attention_jnp(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> jax.Array:
+    b, t, h, d = q.shape
+    kvh, _, page_size, _ = k_pages.shape
+    g = h // kvh
+    p = md.block_tables.shape[1]
+
+    def gather(pages: jax.Array) -> jax.Array:
+        x = pages[:, md.block_tables]  # [kvh, B, P, S, D]
+        return x.reshape(kvh, b, p * page_size, d).transpose(1, 0, 2, 3)
+
+    k, v = gather(k_pages), gather(v_pages)
+    qg = q.reshape(b, t, kvh, g, d)
+    scores = jnp.einsum("btkgd,bkld->bkgtl", qg, k.astype(q.dtype)) * jnp.asarray(scale, q.dtype)
+    key_pos = jnp.arange(p * page_size, dtype=jnp.int32)
+    q_pos = md.query_positions(t)
+    visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
+        key_pos[None, None, :] < md.context_lens[:, None, None]
+    )
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    scores = jnp.where(visible[:, None, None], scores.astype(jnp.float32), _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgtl,bkld->btkgd", probs, v.astype(q.dtype))
+    return out.reshape(b, t, h, d)
+
+
+def _pallas_decode(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata, scale: float, interpret: bool
+) -> jax.Array:
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    p = md.block_tables.shape[1]
+    k_splits = min(16, p)
+    while p % k_splits:
+        k_splits //= 2
+    per_split = p // k_splits
+    out = paged_attention(
+        q[:, 0] * jnp.asarray(scale, q.dtype),  # the kernel does not scale q
+        k_pages,
+        v_pages,
+        md.block_tables,
+        md.context_lens,
+        k_splits=k_splits,
+        pages_per_compute_block=min(8, per_split),
+        interpret=interpret,
+    )
+    return out[:, None]
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    backend: Backend = "auto",
+) -> jax.Array:
+    """Attention of ``q [B, T, H, D]`` over the paged cache (which already holds this step).
+
+    ``auto`` takes the Pallas kernel for ``T == 1`` decode on GPU and the jnp gather path
+    otherwise; ``pallas_interpret`` runs the kernel on any backend so tests can hold it to
+    the jnp path without a GPU.
+    """
+    decode = q.shape[1] == 1 and sliding_window is None
+    if backend == "auto":
+        backend = "pallas" if decode and jax.default_backend() == "gpu" else "jnp"
+    if backend in ("pallas", "pallas_interpret"):
+        if not decode:
+            raise ValueError("the Pallas paged-attention kernel serves decode steps (T == 1) without a window")
+        return _pallas_decode(q, k_pages, v_pages, md, scale, interpret=backend == "pallas_interpret")
+    return _attention_jnp(q, k_pages, v_pages, md, scale, sliding_window)

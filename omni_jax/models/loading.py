@@ -1,0 +1,48 @@
+"""Build NNX models from named tensors without materialising random weights first.
+
+The model is created abstractly (``nnx.eval_shape``), so its constructor allocates nothing;
+each parameter is then set from the checkpoint (optionally straight into its device shard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from omni_jax.models.param_map import FlaxPath, ParamRule, fill_params
+
+
+def abstract_params(ctor: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable]]:
+    """``(graphdef, {path: abstract variable})`` for the model ``ctor`` builds."""
+    graphdef, state = nnx.split(nnx.eval_shape(ctor))
+    return graphdef, dict(nnx.to_flat_state(state))
+
+
+def merge_params(
+    graphdef: nnx.GraphDef, abstract: dict[FlaxPath, nnx.Variable], values: dict[FlaxPath, object]
+) -> nnx.Module:
+    """Inverse of :func:`abstract_params` once every path has a concrete value."""
+    flat = {p: v.replace(jax.numpy.asarray(values[p])) for p, v in abstract.items()}
+    return nnx.merge(graphdef, nnx.State.from_flat_path(flat))
+
+
+def build_model(
+    ctor: Callable[[], nnx.Module],
+    tensors: Iterable[tuple[str, np.ndarray]],
+    rules: Iterable[ParamRule],
+    dtype: np.dtype | None = None,
+    ignore: Iterable[str] = (),
+) -> nnx.Module:
+    """Model from ``ctor`` with every parameter taken from ``tensors`` (HF names) via ``rules``."""
+    graphdef, abstract = abstract_params(ctor)
+    values = fill_params(abstract, tensors, rules, dtype=dtype, ignore=ignore)
+    return merge_params(graphdef, abstract, values)
+
+
+def torch_state_items(module: object) -> Iterable[tuple[str, np.ndarray]]:
+    """``(name, float32 numpy)`` pairs of a torch module's ``state_dict`` (reference tests)."""
+    for name, t in module.state_dict().items():  # type: ignore[attr-defined]
+        yield name, t.detach().float().cpu().numpy()

@@ -1,0 +1,221 @@
+"""Qwen2 decoder (``Qwen2ForCausalLM``) as NNX modules over a paged KV cache.
+
+The model is a function of ``(tokens or embeddings, rope positions, cache, metadata)``; it
+knows nothing of scheduling. It returns the final (normed) hidden states for every token, so
+later stages (the talker) can read them, and computes logits only where asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from omni_jax.models.attention import AttentionMetadata, Backend, paged_attention, write_kv
+from omni_jax.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from omni_jax.models.param_map import ParamRule, linear_kernel
+
+KVCache = list[tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Spec:
+    """The subset of an HF ``Qwen2Config`` the decoder needs, hashable for jit."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: tuple[tuple[str, Any], ...]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]
+    attention_bias: bool = True
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> Qwen2Spec:
+        """From an HF config object (``Qwen2Config`` or a text config shaped like it)."""
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        rope = getattr(cfg, "rope_parameters", None) or {
+            "rope_type": "default",
+            "rope_theta": getattr(cfg, "rope_theta", 10000.0),
+        }
+        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+        window = getattr(cfg, "sliding_window", None)
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_parameters=tuple(sorted((k, _freeze(v)) for k, v in dict(rope).items())),
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            sliding_windows=windows,
+        )
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+class Qwen2Attention(nnx.Module):
+    def __init__(self, spec: Qwen2Spec, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, h, kvh, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        kw: dict[str, Any] = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(d, h * hd, use_bias=spec.attention_bias, **kw)
+        self.k_proj = nnx.Linear(d, kvh * hd, use_bias=spec.attention_bias, **kw)
+        self.v_proj = nnx.Linear(d, kvh * hd, use_bias=spec.attention_bias, **kw)
+        self.o_proj = nnx.Linear(h * hd, d, use_bias=False, **kw)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
+        self.sliding_window = spec.sliding_windows[layer]
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        cache: tuple[jax.Array, jax.Array],
+        md: AttentionMetadata,
+        backend: Backend,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages, v_pages = write_kv(*cache, k, v, md.slot_mapping)
+        out = paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            md,
+            scale=self.head_dim**-0.5,
+            sliding_window=self.sliding_window,
+            backend=backend,
+        )
+        return self.o_proj(out.reshape(b, t, -1)), (k_pages, v_pages)
+
+
+class Qwen2Layer(nnx.Module):
+    def __init__(self, spec: Qwen2Spec, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.self_attn = Qwen2Attention(spec, layer, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, cache, md, backend):  # noqa: ANN001 - same as Qwen2Attention
+        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, md, backend)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Qwen2Model(nnx.Module):
+    """Embedding, decoder layers, final norm: ``Qwen2Model`` in transformers."""
+
+    def __init__(self, spec: Qwen2Spec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.spec = spec
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(spec.vocab_size, spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([Qwen2Layer(spec, i, dtype=dtype, rngs=rngs) for i in range(spec.num_layers)])
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
+
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos/sin for 1-D ``positions [B, T]``; multimodal models override this for M-RoPE.
+
+        The frequencies are a trace-time numpy constant, not a variable, so they never
+        appear among the parameters a checkpoint must fill.
+        """
+        spec = self.spec
+        inv_freq, scaling = rope_inv_freq(dict(spec.rope_parameters), spec.head_dim, spec.max_position_embeddings)
+        return rope_cos_sin(positions, inv_freq, scaling, self.dtype)
+
+    def __call__(
+        self,
+        embeds: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        backend: Backend = "auto",
+    ) -> tuple[jax.Array, KVCache]:
+        """Final normed hidden states ``[B, T, D]`` and the updated cache."""
+        cos, sin = self.rope(positions)
+        x = embeds
+        new_cache: KVCache = []
+        for layer, cache in zip(self.layers, kv_cache, strict=True):
+            x, cache = layer(x, cos, sin, cache, md, backend)
+            new_cache.append(cache)
+        return self.norm(x), new_cache
+
+
+class Qwen2ForCausalLM(nnx.Module):
+    """Decoder plus LM head (tied to the embedding when the config says so)."""
+
+    def __init__(self, spec: Qwen2Spec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.spec = spec
+        self.model = Qwen2Model(spec, dtype=dtype, rngs=rngs)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nnx.Linear(
+                spec.hidden_size, spec.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+            )
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        return self.model.embed_tokens(tokens)
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """``(layers, kv_heads, head_dim)`` the engine sizes the paged cache with."""
+        return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
+
+    def __call__(
+        self,
+        embeds: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        backend: Backend = "auto",
+    ) -> tuple[jax.Array, KVCache]:
+        return self.model(embeds, positions, kv_cache, md, backend)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits for ``hidden [..., D]`` (only the rows a sampler needs)."""
+        if self.spec.tie_word_embeddings:
+            out = self.model.embed_tokens.attend(hidden)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+
+DECODER_RULES: tuple[ParamRule, ...] = (
+    ParamRule(r"embed_tokens\.weight", "embed_tokens.embedding"),
+    ParamRule(r"norm\.weight", "norm.weight"),
+    ParamRule(r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight"),
+    ParamRule(r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight", r"layers.\1.self_attn.\2_proj.kernel", linear_kernel),
+    ParamRule(r"layers\.(\d+)\.self_attn\.([qkv])_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
+    ParamRule(r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.kernel", linear_kernel),
+)
+"""HF ``Qwen2Model`` names (no prefix) -> ``Qwen2Model`` paths."""
+
+CAUSAL_LM_RULES: tuple[ParamRule, ...] = (
+    *(ParamRule(r"model\." + r.hf, "model." + r.flax, r.transform) for r in DECODER_RULES),
+    ParamRule(r"lm_head\.weight", "lm_head.kernel", linear_kernel),
+)
+
+
+def causal_lm_ignore(spec: Qwen2Spec) -> tuple[str, ...]:
+    """HF names a converter may drop: ``lm_head`` when tied, rotary buffers."""
+    ignore = [r".*rotary_emb\.inv_freq"]
+    if spec.tie_word_embeddings:
+        ignore.append(r"lm_head\.weight")
+    return tuple(ignore)

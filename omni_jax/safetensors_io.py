@@ -1,0 +1,119 @@
+"""Streaming, torch-free reads of HF checkpoint tensors.
+
+safetensors' numpy backend cannot represent bfloat16, the dtype most real checkpoints ship
+in, so the file format (an 8-byte header length, a JSON header, raw little-endian data) is
+read here directly into ``np.memmap`` views with ``ml_dtypes`` dtypes: zero-copy, one tensor
+at a time, never the whole model. ``pytorch_model*.bin`` checkpoints need torch and are read
+through it when it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is unreadable; the message names the file (and tensor)."""
+
+
+def read_header(path: Path) -> tuple[int, dict[str, dict]]:
+    """``(data offset, {name: {dtype, shape, data_offsets}})`` of one safetensors file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise CheckpointError(f"{path}: corrupt safetensors header (length {n} > file size {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    for name, info in header.items():
+        if info.get("dtype") not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        begin, end = info["data_offsets"]
+        want = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
+        if end - begin != want:
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes, its shape needs {want}")
+        if data_start + end > size:
+            raise CheckpointError(f"{path}: truncated file, tensor {name!r} ends past the end of the file")
+    return data_start, header
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, read-only memmap view)`` for every tensor of one file, in file order."""
+    data_start, header = read_header(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = info["data_offsets"]
+        buf = mm[data_start + begin : data_start + end]
+        yield name, buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The weight files of an HF checkpoint dir, sharded (with an index) or single."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = model_dir / index_name
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({model_dir / f for f in weight_map.values()})
+            missing = [str(f) for f in files if not f.exists()]
+            if missing:
+                raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
+            return files
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (model_dir / single).exists():
+            return [model_dir / single]
+    raise CheckpointError(f"{model_dir}: no model.safetensors, pytorch_model.bin or shard index found")
+
+
+def count_tensors(files: list[Path]) -> int | None:
+    """Tensor count for progress bars (``None`` when only torch could tell)."""
+    if any(f.suffix != ".safetensors" for f in files):
+        return None
+    return sum(len(read_header(f)[1]) for f in files)
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of an HF checkpoint dir, one at a time."""
+    for f in checkpoint_files(model_dir):
+        if f.suffix == ".safetensors":
+            yield from iter_safetensors(f)
+        else:
+            yield from _iter_torch_bin(f)
+
+
+def _iter_torch_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    try:
+        import torch
+    except ImportError as e:
+        raise CheckpointError(f"{path}: .bin checkpoints need torch (pip install 'omni-jax[torch]')") from e
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    for name, t in state.items():
+        if t.dtype == torch.bfloat16:
+            yield name, t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        else:
+            yield name, t.numpy()

@@ -1,0 +1,1 @@
+"""Stage graphs (one YAML per architecture) and the processors between stages."""
