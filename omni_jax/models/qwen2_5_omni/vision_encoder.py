@@ -249,10 +249,10 @@ def vision_rope(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
     Rows and columns each rotate a quarter of the frequencies; the halves repeat so the
     standard ``rotate_half`` pairing (``i`` with ``i + head_dim/2``) applies.
     """
-    quarter = head_dim // 2
-    inv_freq = 1.0 / (theta ** (np.arange(0, quarter, 2, dtype=np.float32) / quarter))
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (np.arange(0, half, 2, dtype=np.float32) / half))
     freqs = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq, jnp.float32)
-    freqs = freqs.reshape(positions.shape[0], quarter)
+    freqs = freqs.reshape(positions.shape[0], half)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
