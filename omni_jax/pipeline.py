@@ -136,7 +136,9 @@ class OmniJaxPipeline:
         elif len(stages) == 1:
             per_stage = [sampling_params_list]
         else:
-            if not isinstance(sampling_params_list, (list, tuple)) or len(sampling_params_list) != len(stages):
+            if not isinstance(sampling_params_list, (list, tuple)) or len(sampling_params_list) != len(
+                stages
+            ):
                 raise ValueError(
                     f"sampling_params_list needs one entry per stage {[s.config.name for s in stages]}"
                 )
@@ -162,7 +164,9 @@ class OmniJaxPipeline:
             raise ValueError(f"request {index}: empty prompt")
         bad = [t for t in ids if not 0 <= t < first.vocab_size]
         if bad:
-            raise ValueError(f"request {index}: token id {bad[0]} outside the vocabulary [0, {first.vocab_size})")
+            raise ValueError(
+                f"request {index}: token id {bad[0]} outside the vocabulary [0, {first.vocab_size})"
+            )
         if len(ids) >= first.max_model_len:
             raise ValueError(
                 f"request {index}: prompt has {len(ids)} tokens, max_model_len is {first.max_model_len} "
@@ -281,16 +285,21 @@ def _build_ar_stage(
     spec_max = model.spec.max_position_embeddings
     max_model_len = max_model_len or min(spec_max, 4096)
     if max_model_len > spec_max:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={spec_max}")
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={spec_max}"
+        )
     if max_num_batched_tokens & (max_num_batched_tokens - 1) or max_num_batched_tokens < 16:
         raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be a power of two >= 16")
     dtype = jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype
     pages_per_seq = -(-max_model_len // page_size)
     if num_pages is None:
-        num_pages = default_num_pages(layers, kv_heads, head_dim, page_size, dtype, pages_per_seq * max_num_seqs)
+        num_pages = default_num_pages(
+            layers, kv_heads, head_dim, page_size, dtype, pages_per_seq * max_num_seqs
+        )
     if num_pages < pages_per_seq:
         raise ValueError(
-            f"num_pages={num_pages} x page_size={page_size} cannot hold one sequence of max_model_len={max_model_len}"
+            f"num_pages={num_pages} x page_size={page_size} cannot hold one sequence of "
+            f"max_model_len={max_model_len}"
         )
     cache = CacheConfig(layers, kv_heads, head_dim, num_pages, page_size, jnp.dtype(dtype), max_model_len)
     runner = ARRunner(model, cache, max_num_seqs=max_num_seqs, backend=backend)
@@ -300,6 +309,9 @@ def _build_ar_stage(
     if unknown:
         raise ValueError(f"stage {sc.name!r}: unknown default_sampling keys {sorted(unknown)}")
     engine = AREngine(
-        runner, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=eos_ids
+        runner,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        eos_token_ids=eos_ids,
     )
     return _ARStage(sc, engine, model.spec.vocab_size, max_model_len, SamplingParams(**defaults))

@@ -22,7 +22,14 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from omni_jax.models.loading import abstract_params, merge_params
-from omni_jax.models.param_map import FlaxPath, ParamMismatchError, fill_params, format_path, map_name, parse_path
+from omni_jax.models.param_map import (
+    FlaxPath,
+    ParamMismatchError,
+    fill_params,
+    format_path,
+    map_name,
+    parse_path,
+)
 from omni_jax.models.registry import Architecture, ModelPart, architecture_of
 from omni_jax.safetensors_io import checkpoint_files, count_tensors, iter_checkpoint
 
@@ -45,7 +52,9 @@ def is_converted(model_dir: str | Path) -> bool:
 def read_manifest(model_dir: str | Path) -> dict[str, Any]:
     manifest = json.loads((Path(model_dir) / MANIFEST).read_text())
     if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{model_dir}: converted with format {manifest.get('format')}, expected {FORMAT_VERSION}")
+        raise ValueError(
+            f"{model_dir}: converted with format {manifest.get('format')}, expected {FORMAT_VERSION}"
+        )
     return manifest
 
 
@@ -145,9 +154,7 @@ def _restore_stage(
     return out
 
 
-def convert(
-    src: str | Path, dst: str | Path, dtype: str | None = None, progress: bool = True
-) -> Path:
+def convert(src: str | Path, dst: str | Path, dtype: str | None = None, progress: bool = True) -> Path:
     """HF checkpoint dir -> converted dir, written to a temp dir and renamed at the end."""
     import orbax.checkpoint as ocp
 

@@ -118,7 +118,12 @@ class ARRunner:
         self.backend = backend
         self.min_prefill_bucket = min_prefill_bucket
         self.kv_cache = init_kv_cache(
-            cache.num_layers, cache.num_kv_heads, cache.num_pages, cache.page_size, cache.head_dim, cache.dtype
+            cache.num_layers,
+            cache.num_kv_heads,
+            cache.num_pages,
+            cache.page_size,
+            cache.head_dim,
+            cache.dtype,
         )
         self._step = jax.jit(
             functools.partial(_step_fn, self.graphdef),

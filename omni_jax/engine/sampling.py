@@ -42,14 +42,20 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-             "must be > 0"),
+            (
+                "repetition_penalty",
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "must be > 0",
+            ),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
-            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             "must not exceed max_tokens"),
+            (
+                "min_tokens",
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "must not exceed max_tokens",
+            ),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be a non-negative integer"),
         ]
@@ -99,7 +105,9 @@ def _penalise(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     is_output = jnp.arange(hist.shape[1])[None, :] >= st.prompt_lens[:, None]
     rows = jnp.arange(b)[:, None]
     seen = jnp.zeros((b, v), bool).at[rows, idx].set(True, mode="drop")
-    counts = jnp.zeros((b, v), jnp.float32).at[rows, idx].add((valid & is_output).astype(jnp.float32), mode="drop")
+    counts = (
+        jnp.zeros((b, v), jnp.float32).at[rows, idx].add((valid & is_output).astype(jnp.float32), mode="drop")
+    )
     rep = st.repetition_penalty[:, None]
     penalised = jnp.where(logits > 0, logits / rep, logits * rep)
     logits = jnp.where(seen, penalised, logits)
@@ -138,7 +146,9 @@ def _draw(x: jax.Array, st: SamplingTensors) -> jax.Array:
     return jnp.where(st.temperature > 0, drawn, jnp.argmax(x, axis=-1))
 
 
-def sample(logits: jax.Array, st: SamplingTensors, num_logprobs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sample(
+    logits: jax.Array, st: SamplingTensors, num_logprobs: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Draw one token per row of float32 ``logits [B, V]``.
 
     Returns ``(tokens [B], ids [B, 1 + N], logprobs [B, 1 + N])``: column 0 is the drawn

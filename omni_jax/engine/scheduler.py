@@ -87,7 +87,9 @@ class SchedulerConfig:
 class Scheduler:
     """Decides each step's rows; owns the page allocator; applies sampled tokens."""
 
-    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator, positions: PositionFn = text_positions):
+    def __init__(
+        self, cfg: SchedulerConfig, allocator: PageAllocator, positions: PositionFn = text_positions
+    ):
         self.cfg = cfg
         self.allocator = allocator
         self.positions = positions
@@ -239,4 +241,3 @@ class Scheduler:
         if req.num_tokens >= self.cfg.max_model_len:
             return "length"
         return None
-

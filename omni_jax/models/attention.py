@@ -136,6 +136,8 @@ def paged_attention(
         backend = "pallas" if decode and jax.default_backend() == "gpu" else "jnp"
     if backend in ("pallas", "pallas_interpret"):
         if not decode:
-            raise ValueError("the Pallas paged-attention kernel serves decode steps (T == 1) without a window")
+            raise ValueError(
+                "the Pallas paged-attention kernel serves decode steps (T == 1) without a window"
+            )
         return _pallas_decode(q, k_pages, v_pages, md, scale, interpret=backend == "pallas_interpret")
     return _attention_jnp(q, k_pages, v_pages, md, scale, sliding_window)

@@ -44,7 +44,9 @@ class SwiGLU(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _yarn_inv_freq(base: float, dim: int, params: Mapping[str, Any], max_pos: int) -> tuple[np.ndarray, float]:
+def _yarn_inv_freq(
+    base: float, dim: int, params: Mapping[str, Any], max_pos: int
+) -> tuple[np.ndarray, float]:
     factor = float(params["factor"])
     orig = int(params.get("original_max_position_embeddings") or max_pos)
     mscale = params.get("attention_factor")

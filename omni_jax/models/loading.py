@@ -26,7 +26,7 @@ def merge_params(
 ) -> nnx.Module:
     """Inverse of :func:`abstract_params` once every path has a concrete value."""
     flat = {p: v.replace(jax.numpy.asarray(values[p])) for p, v in abstract.items()}
-    return nnx.merge(graphdef, nnx.State.from_flat_path(flat))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def build_model(

@@ -128,7 +128,9 @@ class Qwen2Model(nnx.Module):
     def __init__(self, spec: Qwen2Spec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.spec = spec
         self.dtype = dtype
-        self.embed_tokens = nnx.Embed(spec.vocab_size, spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.embed_tokens = nnx.Embed(
+            spec.vocab_size, spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
         self.layers = nnx.List([Qwen2Layer(spec, i, dtype=dtype, rngs=rngs) for i in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
 
@@ -139,7 +141,9 @@ class Qwen2Model(nnx.Module):
         appear among the parameters a checkpoint must fill.
         """
         spec = self.spec
-        inv_freq, scaling = rope_inv_freq(dict(spec.rope_parameters), spec.head_dim, spec.max_position_embeddings)
+        inv_freq, scaling = rope_inv_freq(
+            dict(spec.rope_parameters), spec.head_dim, spec.max_position_embeddings
+        )
         return rope_cos_sin(positions, inv_freq, scaling, self.dtype)
 
     def __call__(
@@ -201,9 +205,15 @@ DECODER_RULES: tuple[ParamRule, ...] = (
     ParamRule(r"embed_tokens\.weight", "embed_tokens.embedding"),
     ParamRule(r"norm\.weight", "norm.weight"),
     ParamRule(r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight"),
-    ParamRule(r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight", r"layers.\1.self_attn.\2_proj.kernel", linear_kernel),
+    ParamRule(
+        r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight",
+        r"layers.\1.self_attn.\2_proj.kernel",
+        linear_kernel,
+    ),
     ParamRule(r"layers\.(\d+)\.self_attn\.([qkv])_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
-    ParamRule(r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.kernel", linear_kernel),
+    ParamRule(
+        r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.kernel", linear_kernel
+    ),
 )
 """HF ``Qwen2Model`` names (no prefix) -> ``Qwen2Model`` paths."""
 

@@ -1,0 +1,37 @@
+"""``Token2WavParams``: how the code2wav stage solves its flow-matching ODE for a request."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Token2WavParams:
+    """Solver settings; ``initial_noise [mel_frames, mel_dim]`` replaces the random start."""
+
+    num_steps: int = 10
+    guidance_scale: float = 0.5
+    sway_coefficient: float = -1.0
+    seed: int | None = None
+    initial_noise: np.ndarray | None = None
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field (shape checks need the codes)."""
+        if not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ValueError(f"num_steps={self.num_steps!r} must be an integer >= 1")
+        for name in ("guidance_scale", "sway_coefficient"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be finite")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed={self.seed!r} must be a non-negative integer")
+        if self.initial_noise is not None:
+            noise = np.asarray(self.initial_noise)
+            if noise.ndim != 2 or not np.issubdtype(noise.dtype, np.floating):
+                raise ValueError(
+                    f"initial_noise must be a float array [mel_frames, mel_dim], got {noise.shape}"
+                )
+            if not np.all(np.isfinite(noise)):
+                raise ValueError("initial_noise contains non-finite values")
