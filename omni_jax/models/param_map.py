@@ -127,10 +127,10 @@ def fill_params(
     ignored = [re.compile(p) for p in ignore]
     out: dict[FlaxPath, object] = {}
     for name, array in tensors:
+        if any(p.fullmatch(name) for p in ignored):
+            continue
         hit = map_name(rules, name)
         if hit is None:
-            if any(p.fullmatch(name) for p in ignored):
-                continue
             raise ParamMismatchError(f"unexpected tensor {name!r}: no parameter of the model takes it")
         path, transform = hit
         if path not in abstract_state:

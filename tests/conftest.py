@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny random-weight checkpoints built once per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from omni_jax.testing import build_tiny_qwen2  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory):
+    """An untied, GQA tiny Qwen2 HF checkpoint with a tokenizer."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "hf", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2(qwen2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32).eval()

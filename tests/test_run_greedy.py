@@ -1,0 +1,134 @@
+"""``OmniJaxPipeline.run`` on a Qwen2 checkpoint against transformers ``generate``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omni_jax import OmniJaxPipeline, SamplingParams
+
+LENGTHS = (3, 61, 17, 1, 40, 9, 100, 25)
+
+
+def hf_greedy(hf, ids: list[int], max_new: int, eos: int | None) -> list[int]:
+    kw = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
+    if eos is None:
+        kw["min_new_tokens"] = max_new
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **kw)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_qwen2) -> list[list[int]]:
+    rs = np.random.RandomState(7)
+    return [[int(t) for t in rs.randint(3, hf_qwen2.config.vocab_size, size=n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def pipe(qwen2_dir):
+    return OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=4, page_size=8, max_model_len=256)
+
+
+def test_ragged_batch_equals_generate_per_prompt(pipe, hf_qwen2, prompts) -> None:
+    """More prompts than ``max_num_seqs``: finished requests leave, waiting ones join."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = pipe.run([{"prompt_token_ids": p} for p in prompts], params, progress=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == hf_greedy(hf_qwen2, p, 24, None)
+        assert o.finish_reason == "length"
+        assert o.stage_outputs["llm"].token_ids == o.token_ids
+
+
+def test_eos_from_generation_config_stops(pipe, hf_qwen2, prompts) -> None:
+    eos = hf_qwen2.generation_config.eos_token_id
+    outs = pipe.run(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=60),
+        progress=False,
+    )
+    for p, o in zip(prompts, outs, strict=True):
+        ref = hf_greedy(hf_qwen2, p, 60, eos)
+        assert o.token_ids == ref
+        assert o.finish_reason == ("stop" if ref[-1] == eos else "length")
+
+
+def test_stop_token_ids_end_the_request(pipe, prompts) -> None:
+    free = pipe.run(
+        {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )
+    stop_at = free[0].token_ids[5]
+    first = free[0].token_ids.index(stop_at)
+    out = pipe.run(
+        {"prompt_token_ids": prompts[1]},
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_at]),
+        progress=False,
+    )[0]
+    assert out.token_ids == free[0].token_ids[: first + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_text_prompt_is_tokenized_and_decoded(pipe) -> None:
+    out = pipe.run("hello world the model", SamplingParams(temperature=0, max_tokens=8), progress=False)[0]
+    assert out.prompt_token_ids == pipe.tokenizer("hello world the model")["input_ids"]
+    assert out.text == pipe.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_tiny_page_budget_preempts_and_still_matches(qwen2_dir, prompts) -> None:
+    """Pages for barely more than one max-length sequence: requests are preempted and recomputed."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    free = OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=8, page_size=4, max_model_len=160)
+    tight = OmniJaxPipeline.from_pretrained(
+        qwen2_dir, max_num_seqs=8, page_size=4, max_model_len=160, num_pages=45
+    )
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    want = free.run(batch, params, progress=False)
+    got = tight.run(batch, params, progress=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics["llm"]["num_preemptions"] for o in got) > 0
+    sched = tight.stages[0].engine.scheduler
+    assert sched.allocator.num_free == sched.allocator.num_pages
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"prompt_token_ids": []}, "request 1: empty prompt"),
+        ({"prompt_token_ids": [1, 10**6]}, "request 1: token id 1000000 outside the vocabulary"),
+        ({"prompt_token_ids": [1] * 300}, "request 1: prompt has 300 tokens, max_model_len is 256"),
+        ({"nothing": 1}, "request 1: prompt dict needs"),
+    ],
+)
+def test_bad_prompt_refused_before_work_and_pipeline_still_usable(pipe, prompts, bad, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        pipe.run([{"prompt_token_ids": prompts[0]}, bad], progress=False)
+    assert not pipe.stages[0].engine.has_work()
+    out = pipe.run(
+        {"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=3), progress=False
+    )
+    assert len(out[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        (SamplingParams(temperature=-1), "request 0: stage 'llm': temperature=-1"),
+        (SamplingParams(top_p=0.0), "top_p=0.0 must be in"),
+        (SamplingParams(top_k=0), "top_k=0"),
+        (SamplingParams(max_tokens=0), "max_tokens=0"),
+        (SamplingParams(stop_token_ids=[10**7]), "stop_token_ids contains 10000000"),
+    ],
+)
+def test_bad_sampling_values_refused(pipe, prompts, params, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        pipe.run([{"prompt_token_ids": prompts[0]}], params, progress=False)
+
+
+def test_per_prompt_params_list(pipe, prompts) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5, 1)]
+    outs = pipe.run([{"prompt_token_ids": p} for p in prompts[:3]], params, progress=False)
+    assert [len(o.token_ids) for o in outs] == [2, 5, 1]
+    with pytest.raises(ValueError, match="one SamplingParams or a list of 3"):
+        pipe.run([{"prompt_token_ids": p} for p in prompts[:3]], params[:2], progress=False)
