@@ -1,0 +1,236 @@
+"""Qwen2.5-Omni BigVGAN vocoder (mel -> 24 kHz waveform) as Flax NNX modules.
+
+Channels-last (``[batch, time, channels]``). Every stage carries per-request valid lengths: the
+anti-aliased activations replicate-pad at each request's own edge and every zero-padded
+convolution sees zeros past it, so a request in a padded batch gets its unbatched waveform.
+
+The reference is transformers' ``Qwen2_5OmniToken2WavBigVGANModel``; attribute names mirror it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from omni_jax.models.param_map import ParamRule, conv1d_kernel, conv_transpose1d_kernel
+
+RESAMPLE_RATIO = 2
+RESAMPLE_KERNEL = 12
+
+
+@functools.cache
+def kaiser_sinc_filter(cutoff: float, half_width: float, kernel_size: int) -> np.ndarray:
+    """Kaiser-windowed sinc low-pass taps ``[kernel_size]`` (float32), as the reference builds them.
+
+    The reference keeps these as non-persistent buffers, so checkpoints do not carry them; they
+    are recomputed here with the same formula (window in float64, rounded once to float32).
+    """
+    half_size = kernel_size // 2
+    delta_f = 4 * half_width
+    attenuation = 2.285 * (half_size - 1) * math.pi * delta_f + 7.95
+    if attenuation > 50.0:
+        beta = 0.1102 * (attenuation - 8.7)
+    elif attenuation >= 21.0:
+        beta = 0.5842 * (attenuation - 21) ** 0.4 + 0.07886 * (attenuation - 21.0)
+    else:
+        beta = 0.0
+    window = np.kaiser(kernel_size, beta).astype(np.float32)
+    if kernel_size % 2 == 0:
+        time = np.arange(-half_size, half_size, dtype=np.float32) + np.float32(0.5)
+    else:
+        time = np.arange(kernel_size, dtype=np.float32) - np.float32(half_size)
+    if cutoff == 0:
+        return np.zeros(kernel_size, np.float32)
+    two_cutoff = np.float32(2 * cutoff)
+    taps = two_cutoff * window * np.sinc(two_cutoff * time).astype(np.float32)
+    return (taps / taps.sum(dtype=np.float32)).astype(np.float32)
+
+
+def valid_mask(x: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Zero the frames of ``[B, T, C]`` past each request's length (what a lone request pads with)."""
+    keep = jnp.arange(x.shape[1])[None, :, None] < lengths[:, None, None]
+    return jnp.where(keep, x, 0.0)
+
+
+def replicate_pad(x: jax.Array, lengths: jax.Array, left: int, right: int) -> jax.Array:
+    """Pad ``[B, T, C]`` by repeating each request's own first and last valid frame."""
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
+    padded = jnp.pad(x, ((0, 0), (left, right), (0, 0)), mode="edge")
+    pos = jnp.arange(-left, x.shape[1] + right)[None, :, None]
+    return jnp.where(pos >= lengths[:, None, None], last, padded)
+
+
+def _depthwise(taps: np.ndarray, channels: int, dtype: jnp.dtype) -> jax.Array:
+    """The same taps for every channel, as an ``[k, 1, C]`` grouped-conv kernel."""
+    return jnp.broadcast_to(jnp.asarray(taps, dtype)[:, None, None], (taps.shape[0], 1, channels))
+
+
+def upsample(x: jax.Array, lengths: jax.Array) -> jax.Array:
+    """2x low-pass upsampling (reference ``Qwen2_5OmniUpSample1d``): ``[B, T, C] -> [B, 2T, C]``.
+
+    The reference's transposed conv + crop is a correlation of the zero-stuffed input with the
+    flipped taps; the crop folds into negative padding.
+    """
+    ratio, k = RESAMPLE_RATIO, RESAMPLE_KERNEL
+    pad = k // ratio - 1
+    crop_left = pad * ratio + (k - ratio) // 2
+    crop_right = pad * ratio + (k - ratio + 1) // 2
+    taps = kaiser_sinc_filter(0.5 / ratio, 0.6 / ratio, k)[::-1]
+    y = jax.lax.conv_general_dilated(
+        replicate_pad(x, lengths, pad, pad),
+        _depthwise(taps, x.shape[-1], x.dtype),
+        window_strides=(1,),
+        padding=[(k - 1 - crop_left, k - 1 - crop_right)],
+        lhs_dilation=(ratio,),
+        dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=x.shape[-1],
+    )
+    return ratio * y
+
+
+def downsample(x: jax.Array, lengths: jax.Array) -> jax.Array:
+    """2x low-pass decimation (reference ``Qwen2_5OmniDownSample1d``): ``[B, 2T, C] -> [B, T, C]``."""
+    ratio, k = RESAMPLE_RATIO, RESAMPLE_KERNEL
+    even = k % 2 == 0
+    taps = kaiser_sinc_filter(0.5 / ratio, 0.6 / ratio, k)
+    return jax.lax.conv_general_dilated(
+        replicate_pad(x, lengths, k // 2 - int(even), k // 2),
+        _depthwise(taps, x.shape[-1], x.dtype),
+        window_strides=(ratio,),
+        padding="VALID",
+        dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=x.shape[-1],
+    )
+
+
+class SnakeBeta(nnx.Module):
+    """``x + 1/exp(beta) * sin^2(x * exp(alpha))`` with per-channel log-scale alpha, beta."""
+
+    def __init__(self, channels: int):
+        self.alpha = nnx.Param(jnp.zeros((channels,), jnp.float32))
+        self.beta = nnx.Param(jnp.zeros((channels,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        alpha = jnp.exp(self.alpha[...])
+        beta = jnp.exp(self.beta[...])
+        return x + (1.0 / (beta + 1e-9)) * jnp.square(jnp.sin(x * alpha))
+
+
+class AntiAliasedActivation(nnx.Module):
+    """SnakeBeta at twice the rate (upsample, act, downsample); output zeroed past each length."""
+
+    def __init__(self, channels: int):
+        self.act = SnakeBeta(channels)
+
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+        y = self.act(upsample(x, lengths))
+        return valid_mask(downsample(y, RESAMPLE_RATIO * lengths), lengths)
+
+
+def _same_conv(channels: int, kernel_size: int, dilation: int, rngs: nnx.Rngs) -> nnx.Conv:
+    pad = (kernel_size * dilation - dilation) // 2
+    return nnx.Conv(
+        channels, channels, kernel_size, padding=((pad, pad),), kernel_dilation=dilation, rngs=rngs
+    )
+
+
+class AMPBlock(nnx.Module):
+    """Three (act, dilated conv, act, conv) residual units."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...], *, rngs: nnx.Rngs):
+        self.convs1 = nnx.List([_same_conv(channels, kernel_size, d, rngs) for d in dilations])
+        self.convs2 = nnx.List([_same_conv(channels, kernel_size, 1, rngs) for _ in dilations])
+        self.activations = nnx.List([AntiAliasedActivation(channels) for _ in range(2 * len(dilations))])
+
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+        for i, (conv1, conv2) in enumerate(zip(self.convs1, self.convs2, strict=True)):
+            h = conv1(self.activations[2 * i](x, lengths))
+            h = conv2(self.activations[2 * i + 1](h, lengths))
+            x = x + h
+        return x
+
+
+def process_mel(mel: jax.Array) -> jax.Array:
+    """Log-mel -> dB -> [-1, 1], the vocoder's input normalisation (reference op order)."""
+    min_level = jnp.exp(jnp.asarray(-115 / 20.0 * np.log(10), mel.dtype))
+    db = 20 * jnp.log10(jnp.maximum(jnp.exp(mel), min_level)) - 20
+    return jnp.clip(2 * ((db - (-115)) / 115) - 1, -1, 1)
+
+
+def _transposed_length(length: jax.Array, stride: int, kernel: int, pad: int) -> jax.Array:
+    """Output length of torch ``ConvTranspose1d(stride, kernel, padding=pad)``."""
+    return (length - 1) * stride - 2 * pad + kernel
+
+
+class BigVGAN(nnx.Module):
+    """Mel ``[B, T, mel_dim]`` -> waveform ``[B, T * prod(upsample_rates)]`` in [-1, 1]."""
+
+    def __init__(self, config: Any, *, rngs: nnx.Rngs):
+        rates = list(config.upsample_rates)
+        kernels = list(config.upsample_kernel_sizes)
+        ch0 = config.upsample_initial_channel
+        self.upsample_geometry = tuple((s, k, (k - s) // 2) for s, k in zip(rates, kernels, strict=True))
+        self.num_kernels = len(config.resblock_kernel_sizes)
+        self.conv_pre = nnx.Conv(config.mel_dim, ch0, 7, padding=((3, 3),), rngs=rngs)
+        self.ups = nnx.List(
+            [
+                nnx.ConvTranspose(
+                    ch0 // 2**i, ch0 // 2 ** (i + 1), k, s, padding=((k - 1 - p, k - 1 - p),), rngs=rngs
+                )
+                for i, (s, k, p) in enumerate(self.upsample_geometry)
+            ]
+        )
+        self.resblocks = nnx.List(
+            [
+                AMPBlock(ch0 // 2 ** (i + 1), k, tuple(d), rngs=rngs)
+                for i in range(len(rates))
+                for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes, strict=True)
+            ]
+        )
+        out_ch = ch0 // 2 ** len(rates)
+        self.activation_post = AntiAliasedActivation(out_ch)
+        self.conv_post = nnx.Conv(out_ch, 1, 7, padding=((3, 3),), use_bias=False, rngs=rngs)
+
+    def output_lengths(self, frames: jax.Array) -> jax.Array:
+        """Waveform samples produced from ``frames`` mel frames (works on ints and arrays)."""
+        for geometry in self.upsample_geometry:
+            frames = _transposed_length(frames, *geometry)
+        return frames
+
+    def __call__(self, mel: jax.Array, lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(waveform [B, S], valid samples [B])``; samples past a request's count are zero.
+
+        ``lengths [B]`` are valid mel frames (default: all ``T``).
+        """
+        if lengths is None:
+            lengths = jnp.full((mel.shape[0],), mel.shape[1], jnp.int32)
+        x = self.conv_pre(valid_mask(process_mel(mel), lengths))
+        for i, (up, geometry) in enumerate(zip(self.ups, self.upsample_geometry, strict=True)):
+            x = up(valid_mask(x, lengths))
+            lengths = _transposed_length(lengths, *geometry)
+            blocks = [self.resblocks[i * self.num_kernels + j] for j in range(self.num_kernels)]
+            x = sum(block(x, lengths) for block in blocks) / self.num_kernels
+        x = self.conv_post(self.activation_post(x, lengths))
+        wave = valid_mask(jnp.clip(x, -1.0, 1.0), lengths)[..., 0]
+        return wave, lengths
+
+
+BIGVGAN_RULES: tuple[ParamRule, ...] = (
+    ParamRule(r"(conv_pre|conv_post)\.weight", r"\1.kernel", conv1d_kernel),
+    ParamRule(r"conv_pre\.bias", "conv_pre.bias"),
+    ParamRule(r"ups\.(\d+)\.0\.weight", r"ups.\1.kernel", conv_transpose1d_kernel),
+    ParamRule(r"ups\.(\d+)\.0\.bias", r"ups.\1.bias"),
+    ParamRule(r"resblocks\.(\d+)\.(convs[12])\.(\d+)\.weight", r"resblocks.\1.\2.\3.kernel", conv1d_kernel),
+    ParamRule(r"resblocks\.(\d+)\.(convs[12])\.(\d+)\.bias", r"resblocks.\1.\2.\3.bias"),
+    ParamRule(r"(resblocks\.\d+\.activations\.\d+|activation_post)\.act\.(alpha|beta)", r"\1.act.\2"),
+)
+"""HF names relative to ``Qwen2_5OmniToken2WavBigVGANModel`` -> paths in :class:`BigVGAN`."""
+
+BIGVGAN_IGNORE: tuple[str, ...] = (r".*\.(upsample|downsample)(\.lowpass)?\.filter",)
+"""Resampling-filter buffers some checkpoints carry; :func:`kaiser_sinc_filter` recomputes them."""

@@ -1,0 +1,422 @@
+"""Qwen2.5-Omni code2wav DiT: codec tokens + speaker -> mel velocity field, as Flax NNX modules.
+
+Layout is channels-last (``[batch, frames, channels]``) throughout. Every module takes per-request
+valid lengths so that requests of different lengths can share one padded batch: padded frames
+never influence valid ones (reflect padding and statistics pooling use each request's own length,
+attention masks padded keys), which makes a batched result equal the unbatched one.
+
+The reference is transformers' ``Qwen2_5OmniToken2WavDiTModel``; module and attribute names
+mirror it so :data:`DIT_RULES` stays a short, readable table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from omni_jax.models.layers import rope_cos_sin, rope_inv_freq, rotate_half
+from omni_jax.models.param_map import ParamRule, conv1d_kernel, linear_kernel
+
+TIME_FREQ_DIM = 256
+"""Width of the sinusoidal timestep features (fixed in the reference)."""
+
+NORM_EPS = 1e-6
+
+
+def frame_mask(lengths: jax.Array, num_frames: int) -> jax.Array:
+    """``[B, T, 1]`` boolean: which frames are inside each request."""
+    return (jnp.arange(num_frames)[None, :] < lengths[:, None])[..., None]
+
+
+def reflect_pad(x: jax.Array, lengths: jax.Array, left: int, right: int) -> jax.Array:
+    """Reflect-pad ``[B, T, C]`` at each request's own edges (torch ``padding_mode="reflect"``).
+
+    Frames past a request's length are replaced by the reflection of its last valid frames, so
+    a convolution over the result equals the unbatched one on every valid frame.
+    """
+    if left == 0 and right == 0:
+        return x
+    pos = jnp.arange(-left, x.shape[1] + right)[None, :]
+    last = (lengths - 1)[:, None]
+    idx = jnp.abs(pos)
+    idx = jnp.where(idx > last, 2 * last - idx, idx)
+    idx = jnp.clip(idx, 0, last)
+    return jnp.take_along_axis(x, idx[..., None], axis=1)
+
+
+def _conv1x1(in_features: int, out_features: int, rngs: nnx.Rngs) -> nnx.Conv:
+    return nnx.Conv(in_features, out_features, kernel_size=1, padding="VALID", rngs=rngs)
+
+
+class TimeDelayNetBlock(nnx.Module):
+    """Dilated conv with per-request reflect "same" padding, then ReLU."""
+
+    def __init__(
+        self, in_features: int, out_features: int, kernel_size: int, dilation: int, *, rngs: nnx.Rngs
+    ):
+        total = dilation * (kernel_size - 1)
+        self.pad = (total // 2, total - total // 2)
+        self.conv = nnx.Conv(
+            in_features, out_features, kernel_size, padding="VALID", kernel_dilation=dilation, rngs=rngs
+        )
+
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+        return jax.nn.relu(self.conv(reflect_pad(x, lengths, *self.pad)))
+
+
+class Res2NetBlock(nnx.Module):
+    """Hierarchical residual convs over channel groups (ECAPA-TDNN)."""
+
+    def __init__(self, channels: int, scale: int, kernel_size: int, dilation: int, *, rngs: nnx.Rngs):
+        self.scale = scale
+        width = channels // scale
+        self.blocks = nnx.List(
+            [TimeDelayNetBlock(width, width, kernel_size, dilation, rngs=rngs) for _ in range(scale - 1)]
+        )
+
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+        parts = jnp.split(x, self.scale, axis=-1)
+        outputs = [parts[0]]
+        for i, part in enumerate(parts[1:]):
+            inp = part if i == 0 else part + outputs[-1]
+            outputs.append(self.blocks[i](inp, lengths))
+        return jnp.concatenate(outputs, axis=-1)
+
+
+class SqueezeExcitationBlock(nnx.Module):
+    """Channel gating from the mean over each request's valid frames."""
+
+    def __init__(self, channels: int, se_channels: int, *, rngs: nnx.Rngs):
+        self.conv1 = _conv1x1(channels, se_channels, rngs)
+        self.conv2 = _conv1x1(se_channels, channels, rngs)
+
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+        valid = frame_mask(lengths, x.shape[1])
+        mean = jnp.sum(jnp.where(valid, x, 0.0), axis=1, keepdims=True) / lengths[:, None, None].astype(
+            x.dtype
+        )
+        gate = jax.nn.sigmoid(self.conv2(jax.nn.relu(self.conv1(mean))))
+        return x * gate
+
+
+class SqueezeExcitationRes2NetBlock(nnx.Module):
+    """TDNN -> Res2Net -> TDNN -> SE, with a residual connection."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        res2net_scale: int,
+        se_channels: int,
+        kernel_size: int,
+        dilation: int,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        self.tdnn1 = TimeDelayNetBlock(in_features, out_features, 1, 1, rngs=rngs)
+        self.res2net_block = Res2NetBlock(out_features, res2net_scale, kernel_size, dilation, rngs=rngs)
+        self.tdnn2 = TimeDelayNetBlock(out_features, out_features, 1, 1, rngs=rngs)
+        self.se_block = SqueezeExcitationBlock(out_features, se_channels, rngs=rngs)
+
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+        h = self.tdnn1(x, lengths)
+        h = self.res2net_block(h, lengths)
+        h = self.tdnn2(h, lengths)
+        return self.se_block(h, lengths) + x
+
+
+def _weighted_statistics(x: jax.Array, weights: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """Weighted mean and std over frames, in the reference's op order (``[B, C]`` each)."""
+    mean = jnp.sum(weights * x, axis=1)
+    var = jnp.sum(weights * jnp.square(x - mean[:, None]), axis=1)
+    return mean, jnp.sqrt(jnp.maximum(var, eps))
+
+
+class AttentiveStatisticsPooling(nnx.Module):
+    """Attention-weighted mean/std over each request's valid frames."""
+
+    eps = 1e-12
+
+    def __init__(self, channels: int, attention_channels: int, *, rngs: nnx.Rngs):
+        self.tdnn = TimeDelayNetBlock(channels * 3, attention_channels, 1, 1, rngs=rngs)
+        self.conv = _conv1x1(attention_channels, channels, rngs)
+
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+        num_frames = x.shape[1]
+        valid = frame_mask(lengths, num_frames)
+        uniform = jnp.where(valid, 1.0 / lengths[:, None, None].astype(x.dtype), 0.0)
+        mean, std = _weighted_statistics(x, uniform, self.eps)
+        broadcast = lambda s: jnp.broadcast_to(s[:, None], x.shape)
+        context = jnp.concatenate([x, broadcast(mean), broadcast(std)], axis=-1)
+        logits = self.conv(jnp.tanh(self.tdnn(context, lengths)))
+        attention = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=1)
+        mean, std = _weighted_statistics(x, attention, self.eps)
+        return jnp.concatenate([mean, std], axis=-1)
+
+
+class EcapaTimeDelayNet(nnx.Module):
+    """ECAPA-TDNN speaker encoder: reference mel ``[B, R, mel]`` -> ``[B, enc_dim]``."""
+
+    def __init__(self, config: Any, *, rngs: nnx.Rngs):
+        channels = list(config.enc_channels)
+        kernels = list(config.enc_kernel_sizes)
+        dilations = list(config.enc_dilations)
+        if not len(channels) == len(kernels) == len(dilations):
+            raise ValueError("enc_channels, enc_kernel_sizes and enc_dilations should have same length")
+        blocks: list[nnx.Module] = [
+            TimeDelayNetBlock(config.mel_dim, channels[0], kernels[0], dilations[0], rngs=rngs)
+        ]
+        for i in range(1, len(channels) - 1):
+            blocks.append(
+                SqueezeExcitationRes2NetBlock(
+                    channels[i - 1],
+                    channels[i],
+                    config.enc_res2net_scale,
+                    config.enc_se_channels,
+                    kernels[i],
+                    dilations[i],
+                    rngs=rngs,
+                )
+            )
+        self.blocks = nnx.List(blocks)
+        self.mfa = TimeDelayNetBlock(channels[-1], channels[-1], kernels[-1], dilations[-1], rngs=rngs)
+        self.asp = AttentiveStatisticsPooling(channels[-1], config.enc_attention_channels, rngs=rngs)
+        self.fc = _conv1x1(channels[-1] * 2, config.enc_dim, rngs)
+
+    def __call__(self, mel: jax.Array, lengths: jax.Array) -> jax.Array:
+        h = jnp.where(frame_mask(lengths, mel.shape[1]), mel, 0.0)
+        features = []
+        for block in self.blocks:
+            h = block(h, lengths)
+            features.append(h)
+        h = self.mfa(jnp.concatenate(features[1:], axis=-1), lengths)
+        pooled = self.asp(h, lengths)
+        return self.fc(pooled[:, None])[:, 0]
+
+
+class TimestepEmbedding(nnx.Module):
+    """Sinusoidal features of the flow time (scaled by 1000) through a SiLU MLP."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs):
+        self.linear_1 = nnx.Linear(TIME_FREQ_DIM, dim, rngs=rngs)
+        self.linear_2 = nnx.Linear(dim, dim, rngs=rngs)
+
+    def __call__(self, t: jax.Array) -> jax.Array:
+        half = TIME_FREQ_DIM // 2
+        freqs = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(math.log(10000) / (half - 1)))
+        angles = (1000 * t.astype(jnp.float32))[:, None] * freqs[None, :]
+        features = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1).astype(t.dtype)
+        return self.linear_2(jax.nn.silu(self.linear_1(features)))
+
+
+def layer_norm(x: jax.Array) -> jax.Array:
+    """LayerNorm without affine (eps 1e-6), variance as the mean of squared deviations like torch."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+    return centered * jax.lax.rsqrt(var + NORM_EPS)
+
+
+def modulate(x: jax.Array, scale: jax.Array, shift: jax.Array) -> jax.Array:
+    """AdaLN: ``norm(x) * (1 + scale) + shift`` with per-request ``[B, D]`` modulation."""
+    return layer_norm(x) * (1 + scale[:, None]) + shift[:, None]
+
+
+class DiTAttention(nnx.Module):
+    """Multi-head attention; RoPE on the first head only (the checkpoint was trained that way)."""
+
+    def __init__(self, config: Any, *, rngs: nnx.Rngs):
+        self.heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        inner = config.head_dim * config.num_attention_heads
+        self.to_q = nnx.Linear(config.hidden_size, inner, rngs=rngs)
+        self.to_k = nnx.Linear(config.hidden_size, inner, rngs=rngs)
+        self.to_v = nnx.Linear(config.hidden_size, inner, rngs=rngs)
+        self.to_out = nnx.Linear(inner, config.hidden_size, rngs=rngs)
+
+    def _rope_first_head(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Interleaved RoPE on head 0, left in the de-interleaved order as the reference does.
+
+        q and k share the permutation, so scores are unchanged by it; v is not touched.
+        """
+        head = x[:, :, 0]
+        head = jnp.concatenate([head[..., 0::2], head[..., 1::2]], axis=-1)
+        head = head * cos + rotate_half(head) * sin
+        return jnp.concatenate([head[:, :, None], x[:, :, 1:]], axis=2)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], mask: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        split = lambda y: y.reshape(b, t, self.heads, self.head_dim)
+        cos, sin = rope
+        q = self._rope_first_head(split(self.to_q(x)), cos, sin)
+        k = self._rope_first_head(split(self.to_k(x)), cos, sin)
+        v = split(self.to_v(x))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(self.head_dim))
+        # A finite floor, not -inf: a padded query whose whole window is padding then gets
+        # finite (ignored) values instead of NaN, which would leak through 0 * NaN in probs @ v.
+        scores = jnp.where(mask[:, None], scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, self.heads * self.head_dim)
+        return self.to_out(out)
+
+
+class DiTMLP(nnx.Module):
+    def __init__(self, dim: int, mult: float, *, rngs: nnx.Rngs):
+        inner = int(dim * mult)
+        self.ff_in = nnx.Linear(dim, inner, rngs=rngs)
+        self.ff_out = nnx.Linear(inner, dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.ff_out(jax.nn.gelu(self.ff_in(x), approximate=True))
+
+
+class DiTDecoderLayer(nnx.Module):
+    """AdaLN-Zero DiT block with block-local attention."""
+
+    def __init__(self, config: Any, look_ahead_block: int, look_backward_block: int, *, rngs: nnx.Rngs):
+        self.look_ahead_block = look_ahead_block
+        self.look_backward_block = look_backward_block
+        self.attn_norm = nnx.Linear(config.hidden_size, config.hidden_size * 6, rngs=rngs)
+        self.attn = DiTAttention(config, rngs=rngs)
+        self.ff = DiTMLP(config.hidden_size, config.ff_mult, rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        t_emb: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        block_diff: jax.Array,
+        key_valid: jax.Array,
+    ) -> jax.Array:
+        mod = self.attn_norm(jax.nn.silu(t_emb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(mod, 6, axis=-1)
+        window = (block_diff >= -self.look_backward_block) & (block_diff <= self.look_ahead_block)
+        mask = window[None] & key_valid[:, None, :]
+        x = x + gate_msa[:, None] * self.attn(modulate(x, scale_msa, shift_msa), rope, mask)
+        return x + gate_mlp[:, None] * self.ff(modulate(x, scale_mlp, shift_mlp))
+
+
+class DiT(nnx.Module):
+    """Flow-matching velocity model: ``(x_t, conditioning, t) -> v`` over mel frames.
+
+    Conditioning (speaker encoder, codec embedding, speaker vector) does not depend on ``x_t`` or
+    ``t``, so :meth:`conditioning` computes it once per solve and :meth:`__call__` only runs the
+    per-step part. ``__call__(x, conditioning(...), t, lengths)`` equals the reference's forward.
+    """
+
+    def __init__(self, config: Any, *, rngs: nnx.Rngs):
+        self.mel_dim = config.mel_dim
+        self.repeats = config.repeats
+        self.block_size = config.block_size
+        self.max_position_embeddings = config.max_position_embeddings
+        inv_freq, scaling = rope_inv_freq(
+            dict(config.rope_parameters), config.head_dim, config.max_position_embeddings
+        )
+        # Hashable trace-time constants (the graphdef is a jit static argument), not variables.
+        self.rope_inv_freq = tuple(float(f) for f in inv_freq)
+        self.rope_scaling = float(scaling)
+        self.time_embed = TimestepEmbedding(config.hidden_size, rngs=rngs)
+        self.codec_embed = nnx.Embed(config.num_embeds + 1, config.emb_dim, rngs=rngs)
+        self.spk_encoder = EcapaTimeDelayNet(config, rngs=rngs)
+        in_dim = config.mel_dim + config.enc_dim + config.enc_emb_dim + config.emb_dim
+        self.input_proj = nnx.Linear(in_dim, config.hidden_size, rngs=rngs)
+        self.transformer_blocks = nnx.List(
+            [
+                DiTDecoderLayer(
+                    config,
+                    look_ahead_block=1 if i in config.look_ahead_layers else 0,
+                    look_backward_block=1 if i in config.look_backward_layers else 0,
+                    rngs=rngs,
+                )
+                for i in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm_out = nnx.Linear(config.hidden_size, config.hidden_size * 2, rngs=rngs)
+        self.proj_out = nnx.Linear(config.hidden_size, config.mel_dim, rngs=rngs)
+
+    def conditioning(
+        self,
+        codes: jax.Array,
+        reference_mel: jax.Array,
+        reference_lengths: jax.Array,
+        speaker_embedding: jax.Array,
+    ) -> jax.Array:
+        """Per-frame conditioning ``[B, T * repeats, enc_dim + emb_dim + enc_emb_dim]``.
+
+        ``codes [B, T]`` int; ``reference_mel [B, R, mel_dim]`` padded, valid up to
+        ``reference_lengths [B]`` (fed to the ECAPA speaker encoder); ``speaker_embedding
+        [B, enc_emb_dim]`` (the speaker's ``cond`` vector). Same order as the reference concat.
+        """
+        frames = codes.shape[1] * self.repeats
+        code_embed = jnp.repeat(self.codec_embed(codes), self.repeats, axis=1)
+        speaker_code = self.spk_encoder(reference_mel, reference_lengths)
+        per_frame = lambda v: jnp.broadcast_to(v[:, None], (v.shape[0], frames, v.shape[-1]))
+        return jnp.concatenate([per_frame(speaker_code), code_embed, per_frame(speaker_embedding)], axis=-1)
+
+    def rope(self, num_frames: int) -> tuple[jax.Array, jax.Array]:
+        """``cos, sin`` ``[T, head_dim]`` for frames ``0..T-1`` in the half-split layout."""
+        inv_freq = jnp.asarray(self.rope_inv_freq, jnp.float32)
+        return rope_cos_sin(jnp.arange(num_frames), inv_freq, self.rope_scaling, jnp.float32)
+
+    def __call__(self, x: jax.Array, conditioning: jax.Array, t: jax.Array, lengths: jax.Array) -> jax.Array:
+        """Velocity ``[B, T, mel_dim]`` for ``x [B, T, mel_dim]`` at times ``t [B]``.
+
+        ``lengths [B]`` are valid mel frames; padded frames are masked as attention keys and
+        their outputs are meaningless.
+        """
+        num_frames = x.shape[1]
+        t_emb = self.time_embed(t)
+        h = self.input_proj(jnp.concatenate([x, conditioning], axis=-1))
+        rope = self.rope(num_frames)
+        block = jnp.arange(num_frames) // self.block_size
+        block_diff = block[None, :] - block[:, None]
+        key_valid = jnp.arange(num_frames)[None, :] < lengths[:, None]
+        for layer in self.transformer_blocks:
+            h = layer(h, t_emb, rope, block_diff, key_valid)
+        scale, shift = jnp.split(self.norm_out(jax.nn.silu(t_emb)), 2, axis=-1)
+        return self.proj_out(modulate(h, scale, shift))
+
+
+_ECAPA = r"input_embed\.spk_encoder\."
+_BLOCK = r"transformer_blocks\.(\d+)\."
+
+DIT_RULES: tuple[ParamRule, ...] = (
+    ParamRule(r"time_embed\.time_mlp\.0\.weight", "time_embed.linear_1.kernel", linear_kernel),
+    ParamRule(r"time_embed\.time_mlp\.0\.bias", "time_embed.linear_1.bias"),
+    ParamRule(r"time_embed\.time_mlp\.2\.weight", "time_embed.linear_2.kernel", linear_kernel),
+    ParamRule(r"time_embed\.time_mlp\.2\.bias", "time_embed.linear_2.bias"),
+    ParamRule(r"text_embed\.codec_embed\.weight", "codec_embed.embedding"),
+    ParamRule(r"input_embed\.proj\.weight", "input_proj.kernel", linear_kernel),
+    ParamRule(r"input_embed\.proj\.bias", "input_proj.bias"),
+    # The speaker encoder mirrors the reference's module tree; every parameter is a Conv1d.
+    ParamRule(_ECAPA + r"(.+)\.weight", r"spk_encoder.\1.kernel", conv1d_kernel),
+    ParamRule(_ECAPA + r"(.+)\.bias", r"spk_encoder.\1.bias"),
+    ParamRule(
+        _BLOCK + r"attn_norm\.linear\.weight", r"transformer_blocks.\1.attn_norm.kernel", linear_kernel
+    ),
+    ParamRule(_BLOCK + r"attn_norm\.linear\.bias", r"transformer_blocks.\1.attn_norm.bias"),
+    ParamRule(
+        _BLOCK + r"attn\.(to_q|to_k|to_v)\.weight", r"transformer_blocks.\1.attn.\2.kernel", linear_kernel
+    ),
+    ParamRule(_BLOCK + r"attn\.(to_q|to_k|to_v)\.bias", r"transformer_blocks.\1.attn.\2.bias"),
+    ParamRule(
+        _BLOCK + r"attn\.to_out\.0\.weight", r"transformer_blocks.\1.attn.to_out.kernel", linear_kernel
+    ),
+    ParamRule(_BLOCK + r"attn\.to_out\.0\.bias", r"transformer_blocks.\1.attn.to_out.bias"),
+    ParamRule(_BLOCK + r"ff\.ff\.0\.weight", r"transformer_blocks.\1.ff.ff_in.kernel", linear_kernel),
+    ParamRule(_BLOCK + r"ff\.ff\.0\.bias", r"transformer_blocks.\1.ff.ff_in.bias"),
+    ParamRule(_BLOCK + r"ff\.ff\.3\.weight", r"transformer_blocks.\1.ff.ff_out.kernel", linear_kernel),
+    ParamRule(_BLOCK + r"ff\.ff\.3\.bias", r"transformer_blocks.\1.ff.ff_out.bias"),
+    ParamRule(r"norm_out\.linear\.weight", "norm_out.kernel", linear_kernel),
+    ParamRule(r"norm_out\.linear\.bias", "norm_out.bias"),
+    ParamRule(r"proj_out\.weight", "proj_out.kernel", linear_kernel),
+    ParamRule(r"proj_out\.bias", "proj_out.bias"),
+)
+"""HF names relative to ``Qwen2_5OmniToken2WavDiTModel`` -> paths in :class:`DiT`."""
+
+DIT_IGNORE: tuple[str, ...] = (r"rotary_embed\.(original_)?inv_freq",)
+"""Buffers a checkpoint may carry that :class:`DiT` recomputes."""
