@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARRunner, CacheConfig
+from omni_jax.engine.compilation import enable_persistent_cache
 from omni_jax.engine.kv_cache import default_num_pages
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import ARRequest
@@ -80,10 +81,16 @@ class OmniJaxPipeline:
         stage_config: str | Path | None = None,
         max_num_batched_tokens: int | None = None,
         attention_backend: str = "auto",
+        compilation_cache: str | Path | bool | None = None,
         progress: bool = False,
     ) -> OmniJaxPipeline:
-        """Build the pipeline from an HF checkpoint dir or a ``checkpoints_convert`` dir."""
+        """Build the pipeline from an HF checkpoint dir or a ``checkpoints_convert`` dir.
+
+        ``compilation_cache``: a directory for JAX's persistent compilation cache (default
+        ``~/.cache/omni_jax/xla`` or ``$OMNI_JAX_COMPILATION_CACHE``); ``False`` turns it off.
+        """
         path = Path(path)
+        enable_persistent_cache(compilation_cache)
         if not (path / "config.json").exists():
             raise ValueError(f"{path}: not a checkpoint directory (no config.json)")
         if mesh is not None and any(v != 1 for v in mesh.values()):
@@ -110,6 +117,10 @@ class OmniJaxPipeline:
                 )
             )
         return cls(path, config, built, _load_tokenizer(path))
+
+    def warmup(self) -> int:
+        """Compile every step shape the AR stages can produce; returns how many there were."""
+        return sum(s.engine.warmup() for s in self.stages)
 
     # -- input handling ---------------------------------------------------------------
     def _prompt_ids(self, index: int, prompt: Prompt) -> list[int]:

@@ -53,6 +53,9 @@ class AREngine:
         self.scheduler.add(req)
         return req
 
+    def warmup(self) -> int:
+        return self.runner.warmup(self.scheduler.cfg.max_num_batched_tokens)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omni_jax.engine.buckets import bucket
+from omni_jax.engine.buckets import bucket, bucket_sizes
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.engine.sampling import SamplingParams, SamplingTensors, pack_sampling, sample
 from omni_jax.models.attention import AttentionMetadata, Backend
@@ -111,12 +111,14 @@ class ARRunner:
         max_num_seqs: int,
         backend: Backend = "auto",
         min_prefill_bucket: int = 16,
+        position_shape: tuple[int, ...] = (),
     ):
         self.graphdef, self.state = nnx.split(model)
         self.cache_cfg = cache
         self.max_num_seqs = max_num_seqs
         self.backend = backend
         self.min_prefill_bucket = min_prefill_bucket
+        self.position_shape = position_shape  # () for 1-D RoPE, (3,) for M-RoPE
         self.kv_cache = init_kv_cache(
             cache.num_layers,
             cache.num_kv_heads,
@@ -134,15 +136,29 @@ class ARRunner:
     def token_bucket(self, n: int) -> int:
         return 1 if n == 1 else bucket(n, self.min_prefill_bucket)
 
-    def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
+    def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, int]]:
+        """Every ``(rows, tokens)`` bucket pair a scheduler with this budget can produce."""
+        rows = bucket_sizes(1, bucket(self.max_num_seqs))
+        tokens = [1] + bucket_sizes(self.min_prefill_bucket, max_num_batched_tokens)
+        return [(b, t) for t in tokens for b in rows if t == 1 or b * t <= max_num_batched_tokens]
+
+    def warmup(self, max_num_batched_tokens: int, return_hidden: bool = False) -> int:
+        """Compile the plain (no penalty, no logprobs) step for every bucket; returns the count.
+
+        The inputs are all padding: every cache write lands on the dropped slot, so the
+        cache is untouched.
+        """
+        shapes = self.step_shapes(max_num_batched_tokens)
+        for b, t in shapes:
+            self._call(*self._pack([], b, t), num_logprobs=0, return_hidden=return_hidden)
+        return len(shapes)
+
+    def _pack(self, rows: Sequence[StepRow], b: int, t: int) -> tuple[Any, ...]:
+        """Host arrays of one step, ``rows`` padded to ``b`` rows of ``t`` tokens."""
         c = self.cache_cfg
-        n = len(rows)
-        b = bucket(n, maximum=bucket(self.max_num_seqs))
-        t = self.token_bucket(max(len(r.token_ids) for r in rows))
         oob = c.num_pages * c.page_size  # slot index the cache write drops
         tokens = np.zeros((b, t), np.int32)
-        pos_shape = rows[0].positions.shape[:-1]
-        positions = np.zeros((*pos_shape, b, t), np.int32)
+        positions = np.zeros((*self.position_shape, b, t), np.int32)
         slots = np.full((b, t), oob, np.int32)
         tables = np.zeros((b, c.pages_per_seq), np.int32)
         ctx = np.zeros((b,), np.int32)
@@ -160,33 +176,38 @@ class ARRunner:
             r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
             for r in rows
         )
-        history_len = c.max_model_len if needs_history else 1
-        histories = [r.history if needs_history else [] for r in rows]
         st = pack_sampling(
             [r.params for r in rows],
-            histories,
+            [r.history if needs_history else [] for r in rows],
             [r.prompt_len for r in rows],
             [r.seed for r in rows],
             [r.draw_index for r in rows],
             [r.suppress for r in rows],
             batch=b,
-            history_len=history_len,
-            suppress_len=bucket(max(len(r.suppress) for r in rows), 4),
+            history_len=c.max_model_len if needs_history else 1,
+            suppress_len=bucket(max([len(r.suppress) for r in rows], default=0), 4),
         )
-        most = max((r.params.logprobs or 0) for r in rows)
-        num_logprobs = bucket(most) if most else 0
         md = AttentionMetadata(slots, tables, ctx, qlen)
+        return tokens, positions, md, np.maximum(qlen - 1, 0), st
+
+    def _call(self, *args: Any, num_logprobs: int, return_hidden: bool) -> tuple[Any, ...]:
         toks, ids, lps, hidden, self.kv_cache = self._step(
             self.state,
             self.kv_cache,
-            tokens,
-            positions,
-            md,
-            np.maximum(qlen - 1, 0),
-            st,
+            *args,
             num_logprobs=num_logprobs,
             backend=self.backend,
             return_hidden=return_hidden,
+        )
+        return toks, ids, lps, hidden
+
+    def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
+        n = len(rows)
+        b = bucket(n, maximum=bucket(self.max_num_seqs))
+        t = self.token_bucket(max(len(r.token_ids) for r in rows))
+        most = max((r.params.logprobs or 0) for r in rows)
+        toks, ids, lps, hidden = self._call(
+            *self._pack(rows, b, t), num_logprobs=bucket(most) if most else 0, return_hidden=return_hidden
         )
         return StepResult(
             tokens=np.asarray(toks)[:n],

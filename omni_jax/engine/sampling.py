@@ -133,17 +133,34 @@ def _truncate(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def _draw(x: jax.Array, st: SamplingTensors) -> jax.Array:
+def processed_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """The distribution a sampled row draws from: penalties, suppression, temperature, truncation.
+
+    Same order as transformers' ``generate`` (repetition penalty, temperature, top-k, top-p,
+    min-p); min-p compares probabilities with the row's largest, which truncation keeps, so
+    applying it as one more mask is the same as applying it last.
+    """
+    b, v = logits.shape
+    needs_penalty = jnp.any(
+        (st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)
+    )
+    x = jax.lax.cond(needs_penalty, _penalise, lambda lg, _: lg, logits, st)
+    x = x.at[jnp.arange(b)[:, None], jnp.where(st.suppress >= 0, st.suppress, v)].set(-jnp.inf, mode="drop")
     temp = jnp.where(st.temperature > 0, st.temperature, 1.0)
-    scaled = _truncate(x / temp[:, None], st)
+    return _truncate(x / temp[:, None], st)
+
+
+def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Gumbel-max over the processed logits for sampled rows, argmax for greedy rows."""
+    x = processed_logits(logits, st)
     v = x.shape[-1]
 
     def noise(seed: jax.Array, index: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), index)
         return jax.random.gumbel(key, (v,), jnp.float32)
 
-    drawn = jnp.argmax(scaled + jax.vmap(noise)(st.seeds, st.draw_index), axis=-1)
-    return jnp.where(st.temperature > 0, drawn, jnp.argmax(x, axis=-1))
+    gumbel = jax.vmap(noise)(st.seeds, st.draw_index)
+    return jnp.argmax(jnp.where(st.temperature[:, None] > 0, x + gumbel, x), axis=-1)
 
 
 def sample(
@@ -153,18 +170,17 @@ def sample(
 
     Returns ``(tokens [B], ids [B, 1 + N], logprobs [B, 1 + N])``: column 0 is the drawn
     token, then the top-``N`` (static) of the model's raw distribution (vLLM's default).
-    The penalty scatter and the sort behind top-k/top-p only run when a row needs them.
+    An all-greedy batch with no penalties (the common serving case) skips the penalty
+    scatter, the vocabulary sort and the noise, through ``lax.cond``.
     """
-    b, v = logits.shape
-    rows = jnp.arange(b)[:, None]
-    needs_penalty = jnp.any(
-        (st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)
+    plain = jnp.all(
+        (st.temperature == 0)
+        & (st.repetition_penalty == 1)
+        & (st.presence_penalty == 0)
+        & (st.frequency_penalty == 0)
+        & jnp.all(st.suppress < 0, axis=-1)
     )
-    x = jax.lax.cond(needs_penalty, _penalise, lambda lg, _: lg, logits, st)
-    x = x.at[rows, jnp.where(st.suppress >= 0, st.suppress, v)].set(-jnp.inf, mode="drop")
-    tokens = jax.lax.cond(
-        jnp.any(st.temperature > 0), _draw, lambda y, _: jnp.argmax(y, axis=-1), x, st
-    ).astype(jnp.int32)
+    tokens = jax.lax.cond(plain, lambda lg, _: jnp.argmax(lg, axis=-1), _draw, logits, st).astype(jnp.int32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)

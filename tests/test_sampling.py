@@ -1,0 +1,151 @@
+"""The batched sampler: semantics against transformers' processors, seeds, per-request params."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax.engine.sampling import pack_sampling, processed_logits, sample
+
+V = 50
+ROWS = [
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=1.0, repetition_penalty=1.3, top_k=12, top_p=0.9),
+    SamplingParams(temperature=0.5, min_p=0.2),
+    SamplingParams(temperature=1.0, repetition_penalty=0.8, top_p=0.3, min_p=0.05, top_k=20),
+    SamplingParams(temperature=2.0),
+]
+
+
+def hf_processed(logits: np.ndarray, history: list[int], p: SamplingParams) -> np.ndarray:
+    x = torch.tensor(logits[None])
+    ids = torch.tensor([history])
+    if p.repetition_penalty != 1:
+        x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, x)
+    x = TemperatureLogitsWarper(p.temperature)(ids, x)
+    if p.top_k > 0:
+        x = TopKLogitsWarper(p.top_k)(ids, x)
+    if p.top_p < 1:
+        x = TopPLogitsWarper(p.top_p)(ids, x)
+    if p.min_p > 0:
+        x = MinPLogitsWarper(p.min_p)(ids, x)
+    return x[0].numpy()
+
+
+def test_processed_logits_match_transformers_per_row() -> None:
+    rs = np.random.RandomState(0)
+    logits = (rs.randn(len(ROWS), V) * 3).astype(np.float32)
+    histories = [list(rs.randint(0, V, size=rs.randint(1, 12))) for _ in ROWS]
+    st = pack_sampling(
+        ROWS,
+        histories,
+        [len(h) for h in histories],
+        [0] * 6,
+        [0] * 6,
+        [[]] * 6,
+        batch=8,
+        history_len=16,
+        suppress_len=4,
+    )
+    padded = np.concatenate([logits, np.zeros((2, V), np.float32)])
+    got = np.asarray(jax.jit(processed_logits)(padded, st))[: len(ROWS)]
+    for i, p in enumerate(ROWS):
+        want = hf_processed(logits[i], histories[i], p)
+        np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want), err_msg=f"row {i} mask")
+        keep = np.isfinite(want)
+        np.testing.assert_allclose(got[i][keep], want[keep], rtol=1e-6, atol=1e-6, err_msg=f"row {i}")
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
+    logits = np.zeros((1, 8), np.float32)
+    p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    history = [3, 3, 5, 1, 1, 1]  # prompt [3, 3], output [5, 1, 1, 1]
+    st = pack_sampling([p], [history], [2], [0], [0], [[]], batch=1, history_len=8, suppress_len=4)
+    got = np.asarray(processed_logits(logits, st))[0]
+    want = np.zeros(8, np.float32)
+    want[5] -= 0.5 + 0.25
+    want[1] -= 0.5 + 3 * 0.25
+    np.testing.assert_allclose(got, want, atol=1e-7)
+
+
+def test_draws_follow_the_distribution() -> None:
+    """Many seeds, one row each: the empirical frequencies approach softmax(logits / T)."""
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+    n = 4000
+    p = SamplingParams(temperature=1.0)
+    st = pack_sampling([p] * n, [[]] * n, [0] * n, list(range(n)), [0] * n, [[]] * n, n, 1, 4)
+    toks, _, _ = jax.jit(sample, static_argnums=2)(np.repeat(logits, n, 0), st, 0)
+    freq = np.bincount(np.asarray(toks), minlength=4) / n
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+@pytest.fixture(scope="module")
+def pipe(qwen2_dir):
+    return OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=8, page_size=8, max_model_len=128)
+
+
+def test_seeded_request_is_batch_invariant(pipe) -> None:
+    rs = np.random.RandomState(5)
+    target = {"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=11)]}
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = pipe.run([target], params, progress=False)[0].token_ids
+    again = pipe.run([target], params, progress=False)[0].token_ids
+    others = [{"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=n)]} for n in (40, 3, 17, 60, 8)]
+    other_params = [SamplingParams(temperature=0.8, seed=s, max_tokens=9 + s, top_k=7) for s in range(5)]
+    mixed = pipe.run(
+        others[:2] + [target] + others[2:], other_params[:2] + [params] + other_params[2:], False
+    )
+    assert alone == again == mixed[2].token_ids
+    different_seed = pipe.run([target], SamplingParams(**{**params.__dict__, "seed": 99}), progress=False)
+    assert different_seed[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy(pipe) -> None:
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    greedy = pipe.run(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), progress=False)
+    top1 = pipe.run(prompt, SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True), False)
+    assert greedy[0].token_ids == top1[0].token_ids
+
+
+def test_min_tokens_holds_back_stop_tokens(pipe) -> None:
+    prompt = {"prompt_token_ids": [11, 12, 13]}
+    free = pipe.run(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), progress=False)[0]
+    stop = free.token_ids[0]
+    early = pipe.run(prompt, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop]), False)[0]
+    assert early.token_ids == [stop] and early.finish_reason == "stop"
+    held = pipe.run(
+        prompt, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop], min_tokens=4), False
+    )
+    out = held[0].token_ids
+    assert len(out) >= 4 and stop not in out[:4]
+    assert held[0].finish_reason == "stop" if stop in out else len(out) == 16
+
+
+def test_logprobs_are_the_models_log_softmax(pipe, hf_qwen2) -> None:
+    prompt = [21, 22, 23, 24]
+    out = pipe.run(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True),
+        False,
+    )[0]
+    assert len(out.logprobs) == 3
+    ids = prompt + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_qwen2(torch.tensor([ids])).logits[0], -1).numpy()
+    for step, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + step]
+        top = np.argsort(-row)[:3]
+        assert set(lp) == {tok, *top.tolist()}
+        for t, v in lp.items():
+            assert abs(v - row[t]) < 1e-5
