@@ -5,8 +5,8 @@ valid lengths so that requests of different lengths can share one padded batch: 
 never influence valid ones (reflect padding and statistics pooling use each request's own length,
 attention masks padded keys), which makes a batched result equal the unbatched one.
 
-The reference is transformers' ``Qwen2_5OmniToken2WavDiTModel``; module and attribute names
-mirror it so :data:`DIT_RULES` stays a short, readable table.
+The reference is transformers' ``Qwen2_5OmniToken2WavDiTModel``. The speaker encoder mirrors its
+module tree name for name (one generic rule maps it); elsewhere :data:`DIT_RULES` renames.
 """
 
 from __future__ import annotations
@@ -265,6 +265,8 @@ class DiTAttention(nnx.Module):
 
 
 class DiTMLP(nnx.Module):
+    """Linear -> tanh-approximate GELU -> Linear (the reference's ``nn.GELU(approximate="tanh")``)."""
+
     def __init__(self, dim: int, mult: float, *, rngs: nnx.Rngs):
         inner = int(dim * mult)
         self.ff_in = nnx.Linear(dim, inner, rngs=rngs)
@@ -312,6 +314,7 @@ class DiT(nnx.Module):
         self.mel_dim = config.mel_dim
         self.repeats = config.repeats
         self.block_size = config.block_size
+        # The reference refuses mels longer than this; callers validate against it.
         self.max_position_embeddings = config.max_position_embeddings
         inv_freq, scaling = rope_inv_freq(
             dict(config.rope_parameters), config.head_dim, config.max_position_embeddings

@@ -52,7 +52,8 @@ def time_point(index: jax.Array, num_steps: jax.Array, sway: jax.Array) -> jax.A
     path can differ by one ulp for ``num_steps >= 10``), then the reference's sway:
     ``t + sway * (cos(pi / 2 * t) - 1 + t)``.
     """
-    step = jnp.float32(1.0) / (num_steps - 1).astype(jnp.float32)
+    # max(.., 1): a one-point grid has no steps; keep its (unused) times finite.
+    step = jnp.float32(1.0) / jnp.maximum(num_steps - 1, 1).astype(jnp.float32)
     from_start = step * index.astype(jnp.float32)
     from_end = 1.0 - step * (num_steps - 1 - index).astype(jnp.float32)
     t = jnp.where(index < num_steps // 2, from_start, from_end)
