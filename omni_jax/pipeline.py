@@ -245,6 +245,7 @@ class OmniJaxPipeline:
             "num_prompt_tokens": len(req.prompt_ids),
             "num_output_tokens": len(req.output_ids),
             "num_preemptions": req.num_preemptions,
+            "ttft_s": (req.first_token_time or now) - p.started,
         }
         p.started = now
         if stage.config.final_output == "text":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -46,6 +47,7 @@ class ARRequest:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    first_token_time: float | None = None  # perf_counter() when the first output token arrived
 
     @property
     def all_ids(self) -> list[int]:
@@ -223,6 +225,8 @@ class Scheduler:
                 continue
             tok = int(result.tokens[i])
             req.output_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = time.perf_counter()
             if req.params.logprobs is not None:
                 n = req.params.logprobs + 1
                 ids, lps = result.logprob_ids[i, :n], result.logprobs[i, :n]

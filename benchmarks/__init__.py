@@ -1,0 +1,1 @@
+"""XLA-profiled benchmarks, each run side by side with the PyTorch reference."""
