@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,8 +16,20 @@ from omni_jax.engine.kv_cache import init_kv_cache, pages_needed
 from omni_jax.models.attention import AttentionMetadata
 
 
-def full_forward(model, token_ids: Sequence[int], page_size: int = 16) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001
-    """``(logits [T, V] float32, final hidden [T, D])`` for one sequence."""
+def full_forward(  # noqa: ANN001
+    model,
+    token_ids: Sequence[int],
+    page_size: int = 16,
+    *,
+    positions: np.ndarray | None = None,
+    embeds: jax.Array | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(logits [T, V] float32, final hidden [T, D])`` for one sequence.
+
+    A multimodal prompt's rotary positions (``[3, T]`` for M-RoPE) and embeddings (``[T, D]``,
+    placeholders already replaced by encoder rows) are not the plain ``0..T-1`` and
+    ``embed(token_ids)``, so they can be given instead.
+    """
     layers, kv_heads, head_dim = model.kv_cache_shape()
     t = len(token_ids)
     n_pages = pages_needed(t, page_size)
@@ -28,6 +41,9 @@ def full_forward(model, token_ids: Sequence[int], page_size: int = 16) -> tuple[
         context_lens=jnp.array([t], jnp.int32),
         query_lens=jnp.array([t], jnp.int32),
     )
-    tokens = jnp.asarray(token_ids, jnp.int32)[None]
-    hidden, _ = model(model.embed(tokens), jnp.arange(t, dtype=jnp.int32)[None], cache, md)
+    if positions is None:
+        positions = np.arange(t)
+    if embeds is None:
+        embeds = model.embed(jnp.asarray(token_ids, jnp.int32)[None])[0]
+    hidden, _ = model(embeds[None], jnp.asarray(positions, jnp.int32)[..., None, :], cache, md)
     return np.asarray(model.logits(hidden)[0]), np.asarray(hidden[0])
