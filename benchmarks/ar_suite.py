@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.models import count_params
+from benchmarks.models import count_params, decode_read_params
 from benchmarks.roofline import memory_bandwidth
 from omni_jax import OmniJaxPipeline, SamplingParams
 
@@ -119,7 +119,7 @@ def run_ar(path: Path, args: Any) -> dict:
     ours = _ours(path, prompts, args.max_tokens, args.dtype, args.profile)
     bw = memory_bandwidth()
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
-    weight_bytes = count_params(path) * itemsize
+    weight_bytes = decode_read_params(path) * itemsize
     floor = weight_bytes / bw
     result: dict[str, Any] = {
         "suite": "ar",

@@ -40,3 +40,13 @@ def count_params(path: Path) -> int:
     from omni_jax.safetensors_io import iter_checkpoint
 
     return sum(a.size for _, a in iter_checkpoint(path))
+
+
+def decode_read_params(path: Path) -> int:
+    """Parameters one decode step must read: all but an untied input embedding (only gathered)."""
+    from omni_jax.safetensors_io import iter_checkpoint
+
+    sizes = {name: a.size for name, a in iter_checkpoint(path)}
+    if "lm_head.weight" in sizes:
+        sizes.pop("model.embed_tokens.weight", None)
+    return sum(sizes.values())

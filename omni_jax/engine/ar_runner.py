@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omni_jax.engine.buckets import bucket, bucket_sizes
+from omni_jax.engine.buckets import bucket, bucket_sizes, fine_bucket_sizes, token_bucket
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.engine.sampling import SamplingParams, SamplingTensors, pack_sampling, sample
 from omni_jax.models.attention import AttentionMetadata, Backend
@@ -133,14 +133,28 @@ class ARRunner:
             static_argnames=("num_logprobs", "backend", "return_hidden"),
         )
 
-    def token_bucket(self, n: int) -> int:
-        return 1 if n == 1 else bucket(n, self.min_prefill_bucket)
+    def pages_bucket(self, t: int, max_pages: int) -> int:
+        """Block-table width of a step: decode reads only the pages its longest row needs.
 
-    def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, int]]:
-        """Every ``(rows, tokens)`` bucket pair a scheduler with this budget can produce."""
+        A decode step is bound by bytes read, and the jnp path reads every page in the
+        table, so its width follows the context (power-of-two, at least an eighth of the
+        maximum to bound the number of programs). Prompt steps are bound by compute and keep
+        the full width, which keeps their number of programs down.
+        """
+        full = self.cache_cfg.pages_per_seq
+        if t > 1:
+            return full
+        return min(full, bucket(max_pages, max(1, full // 8)))
+
+    def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, int, int]]:
+        """Every ``(rows, tokens, pages)`` bucket a scheduler with this budget can produce."""
         rows = bucket_sizes(1, bucket(self.max_num_seqs))
-        tokens = [1] + bucket_sizes(self.min_prefill_bucket, max_num_batched_tokens)
-        return [(b, t) for t in tokens for b in rows if t == 1 or b * t <= max_num_batched_tokens]
+        full = self.cache_cfg.pages_per_seq
+        decode_pages = sorted({self.pages_bucket(1, p) for p in range(1, full + 1)})
+        shapes = [(b, 1, p) for b in rows for p in decode_pages]
+        for t in fine_bucket_sizes(self.min_prefill_bucket, max_num_batched_tokens):
+            shapes += [(b, t, full) for b in rows if b * t <= max_num_batched_tokens]
+        return shapes
 
     def warmup(self, max_num_batched_tokens: int, return_hidden: bool = False) -> int:
         """Compile the plain (no penalty, no logprobs) step for every bucket; returns the count.
@@ -149,18 +163,18 @@ class ARRunner:
         cache is untouched.
         """
         shapes = self.step_shapes(max_num_batched_tokens)
-        for b, t in shapes:
-            self._call(*self._pack([], b, t), num_logprobs=0, return_hidden=return_hidden)
+        for b, t, p in shapes:
+            self._call(*self._pack([], b, t, p), num_logprobs=0, return_hidden=return_hidden)
         return len(shapes)
 
-    def _pack(self, rows: Sequence[StepRow], b: int, t: int) -> tuple[Any, ...]:
-        """Host arrays of one step, ``rows`` padded to ``b`` rows of ``t`` tokens."""
+    def _pack(self, rows: Sequence[StepRow], b: int, t: int, p: int) -> tuple[Any, ...]:
+        """Host arrays of one step, ``rows`` padded to ``b`` rows of ``t`` tokens, ``p`` pages."""
         c = self.cache_cfg
         oob = c.num_pages * c.page_size  # slot index the cache write drops
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((*self.position_shape, b, t), np.int32)
         slots = np.full((b, t), oob, np.int32)
-        tables = np.zeros((b, c.pages_per_seq), np.int32)
+        tables = np.zeros((b, p), np.int32)
         ctx = np.zeros((b,), np.int32)
         qlen = np.zeros((b,), np.int32)
         for i, r in enumerate(rows):
@@ -170,7 +184,8 @@ class ARRunner:
             idx = np.arange(r.start, r.end)
             pages = np.asarray(r.pages, np.int32)
             slots[i, :m] = pages[idx // c.page_size] * c.page_size + idx % c.page_size
-            tables[i, : len(pages)] = pages
+            used = -(-r.end // c.page_size)
+            tables[i, :used] = pages[:used]
             ctx[i], qlen[i] = r.end, m
         needs_history = any(
             r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
@@ -204,10 +219,11 @@ class ARRunner:
     def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
         n = len(rows)
         b = bucket(n, maximum=bucket(self.max_num_seqs))
-        t = self.token_bucket(max(len(r.token_ids) for r in rows))
+        t = token_bucket(max(len(r.token_ids) for r in rows), self.min_prefill_bucket)
+        p = self.pages_bucket(t, max(-(-r.end // self.cache_cfg.page_size) for r in rows))
         most = max((r.params.logprobs or 0) for r in rows)
         toks, ids, lps, hidden = self._call(
-            *self._pack(rows, b, t), num_logprobs=bucket(most) if most else 0, return_hidden=return_hidden
+            *self._pack(rows, b, t, p), num_logprobs=bucket(most) if most else 0, return_hidden=return_hidden
         )
         return StepResult(
             tokens=np.asarray(toks)[:n],

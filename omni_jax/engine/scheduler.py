@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from omni_jax.engine.ar_runner import StepResult, StepRow
-from omni_jax.engine.buckets import bucket
+from omni_jax.engine.buckets import bucket, token_bucket
 from omni_jax.engine.kv_cache import PageAllocator, pages_needed
 from omni_jax.engine.sampling import SamplingParams
 
@@ -156,7 +156,7 @@ class Scheduler:
         decoding = [r for r in self.running if r.remaining == 1]
         plan = self._plan_prefill(prefilling)
         if plan:
-            t = bucket(max(c for _, c in plan), 16)
+            t = token_bucket(max(c for _, c in plan))
             n = len(plan) + len(decoding)
             if n <= cfg.max_num_seqs and bucket(n) * t <= cfg.max_num_batched_tokens:
                 plan += [(r, 1) for r in decoding]
@@ -181,7 +181,7 @@ class Scheduler:
         def take(req: ARRequest) -> bool:
             chunk = min(req.remaining, cfg.max_prefill_chunk)
             longest = max([chunk] + [c for _, c in plan])
-            if plan and bucket(len(plan) + 1) * bucket(longest, 16) > cfg.max_num_batched_tokens:
+            if plan and bucket(len(plan) + 1) * token_bucket(longest) > cfg.max_num_batched_tokens:
                 return False
             plan.append((req, chunk))
             return True
