@@ -26,7 +26,11 @@ def make_requests(vocab: int, n: int, lo: int, hi: int, seed: int = 0) -> list[l
 
 def _ours(path: Path, prompts: list[list[int]], max_new: int, dtype: str | None, profile: str | None) -> dict:
     pipe = OmniJaxPipeline.from_pretrained(
-        path, dtype=dtype, max_num_seqs=32, max_model_len=512, max_num_batched_tokens=1024
+        path,
+        dtype=dtype,
+        max_num_seqs=32,
+        max_model_len=max(512, -(-(max(map(len, prompts)) + max_new) // 16) * 16),
+        max_num_batched_tokens=2048,
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
@@ -115,7 +119,7 @@ def run_ar(path: Path, args: Any) -> dict:
     from omni_jax.weights import load_hf_config
 
     cfg = load_hf_config(path)
-    prompts = make_requests(cfg.vocab_size, args.num_requests, 16, 192)
+    prompts = make_requests(cfg.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
     ours = _ours(path, prompts, args.max_tokens, args.dtype, args.profile)
     bw = memory_bandwidth()
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
@@ -124,6 +128,7 @@ def run_ar(path: Path, args: Any) -> dict:
     result: dict[str, Any] = {
         "suite": "ar",
         "requests": len(prompts),
+        "prompt_len_range": [args.min_prompt, args.max_prompt],
         "max_tokens": args.max_tokens,
         "params": count_params(path),
         "measured_bandwidth_GBps": bw / 1e9,

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
+    p.add_argument("--max-prompt", type=int, default=192, help="longest prompt (tokens)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "bench"))
     args = p.parse_args(argv)
 
