@@ -42,12 +42,23 @@ def _corpus(seed: int, lines: int = 2000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int = 384, seed: int = 0, extra_special: list[str] | None = None) -> Any:
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with Qwen-style chat specials."""
+def build_tokenizer(
+    vocab_size: int = 384,
+    seed: int = 0,
+    extra_special: list[str] | None = None,
+    named_special: dict[str, str] | None = None,
+) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with Qwen-style chat specials.
+
+    ``named_special`` (attribute -> token, e.g. ``{"audio_token": "<|AUDIO|>"}``) become special
+    tokens that the saved tokenizer exposes as ``tokenizer.audio_token`` / ``audio_token_id``,
+    which is how multimodal processors find their placeholders.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = SPECIAL_TOKENS + list(extra_special or [])
+    named_special = dict(named_special or {})
+    specials = SPECIAL_TOKENS + list(extra_special or []) + list(named_special.values())
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -63,6 +74,7 @@ def build_tokenizer(vocab_size: int = 384, seed: int = 0, extra_special: list[st
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=specials[1:],
+        **named_special,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -121,3 +133,199 @@ def build_tiny_qwen2(
 
 def read_config(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+OMNI_NAMED_TOKENS = {
+    "audio_token": "<|AUDIO|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "image_token": "<|IMAGE|>",
+    "video_token": "<|VIDEO|>",
+}
+"""The placeholders and modality brackets ``Qwen2_5OmniProcessor`` reads off the tokenizer."""
+
+OMNI_TTS_TOKENS = {
+    "tts_text_pad_token_id": "<|tts_pad|>",
+    "tts_text_start_token_id": "<|tts_text_bos|>",
+    "tts_text_end_token_id": "<|tts_text_eod|>",
+}
+"""Thinker-vocabulary tokens the talker reads (its text stream's pad, start and end)."""
+
+OMNI_SPEAKERS = ("Chelsie", "Ethan")
+
+OMNI_CODEC = dict(
+    tts_codec_pad_token_id=72,
+    tts_codec_start_token_id=73,
+    tts_codec_end_token_id=74,
+    tts_codec_mask_token_id=76,
+)
+"""Tiny talker codec layout, shaped like the real one (codes below the DiT's ``num_embeds``,
+specials above it: 8292/8293/8294/8296 with ``num_embeds`` 8193 in Qwen2.5-Omni-7B)."""
+
+TINY_DIT_CONFIG = dict(
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    head_dim=16,
+    ff_mult=2,
+    emb_dim=16,
+    block_size=4,
+    look_ahead_layers=[1],
+    look_backward_layers=[0, 2],
+    repeats=2,
+    num_embeds=64,
+    mel_dim=8,
+    enc_emb_dim=12,
+    enc_dim=8,
+    enc_channels=[16, 16, 16, 32],
+    enc_kernel_sizes=[5, 3, 3, 1],
+    enc_dilations=[1, 2, 3, 1],
+    enc_attention_channels=8,
+    enc_res2net_scale=2,
+    enc_se_channels=8,
+    max_position_embeddings=512,
+)
+TINY_BIGVGAN_CONFIG = dict(
+    mel_dim=8,
+    upsample_initial_channel=32,
+    resblock_kernel_sizes=[3, 5],
+    resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5]],
+    upsample_rates=[5, 3, 2, 2],
+    upsample_kernel_sizes=[11, 7, 4, 4],
+)
+"""Shrunken ``Qwen2_5OmniDiTConfig`` / ``Qwen2_5OmniBigVGANConfig`` fields (60 samples per mel frame)."""
+
+
+def randomize_weights(module: Any, scale: float, vector_std: float = 0.3) -> None:
+    """Weights ~ scale / sqrt(fan_in), vectors (biases, norms, activations) ~ ``vector_std``.
+
+    Far from HF's near-zero init, so a parity test compares signals rather than noise, yet
+    activations stay bounded. Uses torch's global RNG.
+    """
+    import torch
+
+    with torch.no_grad():
+        for p in module.parameters():
+            std = scale * p[0].numel() ** -0.5 if p.ndim > 1 else vector_std
+            p.copy_(torch.randn(p.shape) * std)
+
+
+def tiny_qwen2_5_omni_config(tokenizer: Any, **overrides: Any) -> Any:
+    """A ``Qwen2_5OmniConfig`` with every sub-model shrunk; token ids point into ``tokenizer``.
+
+    The thinker's audio encoder keeps 128 mel bins and the vision encoder a 14-pixel patch, so
+    the real feature extractor and image processor produce inputs it accepts.
+    """
+    from transformers import Qwen2_5OmniConfig
+
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in OMNI_NAMED_TOKENS.items()}
+    tts = {k: tokenizer.convert_tokens_to_ids(v) for k, v in OMNI_TTS_TOKENS.items()}
+    modality = dict(
+        audio_token_index=ids["audio_token"],
+        image_token_index=ids["image_token"],
+        video_token_index=ids["video_token"],
+        audio_start_token_id=ids["audio_bos_token"],
+        audio_end_token_id=ids["audio_eos_token"],
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    decoder = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters=rope,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,  # peaky logits: greedy parity is not decided by float noise
+    )
+    thinker = dict(
+        text_config=dict(decoder, vocab_size=len(tokenizer), tie_word_embeddings=False),
+        audio_config=dict(
+            num_mel_bins=128,
+            encoder_layers=2,
+            encoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            d_model=32,
+            output_dim=64,
+            max_source_positions=1500,
+            n_window=100,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            patch_size=14,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            window_size=112,
+            out_hidden_size=64,
+            fullatt_block_indexes=[1],
+        ),
+        user_token_id=tokenizer("user")["input_ids"][0],
+        initializer_range=0.2,
+        **modality,
+    )
+    talker = dict(
+        decoder,
+        vocab_size=80,
+        embedding_size=64,
+        head_dim=16,
+        vision_start_token_id=ids["vision_bos_token"],
+        vision_end_token_id=ids["vision_eos_token"],
+        **modality,
+        **tts,
+        **OMNI_CODEC,
+    )
+    token2wav = dict(dit_config=dict(TINY_DIT_CONFIG), bigvgan_config=dict(TINY_BIGVGAN_CONFIG))
+    kw: dict[str, Any] = dict(
+        thinker_config=thinker, talker_config=talker, token2wav_config=token2wav, enable_audio_output=True
+    )
+    kw.update(overrides)
+    return Qwen2_5OmniConfig(**kw)
+
+
+def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0) -> Path:
+    """Write a random-weight ``Qwen2_5OmniForConditionalGeneration`` checkpoint to ``path``.
+
+    Alongside the safetensors weights: the tokenizer (with the Omni placeholders, TTS tokens and
+    one BOS token per speaker), ``generation_config.json`` and ``spk_dict.pt`` in the hub's
+    format: ``{speaker: {"cond": [1, enc_emb_dim], "ref_mel": [1, frames, mel_dim],
+    "bos_token": int}}`` with speakers :data:`OMNI_SPEAKERS`. Deterministic in ``seed``.
+    The token2wav weights are re-drawn at a scale where the waveform follows the codes.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
+
+    path = Path(path)
+    speaker_tokens = {name: f"<|spk_{name.lower()}|>" for name in OMNI_SPEAKERS}
+    tokenizer = build_tokenizer(
+        vocab_size=448,
+        seed=seed,
+        extra_special=["<|vision_pad|>", *OMNI_TTS_TOKENS.values(), *speaker_tokens.values()],
+        named_special=OMNI_NAMED_TOKENS,
+    )
+    cfg = tiny_qwen2_5_omni_config(tokenizer)
+    torch.manual_seed(seed)
+    model = Qwen2_5OmniForConditionalGeneration(cfg).float().eval()
+    randomize_weights(model.token2wav.code2wav_dit_model, 1.0)
+    # The vocoder sees a compressed (normalised dB) mel: at this scale its output follows the mel
+    # rather than its biases, yet stays inside the [-1, 1] clamp.
+    randomize_weights(model.token2wav.code2wav_bigvgan_model, 0.7, vector_std=0.02)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    dit = cfg.token2wav_config.dit_config
+    speakers = {}
+    for i, (name, token) in enumerate(speaker_tokens.items()):
+        speakers[name] = {
+            "cond": torch.randn(1, dit.enc_emb_dim),
+            "ref_mel": torch.randn(1, 23 + 14 * i, dit.mel_dim) - 2.0,  # log-mel-like, lengths differ
+            "bos_token": tokenizer.convert_tokens_to_ids(token),
+        }
+    torch.save(speakers, path / "spk_dict.pt")
+    return path

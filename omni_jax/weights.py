@@ -3,7 +3,8 @@
 A converted dir holds ``omni_jax.json`` (a manifest: architecture, dtype, stages, every
 parameter's shape), ``params/<stage>/`` (one Orbax OCDBT checkpoint per stage, so a
 pipeline that builds one stage reads one stage) and the HF side files (config, tokenizer,
-processor, generation config) copied verbatim.
+processor, generation config) copied verbatim, except those the architecture rewrites
+torch-free (Qwen2.5-Omni's ``spk_dict.pt`` becomes ``speakers.safetensors`` + ``speakers.json``).
 """
 
 from __future__ import annotations
@@ -67,14 +68,17 @@ def checkpoint_dtype(hf_config: Any) -> str:
 def _part_tensors(
     model_dir: Path, arch: Architecture, part: ModelPart, cfg: Any, progress: bool
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Tensors of ``part``; those of other parts are skipped, strays are errors."""
+    """Tensors of ``part``; those of other parts (served or not yet) are skipped, strays are errors."""
+    rules = part.rules(cfg)
     others = [r for p in arch.parts if p is not part for r in p.rules(cfg)]
     total = count_tensors(checkpoint_files(model_dir))
     bar = tqdm(total=total, desc=f"loading {part.stage}", unit="tensor", disable=not progress)
     with bar:
         for name, array in iter_checkpoint(model_dir):
             bar.update(1)
-            if map_name(part.rules(cfg), name) is None and map_name(others, name) is not None:
+            if map_name(rules, name) is None and (
+                arch.is_unserved_tensor(name) or map_name(others, name) is not None
+            ):
                 continue
             yield name, array
 
@@ -97,11 +101,16 @@ def load_part(
     part = arch.part(stage)
     if is_converted(model_dir):
         manifest = read_manifest(model_dir)
-        dtype = dtype or manifest["dtype"]
+        if stage not in manifest["stages"]:
+            raise ValueError(
+                f"{model_dir}: converted without stage {stage!r} (it has {manifest['stages']}); "
+                "convert the HF checkpoint again"
+            )
+        dtype = part.dtype or dtype or manifest["dtype"]
         graphdef, abstract = abstract_params(part.make(cfg, dtype))
         values = _restore_stage(model_dir, stage, abstract, manifest, dtype, place)
     else:
-        dtype = dtype or checkpoint_dtype(cfg)
+        dtype = part.dtype or dtype or checkpoint_dtype(cfg)
         graphdef, abstract = abstract_params(part.make(cfg, dtype))
         values = fill_params(
             abstract,
@@ -171,12 +180,13 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, progress
     try:
         shapes: dict[str, dict[str, list[int]]] = {}
         for part in arch.parts:
-            _, abstract = abstract_params(part.make(cfg, dtype))
+            part_dtype = part.dtype or dtype
+            _, abstract = abstract_params(part.make(cfg, part_dtype))
             values = fill_params(
                 abstract,
                 _part_tensors(src, arch, part, cfg, progress),
                 part.rules(cfg),
-                dtype=jnp.dtype(dtype),
+                dtype=jnp.dtype(part_dtype),
                 ignore=part.ignore(cfg),
             )
             checkpointer = ocp.StandardCheckpointer()
@@ -184,13 +194,18 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, progress
             checkpointer.wait_until_finished()
             shapes[part.stage] = {format_path(p): list(np.shape(v)) for p, v in values.items()}
             del values
-        for f in _side_files(src):
-            shutil.copy2(f, tmp / f.name)
+        converters = dict(arch.side_files)
+        for f in _side_files(src, converters):
+            if f.name in converters:
+                converters[f.name](f, tmp)
+            else:
+                shutil.copy2(f, tmp / f.name)
         manifest = {
             "format": FORMAT_VERSION,
             "architecture": arch.name,
             "dtype": dtype,
             "stages": [p.stage for p in arch.parts],
+            "unserved": [stage for stage, _ in arch.unserved],
             "shapes": shapes,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -201,10 +216,11 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, progress
     return dst
 
 
-def _side_files(src: Path) -> Iterable[Path]:
-    """Config, tokenizer, processor and speaker files: everything but the weights."""
+def _side_files(src: Path, converted: Iterable[str]) -> Iterable[Path]:
+    """Config, tokenizer and processor files, and those the architecture converts (speakers)."""
+    converted = set(converted)
     for f in sorted(src.iterdir()):
         if not f.is_file() or f.name in WEIGHT_FILES:
             continue
-        if f.suffix in SIDE_FILE_SUFFIXES or f.name == "spk_dict.pt":
+        if f.suffix in SIDE_FILE_SUFFIXES or f.name in converted:
             yield f

@@ -11,7 +11,7 @@ os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")  # tests must not write
 
 import pytest  # noqa: E402
 
-from omni_jax.testing import build_tiny_qwen2  # noqa: E402
+from omni_jax.testing import build_tiny_qwen2, build_tiny_qwen2_5_omni  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +26,9 @@ def hf_qwen2(qwen2_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def omni_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Qwen2.5-Omni HF checkpoint (thinker, talker, token2wav) with tokenizer and spk_dict.pt."""
+    return build_tiny_qwen2_5_omni(tmp_path_factory.mktemp("qwen2_5_omni") / "hf", seed=0)

@@ -34,55 +34,18 @@ from omni_jax.models.qwen2_5_omni.token2wav import (
     token2wav,
     token2wav_compiled,
 )
+from omni_jax.testing import TINY_BIGVGAN_CONFIG, TINY_DIT_CONFIG, randomize_weights
 
-MEL = 8
-SPK = 12  # enc_emb_dim: width of the speaker "cond" vector
 NUM_CODES = 30
-
-DIT_CONFIG = dict(
-    hidden_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    head_dim=16,
-    ff_mult=2,
-    emb_dim=16,
-    block_size=4,
-    look_ahead_layers=[1],
-    look_backward_layers=[0, 2],
-    repeats=2,
-    num_embeds=NUM_CODES,
-    mel_dim=MEL,
-    enc_emb_dim=SPK,
-    enc_dim=8,
-    enc_channels=[16, 16, 16, 32],
-    enc_kernel_sizes=[5, 3, 3, 1],
-    enc_dilations=[1, 2, 3, 1],
-    enc_attention_channels=8,
-    enc_res2net_scale=2,
-    enc_se_channels=8,
-    max_position_embeddings=512,
-)
-BIGVGAN_CONFIG = dict(
-    mel_dim=MEL,
-    upsample_initial_channel=32,
-    resblock_kernel_sizes=[3, 5],
-    resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5]],
-    upsample_rates=[5, 3, 2, 2],
-    upsample_kernel_sizes=[11, 7, 4, 4],
-)
+DIT_CONFIG = dict(TINY_DIT_CONFIG, num_embeds=NUM_CODES)
+BIGVGAN_CONFIG = TINY_BIGVGAN_CONFIG
+MEL = DIT_CONFIG["mel_dim"]
+SPK = DIT_CONFIG["enc_emb_dim"]  # width of the speaker "cond" vector
 HOP = 5 * 3 * 2 * 2
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
-
-
-def randomize(module: torch.nn.Module, scale: float) -> None:
-    """Weights ~ scale / sqrt(fan_in), vectors ~ 0.3: far from HF's near-zero init, yet no blow-up."""
-    with torch.no_grad():
-        for p in module.parameters():
-            std = scale * p[0].numel() ** -0.5 if p.ndim > 1 else 0.3
-            p.copy_(torch.randn(p.shape) * std)
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +56,9 @@ def reference() -> Qwen2_5OmniToken2WavModel:
         bigvgan_config=Qwen2_5OmniBigVGANConfig(**BIGVGAN_CONFIG).to_dict(),
     )
     model = Qwen2_5OmniToken2WavModel(config).float().eval()
-    randomize(model.code2wav_dit_model, 1.0)
+    randomize_weights(model.code2wav_dit_model, 1.0)
     # Halved so the vocoder's output stays mostly inside its [-1, 1] clamp, which would hide errors.
-    randomize(model.code2wav_bigvgan_model, 0.5)
+    randomize_weights(model.code2wav_bigvgan_model, 0.5)
     return model
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
 
 from omni_jax.models import qwen2
-from omni_jax.models.param_map import ParamRule
+from omni_jax.models.param_map import ParamRule, prefixed
+from omni_jax.models.qwen2_5_omni import speakers
+from omni_jax.models.qwen2_5_omni.token2wav import TOKEN2WAV_IGNORE, TOKEN2WAV_RULES, Token2Wav
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,31 +22,75 @@ class ModelPart:
 
     ``make(hf_config, dtype)`` returns a zero-argument constructor (run under
     ``nnx.eval_shape`` so nothing is allocated); ``rules``/``ignore`` see full HF names.
+    ``dtype``, when set, is the only dtype the part runs in, whatever the checkpoint or the
+    caller asks (transformers always runs Qwen2.5-Omni's token2wav in float32).
     """
 
     stage: str
     make: Callable[[Any, Any], Callable[[], nnx.Module]]
     rules: Callable[[Any], tuple[ParamRule, ...]]
     ignore: Callable[[Any], tuple[str, ...]]
+    dtype: str | None = None
+
+
+SideFileConverter = Callable[[Path, Path], None]
+"""``(source file, destination dir)``: rewrites a checkpoint side file in a torch-free form."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
+    """``unserved``: ``(stage, HF name prefix)`` of parts not ported yet. Their tensors are skipped
+    by name (never silently: every other tensor must belong to a served part), and asking for
+    their stage is an error that says so. ``side_files``: ``(file name, converter)`` pairs run by
+    the converter instead of copying the file."""
+
     name: str
     stage_yaml: str
     parts: tuple[ModelPart, ...]
+    unserved: tuple[tuple[str, str], ...] = ()
+    side_files: tuple[tuple[str, SideFileConverter], ...] = ()
 
     def part(self, stage: str) -> ModelPart:
         for p in self.parts:
             if p.stage == stage:
                 return p
-        raise ValueError(f"{self.name} has no stage {stage!r} (stages: {[p.stage for p in self.parts]})")
+        served = [p.stage for p in self.parts]
+        for name, prefix in self.unserved:
+            if name == stage:
+                raise ValueError(
+                    f"{self.name}: stage {stage!r} is not served yet (its {prefix}* tensors are skipped); "
+                    f"served stages: {served}"
+                )
+        raise ValueError(f"{self.name} has no stage {stage!r} (stages: {served})")
+
+    def is_unserved_tensor(self, hf_name: str) -> bool:
+        return any(hf_name.startswith(prefix) for _, prefix in self.unserved)
 
 
 def _qwen2_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
     spec = qwen2.Qwen2Spec.from_hf(cfg)
     return lambda: qwen2.Qwen2ForCausalLM(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
 
+
+def _token2wav_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
+    return lambda: Token2Wav(cfg.token2wav_config, rngs=nnx.Rngs(0))
+
+
+_QWEN2_5_OMNI = Architecture(
+    name="Qwen2_5OmniForConditionalGeneration",
+    stage_yaml="qwen2_5_omni.yaml",
+    parts=(
+        ModelPart(
+            stage="code2wav",
+            make=_token2wav_make,
+            rules=lambda cfg: prefixed("token2wav.", "", TOKEN2WAV_RULES),
+            ignore=lambda cfg: tuple(r"token2wav\." + p for p in TOKEN2WAV_IGNORE),
+            dtype="float32",
+        ),
+    ),
+    unserved=(("thinker", "thinker."), ("talker", "talker.")),
+    side_files=((speakers.TORCH_FILE, speakers.convert_speakers),),
+)
 
 ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(
@@ -58,6 +105,9 @@ ARCHITECTURES: dict[str, Architecture] = {
             ),
         ),
     ),
+    _QWEN2_5_OMNI.name: _QWEN2_5_OMNI,
+    # The name early hub releases of Qwen2.5-Omni carry in config.json.
+    "Qwen2_5OmniModel": _QWEN2_5_OMNI,
 }
 
 

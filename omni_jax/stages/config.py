@@ -4,21 +4,45 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 _HERE = Path(__file__).parent
+P = TypeVar("P")
 
 
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
+    """One stage of the graph.
+
+    ``kind``: ``"ar"`` (scheduler + KV cache + sampler) or ``"generation"`` (one batched solve).
+    ``input``: ``"prompt"`` or the name of the stage that feeds it (when that stage is not built,
+    the user's prompt feeds it instead). ``final_output``: ``"text"`` or ``"audio"``.
+    ``default_sampling``: fields of the stage's params (``SamplingParams`` / ``Token2WavParams``)
+    used when ``run()`` gets none. ``default_speaker``: the voice when a prompt names none.
+    ``engine``: engine settings (``max_batch`` for a generation stage).
+    """
+
     name: str
-    kind: str  # "ar" | "generation"
+    kind: str
     input: str
     final_output: str | None = None
     default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
+    default_speaker: str | None = None
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("ar", "generation"):
+            raise ValueError(f"stage {self.name!r}: kind must be 'ar' or 'generation', not {self.kind!r}")
+
+    def default_params(self, params_type: type[P], overrides: dict[str, Any] | None = None) -> P:
+        """``params_type(**default_sampling, **overrides)``, naming unknown keys."""
+        values = {**self.default_sampling, **(overrides or {})}
+        unknown = set(values) - {f.name for f in dataclasses.fields(params_type)}  # type: ignore[arg-type]
+        if unknown:
+            raise ValueError(f"stage {self.name!r}: unknown default_sampling keys {sorted(unknown)}")
+        return params_type(**values)
 
 
 @dataclasses.dataclass(frozen=True)

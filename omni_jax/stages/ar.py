@@ -1,0 +1,144 @@
+"""An autoregressive stage: continuous batching over a paged KV cache (``AREngine``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from omni_jax.engine.ar_engine import AREngine
+from omni_jax.engine.ar_runner import ARRunner, CacheConfig
+from omni_jax.engine.kv_cache import default_num_pages
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params
+from omni_jax.stages.config import StageConfig
+
+
+class ARStage:
+    """Token ids in, token ids out; ``engine`` schedules and runs the steps."""
+
+    params_type = SamplingParams
+    accepts_text = True
+
+    def __init__(
+        self,
+        config: StageConfig,
+        engine: AREngine,
+        vocab_size: int,
+        max_model_len: int,
+        defaults: SamplingParams,
+    ):
+        self.config = config
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.defaults = defaults
+        self._submitted: dict[str, float] = {}
+
+    @classmethod
+    def build(
+        cls,
+        sc: StageConfig,
+        model: Any,
+        path: Path,
+        *,
+        max_num_seqs: int,
+        max_model_len: int | None,
+        num_pages: int | None,
+        page_size: int,
+        max_num_batched_tokens: int,
+        backend: str,
+    ) -> ARStage:
+        """Size the KV cache for ``model`` and wire scheduler, runner and sampling defaults."""
+        layers, kv_heads, head_dim = model.kv_cache_shape()
+        spec_max = model.spec.max_position_embeddings
+        max_model_len = max_model_len or min(spec_max, 4096)
+        if max_model_len > spec_max:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={spec_max}"
+            )
+        if max_num_batched_tokens & (max_num_batched_tokens - 1) or max_num_batched_tokens < 16:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be a power of two >= 16")
+        dtype = jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype
+        pages_per_seq = -(-max_model_len // page_size)
+        if num_pages is None:
+            num_pages = default_num_pages(
+                layers, kv_heads, head_dim, page_size, dtype, pages_per_seq * max_num_seqs
+            )
+        if num_pages < pages_per_seq:
+            raise ValueError(
+                f"num_pages={num_pages} x page_size={page_size} cannot hold one sequence of "
+                f"max_model_len={max_model_len}"
+            )
+        cache = CacheConfig(layers, kv_heads, head_dim, num_pages, page_size, jnp.dtype(dtype), max_model_len)
+        runner = ARRunner(model, cache, max_num_seqs=max_num_seqs, backend=backend)
+        eos_ids, overrides = generation_defaults(path)
+        engine = AREngine(
+            runner,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            eos_token_ids=eos_ids,
+        )
+        defaults = sc.default_params(SamplingParams, overrides)
+        return cls(sc, engine, model.spec.vocab_size, max_model_len, defaults)
+
+    def validate(self, index: int, request: StageInput | None, params: Any) -> None:
+        if request is not None:
+            ids = request.token_ids
+            check_ids(index, ids, self.vocab_size)
+            if len(ids) >= self.max_model_len:
+                raise ValueError(
+                    f"request {index}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len} "
+                    "(at least one token must be generated)"
+                )
+        check_params(self, index, params, self.vocab_size)
+
+    def submit(self, request_id: str, request: StageInput, params: SamplingParams) -> None:
+        self._submitted[request_id] = time.perf_counter()
+        self.engine.add_request(request_id, request.token_ids, params)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def warmup(self) -> int:
+        return self.engine.warmup()
+
+    def step(self) -> list[StageResult]:
+        results = []
+        for req in self.engine.step():
+            now = time.perf_counter()
+            started = self._submitted.pop(req.request_id)
+            metrics = {
+                "wall_s": now - started,
+                "num_prompt_tokens": len(req.prompt_ids),
+                "num_output_tokens": len(req.output_ids),
+                "num_preemptions": req.num_preemptions,
+                "ttft_s": (req.first_token_time or now) - started,
+            }
+            logprobs = req.logprobs if req.params.logprobs is not None else None
+            results.append(
+                StageResult(req.request_id, list(req.output_ids), req.finish_reason, metrics, logprobs)
+            )
+        return results
+
+
+def generation_defaults(path: Path) -> tuple[list[int], dict[str, Any]]:
+    """EOS ids and sampling overrides from ``generation_config.json`` (as vLLM reads it)."""
+    f = path / "generation_config.json"
+    if not f.exists():
+        return [], {}
+    gen = json.loads(f.read_text())
+    eos = gen.get("eos_token_id")
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    overrides: dict[str, Any] = {}
+    for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
+        if key in gen:
+            overrides[key] = gen[key]
+    if gen.get("do_sample") is False:
+        overrides["temperature"] = 0.0
+    return eos_ids, overrides

@@ -1,0 +1,81 @@
+"""The one small interface the pipeline drives every stage through, AR or generation.
+
+The pipeline only validates, submits, steps and asks whether work is left; how a stage batches
+(continuous batching over a paged KV cache, or one padded solve) stays inside the stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import numpy as np
+
+from omni_jax.stages.config import StageConfig
+
+
+@dataclasses.dataclass
+class StageInput:
+    """What a stage consumes for one request: token ids and the user's prompt dict (speaker,
+    multimodal data); ``upstream`` is the previous stage's result when a stage fed it."""
+
+    token_ids: list[int]
+    prompt: dict[str, Any]
+    upstream: StageResult | None = None
+
+
+@dataclasses.dataclass
+class StageResult:
+    """One request finished by one stage; ``error`` is set when it failed at run time."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: dict[str, Any]
+    logprobs: list[dict[int, float]] | None = None
+    audio: np.ndarray | None = None
+    sample_rate: int | None = None
+    error: str | None = None
+
+
+class Stage(Protocol):
+    config: StageConfig
+    params_type: type
+    defaults: Any
+    accepts_text: bool
+
+    def validate(self, index: int, request: StageInput | None, params: Any) -> None:
+        """Raise ``ValueError`` naming request ``index``; ``request`` is None when an earlier stage
+        will produce it (then only ``params`` can be checked)."""
+
+    def submit(self, request_id: str, request: StageInput, params: Any) -> None: ...
+
+    def step(self) -> list[StageResult]:
+        """Advance; return the requests that finished."""
+
+    def has_work(self) -> bool: ...
+
+    def warmup(self) -> int:
+        """Compile ahead of traffic; returns how many programs were compiled."""
+
+
+def check_params(stage: Stage, index: int, params: Any, *args: Any) -> None:
+    """Type, then values (``params.validate(*args)``), naming the request and the stage."""
+    if not isinstance(params, stage.params_type):
+        raise ValueError(
+            f"request {index}: stage {stage.config.name!r} needs {stage.params_type.__name__}, "
+            f"got {type(params).__name__}"
+        )
+    try:
+        params.validate(*args)
+    except ValueError as e:
+        raise ValueError(f"request {index}: stage {stage.config.name!r}: {e}") from None
+
+
+def check_ids(index: int, ids: list[int], vocab_size: int, kind: str = "token") -> None:
+    """A prompt's ids are there and inside ``[0, vocab_size)``; ``kind`` names them (token, codec)."""
+    if not ids:
+        raise ValueError(f"request {index}: empty prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"request {index}: {kind} id {bad[0]} outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,159 @@
+"""Qwen2.5-Omni's code2wav stage: codec tokens + a voice -> 24 kHz waveform, batched.
+
+The stage owns what is particular to the model (voices, the codec vocabulary, the DiT's length
+limit, the sample rate); :class:`GenerationRunner` owns batching, padding and the solve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omni_jax.engine.generation_params import Token2WavParams
+from omni_jax.engine.generation_runner import GenerationRequest, GenerationRunner, SolveGeometry
+from omni_jax.models.qwen2_5_omni.speakers import Speaker, load_speakers
+from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
+from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params
+from omni_jax.stages.config import StageConfig
+
+SAMPLE_RATE = 24_000
+"""Qwen2.5-Omni's BigVGAN output rate (not recorded in the checkpoint's config)."""
+
+
+class Code2WavStage:
+    """Prompts (when first) are ``{"prompt_token_ids": codes, "speaker": name}``.
+
+    Codes index the DiT's codec embedding: valid ids are ``0 .. num_embeds`` inclusive (the
+    table has ``num_embeds + 1`` rows, as in transformers). A request may hold at most
+    ``max_position_embeddings // repeats`` codes, the reference's limit on mel length. A prompt
+    without ``"speaker"`` uses :attr:`default_speaker`: the YAML's ``default_speaker`` when the
+    checkpoint has that voice, else the checkpoint's first voice.
+    """
+
+    params_type = Token2WavParams
+    accepts_text = False
+
+    def __init__(
+        self,
+        config: StageConfig,
+        runner: GenerationRunner,
+        speakers: dict[str, Speaker],
+        codec_vocab_size: int,
+        defaults: Token2WavParams,
+    ):
+        if not speakers:
+            raise ValueError("the code2wav stage needs at least one speaker")
+        self.config = config
+        self.runner = runner
+        self.speakers = speakers
+        self.codec_vocab_size = codec_vocab_size
+        self.defaults = defaults
+        wanted = config.default_speaker
+        self.default_speaker = wanted if wanted in speakers else next(iter(speakers))
+        self._submitted: dict[str, tuple[float, int]] = {}
+
+    @classmethod
+    def build(cls, sc: StageConfig, model: Token2Wav, path: Path) -> Code2WavStage:
+        speakers = load_speakers(path)
+        if not speakers:
+            raise ValueError(f"{path}: no speakers (spk_dict.pt, or speakers.json from conversion)")
+        dit = model.dit
+        geometry = SolveGeometry(
+            repeats=dit.repeats, mel_dim=dit.mel_dim, max_codes=dit.max_position_embeddings // dit.repeats
+        )
+        # Every voice's reference mel pads to one bucket: one compile fewer per batch shape.
+        runner = GenerationRunner(
+            token2wav_compiled,
+            model,
+            geometry,
+            max_batch=int(sc.engine.get("max_batch", 8)),
+            min_reference=max(len(s.ref_mel) for s in speakers.values()),
+        )
+        codec_vocab_size = int(dit.codec_embed.num_embeddings)
+        defaults = sc.default_params(Token2WavParams)
+        return cls(sc, runner, speakers, codec_vocab_size, defaults)
+
+    def speaker(self, index: int, prompt: dict[str, Any]) -> Speaker:
+        name = prompt.get("speaker")
+        if name is None:
+            return self.speakers[self.default_speaker]
+        if name not in self.speakers:
+            raise ValueError(
+                f"request {index}: unknown speaker {name!r}; known speakers: {list(self.speakers)}"
+            )
+        return self.speakers[name]
+
+    def validate(self, index: int, request: StageInput | None, params: Any) -> None:
+        check_params(self, index, params)
+        if request is None:
+            return
+        self.speaker(index, request.prompt)
+        codes = request.token_ids
+        check_ids(index, codes, self.codec_vocab_size, kind="codec")
+        geometry = self.runner.geometry
+        if len(codes) > geometry.max_codes:
+            raise ValueError(
+                f"request {index}: {len(codes)} codes exceed the DiT's limit of {geometry.max_codes} "
+                f"({geometry.max_codes * geometry.repeats} mel frames, max_position_embeddings)"
+            )
+        if params.initial_noise is not None:
+            want = (len(codes) * geometry.repeats, geometry.mel_dim)
+            got = tuple(np.shape(params.initial_noise))
+            if got != want:
+                raise ValueError(
+                    f"request {index}: initial_noise has shape {got}, {len(codes)} codes need {want} "
+                    "([len(codes) * repeats, mel_dim])"
+                )
+
+    def submit(self, request_id: str, request: StageInput, params: Token2WavParams) -> None:
+        speaker = self.speaker(0, request.prompt)
+        self._submitted[request_id] = (time.perf_counter(), len(request.token_ids))
+        self.runner.add(
+            GenerationRequest(
+                request_id,
+                np.asarray(request.token_ids, np.int32),
+                speaker.cond,
+                speaker.ref_mel,
+                dataclasses.replace(params),
+            )
+        )
+
+    def has_work(self) -> bool:
+        return self.runner.has_work()
+
+    def warmup(self) -> int:
+        """Nothing ahead of traffic: one program per (batch, codes, reference) bucket, compiled on
+        first use, since the buckets a deployment sees depend on its talker's output lengths."""
+        return 0
+
+    def step(self) -> list[StageResult]:
+        results = []
+        for r in self.runner.step():
+            started, num_codes = self._submitted.pop(r.request.request_id)
+            metrics = {
+                "wall_s": time.perf_counter() - started,
+                "solve_s": r.solve_s,
+                "batch_size": r.batch_size,
+                "num_codes": num_codes,
+                "num_samples": 0 if r.waveform is None else len(r.waveform),
+                "seed": r.seed,
+            }
+            codes = r.request.codes.tolist()
+            if r.error is not None:
+                results.append(StageResult(r.request.request_id, codes, "error", metrics, error=r.error))
+            else:
+                results.append(
+                    StageResult(
+                        r.request.request_id,
+                        codes,
+                        "stop",
+                        metrics,
+                        audio=r.waveform,
+                        sample_rate=SAMPLE_RATE,
+                    )
+                )
+        return results
