@@ -111,16 +111,30 @@ def load_part(
         values = _restore_stage(model_dir, stage, abstract, manifest, dtype, place)
     else:
         dtype = part.dtype or dtype or checkpoint_dtype(cfg)
-        graphdef, abstract = abstract_params(part.make(cfg, dtype))
-        values = fill_params(
-            abstract,
-            _part_tensors(model_dir, arch, part, cfg, progress),
-            part.rules(cfg),
-            dtype=jnp.dtype(dtype),
-            ignore=part.ignore(cfg),
-            place=place,
-        )
+        graphdef, abstract, values = _read_hf_part(model_dir, arch, part, cfg, dtype, progress, place)
     return merge_params(graphdef, abstract, values), cfg
+
+
+def _read_hf_part(
+    model_dir: Path,
+    arch: Architecture,
+    part: ModelPart,
+    cfg: Any,
+    dtype: str,
+    progress: bool,
+    place: Callable[[FlaxPath, np.ndarray], object] | None = None,
+) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable], dict[FlaxPath, object]]:
+    """Stream ``part``'s tensors from an HF dir into its parameters (checked by name and shape)."""
+    graphdef, abstract = abstract_params(part.make(cfg, dtype))
+    values = fill_params(
+        abstract,
+        _part_tensors(model_dir, arch, part, cfg, progress),
+        part.rules(cfg),
+        dtype=jnp.dtype(dtype),
+        ignore=part.ignore(cfg),
+        place=place,
+    )
+    return graphdef, abstract, values
 
 
 def _nest(flat: dict[FlaxPath, Any]) -> dict[str, Any]:
@@ -180,15 +194,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, progress
     try:
         shapes: dict[str, dict[str, list[int]]] = {}
         for part in arch.parts:
-            part_dtype = part.dtype or dtype
-            _, abstract = abstract_params(part.make(cfg, part_dtype))
-            values = fill_params(
-                abstract,
-                _part_tensors(src, arch, part, cfg, progress),
-                part.rules(cfg),
-                dtype=jnp.dtype(part_dtype),
-                ignore=part.ignore(cfg),
-            )
+            _, _, values = _read_hf_part(src, arch, part, cfg, part.dtype or dtype, progress)
             checkpointer = ocp.StandardCheckpointer()
             checkpointer.save((tmp / "params" / part.stage).absolute(), _nest(values))
             checkpointer.wait_until_finished()
