@@ -17,15 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omni_jax.engine.buckets import bucket, bucket_sizes, fine_bucket_sizes, token_bucket
+from omni_jax.engine.buckets import (
+    MIN_ROWS,
+    bucket,
+    bucket_sizes,
+    fine_bucket_sizes,
+    row_bucket,
+    token_bucket,
+)
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.engine.sampling import SamplingParams, SamplingTensors, pack_sampling, sample
 from omni_jax.models.attention import AttentionMetadata, Backend
-
-MIN_ROWS = 2
-"""Steps carry at least two rows. With one row and one token, XLA rewrites the cache scatter
-as a dynamic-update-slice and (CPU, measured) copies every layer's whole cache each step:
-batch-1 decode of a 40M model took 228 ms per step instead of 18 ms with two rows."""
 
 
 class ARModel(Protocol):
@@ -227,7 +229,7 @@ class ARRunner:
 
     def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
         n = len(rows)
-        b = bucket(n, MIN_ROWS, self.max_rows)
+        b = row_bucket(n, self.max_rows)
         t = token_bucket(max(len(r.token_ids) for r in rows), self.min_prefill_bucket)
         p = self.pages_bucket(t, max(-(-r.end // self.cache_cfg.page_size) for r in rows))
         most = max((r.params.logprobs or 0) for r in rows)

@@ -6,6 +6,16 @@ logarithm of the largest size, so steady-state serving never compiles.
 
 from __future__ import annotations
 
+MIN_ROWS = 2
+"""Steps carry at least two rows. With one row and one token, XLA rewrites the cache scatter
+as a dynamic-update-slice and (CPU, measured) copies every layer's whole cache each step:
+batch-1 decode of a 40M model took 228 ms per step instead of 18 ms with two rows."""
+
+
+def row_bucket(n: int, maximum: int | None = None) -> int:
+    """Rows of a step: a power of two, at least :data:`MIN_ROWS`."""
+    return bucket(n, MIN_ROWS, maximum)
+
 
 def next_pow2(n: int, minimum: int = 1) -> int:
     n = max(n, minimum)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from omni_jax.engine.ar_runner import StepResult, StepRow
-from omni_jax.engine.buckets import bucket, token_bucket
+from omni_jax.engine.buckets import row_bucket, token_bucket
 from omni_jax.engine.kv_cache import PageAllocator, pages_needed
 from omni_jax.engine.sampling import SamplingParams
 
@@ -84,6 +84,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     page_size: int
     max_prefill_chunk: int
+    mix_max_padded_tokens: int = 0
 
 
 class Scheduler:
@@ -148,8 +149,11 @@ class Scheduler:
     def schedule(self) -> list[tuple[ARRequest, StepRow]]:
         """The next step's rows with their requests (empty when there is nothing to do).
 
-        Prompt chunks go first; the decode rows ride along when the padded step
-        (``bucket(rows) * bucket(longest chunk)``) still fits the token budget.
+        Prompt chunks go first. In a ``[rows, tokens]`` step a decode row costs a whole
+        chunk's compute, so decode rows ride along only where that is cheap: in the padding
+        rows the step has anyway, or all of them when the extra padded tokens stay within
+        ``mix_max_padded_tokens`` (worth it where a decode step's weight read costs more than
+        that much prompt compute, as on GPUs) and the step fits the token budget.
         """
         cfg = self.cfg
         prefilling = [r for r in self.running if r.remaining > 1]
@@ -157,9 +161,13 @@ class Scheduler:
         plan = self._plan_prefill(prefilling)
         if plan:
             t = token_bucket(max(c for _, c in plan))
-            n = len(plan) + len(decoding)
-            if n <= cfg.max_num_seqs and bucket(n) * t <= cfg.max_num_batched_tokens:
-                plan += [(r, 1) for r in decoding]
+            p, n = len(plan), len(plan) + len(decoding)
+            extra = (row_bucket(n) - row_bucket(p)) * t
+            fits = n <= cfg.max_num_seqs and row_bucket(n) * t <= cfg.max_num_batched_tokens
+            riders = (
+                decoding if fits and extra <= cfg.mix_max_padded_tokens else decoding[: row_bucket(p) - p]
+            )
+            plan += [(r, 1) for r in riders]
         else:
             plan = [(r, 1) for r in decoding]
         plan.sort(key=lambda rc: rc[0].arrival)
@@ -181,7 +189,7 @@ class Scheduler:
         def take(req: ARRequest) -> bool:
             chunk = min(req.remaining, cfg.max_prefill_chunk)
             longest = max([chunk] + [c for _, c in plan])
-            if plan and bucket(len(plan) + 1) * token_bucket(longest) > cfg.max_num_batched_tokens:
+            if plan and row_bucket(len(plan) + 1) * token_bucket(longest) > cfg.max_num_batched_tokens:
                 return False
             plan.append((req, chunk))
             return True
