@@ -93,6 +93,8 @@ class OmniJaxPipeline:
             if sc.kind == "generation":
                 built.append(Code2WavStage.build(sc, model, path))
                 continue
+            part = arch.part(sc.name)
+            frontend = None if part.frontend is None else part.frontend(hf_config, model, path)
             built.append(
                 ARStage.build(
                     sc,
@@ -104,9 +106,46 @@ class OmniJaxPipeline:
                     page_size=page_size or 16,
                     max_num_batched_tokens=max_num_batched_tokens or 2048,
                     backend=attention_backend,
+                    frontend=frontend,
                 )
             )
         return cls(path, config, built, _load_tokenizer(path))
+
+    def chat_prompt(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **mm_processor_kwargs: Any,
+    ) -> dict[str, Any]:
+        """A prompt dict for :meth:`run` from chat messages, with the checkpoint's chat template.
+
+        A message's ``content`` is a string or a list of items ``{"type": "text", "text": ...}``,
+        ``{"type": "audio", "audio": array | path}``, ``{"type": "image", "image": ...}``,
+        ``{"type": "video", "video": frames}``; the template writes each media item's
+        placeholder and the item goes to ``multi_modal_data`` in the same order.
+        ``mm_processor_kwargs`` (e.g. ``use_audio_in_video=True``, ``fps=2``) are passed on.
+        """
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer (and so no chat template)")
+        media: dict[str, list[Any]] = {}
+        for message in messages:
+            content = message.get("content")
+            for item in content if isinstance(content, list) else ():
+                kind = item.get("type")
+                if kind in ("audio", "image", "video"):
+                    if kind not in item:
+                        raise ValueError(f"a {kind!r} content item needs its data under the key {kind!r}")
+                    media.setdefault(kind, []).append(item[kind])
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        prompt: dict[str, Any] = {"prompt": text}
+        if media:
+            prompt["multi_modal_data"] = media
+        if mm_processor_kwargs:
+            prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs)
+        return prompt
 
     def warmup(self) -> int:
         """Compile every step shape the stages can produce ahead of traffic; returns how many."""
@@ -176,7 +215,8 @@ class OmniJaxPipeline:
         params = self._stage_params(sampling_params_list, len(prompts))
         pending, inputs = [], []
         for i, prompt in enumerate(prompts):
-            request = self._prompt_input(i, prompt)
+            request = self.stages[0].prepare(i, self._prompt_input(i, prompt))
+            self._check_modalities(i, request.prompt)
             per_request = [p[i] for p in params]
             for si, stage in enumerate(self.stages):
                 stage.validate(i, request if si == 0 else None, per_request[si])
@@ -206,12 +246,35 @@ class OmniJaxPipeline:
                         self._stage_done(p, si, result)
                         if stage.config.kind == "ar":
                             tokens += len(result.token_ids)
-                        if si < last and result.error is None:
+                        if si < last and result.error is None and not self._done_after(p, si):
                             nxt = StageInput(result.token_ids, p.prompt, upstream=result)
                             self.stages[si + 1].submit(result.request_id, nxt, p.stage_params[si + 1])
                         else:
                             bar.update(1)
                             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
+
+    def _check_modalities(self, index: int, prompt: dict[str, Any]) -> None:
+        """``modalities`` lists outputs the built stages can produce (``"text"``, ``"audio"``)."""
+        wanted = prompt.get("modalities")
+        if wanted is None:
+            return
+        produced = {s.config.final_output for s in self.stages}
+        if not isinstance(wanted, (list, tuple)) or not wanted or not set(wanted) <= {"text", "audio"}:
+            raise ValueError(
+                f"request {index}: modalities must be a non-empty list of 'text'/'audio', got {wanted!r}"
+            )
+        missing = sorted(set(wanted) - produced)
+        if missing:
+            raise ValueError(
+                f"request {index}: modalities {missing} not produced by the built stages "
+                f"{[s.config.name for s in self.stages]}"
+            )
+
+    def _done_after(self, p: _Pending, stage_index: int) -> bool:
+        """``modalities=["text"]``: the request ends with the stage that produces its text."""
+        wanted = p.prompt.get("modalities")
+        produces_text = self.stages[stage_index].config.final_output == "text"
+        return wanted is not None and "audio" not in wanted and produces_text
 
     def _stage_done(self, p: _Pending, stage_index: int, result: StageResult) -> None:
         stage = self.stages[stage_index]

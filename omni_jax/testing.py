@@ -212,6 +212,41 @@ def randomize_weights(module: Any, scale: float, vector_std: float = 0.3) -> Non
             p.copy_(torch.randn(p.shape) * std)
 
 
+OMNI_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif content['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif content['type'] == 'video' %}<|vision_bos|><|VIDEO|><|vision_eos|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen2.5-Omni's chat layout: a default system turn, and one placeholder per media item
+between its modality's start and end tokens (content items ``{"type": "audio" | "image" |
+"video" | "text", ...}``), which the processor expands."""
+
+
+def write_omni_processor_files(path: str | Path) -> None:
+    """``preprocessor_config.json`` as the hub ships it for Qwen2.5-Omni: one file holding the
+    ``WhisperFeatureExtractor`` and ``Qwen2VLImageProcessor`` settings (each class reads its own
+    keys), with a 30 s audio window instead of the hub's 300 s to keep tests fast."""
+    from transformers import WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    audio = WhisperFeatureExtractor(
+        feature_size=128, sampling_rate=16000, chunk_length=30, return_attention_mask=True
+    )
+    image = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16384)
+    merged = {**audio.to_dict(), **image.to_dict(), "processor_class": "Qwen2_5OmniProcessor"}
+    merged.pop("mel_filters", None)
+    (Path(path) / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True))
+
+
 def tiny_qwen2_5_omni_config(tokenizer: Any, **overrides: Any) -> Any:
     """A ``Qwen2_5OmniConfig`` with every sub-model shrunk; token ids point into ``tokenizer``.
 
@@ -267,6 +302,8 @@ def tiny_qwen2_5_omni_config(tokenizer: Any, **overrides: Any) -> Any:
         ),
         user_token_id=tokenizer("user")["input_ids"][0],
         initializer_range=0.2,
+        vision_start_token_id=ids["vision_bos_token"],
+        vision_end_token_id=ids["vision_eos_token"],
         **modality,
     )
     talker = dict(
@@ -291,8 +328,9 @@ def tiny_qwen2_5_omni_config(tokenizer: Any, **overrides: Any) -> Any:
 def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0) -> Path:
     """Write a random-weight ``Qwen2_5OmniForConditionalGeneration`` checkpoint to ``path``.
 
-    Alongside the safetensors weights: the tokenizer (with the Omni placeholders, TTS tokens and
-    one BOS token per speaker), ``generation_config.json`` and ``spk_dict.pt`` in the hub's
+    Alongside the safetensors weights: the tokenizer (with the Omni placeholders, TTS tokens,
+    one BOS token per speaker and :data:`OMNI_CHAT_TEMPLATE`), the processor's
+    ``preprocessor_config.json``, ``generation_config.json`` and ``spk_dict.pt`` in the hub's
     format: ``{speaker: {"cond": [1, enc_emb_dim], "ref_mel": [1, frames, mel_dim],
     "bos_token": int}}`` with speakers :data:`OMNI_SPEAKERS`. Deterministic in ``seed``.
     The token2wav weights are re-drawn at a scale where the waveform follows the codes.
@@ -318,7 +356,9 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0) -> Path:
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(path, safe_serialization=True)
+    tokenizer.chat_template = OMNI_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
+    write_omni_processor_files(path)
     dit = cfg.token2wav_config.dit_config
     speakers = {}
     for i, (name, token) in enumerate(speaker_tokens.items()):

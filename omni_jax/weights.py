@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -68,16 +69,20 @@ def checkpoint_dtype(hf_config: Any) -> str:
 def _part_tensors(
     model_dir: Path, arch: Architecture, part: ModelPart, cfg: Any, progress: bool
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Tensors of ``part``; those of other parts (served or not yet) are skipped, strays are errors."""
+    """Tensors of ``part``; those of other parts (served or not yet, or that another part drops)
+    are skipped, strays are errors."""
     rules = part.rules(cfg)
     others = [r for p in arch.parts if p is not part for r in p.rules(cfg)]
+    dropped = [re.compile(x) for p in arch.parts if p is not part for x in p.ignore(cfg)]
     total = count_tensors(checkpoint_files(model_dir))
     bar = tqdm(total=total, desc=f"loading {part.stage}", unit="tensor", disable=not progress)
     with bar:
         for name, array in iter_checkpoint(model_dir):
             bar.update(1)
             if map_name(rules, name) is None and (
-                arch.is_unserved_tensor(name) or map_name(others, name) is not None
+                arch.is_unserved_tensor(name)
+                or map_name(others, name) is not None
+                or any(d.fullmatch(name) for d in dropped)
             ):
                 continue
             yield name, array

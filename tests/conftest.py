@@ -32,3 +32,11 @@ def hf_qwen2(qwen2_dir):
 def omni_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny Qwen2.5-Omni HF checkpoint (thinker, talker, token2wav) with tokenizer and spk_dict.pt."""
     return build_tiny_qwen2_5_omni(tmp_path_factory.mktemp("qwen2_5_omni") / "hf", seed=0)
+
+
+@pytest.fixture(scope="session")
+def omni_converted_dir(omni_dir, tmp_path_factory: pytest.TempPathFactory):
+    """``omni_dir`` through ``checkpoints_convert`` (every served part, speakers torch-free)."""
+    from omni_jax.weights import convert
+
+    return convert(omni_dir, tmp_path_factory.mktemp("omni_conv") / "conv", progress=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import Any
 
 from omni_jax.engine.ar_runner import ARRunner
 from omni_jax.engine.kv_cache import PageAllocator
@@ -39,7 +40,11 @@ class AREngine:
         )
         self._arrivals = 0
 
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> ARRequest:
+    def add_request(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, extra: Any = None
+    ) -> ARRequest:
+        """Queue a request; ``extra`` is what the stage's model-specific hooks (positions, step
+        inputs) read for it."""
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         req = ARRequest(
             request_id=request_id,
@@ -48,6 +53,7 @@ class AREngine:
             params=params,
             seed=seed,
             eos_token_ids=self.eos_token_ids,
+            extra=extra,
         )
         self._arrivals += 1
         self.scheduler.add(req)

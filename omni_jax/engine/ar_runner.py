@@ -33,7 +33,7 @@ from omni_jax.models.attention import AttentionMetadata, Backend
 class ARModel(Protocol):
     """What the engine needs of an AR model; nothing here is model-specific."""
 
-    def embed(self, tokens: jax.Array) -> jax.Array: ...
+    def embed(self, tokens: jax.Array, extra: Any = None) -> jax.Array: ...
 
     def __call__(
         self, embeds: jax.Array, positions: jax.Array, kv_cache: Any, md: AttentionMetadata, backend: Backend
@@ -72,10 +72,23 @@ class StepRow:
     history: Sequence[int]
     prompt_len: int
     suppress: Sequence[int]
+    extra: Any = None  # the request's model-specific inputs (:attr:`ARRequest.extra`), opaque here
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+class StepInputs(Protocol):
+    """Model-specific inputs of a step's embedding, e.g. encoder rows a multimodal model merges.
+
+    ``pack`` runs on the host for every step (also for warm-up, with no rows) and returns the
+    pytree passed as ``extra`` to ``model.embed(tokens, extra)``; its shapes must come from a
+    few buckets, and a step whose rows need nothing must get the same shapes every time, so
+    decode never recompiles.
+    """
+
+    def pack(self, rows: Sequence[StepRow], batch: int) -> Any: ...
 
 
 @dataclasses.dataclass
@@ -95,13 +108,14 @@ def _step_fn(
     md: AttentionMetadata,
     logits_idx: jax.Array,
     st: SamplingTensors,
+    extra: Any,
     *,
     num_logprobs: int,
     backend: Backend,
     return_hidden: bool,
 ) -> tuple[Any, ...]:
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(model.embed(tokens), positions, kv_cache, md, backend)
+    hidden, kv_cache = model(model.embed(tokens, extra), positions, kv_cache, md, backend)
     last = hidden[jnp.arange(hidden.shape[0]), logits_idx]
     toks, ids, lps = sample(model.logits(last), st, num_logprobs)
     return toks, ids, lps, (hidden if return_hidden else None), kv_cache
@@ -119,6 +133,7 @@ class ARRunner:
         backend: Backend = "auto",
         min_prefill_bucket: int = 16,
         position_shape: tuple[int, ...] = (),
+        step_inputs: StepInputs | None = None,
     ):
         self.graphdef, self.state = nnx.split(model)
         self.cache_cfg = cache
@@ -127,6 +142,7 @@ class ARRunner:
         self.backend = backend
         self.min_prefill_bucket = min_prefill_bucket
         self.position_shape = position_shape  # () for 1-D RoPE, (3,) for M-RoPE
+        self.step_inputs = step_inputs  # None: the model embeds tokens alone
         self.kv_cache = init_kv_cache(
             cache.num_layers,
             cache.num_kv_heads,
@@ -214,7 +230,8 @@ class ARRunner:
             suppress_len=bucket(max([len(r.suppress) for r in rows], default=0), 4),
         )
         md = AttentionMetadata(slots, tables, ctx, qlen)
-        return tokens, positions, md, np.maximum(qlen - 1, 0), st
+        extra = None if self.step_inputs is None else self.step_inputs.pack(rows, b)
+        return tokens, positions, md, np.maximum(qlen - 1, 0), st, extra
 
     def _call(self, *args: Any, num_logprobs: int, return_hidden: bool) -> tuple[Any, ...]:
         toks, ids, lps, hidden, self.kv_cache = self._step(

@@ -15,6 +15,7 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class ARRequest:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None  # perf_counter() when the first output token arrived
+    extra: Any = None  # model-specific inputs (multimodal features, M-RoPE positions), opaque here
 
     @property
     def all_ids(self) -> list[int]:
@@ -222,6 +224,7 @@ class Scheduler:
             history=ids,
             prompt_len=len(req.prompt_ids),
             suppress=suppress,
+            extra=req.extra,
         )
 
     def update(self, step: Sequence[tuple[ARRequest, StepRow]], result: StepResult) -> list[ARRequest]:

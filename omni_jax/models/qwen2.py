@@ -175,7 +175,11 @@ class Qwen2ForCausalLM(nnx.Module):
                 spec.hidden_size, spec.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
             )
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
+    def embed(self, tokens: jax.Array, extra: None = None) -> jax.Array:
+        """Token embeddings; ``extra`` is the engine's per-step hook for multimodal subclasses
+        (:meth:`omni_jax.models.qwen2_5_omni.thinker.Thinker.embed`), always None for a text LM."""
+        if extra is not None:
+            raise ValueError("a text-only model merges no extra inputs into its embeddings")
         return self.model.embed_tokens(tokens)
 
     def kv_cache_shape(self) -> tuple[int, int, int]:

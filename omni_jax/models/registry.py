@@ -13,6 +13,7 @@ from flax import nnx
 from omni_jax.models import qwen2
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni import speakers
+from omni_jax.models.qwen2_5_omni.thinker import THINKER_RULES_IN_OMNI, Thinker, ThinkerSpec, thinker_ignore
 from omni_jax.models.qwen2_5_omni.token2wav import TOKEN2WAV_IGNORE, TOKEN2WAV_RULES, Token2Wav
 
 
@@ -24,6 +25,9 @@ class ModelPart:
     ``nnx.eval_shape`` so nothing is allocated); ``rules``/``ignore`` see full HF names.
     ``dtype``, when set, is the only dtype the part runs in, whatever the checkpoint or the
     caller asks (transformers always runs Qwen2.5-Omni's token2wav in float32).
+    ``frontend(hf_config, model, path)``, for an AR part that needs more than token ids (a
+    multimodal processor, M-RoPE positions, encoder rows merged into its embeddings), builds
+    the stage's :class:`~omni_jax.stages.ar.ARFrontend`.
     """
 
     stage: str
@@ -31,6 +35,7 @@ class ModelPart:
     rules: Callable[[Any], tuple[ParamRule, ...]]
     ignore: Callable[[Any], tuple[str, ...]]
     dtype: str | None = None
+    frontend: Callable[[Any, nnx.Module, Path], Any] | None = None
 
 
 SideFileConverter = Callable[[Path, Path], None]
@@ -76,10 +81,28 @@ def _token2wav_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
     return lambda: Token2Wav(cfg.token2wav_config, rngs=nnx.Rngs(0))
 
 
+def _thinker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
+    spec = ThinkerSpec.from_hf(cfg.thinker_config)
+    return lambda: Thinker(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+
+
+def _thinker_frontend(cfg: Any, model: nnx.Module, path: Path) -> Any:
+    from omni_jax.stages.thinker import ThinkerFrontend  # stages build on models, not the reverse
+
+    return ThinkerFrontend.build(model, path)
+
+
 _QWEN2_5_OMNI = Architecture(
     name="Qwen2_5OmniForConditionalGeneration",
     stage_yaml="qwen2_5_omni.yaml",
     parts=(
+        ModelPart(
+            stage="thinker",
+            make=_thinker_make,
+            rules=lambda cfg: THINKER_RULES_IN_OMNI,
+            ignore=lambda cfg: thinker_ignore(ThinkerSpec.from_hf(cfg.thinker_config), prefix="thinker."),
+            frontend=_thinker_frontend,
+        ),
         ModelPart(
             stage="code2wav",
             make=_token2wav_make,
@@ -88,7 +111,7 @@ _QWEN2_5_OMNI = Architecture(
             dtype="float32",
         ),
     ),
-    unserved=(("thinker", "thinker."), ("talker", "talker.")),
+    unserved=(("talker", "talker."),),
     side_files=((speakers.TORCH_FILE, speakers.convert_speakers),),
 )
 

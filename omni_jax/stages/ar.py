@@ -5,18 +5,37 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from omni_jax.engine.ar_engine import AREngine
-from omni_jax.engine.ar_runner import ARRunner, CacheConfig
+from omni_jax.engine.ar_runner import ARRunner, CacheConfig, StepInputs
 from omni_jax.engine.kv_cache import default_num_pages
 from omni_jax.engine.sampling import SamplingParams
-from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params
+from omni_jax.engine.scheduler import PositionFn, text_positions
+from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
 from omni_jax.stages.config import StageConfig
+
+
+class ARFrontend(Protocol):
+    """What a model adds to the generic AR stage when token ids are not all it reads.
+
+    ``prepare`` turns a prompt (with its multimodal data) into the ids the model runs and
+    the request's ``extra`` (host side, before any work); ``positions`` are the rotary
+    positions of a request's tokens ``[start, end)`` (``position_shape`` leading axes, e.g.
+    ``(3,)`` for M-RoPE), also after a preemption; ``step_inputs`` packs each step's extra
+    embedding inputs for the runner.
+    """
+
+    position_shape: tuple[int, ...]
+    step_inputs: StepInputs | None
+
+    def prepare(self, index: int, request: StageInput) -> StageInput: ...
+
+    def positions(self, req: Any, start: int, end: int) -> Any: ...
 
 
 class ARStage:
@@ -32,12 +51,14 @@ class ARStage:
         vocab_size: int,
         max_model_len: int,
         defaults: SamplingParams,
+        frontend: ARFrontend | None = None,
     ):
         self.config = config
         self.engine = engine
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.defaults = defaults
+        self.frontend = frontend
         self._submitted: dict[str, float] = {}
 
     @classmethod
@@ -53,6 +74,7 @@ class ARStage:
         page_size: int,
         max_num_batched_tokens: int,
         backend: str,
+        frontend: ARFrontend | None = None,
     ) -> ARStage:
         """Size the KV cache for ``model`` and wire scheduler, runner and sampling defaults."""
         layers, kv_heads, head_dim = model.kv_cache_shape()
@@ -76,16 +98,30 @@ class ARStage:
                 f"max_model_len={max_model_len}"
             )
         cache = CacheConfig(layers, kv_heads, head_dim, num_pages, page_size, jnp.dtype(dtype), max_model_len)
-        runner = ARRunner(model, cache, max_num_seqs=max_num_seqs, backend=backend)
+        runner = ARRunner(
+            model,
+            cache,
+            max_num_seqs=max_num_seqs,
+            backend=backend,
+            position_shape=() if frontend is None else frontend.position_shape,
+            step_inputs=None if frontend is None else frontend.step_inputs,
+        )
         eos_ids, overrides = generation_defaults(path)
+        positions: PositionFn = text_positions if frontend is None else frontend.positions
         engine = AREngine(
             runner,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=eos_ids,
+            positions=positions,
         )
         defaults = sc.default_params(SamplingParams, overrides)
-        return cls(sc, engine, model.spec.vocab_size, max_model_len, defaults)
+        return cls(sc, engine, model.spec.vocab_size, max_model_len, defaults, frontend)
+
+    def prepare(self, index: int, request: StageInput) -> StageInput:
+        if self.frontend is None:
+            return no_multimodal(self, index, request)
+        return self.frontend.prepare(index, request)
 
     def validate(self, index: int, request: StageInput | None, params: Any) -> None:
         if request is not None:
@@ -100,7 +136,7 @@ class ARStage:
 
     def submit(self, request_id: str, request: StageInput, params: SamplingParams) -> None:
         self._submitted[request_id] = time.perf_counter()
-        self.engine.add_request(request_id, request.token_ids, params)
+        self.engine.add_request(request_id, request.token_ids, params, extra=request.extra)
 
     def has_work(self) -> bool:
         return self.engine.has_work()

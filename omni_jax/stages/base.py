@@ -17,11 +17,14 @@ from omni_jax.stages.config import StageConfig
 @dataclasses.dataclass
 class StageInput:
     """What a stage consumes for one request: token ids and the user's prompt dict (speaker,
-    multimodal data); ``upstream`` is the previous stage's result when a stage fed it."""
+    multimodal data); ``upstream`` is the previous stage's result when a stage fed it;
+    ``extra`` is what the stage's :meth:`Stage.prepare` derived from the prompt (encoder
+    features, rotary positions)."""
 
     token_ids: list[int]
     prompt: dict[str, Any]
     upstream: StageResult | None = None
+    extra: Any = None
 
 
 @dataclasses.dataclass
@@ -43,6 +46,11 @@ class Stage(Protocol):
     params_type: type
     defaults: Any
     accepts_text: bool
+
+    def prepare(self, index: int, request: StageInput) -> StageInput:
+        """The user's prompt as this (first) stage consumes it: multimodal data processed and
+        its placeholders expanded, where the stage takes any. Host work only; raises
+        ``ValueError`` naming request ``index`` on input in the wrong form."""
 
     def validate(self, index: int, request: StageInput | None, params: Any) -> None:
         """Raise ``ValueError`` naming request ``index``; ``request`` is None when an earlier stage
@@ -70,6 +78,13 @@ def check_params(stage: Stage, index: int, params: Any, *args: Any) -> None:
         params.validate(*args)
     except ValueError as e:
         raise ValueError(f"request {index}: stage {stage.config.name!r}: {e}") from None
+
+
+def no_multimodal(stage: Stage, index: int, request: StageInput) -> StageInput:
+    """:meth:`Stage.prepare` of a stage that takes no multimodal data."""
+    if request.prompt.get("multi_modal_data"):
+        raise ValueError(f"request {index}: stage {stage.config.name!r} takes no multi_modal_data")
+    return request
 
 
 def check_ids(index: int, ids: list[int], vocab_size: int, kind: str = "token") -> None:

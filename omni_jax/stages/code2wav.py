@@ -17,7 +17,7 @@ from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.engine.generation_runner import GenerationRequest, GenerationRunner, SolveGeometry
 from omni_jax.models.qwen2_5_omni.speakers import Speaker, load_speakers
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
-from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params
+from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
 from omni_jax.stages.config import StageConfig
 
 SAMPLE_RATE = 24_000
@@ -86,6 +86,9 @@ class Code2WavStage:
                 f"request {index}: unknown speaker {name!r}; known speakers: {list(self.speakers)}"
             )
         return self.speakers[name]
+
+    def prepare(self, index: int, request: StageInput) -> StageInput:
+        return no_multimodal(self, index, request)
 
     def validate(self, index: int, request: StageInput | None, params: Any) -> None:
         check_params(self, index, params)

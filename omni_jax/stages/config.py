@@ -57,7 +57,13 @@ class PipelineConfig:
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; {self.architecture} has {known}")
-        return dataclasses.replace(self, stages=tuple(s for s in self.stages if s.name in names))
+        chosen = tuple(s for s in self.stages if s.name in names)
+        for s in chosen[1:]:  # only the first built stage may read the user's prompt
+            if s.input not in names:
+                raise ValueError(
+                    f"stage {s.name!r} reads {s.input!r}'s output, which stages={names} does not build"
+                )
+        return dataclasses.replace(self, stages=chosen)
 
 
 def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:

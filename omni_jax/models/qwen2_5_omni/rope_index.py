@@ -71,7 +71,7 @@ def _video_t_index(grid_t: int, second_per_grid: float, spec: RopeIndexSpec) -> 
     return (seconds * np.float32(spec.position_id_per_seconds)).astype(np.int64)
 
 
-def _chunk_bounds(first_axis: np.ndarray, tokens_per_chunk: int, origin: int) -> list[tuple[int, int]]:
+def chunk_bounds(first_axis: np.ndarray, tokens_per_chunk: int, origin: int) -> list[tuple[int, int]]:
     """``(start, end)`` runs of ``first_axis`` by time chunk; a new chunk opens at most once per token."""
     bounds, start, chunk = [], 0, 1
     for i, value in enumerate(first_axis):
@@ -172,8 +172,8 @@ def get_rope_index(
             audio_pos = _run(audio_len, origin)
             t, h, w = videos[video_idx]
             video_pos = _vision_positions(origin, _video_t_index(t, seconds[video_idx], spec), h, w, merge)
-            video_chunks = _chunk_bounds(video_pos[0], spec.tokens_per_chunk, origin)
-            audio_chunks = _chunk_bounds(audio_pos[0], spec.tokens_per_chunk, origin)
+            video_chunks = chunk_bounds(video_pos[0], spec.tokens_per_chunk, origin)
+            audio_chunks = chunk_bounds(audio_pos[0], spec.tokens_per_chunk, origin)
             for j in range(max(len(video_chunks), len(audio_chunks))):
                 if j < len(video_chunks):
                     blocks.append(video_pos[:, slice(*video_chunks[j])])

@@ -129,6 +129,14 @@ class Thinker(Qwen2ForCausalLM):
         self.audio_tower = AudioEncoder(spec.audio, dtype=dtype, rngs=rngs)
         self.visual = VisionEncoder(spec.vision, dtype=dtype, rngs=rngs)
 
+    def embed(self, tokens: jax.Array, extra: PromptMerge | None = None) -> jax.Array:
+        """Token embeddings with this step's encoder rows merged at their placeholders."""
+        embeds = super().embed(tokens)
+        if extra is None:
+            return embeds
+        sources = [PlaceholderRows(extra.rows, extra.first_row[k], t) for k, t in enumerate(extra.token_ids)]
+        return merge_placeholders(embeds, tokens, sources, extra.limit)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -152,19 +160,48 @@ def first_row(token_ids: Sequence[int], start: int, token_id: int, offset: int) 
     return offset + sum(1 for t in token_ids[:start] if t == token_id)
 
 
-def merge_placeholders(embeds: jax.Array, tokens: jax.Array, sources: Sequence[PlaceholderRows]) -> jax.Array:
+def merge_placeholders(
+    embeds: jax.Array,
+    tokens: jax.Array,
+    sources: Sequence[PlaceholderRows],
+    limit: jax.Array | None = None,
+) -> jax.Array:
     """``embeds [B, T, D]`` with the ``k``-th placeholder of each kind in a row replaced by its rows.
 
     The reference's ``masked_scatter`` in prompt order, as a gather: a placeholder's row is
     its row's ``first_row`` plus the placeholders of its kind before it in this step, so
     shapes stay static and chunked prefills continue where the last chunk stopped.
+    ``limit [B]``: only a row's first ``limit`` tokens are prompt tokens that may be
+    placeholders; a generated token with a placeholder's id keeps its embedding, as in the
+    reference, whose decode steps merge nothing (it matters when a preempted request
+    recomputes its prompt and output together).
     """
+    prompt = None if limit is None else jnp.arange(tokens.shape[1]) < limit[:, None]
     for src in sources:
         mask = tokens == src.token_id
+        if prompt is not None:
+            mask &= prompt
         index = src.first_row[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
         rows = jnp.take(src.rows, index, axis=0, mode="clip").astype(embeds.dtype)
         embeds = jnp.where(mask[..., None], rows, embeds)
     return embeds
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptMerge:
+    """A step's encoder rows for :meth:`Thinker.embed`: one array shared by every kind.
+
+    rows: ``[N, D]`` the rows this step's prompt chunks need, grouped by step row, then kind.
+    first_row: ``[K, B]`` where step row ``b``'s rows of kind ``k`` start in ``rows``.
+    limit: ``[B]`` prompt tokens in each step row (see :func:`merge_placeholders`).
+    token_ids: the ``K`` placeholder ids (audio, image, video).
+    """
+
+    rows: jax.Array
+    first_row: jax.Array
+    limit: jax.Array
+    token_ids: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
 
 THINKER_RULES: tuple[ParamRule, ...] = (

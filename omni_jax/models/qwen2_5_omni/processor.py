@@ -1,0 +1,437 @@
+"""Qwen2.5-Omni thinker inputs: raw audio, images and videos -> encoder features + expanded ids.
+
+transformers' composite ``Qwen2_5OmniProcessor`` cannot be built without torchvision (its video
+processor needs it), so this composes the parts that load without it, each with transformers'
+own class from the checkpoint dir: ``WhisperFeatureExtractor`` (log-mel audio),
+``Qwen2VLImageProcessorPil`` (the slow image processor) and the tokenizer. What the composite
+adds on top is written here, following its code: the call arguments it passes to each part,
+the placeholder expansion (one ``<|AUDIO|>`` / ``<|IMAGE|>`` / ``<|VIDEO|>`` becomes one token
+per encoder output row; with ``use_audio_in_video`` a video's placeholder becomes its frames'
+and its audio track's tokens interleaved in 2-second chunks), and :class:`VideoProcessor`, a
+numpy port of ``Qwen2VLVideoProcessor`` for frame arrays.
+
+Expansion works on token ids rather than text: the placeholders are special tokens, so the
+tokenizer splits text at them and expanding before or after tokenizing gives the same ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
+from omni_jax.models.qwen2_5_omni.rope_index import chunk_bounds
+
+SAMPLE_RATE = 16_000
+"""The feature extractor's (and so every audio input's) sampling rate."""
+
+DEFAULT_VIDEO_FPS = 2.0
+"""Frames per second a video's frames are assumed to be sampled at, as the reference assumes
+when none is given (it is not saved in the official checkpoint)."""
+
+VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+"""Pixel bounds the composite processor passes to its video processor on every call
+(``Qwen2_5OmniProcessor.videos_kwargs``), whatever the checkpoint's own config says."""
+
+SECONDS_PER_CHUNK = 2.0
+POSITION_ID_PER_SECONDS = 25
+"""Audio-in-video interleaving constants (``Qwen2_5OmniProcessor`` class defaults)."""
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoProcessor:
+    """``Qwen2VLVideoProcessor`` for frame arrays, in numpy (frames are used as given, no sampling).
+
+    Per video: every frame resized to one :func:`smart_resize` size with PIL's bicubic filter
+    (torchvision's antialiased bicubic, which the reference uses, is a port of the same filter;
+    uint8 results can differ by one level where the two round differently), rescale and
+    normalise fused as the reference does (``(x - mean / scale) / (std / scale)`` in float32),
+    the last frame repeated up to a multiple of ``temporal_patch_size``, then patches in the
+    reference's order (merge blocks, then channel, time, rows, columns).
+    """
+
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+    rescale_factor: float = 1 / 255
+    min_pixels: int = VIDEO_SIZE["shortest_edge"]
+    max_pixels: int = VIDEO_SIZE["longest_edge"]
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> VideoProcessor:
+        """Patch geometry and normalisation from the checkpoint (``video_preprocessor_config.json``,
+        else ``preprocessor_config.json``, as ``AutoVideoProcessor`` reads them); the size bounds are
+        the composite processor's :data:`VIDEO_SIZE`, which override the file on every call."""
+        path = Path(path)
+        cfg: dict[str, Any] = {}
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            if (path / name).exists():
+                cfg = json.loads((path / name).read_text())
+                break
+        if cfg.get("do_resize", True) is False or cfg.get("do_normalize", True) is False:
+            raise ValueError(f"{path}: video processing without resize/normalize is not supported")
+        if cfg.get("do_rescale", True) is False:
+            raise ValueError(f"{path}: video processing without rescale is not supported")
+        fields = {f.name for f in dataclasses.fields(cls)} - {"min_pixels", "max_pixels"}
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in fields}
+        return cls(**kw)
+
+    def resize_target(self, height: int, width: int) -> tuple[int, int]:
+        """The reference's own ``smart_resize`` (sides multiples of patch * merge, area in bounds)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        factor = self.patch_size * self.merge_size
+        return smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+
+    def __call__(self, video: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """``(patches [t*h*w, C*T*P*P] float32, grid (t, h, w))`` for frames ``[T, H, W, C]``."""
+        from PIL import Image
+
+        frames, height, width, channels = video.shape
+        new_h, new_w = self.resize_target(height, width)
+        resized = np.empty((frames, channels, new_h, new_w), np.float32)
+        for i, frame in enumerate(video):
+            if frame.dtype == np.uint8:
+                img = Image.fromarray(frame if channels == 3 else frame[..., 0])
+                out = np.asarray(img.resize((new_w, new_h), resample=Image.BICUBIC), np.float32)
+                resized[i] = out.reshape(new_h, new_w, channels).transpose(2, 0, 1)
+            else:
+                for c in range(channels):
+                    img = Image.fromarray(np.ascontiguousarray(frame[..., c], np.float32), mode="F")
+                    resized[i, c] = np.asarray(img.resize((new_w, new_h), resample=Image.BICUBIC))
+        scale = np.float32(1.0 / self.rescale_factor)
+        mean = np.asarray(self.image_mean, np.float32) * scale
+        std = np.asarray(self.image_std, np.float32) * scale
+        normed = (resized - mean[:, None, None]) / std[:, None, None]
+        if pad := -frames % self.temporal_patch_size:
+            normed = np.concatenate([normed, np.repeat(normed[-1:], pad, axis=0)])
+        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
+        gt, gh, gw = normed.shape[0] // tp, new_h // p, new_w // p
+        x = normed.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p)
+        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return np.ascontiguousarray(x.reshape(gt * gh * gw, channels * tp * p * p)), (gt, gh, gw)
+
+
+@dataclasses.dataclass
+class OmniInputs:
+    """One prompt, processed: expanded ids and what each encoder reads, in placeholder order.
+
+    ``audio_features[i]`` is ``[mel, frames]`` (only the real frames of the padded log-mel);
+    with ``use_audio_in_video`` the audios are the videos' tracks, ``audio_features[i]``
+    belonging to video ``i``.
+    """
+
+    input_ids: list[int]
+    audio_features: list[np.ndarray] = dataclasses.field(default_factory=list)
+    image_patches: list[np.ndarray] = dataclasses.field(default_factory=list)
+    image_grid_thw: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    video_patches: list[np.ndarray] = dataclasses.field(default_factory=list)
+    video_grid_thw: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    video_second_per_grid: list[float] = dataclasses.field(default_factory=list)
+    use_audio_in_video: bool = False
+
+    @property
+    def audio_seqlens(self) -> list[int]:
+        return [f.shape[1] for f in self.audio_features]
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.audio_features or self.image_patches or self.video_patches)
+
+
+def _fail(index: int, message: str) -> ValueError:
+    return ValueError(f"request {index}: {message}")
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def read_audio(index: int, path: str | Path) -> np.ndarray:
+    """A WAV file as float32 mono at 16 kHz (``scipy.io.wavfile``; other formats are refused).
+
+    Integer PCM is scaled to [-1, 1), channels are averaged, and another rate is resampled
+    with ``scipy.signal.resample_poly`` (not bit-equal to librosa's resampler, which the
+    reference's ``load_audio`` uses).
+    """
+    from scipy.io import wavfile
+    from scipy.signal import resample_poly
+
+    path = Path(path)
+    if path.suffix.lower() != ".wav":
+        raise _fail(index, f"audio file {str(path)!r}: only .wav files can be read; pass a float array")
+    if not path.exists():
+        raise _fail(index, f"audio file {str(path)!r} does not exist")
+    rate, data = wavfile.read(path)
+    if data.dtype == np.uint8:
+        audio = (data.astype(np.float32) - 128) / 128
+    elif np.issubdtype(data.dtype, np.integer):
+        audio = data.astype(np.float32) / float(np.iinfo(data.dtype).max + 1)
+    else:
+        audio = data.astype(np.float32)
+    if audio.ndim == 2:
+        audio = audio.mean(axis=1)
+    if rate != SAMPLE_RATE:
+        g = np.gcd(rate, SAMPLE_RATE)
+        audio = resample_poly(audio, SAMPLE_RATE // g, rate // g).astype(np.float32)
+    return audio
+
+
+def _audio_item(index: int, item: Any) -> np.ndarray:
+    if isinstance(item, (str, Path)):
+        return read_audio(index, item)
+    if not isinstance(item, np.ndarray) or item.ndim != 1 or not np.issubdtype(item.dtype, np.floating):
+        shape = getattr(item, "shape", None)
+        raise _fail(
+            index,
+            f"audio must be a 1-D float array at {SAMPLE_RATE} Hz or a .wav path, got "
+            f"{type(item).__name__}{'' if shape is None else f' of shape {shape}'}",
+        )
+    if item.size == 0:
+        raise _fail(index, "audio is empty")
+    return item.astype(np.float32, copy=False)
+
+
+def _image_item(index: int, item: Any) -> Any:
+    from PIL import Image
+
+    if isinstance(item, (str, Path)):
+        if not Path(item).exists():
+            raise _fail(index, f"image file {str(item)!r} does not exist")
+        with Image.open(item) as img:
+            return img.convert("RGB")
+    if isinstance(item, Image.Image):
+        return item
+    ok = isinstance(item, np.ndarray) and (
+        item.ndim == 2 or (item.ndim == 3 and (item.shape[-1] in (1, 3) or item.shape[0] in (1, 3)))
+    )
+    if not ok:
+        shape = getattr(item, "shape", None)
+        raise _fail(
+            index,
+            "image must be a PIL image, an array [H, W], [H, W, C] or [C, H, W] with C in (1, 3), or a path; "
+            f"got {type(item).__name__}{'' if shape is None else f' of shape {shape}'}",
+        )
+    return item
+
+
+def _video_item(index: int, item: Any) -> np.ndarray:
+    ok = isinstance(item, np.ndarray) and item.ndim == 4 and (item.shape[-1] == 3 or item.shape[1] == 3)
+    if not ok:
+        shape = getattr(item, "shape", None)
+        raise _fail(
+            index,
+            "video must be a frame array [frames, H, W, 3] or [frames, 3, H, W] (decode files first); "
+            f"got {type(item).__name__}{'' if shape is None else f' of shape {shape}'}",
+        )
+    if item.shape[-1] != 3:
+        item = item.transpose(0, 2, 3, 1)
+    if min(item.shape[:3]) < 1:
+        raise _fail(index, f"video has an empty dimension: {item.shape}")
+    return item
+
+
+class OmniProcessor:
+    """The composite processor's job, from the checkpoint's own files (see the module docstring)."""
+
+    def __init__(
+        self, tokenizer: Any, feature_extractor: Any, image_processor: Any, video_processor: VideoProcessor
+    ):
+        self.tokenizer = tokenizer
+        self.feature_extractor = feature_extractor
+        self.image_processor = image_processor
+        self.video_processor = video_processor
+        ids = {
+            name: tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{name}_token"))
+            for name in ("audio", "image", "video", "audio_bos", "audio_eos", "vision_bos", "vision_eos")
+        }
+        self.audio_id, self.image_id, self.video_id = ids["audio"], ids["image"], ids["video"]
+        self.audio_bos_id, self.audio_eos_id = ids["audio_bos"], ids["audio_eos"]
+        self.vision_bos_id = ids["vision_bos"]
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, tokenizer: Any = None) -> OmniProcessor:
+        """Each part with transformers' own class from ``path`` (``preprocessor_config.json``)."""
+        from transformers import AutoTokenizer, WhisperFeatureExtractor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        path = Path(path)
+        if not (path / "preprocessor_config.json").exists():
+            raise ValueError(f"{path}: no preprocessor_config.json (the audio and image processors)")
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        missing = [
+            n for n in ("audio_token", "image_token", "video_token") if not getattr(tokenizer, n, None)
+        ]
+        if missing:
+            raise ValueError(f"{path}: the tokenizer does not name the multimodal placeholders {missing}")
+        return cls(
+            tokenizer,
+            WhisperFeatureExtractor.from_pretrained(str(path), local_files_only=True),
+            Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True),
+            VideoProcessor.from_pretrained(path),
+        )
+
+    # -- the parts ----------------------------------------------------------------------
+    def audio_features(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """``[mel, frames]`` per audio: the extractor called as the composite calls it (padded to its
+        ``chunk_length``, longer audio truncated), cut to the frames its attention mask keeps."""
+        out = self.feature_extractor(
+            list(audios),
+            sampling_rate=SAMPLE_RATE,
+            return_attention_mask=True,
+            padding="max_length",
+            return_tensors="np",
+        )
+        frames = out["attention_mask"].sum(-1)
+        return [np.asarray(f[:, :n], np.float32) for f, n in zip(out["input_features"], frames, strict=True)]
+
+    def images(self, images: Sequence[Any]) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
+        """Per image ``(patches [h*w, patch_dim], grid (1, h, w))`` from the image processor."""
+        out = self.image_processor(list(images), return_tensors="np")
+        grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"]]
+        bounds = np.cumsum([0] + [int(np.prod(g)) for g in grids])
+        pixels = np.asarray(out["pixel_values"], np.float32)
+        return [pixels[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)], grids
+
+    def video_tokens(self, grid: tuple[int, int, int]) -> int:
+        return int(np.prod(grid)) // self.video_processor.merge_size**2
+
+    def interleaved(self, grid: tuple[int, int, int], second_per_grid: float, audio_tokens: int) -> list[int]:
+        """A video's placeholder with its audio track: ``audio_bos``, then per 2-second chunk the
+        chunk's video tokens and audio tokens, then ``audio_eos`` (the reference's
+        ``replace_video_with_audio_token``; chunks by each token's time position)."""
+        t, h, w = grid
+        m = self.video_processor.merge_size
+        video_time = np.repeat(np.arange(t), (h // m) * (w // m)) * second_per_grid * POSITION_ID_PER_SECONDS
+        per_chunk = int(POSITION_ID_PER_SECONDS * SECONDS_PER_CHUNK)
+        video_chunks = chunk_bounds(video_time, per_chunk, 0)
+        audio_chunks = chunk_bounds(np.arange(audio_tokens), per_chunk, 0)
+        ids = [self.audio_bos_id]
+        for j in range(max(len(video_chunks), len(audio_chunks))):
+            if j < len(video_chunks):
+                ids += [self.video_id] * (video_chunks[j][1] - video_chunks[j][0])
+            if j < len(audio_chunks):
+                ids += [self.audio_id] * (audio_chunks[j][1] - audio_chunks[j][0])
+        return ids + [self.audio_eos_id]
+
+    # -- one prompt ---------------------------------------------------------------------
+    def process(
+        self,
+        index: int,
+        token_ids: Sequence[int],
+        multi_modal_data: dict[str, Any] | None,
+        *,
+        use_audio_in_video: bool = False,
+        fps: float | None = None,
+    ) -> OmniInputs:
+        """Check, featurise and expand one prompt; ``ValueError`` naming request ``index`` on bad input.
+
+        ``token_ids`` hold one placeholder token per item (as the chat template writes them),
+        each after its modality's start token. ``fps`` is the rate the video frames were
+        sampled at (default 2). With ``use_audio_in_video``, ``audio`` holds one track per video
+        (in video order) and the prompt has no audio placeholders of its own.
+        """
+        data = self._check_forms(index, multi_modal_data)
+        ids = [int(t) for t in token_ids]
+        audios, images, videos = data.get("audio", []), data.get("image", []), data.get("video", [])
+        self._check_counts(index, ids, len(audios), len(images), len(videos), use_audio_in_video)
+        if fps is not None and not (isinstance(fps, (int, float)) and fps > 0):
+            raise _fail(index, f"fps must be a positive number, got {fps!r}")
+        out = OmniInputs(input_ids=[], use_audio_in_video=use_audio_in_video and bool(videos))
+        if audios:
+            out.audio_features = self.audio_features(audios)
+        try:
+            if images:
+                out.image_patches, out.image_grid_thw = self.images(images)
+            for video in videos:
+                patches, grid = self.video_processor(video)
+                out.video_patches.append(patches)
+                out.video_grid_thw.append(grid)
+        except ValueError as e:  # e.g. an aspect ratio the resize refuses
+            raise _fail(index, str(e)) from None
+        seconds = self.video_processor.temporal_patch_size / (fps or DEFAULT_VIDEO_FPS)
+        out.video_second_per_grid = [seconds] * len(videos)
+        out.input_ids = self._expand(ids, out)
+        return out
+
+    def _check_forms(self, index: int, mm: Any) -> dict[str, list[Any]]:
+        if mm is None:
+            return {}
+        if not isinstance(mm, dict):
+            raise _fail(index, f"multi_modal_data must be a dict, got {type(mm).__name__}")
+        checks = {"audio": _audio_item, "image": _image_item, "video": _video_item}
+        unknown = set(mm) - set(checks)
+        if unknown:
+            raise _fail(index, f"multi_modal_data has unknown keys {sorted(unknown)} (known: {list(checks)})")
+        return {k: [checks[k](index, item) for item in _as_list(v)] for k, v in mm.items() if v is not None}
+
+    def _check_counts(
+        self, index: int, ids: list[int], audios: int, images: int, videos: int, use_audio_in_video: bool
+    ) -> None:
+        placeholders = {
+            "audio": ids.count(self.audio_id),
+            "image": ids.count(self.image_id),
+            "video": ids.count(self.video_id),
+        }
+        given = {"audio": audios, "image": images, "video": videos}
+        if use_audio_in_video and videos:
+            if placeholders["audio"]:
+                raise _fail(
+                    index,
+                    "with use_audio_in_video the audio entries are the videos' tracks; the prompt must not "
+                    "hold audio placeholders of its own",
+                )
+            if audios != videos:
+                raise _fail(
+                    index,
+                    f"use_audio_in_video needs one audio track per video: {videos} videos, {audios} audios",
+                )
+            given["audio"] = 0
+        for kind, n in given.items():
+            if placeholders[kind] != n:
+                raise _fail(
+                    index,
+                    f"{placeholders[kind]} {kind} placeholder(s) in the prompt but {n} {kind} input(s) in "
+                    "multi_modal_data (build prompts with chat_prompt(): one placeholder per item)",
+                )
+        vision = self.vision_bos_id
+        starts = {self.audio_id: self.audio_bos_id, self.image_id: vision, self.video_id: vision}
+        for i, t in enumerate(ids):
+            if t in starts and (i == 0 or ids[i - 1] != starts[t]):
+                token = self.tokenizer.convert_ids_to_tokens(t)
+                start = self.tokenizer.convert_ids_to_tokens(starts[t])
+                raise _fail(index, f"placeholder {token} at position {i} must follow {start}")
+
+    def _expand(self, ids: list[int], inputs: OmniInputs) -> list[int]:
+        audio_tokens = [audio_output_lengths(n)[1] for n in inputs.audio_seqlens]
+        merge_unit = self.image_processor.merge_size**2
+        image_tokens = iter(int(np.prod(g)) // merge_unit for g in inputs.image_grid_thw)
+        videos = iter(range(len(inputs.video_grid_thw)))
+        audios = iter(audio_tokens)
+        out: list[int] = []
+        for t in ids:
+            if t == self.audio_id:
+                out += [self.audio_id] * next(audios)
+            elif t == self.image_id:
+                out += [self.image_id] * next(image_tokens)
+            elif t == self.video_id:
+                v = next(videos)
+                grid = inputs.video_grid_thw[v]
+                if inputs.use_audio_in_video:
+                    out += self.interleaved(grid, inputs.video_second_per_grid[v], audio_tokens[v])
+                else:
+                    out += [self.video_id] * self.video_tokens(grid)
+            else:
+                out.append(t)
+        return out

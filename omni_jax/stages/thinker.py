@@ -1,0 +1,192 @@
+"""Qwen2.5-Omni's thinker served by the generic AR stage: what is particular to it lives here.
+
+The AR engine knows nothing of audio or images. This frontend gives it three things:
+
+- ``prepare``: a prompt's ``multi_modal_data`` through :class:`OmniProcessor` (features and
+  placeholder expansion) and its M-RoPE positions (:func:`get_rope_index`), before any work;
+- ``positions``: each step's ``[3, n]`` positions from the prompt's and ``rope_delta``
+  (:func:`positions_for`), right after a preemption too;
+- ``step_inputs``: per step, the encoder rows its prompt chunks need, packed as a
+  :class:`PromptMerge` for :meth:`Thinker.embed`.
+
+Encoders run once per request when it is first scheduled (all requests scheduled in that step
+in one audio and one vision call), and their rows are kept on the host until the request's
+prefill is done. A request preempted after that is encoded again when it is recomputed,
+so rows are never held for requests that are only decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from omni_jax.engine.ar_runner import StepRow
+from omni_jax.engine.buckets import bucket
+from omni_jax.engine.scheduler import ARRequest
+from omni_jax.models.qwen2_5_omni.audio_encoder import prepare_audio_batch
+from omni_jax.models.qwen2_5_omni.processor import OmniInputs, OmniProcessor
+from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index, positions_for
+from omni_jax.models.qwen2_5_omni.thinker import PromptMerge, Thinker
+from omni_jax.models.qwen2_5_omni.vision_encoder import prepare_vision_batch
+from omni_jax.stages.base import StageInput
+
+MIN_MERGE_ROWS = 16
+"""Smallest row bucket of a step's :class:`PromptMerge` (the shape every text or decode step has)."""
+
+PROCESSOR_KWARGS = ("use_audio_in_video", "fps")
+"""Keys a prompt's ``mm_processor_kwargs`` may hold (vLLM's name for per-prompt processor options)."""
+
+
+@dataclasses.dataclass
+class ThinkerRequest:
+    """One request's thinker inputs, carried as its ``ARRequest.extra``.
+
+    ``before[token][i]``: placeholders of that kind among the first ``i`` prompt tokens, so a
+    chunk ``[start, end)`` needs rows ``before[start] : before[end]`` of that kind.
+    ``rows``: encoder rows per placeholder id, in placeholder order, while prefill needs them.
+    """
+
+    inputs: OmniInputs
+    positions: np.ndarray
+    rope_delta: int
+    before: dict[int, np.ndarray]
+    rows: dict[int, np.ndarray] | None = None
+
+    @property
+    def has_media(self) -> bool:
+        return self.inputs.has_media
+
+
+def _needs_rows(req: ThinkerRequest | None) -> bool:
+    return req is not None and req.has_media and req.rows is None
+
+
+class ThinkerStepInputs:
+    """Runs the encoders at admission and packs each step's :class:`PromptMerge` (host side)."""
+
+    def __init__(self, model: Thinker):
+        spec = model.thinker_spec
+        self.spec = spec
+        self.token_ids = (spec.audio_token_id, spec.image_token_id, spec.video_token_id)
+        self.width = spec.text.hidden_size
+        self.dtype = np.dtype(model.model.embed_tokens.embedding.dtype)
+        audio_def, self._audio_state = nnx.split(model.audio_tower)
+        vision_def, self._vision_state = nnx.split(model.visual)
+        self._audio = jax.jit(lambda state, batch: nnx.merge(audio_def, state)(batch))
+        self._vision = jax.jit(lambda state, batch: nnx.merge(vision_def, state)(batch))
+
+    def encode(self, requests: Sequence[ThinkerRequest]) -> None:
+        """Every request's audio in one encoder call and its images and videos in one more."""
+        audio = [f for r in requests for f in r.inputs.audio_features]
+        audio_rows: list[np.ndarray] = []
+        if audio:
+            batch, split = prepare_audio_batch(audio, self.spec.audio)
+            audio_rows = split.split(np.asarray(self._audio(self._audio_state, batch)))
+        patches = [p for r in requests for p in (*r.inputs.image_patches, *r.inputs.video_patches)]
+        grids = [g for r in requests for g in (*r.inputs.image_grid_thw, *r.inputs.video_grid_thw)]
+        vision_rows: list[np.ndarray] = []
+        if patches:
+            batch, split = prepare_vision_batch(patches, grids, self.spec.vision)
+            vision_rows = split.split(np.asarray(self._vision(self._vision_state, batch)))
+        audio_it, vision_it = iter(audio_rows), iter(vision_rows)
+        empty = np.zeros((0, self.width), self.dtype)
+
+        def take(it: Any, n: int) -> np.ndarray:
+            pieces = [next(it) for _ in range(n)]
+            return np.concatenate(pieces) if pieces else empty
+
+        audio_id, image_id, video_id = self.token_ids
+        for r in requests:
+            r.rows = {
+                audio_id: take(audio_it, len(r.inputs.audio_features)),
+                image_id: take(vision_it, len(r.inputs.image_patches)),
+                video_id: take(vision_it, len(r.inputs.video_patches)),
+            }
+
+    def pack(self, rows: Sequence[StepRow], batch: int) -> PromptMerge:
+        """The rows this step's prompt chunks need, grouped by step row then kind, bucketed."""
+        pending = [r.extra for r in rows if _needs_rows(r.extra)]
+        if pending:
+            self.encode(pending)
+        first = np.zeros((len(self.token_ids), batch), np.int32)
+        limit = np.zeros((batch,), np.int32)
+        blocks: list[np.ndarray] = []
+        offset = 0
+        for i, row in enumerate(rows):
+            req: ThinkerRequest | None = row.extra
+            if req is None or req.rows is None:
+                continue
+            end = min(row.end, row.prompt_len)
+            limit[i] = max(end - row.start, 0)
+            for k, token in enumerate(self.token_ids):
+                a, b = int(req.before[token][min(row.start, end)]), int(req.before[token][end])
+                first[k, i] = offset
+                blocks.append(req.rows[token][a:b])
+                offset += b - a
+            if row.end >= row.prompt_len:
+                req.rows = None  # prefill done: a preempted request is encoded again
+        merged = np.zeros((bucket(offset, MIN_MERGE_ROWS), self.width), self.dtype)
+        if offset:
+            merged[:offset] = np.concatenate(blocks)
+        return PromptMerge(merged, first, limit, self.token_ids)
+
+
+class ThinkerFrontend:
+    """The thinker's :class:`~omni_jax.stages.ar.ARFrontend` (see the module docstring)."""
+
+    position_shape = (3,)
+
+    def __init__(self, processor: OmniProcessor | None, model: Thinker):
+        self.processor = processor
+        self.rope_spec = model.thinker_spec.rope_index
+        self.step_inputs = ThinkerStepInputs(model)
+
+    @classmethod
+    def build(cls, model: Thinker, path: Path) -> ThinkerFrontend:
+        """With the checkpoint's processor files; without ``preprocessor_config.json`` the stage
+        takes text prompts only."""
+        has_processor = (Path(path) / "preprocessor_config.json").exists()
+        return cls(OmniProcessor.from_pretrained(path) if has_processor else None, model)
+
+    def prepare(self, index: int, request: StageInput) -> StageInput:
+        prompt = request.prompt
+        kwargs = prompt.get("mm_processor_kwargs") or {}
+        if not isinstance(kwargs, dict) or set(kwargs) - set(PROCESSOR_KWARGS):
+            raise ValueError(
+                f"request {index}: mm_processor_kwargs must be a dict with keys among {PROCESSOR_KWARGS}, "
+                f"got {kwargs!r}"
+            )
+        data = prompt.get("multi_modal_data")
+        if self.processor is None:
+            if data:
+                raise ValueError(f"request {index}: this checkpoint has no preprocessor_config.json")
+            inputs = OmniInputs(input_ids=list(request.token_ids))
+        else:
+            inputs = self.processor.process(index, request.token_ids, data, **kwargs)
+        try:
+            positions, delta = get_rope_index(
+                self.rope_spec,
+                inputs.input_ids,
+                image_grid_thw=inputs.image_grid_thw,
+                video_grid_thw=inputs.video_grid_thw,
+                second_per_grid_ts=inputs.video_second_per_grid,
+                audio_seqlens=inputs.audio_seqlens,
+                use_audio_in_video=inputs.use_audio_in_video,
+            )
+        except (ValueError, IndexError) as e:
+            message = str(e) or "placeholders do not match the multimodal inputs"
+            raise ValueError(f"request {index}: {message}") from None
+        ids = np.asarray(inputs.input_ids)
+        before = {t: np.concatenate([[0], np.cumsum(ids == t)]) for t in self.step_inputs.token_ids}
+        extra = ThinkerRequest(inputs, positions, delta, before)
+        return dataclasses.replace(request, token_ids=list(inputs.input_ids), extra=extra)
+
+    def positions(self, req: ARRequest, start: int, end: int) -> np.ndarray:
+        t: ThinkerRequest = req.extra
+        return positions_for(t.positions, t.rope_delta, start, end)
