@@ -24,10 +24,18 @@ def make_requests(vocab: int, n: int, lo: int, hi: int, seed: int = 0) -> list[l
     return [[int(t) for t in rs.randint(3, vocab, size=int(m))] for m in rs.randint(lo, hi + 1, n)]
 
 
-def _ours(path: Path, prompts: list[list[int]], max_new: int, dtype: str | None, profile: str | None) -> dict:
+def _ours(
+    path: Path,
+    prompts: list[list[int]],
+    max_new: int,
+    dtype: str | None,
+    profile: str | None,
+    mesh: dict[str, int] | None = None,
+) -> dict:
     pipe = OmniJaxPipeline.from_pretrained(
         path,
         dtype=dtype,
+        mesh=mesh,
         max_num_seqs=32,
         max_model_len=max(512, -(-(max(map(len, prompts)) + max_new) // 16) * 16),
         max_num_batched_tokens=2048,
@@ -120,7 +128,7 @@ def run_ar(path: Path, args: Any) -> dict:
 
     cfg = load_hf_config(path)
     prompts = make_requests(cfg.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
-    ours = _ours(path, prompts, args.max_tokens, args.dtype, args.profile)
+    ours = _ours(path, prompts, args.max_tokens, args.dtype, args.profile, args.mesh)
     bw = memory_bandwidth()
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
     weight_bytes = decode_read_params(path) * itemsize
@@ -130,6 +138,7 @@ def run_ar(path: Path, args: Any) -> dict:
         "requests": len(prompts),
         "prompt_len_range": [args.min_prompt, args.max_prompt],
         "max_tokens": args.max_tokens,
+        "mesh": args.mesh,
         "params": count_params(path),
         "measured_bandwidth_GBps": bw / 1e9,
         "decode_floor_s": floor,

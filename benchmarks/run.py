@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omni_jax.parallel.mesh import parse_mesh
+
 
 def versions() -> dict[str, str]:
     import importlib.metadata as md
@@ -68,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--profile", default=None, help="write a jax.profiler trace of the measured run here")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default=None,
+        help="our engine's mesh, e.g. data=2,model=4 (on CPU emulate devices with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8)",
+    )
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")

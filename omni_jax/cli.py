@@ -5,14 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
+
+
+def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
+    """The prompt text alone, or with ``--audio``/``--image`` files a chat prompt that holds them."""
+    if not (args.audio or args.image):
+        return args.prompt
+    content = [{"type": "audio", "audio": a} for a in args.audio]
+    content += [{"type": "image", "image": i} for i in args.image]
+    content.append({"type": "text", "text": args.prompt})
+    return pipe.chat_prompt([{"role": "user", "content": content}])
 
 
 def _run(args: argparse.Namespace) -> int:
     from omni_jax import OmniJaxPipeline, SamplingParams
 
-    pipe = OmniJaxPipeline.from_pretrained(args.model, dtype=args.dtype)
+    pipe = OmniJaxPipeline.from_pretrained(args.model, stages=args.stages, dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    out = pipe.run([args.prompt], params if len(pipe.stages) == 1 else None, progress=False)[0]
+    out = pipe.run([_prompt(pipe, args)], params if len(pipe.stages) == 1 else None, progress=False)[0]
     print(out.text if out.text is not None else out.token_ids)
     if args.output_dir:
         d = Path(args.output_dir)
@@ -47,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--dtype", default=None)
     r.add_argument("--output-dir", default=None)
+    r.add_argument("--stages", type=lambda s: s.split(","), default=None, help="e.g. thinker")
+    r.add_argument("--audio", action="append", default=[], help="a .wav file (repeatable)")
+    r.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
     r.set_defaults(fn=_run)
     c = sub.add_parser("convert", help="HF checkpoint -> Orbax checkpoint")
     convert_cli.add_arguments(c)

@@ -21,6 +21,10 @@ from tqdm.auto import tqdm
 from omni_jax.engine.compilation import enable_persistent_cache
 from omni_jax.models.registry import architecture_of
 from omni_jax.outputs import OmniRequestOutput, StageOutput
+from omni_jax.parallel.distributed import initialize as initialize_distributed
+from omni_jax.parallel.distributed import is_main_process
+from omni_jax.parallel.mesh import mesh_shape
+from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage, StageInput, StageResult
 from omni_jax.stages.code2wav import Code2WavStage
@@ -71,25 +75,38 @@ class OmniJaxPipeline:
     ) -> OmniJaxPipeline:
         """Build the pipeline from an HF checkpoint dir or a ``checkpoints_convert`` dir.
 
+        ``mesh``: ``{"data": D, "model": M}`` for every stage that does not set its own
+        ``mesh``/``devices`` in the stage YAML; each stage gets its own mesh, and impossible
+        layouts (too few devices, ``model`` not dividing the heads, overlapping device lists)
+        raise ``ValueError`` before anything loads. With ``JAX_COORDINATOR_ADDRESS``,
+        ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set (or after
+        :func:`omni_jax.parallel.initialize`), every process builds the same pipeline over all
+        processes' devices.
+
         ``compilation_cache``: a directory for JAX's persistent compilation cache (default
         ``~/.cache/omni_jax/xla`` or ``$OMNI_JAX_COMPILATION_CACHE``); ``False`` turns it off.
         """
         path = Path(path)
+        initialize_distributed()
         enable_persistent_cache(compilation_cache)
         if not (path / "config.json").exists():
             raise ValueError(f"{path}: not a checkpoint directory (no config.json)")
-        if mesh is not None and any(v != 1 for v in mesh.values()):
-            raise ValueError(f"mesh={mesh}: sharded execution is not available yet; use one device")
         from omni_jax.weights import load_hf_config
 
         hf_config = load_hf_config(path)
         arch = architecture_of(hf_config)
         config = load_pipeline_config(stage_config or arch.stage_yaml).select(stages)
-        for sc in config.stages:  # refuse stages not served yet before loading anything
-            arch.part(sc.name)
+        meshes = stage_meshes(
+            [StagePlacement(sc.name, sc.mesh, sc.devices) for sc in config.stages],
+            mesh_shape(mesh),
+            config.allow_shared_devices,
+        )
+        for sc in config.stages:  # refuse stages not served yet, or not splittable so, before loading
+            arch.part(sc.name).shard_rules(hf_config, meshes[sc.name].shape["model"])
         built: list[Stage] = []
         for sc in config.stages:
-            model, _ = load_part(path, sc.name, dtype=dtype, progress=progress)
+            stage_mesh = sharded_or_none(meshes[sc.name])
+            model, _ = load_part(path, sc.name, dtype=dtype, mesh=stage_mesh, progress=progress)
             if sc.kind == "generation":
                 built.append(Code2WavStage.build(sc, model, path))
                 continue
@@ -106,6 +123,7 @@ class OmniJaxPipeline:
                     page_size=page_size or 16,
                     max_num_batched_tokens=max_num_batched_tokens or 2048,
                     backend=attention_backend,
+                    mesh=stage_mesh,
                     frontend=frontend,
                 )
             )
@@ -208,7 +226,11 @@ class OmniJaxPipeline:
     def run(
         self, prompts: Prompt | Sequence[Prompt], sampling_params_list: Any = None, progress: bool = True
     ) -> list[OmniRequestOutput]:
-        """Run every prompt through the stages; outputs come back in prompt order."""
+        """Run every prompt through the stages; outputs come back in prompt order.
+
+        With several processes every one must call this with the same prompts; only process
+        0 gets the outputs (the others get an empty list).
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -224,7 +246,7 @@ class OmniJaxPipeline:
             pending.append(_Pending(i, out, per_request, request.prompt))
             inputs.append(request)
         self._drive(pending, inputs, progress)
-        return [p.output for p in pending]
+        return [p.output for p in pending] if is_main_process() else []
 
     def _drive(self, pending: list[_Pending], inputs: list[StageInput], progress: bool) -> None:
         by_id: dict[str, _Pending] = {}

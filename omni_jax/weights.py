@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from omni_jax.models.loading import abstract_params, merge_params
@@ -33,6 +34,8 @@ from omni_jax.models.param_map import (
     parse_path,
 )
 from omni_jax.models.registry import Architecture, ModelPart, architecture_of
+from omni_jax.parallel.mesh import axis_size
+from omni_jax.parallel.rules import Layout, layout, put
 from omni_jax.safetensors_io import checkpoint_files, count_tensors, iter_checkpoint
 
 MANIFEST = "omni_jax.json"
@@ -92,18 +95,21 @@ def load_part(
     model_dir: str | Path,
     stage: str,
     dtype: str | None = None,
-    place: Callable[[FlaxPath, np.ndarray], object] | None = None,
+    mesh: Mesh | None = None,
     progress: bool = False,
 ) -> tuple[nnx.Module, Any]:
     """Build the ``stage`` model from an HF dir or a converted dir; returns ``(model, hf_config)``.
 
-    The model is built abstractly and each tensor placed as it is read (``place`` may put it
-    straight into its shard), so the full model never exists twice.
+    The model is built abstractly and each tensor placed as it is read, so the full model
+    never exists twice. With ``mesh``, every tensor goes straight into its shards under the
+    part's partition rules (HF tensors one by one as converted, Orbax restored directly
+    into the target layout), so no device ever holds more than its share.
     """
     model_dir = Path(model_dir)
     cfg = load_hf_config(model_dir)
     arch = architecture_of(cfg)
     part = arch.part(stage)
+    sharding = None if mesh is None else layout(part.shard_rules(cfg, axis_size(mesh, "model")), mesh)
     if is_converted(model_dir):
         manifest = read_manifest(model_dir)
         if stage not in manifest["stages"]:
@@ -113,9 +119,10 @@ def load_part(
             )
         dtype = part.dtype or dtype or manifest["dtype"]
         graphdef, abstract = abstract_params(part.make(cfg, dtype))
-        values = _restore_stage(model_dir, stage, abstract, manifest, dtype, place)
+        values = _restore_stage(model_dir, stage, abstract, manifest, dtype, sharding)
     else:
         dtype = part.dtype or dtype or checkpoint_dtype(cfg)
+        place = None if sharding is None else lambda path, x: put(x, sharding(path, x.shape))
         graphdef, abstract, values = _read_hf_part(model_dir, arch, part, cfg, dtype, progress, place)
     return merge_params(graphdef, abstract, values), cfg
 
@@ -158,8 +165,9 @@ def _restore_stage(
     abstract: dict[FlaxPath, nnx.Variable],
     manifest: dict[str, Any],
     dtype: str,
-    place: Callable[[FlaxPath, np.ndarray], object] | None,
+    sharding: Layout | None,
 ) -> dict[FlaxPath, object]:
+    """Read ``stage``'s Orbax checkpoint, each array straight into ``sharding`` when given."""
     import orbax.checkpoint as ocp
 
     shapes = {parse_path(k): tuple(v) for k, v in manifest["shapes"][stage].items()}
@@ -171,14 +179,19 @@ def _restore_stage(
                 f"{model_dir}: {format_path(path)!r} is {shapes[path]} in the checkpoint, the model needs "
                 f"{tuple(var.shape)}"
             )
-    target = _nest({p: jax.ShapeDtypeStruct(v.shape, jnp.dtype(dtype)) for p, v in abstract.items()})
+    target = _nest(
+        {
+            p: jax.ShapeDtypeStruct(v.shape, jnp.dtype(dtype), sharding=sharding and sharding(p, v.shape))
+            for p, v in abstract.items()
+        }
+    )
     restored = ocp.StandardCheckpointer().restore((model_dir / "params" / stage).absolute(), target)
     out = {}
     for path in abstract:
         node: Any = restored
         for key in path:
             node = node[str(key)]
-        out[path] = place(path, node) if place is not None else node
+        out[path] = node
     return out
 
 

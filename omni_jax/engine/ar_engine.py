@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +9,7 @@ from omni_jax.engine.ar_runner import ARRunner
 from omni_jax.engine.kv_cache import PageAllocator
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import ARRequest, PositionFn, Scheduler, SchedulerConfig, text_positions
+from omni_jax.parallel.distributed import random_seed
 
 
 class AREngine:
@@ -45,7 +45,7 @@ class AREngine:
     ) -> ARRequest:
         """Queue a request; ``extra`` is what the stage's model-specific hooks (positions, step
         inputs) read for it."""
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seed = params.seed if params.seed is not None else random_seed()
         req = ARRequest(
             request_id=request_id,
             arrival=self._arrivals,

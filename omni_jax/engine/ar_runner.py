@@ -16,18 +16,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from omni_jax.engine.buckets import (
     MIN_ROWS,
     bucket,
     bucket_sizes,
     fine_bucket_sizes,
+    round_up,
     row_bucket,
     token_bucket,
 )
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.engine.sampling import SamplingParams, SamplingTensors, pack_sampling, sample
 from omni_jax.models.attention import AttentionMetadata, Backend
+from omni_jax.parallel.mesh import axis_size
+from omni_jax.parallel.rules import put
 
 
 class ARModel(Protocol):
@@ -133,12 +138,18 @@ class ARRunner:
         backend: Backend = "auto",
         min_prefill_bucket: int = 16,
         position_shape: tuple[int, ...] = (),
+        mesh: Mesh | None = None,
         step_inputs: StepInputs | None = None,
     ):
+        """``mesh``: the stage's ``("data", "model")`` mesh; the model's parameters must already
+        be placed on it. The cache is split on KV heads over ``model`` (``cache.num_kv_heads``
+        counts stored, possibly replicated, heads), step rows over ``data``."""
         self.graphdef, self.state = nnx.split(model)
         self.cache_cfg = cache
         self.max_num_seqs = max_num_seqs
-        self.max_rows = max(MIN_ROWS, bucket(max_num_seqs))
+        self.mesh = mesh
+        self.data = axis_size(mesh, "data")
+        self.max_rows = round_up(max(MIN_ROWS, bucket(max_num_seqs)), self.data)
         self.backend = backend
         self.min_prefill_bucket = min_prefill_bucket
         self.position_shape = position_shape  # () for 1-D RoPE, (3,) for M-RoPE
@@ -150,12 +161,23 @@ class ARRunner:
             cache.page_size,
             cache.head_dim,
             cache.dtype,
+            sharding=None if mesh is None else NamedSharding(mesh, P("model")),
         )
+        layout: dict[str, Any] = {}
+        if mesh is not None:  # outputs replicated: every process reads the sampled tokens
+            rep = NamedSharding(mesh, P())
+            layout["out_shardings"] = (rep, rep, rep, rep, self.kv_cache[0][0].sharding)
         self._step = jax.jit(
             functools.partial(_step_fn, self.graphdef),
             donate_argnames=("kv_cache",),
             static_argnames=("num_logprobs", "backend", "return_hidden"),
+            **layout,
         )
+
+    def rows_bucket(self, n: int) -> int:
+        """Rows of a step with ``n`` real rows: a row bucket, padded to a multiple of ``data``
+        so each data shard gets the same number of rows."""
+        return round_up(row_bucket(n, self.max_rows), self.data)
 
     def pages_bucket(self, t: int, max_pages: int) -> int:
         """Block-table width of a step: decode reads only the pages its longest row needs.
@@ -178,9 +200,9 @@ class ARRunner:
         rows = bucket_sizes(1, self.max_rows)
         full = self.cache_cfg.pages_per_seq
         decode_pages = sorted({self.pages_bucket(1, p) for p in range(1, full + 1)})
-        shapes = {(max(b, MIN_ROWS), 1, p) for b in rows for p in decode_pages}
+        shapes = {(self.rows_bucket(b), 1, p) for b in rows for p in decode_pages}
         for t in fine_bucket_sizes(self.min_prefill_bucket, max_num_batched_tokens):
-            shapes |= {(max(b, MIN_ROWS), t, full) for b in rows if b * t <= max_num_batched_tokens}
+            shapes |= {(self.rows_bucket(b), t, full) for b in rows if b * t <= max_num_batched_tokens}
         return sorted(shapes)
 
     def warmup(self, max_num_batched_tokens: int, return_hidden: bool = False) -> int:
@@ -234,6 +256,12 @@ class ARRunner:
         return tokens, positions, md, np.maximum(qlen - 1, 0), st, extra
 
     def _call(self, *args: Any, num_logprobs: int, return_hidden: bool) -> tuple[Any, ...]:
+        if self.mesh is None:
+            return self._run_step(args, num_logprobs, return_hidden)
+        with jax.set_mesh(self.mesh):  # kernels that need the mesh (shard_map) read it here
+            return self._run_step(self._shard_rows(args), num_logprobs, return_hidden)
+
+    def _run_step(self, args: Sequence[Any], num_logprobs: int, return_hidden: bool) -> tuple[Any, ...]:
         toks, ids, lps, hidden, self.kv_cache = self._step(
             self.state,
             self.kv_cache,
@@ -244,9 +272,23 @@ class ARRunner:
         )
         return toks, ids, lps, hidden
 
+    def _shard_rows(self, args: Sequence[Any]) -> list[Any]:
+        """Put a step's host arrays on the mesh with their rows split over ``data``.
+
+        ``tokens``, ``md``, ``logits_idx`` and the sampling tensors hold rows on axis 0, the
+        positions after their M-RoPE axes; any further input is replicated.
+        """
+        row_axes = (0, len(self.position_shape), 0, 0, 0)
+        placed = []
+        for i, a in enumerate(args):
+            axis = row_axes[i] if i < len(row_axes) else None
+            spec = P() if axis is None else P(*[None] * axis, "data")
+            placed.append(put(a, NamedSharding(self.mesh, spec)))
+        return placed
+
     def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
         n = len(rows)
-        b = row_bucket(n, self.max_rows)
+        b = self.rows_bucket(n)
         t = token_bucket(max(len(r.token_ids) for r in rows), self.min_prefill_bucket)
         p = self.pages_bucket(t, max(-(-r.end // self.cache_cfg.page_size) for r in rows))
         most = max((r.params.logprobs or 0) for r in rows)

@@ -17,6 +17,11 @@ def row_bucket(n: int, maximum: int | None = None) -> int:
     return bucket(n, MIN_ROWS, maximum)
 
 
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is ``>= n``."""
+    return -(-n // multiple) * multiple
+
+
 def next_pow2(n: int, minimum: int = 1) -> int:
     n = max(n, minimum)
     return 1 << (n - 1).bit_length()

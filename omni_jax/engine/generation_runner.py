@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import secrets
 import time
 from collections.abc import Callable
 
@@ -25,6 +24,7 @@ from flax import nnx
 
 from omni_jax.engine.buckets import bucket
 from omni_jax.engine.generation_params import Token2WavParams
+from omni_jax.parallel.distributed import random_seed
 
 Solve = Callable[..., tuple[jax.Array, jax.Array]]
 """``solve(graphdef, state, codes, code_lengths, speaker_embedding, reference_mel, reference_lengths,
@@ -103,7 +103,7 @@ class GenerationRunner:
         p = request.params
         if p.initial_noise is not None:
             return np.asarray(p.initial_noise, np.float32), None
-        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        seed = p.seed if p.seed is not None else random_seed()
         shape = (len(request.codes) * self.geometry.repeats, self.geometry.mel_dim)
         return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), seed
 

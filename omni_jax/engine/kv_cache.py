@@ -48,11 +48,24 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 def init_kv_cache(
-    num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype: jnp.dtype
+    num_layers: int,
+    num_kv_heads: int,
+    num_pages: int,
+    page_size: int,
+    head_dim: int,
+    dtype: jnp.dtype,
+    sharding: jax.sharding.Sharding | None = None,
 ) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed ``[(K, V)] * num_layers``, each ``[kv_heads, num_pages, page_size, head_dim]``."""
+    """Zeroed ``[(K, V)] * num_layers``, each ``[kv_heads, num_pages, page_size, head_dim]``.
+
+    With ``sharding`` each device allocates only its own shard (the zeros are made by a
+    program whose outputs carry that layout), never the whole cache.
+    """
     shape = (num_kv_heads, num_pages, page_size, head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    if sharding is None:
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(num_layers)]
 
 
 def kv_cache_bytes(
@@ -69,13 +82,16 @@ def default_num_pages(
     dtype: jnp.dtype,
     wanted: int,
     memory_fraction: float = 0.9,
+    device: jax.Device | None = None,
 ) -> int:
-    """Pages for ``wanted`` (full occupancy), capped by what the device has left.
+    """Pages for ``wanted`` (full occupancy), capped by what ``device`` has left.
 
     Called after the weights are on the device, so ``bytes_in_use`` already counts them.
-    Backends without memory statistics (CPU) get ``wanted``.
+    ``num_kv_heads`` is what one device holds (a sharded cache splits its heads); ``device``
+    is one of the stage's own (default: the first local one). Backends without memory
+    statistics (CPU) get ``wanted``.
     """
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = (device or jax.local_devices()[0]).memory_stats() or {}
     limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use")
     if not limit or used is None:
         return wanted

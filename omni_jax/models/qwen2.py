@@ -17,6 +17,7 @@ from flax import nnx
 from omni_jax.models.attention import AttentionMetadata, Backend, paged_attention, write_kv
 from omni_jax.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
 from omni_jax.models.param_map import ParamRule, linear_kernel
+from omni_jax.parallel.rules import ShardRule, replicated_kv_heads
 
 KVCache = list[tuple[jax.Array, jax.Array]]
 
@@ -233,3 +234,27 @@ def causal_lm_ignore(spec: Qwen2Spec) -> tuple[str, ...]:
     if spec.tie_word_embeddings:
         ignore.append(r"lm_head\.weight")
     return tuple(ignore)
+
+
+def partition_rules(spec: Qwen2Spec, model: int) -> tuple[ShardRule, ...]:
+    """Tensor-parallel layout of ``Qwen2ForCausalLM`` (and decoders sharing its paths) over ``model``.
+
+    Megatron-style: q/k/v/gate/up split their output columns (whole heads per device), o/down
+    split their input rows so each layer needs one all-reduce after attention and one after
+    the MLP; the embedding and LM head split the vocabulary. When ``model`` does not divide the
+    KV heads, k/v stay whole on every device and the cache stores replicated heads instead
+    (:func:`omni_jax.parallel.rules.replicated_kv_heads`). Norms are replicated.
+    """
+    stored_kv_heads = replicated_kv_heads(spec.num_kv_heads, spec.num_heads, model)  # checks the heads
+    col, row = (None, "model"), ("model", None)
+    kv = "kqv" if stored_kv_heads == spec.num_kv_heads else "q"
+    layer = r"model\.layers\.\d+\."
+    return (
+        ShardRule(r"model\.embed_tokens\.embedding", row),
+        ShardRule(layer + rf"self_attn\.[{kv}]_proj\.kernel", col),
+        ShardRule(layer + rf"self_attn\.[{kv}]_proj\.bias", ("model",)),
+        ShardRule(layer + r"self_attn\.o_proj\.kernel", row),
+        ShardRule(layer + r"mlp\.(gate|up)_proj\.kernel", col),
+        ShardRule(layer + r"mlp\.down_proj\.kernel", row),
+        ShardRule(r"lm_head\.kernel", col),
+    )

@@ -13,8 +13,15 @@ from flax import nnx
 from omni_jax.models import qwen2
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni import speakers
-from omni_jax.models.qwen2_5_omni.thinker import THINKER_RULES_IN_OMNI, Thinker, ThinkerSpec, thinker_ignore
+from omni_jax.models.qwen2_5_omni.thinker import (
+    THINKER_RULES_IN_OMNI,
+    Thinker,
+    ThinkerSpec,
+    thinker_ignore,
+    thinker_partition_rules,
+)
 from omni_jax.models.qwen2_5_omni.token2wav import TOKEN2WAV_IGNORE, TOKEN2WAV_RULES, Token2Wav
+from omni_jax.parallel.rules import PartitionRules, ShardRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +32,8 @@ class ModelPart:
     ``nnx.eval_shape`` so nothing is allocated); ``rules``/``ignore`` see full HF names.
     ``dtype``, when set, is the only dtype the part runs in, whatever the checkpoint or the
     caller asks (transformers always runs Qwen2.5-Omni's token2wav in float32).
+    ``partition(hf_config, model_axis_size)`` gives its tensor-parallel :class:`ShardRule` s
+    (``None``: every parameter replicated over the stage's mesh).
     ``frontend(hf_config, model, path)``, for an AR part that needs more than token ids (a
     multimodal processor, M-RoPE positions, encoder rows merged into its embeddings), builds
     the stage's :class:`~omni_jax.stages.ar.ARFrontend`.
@@ -35,7 +44,12 @@ class ModelPart:
     rules: Callable[[Any], tuple[ParamRule, ...]]
     ignore: Callable[[Any], tuple[str, ...]]
     dtype: str | None = None
+    partition: PartitionRules | None = None
     frontend: Callable[[Any, nnx.Module, Path], Any] | None = None
+
+    def shard_rules(self, hf_config: Any, model: int) -> tuple[ShardRule, ...]:
+        """Rules for a ``model``-way split; ``ValueError`` when the part cannot be split so."""
+        return () if self.partition is None else self.partition(hf_config, model)
 
 
 SideFileConverter = Callable[[Path, Path], None]
@@ -102,6 +116,9 @@ _QWEN2_5_OMNI = Architecture(
             rules=lambda cfg: THINKER_RULES_IN_OMNI,
             ignore=lambda cfg: thinker_ignore(ThinkerSpec.from_hf(cfg.thinker_config), prefix="thinker."),
             frontend=_thinker_frontend,
+            partition=lambda cfg, model: thinker_partition_rules(
+                ThinkerSpec.from_hf(cfg.thinker_config), model
+            ),
         ),
         ModelPart(
             stage="code2wav",
@@ -125,6 +142,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                 make=_qwen2_make,
                 rules=lambda cfg: qwen2.CAUSAL_LM_RULES,
                 ignore=lambda cfg: qwen2.causal_lm_ignore(qwen2.Qwen2Spec.from_hf(cfg)),
+                partition=lambda cfg, model: qwen2.partition_rules(qwen2.Qwen2Spec.from_hf(cfg), model),
             ),
         ),
     ),

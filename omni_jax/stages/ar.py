@@ -10,12 +10,15 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARRunner, CacheConfig, StepInputs
 from omni_jax.engine.kv_cache import default_num_pages
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import PositionFn, text_positions
+from omni_jax.parallel.mesh import axis_size
+from omni_jax.parallel.rules import replicated_kv_heads
 from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
 from omni_jax.stages.config import StageConfig
 
@@ -74,10 +77,17 @@ class ARStage:
         page_size: int,
         max_num_batched_tokens: int,
         backend: str,
+        mesh: Mesh | None = None,
         frontend: ARFrontend | None = None,
     ) -> ARStage:
-        """Size the KV cache for ``model`` and wire scheduler, runner and sampling defaults."""
+        """Size the KV cache for ``model`` and wire scheduler, runner and sampling defaults.
+
+        ``mesh``: where the model's parameters were placed; the cache is split over its
+        ``model`` axis by KV heads (replicated heads when ``model`` exceeds them).
+        """
         layers, kv_heads, head_dim = model.kv_cache_shape()
+        tp = axis_size(mesh, "model")
+        kv_heads = replicated_kv_heads(kv_heads, model.spec.num_heads, tp)
         spec_max = model.spec.max_position_embeddings
         max_model_len = max_model_len or min(spec_max, 4096)
         if max_model_len > spec_max:
@@ -90,7 +100,13 @@ class ARStage:
         pages_per_seq = -(-max_model_len // page_size)
         if num_pages is None:
             num_pages = default_num_pages(
-                layers, kv_heads, head_dim, page_size, dtype, pages_per_seq * max_num_seqs
+                layers,
+                kv_heads // tp,
+                head_dim,
+                page_size,
+                dtype,
+                pages_per_seq * max_num_seqs,
+                device=None if mesh is None else mesh.local_devices[0],
             )
         if num_pages < pages_per_seq:
             raise ValueError(
@@ -103,6 +119,7 @@ class ARStage:
             cache,
             max_num_seqs=max_num_seqs,
             backend=backend,
+            mesh=mesh,
             position_shape=() if frontend is None else frontend.position_shape,
             step_inputs=None if frontend is None else frontend.step_inputs,
         )

@@ -8,6 +8,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from omni_jax.parallel.mesh import mesh_shape
+
 _HERE = Path(__file__).parent
 P = TypeVar("P")
 
@@ -22,6 +24,9 @@ class StageConfig:
     ``default_sampling``: fields of the stage's params (``SamplingParams`` / ``Token2WavParams``)
     used when ``run()`` gets none. ``default_speaker``: the voice when a prompt names none.
     ``engine``: engine settings (``max_batch`` for a generation stage).
+    ``mesh``: ``{"data": D, "model": M}`` for this stage (default: ``from_pretrained(mesh=...)``).
+    ``devices``: indices into ``jax.devices()`` the stage runs on (default: the first ``D * M``);
+    without ``mesh`` they are all split over ``model``.
     """
 
     name: str
@@ -31,10 +36,21 @@ class StageConfig:
     default_sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
     default_speaker: str | None = None
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mesh: dict[str, int] | None = None
+    devices: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("ar", "generation"):
             raise ValueError(f"stage {self.name!r}: kind must be 'ar' or 'generation', not {self.kind!r}")
+        if self.mesh is not None:
+            try:
+                mesh_shape(self.mesh)
+            except ValueError as e:
+                raise ValueError(f"stage {self.name!r}: {e}") from None
+        if self.devices is not None and not all(isinstance(d, int) and d >= 0 for d in self.devices):
+            raise ValueError(
+                f"stage {self.name!r}: devices must be a list of device indices, got {self.devices}"
+            )
 
     def default_params(self, params_type: type[P], overrides: dict[str, Any] | None = None) -> P:
         """``params_type(**default_sampling, **overrides)``, naming unknown keys."""
@@ -47,8 +63,11 @@ class StageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
+    """``allow_shared_devices``: stages whose ``devices`` lists overlap are refused unless set."""
+
     architecture: str
     stages: tuple[StageConfig, ...]
+    allow_shared_devices: bool = False
 
     def select(self, names: list[str] | None) -> PipelineConfig:
         if names is None:
@@ -79,4 +98,8 @@ def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:
         if extra:
             raise ValueError(f"{path}: stage {s.get('name')!r} has unknown keys {sorted(extra)}")
         stages.append(StageConfig(**s))
-    return PipelineConfig(architecture=raw["architecture"], stages=tuple(stages))
+    return PipelineConfig(
+        architecture=raw["architecture"],
+        stages=tuple(stages),
+        allow_shared_devices=bool(raw.get("allow_shared_devices", False)),
+    )

@@ -28,6 +28,7 @@ from omni_jax.models.qwen2 import (
     Qwen2Model,
     Qwen2Spec,
     causal_lm_ignore,
+    partition_rules,
 )
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     AUDIO_IGNORE,
@@ -37,6 +38,7 @@ from omni_jax.models.qwen2_5_omni.audio_encoder import (
 )
 from omni_jax.models.qwen2_5_omni.rope_index import RopeIndexSpec
 from omni_jax.models.qwen2_5_omni.vision_encoder import VISION_RULES, VisionEncoder, VisionEncoderSpec
+from omni_jax.parallel.rules import ShardRule
 
 DEFAULT_MROPE_SECTION = (16, 24, 24)
 """The reference's fallback when ``rope_parameters`` names no ``mrope_section``."""
@@ -223,3 +225,13 @@ def thinker_ignore(spec: ThinkerSpec, prefix: str = "") -> tuple[str, ...]:
     """Checkpoint names the thinker drops (rotary buffers, a tied head, the unused audio bos/eos)."""
     own = (*causal_lm_ignore(spec.text), *(r"audio_tower\." + p for p in AUDIO_IGNORE))
     return tuple(re.escape(prefix) + p for p in own)
+
+
+def thinker_partition_rules(spec: ThinkerSpec, model: int) -> tuple[ShardRule, ...]:
+    """The text decoder and LM head split like Qwen2's (their paths are the same).
+
+    The audio and vision towers match no rule, so they are replicated: they run once per
+    prompt on a host-packed batch, and splitting them would add collectives for little
+    memory next to the decoder.
+    """
+    return partition_rules(spec.text, model)

@@ -1,0 +1,1 @@
+"""Tests that need eight devices; ``tests/test_multidevice.py`` runs them in a subprocess."""

@@ -1,0 +1,144 @@
+"""Greedy ``run()`` on every mesh shape equals the single-device run, with the weights and the
+KV cache really split (checked on the arrays' shardings and per-device shard shapes)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax.engine.compilation import CompileCounter
+from omni_jax.weights import convert
+
+from .conftest import PIPE_KW, greedy
+
+MESHES = [(1, 1), (1, 2), (2, 2), (2, 4), (1, 8)]
+
+
+@pytest.fixture(scope="module")
+def pipes(single_device: OmniJaxPipeline) -> dict[tuple[int, int], OmniJaxPipeline]:
+    """Built on first use, shared by the tests of one mesh shape."""
+    return {(1, 1): single_device}
+
+
+def pipe_for(pipes: dict, path: Path, d: int, m: int) -> OmniJaxPipeline:
+    if (d, m) not in pipes:
+        pipes[d, m] = OmniJaxPipeline.from_pretrained(path, mesh={"data": d, "model": m}, **PIPE_KW)
+    return pipes[d, m]
+
+
+def params_of(pipe: OmniJaxPipeline) -> dict[str, jax.Array]:
+    state = pipe.stages[0].engine.runner.state
+    return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
+
+
+def shard_shape(x: jax.Array) -> tuple[int, ...]:
+    shapes = {s.data.shape for s in x.addressable_shards}
+    assert len(shapes) == 1
+    return shapes.pop()
+
+
+@pytest.mark.parametrize("d,m", MESHES)
+def test_greedy_equals_single_device(gqa_dir, gqa_prompts, reference, pipes, d, m) -> None:
+    assert greedy(pipe_for(pipes, gqa_dir, d, m), gqa_prompts) == reference
+
+
+@pytest.mark.parametrize("d,m", MESHES)
+def test_weights_split_over_model(gqa_dir, pipes, d, m) -> None:
+    """Column-parallel q (and k/v while ``model`` divides the 2 KV heads), row-parallel o/down,
+    vocab-parallel embedding and head; norms replicated; on exactly the first ``d * m`` devices."""
+    p = params_of(pipe_for(pipes, gqa_dir, d, m))
+    layer = "model.layers.1."
+    want = {
+        "model.embed_tokens.embedding": (512 // m, 64),
+        "lm_head.kernel": (64, 512 // m),
+        layer + "self_attn.q_proj.kernel": (64, 64 // m),
+        layer + "self_attn.q_proj.bias": (64 // m,),
+        layer + "self_attn.k_proj.kernel": (64, 16 // m if m <= 2 else 16),
+        layer + "self_attn.v_proj.bias": (16 // m if m <= 2 else 16,),
+        layer + "self_attn.o_proj.kernel": (64 // m, 64),
+        layer + "mlp.gate_proj.kernel": (64, 128 // m),
+        layer + "mlp.down_proj.kernel": (128 // m, 64),
+        layer + "input_layernorm.weight": (64,),
+    }
+    assert {k: shard_shape(p[k]) for k in want} == want
+    devices = {dev for x in p.values() for dev in x.sharding.device_set}
+    assert devices == set(jax.devices()[: d * m])
+
+
+@pytest.mark.parametrize("d,m", MESHES)
+def test_kv_cache_split_on_heads_replicated_past_kv_heads(gqa_dir, pipes, d, m) -> None:
+    """2 KV heads: stored ``lcm(2, m)`` times so each of the ``m`` devices holds its own head(s)."""
+    runner = pipe_for(pipes, gqa_dir, d, m).stages[0].engine.runner
+    heads = math.lcm(2, m)
+    for k, v in runner.kv_cache:
+        for x in (k, v):
+            assert x.shape[0] == heads
+            assert shard_shape(x) == (heads // m, *x.shape[1:])
+            assert len(x.sharding.device_set) == d * m
+    assert runner.rows_bucket(1) % d == 0
+
+
+def test_sharded_steady_state_never_recompiles(gqa_dir, gqa_prompts, reference, pipes) -> None:
+    pipe = pipe_for(pipes, gqa_dir, 2, 4)
+    greedy(pipe, gqa_prompts)
+    with CompileCounter() as c:
+        assert greedy(pipe, gqa_prompts) == reference
+    assert (c.traces, c.compiles) == (0, 0)
+
+
+def test_converted_checkpoint_restores_into_shards(gqa_dir, gqa_prompts, reference, tmp_path) -> None:
+    """Orbax restores each array straight into its target sharding."""
+    dst = convert(gqa_dir, tmp_path / "converted", progress=False)
+    pipe = OmniJaxPipeline.from_pretrained(dst, mesh={"data": 2, "model": 4}, **PIPE_KW)
+    q = params_of(pipe)["model.layers.0.self_attn.q_proj.kernel"]
+    assert shard_shape(q) == (64, 16) and len(q.sharding.device_set) == 8
+    assert greedy(pipe, gqa_prompts) == reference
+
+
+def test_model_axis_must_divide_heads(gqa_dir) -> None:
+    with pytest.raises(ValueError, match="mesh model=3 does not divide the 8 attention heads"):
+        OmniJaxPipeline.from_pretrained(gqa_dir, mesh={"model": 3}, **PIPE_KW)
+
+
+def test_more_devices_than_exist(gqa_dir) -> None:
+    with pytest.raises(ValueError, match="needs 16 devices but only 8 exist"):
+        OmniJaxPipeline.from_pretrained(gqa_dir, mesh={"data": 2, "model": 8}, **PIPE_KW)
+
+
+def test_hidden_states_come_back_whole(gqa_dir, pipes) -> None:
+    """Step outputs are replicated: hidden states of data-split rows reach the host in order."""
+    runner = pipe_for(pipes, gqa_dir, 2, 4).stages[0].engine.runner
+    single = pipe_for(pipes, gqa_dir, 1, 1).stages[0].engine.runner
+    rows = _prompt_rows(runner, [[5, 6, 7], [8, 9, 10, 11, 12]])
+    got = runner.execute(rows, return_hidden=True)
+    want = single.execute(_prompt_rows(single, [[5, 6, 7], [8, 9, 10, 11, 12]]), return_hidden=True)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.hidden, want.hidden, rtol=1e-5, atol=1e-5)
+
+
+def _prompt_rows(runner, prompts: list[list[int]]) -> list:  # noqa: ANN001
+    """One prefill row per prompt, each on its own cache page."""
+    from omni_jax.engine.ar_runner import StepRow
+
+    return [
+        StepRow(
+            token_ids=p,
+            positions=np.arange(len(p)),
+            pages=[i],
+            start=0,
+            sample=True,
+            params=SamplingParams(temperature=0.0),
+            seed=0,
+            draw_index=0,
+            history=p,
+            prompt_len=len(p),
+            suppress=[],
+        )
+        for i, p in enumerate(prompts)
+    ]

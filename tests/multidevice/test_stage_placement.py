@@ -1,0 +1,98 @@
+"""Stages on explicit, disjoint device subsets of the eight devices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from omni_jax import OmniJaxPipeline, Token2WavParams
+
+from .conftest import PIPE_KW, greedy
+
+
+def stage_yaml(tmp_path: Path, architecture: str, stages: list[dict], **top: object) -> Path:
+    f = tmp_path / "stages.yaml"
+    f.write_text(yaml.safe_dump({"architecture": architecture, **top, "stages": stages}))
+    return f
+
+
+def devices_of(tree: object) -> set:
+    return {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
+
+
+def test_llm_stage_on_devices_4_to_7(gqa_dir, gqa_prompts, reference, tmp_path) -> None:
+    cfg = stage_yaml(
+        tmp_path,
+        "Qwen2ForCausalLM",
+        [
+            {
+                "name": "llm",
+                "kind": "ar",
+                "input": "prompt",
+                "final_output": "text",
+                "mesh": {"data": 2, "model": 2},
+                "devices": [4, 5, 6, 7],
+            }
+        ],
+    )
+    placed = OmniJaxPipeline.from_pretrained(gqa_dir, stage_config=cfg, **PIPE_KW)
+    runner = placed.stages[0].engine.runner
+    want = set(jax.devices()[4:])
+    assert devices_of(nnx.to_pure_dict(runner.state)) == want
+    assert devices_of(runner.kv_cache) == want
+    assert dict(runner.mesh.shape) == {"data": 2, "model": 2}
+    assert greedy(placed, gqa_prompts) == reference
+
+
+def test_code2wav_stage_on_devices_6_and_7(omni_dir, tmp_path) -> None:
+    """The generation stage's weights live only on its devices, and its waveform is unchanged."""
+    src = yaml.safe_load((Path(__file__).parents[2] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
+    for s in src["stages"]:
+        if s["name"] == "code2wav":
+            s["devices"] = [6, 7]
+            s["mesh"] = {"data": 2}
+    cfg = tmp_path / "omni.yaml"
+    cfg.write_text(yaml.safe_dump(src))
+    placed = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
+    plain = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
+    runner = placed.stages[0].runner
+    assert devices_of(nnx.to_pure_dict(runner.state)) == set(jax.devices()[6:])
+    prompt = {"prompt_token_ids": [1, 5, 9, 2, 7, 3]}
+    params = Token2WavParams(num_steps=2, seed=0)
+    a = placed.run(prompt, params, progress=False)[0].audio
+    b = plain.run(prompt, params, progress=False)[0].audio
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_overlapping_stage_devices_refused(omni_dir, tmp_path) -> None:
+    stages = [
+        {"name": "thinker", "kind": "ar", "input": "prompt", "devices": [0, 1, 2, 3]},
+        {"name": "code2wav", "kind": "generation", "input": "thinker", "devices": [3, 4]},
+    ]
+    cfg = stage_yaml(tmp_path, "Qwen2_5OmniForConditionalGeneration", stages)
+    with pytest.raises(ValueError, match="stages 'thinker' and 'code2wav' both list device 3"):
+        OmniJaxPipeline.from_pretrained(omni_dir, stage_config=cfg)
+
+
+def test_shared_devices_allowed_when_the_yaml_says_so(gqa_dir, tmp_path) -> None:
+    from omni_jax.parallel import StagePlacement, stage_meshes
+
+    stages = [StagePlacement("a", devices=[0, 1]), StagePlacement("b", devices=[1, 2])]
+    with pytest.raises(ValueError, match="both list device 1"):
+        stage_meshes(stages)
+    meshes = stage_meshes(stages, allow_shared_devices=True)
+    assert [d.id for d in meshes["b"].devices.flat] == [1, 2]
+    assert dict(meshes["a"].shape) == {"data": 1, "model": 2}
+
+
+def test_device_index_out_of_range(gqa_dir, tmp_path) -> None:
+    cfg = stage_yaml(
+        tmp_path, "Qwen2ForCausalLM", [{"name": "llm", "kind": "ar", "input": "prompt", "devices": [7, 8]}]
+    )
+    with pytest.raises(ValueError, match="stage 'llm': device index 8 does not exist: there are 8 devices"):
+        OmniJaxPipeline.from_pretrained(gqa_dir, stage_config=cfg, **PIPE_KW)

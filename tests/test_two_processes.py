@@ -1,0 +1,75 @@
+"""Two processes on this machine, joined by ``jax.distributed`` (CPU collectives over gloo),
+serve one mesh spanning both; process 0's outputs equal a single-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from omni_jax import OmniJaxPipeline, SamplingParams
+
+HERE = Path(__file__).parent
+MESH = {"data": 2, "model": 2}  # two devices per process: data spans the processes
+ENGINE = dict(max_num_seqs=4, page_size=8, max_model_len=64)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(qwen2_dir, tmp_path) -> None:
+    rs = np.random.RandomState(2)
+    prompts = [{"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=n)]} for n in (4, 11, 7)]
+    params = [
+        dict(temperature=0.0, max_tokens=6, ignore_eos=True),
+        dict(temperature=0.8, top_k=20, seed=11, max_tokens=6, ignore_eos=True),
+        dict(temperature=0.0, max_tokens=6, ignore_eos=True),
+    ]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"mesh": MESH, "engine": ENGINE, "prompts": prompts, "params": params}))
+    port = free_port()
+    procs, logs = [], []
+    for pid in range(2):
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(pid),
+        }
+        log = open(tmp_path / f"p{pid}.log", "w")
+        logs.append(log)
+        cmd = [
+            sys.executable,
+            str(HERE / "two_process_worker.py"),
+            str(qwen2_dir),
+            str(spec),
+            str(tmp_path / f"p{pid}.json"),
+        ]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for log in logs:
+            log.close()
+    text = "\n".join((tmp_path / f"p{i}.log").read_text()[-3000:] for i in range(2))
+    assert codes == [0, 0], text
+    main, other = (json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2))
+    assert [main["process_count"], main["global_devices"], main["mesh_processes"]] == [2, 4, [0, 1]]
+    assert main["q_local_shards"] == [[64, 32], [64, 32]]  # each local device holds half the heads
+    assert other["token_ids"] == []  # only process 0 returns outputs
+
+    single = OmniJaxPipeline.from_pretrained(qwen2_dir, **ENGINE)
+    want = single.run(prompts, [SamplingParams(**p) for p in params], progress=False)
+    assert main["token_ids"] == [o.token_ids for o in want]
