@@ -20,10 +20,15 @@ def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
 
 def _run(args: argparse.Namespace) -> int:
     from omni_jax import OmniJaxPipeline, SamplingParams
+    from omni_jax.parallel import initialize
 
-    pipe = OmniJaxPipeline.from_pretrained(args.model, stages=args.stages, dtype=args.dtype)
+    initialize(args.coordinator_address, args.num_processes, args.process_id)
+    pipe = OmniJaxPipeline.from_pretrained(args.model, stages=args.stages, dtype=args.dtype, mesh=args.mesh)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    out = pipe.run([_prompt(pipe, args)], params if len(pipe.stages) == 1 else None, progress=False)[0]
+    outs = pipe.run([_prompt(pipe, args)], params if len(pipe.stages) == 1 else None, progress=False)
+    if not outs:  # not process 0 of a multi-process run: it printed nothing and wrote nothing
+        return 0
+    out = outs[0]
     print(out.text if out.text is not None else out.token_ids)
     if args.output_dir:
         d = Path(args.output_dir)
@@ -47,6 +52,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from checkpoints_convert import cli as convert_cli
+    from omni_jax.parallel.mesh import parse_mesh
 
     p = argparse.ArgumentParser(prog="omni-jax")
     sub = p.add_subparsers(dest="command", required=True)
@@ -61,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--stages", type=lambda s: s.split(","), default=None, help="e.g. thinker")
     r.add_argument("--audio", action="append", default=[], help="a .wav file (repeatable)")
     r.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
+    r.add_argument("--mesh", type=parse_mesh, default=None, help="every stage's mesh, e.g. data=2,model=4")
+    r.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
+    r.add_argument("--num-processes", type=int, default=None)
+    r.add_argument("--process-id", type=int, default=None)
     r.set_defaults(fn=_run)
     c = sub.add_parser("convert", help="HF checkpoint -> Orbax checkpoint")
     convert_cli.add_arguments(c)
