@@ -27,6 +27,7 @@ from omni_jax.models.param_map import conv_transpose1d_kernel
 from omni_jax.models.qwen2_5_omni.bigvgan import BIGVGAN_RULES, BigVGAN, kaiser_sinc_filter
 from omni_jax.models.qwen2_5_omni.dit import DIT_RULES, DiT
 from omni_jax.models.qwen2_5_omni.token2wav import (
+    MIN_GUIDANCE,
     TOKEN2WAV_IGNORE,
     TOKEN2WAV_RULES,
     Token2Wav,
@@ -178,15 +179,19 @@ def test_bigvgan(reference: Qwen2_5OmniToken2WavModel, ours: Token2Wav) -> None:
     assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("guidance", [0.5, -0.5])
 def test_token2wav_matches_reference(
-    reference: Qwen2_5OmniToken2WavModel, ours: Token2Wav, monkeypatch: pytest.MonkeyPatch
+    reference: Qwen2_5OmniToken2WavModel, ours: Token2Wav, monkeypatch: pytest.MonkeyPatch, guidance: float
 ) -> None:
-    """Whole code -> mel -> waveform against ``Qwen2_5OmniToken2WavModel.forward`` with our noise."""
+    """Whole code -> mel -> waveform against ``Qwen2_5OmniToken2WavModel.forward`` with our noise.
+
+    Below ``MIN_GUIDANCE`` (a negative scale here) the reference runs its unguided path.
+    """
     req = make_request(4, num_codes=9, ref_frames=17)
     batch = pad_batch([req])
     # The reference draws its start with torch.randn; hand it our noise instead.
     monkeypatch.setattr(torch, "randn", lambda *a, **k: torch.from_numpy(req["noise"][None].copy()))
-    args = dict(num_steps=4, guidance_scale=0.5, sway_coefficient=-1.0)
+    args = dict(num_steps=4, guidance_scale=guidance, sway_coefficient=-1.0)
     with torch.no_grad():
         mel_want = reference.code2wav_dit_model.sample(
             torch.from_numpy(req["speaker"][None]),
@@ -228,6 +233,20 @@ def test_batched_equals_unbatched(ours: Token2Wav) -> None:
         err = rel_err(waves[i, :n], np.asarray(alone[0]))
         assert err < 1e-5, (i, err)
         assert not np.any(np.asarray(waves[i, n:])), "padding must be silent"
+
+
+def test_unguided_program_equals_guidance_zero(ours: Token2Wav) -> None:
+    """``guided=False`` drops the null half; it equals the CFG program at scales below the threshold."""
+    graphdef, state = nnx.split(ours)
+    batch = pad_batch([make_request(30, 6, 9), make_request(31, 4, 12)])
+    knobs = dict(num_steps=jnp.asarray([3, 4]), sway_coefficient=jnp.asarray([-1.0, 0.0]))
+    scales = jnp.asarray([0.0, MIN_GUIDANCE / 2])
+    both, lengths = token2wav_compiled(graphdef, state, **batch, guidance_scale=scales, **knobs)
+    alone, _ = token2wav_compiled(graphdef, state, **batch, guidance_scale=scales, **knobs, guided=False)
+    for i in range(2):
+        n = int(lengths[i])
+        err = rel_err(alone[i, :n], np.asarray(both[i, :n]))
+        assert err < 1e-5, (i, err)
 
 
 def test_solve_is_one_program(ours: Token2Wav) -> None:

@@ -3,7 +3,8 @@
 Codes + voice -> waveform against transformers' ``Qwen2_5OmniToken2WavModel`` (called as
 ``Qwen2_5OmniForConditionalGeneration.generate`` calls it), batching, seeded noise, validation,
 and torch-free serving of a converted checkpoint. All requests here fit one code bucket (16) and
-the voices one reference bucket, so the whole file compiles two programs (batch 1 and batch 4).
+the voices one reference bucket, so the whole file compiles three programs (batch 1 with and
+without guidance, batch 4).
 """
 
 from __future__ import annotations
@@ -105,13 +106,14 @@ def test_batch_equals_each_request_alone(pipes) -> None:
         Token2WavParams(num_steps=6, sway_coefficient=0.0, initial_noise=noise(5, 9)),
     ]
     batch = pipe.run(prompts, params, progress=False)
-    compiled = token2wav_compiled._cache_size()
     for prompt, p, out in zip(prompts, params, batch, strict=True):
         assert out.metrics["code2wav"]["batch_size"] == 3
+        # Alone, the unguided request runs the program without the null half.
         alone = pipe.run(prompt, p, progress=False)[0]
         assert alone.audio.shape == out.audio.shape == (len(prompt["prompt_token_ids"]) * REPEATS * 60,)
         err = rel_err(out.audio, alone.audio)
         assert err < 1e-5, err
+    compiled = token2wav_compiled._cache_size()
     again = pipe.run(prompts[::-1], params[::-1], progress=False)
     for a, b in zip(again[::-1], batch, strict=True):
         assert rel_err(a.audio, b.audio) < 1e-5

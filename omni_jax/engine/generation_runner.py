@@ -1,9 +1,11 @@
 """The non-autoregressive execution path: codec tokens -> waveform in one jitted solve per batch.
 
 There is no KV cache, no logits and no sampler here: a request is its whole input, so a batch is
-padded once (batch size, code length and reference-mel length each to a power-of-two bucket, so
-steady-state serving never recompiles), solved by one compiled program, and split back into
-per-request waveforms trimmed to their valid samples.
+padded once (batch size and reference-mel length to a power-of-two bucket, code length to one of
+four sizes per octave, so steady-state serving never recompiles), solved by one compiled program,
+and split back into per-request waveforms trimmed to their valid samples. Requests taken together
+are first grouped by code bucket, one solve per group: padding is paid in full compute, and a
+50-code request padded to the 200 codes of its neighbour would cost four times its own work.
 
 Randomness is batch-invariant: a request's initial noise comes from its own seed and its own
 length only (never from the bucket or its neighbours), so the same request with the same seed
@@ -22,14 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omni_jax.engine.buckets import bucket
+from omni_jax.engine.buckets import bucket, fine_bucket
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.parallel.distributed import random_seed
 
 Solve = Callable[..., tuple[jax.Array, jax.Array]]
 """``solve(graphdef, state, codes, code_lengths, speaker_embedding, reference_mel, reference_lengths,
-initial_noise, num_steps, guidance_scale, sway_coefficient) -> (wave [B, S], valid samples [B])``,
-e.g. ``token2wav_compiled``; every array is batched and the knobs are ``[B]``."""
+initial_noise, num_steps, guidance_scale, sway_coefficient, guided) -> (wave [B, S], valid samples
+[B])``, e.g. ``token2wav_compiled``; every array is batched and the knobs are ``[B]``; ``guided``
+(static) is False when no request needs classifier-free guidance."""
 
 
 @dataclasses.dataclass
@@ -62,6 +65,30 @@ class SolveGeometry:
     repeats: int
     mel_dim: int
     max_codes: int
+    min_guidance: float
+    """Guidance scales below this mean no guidance (a solve of only such requests is cheaper)."""
+
+
+@dataclasses.dataclass
+class PaddedBatch:
+    """One solve's inputs, batched and padded (host arrays), and each request's noise seed."""
+
+    codes: np.ndarray
+    code_lengths: np.ndarray
+    speaker_embedding: np.ndarray
+    reference_mel: np.ndarray
+    reference_lengths: np.ndarray
+    initial_noise: np.ndarray
+    num_steps: np.ndarray
+    guidance_scale: np.ndarray
+    sway_coefficient: np.ndarray
+    seeds: list[int | None]
+    guided: bool = True
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """The device arrays in :data:`Solve`'s argument order (after graphdef and state)."""
+        fields = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), np.ndarray)]
+        return tuple(jnp.asarray(getattr(self, name)) for name in fields)
 
 
 class GenerationRunner:
@@ -96,7 +123,18 @@ class GenerationRunner:
     def step(self) -> list[GenerationResult]:
         """Solve the oldest ``max_batch`` waiting requests; all of them finish in this step."""
         batch = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
-        return self.run(batch) if batch else []
+        return [result for group in self.groups(batch) for result in self.run(group)]
+
+    def code_bucket(self, num_codes: int) -> int:
+        """Padded code length of a solve whose longest request has ``num_codes`` codes."""
+        return min(fine_bucket(num_codes, self.min_codes, steps=4), self.geometry.max_codes)
+
+    def groups(self, requests: list[GenerationRequest]) -> list[list[GenerationRequest]]:
+        """``requests`` split into solves of one code bucket each, shortest bucket first."""
+        by_bucket: dict[int, list[GenerationRequest]] = collections.defaultdict(list)
+        for r in requests:
+            by_bucket[self.code_bucket(len(r.codes))].append(r)
+        return [by_bucket[b] for b in sorted(by_bucket)]
 
     def initial_noise(self, request: GenerationRequest) -> tuple[np.ndarray, int | None]:
         """``(noise [len(codes) * repeats, mel_dim] float32, seed)``; the seed is None when given."""
@@ -107,55 +145,59 @@ class GenerationRunner:
         shape = (len(request.codes) * self.geometry.repeats, self.geometry.mel_dim)
         return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), seed
 
+    def pad(self, requests: list[GenerationRequest]) -> PaddedBatch:
+        """The solve's inputs for ``requests``: rows, codes and reference mels padded to buckets.
+
+        Padding rows get one code and one reference frame: no empty reductions, no NaNs.
+        """
+        if not 1 <= len(requests) <= self.max_batch:
+            raise ValueError(f"a batch holds 1 to {self.max_batch} requests, got {len(requests)}")
+        g = self.geometry
+        rows = bucket(len(requests), 1, self.max_batch)
+        codes_len = self.code_bucket(max(len(r.codes) for r in requests))
+        ref_len = bucket(max(len(r.reference_mel) for r in requests), self.min_reference)
+        speaker_dim = requests[0].speaker_embedding.shape[-1]
+        batch = PaddedBatch(
+            codes=np.zeros((rows, codes_len), np.int32),
+            code_lengths=np.ones(rows, np.int32),
+            speaker_embedding=np.zeros((rows, speaker_dim), np.float32),
+            reference_mel=np.zeros((rows, ref_len, g.mel_dim), np.float32),
+            reference_lengths=np.ones(rows, np.int32),
+            initial_noise=np.zeros((rows, codes_len * g.repeats, g.mel_dim), np.float32),
+            num_steps=np.ones(rows, np.int32),
+            guidance_scale=np.zeros(rows, np.float32),
+            sway_coefficient=np.zeros(rows, np.float32),
+            seeds=[],
+        )
+        for i, r in enumerate(requests):
+            n, m = len(r.codes), len(r.reference_mel)
+            batch.codes[i, :n] = r.codes
+            batch.code_lengths[i] = n
+            batch.speaker_embedding[i] = r.speaker_embedding
+            batch.reference_mel[i, :m] = r.reference_mel
+            batch.reference_lengths[i] = m
+            start, seed = self.initial_noise(r)
+            batch.initial_noise[i, : len(start)] = start
+            batch.seeds.append(seed)
+            batch.num_steps[i] = r.params.num_steps
+            batch.guidance_scale[i] = r.params.guidance_scale
+            batch.sway_coefficient[i] = r.params.sway_coefficient
+        batch.guided = bool(np.any(batch.guidance_scale[: len(requests)] >= g.min_guidance))
+        return batch
+
     def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """One padded solve for ``requests``.
 
         A device failure is retried one request at a time, so only the failing ones end with its
         message (``error``) and the rest of the batch completes.
         """
-        if not 1 <= len(requests) <= self.max_batch:
-            raise ValueError(f"a batch holds 1 to {self.max_batch} requests, got {len(requests)}")
-        g = self.geometry
-        rows = bucket(len(requests), 1, self.max_batch)
-        codes_len = bucket(max(len(r.codes) for r in requests), self.min_codes, g.max_codes)
-        ref_len = bucket(max(len(r.reference_mel) for r in requests), self.min_reference)
-        speaker_dim = requests[0].speaker_embedding.shape[-1]
-        codes = np.zeros((rows, codes_len), np.int32)
-        # Padding rows get one code and one reference frame: no empty reductions, no NaNs.
-        code_lengths = np.ones(rows, np.int32)
-        speakers = np.zeros((rows, speaker_dim), np.float32)
-        reference = np.zeros((rows, ref_len, g.mel_dim), np.float32)
-        reference_lengths = np.ones(rows, np.int32)
-        noise = np.zeros((rows, codes_len * g.repeats, g.mel_dim), np.float32)
-        num_steps = np.ones(rows, np.int32)
-        guidance = np.zeros(rows, np.float32)
-        sway = np.zeros(rows, np.float32)
-        seeds = []
-        for i, r in enumerate(requests):
-            n, m = len(r.codes), len(r.reference_mel)
-            codes[i, :n] = r.codes
-            code_lengths[i] = n
-            speakers[i] = r.speaker_embedding
-            reference[i, :m] = r.reference_mel
-            reference_lengths[i] = m
-            start, seed = self.initial_noise(r)
-            noise[i, : len(start)] = start
-            seeds.append(seed)
-            num_steps[i] = r.params.num_steps
-            guidance[i] = r.params.guidance_scale
-            sway[i] = r.params.sway_coefficient
+        batch = self.pad(requests)
+        seeds = batch.seeds
         t0 = time.perf_counter()
         try:
-            wave, valid = self.solve(
-                self.graphdef,
-                self.state,
-                *(
-                    jnp.asarray(a)
-                    for a in (codes, code_lengths, speakers, reference, reference_lengths, noise)
-                ),
-                *(jnp.asarray(a) for a in (num_steps, guidance, sway)),
-            )
-            wave, valid = np.asarray(wave), np.asarray(valid)
+            with jax.profiler.TraceAnnotation("code2wav solve", rows=len(requests)):
+                wave, valid = self.solve(self.graphdef, self.state, *batch.arrays(), batch.guided)
+                wave, valid = np.asarray(wave), np.asarray(valid)
         except jax.errors.JaxRuntimeError as e:
             if len(requests) > 1:  # find the culprit: the others still complete
                 return [result for r in requests for result in self.run([r])]

@@ -16,7 +16,7 @@ import numpy as np
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.engine.generation_runner import GenerationRequest, GenerationRunner, SolveGeometry
 from omni_jax.models.qwen2_5_omni.speakers import Speaker, load_speakers
-from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
+from omni_jax.models.qwen2_5_omni.token2wav import MIN_GUIDANCE, Token2Wav, token2wav_compiled
 from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
 from omni_jax.stages.config import StageConfig
 
@@ -63,7 +63,10 @@ class Code2WavStage:
             raise ValueError(f"{path}: no speakers (spk_dict.pt, or speakers.json from conversion)")
         dit = model.dit
         geometry = SolveGeometry(
-            repeats=dit.repeats, mel_dim=dit.mel_dim, max_codes=dit.max_position_embeddings // dit.repeats
+            repeats=dit.repeats,
+            mel_dim=dit.mel_dim,
+            max_codes=dit.max_position_embeddings // dit.repeats,
+            min_guidance=MIN_GUIDANCE,
         )
         # Every voice's reference mel pads to one bucket: one compile fewer per batch shape.
         runner = GenerationRunner(

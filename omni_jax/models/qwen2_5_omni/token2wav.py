@@ -26,6 +26,10 @@ from omni_jax.models.qwen2_5_omni.dit import DIT_IGNORE, DIT_RULES, DiT
 
 ArrayLike = jax.Array | float | int
 
+MIN_GUIDANCE = 1e-5
+"""The reference skips classifier-free guidance for a ``guidance_scale`` below this (negative
+ones included) and runs the conditional pass alone; so does :func:`sample_mel`."""
+
 
 class Token2Wav(nnx.Module):
     """The DiT and the vocoder of ``Qwen2_5OmniToken2WavModel`` (config: its ``Token2WavConfig``)."""
@@ -75,6 +79,7 @@ def sample_mel(
     num_steps: ArrayLike = 10,
     guidance_scale: ArrayLike = 0.5,
     sway_coefficient: ArrayLike = -1.0,
+    guided: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Solve the flow ODE from ``initial_noise`` to a mel: ``(mel [B, F, mel_dim], frames [B])``.
 
@@ -85,8 +90,10 @@ def sample_mel(
     ``initial_noise [B, F, mel_dim]``. The step parameters are scalars or ``[B]``.
 
     Classifier-free guidance runs the conditional and the null input (codes 0, zero speaker
-    vector, zero reference mel) in one ``2B`` batch, as the reference's ``apply_cfg`` path. With
-    ``guidance_scale`` 0 this equals the reference's unguided path.
+    vector, zero reference mel) in one ``2B`` batch, as the reference's ``apply_cfg`` path; a
+    request whose ``guidance_scale`` is below :data:`MIN_GUIDANCE` gets the conditional
+    velocity alone, the reference's unguided path. ``guided=False`` (static) promises that
+    every request is such a one and drops the null half from the program: half the DiT work.
     """
     batch = codes.shape[0]
     dtype = initial_noise.dtype
@@ -94,11 +101,13 @@ def sample_mel(
     if reference_lengths is None:
         reference_lengths = jnp.full((batch,), reference_mel.shape[1], jnp.int32)
     num_steps = _per_request(num_steps, batch, jnp.int32)
-    guidance = _per_request(guidance_scale, batch, dtype)[:, None, None]
+    guidance = _per_request(guidance_scale, batch, dtype)
+    guidance = jnp.where(guidance < MIN_GUIDANCE, 0.0, guidance)[:, None, None]
     sway = _per_request(sway_coefficient, batch, dtype)
 
-    pair = lambda a: jnp.concatenate([a, jnp.zeros_like(a)], axis=0)
-    twice = lambda a: jnp.concatenate([a, a], axis=0)
+    # Rows [0, B) are the conditional input; with guidance, rows [B, 2B) the null one.
+    pair = (lambda a: jnp.concatenate([a, jnp.zeros_like(a)], axis=0)) if guided else (lambda a: a)
+    twice = (lambda a: jnp.concatenate([a, a], axis=0)) if guided else (lambda a: a)
     conditioning = dit.conditioning(
         pair(codes), pair(reference_mel), twice(reference_lengths), pair(speaker_embedding)
     )
@@ -106,8 +115,10 @@ def sample_mel(
 
     def velocity(t: jax.Array, x: jax.Array) -> jax.Array:
         out = dit(twice(x), conditioning, twice(t), frames2)
-        guided, null = out[:batch], out[batch:]
-        return guided + (guided - null) * guidance
+        if not guided:
+            return out
+        conditional, null = out[:batch], out[batch:]
+        return conditional + (conditional - null) * guidance
 
     third, two_thirds = 1 / 3, 2 / 3
 
@@ -140,28 +151,32 @@ def token2wav(
     num_steps: ArrayLike = 10,
     guidance_scale: ArrayLike = 0.5,
     sway_coefficient: ArrayLike = -1.0,
+    guided: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Codes -> ``(waveform [B, S] float32 at 24 kHz, valid samples [B])``; see :func:`sample_mel`.
 
     ``S = T * repeats * prod(upsample_rates)`` for the usual kernel/stride pairs; samples past a
     request's count are zero.
     """
-    mel, frames = sample_mel(
-        model.dit,
-        codes,
-        code_lengths,
-        speaker_embedding,
-        reference_mel,
-        reference_lengths,
-        initial_noise,
-        num_steps,
-        guidance_scale,
-        sway_coefficient,
-    )
-    return model.bigvgan(mel, frames)
+    with jax.named_scope("dit_solve"):
+        mel, frames = sample_mel(
+            model.dit,
+            codes,
+            code_lengths,
+            speaker_embedding,
+            reference_mel,
+            reference_lengths,
+            initial_noise,
+            num_steps,
+            guidance_scale,
+            sway_coefficient,
+            guided,
+        )
+    with jax.named_scope("vocoder"):
+        return model.bigvgan(mel, frames)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 11), static_argnames="guided")
 def token2wav_compiled(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -174,11 +189,12 @@ def token2wav_compiled(
     num_steps: jax.Array,
     guidance_scale: jax.Array,
     sway_coefficient: jax.Array,
+    guided: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`token2wav` as one compiled program over ``nnx.split(model)``.
 
-    Compiles once per input shape (bucket the batch, code and reference lengths); the step
-    parameters are traced, so new values never recompile.
+    Compiles once per input shape (bucket the batch, code and reference lengths) and ``guided``;
+    the step parameters are traced, so new values never recompile.
     """
     return token2wav(
         nnx.merge(graphdef, state),
@@ -191,4 +207,5 @@ def token2wav_compiled(
         num_steps,
         guidance_scale,
         sway_coefficient,
+        guided,
     )
