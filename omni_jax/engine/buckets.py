@@ -52,7 +52,7 @@ def fine_bucket(n: int, minimum: int = 1, steps: int = 2) -> int:
 
     ``steps`` (a power of two) sizes per octave: with 2, ``2^k`` or ``3 * 2^(k-1)``. For lengths
     where padding is paid in compute: with 2 steps at most a third is wasted instead of half,
-    for twice the number of programs; with 4 steps at most a fifth. Sizes below ``2 * steps``
+    for twice the number of programs; with 8 steps at most a ninth. Sizes below ``2 * steps``
     stay powers of two.
     """
     p = next_pow2(n, minimum)

@@ -2,7 +2,7 @@
 
 There is no KV cache, no logits and no sampler here: a request is its whole input, so a batch is
 padded once (batch size and reference-mel length to a power-of-two bucket, code length to one of
-four sizes per octave, so steady-state serving never recompiles), solved by one compiled program,
+eight sizes per octave, so steady-state serving never recompiles), solved by one compiled program,
 and split back into per-request waveforms trimmed to their valid samples. Requests taken together
 are first grouped by code bucket, one solve per group: padding is paid in full compute, and a
 50-code request padded to the 200 codes of its neighbour would cost four times its own work.
@@ -127,7 +127,7 @@ class GenerationRunner:
 
     def code_bucket(self, num_codes: int) -> int:
         """Padded code length of a solve whose longest request has ``num_codes`` codes."""
-        return min(fine_bucket(num_codes, self.min_codes, steps=4), self.geometry.max_codes)
+        return min(fine_bucket(num_codes, self.min_codes, steps=8), self.geometry.max_codes)
 
     def groups(self, requests: list[GenerationRequest]) -> list[list[GenerationRequest]]:
         """``requests`` split into solves of one code bucket each, shortest bucket first."""

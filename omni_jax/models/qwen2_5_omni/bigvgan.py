@@ -71,12 +71,14 @@ def pad_edges(
 def last_frame(x: jax.Array, lengths: jax.Array) -> jax.Array:
     """Each request's last valid frame of ``[B, T, C]``: ``[B, C]``.
 
-    A masked sum rather than a gather: XLA computes a reduction once, whereas a gather is
-    cheap enough to be fused, and redone per element, into every tap of the filters that
-    read the padded signal (4x slower on CPU).
+    A one-hot product rather than a gather or a masked sum: XLA fuses a gather, and redoes it
+    per element, into every tap of the filters that read the padded signal, and it runs the
+    masked sum as a slow strided reduction whose result it broadcasts in memory; a dot is
+    computed once (the whole activation ran 4x faster on CPU, measured). Exact: one product
+    by 1, the rest by 0.
     """
-    at_last = jnp.arange(x.shape[1])[None, :, None] == (lengths - 1)[:, None, None]
-    return jnp.sum(jnp.where(at_last, x, 0.0), axis=1)
+    one_hot = (jnp.arange(x.shape[1])[None, :] == (lengths - 1)[:, None]).astype(x.dtype)
+    return jnp.einsum("bt,btc->bc", one_hot, x, precision=jax.lax.Precision.HIGHEST)
 
 
 def replicate_pad(x: jax.Array, lengths: jax.Array, left: int, right: int) -> jax.Array:

@@ -392,17 +392,22 @@ class DiT(nnx.Module):
         reference_lengths: jax.Array,
         speaker_embedding: jax.Array,
     ) -> jax.Array:
-        """Per-frame conditioning ``[B, T * repeats, enc_dim + emb_dim + enc_emb_dim]``.
+        """Per-frame conditioning ``[B, T * repeats, hidden]``, already through the input projection.
 
         ``codes [B, T]`` int; ``reference_mel [B, R, mel_dim]`` padded, valid up to
         ``reference_lengths [B]`` (fed to the ECAPA speaker encoder); ``speaker_embedding
-        [B, enc_emb_dim]`` (the speaker's ``cond`` vector). Same order as the reference concat.
+        [B, enc_emb_dim]`` (the speaker's ``cond`` vector), concatenated in the reference's order.
+        The reference projects ``[x, conditioning]`` in one matmul at every evaluation; the
+        conditioning's share of it (and the bias) is the same at every step, so it is done here.
         """
         frames = codes.shape[1] * self.repeats
         code_embed = jnp.repeat(self.codec_embed(codes), self.repeats, axis=1)
         speaker_code = self.spk_encoder(reference_mel, reference_lengths)
         per_frame = lambda v: jnp.broadcast_to(v[:, None], (v.shape[0], frames, v.shape[-1]))
-        return jnp.concatenate([per_frame(speaker_code), code_embed, per_frame(speaker_embedding)], axis=-1)
+        features = jnp.concatenate(
+            [per_frame(speaker_code), code_embed, per_frame(speaker_embedding)], axis=-1
+        )
+        return features @ self.input_proj.kernel[self.mel_dim :] + self.input_proj.bias
 
     def rope(self, num_frames: int) -> tuple[jax.Array, jax.Array]:
         """``cos, sin`` ``[T, head_dim]`` for frames ``0..T-1`` in the half-split layout."""
@@ -417,7 +422,7 @@ class DiT(nnx.Module):
         """
         num_frames = x.shape[1]
         t_emb = self.time_embed(t)
-        h = self.input_proj(jnp.concatenate([x, conditioning], axis=-1))
+        h = x @ self.input_proj.kernel[: self.mel_dim] + conditioning
         rope = self.rope(num_frames)
         key_valid = jnp.arange(num_frames)[None, :] < lengths[:, None]
         for layer in self.transformer_blocks:
