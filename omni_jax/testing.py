@@ -325,7 +325,7 @@ def tiny_qwen2_5_omni_config(tokenizer: Any, **overrides: Any) -> Any:
     return Qwen2_5OmniConfig(**kw)
 
 
-def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0) -> Path:
+def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
     """Write a random-weight ``Qwen2_5OmniForConditionalGeneration`` checkpoint to ``path``.
 
     Alongside the safetensors weights: the tokenizer (with the Omni placeholders, TTS tokens,
@@ -334,6 +334,8 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0) -> Path:
     format: ``{speaker: {"cond": [1, enc_emb_dim], "ref_mel": [1, frames, mel_dim],
     "bos_token": int}}`` with speakers :data:`OMNI_SPEAKERS`. Deterministic in ``seed``.
     The token2wav weights are re-drawn at a scale where the waveform follows the codes.
+    ``config_overrides`` replace whole sub-configs of :func:`tiny_qwen2_5_omni_config` (e.g. a
+    ``token2wav_config`` with the real model's widths, for benchmarks).
     """
     import torch
     from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
@@ -346,7 +348,7 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0) -> Path:
         extra_special=["<|vision_pad|>", *OMNI_TTS_TOKENS.values(), *speaker_tokens.values()],
         named_special=OMNI_NAMED_TOKENS,
     )
-    cfg = tiny_qwen2_5_omni_config(tokenizer)
+    cfg = tiny_qwen2_5_omni_config(tokenizer, **config_overrides)
     torch.manual_seed(seed)
     model = Qwen2_5OmniForConditionalGeneration(cfg).float().eval()
     randomize_weights(model.token2wav.code2wav_dit_model, 1.0)
