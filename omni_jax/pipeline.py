@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from omni_jax.engine.compilation import enable_persistent_cache
@@ -127,6 +128,8 @@ class OmniJaxPipeline:
                     frontend=frontend,
                 )
             )
+        for upstream, stage in zip(built, built[1:], strict=False):
+            stage.connect(upstream)
         return cls(path, config, built, _load_tokenizer(path))
 
     def chat_prompt(
@@ -241,7 +244,7 @@ class OmniJaxPipeline:
             self._check_modalities(i, request.prompt)
             per_request = [p[i] for p in params]
             for si, stage in enumerate(self.stages):
-                stage.validate(i, request if si == 0 else None, per_request[si])
+                stage.validate(i, request if si == 0 else None, per_request[si], request.prompt)
             out = OmniRequestOutput(request_id=str(next(self._ids)), prompt_token_ids=request.token_ids)
             pending.append(_Pending(i, out, per_request, request.prompt))
             inputs.append(request)
@@ -252,12 +255,12 @@ class OmniJaxPipeline:
         by_id: dict[str, _Pending] = {}
         first = self.stages[0]
         for p, request in zip(pending, inputs, strict=True):
+            request.keep_hidden = self._next_reads_hidden(p, 0)
             first.submit(p.output.request_id, request, p.stage_params[0])
             by_id[p.output.request_id] = p
         bar = tqdm(total=len(pending), desc="requests", unit="req", disable=not progress)
         tokens = 0
         t0 = time.perf_counter()
-        last = len(self.stages) - 1
         with bar:
             while any(s.has_work() for s in self.stages):
                 for si, stage in enumerate(self.stages):
@@ -268,12 +271,44 @@ class OmniJaxPipeline:
                         self._stage_done(p, si, result)
                         if stage.config.kind == "ar":
                             tokens += len(result.token_ids)
-                        if si < last and result.error is None and not self._done_after(p, si):
-                            nxt = StageInput(result.token_ids, p.prompt, upstream=result)
-                            self.stages[si + 1].submit(result.request_id, nxt, p.stage_params[si + 1])
-                        else:
+                        if not self._hand_on(p, si, result):
                             bar.update(1)
                             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
+
+    def _hand_on(self, p: _Pending, si: int, result: StageResult) -> bool:
+        """Submit a request stage ``si`` finished to the next stage; False when it is done.
+
+        The next stage's input processor may find nothing to do (the request ends with empty
+        output, e.g. no audio when the talker stopped before its first code) or input it
+        cannot take (the request alone ends with ``finish_reason="error"``).
+        """
+        if si == len(self.stages) - 1 or result.error is not None or self._done_after(p, si):
+            return False
+        nxt = self.stages[si + 1]
+        try:
+            request = nxt.accept(p.index, result, p.prompt)
+            if request is not None:
+                nxt.validate(p.index, request, p.stage_params[si + 1])
+        except ValueError as e:
+            p.output.finish_reason, p.output.error = "error", f"stage {nxt.config.name!r}: {e}"
+            return False
+        if request is None:
+            self._end_empty(p, si + 1)
+            return False
+        request.keep_hidden = self._next_reads_hidden(p, si + 1)
+        nxt.submit(result.request_id, request, p.stage_params[si + 1])
+        return True
+
+    def _next_reads_hidden(self, p: _Pending, si: int) -> bool:
+        return si + 1 < len(self.stages) and self.stages[si + 1].reads_hidden and not self._done_after(p, si)
+
+    def _end_empty(self, p: _Pending, si: int) -> None:
+        """Stages ``si`` on had nothing to do: their outputs are empty (audio of zero samples)."""
+        for stage in self.stages[si:]:
+            p.output.stage_outputs[stage.config.name] = StageOutput(token_ids=[], finish_reason="stop")
+            if stage.config.final_output == "audio":
+                p.output.audio = np.zeros((0,), np.float32)
+                p.output.sample_rate = stage.sample_rate
 
     def _check_modalities(self, index: int, prompt: dict[str, Any]) -> None:
         """``modalities`` lists outputs the built stages can produce (``"text"``, ``"audio"``)."""

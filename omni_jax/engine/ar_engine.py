@@ -41,10 +41,18 @@ class AREngine:
         self._arrivals = 0
 
     def add_request(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, extra: Any = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        extra: Any = None,
+        *,
+        suppress_ids: Sequence[int] = (),
+        capture_hidden: bool = False,
     ) -> ARRequest:
         """Queue a request; ``extra`` is what the stage's model-specific hooks (positions, step
-        inputs) read for it."""
+        inputs) read for it. ``suppress_ids`` are never sampled; ``capture_hidden`` keeps each
+        computed token's final hidden state and input embedding (what a later stage reads)."""
         seed = params.seed if params.seed is not None else random_seed()
         req = ARRequest(
             request_id=request_id,
@@ -54,13 +62,18 @@ class AREngine:
             seed=seed,
             eos_token_ids=self.eos_token_ids,
             extra=extra,
+            suppress_ids=tuple(suppress_ids),
+            capture_hidden=capture_hidden,
         )
         self._arrivals += 1
         self.scheduler.add(req)
         return req
 
-    def warmup(self) -> int:
-        return self.runner.warmup(self.scheduler.cfg.max_num_batched_tokens)
+    def warmup(self, capture_hidden: bool = False) -> int:
+        """Compile every step bucket, also in the hidden-capturing form when a later stage reads it."""
+        budget = self.scheduler.cfg.max_num_batched_tokens
+        n = self.runner.warmup(budget)
+        return n + (self.runner.warmup(budget, return_hidden=True) if capture_hidden else 0)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -70,5 +83,6 @@ class AREngine:
         step = self.scheduler.schedule()
         if not step:
             return []
-        result = self.runner.execute([row for _, row in step])
+        capture = any(req.capture_hidden for req, _ in step)
+        result = self.runner.execute([row for _, row in step], return_hidden=capture)
         return self.scheduler.update(step, result)

@@ -2,7 +2,7 @@
 
 The step is a pure function of ``(params, kv_cache, inputs, metadata, sampling tensors)``
 that donates the cache, so the cache is updated in place on device and the host only ever
-sees sampled tokens (and hidden states when a later stage asked for them).
+sees sampled tokens (and hidden states and input embeddings when a later stage asked for them).
 """
 
 from __future__ import annotations
@@ -87,13 +87,13 @@ class StepRow:
 class StepInputs(Protocol):
     """Model-specific inputs of a step's embedding, e.g. encoder rows a multimodal model merges.
 
-    ``pack`` runs on the host for every step (also for warm-up, with no rows) and returns the
-    pytree passed as ``extra`` to ``model.embed(tokens, extra)``; its shapes must come from a
-    few buckets, and a step whose rows need nothing must get the same shapes every time, so
-    decode never recompiles.
+    ``pack`` runs on the host for every step (also for warm-up, with no rows) for a step of
+    ``batch`` rows of ``tokens`` tokens, and returns the pytree passed as ``extra`` to
+    ``model.embed(tokens, extra)``; its shapes must come from a few buckets, and a step whose
+    rows need nothing must get the same shapes every time, so decode never recompiles.
     """
 
-    def pack(self, rows: Sequence[StepRow], batch: int) -> Any: ...
+    def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> Any: ...
 
 
 @dataclasses.dataclass
@@ -101,7 +101,8 @@ class StepResult:
     tokens: np.ndarray  # [rows]
     logprob_ids: np.ndarray  # [rows, 1 + N]
     logprobs: np.ndarray  # [rows, 1 + N]
-    hidden: np.ndarray | None  # [rows, T, D] when requested
+    hidden: np.ndarray | None  # [rows, T, D] final (normed) hidden states, when requested
+    embeds: np.ndarray | None  # [rows, T, D] the decoder's input embeddings, when requested
 
 
 def _step_fn(
@@ -120,10 +121,11 @@ def _step_fn(
     return_hidden: bool,
 ) -> tuple[Any, ...]:
     model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(model.embed(tokens, extra), positions, kv_cache, md, backend)
+    embeds = model.embed(tokens, extra)
+    hidden, kv_cache = model(embeds, positions, kv_cache, md, backend)
     last = hidden[jnp.arange(hidden.shape[0]), logits_idx]
     toks, ids, lps = sample(model.logits(last), st, num_logprobs)
-    return toks, ids, lps, (hidden if return_hidden else None), kv_cache
+    return toks, ids, lps, ((hidden, embeds) if return_hidden else None), kv_cache
 
 
 class ARRunner:
@@ -252,7 +254,7 @@ class ARRunner:
             suppress_len=bucket(max([len(r.suppress) for r in rows], default=0), 4),
         )
         md = AttentionMetadata(slots, tables, ctx, qlen)
-        extra = None if self.step_inputs is None else self.step_inputs.pack(rows, b)
+        extra = None if self.step_inputs is None else self.step_inputs.pack(rows, b, t)
         return tokens, positions, md, np.maximum(qlen - 1, 0), st, extra
 
     def _call(self, *args: Any, num_logprobs: int, return_hidden: bool) -> tuple[Any, ...]:
@@ -286,6 +288,17 @@ class ARRunner:
             placed.append(put(a, NamedSharding(self.mesh, spec)))
         return placed
 
+    def embed_tokens(self, ids: Sequence[int]) -> np.ndarray:
+        """``[len(ids), D]`` input embeddings of ``ids`` alone (no step inputs merged), for a
+        later stage that reads special tokens through this model's table. Eager: called once
+        per id set at build time, not per step."""
+        model = nnx.merge(self.graphdef, self.state)
+        tokens = jnp.asarray([list(ids)], jnp.int32)
+        if self.mesh is None:
+            return np.asarray(model.embed(tokens)[0])
+        with jax.set_mesh(self.mesh):
+            return np.asarray(model.embed(tokens)[0])
+
     def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
         n = len(rows)
         b = self.rows_bucket(n)
@@ -295,9 +308,11 @@ class ARRunner:
         toks, ids, lps, hidden = self._call(
             *self._pack(rows, b, t, p), num_logprobs=bucket(most) if most else 0, return_hidden=return_hidden
         )
+        hidden, embeds = (None, None) if hidden is None else (np.asarray(h)[:n] for h in hidden)
         return StepResult(
             tokens=np.asarray(toks)[:n],
             logprob_ids=np.asarray(ids)[:n],
             logprobs=np.asarray(lps)[:n],
-            hidden=None if hidden is None else np.asarray(hidden)[:n],
+            hidden=hidden,
+            embeds=embeds,
         )

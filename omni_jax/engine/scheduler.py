@@ -50,6 +50,9 @@ class ARRequest:
     num_preemptions: int = 0
     first_token_time: float | None = None  # perf_counter() when the first output token arrived
     extra: Any = None  # model-specific inputs (multimodal features, M-RoPE positions), opaque here
+    suppress_ids: tuple[int, ...] = ()  # never sampled (e.g. the talker's codec BOS)
+    capture_hidden: bool = False  # keep every computed token's hidden state and input embedding
+    captured: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -62,6 +65,12 @@ class ARRequest:
     @property
     def remaining(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def captured_states(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(hidden [N, D], embeds [N, D])`` of the ``N`` computed tokens, in sequence order
+        (the last sampled token was never computed)."""
+        hidden, embeds = zip(*self.captured, strict=True)
+        return np.concatenate(hidden), np.concatenate(embeds)
 
     def stop_ids(self) -> set[int]:
         ids = set(self.params.stop_token_ids or [])
@@ -209,9 +218,9 @@ class Scheduler:
         start, end = req.num_computed, req.num_computed + chunk
         ids = req.all_ids
         sample = end == req.num_tokens
-        suppress: list[int] = []
+        suppress = set(req.suppress_ids) if sample else set()
         if sample and len(req.output_ids) < req.params.min_tokens:
-            suppress = sorted(req.stop_ids())
+            suppress |= req.stop_ids()
         return StepRow(
             token_ids=ids[start:end],
             positions=self.positions(req, start, end),
@@ -223,7 +232,7 @@ class Scheduler:
             draw_index=len(req.output_ids),
             history=ids,
             prompt_len=len(req.prompt_ids),
-            suppress=suppress,
+            suppress=sorted(suppress),
             extra=req.extra,
         )
 
@@ -232,6 +241,11 @@ class Scheduler:
         done = []
         for i, (req, row) in enumerate(step):
             req.num_computed = row.end
+            if req.capture_hidden and result.hidden is not None and result.embeds is not None:
+                if row.start == 0:  # computed afresh (after a preemption too): drop stale rows
+                    req.captured = []
+                m = len(row.token_ids)
+                req.captured.append((result.hidden[i, :m], result.embeds[i, :m]))
             if not row.sample:
                 continue
             tok = int(result.tokens[i])

@@ -27,16 +27,32 @@ class ARFrontend(Protocol):
     """What a model adds to the generic AR stage when token ids are not all it reads.
 
     ``prepare`` turns a prompt (with its multimodal data) into the ids the model runs and
-    the request's ``extra`` (host side, before any work); ``positions`` are the rotary
-    positions of a request's tokens ``[start, end)`` (``position_shape`` leading axes, e.g.
-    ``(3,)`` for M-RoPE), also after a preemption; ``step_inputs`` packs each step's extra
-    embedding inputs for the runner.
+    the request's ``extra`` (host side, before any work) when the stage reads the user's
+    prompt; ``accept`` does it from the previous stage's result when a stage feeds it (see
+    :meth:`~omni_jax.stages.base.Stage.accept`; ``connect`` hands it that stage once, and
+    ``reads_hidden`` says whether it needs that stage's hidden states); ``check_prompt``
+    checks what the user's prompt says for a later stage (e.g. its speaker) before any work.
+    ``positions`` are the rotary positions of a request's tokens ``[start, end)``
+    (``position_shape`` leading axes, e.g. ``(3,)`` for M-RoPE), also after a preemption;
+    ``step_inputs`` packs each step's extra embedding inputs for the runner.
+    ``eos_token_ids``: the stage's stop tokens (``None``: the checkpoint's
+    ``generation_config.json``, which describes the first stage); ``suppress_ids``: tokens
+    never sampled.
     """
 
     position_shape: tuple[int, ...]
     step_inputs: StepInputs | None
+    eos_token_ids: tuple[int, ...] | None
+    suppress_ids: tuple[int, ...]
+    reads_hidden: bool
 
     def prepare(self, index: int, request: StageInput) -> StageInput: ...
+
+    def check_prompt(self, index: int, prompt: dict[str, Any]) -> None: ...
+
+    def connect(self, upstream: Any) -> None: ...
+
+    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None: ...
 
     def positions(self, req: Any, start: int, end: int) -> Any: ...
 
@@ -46,6 +62,7 @@ class ARStage:
 
     params_type = SamplingParams
     accepts_text = True
+    sample_rate = None
 
     def __init__(
         self,
@@ -62,6 +79,8 @@ class ARStage:
         self.max_model_len = max_model_len
         self.defaults = defaults
         self.frontend = frontend
+        self.reads_hidden = frontend is not None and frontend.reads_hidden
+        self.keeps_hidden = False  # set by the pipeline when the next stage reads hidden states
         self._submitted: dict[str, float] = {}
 
     @classmethod
@@ -123,7 +142,10 @@ class ARStage:
             position_shape=() if frontend is None else frontend.position_shape,
             step_inputs=None if frontend is None else frontend.step_inputs,
         )
-        eos_ids, overrides = generation_defaults(path)
+        if frontend is not None and frontend.eos_token_ids is not None:
+            eos_ids, overrides = list(frontend.eos_token_ids), {}
+        else:
+            eos_ids, overrides = generation_defaults(path)
         positions: PositionFn = text_positions if frontend is None else frontend.positions
         engine = AREngine(
             runner,
@@ -140,7 +162,24 @@ class ARStage:
             return no_multimodal(self, index, request)
         return self.frontend.prepare(index, request)
 
-    def validate(self, index: int, request: StageInput | None, params: Any) -> None:
+    def connect(self, upstream: Any) -> None:
+        if self.frontend is not None:
+            self.frontend.connect(upstream)
+
+    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
+        if self.frontend is not None:
+            return self.frontend.accept(index, upstream, prompt)
+        return StageInput(list(upstream.token_ids), prompt, upstream=upstream)
+
+    def embed_tokens(self, ids: list[int]) -> Any:
+        """``[len(ids), D]`` input embeddings of ``ids`` (a later stage's special tokens)."""
+        return self.engine.runner.embed_tokens(ids)
+
+    def validate(
+        self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
+    ) -> None:
+        if prompt is not None and self.frontend is not None:
+            self.frontend.check_prompt(index, prompt)
         if request is not None:
             ids = request.token_ids
             check_ids(index, ids, self.vocab_size)
@@ -153,13 +192,20 @@ class ARStage:
 
     def submit(self, request_id: str, request: StageInput, params: SamplingParams) -> None:
         self._submitted[request_id] = time.perf_counter()
-        self.engine.add_request(request_id, request.token_ids, params, extra=request.extra)
+        self.engine.add_request(
+            request_id,
+            request.token_ids,
+            params,
+            extra=request.extra,
+            suppress_ids=() if self.frontend is None else self.frontend.suppress_ids,
+            capture_hidden=request.keep_hidden,
+        )
 
     def has_work(self) -> bool:
         return self.engine.has_work()
 
     def warmup(self) -> int:
-        return self.engine.warmup()
+        return self.engine.warmup(capture_hidden=self.keeps_hidden)
 
     def step(self) -> list[StageResult]:
         results = []
@@ -174,9 +220,12 @@ class ARStage:
                 "ttft_s": (req.first_token_time or now) - started,
             }
             logprobs = req.logprobs if req.params.logprobs is not None else None
-            results.append(
-                StageResult(req.request_id, list(req.output_ids), req.finish_reason, metrics, logprobs)
-            )
+            result = StageResult(req.request_id, list(req.output_ids), req.finish_reason, metrics, logprobs)
+            if req.capture_hidden:
+                result.prompt_token_ids = list(req.prompt_ids)
+                result.hidden_states, result.embeds = req.captured_states()
+                result.extra = req.extra
+            results.append(result)
         return results
 
 

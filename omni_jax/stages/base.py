@@ -25,11 +25,18 @@ class StageInput:
     prompt: dict[str, Any]
     upstream: StageResult | None = None
     extra: Any = None
+    keep_hidden: bool = False  # a later stage reads this stage's hidden states for the request
 
 
 @dataclasses.dataclass
 class StageResult:
-    """One request finished by one stage; ``error`` is set when it failed at run time."""
+    """One request finished by one stage; ``error`` is set when it failed at run time.
+
+    ``hidden_states`` / ``embeds`` (``[N, D]``: final hidden state and input embedding of each
+    of the ``N`` computed tokens, the prompt's then the generated ones but the last) and
+    ``extra`` (the stage's per-request inputs, e.g. multimodal grids) are kept only when the
+    next stage reads them (:attr:`StageInput.keep_hidden`).
+    """
 
     request_id: str
     token_ids: list[int]
@@ -39,6 +46,10 @@ class StageResult:
     audio: np.ndarray | None = None
     sample_rate: int | None = None
     error: str | None = None
+    prompt_token_ids: list[int] | None = None
+    hidden_states: np.ndarray | None = None
+    embeds: np.ndarray | None = None
+    extra: Any = None
 
 
 class Stage(Protocol):
@@ -52,9 +63,25 @@ class Stage(Protocol):
         its placeholders expanded, where the stage takes any. Host work only; raises
         ``ValueError`` naming request ``index`` on input in the wrong form."""
 
-    def validate(self, index: int, request: StageInput | None, params: Any) -> None:
+    sample_rate: int | None
+    """Of the audio the stage produces (``None`` for token stages)."""
+    reads_hidden: bool
+    """Whether this stage's input is the previous stage's hidden states (not only its tokens)."""
+
+    def validate(
+        self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
+    ) -> None:
         """Raise ``ValueError`` naming request ``index``; ``request`` is None when an earlier stage
-        will produce it (then only ``params`` can be checked)."""
+        will produce it (then only ``params`` and the user's ``prompt`` can be checked)."""
+
+    def connect(self, upstream: Stage) -> None:
+        """Called once at build time with the stage that feeds this one."""
+
+    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
+        """The previous stage's result as this stage's input (vLLM-omni's stage input
+        processor); ``None`` when there is nothing for this stage to do (the request then ends
+        with empty output). ``ValueError`` when the result cannot feed this stage: the pipeline
+        ends only that request, with the message."""
 
     def submit(self, request_id: str, request: StageInput, params: Any) -> None: ...
 

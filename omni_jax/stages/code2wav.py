@@ -15,7 +15,7 @@ import numpy as np
 
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.engine.generation_runner import GenerationRequest, GenerationRunner, SolveGeometry
-from omni_jax.models.qwen2_5_omni.speakers import Speaker, load_speakers
+from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.token2wav import MIN_GUIDANCE, Token2Wav, token2wav_compiled
 from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
 from omni_jax.stages.config import StageConfig
@@ -36,31 +36,32 @@ class Code2WavStage:
 
     params_type = Token2WavParams
     accepts_text = False
+    reads_hidden = False
+    sample_rate = SAMPLE_RATE
 
     def __init__(
         self,
         config: StageConfig,
         runner: GenerationRunner,
-        speakers: dict[str, Speaker],
+        voices: Voices,
         codec_vocab_size: int,
         defaults: Token2WavParams,
     ):
-        if not speakers:
-            raise ValueError("the code2wav stage needs at least one speaker")
         self.config = config
         self.runner = runner
-        self.speakers = speakers
+        self.voices = voices
         self.codec_vocab_size = codec_vocab_size
         self.defaults = defaults
-        wanted = config.default_speaker
-        self.default_speaker = wanted if wanted in speakers else next(iter(speakers))
         self._submitted: dict[str, tuple[float, int]] = {}
+
+    @property
+    def default_speaker(self) -> str:
+        return self.voices.default
 
     @classmethod
     def build(cls, sc: StageConfig, model: Token2Wav, path: Path) -> Code2WavStage:
-        speakers = load_speakers(path)
-        if not speakers:
-            raise ValueError(f"{path}: no speakers (spk_dict.pt, or speakers.json from conversion)")
+        voices = Voices.load(path, sc.default_speaker)
+        speakers = voices.speakers
         dit = model.dit
         geometry = SolveGeometry(
             repeats=dit.repeats,
@@ -78,26 +79,33 @@ class Code2WavStage:
         )
         codec_vocab_size = int(dit.codec_embed.num_embeddings)
         defaults = sc.default_params(Token2WavParams)
-        return cls(sc, runner, speakers, codec_vocab_size, defaults)
-
-    def speaker(self, index: int, prompt: dict[str, Any]) -> Speaker:
-        name = prompt.get("speaker")
-        if name is None:
-            return self.speakers[self.default_speaker]
-        if name not in self.speakers:
-            raise ValueError(
-                f"request {index}: unknown speaker {name!r}; known speakers: {list(self.speakers)}"
-            )
-        return self.speakers[name]
+        return cls(sc, runner, voices, codec_vocab_size, defaults)
 
     def prepare(self, index: int, request: StageInput) -> StageInput:
         return no_multimodal(self, index, request)
 
-    def validate(self, index: int, request: StageInput | None, params: Any) -> None:
+    def connect(self, upstream: Any) -> None:
+        """Reads only the upstream's tokens: nothing to take from it at build time."""
+
+    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
+        """The talker's codes up to its stop token (the reference cuts at the first codec EOS or
+        pad); ``None`` when it stopped before any code, so there is nothing to voice."""
+        codes = list(upstream.token_ids)
+        if upstream.finish_reason == "stop" and codes:
+            codes = codes[:-1]
+        if not codes:
+            return None
+        return StageInput(codes, prompt, upstream=upstream)
+
+    def validate(
+        self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
+    ) -> None:
         check_params(self, index, params)
+        if prompt is not None:
+            self.voices.pick(index, prompt)
         if request is None:
             return
-        self.speaker(index, request.prompt)
+        self.voices.pick(index, request.prompt)
         codes = request.token_ids
         check_ids(index, codes, self.codec_vocab_size, kind="codec")
         geometry = self.runner.geometry
@@ -116,7 +124,7 @@ class Code2WavStage:
                 )
 
     def submit(self, request_id: str, request: StageInput, params: Token2WavParams) -> None:
-        speaker = self.speaker(0, request.prompt)
+        speaker = self.voices.pick(0, request.prompt)
         self._submitted[request_id] = (time.perf_counter(), len(request.token_ids))
         self.runner.add(
             GenerationRequest(
@@ -159,7 +167,7 @@ class Code2WavStage:
                         "stop",
                         metrics,
                         audio=r.waveform,
-                        sample_rate=SAMPLE_RATE,
+                        sample_rate=self.sample_rate,
                     )
                 )
         return results

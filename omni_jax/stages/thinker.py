@@ -34,7 +34,7 @@ from omni_jax.models.qwen2_5_omni.processor import OmniInputs, OmniProcessor
 from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index, positions_for
 from omni_jax.models.qwen2_5_omni.thinker import PromptMerge, Thinker
 from omni_jax.models.qwen2_5_omni.vision_encoder import prepare_vision_batch
-from omni_jax.stages.base import StageInput
+from omni_jax.stages.base import StageInput, StageResult
 
 MIN_MERGE_ROWS = 16
 """Smallest row bucket of a step's :class:`PromptMerge` (the shape every text or decode step has)."""
@@ -109,7 +109,7 @@ class ThinkerStepInputs:
                 video_id: take(vision_it, len(r.inputs.video_patches)),
             }
 
-    def pack(self, rows: Sequence[StepRow], batch: int) -> PromptMerge:
+    def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> PromptMerge:
         """The rows this step's prompt chunks need, grouped by step row then kind, bucketed."""
         pending = [r.extra for r in rows if _needs_rows(r.extra)]
         if pending:
@@ -141,6 +141,9 @@ class ThinkerFrontend:
     """The thinker's :class:`~omni_jax.stages.ar.ARFrontend` (see the module docstring)."""
 
     position_shape = (3,)
+    eos_token_ids = None  # the checkpoint's generation_config.json describes the thinker
+    suppress_ids: tuple[int, ...] = ()
+    reads_hidden = False
 
     def __init__(self, processor: OmniProcessor | None, model: Thinker):
         self.processor = processor
@@ -186,6 +189,15 @@ class ThinkerFrontend:
         before = {t: np.concatenate([[0], np.cumsum(ids == t)]) for t in self.step_inputs.token_ids}
         extra = ThinkerRequest(inputs, positions, delta, before)
         return dataclasses.replace(request, token_ids=list(inputs.input_ids), extra=extra)
+
+    def check_prompt(self, index: int, prompt: dict[str, Any]) -> None:
+        """Nothing beyond :meth:`prepare`: the thinker is the stage that reads the prompt."""
+
+    def connect(self, upstream: Any) -> None:
+        raise ValueError("the thinker reads the user's prompt; no stage can feed it")
+
+    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
+        raise ValueError("the thinker reads the user's prompt; no stage can feed it")
 
     def positions(self, req: ARRequest, start: int, end: int) -> np.ndarray:
         t: ThinkerRequest = req.extra

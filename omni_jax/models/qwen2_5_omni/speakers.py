@@ -114,3 +114,38 @@ def load_speakers(model_dir: str | Path) -> dict[str, Speaker]:
     else:
         return {}
     return {name: _speaker(name, tensors[name], scalars[name]) for name in tensors}
+
+
+class Voices:
+    """A checkpoint's voices and the one a prompt without ``"speaker"`` gets.
+
+    The talker (its text-stream BOS) and code2wav (conditioning and reference mel) both read a
+    request's voice, so both resolve it here and give the same answer and the same error.
+    ``preferred``: the stage config's default voice, used when the checkpoint has it (else the
+    checkpoint's first voice).
+    """
+
+    def __init__(self, speakers: dict[str, Speaker], preferred: str | None = None):
+        if not speakers:
+            raise ValueError("no speakers (spk_dict.pt, or speakers.json from conversion)")
+        self.speakers = speakers
+        self.default = preferred if preferred in speakers else next(iter(speakers))
+
+    @classmethod
+    def load(cls, model_dir: str | Path, preferred: str | None = None) -> Voices:
+        speakers = load_speakers(model_dir)
+        if not speakers:
+            raise ValueError(f"{model_dir}: no speakers (spk_dict.pt, or speakers.json from conversion)")
+        return cls(speakers, preferred)
+
+    def pick(self, index: int, prompt: dict[str, Any]) -> Speaker:
+        """The voice ``prompt["speaker"]`` names (or the default); ``ValueError`` naming request
+        ``index`` and the known voices when the name is unknown."""
+        name = prompt.get("speaker")
+        if name is None:
+            return self.speakers[self.default]
+        if name not in self.speakers:
+            raise ValueError(
+                f"request {index}: unknown speaker {name!r}; known speakers: {list(self.speakers)}"
+            )
+        return self.speakers[name]
