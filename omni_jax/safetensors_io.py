@@ -35,8 +35,19 @@ class CheckpointError(ValueError):
     """A checkpoint file is unreadable; the message names the file (and tensor)."""
 
 
+def first_line(e: BaseException) -> str:
+    """A foreign exception's message cut to its first non-empty line (errors here are one line)."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
 def read_header(path: Path) -> tuple[int, dict[str, dict]]:
-    """``(data offset, {name: {dtype, shape, data_offsets}})`` of one safetensors file."""
+    """``(data offset, {name: {dtype, shape, data_offsets}})`` of one safetensors file.
+
+    Every tensor's entry is checked against the file: a truncated file, a header that is not
+    the format's JSON, or a tensor whose bytes do not fit its shape raise :class:`CheckpointError`
+    naming the file (and tensor), before any tensor is read.
+    """
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -44,16 +55,21 @@ def read_header(path: Path) -> tuple[int, dict[str, dict]]:
             raise CheckpointError(f"{path}: truncated safetensors file (no header)")
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8:
-            raise CheckpointError(f"{path}: corrupt safetensors header (length {n} > file size {size})")
+            raise CheckpointError(
+                f"{path}: truncated or corrupt safetensors file (header length {n} > file size {size})"
+            )
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)"
+        )
     header.pop("__metadata__", None)
     data_start = 8 + n
     for name, info in header.items():
-        if info.get("dtype") not in _DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        _check_entry(path, name, info)
         begin, end = info["data_offsets"]
         want = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
         if end - begin != want:
@@ -61,6 +77,29 @@ def read_header(path: Path) -> tuple[int, dict[str, dict]]:
         if data_start + end > size:
             raise CheckpointError(f"{path}: truncated file, tensor {name!r} ends past the end of the file")
     return data_start, header
+
+
+def _check_entry(path: Path, name: str, info: object) -> None:
+    """One header entry: ``{"dtype": known, "shape": [n >= 0, ...], "data_offsets": [b, e]}``."""
+
+    def ints(x: object) -> bool:
+        return isinstance(x, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x
+        )
+
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header, tensor {name!r} has no entry")
+    if info.get("dtype") not in _DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+    if not ints(info.get("shape")):
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header, tensor {name!r} has shape {info.get('shape')!r}"
+        )
+    offsets = info.get("data_offsets")
+    if not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header, tensor {name!r} has data_offsets {offsets!r}"
+        )
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -78,8 +117,13 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = model_dir / index_name
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({model_dir / f for f in weight_map.values()})
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted({model_dir / f for f in weight_map.values()})
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(
+                    f"{index}: corrupt shard index ({type(e).__name__}: {first_line(e)})"
+                ) from e
             missing = [str(f) for f in files if not f.exists()]
             if missing:
                 raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
@@ -103,15 +147,18 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
         if f.suffix == ".safetensors":
             yield from iter_safetensors(f)
         else:
-            yield from _iter_torch_bin(f)
+            yield from iter_torch_bin(f)
 
 
-def _iter_torch_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+def iter_torch_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     try:
         import torch
     except ImportError as e:
         raise CheckpointError(f"{path}: .bin checkpoints need torch (pip install 'omni-jax[torch]')") from e
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many kinds (RuntimeError, UnpicklingError, EOFError...)
+        raise CheckpointError(f"{path}: unreadable PyTorch checkpoint ({first_line(e)})") from e
     for name, t in state.items():
         if t.dtype == torch.bfloat16:
             yield name, t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)

@@ -5,14 +5,25 @@ parameter's shape), ``params/<stage>/`` (one Orbax OCDBT checkpoint per stage, s
 pipeline that builds one stage reads one stage) and the HF side files (config, tokenizer,
 processor, generation config) copied verbatim, except those the architecture rewrites
 torch-free (Qwen2.5-Omni's ``spk_dict.pt`` becomes ``speakers.safetensors`` + ``speakers.json``).
+
+The manifest also records every parameter's dtype and the sha256 of each source file read
+(provenance: loading never re-reads the sources; ``python -m checkpoints_convert
+--check-sources SRC DST`` compares them). Loading a converted dir checks the stored arrays
+against the manifest and the manifest against the model the config describes. Expected
+faults (unreadable or inconsistent files, a destination that exists) raise
+:class:`~omni_jax.safetensors_io.CheckpointError` or
+:class:`~omni_jax.models.param_map.ParamMismatchError`, both ``ValueError`` s whose one-line
+message names the file and, where there is one, the tensor.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,18 +47,52 @@ from omni_jax.models.param_map import (
 from omni_jax.models.registry import Architecture, ModelPart, architecture_of
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import Layout, layout, put
-from omni_jax.safetensors_io import checkpoint_files, count_tensors, iter_checkpoint
+from omni_jax.safetensors_io import (
+    CheckpointError,
+    checkpoint_files,
+    count_tensors,
+    first_line,
+    iter_safetensors,
+    iter_torch_bin,
+)
 
 MANIFEST = "omni_jax.json"
 FORMAT_VERSION = 1
 SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
 WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+DTYPES = ("float32", "bfloat16", "float16")
+HASH_CHUNK = 8 << 20
+
+
+class DestinationExistsError(CheckpointError, FileExistsError):
+    """The conversion's destination exists (and may not, or cannot, be replaced)."""
 
 
 def load_hf_config(model_dir: str | Path) -> Any:
+    """``config.json`` through transformers; a missing, unreadable or unknown config raises
+    :class:`CheckpointError` naming the file."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: no such checkpoint directory")
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json (not a Hugging Face or converted checkpoint)")
+    try:
+        if not isinstance(json.loads(path.read_text()), dict):
+            raise ValueError("not a JSON object")
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: cannot read the model config ({first_line(e)})") from e
+
+
+def architecture(model_dir: str | Path, hf_config: Any) -> Architecture:
+    """The served :class:`Architecture` of ``hf_config``; an unknown one names ``config.json``."""
+    try:
+        return architecture_of(hf_config)
+    except ValueError as e:
+        raise CheckpointError(f"{Path(model_dir) / 'config.json'}: {e}") from e
 
 
 def is_converted(model_dir: str | Path) -> bool:
@@ -55,11 +100,17 @@ def is_converted(model_dir: str | Path) -> bool:
 
 
 def read_manifest(model_dir: str | Path) -> dict[str, Any]:
-    manifest = json.loads((Path(model_dir) / MANIFEST).read_text())
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(
-            f"{model_dir}: converted with format {manifest.get('format')}, expected {FORMAT_VERSION}"
-        )
+    path = Path(model_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({first_line(e)})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"{path}: converted with format {found}, expected {FORMAT_VERSION}")
+    for key in ("architecture", "dtype", "stages", "shapes"):
+        if key not in manifest:
+            raise CheckpointError(f"{path}: corrupt manifest, no {key!r}")
     return manifest
 
 
@@ -69,26 +120,46 @@ def checkpoint_dtype(hf_config: Any) -> str:
     return str(d).removeprefix("torch.")
 
 
+class _Cursor:
+    """Which file the tensor being read comes from, so a mismatch can name it."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+        self.file: Path | None = None
+
+    def where(self, model_dir: Path) -> Path:
+        """The current file; after the last tensor, the checkpoint's (single file or index)."""
+        if self.file is not None:
+            return self.file
+        if len(self.files) == 1:
+            return self.files[0]
+        index = [model_dir / f for f in WEIGHT_FILES if (model_dir / f).exists()]
+        return index[0] if index else model_dir
+
+
 def _part_tensors(
-    model_dir: Path, arch: Architecture, part: ModelPart, cfg: Any, progress: bool
+    model_dir: Path, arch: Architecture, part: ModelPart, cfg: Any, progress: bool, cursor: _Cursor
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Tensors of ``part``; those of other parts (served or not yet, or that another part drops)
-    are skipped, strays are errors."""
+    are skipped, strays are errors. ``cursor`` follows the file being read."""
     rules = part.rules(cfg)
     others = [r for p in arch.parts if p is not part for r in p.rules(cfg)]
     dropped = [re.compile(x) for p in arch.parts if p is not part for x in p.ignore(cfg)]
-    total = count_tensors(checkpoint_files(model_dir))
+    total = count_tensors(cursor.files)
     bar = tqdm(total=total, desc=f"loading {part.stage}", unit="tensor", disable=not progress)
     with bar:
-        for name, array in iter_checkpoint(model_dir):
-            bar.update(1)
-            if map_name(rules, name) is None and (
-                arch.is_unserved_tensor(name)
-                or map_name(others, name) is not None
-                or any(d.fullmatch(name) for d in dropped)
-            ):
-                continue
-            yield name, array
+        for f in cursor.files:
+            cursor.file = f
+            for name, array in iter_safetensors(f) if f.suffix == ".safetensors" else iter_torch_bin(f):
+                bar.update(1)
+                if map_name(rules, name) is None and (
+                    arch.is_unserved_tensor(name)
+                    or map_name(others, name) is not None
+                    or any(d.fullmatch(name) for d in dropped)
+                ):
+                    continue
+                yield name, array
+        cursor.file = None
 
 
 def load_part(
@@ -107,11 +178,16 @@ def load_part(
     """
     model_dir = Path(model_dir)
     cfg = load_hf_config(model_dir)
-    arch = architecture_of(cfg)
+    arch = architecture(model_dir, cfg)
     part = arch.part(stage)
     sharding = None if mesh is None else layout(part.shard_rules(cfg, axis_size(mesh, "model")), mesh)
     if is_converted(model_dir):
         manifest = read_manifest(model_dir)
+        if manifest["architecture"] != arch.name:
+            raise CheckpointError(
+                f"{model_dir / MANIFEST}: converted from a {manifest['architecture']} checkpoint but "
+                f"config.json describes {arch.name}"
+            )
         if stage not in manifest["stages"]:
             raise ValueError(
                 f"{model_dir}: converted without stage {stage!r} (it has {manifest['stages']}); "
@@ -136,16 +212,25 @@ def _read_hf_part(
     progress: bool,
     place: Callable[[FlaxPath, np.ndarray], object] | None = None,
 ) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable], dict[FlaxPath, object]]:
-    """Stream ``part``'s tensors from an HF dir into its parameters (checked by name and shape)."""
+    """Stream ``part``'s tensors from an HF dir into its parameters (checked by name and shape).
+
+    A mismatch names the file it was found in and points at ``config.json``, which is what
+    the expected shapes come from.
+    """
     graphdef, abstract = abstract_params(part.make(cfg, dtype))
-    values = fill_params(
-        abstract,
-        _part_tensors(model_dir, arch, part, cfg, progress),
-        part.rules(cfg),
-        dtype=jnp.dtype(dtype),
-        ignore=part.ignore(cfg),
-        place=place,
-    )
+    cursor = _Cursor(checkpoint_files(model_dir))
+    try:
+        values = fill_params(
+            abstract,
+            _part_tensors(model_dir, arch, part, cfg, progress, cursor),
+            part.rules(cfg),
+            dtype=jnp.dtype(dtype),
+            ignore=part.ignore(cfg),
+            place=place,
+        )
+    except ParamMismatchError as e:
+        hint = "" if "a second time" in str(e) else f"; does {model_dir / 'config.json'} match the weights?"
+        raise ParamMismatchError(f"{cursor.where(model_dir)}: {e}{hint}") from e
     return graphdef, abstract, values
 
 
@@ -167,25 +252,44 @@ def _restore_stage(
     dtype: str,
     sharding: Layout | None,
 ) -> dict[FlaxPath, object]:
-    """Read ``stage``'s Orbax checkpoint, each array straight into ``sharding`` when given."""
+    """Read ``stage``'s Orbax checkpoint, each array straight into ``sharding`` when given.
+
+    First the stored arrays are held to the manifest (names, shapes, dtypes: a damaged or
+    mixed-up converted dir), then the manifest to the model ``config.json`` describes. Both
+    read only metadata; the arrays are read once, by the restore.
+    """
     import orbax.checkpoint as ocp
 
+    stage_dir = model_dir / "params" / stage
+    _check_stored(stage_dir, stored_arrays(stage_dir), manifest, stage)
     shapes = {parse_path(k): tuple(v) for k, v in manifest["shapes"][stage].items()}
     for path, var in abstract.items():
         if path not in shapes:
-            raise ParamMismatchError(f"{model_dir}: converted checkpoint lacks {format_path(path)!r}")
+            raise ParamMismatchError(
+                f"{model_dir / MANIFEST}: converted checkpoint lacks {format_path(path)!r}, which the "
+                f"model config.json describes needs; convert again"
+            )
         if shapes[path] != tuple(var.shape):
             raise ParamMismatchError(
-                f"{model_dir}: {format_path(path)!r} is {shapes[path]} in the checkpoint, the model needs "
-                f"{tuple(var.shape)}"
+                f"{model_dir / MANIFEST}: {format_path(path)!r} is {shapes[path]} in the checkpoint, the "
+                f"model config.json describes needs {tuple(var.shape)}"
             )
+    extra = sorted(format_path(p) for p in shapes.keys() - abstract.keys())
+    if extra:
+        raise ParamMismatchError(
+            f"{model_dir / MANIFEST}: tensor {extra[0]!r} of the checkpoint has no place in the model "
+            "config.json describes"
+        )
     target = _nest(
         {
             p: jax.ShapeDtypeStruct(v.shape, jnp.dtype(dtype), sharding=sharding and sharding(p, v.shape))
             for p, v in abstract.items()
         }
     )
-    restored = ocp.StandardCheckpointer().restore((model_dir / "params" / stage).absolute(), target)
+    try:
+        restored = ocp.StandardCheckpointer().restore(stage_dir.absolute(), target)
+    except Exception as e:  # tensorstore / orbax errors on damaged data files
+        raise CheckpointError(f"{stage_dir}: cannot restore the arrays ({first_line(e)})") from e
     out = {}
     for path in abstract:
         node: Any = restored
@@ -195,33 +299,109 @@ def _restore_stage(
     return out
 
 
-def convert(src: str | Path, dst: str | Path, dtype: str | None = None, progress: bool = True) -> Path:
-    """HF checkpoint dir -> converted dir, written to a temp dir and renamed at the end."""
+def stored_arrays(stage_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{dotted path: (shape, dtype)}`` of the arrays in one stage's Orbax checkpoint (metadata only)."""
+    import orbax.checkpoint as ocp
+
+    if not stage_dir.is_dir():
+        raise CheckpointError(f"{stage_dir}: missing; the converted checkpoint is incomplete, convert again")
+    try:
+        meta = ocp.StandardCheckpointer().metadata(stage_dir.absolute())
+        tree = getattr(meta, "item_metadata", meta)
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    except Exception as e:  # orbax raises several kinds on a damaged checkpoint
+        raise CheckpointError(f"{stage_dir}: unreadable Orbax checkpoint ({first_line(e)})") from e
+    out = {}
+    for keys, leaf in leaves:
+        name = ".".join(str(getattr(k, "key", k)) for k in keys)
+        out[name] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+    return out
+
+
+def _check_stored(
+    stage_dir: Path, stored: dict[str, tuple[tuple[int, ...], str]], manifest: dict[str, Any], stage: str
+) -> None:
+    shapes = manifest["shapes"].get(stage)
+    if shapes is None:
+        raise CheckpointError(
+            f"{stage_dir.parent.parent / MANIFEST}: corrupt manifest, no shapes of {stage!r}"
+        )
+    dtypes = manifest.get("dtypes", {}).get(stage, {})  # absent in manifests written before dtypes
+    for name, shape in shapes.items():
+        if name not in stored:
+            raise ParamMismatchError(f"{stage_dir}: tensor {name!r} listed in {MANIFEST} is not stored")
+        got_shape, got_dtype = stored[name]
+        if got_shape != tuple(shape):
+            raise ParamMismatchError(
+                f"{stage_dir}: tensor {name!r} is stored with shape {got_shape}, "
+                f"{MANIFEST} records {tuple(shape)}"
+            )
+        if name in dtypes and got_dtype != dtypes[name]:
+            raise ParamMismatchError(
+                f"{stage_dir}: tensor {name!r} is stored as {got_dtype}, {MANIFEST} records {dtypes[name]}"
+            )
+    extra = sorted(stored.keys() - shapes.keys())
+    if extra:
+        raise ParamMismatchError(f"{stage_dir}: stored tensor {extra[0]!r} is not listed in {MANIFEST}")
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    dtype: str | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """HF checkpoint dir -> converted dir, written to a temp dir beside ``dst`` and renamed at the end.
+
+    Every input is checked before anything is written (config, architecture, every weight
+    file's header); a fault raises a ``ValueError`` (:class:`CheckpointError`,
+    :class:`ParamMismatchError`, :class:`DestinationExistsError`) naming the file or tensor,
+    and nothing is left at ``dst``. An existing ``dst`` is refused unless ``overwrite``, and
+    even then only an earlier conversion (or an empty dir) is replaced, once the new one is
+    complete.
+    """
     import orbax.checkpoint as ocp
 
     src, dst = Path(src), Path(dst)
-    if dst.exists():
-        raise FileExistsError(f"destination {dst} already exists; remove it or pick another path")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    _check_destination(src, dst, overwrite)
     cfg = load_hf_config(src)
-    arch = architecture_of(cfg)
+    if is_converted(src):
+        raise CheckpointError(
+            f"{src}: already converted (it has {MANIFEST}); pass the Hugging Face checkpoint"
+        )
+    arch = architecture(src, cfg)
     dtype = dtype or checkpoint_dtype(cfg)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{src / 'config.json'}: unsupported dtype {dtype!r} (convert with --dtype)")
+    weights = checkpoint_files(src)
+    count_tensors(weights)  # reads (checks) every safetensors header before any work
+    converters = dict(arch.side_files)
+    side = list(_side_files(src, converters))
+    index = [src / f for f in WEIGHT_FILES if (src / f).exists()]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(dst, "tmp")
+    tmp.mkdir()
     try:
+        sources = hash_files(src, sorted(set(weights + index + side)), progress)
         shapes: dict[str, dict[str, list[int]]] = {}
+        dtypes: dict[str, dict[str, str]] = {}
         for part in arch.parts:
             _, _, values = _read_hf_part(src, arch, part, cfg, part.dtype or dtype, progress)
             checkpointer = ocp.StandardCheckpointer()
             checkpointer.save((tmp / "params" / part.stage).absolute(), _nest(values))
             checkpointer.wait_until_finished()
             shapes[part.stage] = {format_path(p): list(np.shape(v)) for p, v in values.items()}
+            dtypes[part.stage] = {format_path(p): str(np.dtype(v.dtype)) for p, v in values.items()}
             del values
-        converters = dict(arch.side_files)
-        for f in _side_files(src, converters):
+        for f in side:
             if f.name in converters:
-                converters[f.name](f, tmp)
+                try:
+                    converters[f.name](f, tmp)
+                except Exception as e:
+                    raise CheckpointError(f"{f}: cannot convert ({first_line(e)})") from e
             else:
                 shutil.copy2(f, tmp / f.name)
         manifest = {
@@ -231,13 +411,84 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, progress
             "stages": [p.stage for p in arch.parts],
             "unserved": [stage for stage, _ in arch.unserved],
             "shapes": shapes,
+            "dtypes": dtypes,
+            "sources": sources,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        tmp.rename(dst)
+        _replace(tmp, dst, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if not overwrite:
+        raise DestinationExistsError(
+            f"destination {dst} already exists; remove it, pick another path or pass --overwrite "
+            "(overwrite=True)"
+        )
+    if not dst.is_dir() or dst.is_symlink() or (any(dst.iterdir()) and not is_converted(dst)):
+        raise DestinationExistsError(
+            f"destination {dst} exists and is not a converted checkpoint; refusing to replace it"
+        )
+    s, d = src.resolve(), dst.resolve()
+    if s == d or d in s.parents:
+        raise DestinationExistsError(f"destination {dst} holds the source {src}; refusing to replace it")
+
+
+def _replace(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Move the finished ``tmp`` to ``dst``; an old ``dst`` (``overwrite``) goes only after."""
+    if not (dst.exists() or dst.is_symlink()):
+        tmp.rename(dst)  # fails if a non-empty dst appeared since the check
+        return
+    _check_destination(tmp, dst, overwrite)
+    old = _sibling(dst, "old")
+    dst.rename(old)
+    try:
+        tmp.rename(dst)
+    except BaseException:
+        old.rename(dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _sibling(dst: Path, kind: str) -> Path:
+    """A hidden unused name beside ``dst`` (same filesystem, so renames are atomic)."""
+    return dst.parent / f".{dst.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def hash_files(root: Path, files: list[Path], progress: bool = False) -> dict[str, dict[str, Any]]:
+    """``{name relative to root: {"sha256", "bytes"}}``, each file streamed in chunks."""
+    total = sum(f.stat().st_size for f in files)
+    out: dict[str, dict[str, Any]] = {}
+    with tqdm(total=total, desc="hashing sources", unit="B", unit_scale=True, disable=not progress) as bar:
+        for f in files:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                while chunk := fh.read(HASH_CHUNK):
+                    h.update(chunk)
+                    bar.update(len(chunk))
+            out[f.relative_to(root).as_posix()] = {"sha256": h.hexdigest(), "bytes": f.stat().st_size}
+    return out
+
+
+def check_sources(src: str | Path, dst: str | Path, progress: bool = False) -> list[str]:
+    """Source files of ``dst`` (per its manifest) that differ in ``src`` or are missing there
+    (empty: ``dst`` was converted from these exact files). Re-hashes ``src``."""
+    src, dst = Path(src), Path(dst)
+    recorded = read_manifest(dst).get("sources")
+    if not recorded:
+        raise CheckpointError(f"{dst / MANIFEST}: records no source hashes (converted by an older version)")
+    present = [src / name for name in recorded if (src / name).is_file()]
+    now = hash_files(src, present, progress)
+    return [
+        name if name in now else f"{name} (missing)"
+        for name, rec in recorded.items()
+        if now.get(name, {}).get("sha256") != rec["sha256"]
+    ]
 
 
 def _side_files(src: Path, converted: Iterable[str]) -> Iterable[Path]:
