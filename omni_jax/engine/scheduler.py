@@ -148,7 +148,7 @@ class Scheduler:
         """Give ``req`` pages up to token ``end``, preempting newer requests if needed."""
         need = pages_needed(end, self.cfg.page_size) - len(req.pages)
         while need > self.allocator.num_free:
-            victims = [r for r in self.running if r is not req and r not in protected]
+            victims = [r for r in self.running if r.arrival > req.arrival and r not in protected]
             if not victims:
                 return False
             self._preempt(max(victims, key=lambda r: r.arrival))
@@ -208,11 +208,23 @@ class Scheduler:
         for req in prefilling:
             if not take(req):
                 return plan
-        while self.waiting and len(self.running) < cfg.max_num_seqs and take(self.waiting[0]):
+        # A waiting request is admitted only into pages no running request needs for its next
+        # tokens (those may preempt newer requests; a newcomer may not).
+        spare = self.allocator.num_free - sum(self._growth(r, c) for r, c in plan)
+        spare -= sum(self._growth(r, 1) for r in self.running if r.remaining == 1)
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            need = pages_needed(min(self.waiting[0].remaining, cfg.max_prefill_chunk), cfg.page_size)
+            if need > spare or not take(self.waiting[0]):
+                break
+            spare -= need
             req = self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
         return plan
+
+    def _growth(self, req: ARRequest, chunk: int) -> int:
+        """Pages ``req`` lacks for its next ``chunk`` tokens."""
+        return max(0, pages_needed(req.num_computed + chunk, self.cfg.page_size) - len(req.pages))
 
     def _row(self, req: ARRequest, chunk: int) -> StepRow:
         start, end = req.num_computed, req.num_computed + chunk

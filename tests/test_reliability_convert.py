@@ -1,0 +1,449 @@
+"""Conversion faults (issue 9, point 4) and the converted checkpoint's manifest.
+
+Each broken source is a copy of the tiny Qwen2 checkpoint with one fault. Every fault must be
+refused by ``omni_jax.weights.convert`` with a one-line ``ValueError`` naming the file or
+tensor, and by the command line with that line on stderr, exit code 1 and no traceback; and
+nothing may be left at (or beside) the destination.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from checkpoints_convert.cli import main as convert_main
+from omni_jax.models.param_map import ParamMismatchError
+from omni_jax.safetensors_io import CheckpointError
+from omni_jax.testing import build_tiny_qwen2
+from omni_jax.weights import MANIFEST, DestinationExistsError, check_sources, convert, load_part
+
+
+def leftovers(dst: Path) -> list[Path]:
+    """``dst`` itself and any temp/backup sibling a conversion may have made."""
+    return sorted(p for p in dst.parent.iterdir() if p.name == dst.name or p.name.startswith(f".{dst.name}."))
+
+
+def refused(src: Path, dst: Path, match: str, **kw) -> ValueError:
+    with pytest.raises(ValueError, match=match) as info:
+        convert(src, dst, progress=False, **kw)
+    assert "\n" not in str(info.value), str(info.value)
+    assert leftovers(dst) == []
+    return info.value
+
+
+def copy_of(src: Path, tmp_path: Path, name: str = "src") -> Path:
+    out = tmp_path / name
+    shutil.copytree(src, out)
+    return out
+
+
+def edit_config(**changes) -> Callable[[Path], None]:
+    def edit(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(changes)
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    return edit
+
+
+def resave(edit: Callable[[dict[str, np.ndarray]], None]) -> Callable[[Path], None]:
+    def fault(d: Path) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(str(d / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(d / "model.safetensors"))
+
+    return fault
+
+
+def rewrite_header(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    """Edit the JSON header of ``model.safetensors`` and keep the data as it is."""
+
+    def fault(d: Path) -> None:
+        raw = (d / "model.safetensors").read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        edit(header)
+        new = json.dumps(header).encode()
+        (d / "model.safetensors").write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+    return fault
+
+
+def truncate(keep: Callable[[int], int]) -> Callable[[Path], None]:
+    def fault(d: Path) -> None:
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[: keep(len(data))])
+
+    return fault
+
+
+def corrupt_json(d: Path) -> None:
+    raw = bytearray((d / "model.safetensors").read_bytes())
+    raw[8:12] = b"{{{{"
+    (d / "model.safetensors").write_bytes(bytes(raw))
+
+
+def header_length(d: Path) -> None:
+    raw = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + raw[8:])
+
+
+def drop(name: str) -> Callable[[Path], None]:
+    return lambda d: (d / name).unlink()
+
+
+def bad_bin(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"not a torch zip archive")
+
+
+def shape_in_header(header: dict) -> None:
+    header["model.norm.weight"]["shape"] = [65]
+
+
+# (id, fault, exact substring of the one-line message; "{src}" is the broken checkpoint's dir)
+FAULTS = [
+    ("truncated-data", truncate(lambda n: n // 2), "{src}/model.safetensors: truncated file, tensor "),
+    (
+        "truncated-header",
+        truncate(lambda n: 40),
+        "{src}/model.safetensors: truncated or corrupt safetensors file (header length",
+    ),
+    (
+        "truncated-to-nothing",
+        truncate(lambda n: 3),
+        "{src}/model.safetensors: truncated safetensors file (no header)",
+    ),
+    ("header-not-json", corrupt_json, "{src}/model.safetensors: corrupt safetensors header ("),
+    (
+        "header-length",
+        header_length,
+        "{src}/model.safetensors: truncated or corrupt safetensors file (header length",
+    ),
+    (
+        "header-not-an-object",
+        rewrite_header(lambda h: (h.clear(), h.update({"a": [1, 2]}))),
+        "{src}/model.safetensors: corrupt safetensors header, tensor 'a' has no entry",
+    ),
+    (
+        "header-bytes-vs-shape",
+        rewrite_header(shape_in_header),
+        "{src}/model.safetensors: tensor 'model.norm.weight' has 256 bytes, its shape needs 260",
+    ),
+    (
+        "missing-tensor",
+        resave(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+        "{src}/model.safetensors: checkpoint is missing parameters: model.layers.1.mlp.up_proj.kernel",
+    ),
+    (
+        "wrong-shape",
+        resave(lambda t: t.update({"model.norm.weight": np.ones(7, np.float32)})),
+        "{src}/model.safetensors: tensor 'model.norm.weight' has shape (7,)",
+    ),
+    (
+        "extra-tensor",
+        resave(lambda t: t.update({"model.extra.weight": np.ones(3, np.float32)})),
+        "{src}/model.safetensors: unexpected tensor 'model.extra.weight'",
+    ),
+    (
+        "config-hidden-size",
+        edit_config(hidden_size=128),
+        "but 'lm_head.kernel' needs (128, 384); does {src}/config.json match the weights?",
+    ),
+    (
+        "config-more-layers",
+        edit_config(num_hidden_layers=3, layer_types=["full_attention"] * 3),
+        "{src}/model.safetensors: checkpoint is missing parameters: model.layers.2.",
+    ),
+    (
+        "unknown-architecture",
+        edit_config(architectures=["LlamaForCausalLM"]),
+        "{src}/config.json: unsupported architecture ['LlamaForCausalLM']",
+    ),
+    (
+        "unknown-model-type",
+        edit_config(model_type="nonesuch"),
+        "{src}/config.json: cannot read the model config (The checkpoint you are trying to load has model",
+    ),
+    (
+        "config-not-json",
+        lambda d: (d / "config.json").write_text("{not json"),
+        "{src}/config.json: cannot read the model config (Expecting property name",
+    ),
+    ("no-config", drop("config.json"), "{src}: no config.json"),
+    (
+        "no-weights",
+        drop("model.safetensors"),
+        "{src}: no model.safetensors, pytorch_model.bin or shard index found",
+    ),
+    ("no-source", shutil.rmtree, "{src}: no such checkpoint directory"),
+    ("torch-bin-garbage", bad_bin, "{src}/pytorch_model.bin: unreadable PyTorch checkpoint ("),
+]
+
+
+def literal(s: str) -> str:
+    return re.escape(s)
+
+
+@pytest.mark.parametrize("fault,message", [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
+def test_fault_is_refused_naming_the_file_or_tensor(qwen2_dir, tmp_path, fault, message) -> None:
+    src = copy_of(qwen2_dir, tmp_path)
+    fault(src)
+    error = refused(src, tmp_path / "dst", literal(message.format(src=src)))
+    assert isinstance(error, (CheckpointError, ParamMismatchError))
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("sharded") / "hf", seed=1, max_shard_size="60KB")
+
+
+def shards(d: Path) -> list[Path]:
+    return sorted(d.glob("model-*.safetensors"))
+
+
+def test_sharded_faults_name_the_shard_or_the_index(sharded_dir, tmp_path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    src = copy_of(sharded_dir, tmp_path)
+    index = src / "model.safetensors.index.json"
+    second = shards(src)[1]
+    # A shard that is short: the shard is named.
+    good = second.read_bytes()
+    second.write_bytes(good[: len(good) - 10])
+    refused(src, tmp_path / "a", literal(f"{second}: truncated file, tensor "))
+    # A mis-shaped tensor in the second shard: that shard is named.
+    second.write_bytes(good)
+    tensors = load_file(str(second))
+    name = sorted(tensors)[0]
+    tensors[name] = np.zeros((3, 3), np.float32)
+    save_file(tensors, str(second), metadata={"format": "pt"})
+    refused(src, tmp_path / "b", literal(f"{second}: tensor {name!r} has shape (3, 3)"))
+    # A tensor missing from every shard: the index is named (where the checkpoint is listed).
+    del tensors[name]
+    save_file(tensors, str(second), metadata={"format": "pt"})
+    refused(src, tmp_path / "c", literal(f"{index}: checkpoint is missing parameters: "))
+    # The index lists a shard that is gone, or is not JSON.
+    second.unlink()
+    refused(src, tmp_path / "d", literal(f"{index}: lists shard(s) that do not exist: {second}"))
+    index.write_text("{")
+    refused(src, tmp_path / "e", literal(f"{index}: corrupt shard index (JSONDecodeError"))
+
+
+@pytest.fixture(scope="module")
+def converted(qwen2_dir, tmp_path_factory) -> Path:
+    return convert(qwen2_dir, tmp_path_factory.mktemp("conv") / "conv", progress=False)
+
+
+def test_existing_destination_is_refused_and_left_alone(qwen2_dir, tmp_path) -> None:
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "mine.txt").write_text("keep")
+    with pytest.raises(DestinationExistsError, match=literal(f"destination {dst} already exists")) as info:
+        convert(qwen2_dir, dst, progress=False)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, FileExistsError)
+    # --overwrite replaces only an earlier conversion (or an empty dir), never other data.
+    with pytest.raises(DestinationExistsError, match="exists and is not a converted checkpoint"):
+        convert(qwen2_dir, dst, progress=False, overwrite=True)
+    assert [p.name for p in dst.iterdir()] == ["mine.txt"]
+    assert leftovers(dst) == [dst]
+    file_dst = tmp_path / "file"
+    file_dst.write_text("x")
+    with pytest.raises(DestinationExistsError, match="exists and is not a converted checkpoint"):
+        convert(qwen2_dir, file_dst, progress=False, overwrite=True)
+    assert file_dst.read_text() == "x"
+
+
+def test_overwrite_replaces_an_earlier_conversion_only_when_the_new_one_is_complete(
+    qwen2_dir, converted, tmp_path
+) -> None:
+    dst = copy_of(converted, tmp_path, "dst")
+    before = json.loads((dst / MANIFEST).read_text())
+    # A failing conversion with overwrite=True leaves the old conversion as it was.
+    src = copy_of(qwen2_dir, tmp_path)
+    resave(lambda t: t.update({"model.norm.weight": np.ones(7, np.float32)}))(src)
+    with pytest.raises(ParamMismatchError, match=r"tensor 'model\.norm\.weight' has shape \(7,\)"):
+        convert(src, dst, progress=False, overwrite=True)
+    assert json.loads((dst / MANIFEST).read_text()) == before
+    assert leftovers(dst) == [dst]
+    # A good one replaces it (bfloat16 now), with nothing left beside.
+    convert(qwen2_dir, dst, dtype="bfloat16", progress=False, overwrite=True)
+    after = json.loads((dst / MANIFEST).read_text())
+    assert after["dtype"] == "bfloat16" and set(after["dtypes"]["llm"].values()) == {"bfloat16"}
+    assert leftovers(dst) == [dst]
+    load_part(dst, "llm")
+    # Never over the source itself.
+    with pytest.raises(DestinationExistsError, match="holds the source"):
+        convert(dst, dst, progress=False, overwrite=True)
+
+
+def test_an_interrupted_conversion_leaves_nothing(qwen2_dir, tmp_path, monkeypatch) -> None:
+    """Ctrl-C after the parameters were written (while copying side files): the temp dir goes."""
+    import omni_jax.weights as weights
+
+    def interrupt(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(weights.shutil, "copy2", interrupt)
+    dst = tmp_path / "dst"
+    with pytest.raises(KeyboardInterrupt):
+        convert(qwen2_dir, dst, progress=False)
+    assert leftovers(dst) == []
+
+
+def test_manifest_records_architecture_dtype_tensors_and_source_hashes(qwen2_dir, converted) -> None:
+    manifest = json.loads((converted / MANIFEST).read_text())
+    assert manifest["architecture"] == "Qwen2ForCausalLM" and manifest["dtype"] == "float32"
+    model, _ = load_part(converted, "llm")
+    from flax import nnx
+
+    params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert manifest["shapes"]["llm"] == {k: list(v.shape) for k, v in params.items()}
+    assert manifest["dtypes"]["llm"] == {k: str(v.dtype) for k, v in params.items()}
+    sources = manifest["sources"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(sources)
+    for name, rec in sources.items():
+        data = (qwen2_dir / name).read_bytes()
+        assert rec == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}, name
+
+
+def test_check_sources_names_a_changed_source(qwen2_dir, converted, tmp_path, capsys) -> None:
+    assert check_sources(qwen2_dir, converted) == []
+    src = copy_of(qwen2_dir, tmp_path)
+    (src / "generation_config.json").write_text("{}")
+    (src / "tokenizer.json").unlink()
+    assert check_sources(src, converted) == ["generation_config.json", "tokenizer.json (missing)"]
+    assert convert_main([str(src), str(converted), "--check-sources", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: {src} differs from what {converted} was converted from: "
+        "generation_config.json, tokenizer.json (missing)"
+    ]
+    assert convert_main([str(qwen2_dir), str(converted), "--check-sources", "--quiet"]) == 0
+
+
+def tamper_manifest(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def fault(d: Path) -> None:
+        m = json.loads((d / MANIFEST).read_text())
+        edit(m)
+        (d / MANIFEST).write_text(json.dumps(m))
+
+    return fault
+
+
+def drop_stored(name: str) -> Callable[[Path], None]:
+    """Rewrite ``params/llm`` without one array (a damaged or mixed-up converted dir)."""
+
+    def fault(d: Path) -> None:
+        import orbax.checkpoint as ocp
+
+        stage = (d / "params" / "llm").absolute()
+        tree = ocp.StandardCheckpointer().restore(stage)
+        node = tree
+        *parents, leaf = name.split(".")
+        for k in parents:
+            node = node[k]
+        del node[leaf]
+        shutil.rmtree(stage)
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(stage, tree)
+        checkpointer.wait_until_finished()
+
+    return fault
+
+
+LOAD_FAULTS = [
+    (
+        "stored-shape",
+        tamper_manifest(lambda m: m["shapes"]["llm"].update({"model.norm.weight": [7]})),
+        "{d}/params/llm: tensor 'model.norm.weight' is stored with shape (64,), omni_jax.json records (7,)",
+    ),
+    (
+        "stored-dtype",
+        tamper_manifest(lambda m: m["dtypes"]["llm"].update({"model.norm.weight": "bfloat16"})),
+        "{d}/params/llm: tensor 'model.norm.weight' is stored as float32, omni_jax.json records bfloat16",
+    ),
+    (
+        "not-in-manifest",
+        tamper_manifest(lambda m: m["shapes"]["llm"].pop("model.norm.weight")),
+        "{d}/params/llm: stored tensor 'model.norm.weight' is not listed in omni_jax.json",
+    ),
+    (
+        "not-stored",
+        drop_stored("model.norm.weight"),
+        "{d}/params/llm: tensor 'model.norm.weight' listed in omni_jax.json is not stored",
+    ),
+    (
+        "stage-dir-gone",
+        lambda d: shutil.rmtree(d / "params" / "llm"),
+        "{d}/params/llm: missing; the converted checkpoint is incomplete",
+    ),
+    ("manifest-not-json", lambda d: (d / MANIFEST).write_text("{"), "{d}/omni_jax.json: unreadable manifest"),
+    (
+        "config-differs",
+        edit_config(hidden_size=128),
+        "{d}/omni_jax.json: 'lm_head.kernel' is (64, 384) in the checkpoint, the model config.json "
+        "describes needs (128, 384)",
+    ),
+    (
+        "architecture-differs",
+        tamper_manifest(lambda m: m.update(architecture="Qwen2_5OmniForConditionalGeneration")),
+        "{d}/omni_jax.json: converted from a Qwen2_5OmniForConditionalGeneration checkpoint but config.json "
+        "describes Qwen2ForCausalLM",
+    ),
+]
+
+
+@pytest.mark.parametrize("fault,message", [f[1:] for f in LOAD_FAULTS], ids=[f[0] for f in LOAD_FAULTS])
+def test_loading_checks_the_manifest(converted, tmp_path, fault, message) -> None:
+    d = copy_of(converted, tmp_path, "conv")
+    fault(d)
+    with pytest.raises(ValueError, match=literal(message.format(d=d))) as info:
+        load_part(d, "llm")
+    assert "\n" not in str(info.value)
+
+
+def test_cli_prints_one_line_and_exits_1(qwen2_dir, tmp_path, capsys) -> None:
+    src = copy_of(qwen2_dir, tmp_path)
+    truncate(lambda n: n - 100)(src)
+    dst = tmp_path / "dst"
+    assert convert_main([str(src), str(dst), "--quiet"]) == 1
+    out = capsys.readouterr()
+    assert out.err.count("\n") == 1, out.err
+    assert out.err.startswith(f"error: {src}/model.safetensors: truncated file, tensor ")
+    assert out.err.endswith(" ends past the end of the file\n")
+    assert out.out == "" and leftovers(dst) == []
+    # --overwrite reaches convert() from both command lines.
+    dst.mkdir()
+    assert convert_main([str(qwen2_dir), str(dst), "--quiet"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: destination {dst} already exists")
+    assert convert_main([str(qwen2_dir), str(dst), "--quiet", "--overwrite"]) == 0
+    assert (dst / MANIFEST).exists() and leftovers(dst) == [dst]
+
+
+@pytest.mark.parametrize("command", [["-m", "checkpoints_convert"], ["-m", "omni_jax.cli", "convert"]])
+def test_command_lines_show_no_traceback(qwen2_dir, tmp_path, command) -> None:
+    src = copy_of(qwen2_dir, tmp_path)
+    edit_config(architectures=["LlamaForCausalLM"])(src)
+    dst = tmp_path / "dst"
+    done = subprocess.run(
+        [sys.executable, *command, str(src), str(dst), "--quiet"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith(f"error: {src}/config.json: unsupported architecture ['LlamaForCausalLM']; ")
+    assert not dst.exists()
