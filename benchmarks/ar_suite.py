@@ -3,7 +3,8 @@
 Both sides run the workload once to warm up (compilation, caches, allocator) and are
 measured on the second run, so compile time is reported on its own and excluded from the
 ratio. transformers gets left-padded batches of ``ref_batch``; our engine schedules all
-requests with continuous batching, which is the point of an engine.
+requests with continuous batching, which is the point of an engine. ``--profile`` traces our
+measured run (not the decode-step probes after it, nor the reference).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness import CompileStats, compile_entry, measured_window
 from benchmarks.models import count_params, decode_read_params
 from benchmarks.roofline import memory_bandwidth
 from omni_jax import OmniJaxPipeline, SamplingParams
@@ -31,6 +33,7 @@ def _ours(
     dtype: str | None,
     profile: str | None,
     mesh: dict[str, int] | None = None,
+    profile_python: bool = False,
 ) -> dict:
     pipe = OmniJaxPipeline.from_pretrained(
         path,
@@ -42,18 +45,14 @@ def _ours(
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    t0 = time.perf_counter()
-    pipe.run(batch, params, progress=False)
-    warm_s = time.perf_counter() - t0
-    if profile:
-        import jax
-
-        jax.profiler.start_trace(profile)
-    t0 = time.perf_counter()
-    outs = pipe.run(batch, params, progress=False)
-    wall = time.perf_counter() - t0
-    if profile:
-        jax.profiler.stop_trace()
+    with CompileStats() as stats:
+        t0 = time.perf_counter()
+        pipe.run(batch, params, progress=False)
+        warm_s = time.perf_counter() - t0
+    with measured_window(profile, "ar/measured run", profile_python, requests=len(batch)):
+        t0 = time.perf_counter()
+        outs = pipe.run(batch, params, progress=False)
+        wall = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     ttft = [o.metrics["llm"]["ttft_s"] for o in outs]
     tpot = [
@@ -72,9 +71,8 @@ def _ours(
         "tokens_per_s": n_out / wall,
         "ttft_s_mean": float(np.mean(ttft)),
         "tpot_s_mean": float(np.mean(tpot)),
-        "first_run_s": warm_s,
-        "compile_and_warmup_s": warm_s - wall,
         "decode_step_s": {str(k): v for k, v in step.items()},
+        "compile": compile_entry(warm_s, wall, stats),
         "token_ids": [o.token_ids for o in outs],
     }
 
@@ -118,39 +116,81 @@ def _reference(path: Path, prompts: list[list[int]], max_new: int, dtype: str | 
         "output_tokens": n_out,
         "wall_s": wall,
         "tokens_per_s": n_out / wall,
-        "first_run_s": warm_s,
+        "compile": compile_entry(warm_s, wall),
         "token_ids": outs,
     }
 
 
-def run_ar(path: Path, args: Any) -> dict:
+def run(path: Path, args: Any) -> dict:
     from omni_jax.weights import load_hf_config
 
     cfg = load_hf_config(path)
     prompts = make_requests(cfg.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
-    ours = _ours(path, prompts, args.max_tokens, args.dtype, args.profile, args.mesh)
+    ours = _ours(path, prompts, args.max_tokens, args.dtype, args.profile, args.mesh, args.profile_python)
     bw = memory_bandwidth()
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
     weight_bytes = decode_read_params(path) * itemsize
     floor = weight_bytes / bw
+    ours_ids = ours.pop("token_ids")
     result: dict[str, Any] = {
         "suite": "ar",
         "requests": len(prompts),
         "prompt_len_range": [args.min_prompt, args.max_prompt],
         "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
         "mesh": args.mesh,
         "params": count_params(path),
-        "measured_bandwidth_GBps": bw / 1e9,
+        "ceilings": {"memory_bandwidth_GBps": bw / 1e9},
+        "decode_weight_bytes": weight_bytes,
         "decode_floor_s": floor,
         "roofline_fraction": {b: floor / s for b, s in ours["decode_step_s"].items()},
         "ours": ours,
         "reference": None,
         "ratio": None,
     }
+    result["compile"] = {"ours": ours.pop("compile"), "reference": None}
     if args.reference:
-        ref = _reference(path, prompts, args.max_tokens, args.dtype, ref_batch=8)
+        ref = _reference(path, prompts, args.max_tokens, args.dtype, ref_batch=args.ref_batch)
+        ref_ids = ref.pop("token_ids")
+        result["compile"]["reference"] = ref.pop("compile")
         result["reference"] = ref
         result["ratio"] = ours["tokens_per_s"] / ref["tokens_per_s"]
-        same = sum(a == b for a, b in zip(ours["token_ids"], ref["token_ids"], strict=True))
+        same = sum(a == b for a, b in zip(ours_ids, ref_ids, strict=True))
         result["greedy_agreement"] = f"{same}/{len(prompts)} requests with identical tokens"
     return result
+
+
+def table(result: dict[str, Any]) -> str:
+    ours, ref = result["ours"], result["reference"]
+    comp = result["compile"]
+    rows = [
+        ("output tokens/s", f"{ours['tokens_per_s']:.1f}", f"{ref['tokens_per_s']:.1f}" if ref else "-"),
+        ("wall s (measured run)", f"{ours['wall_s']:.2f}", f"{ref['wall_s']:.2f}" if ref else "-"),
+        (
+            "first run s (incl. compile)",
+            f"{comp['ours']['first_run_s']:.2f}",
+            f"{comp['reference']['first_run_s']:.2f}" if ref else "-",
+        ),
+        (
+            "XLA compile s (programs)",
+            f"{comp['ours']['xla_compile_s']:.2f} ({comp['ours']['xla_compiles']})",
+            "-",
+        ),
+        ("TTFT s (mean)", f"{ours['ttft_s_mean']:.3f}", "-"),
+        ("TPOT s (mean)", f"{ours['tpot_s_mean']:.4f}", "-"),
+    ]
+    for b, s in ours["decode_step_s"].items():
+        frac = result["roofline_fraction"][b]
+        rows.append((f"decode step s, batch {b}", f"{s * 1e3:.2f} ms ({frac:.0%} of roofline)", "-"))
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{'':<{w}}  {'omni_jax':>28}  {'reference':>12}"]
+    lines += [f"{a:<{w}}  {b:>28}  {c:>12}" for a, b, c in rows]
+    if result["ratio"] is not None:
+        lines.append(
+            f"ratio (ours / reference tokens/s): {result['ratio']:.2f}x; {result['greedy_agreement']}"
+        )
+    lines.append(
+        f"decode floor (weights / measured {result['ceilings']['memory_bandwidth_GBps']:.1f} GB/s): "
+        f"{result['decode_floor_s'] * 1e3:.2f} ms"
+    )
+    return "\n".join(lines)

@@ -1,10 +1,13 @@
-"""Benchmark checkpoints: ``tiny`` and ``small`` are built locally, anything else is a path."""
+"""Benchmark checkpoints: ``tiny`` and ``small`` are built locally per suite, anything else is a path."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-from omni_jax.testing import build_tiny_qwen2
+from omni_jax.testing import build_tiny_qwen2, build_tiny_qwen2_5_omni
 
 # ~40M parameters: Qwen2.5-0.5B's head layout at a width and depth this CPU runs in minutes.
 SMALL = dict(
@@ -18,21 +21,52 @@ SMALL = dict(
     initializer_range=0.02,
 )
 
+SMALL_TOKEN2WAV = dict(
+    dit_config=dict(num_hidden_layers=4, look_ahead_layers=[2], look_backward_layers=[0, 3]),
+    bigvgan_config={},
+)
+"""Qwen2.5-Omni-7B's token2wav (transformers' config defaults are its layer shapes: DiT width
+1024, 16 heads, ECAPA speaker encoder; BigVGAN from 1536 channels through six upsamplings) with
+4 DiT layers instead of 22, one looking ahead and two looking back as in the real stack, so the
+reference decodes a batch on this CPU in minutes. Thinker and talker stay tiny."""
 
-def resolve_model(name: str, cache_dir: Path) -> Path:
-    if name == "tiny":
-        path = cache_dir / "bench-tiny-qwen2"
+BUILDERS: dict[str, dict[str, tuple[str, Callable[[Path], Path]]]] = {
+    "qwen2": {
+        "tiny": ("bench-tiny-qwen2", lambda p: build_tiny_qwen2(p, seed=0)),
+        "small": ("bench-small-qwen2", lambda p: build_tiny_qwen2(p, seed=0, **SMALL)),
+    },
+    "qwen2_5_omni": {
+        "tiny": ("bench-tiny-qwen2_5_omni", lambda p: build_tiny_qwen2_5_omni(p, seed=0)),
+        "small": (
+            "bench-small-qwen2_5_omni",
+            lambda p: build_tiny_qwen2_5_omni(p, seed=0, token2wav_config=SMALL_TOKEN2WAV),
+        ),
+    },
+}
+"""``BUILDERS[model_type][name]``: the locally built checkpoints, by the ``model_type`` a suite runs."""
+
+
+def model_type(path: Path) -> str:
+    return json.loads((path / "config.json").read_text()).get("model_type", "")
+
+
+def resolve_model(name: str, cache_dir: Path, kind: str = "qwen2") -> Path:
+    """The ``kind`` (a ``model_type``) checkpoint: ``tiny`` / ``small`` built once into ``cache_dir``,
+    or the checkpoint directory ``name``."""
+    if name in BUILDERS[kind]:
+        dirname, build = BUILDERS[kind][name]
+        path = cache_dir / dirname
         if not (path / "config.json").exists():
-            build_tiny_qwen2(path, seed=0)
-        return path
-    if name == "small":
-        path = cache_dir / "bench-small-qwen2"
-        if not (path / "config.json").exists():
-            build_tiny_qwen2(path, seed=0, **SMALL)
+            partial = path.with_name(path.name + ".partial")  # an interrupted build is never reused
+            shutil.rmtree(partial, ignore_errors=True)
+            build(partial)
+            partial.rename(path)
         return path
     path = Path(name)
     if not (path / "config.json").exists():
         raise SystemExit(f"--model {name}: not 'tiny', 'small' or a checkpoint directory")
+    if model_type(path) != kind:
+        raise SystemExit(f"--model {name}: a {model_type(path)!r} checkpoint, this suite runs {kind!r}")
     return path
 
 

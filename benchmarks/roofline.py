@@ -1,14 +1,25 @@
-"""Ceilings measured on the machine the benchmark runs on, not taken from datasheets."""
+"""Ceilings measured on the machine the benchmark runs on, never taken from datasheets.
+
+Each is the best of a few timed runs of one large jitted program (after a compile-and-warm-up
+run), measured once per process and shared by the suites. Sizes grow on accelerators so that
+launch overhead does not hide the peak.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 
-def _best_of(fn, repeats: int = 5) -> float:  # noqa: ANN001
+def _on_accelerator() -> bool:
+    return jax.devices()[0].platform != "cpu"
+
+
+def _best_of(fn: Callable[[], jax.Array], repeats: int = 5) -> float:
     fn().block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -18,13 +29,16 @@ def _best_of(fn, repeats: int = 5) -> float:  # noqa: ANN001
     return best
 
 
-def memory_bandwidth(num_bytes: int = 1 << 28) -> float:
+@functools.cache
+def memory_bandwidth(num_bytes: int | None = None) -> float:
     """Bytes/s the device streams, the decode-step ceiling: the best of two measurements.
 
     A plain copy (read + write) and a skinny matmul that reads a large weight once (what a
     decode step does). On CPU, XLA runs elementwise copies on fewer threads than matmuls,
-    so the copy alone understates the bandwidth a decode step can reach.
+    so the copy alone understates the bandwidth a decode step can reach. ``num_bytes``
+    defaults to 256 MiB on CPU and 2 GiB on an accelerator (well past any cache).
     """
+    num_bytes = num_bytes or (1 << 31 if _on_accelerator() else 1 << 28)
     x = jnp.ones((num_bytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: a * 1.0001)
     copy_bw = 2 * num_bytes / _best_of(lambda: copy(x))
@@ -35,8 +49,14 @@ def memory_bandwidth(num_bytes: int = 1 << 28) -> float:
     return max(copy_bw, gemv_bw)
 
 
-def matmul_flops(n: int = 2048, dtype: jnp.dtype = jnp.float32) -> float:
-    """FLOP/s of a large square matmul in ``dtype``, the prefill / DiT ceiling."""
-    a = jnp.ones((n, n), dtype)
+@functools.cache
+def matmul_flops(n: int | None = None, dtype: str = "float32") -> float:
+    """FLOP/s of a large square matmul in ``dtype``, the prefill / DiT ceiling.
+
+    ``n`` defaults to 2048 on CPU and 8192 on an accelerator; the matmul runs at JAX's default
+    precision, the one the models use.
+    """
+    n = n or (8192 if _on_accelerator() else 2048)
+    a = jnp.ones((n, n), jnp.dtype(dtype))
     mm = jax.jit(lambda x, y: x @ y)
     return 2 * n**3 / _best_of(lambda: mm(a, a))

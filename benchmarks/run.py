@@ -1,74 +1,69 @@
-"""``python -m benchmarks.run --suite ar --model {tiny,small,PATH} [--reference] [--json F]``."""
+"""``python -m benchmarks.run --suite {ar,code2wav,all} --model {tiny,small,PATH} [--reference]
+[--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]`` (also ``omni-jax bench ...``).
+
+``tiny`` and ``small`` name a locally built checkpoint per suite (:mod:`benchmarks.models`);
+``all`` runs every registered suite (with a PATH, those whose ``model_type`` it is). Each suite
+warms up (compile time reported on its own), measures ours and, with ``--reference``, the
+transformers / PyTorch reference on the same requests in this process, prints a table and, with
+``--json``, writes the result (a list of results for ``all``); the schema is in
+:mod:`benchmarks.harness`. ``--profile DIR`` writes a ``jax.profiler`` trace of each suite's
+measured window into ``DIR/<suite>``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import importlib
 import json
-import platform
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import harness
 from omni_jax.parallel.mesh import parse_mesh
 
 
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """``module`` has ``run(path, args) -> dict`` and ``table(result) -> str``; ``model_type`` is
+    the checkpoint kind it runs (the key of :data:`benchmarks.models.BUILDERS` for tiny / small)."""
 
-    out = {"python": platform.python_version()}
-    for pkg in ("jax", "jaxlib", "flax", "torch", "transformers"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
+    module: str
+    model_type: str
 
 
-def device() -> str:
-    import jax
-
-    d = jax.devices()[0]
-    return f"{d.platform}: {getattr(d, 'device_kind', d)} x{jax.device_count()}"
-
-
-def table(result: dict[str, Any]) -> str:
-    ours, ref = result["ours"], result["reference"]
-    rows = [
-        ("output tokens/s", f"{ours['tokens_per_s']:.1f}", f"{ref['tokens_per_s']:.1f}" if ref else "-"),
-        ("wall s (measured run)", f"{ours['wall_s']:.2f}", f"{ref['wall_s']:.2f}" if ref else "-"),
-        (
-            "first run s (incl. compile)",
-            f"{ours['first_run_s']:.2f}",
-            f"{ref['first_run_s']:.2f}" if ref else "-",
-        ),
-        ("TTFT s (mean)", f"{ours['ttft_s_mean']:.3f}", "-"),
-        ("TPOT s (mean)", f"{ours['tpot_s_mean']:.4f}", "-"),
-    ]
-    for b, s in ours["decode_step_s"].items():
-        frac = result["roofline_fraction"][b]
-        rows.append((f"decode step s, batch {b}", f"{s * 1e3:.2f} ms ({frac:.0%} of roofline)", "-"))
-    w = max(len(r[0]) for r in rows)
-    lines = [f"{'':<{w}}  {'omni_jax':>28}  {'reference':>12}"]
-    lines += [f"{a:<{w}}  {b:>28}  {c:>12}" for a, b, c in rows]
-    if result["ratio"] is not None:
-        lines.append(
-            f"ratio (ours / reference tokens/s): {result['ratio']:.2f}x; {result['greedy_agreement']}"
-        )
-    lines.append(
-        f"decode floor (weights / measured {result['measured_bandwidth_GBps']:.1f} GB/s): "
-        f"{result['decode_floor_s'] * 1e3:.2f} ms"
-    )
-    return "\n".join(lines)
+SUITES: dict[str, Suite] = {
+    "ar": Suite("benchmarks.ar_suite", "qwen2"),
+    "code2wav": Suite("benchmarks.code2wav_suite", "qwen2_5_omni"),
+}
+"""The registered suites, in the order ``--suite all`` runs them; a new one is one line here."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run")
-    p.add_argument("--suite", choices=["ar"], default="ar")
+def parse_batch_sizes(text: str) -> list[int]:
+    sizes = sorted({int(s) for s in text.split(",") if s.strip()})
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: positive batch sizes, e.g. 1,8")
+    return sizes
+
+
+def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--suite", choices=[*SUITES, "all"], default="ar")
     p.add_argument("--model", default="small", help="tiny | small | a checkpoint directory")
     p.add_argument("--reference", action="store_true", help="also run the PyTorch reference")
     p.add_argument("--json", default=None, help="write the result here")
-    p.add_argument("--profile", default=None, help="write a jax.profiler trace of the measured run here")
+    p.add_argument(
+        "--profile", default=None, help="write a jax.profiler trace of the measured window to DIR/<suite>"
+    )
+    p.add_argument(
+        "--profile-python",
+        action="store_true",
+        help="with --profile: also trace every Python call (slows the host; figures then not comparable)",
+    )
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument(
         "--mesh",
@@ -77,31 +72,75 @@ def main(argv: list[str] | None = None) -> int:
         help="our engine's mesh, e.g. data=2,model=4 (on CPU emulate devices with "
         "XLA_FLAGS=--xla_force_host_platform_device_count=8)",
     )
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
-    p.add_argument("--max-prompt", type=int, default=192, help="longest prompt (tokens)")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "bench"))
-    args = p.parse_args(argv)
+    ar = p.add_argument_group("ar suite")
+    ar.add_argument("--num-requests", type=int, default=32)
+    ar.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (>= 2)")
+    ar.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
+    ar.add_argument("--max-prompt", type=int, default=192, help="longest prompt (tokens)")
+    ar.add_argument("--ref-batch", type=int, default=8, help="transformers generate batch (left-padded)")
+    c2w = p.add_argument_group("code2wav suite")
+    c2w.add_argument(
+        "--batch-sizes",
+        type=parse_batch_sizes,
+        default=[1, 8],
+        help="measured batch sizes; the largest is the number of requests (default 1,8)",
+    )
+    c2w.add_argument("--min-codes", type=int, default=50, help="shortest request (codes; 50 per second)")
+    c2w.add_argument("--max-codes", type=int, default=200, help="longest request (codes)")
+    c2w.add_argument("--num-steps", type=int, default=10, help="ODE grid points (RK4 steps + 1)")
+    c2w.add_argument("--guidance-scale", type=float, default=0.5, help="CFG scale")
+    c2w.add_argument("--repeats", type=int, default=2, help="measured rounds (the best is kept)")
+    return p
 
-    from benchmarks.ar_suite import run_ar
+
+def suites_for(name: str, model: str) -> list[str]:
+    if name != "all":
+        return [name]
+    from benchmarks.models import BUILDERS, model_type
+
+    if model in ("tiny", "small"):
+        return [s for s, suite in SUITES.items() if model in BUILDERS[suite.model_type]]
+    kind = model_type(Path(model))
+    matching = [s for s, suite in SUITES.items() if suite.model_type == kind]
+    if not matching:
+        raise SystemExit(f"--model {model}: no suite runs model_type {kind!r}")
+    return matching
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser(prog).parse_args(argv)
+    if args.max_tokens < 2:
+        raise SystemExit("--max-tokens must be >= 2 (time per output token needs two tokens)")
+    # Compile times are only real with JAX's persistent cache off; OMNI_JAX_COMPILATION_CACHE=DIR
+    # turns it on (the JSON records which).
+    os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")
     from benchmarks.models import resolve_model
 
-    path = resolve_model(args.model, Path(args.cache_dir))
-    result = run_ar(path, args)
-    result.update(
-        device=device(),
-        versions=versions(),
-        model=args.model,
-        command=" ".join(shlex.quote(a) for a in ["python", "-m", "benchmarks.run", *sys.argv[1:]]),
-    )
-    print(table(result))
+    command = " ".join(shlex.quote(a) for a in [*prog.split(), *argv])
+    results = []
+    for name in suites_for(args.suite, args.model):
+        suite = SUITES[name]
+        module = importlib.import_module(suite.module)
+        suite_args = copy.copy(args)
+        suite_args.profile = str(Path(args.profile) / name) if args.profile else None
+        path = resolve_model(args.model, Path(args.cache_dir), suite.model_type)
+        result: dict[str, Any] = module.run(path, suite_args)
+        result.update(
+            model=args.model,
+            device=harness.device(),
+            versions=harness.versions(),
+            command=command,
+            date_utc=harness.now_utc(),
+            profile=suite_args.profile,
+            persistent_cache=harness.persistent_cache(),
+        )
+        harness.check_result(result)
+        print(module.table(result), flush=True)
+        results.append(result)
     if args.json:
-        slim = {k: v for k, v in result.items()}
-        for side in ("ours", "reference"):
-            if slim.get(side):
-                slim[side] = {k: v for k, v in slim[side].items() if k != "token_ids"}
-        Path(args.json).write_text(json.dumps(slim, indent=1))
+        Path(args.json).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=1))
     return 0
 
 

@@ -27,6 +27,7 @@ from flax import nnx
 from omni_jax.engine.buckets import bucket, fine_bucket
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.parallel.distributed import random_seed
+from omni_jax.profiling import scope
 
 Solve = Callable[..., tuple[jax.Array, jax.Array]]
 """``solve(graphdef, state, codes, code_lengths, speaker_embedding, reference_mel, reference_lengths,
@@ -191,11 +192,14 @@ class GenerationRunner:
         A device failure is retried one request at a time, so only the failing ones end with its
         message (``error``) and the rest of the batch completes.
         """
-        batch = self.pad(requests)
+        with scope("code2wav/pad", requests=len(requests)):
+            batch = self.pad(requests)
         seeds = batch.seeds
         t0 = time.perf_counter()
         try:
-            with jax.profiler.TraceAnnotation("code2wav solve", rows=len(requests)):
+            # Inputs to the device, one program (DiT solve then vocoder: device scopes
+            # ``dit_solve`` / ``vocoder``), waveforms back to the host.
+            with scope("code2wav/solve", rows=batch.codes.shape[0], codes=batch.codes.shape[1]):
                 wave, valid = self.solve(self.graphdef, self.state, *batch.arrays(), batch.guided)
                 wave, valid = np.asarray(wave), np.asarray(valid)
         except jax.errors.JaxRuntimeError as e:
@@ -207,7 +211,8 @@ class GenerationRunner:
                 )
             ]
         dt = time.perf_counter() - t0
-        return [
-            GenerationResult(r, wave[i, : valid[i]].copy(), None, seeds[i], len(requests), dt)
-            for i, r in enumerate(requests)
-        ]
+        with scope("code2wav/split", requests=len(requests)):
+            return [
+                GenerationResult(r, wave[i, : valid[i]].copy(), None, seeds[i], len(requests), dt)
+                for i, r in enumerate(requests)
+            ]

@@ -1,0 +1,361 @@
+"""code2wav suite: our code2wav stage vs transformers' token2wav on the same codes and noise.
+
+Workload: ``N = max(--batch-sizes)`` requests (default 8) whose code counts are spread evenly over
+``[min_codes, max_codes]`` (50 codes are one second of audio), one voice, ``num_steps`` 10 and
+guidance 0.5, each request with its own fixed initial noise that both sides start from. Batch
+``b`` is the ``b`` requests around the median length (batch ``N`` is all of them, batch 1 the
+median one alone). transformers decodes one request at a time, as
+``Qwen2_5OmniForConditionalGeneration.generate`` does, so its batch-``b`` figure is the sum of
+those requests' times; it runs in float32 whatever ``--dtype`` is, as ``generate`` does (it calls
+``token2wav.float()``).
+
+Ours runs the product path, ``OmniJaxPipeline.from_pretrained(path, stages=["code2wav"]).run``.
+Each side's first run (ours compiles then) is reported on its own (``compile``). The measured
+figures are the best of ``repeats`` rounds in which the two sides take turns, because this machine
+may be shared and its load moves under any single measurement; ``--profile`` traces our runs of
+the last round. A breakdown then times our DiT solve and vocoder apart, on the same padded
+groups the runner solves, for DiT steps/s and the FLOP roofline (useful FLOPs: unpadded frames).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import jax
+import numpy as np
+from flax import nnx
+
+from benchmarks.harness import CompileStats, compile_entry, measured_window
+from benchmarks.roofline import matmul_flops
+from omni_jax import OmniJaxPipeline, Token2WavParams
+from omni_jax.engine.generation_runner import GenerationRequest
+from omni_jax.models.qwen2_5_omni.token2wav import sample_mel
+from omni_jax.profiling import scope
+
+SAMPLE_RATE = 24_000
+MEL_FRAMES_PER_SECOND = 100  # 24 kHz / the vocoder's 240 samples per mel frame
+
+
+@dataclasses.dataclass
+class Workload:
+    """The requests both sides decode: codes, the noise each starts from, the knobs."""
+
+    codes: list[list[int]]
+    noise: list[np.ndarray]
+    speaker: str
+    num_steps: int
+    guidance_scale: float
+    sway_coefficient: float = -1.0
+
+    @property
+    def single(self) -> int:
+        """Index of the batch-1 request: the median length."""
+        return self.batch(1)[0]
+
+    def batch(self, size: int) -> list[int]:
+        """Indices of the ``size`` requests around the median length (all of them at ``N``)."""
+        by_length = sorted(range(len(self.codes)), key=lambda i: len(self.codes[i]))
+        start = min(max(len(by_length) // 2 - (size - 1) // 2, 0), len(by_length) - size)
+        return sorted(by_length[start : start + size])
+
+    def params(self, i: int) -> Token2WavParams:
+        return Token2WavParams(
+            num_steps=self.num_steps,
+            guidance_scale=self.guidance_scale,
+            sway_coefficient=self.sway_coefficient,
+            initial_noise=self.noise[i],
+        )
+
+
+def make_workload(dit_config: Any, speaker: str, args: Any) -> Workload:
+    if not 1 <= args.min_codes <= args.max_codes:
+        raise SystemExit(f"--min-codes {args.min_codes} / --max-codes {args.max_codes}: need 1 <= min <= max")
+    if args.num_steps < 2:
+        raise SystemExit("--num-steps must be >= 2 (grid points; RK4 steps are num_steps - 1)")
+    lengths = np.linspace(args.min_codes, args.max_codes, max(args.batch_sizes)).round().astype(int)
+    rng = np.random.default_rng(0)
+    codes = [[int(c) for c in rng.integers(0, dit_config.num_embeds, n)] for n in lengths]
+    noise = [
+        np.random.default_rng(1000 + i).standard_normal(
+            (n * dit_config.repeats, dit_config.mel_dim), np.float32
+        )
+        for i, n in enumerate(lengths)
+    ]
+    return Workload(codes, noise, speaker, args.num_steps, args.guidance_scale)
+
+
+def dit_flops(cfg: Any, frames: int) -> float:
+    """FLOPs of one DiT evaluation of one row over ``frames`` mel frames (the CFG pair is 2 rows).
+
+    Matmuls with weights, plus attention over each frame's window of key blocks (what a
+    block-local implementation needs); the per-row timestep MLP and modulation are included, the
+    once-per-solve conditioning (codec embedding, speaker encoder) is not.
+    """
+    h, inner, ff = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, int(cfg.hidden_size * cfg.ff_mult)
+    in_dim = cfg.mel_dim + cfg.enc_dim + cfg.enc_emb_dim + cfg.emb_dim
+    per_frame = 2 * in_dim * h + 2 * h * cfg.mel_dim
+    per_row = 2 * 256 * h + 2 * h * h + 2 * h * 2 * h
+    for i in range(cfg.num_hidden_layers):
+        blocks = 1 + (i in cfg.look_ahead_layers) + (i in cfg.look_backward_layers)
+        keys = min(blocks * cfg.block_size, frames)
+        per_frame += 8 * h * inner + 4 * h * ff + 4 * inner * keys
+        per_row += 2 * h * 6 * h
+    return frames * per_frame + per_row
+
+
+def solve_flops(cfg: Any, work: Workload, indices: list[int]) -> float:
+    """DiT FLOPs of the ODE solves of ``indices``: CFG pair x 4 RK4 stages x (num_steps - 1)."""
+    evals = 2 * 4 * (work.num_steps - 1)
+    return sum(evals * dit_flops(cfg, len(work.codes[i]) * cfg.repeats) for i in indices)
+
+
+def audio_seconds(work: Workload, indices: list[int], repeats: int) -> float:
+    return sum(len(work.codes[i]) * repeats for i in indices) / MEL_FRAMES_PER_SECOND
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def _run_ours(pipe: OmniJaxPipeline, work: Workload, indices: list[int]) -> tuple[float, list[np.ndarray]]:
+    prompts = [{"prompt_token_ids": work.codes[i], "speaker": work.speaker} for i in indices]
+    t0 = time.perf_counter()
+    outs = pipe.run(prompts, [work.params(i) for i in indices], progress=False)
+    wall = time.perf_counter() - t0
+    failed = [o.error for o in outs if o.error]
+    if failed:
+        raise RuntimeError(f"code2wav failed: {failed[0]}")
+    return wall, [o.audio for o in outs]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _solve_mel(
+    graphdef: nnx.GraphDef, guided: bool, state: nnx.State, *batch: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    return sample_mel(nnx.merge(graphdef, state).dit, *batch, guided=guided)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _vocode(
+    graphdef: nnx.GraphDef, state: nnx.State, mel: jax.Array, frames: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    return nnx.merge(graphdef, state).bigvgan(mel, frames)
+
+
+def _breakdown(pipe: OmniJaxPipeline, work: Workload, indices: list[int], repeats: int) -> dict[str, float]:
+    """Best-of-``repeats`` seconds of our DiT solves and vocoder runs, over the runner's groups."""
+    stage = pipe.stages[0]
+    runner, voice = stage.runner, stage.voices.pick(0, {"speaker": work.speaker})
+    requests = [
+        GenerationRequest(
+            str(i), np.asarray(work.codes[i], np.int32), voice.cond, voice.ref_mel, work.params(i)
+        )
+        for i in indices
+    ]
+    # As GenerationRunner.step: FIFO chunks of max_batch, each split into one solve per code bucket.
+    chunks = [requests[i : i + runner.max_batch] for i in range(0, len(requests), runner.max_batch)]
+    padded = [runner.pad(group) for chunk in chunks for group in runner.groups(chunk)]
+    batches = [(b.guided, b.arrays()) for b in padded]
+    graphdef, state = runner.graphdef, runner.state
+    mels = [jax.block_until_ready(_solve_mel(graphdef, g, state, *b)) for g, b in batches]
+    for mel, frames in mels:
+        jax.block_until_ready(_vocode(graphdef, state, mel, frames))
+    dit_s = vocoder_s = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for g, b in batches:
+            jax.block_until_ready(_solve_mel(graphdef, g, state, *b))
+        t1 = time.perf_counter()
+        for mel, frames in mels:
+            jax.block_until_ready(_vocode(graphdef, state, mel, frames))
+        t2 = time.perf_counter()
+        dit_s, vocoder_s = min(dit_s, t1 - t0), min(vocoder_s, t2 - t1)
+    return {"dit_s": dit_s, "vocoder_s": vocoder_s, "solves": len(batches)}
+
+
+class Reference:
+    """transformers' token2wav for one request at a time, started from the workload's noise."""
+
+    def __init__(self, path: Path):
+        import torch
+        from transformers import Qwen2_5OmniForConditionalGeneration
+
+        self.torch = torch
+        self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(
+            str(path), dtype=torch.float32
+        ).eval()
+
+    def run(self, work: Workload, i: int) -> tuple[float, float, np.ndarray]:
+        """``(DiT seconds, vocoder seconds, waveform)`` of request ``i``.
+
+        ``Qwen2_5OmniToken2WavModel.forward`` is ``DiT.sample`` then the vocoder; they are called
+        one after the other here so that each is timed. ``generate`` passes the voice's
+        ``cond`` and ``ref_mel`` the same way.
+        """
+        torch = self.torch
+        token2wav, voice = self.model.token2wav, self.model.speaker_map[work.speaker]
+        start = torch.from_numpy(work.noise[i][None].copy())
+        with torch.no_grad(), mock.patch.object(torch, "randn", lambda *a, **k: start):
+            t0 = time.perf_counter()
+            mel = token2wav.code2wav_dit_model.sample(
+                voice["cond"].float().expand(1, -1),
+                voice["ref_mel"].float().expand(1, -1, -1),
+                torch.tensor([work.codes[i]]),
+                num_steps=work.num_steps,
+                guidance_scale=work.guidance_scale,
+                sway_coefficient=work.sway_coefficient,
+            )
+            t1 = time.perf_counter()
+            wave = token2wav.code2wav_bigvgan_model(mel)
+            t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, wave.reshape(-1).float().numpy()
+
+
+def _figures(audio_s: float, wall_s: float, steps: int, dit_s: float) -> dict[str, float]:
+    return {
+        "audio_s": audio_s,
+        "wall_s": wall_s,
+        "audio_s_per_s": audio_s / wall_s,
+        "dit_s": dit_s,
+        "dit_steps_per_s": steps / dit_s,
+    }
+
+
+def _param_dtype(state: nnx.State) -> str:
+    floats = [x.dtype for x in jax.tree.leaves(state) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+    return str(floats[0]) if floats else "float32"
+
+
+def run(path: Path, args: Any) -> dict[str, Any]:
+    from omni_jax.weights import load_hf_config
+
+    dit_cfg = load_hf_config(path).token2wav_config.dit_config
+    pipe = OmniJaxPipeline.from_pretrained(path, stages=["code2wav"], dtype=args.dtype, mesh=args.mesh)
+    work = make_workload(dit_cfg, pipe.stages[0].default_speaker, args)
+    n = len(work.codes)
+    batches = {str(b): work.batch(b) for b in args.batch_sizes}
+    # RK4 steps summed over requests: a batched step advances every request in it.
+    steps = {b: len(idx) * (work.num_steps - 1) for b, idx in batches.items()}
+    audio = {b: audio_seconds(work, idx, dit_cfg.repeats) for b, idx in batches.items()}
+
+    first: dict[str, float] = {}
+    with CompileStats() as stats:
+        for b, idx in batches.items():
+            first[b] = _run_ours(pipe, work, idx)[0]
+    reference = Reference(path) if args.reference else None
+    ref_first = reference.run(work, work.single) if reference else None
+
+    ours_best = {b: float("inf") for b in batches}
+    ours_audio: list[np.ndarray] = []
+    ref_times = [[float("inf")] * 3 for _ in range(n)]  # per request: DiT, vocoder, total
+    ref_audio: list[np.ndarray] = [np.zeros(0)] * n
+    for round_ in range(args.repeats):
+        traced = args.profile if round_ == args.repeats - 1 else None
+        with measured_window(traced, "code2wav/measured round", args.profile_python, round=round_):
+            for b, idx in batches.items():
+                with scope(f"bench/code2wav/batch {b}"):
+                    wall, waves = _run_ours(pipe, work, idx)
+                ours_best[b] = min(ours_best[b], wall)
+                if len(idx) == n:
+                    ours_audio = waves
+        for i in range(n) if reference else ():
+            dit_s, voc_s, ref_audio[i] = reference.run(work, i)
+            ref_times[i] = [
+                min(a, x) for a, x in zip(ref_times[i], (dit_s, voc_s, dit_s + voc_s), strict=True)
+            ]
+
+    breakdown = {b: _breakdown(pipe, work, idx, args.repeats) for b, idx in batches.items()}
+    dtype = _param_dtype(pipe.stages[0].runner.state)
+    peak = matmul_flops(dtype=dtype)
+    flops = {b: solve_flops(dit_cfg, work, idx) for b, idx in batches.items()}
+    ours = {
+        b: _figures(audio[b], ours_best[b], steps[b], breakdown[b]["dit_s"])
+        | {"vocoder_s": breakdown[b]["vocoder_s"], "solves": breakdown[b]["solves"]}
+        for b in batches
+    }
+    compile_ours = compile_entry(sum(first.values()), sum(ours_best.values()), stats)
+    compile_ours["first_run_s_by_batch"] = first
+    result: dict[str, Any] = {
+        "suite": "code2wav",
+        "dtype": dtype,
+        "codes_per_request": [len(c) for c in work.codes],
+        "requests_by_batch": batches,
+        "num_steps": work.num_steps,
+        "guidance_scale": work.guidance_scale,
+        "speaker": work.speaker,
+        "repeats": args.repeats,
+        "dit_layers": dit_cfg.num_hidden_layers,
+        "dit_solve_gflop": {b: f / 1e9 for b, f in flops.items()},
+        "ceilings": {"matmul_GFLOPs": peak / 1e9},
+        "roofline_fraction": {b: flops[b] / breakdown[b]["dit_s"] / peak for b in batches},
+        "ours": ours,
+        "reference": None,
+        "ratio": None,
+        "compile": {"ours": compile_ours, "reference": None},
+    }
+    if reference:
+        per_batch = {b: np.sum([ref_times[i] for i in idx], axis=0) for b, idx in batches.items()}
+        result["reference"] = {
+            b: _figures(audio[b], float(t[2]), steps[b], float(t[0])) | {"vocoder_s": float(t[1])}
+            for b, t in per_batch.items()
+        }
+        result["compile"]["reference"] = compile_entry(sum(ref_first[:2]), ref_times[work.single][2])
+        result["ratio"] = {
+            b: ours[b]["audio_s_per_s"] / result["reference"][b]["audio_s_per_s"] for b in batches
+        }
+        result["reference_roofline_fraction"] = {b: flops[b] / float(per_batch[b][0]) / peak for b in batches}
+        result["max_rel_err_vs_reference"] = max(
+            rel_err(o, r) for o, r in zip(ours_audio, ref_audio, strict=True)
+        )
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    """The suite's result as a text table: one column per side and batch size."""
+    ours, ref = result["ours"], result["reference"]
+    cols = [("omni_jax", b, ours[b]) for b in ours] + (
+        [("transformers", b, ref[b]) for b in ref] if ref else []
+    )
+    rows: list[tuple[str, list[str]]] = [
+        ("audio s / wall s", [f"{c['audio_s_per_s']:.3f}" for _, _, c in cols]),
+        ("wall s (best)", [f"{c['wall_s']:.2f}" for _, _, c in cols]),
+        ("audio s", [f"{c['audio_s']:.2f}" for _, _, c in cols]),
+        ("DiT solve s", [f"{c['dit_s']:.2f}" for _, _, c in cols]),
+        ("vocoder s", [f"{c['vocoder_s']:.2f}" for _, _, c in cols]),
+        ("RK4 steps/s (x requests)", [f"{c['dit_steps_per_s']:.2f}" for _, _, c in cols]),
+        (
+            "solves (one per code bucket)",
+            [str(c.get("solves", len(result["requests_by_batch"][b]))) for _, b, c in cols],
+        ),
+        (
+            "first run s (incl. compile)",
+            [f"{result['compile']['ours']['first_run_s_by_batch'][b]:.2f}" for b in ours]
+            + ["-"] * (len(cols) - len(ours)),
+        ),
+    ]
+    header = [f"{side} b={b}" for side, b, _ in cols]
+    w = max(len(r[0]) for r in rows)
+    lines = ["  ".join([f"{'':<{w}}", *(f"{h:>16}" for h in header)])]
+    lines += ["  ".join([f"{name:<{w}}", *(f"{v:>16}" for v in vals)]) for name, vals in rows]
+    comp = result["compile"]["ours"]
+    lines.append(
+        f"our first runs: {comp['first_run_s']:.1f} s, of which XLA compile {comp['xla_compile_s']:.1f} s "
+        f"({comp['xla_compiles']} programs); excluded from every figure above"
+    )
+    peak = result["ceilings"]["matmul_GFLOPs"]
+    for b, frac in result["roofline_fraction"].items():
+        gflop = result["dit_solve_gflop"][b]
+        line = f"DiT roofline, batch {b}: {gflop:.3g} GFLOP at {frac:.0%} of the measured {peak:.0f} GFLOP/s"
+        if ref:
+            line += f" (transformers {result['reference_roofline_fraction'][b]:.0%})"
+        lines.append(line)
+    if result["ratio"]:
+        ratio = ", ".join(f"batch {b}: {r:.2f}x" for b, r in result["ratio"].items())
+        lines.append(f"ratio (ours / transformers audio s per s): {ratio}")
+        lines.append(f"max rel err of our audio vs transformers: {result['max_rel_err_vs_reference']:.2e}")
+    return "\n".join(lines)
