@@ -325,6 +325,53 @@ def tiny_qwen2_5_omni_config(tokenizer: Any, **overrides: Any) -> Any:
     return Qwen2_5OmniConfig(**kw)
 
 
+# How speak_like_trained biases the tiny talker's codec head (see there).
+TALKER_CONSTANT_CHANNEL = 0
+TALKER_UNSPEAKABLE_WEIGHT = -200.0
+TALKER_EOS_WEIGHT = 3.0
+
+
+def speak_like_trained(talker: Any, num_embeds: int) -> None:
+    """Make a random-weight HF talker emit only codes the DiT can embed, and stop.
+
+    A trained talker emits codes below the DiT's ``num_embeds`` and then codec EOS (or pad),
+    never its other specials. With random weights every id is likely, so the codes would crash
+    the DiT's embedding, and greedy decoding may never stop. The codec head has no bias, so
+    one is built from a constant residual channel, as trained networks build theirs: channel
+    :data:`TALKER_CONSTANT_CHANNEL` of the projected input is its bias alone (its projection
+    row is zeroed, its bias 1), no layer writes to it (its rows of every ``o_proj`` and
+    ``down_proj`` are zeroed) and the final norm keeps it positive. The codec head then reads
+    that channel only for the specials: strongly negative for ids at or past ``num_embeds``
+    other than EOS and pad (logits about -20 to -60), slightly positive for EOS, so greedy
+    decoding typically stops within a few dozen codes. Deterministic (no random draws), so the
+    other sub-models' weights are what the seed gives either way.
+    """
+    import torch
+
+    cfg, d = talker.config, TALKER_CONSTANT_CHANNEL
+    eos, pad = cfg.tts_codec_end_token_id, cfg.tts_codec_pad_token_id
+    with torch.no_grad():
+        talker.thinker_to_talker_proj.weight[d] = 0.0
+        talker.thinker_to_talker_proj.bias[d] = 1.0
+        for layer in talker.model.layers:
+            layer.self_attn.o_proj.weight[d] = 0.0
+            layer.mlp.down_proj.weight[d] = 0.0
+        talker.model.norm.weight[d] = 1.0
+        head = talker.codec_head.weight
+        head[:, d] = 0.0
+        for i in range(num_embeds, head.shape[0]):
+            if i not in (eos, pad):
+                head[i] = 0.0
+                head[i, d] = TALKER_UNSPEAKABLE_WEIGHT
+        head[eos, d] = TALKER_EOS_WEIGHT
+
+
+THINKER_EOS_SCALE = 3.0
+"""With random weights a greedy thinker rarely picks ``<|im_end|>`` (none of six chat prompts did
+within 40 tokens at seed 0); with its LM-head row tripled, replies end after 2 to 24 tokens, so
+end-to-end tests and the demo see the thinker stop on its EOS as a trained one does."""
+
+
 def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
     """Write a random-weight ``Qwen2_5OmniForConditionalGeneration`` checkpoint to ``path``.
 
@@ -333,7 +380,9 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides:
     ``preprocessor_config.json``, ``generation_config.json`` and ``spk_dict.pt`` in the hub's
     format: ``{speaker: {"cond": [1, enc_emb_dim], "ref_mel": [1, frames, mel_dim],
     "bos_token": int}}`` with speakers :data:`OMNI_SPEAKERS`. Deterministic in ``seed``.
-    The token2wav weights are re-drawn at a scale where the waveform follows the codes.
+    The token2wav weights are re-drawn at a scale where the waveform follows the codes, the
+    talker is biased to emit only codes the DiT can embed, then EOS (:func:`speak_like_trained`),
+    and the thinker's EOS logit row is scaled by :data:`THINKER_EOS_SCALE`.
     ``config_overrides`` replace whole sub-configs of :func:`tiny_qwen2_5_omni_config` (e.g. a
     ``token2wav_config`` with the real model's widths, for benchmarks).
     """
@@ -355,7 +404,10 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides:
     # The vocoder sees a compressed (normalised dB) mel: at this scale its output follows the mel
     # rather than its biases, yet stays inside the [-1, 1] clamp.
     randomize_weights(model.token2wav.code2wav_bigvgan_model, 0.7, vector_std=0.02)
+    speak_like_trained(model.talker, cfg.token2wav_config.dit_config.num_embeds)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():  # a greedy reply ends within a few dozen tokens, as a trained one does
+        model.thinker.lm_head.weight[eos] *= THINKER_EOS_SCALE
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.chat_template = OMNI_CHAT_TEMPLATE

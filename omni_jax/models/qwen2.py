@@ -124,13 +124,25 @@ class Qwen2Layer(nnx.Module):
 
 
 class Qwen2Model(nnx.Module):
-    """Embedding, decoder layers, final norm: ``Qwen2Model`` in transformers."""
+    """Embedding, decoder layers, final norm: ``Qwen2Model`` in transformers.
 
-    def __init__(self, spec: Qwen2Spec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+    ``embedding_size``: the token embedding's width when it is not the decoder's (the
+    Qwen2.5-Omni talker embeds codec tokens at the thinker's width and projects the sum with
+    the thinker's states down itself); the caller then maps embeddings to ``hidden_size``.
+    """
+
+    def __init__(
+        self,
+        spec: Qwen2Spec,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        embedding_size: int | None = None,
+        rngs: nnx.Rngs,
+    ):
         self.spec = spec
         self.dtype = dtype
         self.embed_tokens = nnx.Embed(
-            spec.vocab_size, spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+            spec.vocab_size, embedding_size or spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
         self.layers = nnx.List([Qwen2Layer(spec, i, dtype=dtype, rngs=rngs) for i in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, rngs=rngs)

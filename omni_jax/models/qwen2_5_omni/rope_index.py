@@ -35,13 +35,17 @@ class RopeIndexSpec:
 
     @classmethod
     def from_hf(cls, cfg: Any) -> RopeIndexSpec:
+        """From a thinker config, or a talker config (it has the same ids and constants, but
+        ``spatial_merge_size`` at the top level as it has no vision tower)."""
+        vision = getattr(cfg, "vision_config", None)
+        merge = cfg.spatial_merge_size if vision is None else vision.spatial_merge_size
         return cls(
             image_token_id=cfg.image_token_id,
             video_token_id=cfg.video_token_id,
             audio_token_id=cfg.audio_token_id,
             vision_start_token_id=cfg.vision_start_token_id,
             audio_start_token_id=cfg.audio_start_token_id,
-            spatial_merge_size=cfg.vision_config.spatial_merge_size,
+            spatial_merge_size=merge,
             position_id_per_seconds=cfg.position_id_per_seconds,
             seconds_per_chunk=cfg.seconds_per_chunk,
         )
