@@ -8,14 +8,32 @@ from pathlib import Path
 from typing import Any
 
 
+def _video(path: str) -> Any:
+    """A ``--video`` file: frames ``[frames, H, W, 3]`` saved with ``numpy.save`` (decode real
+    video files to frames first; no video decoder is a dependency)."""
+    import numpy as np
+
+    if not path.endswith(".npy"):
+        raise ValueError(f"--video {path}: pass decoded frames as a .npy array [frames, H, W, 3]")
+    return np.load(path)
+
+
 def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
-    """The prompt text alone, or with ``--audio``/``--image`` files a chat prompt that holds them."""
-    if not (args.audio or args.image):
+    """The prompt text alone, or with media files a chat prompt that holds them; ``--speaker``
+    picks the voice of a pipeline that speaks."""
+    if args.audio or args.image or args.video:
+        content = [{"type": "audio", "audio": a} for a in args.audio]
+        content += [{"type": "image", "image": i} for i in args.image]
+        content += [{"type": "video", "video": _video(v)} for v in args.video]
+        content.append({"type": "text", "text": args.prompt})
+        prompt: dict[str, Any] = pipe.chat_prompt([{"role": "user", "content": content}])
+    elif args.speaker is None:
         return args.prompt
-    content = [{"type": "audio", "audio": a} for a in args.audio]
-    content += [{"type": "image", "image": i} for i in args.image]
-    content.append({"type": "text", "text": args.prompt})
-    return pipe.chat_prompt([{"role": "user", "content": content}])
+    else:
+        prompt = {"prompt": args.prompt}
+    if args.speaker is not None:
+        prompt["speaker"] = args.speaker
+    return prompt
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -25,17 +43,32 @@ def _run(args: argparse.Namespace) -> int:
     initialize(args.coordinator_address, args.num_processes, args.process_id)
     pipe = OmniJaxPipeline.from_pretrained(args.model, stages=args.stages, dtype=args.dtype, mesh=args.mesh)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    outs = pipe.run([_prompt(pipe, args)], params if len(pipe.stages) == 1 else None, progress=False)
+    # The flags set the first (text) stage's sampling; later stages keep their YAML defaults.
+    per_stage = params if len(pipe.stages) == 1 else [params, *[None] * (len(pipe.stages) - 1)]
+    try:  # bad input is refused before any work: one line, no traceback
+        outs = pipe.run([_prompt(pipe, args)], per_stage, progress=False)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not outs:  # not process 0 of a multi-process run: it printed nothing and wrote nothing
         return 0
     out = outs[0]
+    if out.error is not None:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
     print(out.text if out.text is not None else out.token_ids)
     if args.output_dir:
         d = Path(args.output_dir)
         d.mkdir(parents=True, exist_ok=True)
         (d / f"{out.request_id}.txt").write_text(out.text or " ".join(map(str, out.token_ids)))
         print(f"wrote {d / (out.request_id + '.txt')}", file=sys.stderr)
-    return 0 if out.finish_reason != "error" else 1
+        if out.audio is not None:
+            wav = out.save_wav(d / f"{out.request_id}.wav")
+            print(
+                f"wrote {wav} ({len(out.audio) / out.sample_rate:.2f} s at {out.sample_rate} Hz)",
+                file=sys.stderr,
+            )
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -47,10 +80,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from benchmarks.run import main as bench_main
 
-    return bench_main(args.rest)
+    return bench_main(args.rest, prog="omni-jax bench")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # all of the rest is benchmarks.run's (REMAINDER rejects leading options)
+        return _bench(argparse.Namespace(rest=argv[1:]))
     from checkpoints_convert import cli as convert_cli
     from omni_jax.parallel.mesh import parse_mesh
 
@@ -59,14 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="generate for one prompt")
     r.add_argument("model")
     r.add_argument("--prompt", required=True)
-    r.add_argument("--max-tokens", type=int, default=64)
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--max-tokens", type=int, default=64, help="of the text (first) stage")
+    r.add_argument("--temperature", type=float, default=0.0, help="of the text (first) stage")
+    r.add_argument("--seed", type=int, default=None, help="of the text (first) stage")
     r.add_argument("--dtype", default=None)
-    r.add_argument("--output-dir", default=None)
+    r.add_argument("--output-dir", default=None, help="write <request_id>.txt (and .wav when it speaks)")
     r.add_argument("--stages", type=lambda s: s.split(","), default=None, help="e.g. thinker")
     r.add_argument("--audio", action="append", default=[], help="a .wav file (repeatable)")
     r.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
+    r.add_argument("--video", action="append", default=[], help="video frames as .npy (repeatable)")
+    r.add_argument("--speaker", default=None, help="the voice (Qwen2.5-Omni: e.g. Chelsie, Ethan)")
     r.add_argument("--mesh", type=parse_mesh, default=None, help="every stage's mesh, e.g. data=2,model=4")
     r.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     r.add_argument("--num-processes", type=int, default=None)

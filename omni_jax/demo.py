@@ -1,81 +1,93 @@
-"""``omni-jax demo``: build tiny checkpoints locally, convert them, run them, say where output went.
+"""``omni-jax demo``: a tiny Qwen2.5-Omni built here, converted, and run end to end.
 
-Until the three-stage Qwen2.5-Omni pipeline lands, the demo runs a tiny Qwen2 LM end to end
-through the same path a real checkpoint takes (HF dir -> converter -> pipeline), then a tiny
-Qwen2.5-Omni thinker on a multimodal chat prompt (a tone, an image and a short video, made
-here) through the checkpoint's own processor files.
+Nothing can be downloaded, so the demo builds a random-weight Qwen2.5-Omni checkpoint with its
+tokenizer, processor files and voices (:func:`omni_jax.testing.build_tiny_qwen2_5_omni`), cached
+under ``cache_dir`` keyed by the builder's source so a changed recipe is rebuilt, converts it
+with the same converter users run, and sends a text + image + audio chat prompt through the
+thinker, the talker and code2wav, next to a text-only prompt in another voice. It writes each
+reply's text and waveform and says where. Random weights: the text and the sound are noise;
+the path they take is the one a real checkpoint takes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 import time
 from pathlib import Path
+from typing import Any
 
-PROMPTS = ["hello world the model", "one two three four", "the cat and the dog"]
+import numpy as np
+
+
+def tiny_omni_checkpoint(cache_dir: Path) -> Path:
+    """The converted tiny checkpoint, built and converted once per builder version."""
+    from omni_jax import testing
+    from omni_jax.weights import convert
+
+    recipe = hashlib.sha256(Path(testing.__file__).read_bytes()).hexdigest()[:12]
+    hf_dir = cache_dir / f"tiny-qwen2_5_omni-{recipe}-hf"
+    converted = cache_dir / f"tiny-qwen2_5_omni-{recipe}-omnijax"
+    if not (hf_dir / "config.json").exists():
+        print(f"building a tiny random-weight Qwen2.5-Omni checkpoint in {hf_dir}")
+        partial = hf_dir.with_name(hf_dir.name + ".partial")  # an interrupted build is never reused
+        shutil.rmtree(partial, ignore_errors=True)
+        testing.build_tiny_qwen2_5_omni(partial, seed=0)
+        partial.rename(hf_dir)
+    if not (converted / "config.json").exists():
+        print(f"converting it to {converted}")
+        shutil.rmtree(converted, ignore_errors=True)
+        convert(hf_dir, converted)
+    return converted
+
+
+def demo_prompts(pipe: Any) -> list[dict[str, Any]]:
+    """A one-second tone and a small picture with a request, and a text-only prompt (the tiny
+    model's random thinker answers both with several tokens, so both are voiced)."""
+    seconds = np.arange(16_000) / 16_000
+    tone = (0.3 * np.sin(2 * np.pi * 440 * seconds)).astype(np.float32)
+    image = np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    media = [
+        {"type": "audio", "audio": tone},
+        {"type": "image", "image": image},
+        {"type": "text", "text": "describe the picture and the sound"},
+    ]
+    spoken = pipe.chat_prompt([{"role": "user", "content": media}])
+    text = pipe.chat_prompt([{"role": "user", "content": "tell me a story about a cat"}])
+    return [dict(spoken, speaker="Chelsie"), dict(text, speaker="Ethan")]
 
 
 def run_demo(cache_dir: Path, output_dir: Path) -> int:
-    from omni_jax import OmniJaxPipeline, SamplingParams
-    from omni_jax.testing import build_tiny_qwen2
-    from omni_jax.weights import convert
+    from omni_jax import OmniJaxPipeline
 
-    hf_dir, converted = cache_dir / "tiny-qwen2-hf", cache_dir / "tiny-qwen2-omnijax"
-    if not (hf_dir / "config.json").exists():
-        print(f"building a tiny random-weight Qwen2 checkpoint in {hf_dir}")
-        build_tiny_qwen2(hf_dir, seed=0)
-    if not converted.exists():
-        convert(hf_dir, converted)
-    pipe = OmniJaxPipeline.from_pretrained(converted)
+    pipe = OmniJaxPipeline.from_pretrained(tiny_omni_checkpoint(cache_dir), max_model_len=512)
+    prompts = demo_prompts(pipe)
     t0 = time.perf_counter()
-    outs = pipe.run(PROMPTS, SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_tokens=24))
+    outs = pipe.run(prompts)
     dt = time.perf_counter() - t0
     output_dir.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        lines.append(f"{prompt!r} -> {out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+    lines, failed = [], 0
+    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+        kinds = "+".join(["text", *prompt.get("multi_modal_data", {})])
+        if out.error is not None:
+            failed += 1
+            lines.append(f"request {i} ({kinds}): error: {out.error}")
+            continue
+        text_file = output_dir / f"demo_{i}.txt"
+        text_file.write_text((out.text or "") + "\n")
+        wav = out.save_wav(output_dir / f"demo_{i}.wav")
+        codes = len(out.stage_outputs["code2wav"].token_ids)
+        lines.append(
+            f"request {i} ({kinds}, voice {prompt['speaker']}): {len(out.prompt_token_ids)} prompt tokens -> "
+            f"{len(out.token_ids)} text tokens ({out.finish_reason}) -> {codes} codec tokens -> "
+            f"{len(out.audio) / out.sample_rate:.2f} s of audio; wrote {text_file} and {wav}"
+        )
+        lines.append(f"  text: {out.text!r}")
+    lines.append(
+        f"{len(outs)} requests through thinker, talker and code2wav in {dt:.1f} s, compiling included"
+    )
+    lines.append("(random weights: the text and the audio are noise; the path is a real checkpoint's)")
     print("\n".join(lines))
-    n = sum(len(o.token_ids) for o in outs)
-    print(f"{len(outs)} requests, {n} tokens in {dt:.2f}s (random weights: the text is noise)")
-    lines += run_thinker_demo(cache_dir)
     (output_dir / "demo.txt").write_text("\n".join(lines) + "\n")
     print(f"wrote {output_dir / 'demo.txt'}")
-    return 0
-
-
-def run_thinker_demo(cache_dir: Path) -> list[str]:
-    """A tiny Qwen2.5-Omni thinker on an audio, an image and a video prompt; returns report lines."""
-    import numpy as np
-
-    from omni_jax import OmniJaxPipeline, SamplingParams
-    from omni_jax.testing import build_tiny_qwen2_5_omni
-
-    omni_dir = cache_dir / "tiny-qwen2_5_omni-hf"
-    if not (omni_dir / "preprocessor_config.json").exists():
-        print(f"building a tiny random-weight Qwen2.5-Omni checkpoint in {omni_dir}")
-        build_tiny_qwen2_5_omni(omni_dir, seed=0)
-    pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], max_model_len=512)
-    rng = np.random.default_rng(0)
-    seconds = np.arange(16_000) / 16_000
-    items = {
-        "audio": {"type": "audio", "audio": (0.3 * np.sin(2 * np.pi * 440 * seconds)).astype(np.float32)},
-        "image": {"type": "image", "image": rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)},
-        "video": {"type": "video", "video": rng.integers(0, 256, (2, 28, 28, 3), dtype=np.uint8)},
-    }
-    prompts = [
-        pipe.chat_prompt(
-            [{"role": "user", "content": [item, {"type": "text", "text": f"describe the {kind}"}]}]
-        )
-        for kind, item in items.items()
-    ]
-    t0 = time.perf_counter()
-    outs = pipe.run(prompts, SamplingParams(temperature=0.0, max_tokens=16), progress=False)
-    dt = time.perf_counter() - t0
-    lines = []
-    for kind, out in zip(items, outs, strict=True):
-        lines.append(
-            f"thinker, {kind} prompt ({len(out.prompt_token_ids)} tokens after expansion) -> {out.text!r} "
-            f"({len(out.token_ids)} tokens, {out.finish_reason})"
-        )
-    print("\n".join(lines))
-    print(f"thinker: {len(outs)} multimodal requests in {dt:.2f}s, compilation included")
-    return lines
+    return 1 if failed else 0

@@ -112,7 +112,7 @@ class OmniJaxPipeline:
                 built.append(Code2WavStage.build(sc, model, path))
                 continue
             part = arch.part(sc.name)
-            frontend = None if part.frontend is None else part.frontend(hf_config, model, path)
+            frontend = None if part.frontend is None else part.frontend(hf_config, model, path, sc)
             built.append(
                 ARStage.build(
                     sc,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from omni_reference import frames, picture, reference_inputs, reference_processor, tone
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.compilation import CompileCounter
@@ -26,20 +27,6 @@ from omni_jax.models.qwen2_5_omni.thinker import PromptMerge
 
 MAX_TOKENS = 6
 FPS = 1.0  # two seconds per temporal patch: the audio-in-video layout spans two 2-second chunks
-
-
-def tone(seconds: float, freq: float, seed: int) -> np.ndarray:
-    t = np.arange(int(16_000 * seconds)) / 16_000
-    noise = np.random.default_rng(seed).standard_normal(t.size)
-    return (0.3 * np.sin(2 * np.pi * freq * t) + 0.05 * noise).astype(np.float32)
-
-
-def picture(h: int, w: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
-
-
-def frames(n: int, h: int, w: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, h, w, 3), dtype=np.uint8)
 
 
 AUDIO, TRACK = tone(1.0, 440, 0), tone(2.5, 220, 1)
@@ -69,67 +56,9 @@ def our_prompt(pipe: OmniJaxPipeline, case: str) -> dict[str, Any]:
     return prompt
 
 
-class StandInVideoProcessor:
-    """Where the composite calls ``Qwen2VLVideoProcessor`` (torchvision): our numpy frame path."""
-
-    valid_kwargs = None
-
-    def __init__(self, ours: VideoProcessor):
-        self.ours = ours
-        self.merge_size = ours.merge_size
-        self.temporal_patch_size = ours.temporal_patch_size
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(self, videos: list[np.ndarray], **kwargs: Any) -> dict[str, Any]:
-        self.calls.append(kwargs)
-        out = [self.ours(v) for v in videos]
-        return {
-            "pixel_values_videos": np.concatenate([p for p, _ in out]),
-            "video_grid_thw": np.array([g for _, g in out]),
-        }
-
-
 @pytest.fixture(scope="module")
 def ref_processor(omni_dir):
-    """``Qwen2_5OmniProcessor`` with the parts transformers loads for it from the checkpoint.
-
-    Its constructor would look up the video processor class (torchvision), so the instance is
-    assembled as the constructor would assemble it; ``__call__`` is transformers' code.
-    """
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
-
-    proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
-    tokenizer = AutoTokenizer.from_pretrained(omni_dir)
-    proc.tokenizer = tokenizer
-    proc.feature_extractor = AutoFeatureExtractor.from_pretrained(omni_dir)
-    proc.image_processor = AutoImageProcessor.from_pretrained(omni_dir)
-    proc.video_processor = StandInVideoProcessor(VideoProcessor.from_pretrained(omni_dir))
-    proc.chat_template = tokenizer.chat_template
-    for name in ("image", "audio", "video"):
-        setattr(proc, f"{name}_token", getattr(tokenizer, f"{name}_token"))
-        setattr(proc, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id"))
-    for name in ("vision_bos", "vision_eos", "audio_bos", "audio_eos"):
-        setattr(proc, f"{name}_token", getattr(tokenizer, f"{name}_token"))
-    return proc
-
-
-def reference_inputs(proc: Any, prompt: dict[str, Any]) -> Any:
-    """The composite processor on one of our prompt dicts (same text, same raw arrays)."""
-    data = prompt.get("multi_modal_data", {})
-    kwargs = dict(prompt.get("mm_processor_kwargs", {}))
-    call: dict[str, Any] = {"return_tensors": "pt"}
-    if "fps" in kwargs:
-        call["videos_kwargs"] = {"fps": kwargs["fps"]}
-    if kwargs.get("use_audio_in_video"):
-        call.update(use_audio_in_video=True, audio_from_video_indices=list(range(len(data["video"]))))
-    return proc(
-        text=prompt["prompt"],
-        audio=data.get("audio"),
-        images=data.get("image"),
-        videos=data.get("video"),
-        **call,
-    )
+    return reference_processor(omni_dir)
 
 
 @pytest.fixture(scope="module")
@@ -301,11 +230,11 @@ def test_wav_files_are_read(pipe, tmp_path, expected) -> None:
     assert out.token_ids == expected["audio"][1]
 
 
-def test_modalities_text_and_full_pipeline(omni_dir, pipe) -> None:
+def test_modalities_text_and_talker_without_thinker(omni_dir, pipe) -> None:
     (out,) = pipe.run(dict(our_prompt(pipe, "text"), modalities=["text"]), GREEDY, progress=False)
     assert out.finish_reason in ("stop", "length") and out.text is not None
-    with pytest.raises(ValueError, match="stage 'talker' is not served yet"):
-        OmniJaxPipeline.from_pretrained(omni_dir)
+    with pytest.raises(ValueError, match="stage 'talker' reads 'thinker'.s output and cannot take a prompt"):
+        OmniJaxPipeline.from_pretrained(omni_dir, stages=["talker", "code2wav"])
 
 
 def test_text_model_refuses_multimodal_data(qwen2_dir) -> None:

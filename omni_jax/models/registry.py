@@ -13,6 +13,13 @@ from flax import nnx
 from omni_jax.models import qwen2
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni import speakers
+from omni_jax.models.qwen2_5_omni.talker import (
+    TALKER_RULES_IN_OMNI,
+    Talker,
+    TalkerSpec,
+    talker_ignore,
+    talker_partition_rules,
+)
 from omni_jax.models.qwen2_5_omni.thinker import (
     THINKER_RULES_IN_OMNI,
     Thinker,
@@ -34,9 +41,10 @@ class ModelPart:
     caller asks (transformers always runs Qwen2.5-Omni's token2wav in float32).
     ``partition(hf_config, model_axis_size)`` gives its tensor-parallel :class:`ShardRule` s
     (``None``: every parameter replicated over the stage's mesh).
-    ``frontend(hf_config, model, path)``, for an AR part that needs more than token ids (a
-    multimodal processor, M-RoPE positions, encoder rows merged into its embeddings), builds
-    the stage's :class:`~omni_jax.stages.ar.ARFrontend`.
+    ``frontend(hf_config, model, path, stage_config)``, for an AR part that needs more than
+    token ids (a multimodal processor, M-RoPE positions, encoder rows merged into its
+    embeddings, another stage's hidden states), builds the stage's
+    :class:`~omni_jax.stages.ar.ARFrontend`.
     """
 
     stage: str
@@ -45,7 +53,7 @@ class ModelPart:
     ignore: Callable[[Any], tuple[str, ...]]
     dtype: str | None = None
     partition: PartitionRules | None = None
-    frontend: Callable[[Any, nnx.Module, Path], Any] | None = None
+    frontend: Callable[[Any, nnx.Module, Path, Any], Any] | None = None
 
     def shard_rules(self, hf_config: Any, model: int) -> tuple[ShardRule, ...]:
         """Rules for a ``model``-way split; ``ValueError`` when the part cannot be split so."""
@@ -100,10 +108,21 @@ def _thinker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
     return lambda: Thinker(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
 
 
-def _thinker_frontend(cfg: Any, model: nnx.Module, path: Path) -> Any:
+def _talker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
+    spec = TalkerSpec.from_hf(cfg.talker_config)
+    return lambda: Talker(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+
+
+def _thinker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: Any) -> Any:
     from omni_jax.stages.thinker import ThinkerFrontend  # stages build on models, not the reverse
 
     return ThinkerFrontend.build(model, path)
+
+
+def _talker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: Any) -> Any:
+    from omni_jax.stages.talker import TalkerFrontend
+
+    return TalkerFrontend.build(model, path, stage_config.default_speaker)
 
 
 _QWEN2_5_OMNI = Architecture(
@@ -121,6 +140,14 @@ _QWEN2_5_OMNI = Architecture(
             ),
         ),
         ModelPart(
+            stage="talker",
+            make=_talker_make,
+            rules=lambda cfg: TALKER_RULES_IN_OMNI,
+            ignore=lambda cfg: talker_ignore(TalkerSpec.from_hf(cfg.talker_config), prefix="talker."),
+            partition=lambda cfg, model: talker_partition_rules(TalkerSpec.from_hf(cfg.talker_config), model),
+            frontend=_talker_frontend,
+        ),
+        ModelPart(
             stage="code2wav",
             make=_token2wav_make,
             rules=lambda cfg: prefixed("token2wav.", "", TOKEN2WAV_RULES),
@@ -128,7 +155,6 @@ _QWEN2_5_OMNI = Architecture(
             dtype="float32",
         ),
     ),
-    unserved=(("talker", "talker."),),
     side_files=((speakers.TORCH_FILE, speakers.convert_speakers),),
 )
 

@@ -27,6 +27,8 @@ class StageConfig:
     ``mesh``: ``{"data": D, "model": M}`` for this stage (default: ``from_pretrained(mesh=...)``).
     ``devices``: indices into ``jax.devices()`` the stage runs on (default: the first ``D * M``);
     without ``mesh`` they are all split over ``model``.
+    ``needs_input``: the stage cannot read a user's prompt (the talker reads the thinker's
+    hidden states), so it is never built without its ``input`` stage.
     """
 
     name: str
@@ -38,6 +40,7 @@ class StageConfig:
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     mesh: dict[str, int] | None = None
     devices: list[int] | None = None
+    needs_input: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("ar", "generation"):
@@ -77,6 +80,11 @@ class PipelineConfig:
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; {self.architecture} has {known}")
         chosen = tuple(s for s in self.stages if s.name in names)
+        if chosen and chosen[0].needs_input:
+            raise ValueError(
+                f"stage {chosen[0].name!r} reads {chosen[0].input!r}'s output and cannot take a prompt; "
+                f"build it together with {chosen[0].input!r}"
+            )
         for s in chosen[1:]:  # only the first built stage may read the user's prompt
             if s.input not in names:
                 raise ValueError(

@@ -1,0 +1,176 @@
+"""Qwen2.5-Omni's talker served by the generic AR stage: the thinker's states in, codec tokens out.
+
+This is the reference's ``Qwen2_5OmniForConditionalGeneration.generate`` hand-off, per request
+(the reference batches it with left padding and then patches each row's reply stream; one
+request at a time needs no patching). For a thinker prompt of ``L`` tokens that generated
+``g_0 .. g_{G-1}`` (``h``: final hidden state + input embedding of each computed thinker token,
+multimodal placeholders' embeddings zeroed):
+
+- the talker's prompt is ``L`` codec-``mask`` ids, then codec ``pad`` and ``bos``; only the
+  repetition penalty reads those ids, since its embeddings are ``h`` of the ``L`` prompt tokens,
+  then the speaker's text-BOS embedding (+ codec ``pad``), then ``h(g_0)`` (+ codec ``bos``);
+- each generated code ``k`` is embedded as ``codec(code_k) + reply[min(k, G - 1)]``, where
+  ``reply`` is ``h(g_1) .. h(g_{G-2})``, then the embeddings of the text EOS and text pad
+  tokens (the last repeats once the reply runs out);
+- rotary positions are ``get_rope_index`` of the thinker prompt's ids followed by the speaker's
+  BOS and ``g_0``, with the prompt's multimodal grids;
+- codec ``bos`` is never sampled, and codec ``eos`` or ``pad`` stops.
+
+A thinker that generated fewer than two tokens leaves nothing to voice: the request ends with
+empty audio (the reference has no reply stream to start from in that case).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omni_jax.engine.ar_runner import StepRow
+from omni_jax.engine.scheduler import ARRequest
+from omni_jax.models.qwen2_5_omni.processor import OmniInputs
+from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index, positions_for
+from omni_jax.models.qwen2_5_omni.speakers import Voices
+from omni_jax.models.qwen2_5_omni.talker import Talker, TalkerEmbeds
+from omni_jax.stages.base import StageInput, StageResult
+from omni_jax.stages.thinker import ThinkerRequest
+
+
+@dataclasses.dataclass
+class TalkerRequest:
+    """One request's talker inputs, carried as its ``ARRequest.extra``.
+
+    ``table``: ``[P + G, E]`` the ``P = L + 2`` prompt embeddings, then the ``G`` reply rows;
+    token ``p`` reads row ``min(p, P + G - 1)``. ``codec_from``: tokens from ``L`` on also add
+    their codec embedding.
+    """
+
+    table: np.ndarray
+    codec_from: int
+    positions: np.ndarray
+    rope_delta: int
+
+
+class TalkerStepInputs:
+    """Packs each step's :class:`TalkerEmbeds` from its rows' tables (host side)."""
+
+    def __init__(self, width: int, dtype: np.dtype):
+        self.width = width
+        self.dtype = dtype
+
+    def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> TalkerEmbeds:
+        table = np.zeros((batch, tokens, self.width), self.dtype)
+        add_codec = np.zeros((batch, tokens), bool)
+        for i, row in enumerate(rows):
+            req: TalkerRequest = row.extra
+            p = np.arange(row.start, row.end)
+            table[i, : len(p)] = req.table[np.minimum(p, len(req.table) - 1)]
+            add_codec[i, : len(p)] = p >= req.codec_from
+        return TalkerEmbeds(table, add_codec)
+
+
+class TalkerFrontend:
+    """The talker's :class:`~omni_jax.stages.ar.ARFrontend` (see the module docstring)."""
+
+    position_shape = (3,)
+    reads_hidden = True
+
+    def __init__(self, model: Talker, voices: Voices):
+        spec = model.talker_spec
+        self.spec = spec
+        self.voices = voices
+        self.eos_token_ids = (spec.codec_pad, spec.codec_eos)  # generate's talker_eos_token_id
+        self.suppress_ids = (spec.codec_bos,)
+        self.placeholders = np.array(
+            [spec.rope_index.audio_token_id, spec.rope_index.image_token_id, spec.rope_index.video_token_id]
+        )
+        dtype = np.dtype(model.model.embed_tokens.embedding.dtype)
+        self.step_inputs = TalkerStepInputs(spec.embedding_size, dtype)
+        self.text_embeds: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def build(cls, model: Talker, path: Path, default_speaker: str | None) -> TalkerFrontend:
+        return cls(model, Voices.load(path, default_speaker))
+
+    def prepare(self, index: int, request: StageInput) -> StageInput:
+        raise ValueError(f"request {index}: the talker reads the thinker's output, not a prompt")
+
+    def check_prompt(self, index: int, prompt: dict[str, Any]) -> None:
+        self._bos(index, prompt)
+
+    def _bos(self, index: int, prompt: dict[str, Any]) -> int:
+        """The text-stream BOS of the request's voice."""
+        speaker = self.voices.pick(index, prompt)
+        if speaker.bos_token is None:
+            raise ValueError(f"request {index}: speaker {speaker.name!r} has no bos_token for the talker")
+        return speaker.bos_token
+
+    def connect(self, upstream: Any) -> None:
+        """Keep the thinker's embeddings of the text tokens the talker reads (every voice's BOS,
+        text EOS and pad), and make it keep hidden states for the requests it hands on."""
+        from omni_jax.stages.ar import ARStage  # the stage module imports frontends' protocol
+
+        if not isinstance(upstream, ARStage):
+            raise ValueError(f"the talker reads an AR stage's hidden states, not {upstream.config.name!r}'s")
+        spec = self.spec
+        ids = [spec.text_eos, spec.text_pad]
+        ids += [s.bos_token for s in self.voices.speakers.values() if s.bos_token is not None]
+        rows = np.asarray(upstream.embed_tokens(ids), self.step_inputs.dtype)
+        width = rows.shape[-1]
+        if width != spec.embedding_size:
+            raise ValueError(
+                f"the talker's embedding_size {spec.embedding_size} differs from the thinker's width {width}"
+            )
+        self.text_embeds = dict(zip(ids, rows, strict=True))
+        upstream.keeps_hidden = True
+
+    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
+        spec = self.spec
+        prompt_ids = upstream.prompt_token_ids
+        generated = upstream.token_ids
+        if prompt_ids is None or upstream.hidden_states is None or upstream.embeds is None:
+            raise ValueError("the thinker kept no hidden states for this request")
+        if len(generated) < 2:
+            return None
+        n, g = len(prompt_ids), len(generated)
+        if len(upstream.hidden_states) != n + g - 1:
+            raise ValueError(
+                f"the thinker kept {len(upstream.hidden_states)} hidden states, expected {n + g - 1}"
+            )
+        embeds = np.array(upstream.embeds, self.step_inputs.dtype)
+        embeds[:n][np.isin(prompt_ids, self.placeholders)] = 0  # the reference voices no media rows
+        states = (upstream.hidden_states + embeds).astype(self.step_inputs.dtype)
+        bos = self._bos(index, prompt)
+        table = np.concatenate(
+            [
+                states[:n],
+                self.text_embeds[bos][None],
+                states[n : n + 1],
+                states[n + 1 :],
+                self.text_embeds[spec.text_eos][None],
+                self.text_embeds[spec.text_pad][None],
+            ]
+        )
+        thinker = upstream.extra
+        inputs = thinker.inputs if isinstance(thinker, ThinkerRequest) else OmniInputs(list(prompt_ids))
+        try:
+            positions, delta = get_rope_index(
+                spec.rope_index,
+                [*prompt_ids, bos, generated[0]],
+                image_grid_thw=inputs.image_grid_thw,
+                video_grid_thw=inputs.video_grid_thw,
+                second_per_grid_ts=inputs.video_second_per_grid,
+                audio_seqlens=inputs.audio_seqlens,
+                use_audio_in_video=inputs.use_audio_in_video,
+            )
+        except (ValueError, IndexError) as e:
+            raise ValueError(str(e) or "the thinker prompt's placeholders do not match its media") from None
+        ids = [spec.codec_mask] * n + [spec.codec_pad, spec.codec_bos]
+        return StageInput(ids, prompt, upstream=upstream, extra=TalkerRequest(table, n, positions, delta))
+
+    def positions(self, req: ARRequest, start: int, end: int) -> np.ndarray:
+        t: TalkerRequest = req.extra
+        return positions_for(t.positions, t.rope_delta, start, end)

@@ -1,0 +1,65 @@
+"""``omni-jax run`` and ``omni-jax demo`` as a user calls them (in process, through ``main``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from scipy.io import wavfile
+
+from omni_jax.cli import main
+
+
+def read_wav(path: Path) -> tuple[int, np.ndarray]:
+    rate, data = wavfile.read(path)
+    return rate, np.asarray(data)
+
+
+def test_run_writes_text_and_wav(omni_dir, tmp_path, capsys) -> None:
+    image, audio, video, out = tmp_path / "a.png", tmp_path / "a.wav", tmp_path / "v.npy", tmp_path / "out"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8)).save(image)
+    wavfile.write(audio, 16_000, (0.3 * np.sin(np.arange(16_000) / 8.0)).astype(np.float32))
+    np.save(video, np.random.default_rng(1).integers(0, 256, (2, 28, 28, 3), dtype=np.uint8))
+    args = [
+        "run",
+        str(omni_dir),
+        "--prompt",
+        "what do you see and hear?",
+        "--max-tokens",
+        "12",
+        "--output-dir",
+        str(out),
+    ]
+    media = ["--image", str(image), "--audio", str(audio), "--video", str(video), "--speaker", "Ethan"]
+    assert main(args + media) == 0
+    (text,) = out.glob("*.txt")
+    (wav,) = out.glob("*.wav")
+    assert text.stem == wav.stem
+    rate, samples = read_wav(wav)
+    assert rate == 24_000 and samples.dtype == np.float32 and samples.size > 0
+    assert f"wrote {wav}" in capsys.readouterr().err
+
+
+def test_run_refuses_bad_input_in_one_line(omni_dir, tmp_path, capsys) -> None:
+    args = ["run", str(omni_dir), "--prompt", "hi", "--speaker", "Nobody"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: request 0: unknown speaker 'Nobody'; known speakers: ['Chelsie', 'Ethan']"
+    assert main(["run", str(omni_dir), "--prompt", "hi", "--video", str(tmp_path / "clip.mp4")]) == 2
+    assert "pass decoded frames as a .npy array" in capsys.readouterr().err
+
+
+def test_demo_runs_end_to_end_and_reuses_its_build(tmp_path, capsys) -> None:
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    assert main(["demo", "--cache-dir", str(cache), "--output-dir", str(out)]) == 0
+    first = capsys.readouterr().out
+    assert "building a tiny random-weight Qwen2.5-Omni checkpoint" in first
+    report = (out / "demo.txt").read_text()
+    assert "request 0 (text+audio+image, voice Chelsie)" in report and "error" not in report
+    for i in (0, 1):
+        rate, samples = read_wav(out / f"demo_{i}.wav")
+        assert rate == 24_000 and samples.size > 0 and np.isfinite(samples).all()
+        assert (out / f"demo_{i}.txt").exists()
+    assert main(["demo", "--cache-dir", str(cache), "--output-dir", str(out)]) == 0
+    assert "building" not in capsys.readouterr().out
