@@ -102,7 +102,9 @@ class FakeRunner:
                 tokens[i] = fake_token(spec.seed, context, row.draw_index, spec.eos_at, set(row.suppress))
         n = len(step)
         outputs = {f.name: None for f in dataclasses.fields(StepResult)}  # hidden states etc.: none
-        outputs.update(tokens=tokens, logprob_ids=np.zeros((n, 1)), logprobs=np.zeros((n, 1)))
+        outputs.update(
+            tokens=tokens, finite=np.ones(n, bool), logprob_ids=np.zeros((n, 1)), logprobs=np.zeros((n, 1))
+        )
         return StepResult(**outputs)
 
 

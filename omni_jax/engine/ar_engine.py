@@ -85,4 +85,8 @@ class AREngine:
             return []
         capture = any(req.capture_hidden for req, _ in step)
         result = self.runner.execute([row for _, row in step], return_hidden=capture)
-        return self.scheduler.update(step, result)
+        done = self.scheduler.update(step, result)
+        if self.scheduler.to_scrub:  # a failed request's pages may hold NaN: zero them first
+            self.runner.scrub(self.scheduler.to_scrub)
+            self.scheduler.to_scrub = []
+        return done

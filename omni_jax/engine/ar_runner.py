@@ -61,6 +61,20 @@ class CacheConfig:
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
 
+    @property
+    def null_page(self) -> int:
+        """A page past the allocator's, never written: unused block-table entries point here.
+
+        Attention weighs keys past a row's context by exactly zero, but ``0 * NaN`` is NaN, so
+        those entries must read finite values whatever another request left in its pages.
+        """
+        return self.num_pages
+
+    @property
+    def dropped_slot(self) -> int:
+        """A slot index past the whole cache: writes there are dropped (padding tokens)."""
+        return (self.num_pages + 1) * self.page_size
+
 
 @dataclasses.dataclass
 class StepRow:
@@ -99,6 +113,7 @@ class StepInputs(Protocol):
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray  # [rows]
+    finite: np.ndarray  # [rows] bool: the row's logits were all finite
     logprob_ids: np.ndarray  # [rows, 1 + N]
     logprobs: np.ndarray  # [rows, 1 + N]
     hidden: np.ndarray | None  # [rows, T, D] final (normed) hidden states, when requested
@@ -124,8 +139,16 @@ def _step_fn(
     embeds = model.embed(tokens, extra)
     hidden, kv_cache = model(embeds, positions, kv_cache, md, backend)
     last = hidden[jnp.arange(hidden.shape[0]), logits_idx]
-    toks, ids, lps = sample(model.logits(last), st, num_logprobs)
-    return toks, ids, lps, ((hidden, embeds) if return_hidden else None), kv_cache
+    logits = model.logits(last)
+    finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row
+    toks, ids, lps = sample(logits, st, num_logprobs)
+    return toks, finite, ids, lps, ((hidden, embeds) if return_hidden else None), kv_cache
+
+
+def _scrub_fn(kv_cache: Any, pages: jax.Array) -> Any:
+    """Zero ``pages`` of every layer (out-of-range ids are dropped): a failed request's pages
+    may hold NaN, which attention over a later owner's unwritten tail would read as ``0 * NaN``."""
+    return [(k.at[:, pages].set(0, mode="drop"), v.at[:, pages].set(0, mode="drop")) for k, v in kv_cache]
 
 
 class ARRunner:
@@ -159,7 +182,7 @@ class ARRunner:
         self.kv_cache = init_kv_cache(
             cache.num_layers,
             cache.num_kv_heads,
-            cache.num_pages,
+            cache.num_pages + 1,  # + the null page
             cache.page_size,
             cache.head_dim,
             cache.dtype,
@@ -168,13 +191,22 @@ class ARRunner:
         layout: dict[str, Any] = {}
         if mesh is not None:  # outputs replicated: every process reads the sampled tokens
             rep = NamedSharding(mesh, P())
-            layout["out_shardings"] = (rep, rep, rep, rep, self.kv_cache[0][0].sharding)
+            layout["out_shardings"] = (rep, rep, rep, rep, rep, self.kv_cache[0][0].sharding)
         self._step = jax.jit(
             functools.partial(_step_fn, self.graphdef),
             donate_argnames=("kv_cache",),
             static_argnames=("num_logprobs", "backend", "return_hidden"),
             **layout,
         )
+        self._scrub = jax.jit(_scrub_fn, donate_argnames=("kv_cache",))
+
+    def scrub(self, pages: Sequence[int]) -> None:
+        """Zero ``pages`` (a failed request's) before the allocator hands them out again."""
+        if not pages:
+            return
+        ids = np.full((bucket(len(pages), 8),), self.cache_cfg.num_pages + 1, np.int32)
+        ids[: len(pages)] = pages
+        self.kv_cache = self._scrub(self.kv_cache, ids)
 
     def rows_bucket(self, n: int) -> int:
         """Rows of a step with ``n`` real rows: a row bucket, padded to a multiple of ``data``
@@ -221,11 +253,11 @@ class ARRunner:
     def _pack(self, rows: Sequence[StepRow], b: int, t: int, p: int) -> tuple[Any, ...]:
         """Host arrays of one step, ``rows`` padded to ``b`` rows of ``t`` tokens, ``p`` pages."""
         c = self.cache_cfg
-        oob = c.num_pages * c.page_size  # slot index the cache write drops
+        oob = c.dropped_slot
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((*self.position_shape, b, t), np.int32)
         slots = np.full((b, t), oob, np.int32)
-        tables = np.zeros((b, p), np.int32)
+        tables = np.full((b, p), c.null_page, np.int32)
         ctx = np.zeros((b,), np.int32)
         qlen = np.zeros((b,), np.int32)
         for i, r in enumerate(rows):
@@ -264,7 +296,7 @@ class ARRunner:
             return self._run_step(self._shard_rows(args), num_logprobs, return_hidden)
 
     def _run_step(self, args: Sequence[Any], num_logprobs: int, return_hidden: bool) -> tuple[Any, ...]:
-        toks, ids, lps, hidden, self.kv_cache = self._step(
+        toks, finite, ids, lps, hidden, self.kv_cache = self._step(
             self.state,
             self.kv_cache,
             *args,
@@ -272,7 +304,7 @@ class ARRunner:
             backend=self.backend,
             return_hidden=return_hidden,
         )
-        return toks, ids, lps, hidden
+        return toks, finite, ids, lps, hidden
 
     def _shard_rows(self, args: Sequence[Any]) -> list[Any]:
         """Put a step's host arrays on the mesh with their rows split over ``data``.
@@ -305,12 +337,13 @@ class ARRunner:
         t = token_bucket(max(len(r.token_ids) for r in rows), self.min_prefill_bucket)
         p = self.pages_bucket(t, max(-(-r.end // self.cache_cfg.page_size) for r in rows))
         most = max((r.params.logprobs or 0) for r in rows)
-        toks, ids, lps, hidden = self._call(
+        toks, finite, ids, lps, hidden = self._call(
             *self._pack(rows, b, t, p), num_logprobs=bucket(most) if most else 0, return_hidden=return_hidden
         )
         hidden, embeds = (None, None) if hidden is None else (np.asarray(h)[:n] for h in hidden)
         return StepResult(
             tokens=np.asarray(toks)[:n],
+            finite=np.asarray(finite)[:n],
             logprob_ids=np.asarray(ids)[:n],
             logprobs=np.asarray(lps)[:n],
             hidden=hidden,

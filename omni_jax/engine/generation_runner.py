@@ -212,7 +212,12 @@ class GenerationRunner:
             ]
         dt = time.perf_counter() - t0
         with scope("code2wav/split", requests=len(requests)):
-            return [
-                GenerationResult(r, wave[i, : valid[i]].copy(), None, seeds[i], len(requests), dt)
-                for i, r in enumerate(requests)
-            ]
+            results = []
+            for i, r in enumerate(requests):
+                w = wave[i, : valid[i]]
+                if np.isfinite(w).all():
+                    results.append(GenerationResult(r, w.copy(), None, seeds[i], len(requests), dt))
+                else:  # rows do not mix in the solve: only this request failed
+                    error = f"non-finite waveform ({int((~np.isfinite(w)).sum())} of {len(w)} samples)"
+                    results.append(GenerationResult(r, None, error, seeds[i], len(requests), dt))
+            return results

@@ -47,6 +47,7 @@ class ARRequest:
     num_computed: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why it ended with finish_reason "error"
     num_preemptions: int = 0
     first_token_time: float | None = None  # perf_counter() when the first output token arrived
     extra: Any = None  # model-specific inputs (multimodal features, M-RoPE positions), opaque here
@@ -110,6 +111,7 @@ class Scheduler:
         self.waiting: deque[ARRequest] = deque()
         self.running: list[ARRequest] = []
         self.num_preemptions = 0
+        self.to_scrub: list[int] = []  # pages of failed requests, to zero before reuse
 
     # -- queue management -------------------------------------------------------------
     def add(self, req: ARRequest) -> None:
@@ -259,6 +261,12 @@ class Scheduler:
                 m = len(row.token_ids)
                 req.captured.append((result.hidden[i, :m], result.embeds[i, :m]))
             if not row.sample:
+                continue
+            if not result.finite[i]:
+                self.to_scrub += req.pages
+                req.error = f"non-finite logits at output token {len(req.output_ids)}"
+                self._finish(req, "error")
+                done.append(req)
                 continue
             tok = int(result.tokens[i])
             req.output_ids.append(tok)

@@ -220,8 +220,10 @@ class ARStage:
                 "ttft_s": (req.first_token_time or now) - started,
             }
             logprobs = req.logprobs if req.params.logprobs is not None else None
-            result = StageResult(req.request_id, list(req.output_ids), req.finish_reason, metrics, logprobs)
-            if req.capture_hidden:
+            result = StageResult(
+                req.request_id, list(req.output_ids), req.finish_reason, metrics, logprobs, error=req.error
+            )
+            if req.capture_hidden and req.error is None:
                 result.prompt_token_ids = list(req.prompt_ids)
                 result.hidden_states, result.embeds = req.captured_states()
                 result.extra = req.extra
