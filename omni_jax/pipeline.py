@@ -26,6 +26,7 @@ from omni_jax.parallel.distributed import initialize as initialize_distributed
 from omni_jax.parallel.distributed import is_main_process
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
+from omni_jax.profiling import scope
 from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage, StageInput, StageResult
 from omni_jax.stages.code2wav import Code2WavStage
@@ -266,7 +267,9 @@ class OmniJaxPipeline:
                 for si, stage in enumerate(self.stages):
                     if not stage.has_work():
                         continue
-                    for result in stage.step():
+                    with scope(f"stage/{stage.config.name}"):
+                        finished = stage.step()
+                    for result in finished:
                         p = by_id[result.request_id]
                         self._stage_done(p, si, result)
                         if stage.config.kind == "ar":

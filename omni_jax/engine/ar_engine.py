@@ -10,6 +10,7 @@ from omni_jax.engine.kv_cache import PageAllocator
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import ARRequest, PositionFn, Scheduler, SchedulerConfig, text_positions
 from omni_jax.parallel.distributed import random_seed
+from omni_jax.profiling import scope
 
 
 class AREngine:
@@ -23,8 +24,13 @@ class AREngine:
         max_num_batched_tokens: int,
         eos_token_ids: Sequence[int] = (),
         positions: PositionFn = text_positions,
+        name: str = "ar",
     ):
+        """``name`` (the stage's) prefixes the engine's profiler spans: ``<name>/schedule``,
+        ``<name>/prefill`` or ``<name>/decode`` (a step with any prompt row is a prefill),
+        ``<name>/update``."""
         c = runner.cache_cfg
+        self.name = name
         self.runner = runner
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler = Scheduler(
@@ -80,12 +86,25 @@ class AREngine:
 
     def step(self) -> list[ARRequest]:
         """Run one step; return the requests that finished in it."""
-        step = self.scheduler.schedule()
+        with scope(f"{self.name}/schedule"):
+            step = self.scheduler.schedule()
         if not step:
             return []
+        failed = self.runner.prepare([row for _, row in step])
+        done = []
+        for i, message in failed.items():  # e.g. an encoder fault: only that request ends
+            self.scheduler.fail(step[i][0], message)
+            done.append(step[i][0])
+        step = [s for i, s in enumerate(step) if i not in failed]
+        if not step:
+            return done
         capture = any(req.capture_hidden for req, _ in step)
-        result = self.runner.execute([row for _, row in step], return_hidden=capture)
-        done = self.scheduler.update(step, result)
+        rows = [row for _, row in step]
+        kind = "decode" if all(len(r.token_ids) == 1 for r in rows) else "prefill"
+        with scope(f"{self.name}/{kind}", rows=len(rows)):
+            result = self.runner.execute(rows, return_hidden=capture)
+        with scope(f"{self.name}/update"):
+            done += self.scheduler.update(step, result)
         if self.scheduler.to_scrub:  # a failed request's pages may hold NaN: zero them first
             self.runner.scrub(self.scheduler.to_scrub)
             self.scheduler.to_scrub = []

@@ -153,6 +153,7 @@ class ARStage:
             max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=eos_ids,
             positions=positions,
+            name=sc.name,
         )
         defaults = sc.default_params(SamplingParams, overrides)
         return cls(sc, engine, model.spec.vocab_size, max_model_len, defaults, frontend)
@@ -184,9 +185,10 @@ class ARStage:
             ids = request.token_ids
             check_ids(index, ids, self.vocab_size)
             if len(ids) >= self.max_model_len:
+                media = getattr(request.extra, "media_summary", "")  # e.g. a multimodal prompt's
                 raise ValueError(
-                    f"request {index}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len} "
-                    "(at least one token must be generated)"
+                    f"request {index}: prompt has {len(ids)} tokens{f' ({media})' if media else ''}, "
+                    f"max_model_len is {self.max_model_len} (at least one token must be generated)"
                 )
         check_params(self, index, params, self.vocab_size)
 
