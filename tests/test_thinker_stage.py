@@ -160,6 +160,34 @@ def test_processor_matches_reference_part_by_part(pipe, ref_processor) -> None:
     assert all(call["size"] == size for call in ref_processor.video_processor.calls)
 
 
+def test_composite_processor_where_torchvision_is_installed(omni_dir, pipe) -> None:
+    """transformers' own ``Qwen2_5OmniProcessor`` (``AutoProcessor``, with its torchvision video
+    processor) against ours on every case, videos included. torchvision has no wheel for this
+    CPU image, so here the composite is assembled around our frame path instead
+    (:func:`reference_processor`, the part-by-part test above); the GPU image has torchvision, and
+    there this compares the whole composite. Video pixels go through torchvision's resize
+    there and PIL's here, so they are held to the image path's float32 rounding (``atol``)."""
+    pytest.importorskip("torchvision")
+    from transformers import AutoProcessor
+
+    composite = AutoProcessor.from_pretrained(omni_dir)
+    ours: OmniProcessor = pipe.stages[0].frontend.processor
+    for case in CASES:
+        prompt = our_prompt(pipe, case)
+        ids = pipe.tokenizer(prompt["prompt"])["input_ids"]
+        got = ours.process(0, ids, prompt.get("multi_modal_data"), **prompt.get("mm_processor_kwargs", {}))
+        ref = {
+            k: v.numpy() if hasattr(v, "numpy") else v for k, v in reference_inputs(composite, prompt).items()
+        }
+        assert got.input_ids == ref["input_ids"][0].tolist(), case
+        if "pixel_values_videos" in ref:
+            assert got.video_grid_thw == [tuple(g) for g in ref["video_grid_thw"].tolist()], case
+            np.testing.assert_allclose(
+                np.concatenate(got.video_patches), ref["pixel_values_videos"], rtol=0, atol=2e-6
+            )
+            np.testing.assert_allclose(got.video_second_per_grid, ref["video_second_per_grid"].tolist())
+
+
 def test_video_frames_match_the_image_processor(pipe) -> None:
     """Two equal frames make one temporal patch; the slow image processor (PIL bicubic too)
     repeats an image over the temporal patch, so with the same size bounds both paths must
