@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import shutil
 from collections.abc import Callable
@@ -46,21 +48,36 @@ BUILDERS: dict[str, dict[str, tuple[str, Callable[[Path], Path]]]] = {
 """``BUILDERS[model_type][name]``: the locally built checkpoints, by the ``model_type`` a suite runs."""
 
 
+def builder_version() -> str:
+    """A digest of what the local checkpoints are built from (the builders in
+    :mod:`omni_jax.testing` and the configs here), part of their cache directory's name, so a
+    checkpoint built by an older builder (e.g. before the tiny talker learnt to stop) is never
+    reused."""
+    import omni_jax.testing
+
+    text = inspect.getsource(omni_jax.testing) + repr(SMALL) + repr(SMALL_TOKEN2WAV)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
 def model_type(path: Path) -> str:
     return json.loads((path / "config.json").read_text()).get("model_type", "")
 
 
 def resolve_model(name: str, cache_dir: Path, kind: str = "qwen2") -> Path:
-    """The ``kind`` (a ``model_type``) checkpoint: ``tiny`` / ``small`` built once into ``cache_dir``,
-    or the checkpoint directory ``name``."""
+    """The ``kind`` (a ``model_type``) checkpoint: ``tiny`` / ``small`` built once into ``cache_dir``
+    (per :func:`builder_version`; builds by other versions are removed), or the checkpoint
+    directory ``name``."""
     if name in BUILDERS[kind]:
         dirname, build = BUILDERS[kind][name]
-        path = cache_dir / dirname
+        path = cache_dir / f"{dirname}-{builder_version()}"
         if not (path / "config.json").exists():
             partial = path.with_name(path.name + ".partial")  # an interrupted build is never reused
             shutil.rmtree(partial, ignore_errors=True)
             build(partial)
             partial.rename(path)
+            for stale in [cache_dir / dirname, *cache_dir.glob(f"{dirname}-*")]:
+                if stale != path and stale.is_dir() and not stale.name.endswith(".partial"):
+                    shutil.rmtree(stale, ignore_errors=True)
         return path
     path = Path(name)
     if not (path / "config.json").exists():

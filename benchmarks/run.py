@@ -1,4 +1,4 @@
-"""``python -m benchmarks.run --suite {ar,code2wav,all} --model {tiny,small,PATH} [--reference]
+"""``python -m benchmarks.run --suite {ar,code2wav,e2e,all} --model {tiny,small,PATH} [--reference]
 [--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]`` (also ``omni-jax bench ...``).
 
 ``tiny`` and ``small`` name a locally built checkpoint per suite (:mod:`benchmarks.models`);
@@ -39,6 +39,7 @@ class Suite:
 SUITES: dict[str, Suite] = {
     "ar": Suite("benchmarks.ar_suite", "qwen2"),
     "code2wav": Suite("benchmarks.code2wav_suite", "qwen2_5_omni"),
+    "e2e": Suite("benchmarks.e2e_suite", "qwen2_5_omni"),
 }
 """The registered suites, in the order ``--suite all`` runs them; a new one is one line here."""
 
@@ -73,13 +74,18 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         "XLA_FLAGS=--xla_force_host_platform_device_count=8)",
     )
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "bench"))
-    ar = p.add_argument_group("ar suite")
-    ar.add_argument("--num-requests", type=int, default=32)
-    ar.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (>= 2)")
+    ar = p.add_argument_group("ar suite (--num-requests, --max-tokens: e2e too)")
+    ar.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests (default: the suite's, 32 for ar, 16 for e2e)",
+    )
+    ar.add_argument("--max-tokens", type=int, default=64, help="new (e2e: thinker) tokens per request (>= 2)")
     ar.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
     ar.add_argument("--max-prompt", type=int, default=192, help="longest prompt (tokens)")
     ar.add_argument("--ref-batch", type=int, default=8, help="transformers generate batch (left-padded)")
-    c2w = p.add_argument_group("code2wav suite")
+    c2w = p.add_argument_group("code2wav suite (--num-steps, --guidance-scale, --repeats: e2e too)")
     c2w.add_argument(
         "--batch-sizes",
         type=parse_batch_sizes,
@@ -91,6 +97,10 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     c2w.add_argument("--num-steps", type=int, default=10, help="ODE grid points (RK4 steps + 1)")
     c2w.add_argument("--guidance-scale", type=float, default=0.5, help="CFG scale")
     c2w.add_argument("--repeats", type=int, default=2, help="measured rounds (the best is kept)")
+    e2e = p.add_argument_group("e2e suite")
+    e2e.add_argument(
+        "--talker-max-tokens", type=int, default=128, help="codec tokens per request at most (50 per second)"
+    )
     return p
 
 
@@ -125,6 +135,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
         module = importlib.import_module(suite.module)
         suite_args = copy.copy(args)
         suite_args.profile = str(Path(args.profile) / name) if args.profile else None
+        if suite_args.num_requests is None:
+            suite_args.num_requests = getattr(module, "DEFAULT_NUM_REQUESTS", 32)
         path = resolve_model(args.model, Path(args.cache_dir), suite.model_type)
         result: dict[str, Any] = module.run(path, suite_args)
         result.update(
