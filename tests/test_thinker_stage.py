@@ -286,3 +286,21 @@ def test_generated_placeholder_ids_keep_their_embeddings(pipe) -> None:
     plain = np.asarray(thinker.embed(tokens))[0]
     np.testing.assert_array_equal(got[[0, 2]], rows)
     np.testing.assert_array_equal(got[[1, 3]], plain[[1, 3]])
+
+
+def test_encoders_run_once_per_admission_not_per_decode_step(pipe, monkeypatch) -> None:
+    """A request's media is encoded when it is scheduled; its decode steps run no encoder
+    (they did: every decode row of a media request re-ran its encoders)."""
+    step_inputs = pipe.stages[0].frontend.step_inputs
+    encode = step_inputs.encode
+    calls: list[int] = []
+
+    def counted(requests):  # noqa: ANN001, ANN202 - ThinkerStepInputs.encode's
+        calls.append(len(requests))
+        return encode(requests)
+
+    monkeypatch.setattr(step_inputs, "encode", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = pipe.run([our_prompt(pipe, "audio"), our_prompt(pipe, "image")], params, progress=False)
+    assert [len(o.token_ids) for o in outs] == [MAX_TOKENS, MAX_TOKENS]
+    assert calls == [2]

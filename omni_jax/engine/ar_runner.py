@@ -105,7 +105,14 @@ class StepInputs(Protocol):
     ``batch`` rows of ``tokens`` tokens, and returns the pytree passed as ``extra`` to
     ``model.embed(tokens, extra)``; its shapes must come from a few buckets, and a step whose
     rows need nothing must get the same shapes every time, so decode never recompiles.
+
+    ``prepare`` runs first, once per step, for work a row needs before packing that can fail
+    for one request alone (e.g. running encoders when a request is admitted); it returns
+    ``{row index: message}`` for the rows that failed, which the engine ends with
+    ``finish_reason="error"`` and leaves out of the step.
     """
+
+    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]: ...
 
     def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> Any: ...
 
@@ -330,6 +337,11 @@ class ARRunner:
             return np.asarray(model.embed(tokens)[0])
         with jax.set_mesh(self.mesh):
             return np.asarray(model.embed(tokens)[0])
+
+    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]:
+        """The step inputs' per-request work before a step (:meth:`StepInputs.prepare`):
+        ``{row index: message}`` of rows that failed."""
+        return {} if self.step_inputs is None else self.step_inputs.prepare(rows)
 
     def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
         n = len(rows)

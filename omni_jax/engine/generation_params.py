@@ -31,7 +31,8 @@ class Token2WavParams:
             noise = np.asarray(self.initial_noise)
             if noise.ndim != 2 or not np.issubdtype(noise.dtype, np.floating):
                 raise ValueError(
-                    f"initial_noise must be a float array [mel_frames, mel_dim], got {noise.shape}"
+                    "initial_noise must be a float array [mel_frames, mel_dim], got shape "
+                    f"{noise.shape}, dtype {noise.dtype}"
                 )
             if not np.all(np.isfinite(noise)):
                 raise ValueError("initial_noise contains non-finite values")

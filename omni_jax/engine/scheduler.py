@@ -127,6 +127,12 @@ class Scheduler:
                 return req
         return None
 
+    def fail(self, req: ARRequest, message: str) -> None:
+        """End ``req`` with ``finish_reason="error"`` and ``message`` (a fault outside a step's
+        computation, e.g. its encoder at admission); its pages go back to the allocator."""
+        req.error = message
+        self._finish(req, "error")
+
     def _finish(self, req: ARRequest, reason: str) -> None:
         if req in self.running:
             self.running.remove(req)
@@ -264,8 +270,7 @@ class Scheduler:
                 continue
             if not result.finite[i]:
                 self.to_scrub += req.pages
-                req.error = f"non-finite logits at output token {len(req.output_ids)}"
-                self._finish(req, "error")
+                self.fail(req, f"non-finite logits at output token {len(req.output_ids)}")
                 done.append(req)
                 continue
             tok = int(result.tokens[i])

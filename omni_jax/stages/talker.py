@@ -61,6 +61,10 @@ class TalkerStepInputs:
         self.width = width
         self.dtype = dtype
 
+    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]:
+        """Nothing to do before packing: every row's table is on the host already."""
+        return {}
+
     def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> TalkerEmbeds:
         table = np.zeros((batch, tokens, self.width), self.dtype)
         add_codec = np.zeros((batch, tokens), bool)

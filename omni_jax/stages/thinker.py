@@ -12,7 +12,10 @@ The AR engine knows nothing of audio or images. This frontend gives it three thi
 Encoders run once per request when it is first scheduled (all requests scheduled in that step
 in one audio and one vision call), and their rows are kept on the host until the request's
 prefill is done. A request preempted after that is encoded again when it is recomputed,
-so rows are never held for requests that are only decoding.
+so rows are never held for requests that are only decoding (and decode steps run no encoder).
+When an encoder call fails (a device error, input the feature path cannot take), the
+requests of that call are encoded one at a time to find the culprit: only it ends, with
+``finish_reason="error"``, and the others run on (:meth:`ThinkerStepInputs.prepare`).
 """
 
 from __future__ import annotations
@@ -62,9 +65,19 @@ class ThinkerRequest:
     def has_media(self) -> bool:
         return self.inputs.has_media
 
+    @property
+    def media_summary(self) -> str:
+        """What the prompt's media expanded to, for messages (``""`` without media)."""
+        counts = [int(b[-1]) for b in self.before.values()]  # keyed audio, image, video ids
+        parts = [f"{n} {kind}" for kind, n in zip(("audio", "image", "video"), counts, strict=True) if n]
+        return f"its media placeholders expanded to {', '.join(parts)} tokens" if parts else ""
 
-def _needs_rows(req: ThinkerRequest | None) -> bool:
-    return req is not None and req.has_media and req.rows is None
+
+def _needs_rows(row: StepRow) -> bool:
+    """The row's chunk holds prompt tokens of a request with media whose encoder rows are not
+    on the host (first scheduled, or recomputed after a preemption); decode rows never do."""
+    req: ThinkerRequest | None = row.extra
+    return req is not None and req.has_media and req.rows is None and row.start < row.prompt_len
 
 
 class ThinkerStepInputs:
@@ -109,9 +122,35 @@ class ThinkerStepInputs:
                 video_id: take(vision_it, len(r.inputs.video_patches)),
             }
 
+    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]:
+        """Encode the media of the step's newly scheduled requests, all in one call per encoder;
+        returns ``{row index: message}`` for the requests whose encoding failed.
+
+        When the batched call fails, each request is encoded alone, so only the culprit fails
+        (its error names the exception); the others keep their rows and run.
+        """
+        pending = [i for i, r in enumerate(rows) if _needs_rows(r)]
+        if not pending:
+            return {}
+        try:
+            self.encode([rows[i].extra for i in pending])
+            return {}
+        except Exception as e:  # noqa: BLE001 - any fault ends only its request(s)
+            if len(pending) == 1:
+                return {pending[0]: _encoder_error(e)}
+        failed = {}
+        for i in pending:
+            try:
+                self.encode([rows[i].extra])
+            except Exception as e:  # noqa: BLE001 - as above
+                failed[i] = _encoder_error(e)
+        return failed
+
     def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> PromptMerge:
-        """The rows this step's prompt chunks need, grouped by step row then kind, bucketed."""
-        pending = [r.extra for r in rows if _needs_rows(r.extra)]
+        """The rows this step's prompt chunks need, grouped by step row then kind, bucketed
+        (rows :meth:`prepare` did not encode, e.g. in a direct ``ARRunner.execute``, are encoded
+        here, and an encoder failure raises)."""
+        pending = [r.extra for r in rows if _needs_rows(r)]
         if pending:
             self.encode(pending)
         first = np.zeros((len(self.token_ids), batch), np.int32)
@@ -135,6 +174,10 @@ class ThinkerStepInputs:
         if offset:
             merged[:offset] = np.concatenate(blocks)
         return PromptMerge(merged, first, limit, self.token_ids)
+
+
+def _encoder_error(e: Exception) -> str:
+    return f"encoder failed: {type(e).__name__}: {e}"
 
 
 class ThinkerFrontend:

@@ -172,7 +172,10 @@ def read_audio(index: int, path: str | Path) -> np.ndarray:
         raise _fail(index, f"audio file {str(path)!r}: only .wav files can be read; pass a float array")
     if not path.exists():
         raise _fail(index, f"audio file {str(path)!r} does not exist")
-    rate, data = wavfile.read(path)
+    try:
+        rate, data = wavfile.read(path)
+    except (ValueError, OSError, EOFError) as e:  # truncated or not a WAV at all
+        raise _fail(index, f"audio file {str(path)!r} is not a readable WAV file: {e}") from None
     if data.dtype == np.uint8:
         audio = (data.astype(np.float32) - 128) / 128
     elif np.issubdtype(data.dtype, np.integer):
@@ -181,25 +184,58 @@ def read_audio(index: int, path: str | Path) -> np.ndarray:
         audio = data.astype(np.float32)
     if audio.ndim == 2:
         audio = audio.mean(axis=1)
+    if audio.size == 0:
+        raise _fail(index, f"audio file {str(path)!r} holds no samples")
     if rate != SAMPLE_RATE:
         g = np.gcd(rate, SAMPLE_RATE)
         audio = resample_poly(audio, SAMPLE_RATE // g, rate // g).astype(np.float32)
     return audio
 
 
-def _audio_item(index: int, item: Any) -> np.ndarray:
+def _describe(item: Any) -> str:
+    shape, dtype = getattr(item, "shape", None), getattr(item, "dtype", None)
+    return type(item).__name__ + ("" if shape is None else f" of shape {shape}, dtype {dtype}")
+
+
+def _check_finite(index: int, kind: str, array: np.ndarray) -> None:
+    if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+        raise _fail(index, f"{kind} contains {bad} non-finite value(s) (NaN or inf)")
+
+
+def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.ndarray:
+    """A 1-D real float array (or a .wav path), not empty, finite, at most ``max_samples`` long."""
     if isinstance(item, (str, Path)):
-        return read_audio(index, item)
-    if not isinstance(item, np.ndarray) or item.ndim != 1 or not np.issubdtype(item.dtype, np.floating):
-        shape = getattr(item, "shape", None)
+        audio = read_audio(index, item)
+    elif isinstance(item, np.ndarray) and item.ndim == 1 and np.issubdtype(item.dtype, np.floating):
+        audio = item
+    else:
         raise _fail(
             index,
-            f"audio must be a 1-D float array at {SAMPLE_RATE} Hz or a .wav path, got "
-            f"{type(item).__name__}{'' if shape is None else f' of shape {shape}'}",
+            f"audio must be a 1-D float array at {SAMPLE_RATE} Hz or a .wav path, got {_describe(item)}",
         )
-    if item.size == 0:
+    if audio.size == 0:
         raise _fail(index, "audio is empty")
-    return item.astype(np.float32, copy=False)
+    _check_finite(index, "audio", audio)
+    if max_samples is not None and audio.size > max_samples:
+        raise _fail(
+            index,
+            f"audio is {audio.size / SAMPLE_RATE:.2f} s long ({audio.size} samples at {SAMPLE_RATE} Hz); "
+            f"the feature extractor takes at most {max_samples / SAMPLE_RATE:g} s ({max_samples} samples, "
+            "its chunk_length; the reference truncates longer audio): split it into several audio items",
+        )
+    return audio.astype(np.float32, copy=False)
+
+
+def _pixel_array(index: int, kind: str, item: np.ndarray) -> None:
+    """Integer or real float pixels (PIL's and the image processor's), every dimension non-empty, finite."""
+    if item.dtype == bool or not (
+        np.issubdtype(item.dtype, np.integer) or np.issubdtype(item.dtype, np.floating)
+    ):
+        raise _fail(index, f"{kind} pixels must be integers or real floats, got dtype {item.dtype}")
+    if min(item.shape) < 1:
+        raise _fail(index, f"{kind} has an empty dimension: shape {item.shape}")
+    _check_finite(index, kind, item)
 
 
 def _image_item(index: int, item: Any) -> Any:
@@ -208,36 +244,39 @@ def _image_item(index: int, item: Any) -> Any:
     if isinstance(item, (str, Path)):
         if not Path(item).exists():
             raise _fail(index, f"image file {str(item)!r} does not exist")
-        with Image.open(item) as img:
-            return img.convert("RGB")
+        try:
+            with Image.open(item) as img:
+                return img.convert("RGB")
+        except OSError as e:  # not an image PIL can read
+            raise _fail(index, f"image file {str(item)!r} cannot be read: {e}") from None
     if isinstance(item, Image.Image):
+        if min(item.size) < 1:
+            raise _fail(index, f"image has an empty dimension: size {item.size}")
         return item
     ok = isinstance(item, np.ndarray) and (
         item.ndim == 2 or (item.ndim == 3 and (item.shape[-1] in (1, 3) or item.shape[0] in (1, 3)))
     )
     if not ok:
-        shape = getattr(item, "shape", None)
         raise _fail(
             index,
             "image must be a PIL image, an array [H, W], [H, W, C] or [C, H, W] with C in (1, 3), or a path; "
-            f"got {type(item).__name__}{'' if shape is None else f' of shape {shape}'}",
+            f"got {_describe(item)}",
         )
+    _pixel_array(index, "image", item)
     return item
 
 
 def _video_item(index: int, item: Any) -> np.ndarray:
     ok = isinstance(item, np.ndarray) and item.ndim == 4 and (item.shape[-1] == 3 or item.shape[1] == 3)
     if not ok:
-        shape = getattr(item, "shape", None)
         raise _fail(
             index,
             "video must be a frame array [frames, H, W, 3] or [frames, 3, H, W] (decode files first); "
-            f"got {type(item).__name__}{'' if shape is None else f' of shape {shape}'}",
+            f"got {_describe(item)}",
         )
+    _pixel_array(index, "video", item)
     if item.shape[-1] != 3:
         item = item.transpose(0, 2, 3, 1)
-    if min(item.shape[:3]) < 1:
-        raise _fail(index, f"video has an empty dimension: {item.shape}")
     return item
 
 
@@ -370,7 +409,12 @@ class OmniProcessor:
             return {}
         if not isinstance(mm, dict):
             raise _fail(index, f"multi_modal_data must be a dict, got {type(mm).__name__}")
-        checks = {"audio": _audio_item, "image": _image_item, "video": _video_item}
+        max_samples = getattr(self.feature_extractor, "n_samples", None)
+        checks = {
+            "audio": lambda i, item: _audio_item(i, item, max_samples),
+            "image": _image_item,
+            "video": _video_item,
+        }
         unknown = set(mm) - set(checks)
         if unknown:
             raise _fail(index, f"multi_modal_data has unknown keys {sorted(unknown)} (known: {list(checks)})")

@@ -144,6 +144,10 @@ class Voices:
         name = prompt.get("speaker")
         if name is None:
             return self.speakers[self.default]
+        if not isinstance(name, str):
+            raise ValueError(
+                f"request {index}: speaker must be a voice name (str), got {type(name).__name__}"
+            )
         if name not in self.speakers:
             raise ValueError(
                 f"request {index}: unknown speaker {name!r}; known speakers: {list(self.speakers)}"
