@@ -156,7 +156,7 @@ class StageClock:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                with scope(f"stage/{name}"):
+                with scope(f"bench/{name}"):  # the pipeline itself names stage/<name>
                     return fn(*args, **kwargs)
             finally:
                 self.seconds[name] += time.perf_counter() - t0
