@@ -123,9 +123,13 @@ def test_mixed_batch_matches_transformers(pipe, expected) -> None:
 
 def test_preemption_and_converted_dir(omni_converted_dir, expected) -> None:
     """A converted checkpoint with too few KV pages for the batch: requests are preempted and
-    recomputed (encoders re-run, positions from ``rope_delta`` again) yet match the reference."""
+    recomputed (encoders re-run, positions from ``rope_delta`` again) yet match the reference.
+
+    Prompts are prefilled in chunks of 128 tokens: the scheduler admits a request only into
+    pages no running one needs next, so a whole-prompt prefill never preempts here; an older
+    request's next chunk does."""
     pipe = OmniJaxPipeline.from_pretrained(
-        omni_converted_dir, stages=["thinker"], num_pages=32, page_size=16, max_num_batched_tokens=512
+        omni_converted_dir, stages=["thinker"], num_pages=128, page_size=4, max_num_batched_tokens=128
     )
     order = ["video", "video_with_audio", "image", "audio"]
     outs = pipe.run([our_prompt(pipe, c) for c in order], GREEDY, progress=False)
@@ -251,7 +255,9 @@ def test_wav_files_are_read(pipe, tmp_path, expected) -> None:
 
     path = tmp_path / "a.wav"
     wavfile.write(path, 16_000, np.round(AUDIO * 32767).astype(np.int16))
-    args = argparse.Namespace(prompt="the cat and the dog", audio=[str(path)], image=[])
+    args = argparse.Namespace(
+        prompt="the cat and the dog", audio=[str(path)], image=[], video=[], speaker=None
+    )
     prompt = _prompt(pipe, args)
     assert prompt["prompt"] == our_prompt(pipe, "audio")["prompt"]
     (out,) = pipe.run(prompt, GREEDY, progress=False)
