@@ -72,29 +72,3 @@ def kv_cache_bytes(
     num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype: jnp.dtype
 ) -> int:
     return 2 * num_layers * num_kv_heads * num_pages * page_size * head_dim * jnp.dtype(dtype).itemsize
-
-
-def default_num_pages(
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    page_size: int,
-    dtype: jnp.dtype,
-    wanted: int,
-    memory_fraction: float = 0.9,
-    device: jax.Device | None = None,
-) -> int:
-    """Pages for ``wanted`` (full occupancy), capped by what ``device`` has left.
-
-    Called after the weights are on the device, so ``bytes_in_use`` already counts them.
-    ``num_kv_heads`` is what one device holds (a sharded cache splits its heads); ``device``
-    is one of the stage's own (default: the first local one). Backends without memory
-    statistics (CPU) get ``wanted``.
-    """
-    stats = (device or jax.local_devices()[0]).memory_stats() or {}
-    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use")
-    if not limit or used is None:
-        return wanted
-    per_page = kv_cache_bytes(num_layers, num_kv_heads, 1, page_size, head_dim, dtype)
-    fit = int((limit * memory_fraction - used) // per_page)
-    return max(1, min(wanted, fit))

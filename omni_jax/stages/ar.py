@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -14,7 +15,8 @@ from jax.sharding import Mesh
 
 from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARRunner, CacheConfig, StepInputs
-from omni_jax.engine.kv_cache import default_num_pages
+from omni_jax.engine.buckets import MIN_ROWS, bucket, round_up
+from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, refuse_unless_fits
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import PositionFn, text_positions
 from omni_jax.parallel.mesh import axis_size
@@ -102,37 +104,23 @@ class ARStage:
         """Size the KV cache for ``model`` and wire scheduler, runner and sampling defaults.
 
         ``mesh``: where the model's parameters were placed; the cache is split over its
-        ``model`` axis by KV heads (replicated heads when ``model`` exceeds them).
+        ``model`` axis by KV heads (replicated heads when ``model`` exceeds them). A cache and
+        largest step the devices cannot hold next to the weights are refused here, with the
+        numbers (:meth:`CachePlan.num_pages`), before anything is allocated.
         """
-        layers, kv_heads, head_dim = model.kv_cache_shape()
-        tp = axis_size(mesh, "model")
-        kv_heads = replicated_kv_heads(kv_heads, model.spec.num_heads, tp)
-        spec_max = model.spec.max_position_embeddings
-        max_model_len = max_model_len or min(spec_max, 4096)
-        if max_model_len > spec_max:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={spec_max}"
-            )
-        if max_num_batched_tokens & (max_num_batched_tokens - 1) or max_num_batched_tokens < 16:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be a power of two >= 16")
-        dtype = jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype
-        pages_per_seq = -(-max_model_len // page_size)
-        if num_pages is None:
-            num_pages = default_num_pages(
-                layers,
-                kv_heads // tp,
-                head_dim,
-                page_size,
-                dtype,
-                pages_per_seq * max_num_seqs,
-                device=None if mesh is None else mesh.local_devices[0],
-            )
-        if num_pages < pages_per_seq:
-            raise ValueError(
-                f"num_pages={num_pages} x page_size={page_size} cannot hold one sequence of "
-                f"max_model_len={max_model_len}"
-            )
-        cache = CacheConfig(layers, kv_heads, head_dim, num_pages, page_size, jnp.dtype(dtype), max_model_len)
+        plan = CachePlan.of(
+            model,
+            mesh,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        max_model_len = plan.max_model_len
+        num_pages = plan.num_pages(num_pages, local_devices(mesh), sc.name)
+        cache = CacheConfig(
+            plan.num_layers, plan.num_kv_heads, plan.head_dim, num_pages, page_size, plan.dtype, max_model_len
+        )
         runner = ARRunner(
             model,
             cache,
@@ -231,6 +219,109 @@ class ARStage:
                 result.extra = req.extra
             results.append(result)
         return results
+
+
+def local_devices(mesh: Mesh | None) -> list[jax.Device]:
+    """This process's devices of a stage (its first local device without a mesh)."""
+    if mesh is None:
+        return [jax.local_devices()[0]]
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePlan:
+    """An AR stage's KV cache geometry and memory (:class:`ARMemory`) before anything is
+    allocated: from a loaded model or an abstract one (``nnx.eval_shape``), so start-up can
+    refuse a cache or batch the devices cannot hold before loading weights."""
+
+    num_layers: int
+    num_kv_heads: int  # stored (replicated when the model axis exceeds the model's)
+    head_dim: int
+    dtype: Any
+    max_model_len: int
+    page_size: int
+    max_num_seqs: int
+    memory: ARMemory
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @classmethod
+    def of(
+        cls,
+        model: Any,
+        mesh: Mesh | None,
+        *,
+        max_num_seqs: int,
+        max_model_len: int | None,
+        page_size: int,
+        max_num_batched_tokens: int,
+    ) -> CachePlan:
+        layers, kv_heads, head_dim = model.kv_cache_shape()
+        spec = model.spec
+        tp, data = axis_size(mesh, "model"), axis_size(mesh, "data")
+        kv_heads = replicated_kv_heads(kv_heads, spec.num_heads, tp)
+        spec_max = spec.max_position_embeddings
+        max_model_len = max_model_len or min(spec_max, 4096)
+        if max_model_len > spec_max:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={spec_max}"
+            )
+        if max_num_batched_tokens & (max_num_batched_tokens - 1) or max_num_batched_tokens < 16:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be a power of two >= 16")
+        if max_num_seqs < 1 or page_size < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} and page_size={page_size} must be >= 1")
+        dtype = jnp.dtype(jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype)
+        pages_per_seq = -(-max_model_len // page_size)
+        prompt_rows = round_up(MIN_ROWS, data) // data  # a lone prompt chunk is padded to MIN_ROWS
+        memory = ARMemory(
+            num_layers=layers,
+            num_heads=spec.num_heads // tp,
+            num_kv_heads=kv_heads // tp,
+            head_dim=head_dim,
+            vocab_size=spec.vocab_size,
+            itemsize=dtype.itemsize,
+            page_size=page_size,
+            context=pages_per_seq * page_size,
+            max_rows=round_up(max(MIN_ROWS, bucket(max_num_seqs)), data) // data,
+            max_prompt_tokens=prompt_rows * max_num_batched_tokens,
+        )
+        return cls(layers, kv_heads, head_dim, dtype, max_model_len, page_size, max_num_seqs, memory)
+
+    def num_pages(self, num_pages: int | None, devices: list[jax.Device], name: str) -> int:
+        """The cache's pages: ``num_pages``, or by default enough for ``max_num_seqs`` full-length
+        sequences capped by what ``devices`` have left (at least one sequence); ``ValueError``
+        with the numbers when the cache and the largest step cannot fit."""
+        per_seq = self.pages_per_seq
+        if num_pages is None:
+            fit = min(
+                self.memory.pages_that_fit(available_bytes(d)[0] // count)
+                for d, count in memory_pools(devices)
+            )
+            num_pages = max(per_seq, min(per_seq * self.max_num_seqs, fit))
+        if num_pages < per_seq:
+            raise ValueError(
+                f"num_pages={num_pages} x page_size={self.page_size} cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}"
+            )
+        refuse_unless_fits(
+            f"stage {name!r} (KV cache and largest step)",
+            self.memory.demand(num_pages),
+            devices,
+            hint=self.hint(devices),
+        )
+        return num_pages
+
+    def hint(self, devices: list[jax.Device]) -> str:
+        fit = min(
+            self.memory.pages_that_fit(available_bytes(d)[0] // c, 1.0) for d, c in memory_pools(devices)
+        )
+        return (
+            f"at most {max(fit, 0)} pages fit next to that step ({self.pages_per_seq} hold one sequence of "
+            f"max_model_len={self.max_model_len}); lower num_pages, max_model_len, max_num_seqs or "
+            "max_num_batched_tokens"
+        )
 
 
 def generation_defaults(path: Path) -> tuple[list[int], dict[str, Any]]:

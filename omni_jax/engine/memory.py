@@ -1,0 +1,127 @@
+"""Device memory limits: what a stage will allocate, what the device has left, refusing at start-up.
+
+A KV cache or a step that cannot fit must be refused when the pipeline is built, with the
+numbers, not found by an out-of-memory error in the middle of a run. What an AR stage holds
+besides its weights is known before anything is allocated (:class:`ARMemory`): the paged
+cache (``2 x layers x kv_heads x pages x page_size x head_dim`` elements) and the temporaries
+of its largest step, estimated from the jnp attention path, which materialises float32 scores
+``[rows, heads, tokens, context]`` for a prompt step and gathers every row's K and V pages for
+a decode step (one layer at a time), plus the step's float32 logits.
+
+What a device has left: ``bytes_limit - bytes_in_use`` from ``memory_stats()`` on accelerators;
+CPU devices report no statistics and allocate from host memory, so they count against the
+host's ``MemAvailable`` (``/proc/meminfo``), all of a process's CPU devices together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+
+GIB = 1 << 30
+
+
+def format_bytes(n: int) -> str:
+    return f"{n / GIB:.2f} GiB ({n} bytes)"
+
+
+def host_available_bytes() -> int:
+    """Host memory a new allocation can take: ``MemAvailable`` (Linux), else free pages."""
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _stats(device: jax.Device) -> dict[str, int]:
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without statistics
+        return {}
+    return stats if stats.get("bytes_limit") and stats.get("bytes_in_use") is not None else {}
+
+
+def available_bytes(device: jax.Device) -> tuple[int, str]:
+    """``(bytes, what they are)`` a new allocation on ``device`` can take."""
+    stats = _stats(device)
+    if stats:
+        return int(stats["bytes_limit"] - stats["bytes_in_use"]), f"device {device} ({device.device_kind})"
+    return host_available_bytes(), "host memory (MemAvailable)"
+
+
+def pool_key(device: jax.Device) -> object:
+    """Which memory ``device`` allocates from: its own (an accelerator's id), else ``"host"``."""
+    return device.id if _stats(device) else "host"
+
+
+def memory_pools(devices: Sequence[jax.Device]) -> list[tuple[jax.Device, int]]:
+    """``devices`` grouped by the memory they allocate from: ``(one of them, how many)``; each
+    accelerator is its own pool, every device without statistics (CPU) shares the host's."""
+    pools: dict[object, list[jax.Device]] = {}
+    for d in devices:
+        pools.setdefault(pool_key(d), []).append(d)
+    return [(ds[0], len(ds)) for ds in pools.values()]
+
+
+@dataclasses.dataclass(frozen=True)
+class ARMemory:
+    """One AR stage's allocations besides its weights, per device (heads split over ``model``,
+    rows over ``data``); see the module docstring for what the step estimate counts."""
+
+    num_layers: int
+    num_heads: int  # query heads on one device
+    num_kv_heads: int  # stored KV heads on one device
+    head_dim: int
+    vocab_size: int
+    itemsize: int  # of the cache and activations
+    page_size: int
+    context: int  # tokens a row's block table reaches: pages_per_seq * page_size
+    max_rows: int  # rows of the largest decode step on one device
+    max_prompt_tokens: int  # padded tokens of the largest prompt step on one device
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim * self.itemsize
+
+    def kv_bytes(self, num_pages: int) -> int:
+        """The cache with ``num_pages`` pages (plus the never-written null page)."""
+        return (num_pages + 1) * self.page_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        prompt = self.max_prompt_tokens * self.num_heads * self.context * 4
+        gathered = 2 * self.num_kv_heads * self.context * self.head_dim * self.itemsize
+        decode = self.max_rows * (gathered + self.num_heads * self.context * 4)
+        return max(prompt, decode) + self.max_rows * self.vocab_size * 4
+
+    def demand(self, num_pages: int) -> dict[str, int]:
+        kv = f"KV cache ({num_pages} pages of {self.page_size} tokens, {self.page_bytes} bytes each)"
+        return {kv: self.kv_bytes(num_pages), "largest step's temporaries (estimate)": self.step_bytes}
+
+    def pages_that_fit(self, available: int, memory_fraction: float = 0.9) -> int:
+        """Pages a cache can have within ``memory_fraction`` of ``available`` bytes next to the step."""
+        return int((available * memory_fraction - self.step_bytes) // self.page_bytes) - 1
+
+
+def refuse_unless_fits(
+    what: str, per_device: dict[str, int], devices: Sequence[jax.Device], hint: str = ""
+) -> None:
+    """``ValueError`` with the numbers when ``per_device`` bytes (on each of ``devices``) exceed
+    what their memory has left."""
+    for device, count in memory_pools(devices):
+        available, where = available_bytes(device)
+        needed = {k: v * count for k, v in per_device.items()}
+        total = sum(needed.values())
+        if total > available:
+            items = "; ".join(f"{k}: {format_bytes(v)}" for k, v in needed.items())
+            times = f" ({count} devices)" if count > 1 else ""
+            raise ValueError(
+                f"{what} needs {format_bytes(total)}{times} but {where} has {format_bytes(available)} "
+                f"available [{items}]{'; ' + hint if hint else ''}"
+            )

@@ -1,0 +1,90 @@
+"""Start-up limits across stages: refuse, before any weight is read, what the devices cannot hold.
+
+Each stage's weights (from its abstract model, ``nnx.eval_shape``: nothing is allocated or read)
+and, for an AR stage, its KV cache and largest step (:class:`~omni_jax.stages.ar.CachePlan`)
+are added up per memory pool (each accelerator, or the host for CPU devices) over the devices
+each stage is placed on, and compared with what the pool has left. Without ``num_pages`` the
+cache is sized later to what is left (at least one sequence), so only one sequence's pages count
+here. Weights are counted split over the ``model`` axis, a lower bound where parts are
+replicated (the encoders); :meth:`CachePlan.num_pages` checks again, exactly, once the weights
+are placed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from omni_jax.engine.memory import available_bytes, format_bytes, memory_pools, pool_key
+from omni_jax.models.registry import architecture_of
+from omni_jax.parallel.mesh import axis_size
+from omni_jax.stages.ar import CachePlan, local_devices
+from omni_jax.stages.config import StageConfig
+
+
+def part_dtype(path: Path, hf_config: Any, part_dtype: str | None, dtype: str | None) -> str:
+    """The dtype :func:`omni_jax.weights.load_part` will load a part in."""
+    from omni_jax.weights import checkpoint_dtype, is_converted, read_manifest
+
+    if part_dtype or dtype:
+        return part_dtype or dtype  # type: ignore[return-value]
+    return read_manifest(path)["dtype"] if is_converted(path) else checkpoint_dtype(hf_config)
+
+
+def weight_bytes(model: nnx.Module) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def check_memory_before_loading(
+    path: str | Path,
+    hf_config: Any,
+    stages: list[StageConfig],
+    meshes: dict[str, Mesh],
+    *,
+    dtype: str | None,
+    max_num_seqs: int,
+    max_model_len: int | None,
+    num_pages: int | None,
+    page_size: int,
+    max_num_batched_tokens: int,
+) -> None:
+    """``ValueError`` naming the pool, the needed and the available bytes, item by item, when the
+    stages' weights, KV caches and largest steps cannot fit; reads only ``config.json``."""
+    path = Path(path)
+    arch = architecture_of(hf_config)
+    pools: dict[object, tuple[jax.Device, dict[str, int]]] = {}
+    for sc in stages:
+        part = arch.part(sc.name)
+        model = nnx.eval_shape(part.make(hf_config, part_dtype(path, hf_config, part.dtype, dtype)))
+        mesh = meshes[sc.name]
+        items = {f"stage {sc.name!r} weights": weight_bytes(model) // axis_size(mesh, "model")}
+        if sc.kind == "ar":
+            plan = CachePlan.of(
+                model,
+                mesh,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                page_size=page_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
+            pages = plan.pages_per_seq if num_pages is None else num_pages
+            items |= {f"stage {sc.name!r} {k}": v for k, v in plan.memory.demand(pages).items()}
+        for device, count in memory_pools(local_devices(mesh)):
+            _, pool = pools.setdefault(pool_key(device), (device, {}))
+            for k, v in items.items():
+                pool[k] = pool.get(k, 0) + v * count
+    for device, needed in pools.values():
+        available, where = available_bytes(device)
+        total = sum(needed.values())
+        if total > available:
+            listed = "; ".join(f"{k}: {format_bytes(v)}" for k, v in needed.items())
+            raise ValueError(
+                f"the pipeline needs {format_bytes(total)} but {where} has {format_bytes(available)} "
+                f"available [{listed}]; lower num_pages, max_model_len, max_num_seqs or "
+                "max_num_batched_tokens, use a smaller dtype, or spread the stages over more devices"
+            )

@@ -1,0 +1,152 @@
+"""Limits refused at start-up (issue 9.5): a KV cache or batch the device cannot hold is refused
+when the pipeline is built, with needed and available bytes, never an out-of-memory error mid-run.
+
+On this CPU machine devices report no memory statistics, so the host's ``MemAvailable`` is
+what is available; accelerator statistics are exercised with a stand-in device. Where a test
+needs a small device it lowers what the host reports (``host_available_bytes``), so the
+numbers are the code's own and nothing large is allocated.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from omni_jax import OmniJaxPipeline
+from omni_jax.engine import memory
+from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools
+from omni_jax.models.registry import architecture_of
+from omni_jax.parallel.mesh import mesh_shape
+from omni_jax.parallel.placement import StagePlacement, stage_meshes
+from omni_jax.stages.config import load_pipeline_config
+from omni_jax.stages.limits import check_memory_before_loading
+from omni_jax.weights import load_hf_config
+
+BYTES = r"\d+\.\d\d GiB \((\d+) bytes\)"
+
+
+def numbers(message: str) -> tuple[int, int]:
+    """``(needed, available)`` bytes from a refusal."""
+    m = re.search(rf"needs {BYTES}.* has {BYTES} available", message)
+    assert m, message
+    return int(m.group(1)), int(m.group(2))
+
+
+@pytest.mark.parametrize(
+    "kwargs,item",
+    [
+        ({"num_pages": 10**9}, r"KV cache \(1000000000 pages of 16 tokens, 8192 bytes each\)"),
+        ({"max_num_seqs": 10**7}, r"largest step's temporaries \(estimate\)"),
+        ({"max_num_batched_tokens": 2**26}, r"largest step's temporaries \(estimate\)"),
+    ],
+)
+def test_absurd_cache_or_batch_refused_with_the_numbers(qwen2_dir, kwargs, item) -> None:
+    with pytest.raises(ValueError, match=r"stage 'llm' \(KV cache and largest step\) needs ") as e:
+        OmniJaxPipeline.from_pretrained(qwen2_dir, **kwargs)
+    message = str(e.value)
+    needed, available = numbers(message)
+    assert needed > available
+    assert "host memory (MemAvailable)" in message and re.search(item, message)
+    assert "lower num_pages, max_model_len, max_num_seqs or max_num_batched_tokens" in message
+
+
+def test_default_cache_sized_to_what_is_left(qwen2_dir, monkeypatch) -> None:
+    """Without ``num_pages`` the cache is what fits (90% of what is left, next to the largest
+    step), at most ``max_num_seqs`` full sequences; below one sequence the build is refused."""
+    kw: dict[str, Any] = dict(max_num_seqs=8, max_model_len=256, page_size=16, max_num_batched_tokens=64)
+    full = OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
+    assert full.stages[0].engine.runner.cache_cfg.num_pages == 8 * 256 // 16
+    plan = plan_of(full, kw)
+    small = 3 * plan.step_bytes  # room for the step and a hundred-odd pages
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: small)
+    pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
+    fit = plan.pages_that_fit(small)
+    assert 16 <= fit < 8 * 16
+    assert pipe.stages[0].engine.runner.cache_cfg.num_pages == fit
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: plan.step_bytes)
+    with pytest.raises(ValueError, match=r"at most 0 pages fit next to that step \(16 hold one sequence"):
+        OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
+
+
+def plan_of(pipe: OmniJaxPipeline, kw: dict[str, Any]) -> ARMemory:
+    """The memory plan of ``pipe``'s stage, as it was built with ``kw``."""
+    from flax import nnx
+
+    from omni_jax.stages.ar import CachePlan
+
+    runner = pipe.stages[0].engine.runner
+    return CachePlan.of(nnx.merge(runner.graphdef, runner.state), None, **kw).memory
+
+
+def meshes_for(path: Any, stages: list[str] | None = None) -> tuple[Any, Any, Any]:
+    hf_config = load_hf_config(path)
+    config = load_pipeline_config(architecture_of(hf_config).stage_yaml).select(stages)
+    placements = [StagePlacement(sc.name, sc.mesh, sc.devices) for sc in config.stages]
+    return hf_config, config.stages, stage_meshes(placements, mesh_shape(None), config.allow_shared_devices)
+
+
+ENGINE = dict(dtype=None, max_num_seqs=64, max_model_len=None, page_size=16, max_num_batched_tokens=2048)
+
+
+def test_checked_before_loading_over_every_stage(omni_dir, monkeypatch) -> None:
+    """From ``config.json`` alone (abstract models, nothing read or allocated): every stage's
+    weights and each AR stage's cache and step, added up for the memory they share."""
+    from omni_jax import weights
+
+    def no_loading(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(weights, "load_part", no_loading)
+    monkeypatch.setattr(weights, "iter_safetensors", no_loading)
+    hf_config, stages, meshes = meshes_for(omni_dir)
+    check_memory_before_loading(omni_dir, hf_config, stages, meshes, num_pages=None, **ENGINE)  # fits
+    with pytest.raises(ValueError, match="the pipeline needs ") as e:
+        check_memory_before_loading(omni_dir, hf_config, stages, meshes, num_pages=10**8, **ENGINE)
+    message = str(e.value)
+    needed, available = numbers(message)
+    assert needed > available
+    for item in (
+        "stage 'thinker' weights",
+        "stage 'talker' weights",
+        "stage 'code2wav' weights",
+        "stage 'thinker' KV cache (100000000 pages",
+        "stage 'talker' KV cache (100000000 pages",
+        "stage 'talker' largest step's temporaries (estimate)",
+    ):
+        assert item in message
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 << 20)  # 1 MiB: not even the weights
+    with pytest.raises(ValueError, match=r"the pipeline needs .* has 0\.00 GiB \(1048576 bytes\) available"):
+        check_memory_before_loading(omni_dir, hf_config, stages, meshes, num_pages=None, **ENGINE)
+
+
+class FakeAccelerator:
+    """What ``available_bytes`` reads of a GPU: its memory statistics."""
+
+    device_kind = "Fake GPU"
+
+    def __init__(self, id: int, limit: int, in_use: int):  # noqa: A002 - jax.Device's name
+        self.id = id
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.stats
+
+    def __str__(self) -> str:
+        return f"fake:{self.id}"
+
+
+def test_accelerators_count_their_own_memory_cpus_the_hosts() -> None:
+    import jax
+
+    gpu0, gpu1 = FakeAccelerator(0, 80 << 30, 20 << 30), FakeAccelerator(1, 80 << 30, 79 << 30)
+    assert available_bytes(gpu0) == (60 << 30, "device fake:0 (Fake GPU)")  # type: ignore[arg-type]
+    assert [n for _, n in memory_pools([gpu0, gpu1])] == [1, 1]  # type: ignore[list-item]
+    cpus = jax.devices("cpu")
+    assert available_bytes(cpus[0])[1] == "host memory (MemAvailable)"
+    assert [n for _, n in memory_pools(cpus)] == [len(cpus)]  # one host pool for all of them
+    with pytest.raises(
+        ValueError, match=r"x needs 2\.00 GiB .* but device fake:1 \(Fake GPU\) has 1\.00 GiB"
+    ):
+        memory.refuse_unless_fits("x", {"a": 1 << 30, "b": 1 << 30}, [gpu0, gpu1])  # type: ignore[list-item]
