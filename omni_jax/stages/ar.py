@@ -36,7 +36,8 @@ class ARFrontend(Protocol):
     checks what the user's prompt says for a later stage (e.g. its speaker) before any work.
     ``positions`` are the rotary positions of a request's tokens ``[start, end)``
     (``position_shape`` leading axes, e.g. ``(3,)`` for M-RoPE), also after a preemption;
-    ``step_inputs`` packs each step's extra embedding inputs for the runner.
+    ``step_inputs`` packs each step's extra embedding inputs for the runner; ``warmup``
+    compiles the frontend's own programs (e.g. encoders) and returns how many.
     ``eos_token_ids``: the stage's stop tokens (``None``: the checkpoint's
     ``generation_config.json``, which describes the first stage); ``suppress_ids``: tokens
     never sampled.
@@ -49,6 +50,8 @@ class ARFrontend(Protocol):
     reads_hidden: bool
 
     def prepare(self, index: int, request: StageInput) -> StageInput: ...
+
+    def warmup(self) -> int: ...
 
     def check_prompt(self, index: int, prompt: dict[str, Any]) -> None: ...
 
@@ -195,7 +198,10 @@ class ARStage:
         return self.engine.has_work()
 
     def warmup(self) -> int:
-        return self.engine.warmup(capture_hidden=self.keeps_hidden)
+        """Every step bucket (:meth:`AREngine.warmup`), then the frontend's own programs (the
+        thinker's encoders); returns how many programs."""
+        n = self.engine.warmup(capture_hidden=self.keeps_hidden)
+        return n + (0 if self.frontend is None else self.frontend.warmup())
 
     def step(self) -> list[StageResult]:
         results = []

@@ -102,6 +102,10 @@ class TalkerFrontend:
     def prepare(self, index: int, request: StageInput) -> StageInput:
         raise ValueError(f"request {index}: the talker reads the thinker's output, not a prompt")
 
+    def warmup(self) -> int:
+        """Nothing beyond the AR steps: the talker has no encoder."""
+        return 0
+
     def check_prompt(self, index: int, prompt: dict[str, Any]) -> None:
         self._bos(index, prompt)
 

@@ -42,6 +42,15 @@ from omni_jax.stages.base import StageInput, StageResult
 MIN_MERGE_ROWS = 16
 """Smallest row bucket of a step's :class:`PromptMerge` (the shape every text or decode step has)."""
 
+WARMUP_AUDIO_CHUNKS = 16
+"""Audio encoder programs :meth:`ThinkerFrontend.warmup` compiles: chunk counts 1, 2, 4, 8, 16,
+i.e. any one clip up to 30 s (the feature extractor's limit, 100-frame chunks of the real
+model), or clips that a step admits together totalling that."""
+
+WARMUP_IMAGE_SIZES = ((448, 448), (224, 224))
+"""Images (height, width in pixels) whose vision encoder programs :meth:`ThinkerFrontend.warmup`
+compiles, each alone in an encoder call (the processor's resize decides the patch grid)."""
+
 PROCESSOR_KWARGS = ("use_audio_in_video", "fps")
 """Keys a prompt's ``mm_processor_kwargs`` may hold (vLLM's name for per-prompt processor options)."""
 
@@ -146,6 +155,25 @@ class ThinkerStepInputs:
                 failed[i] = _encoder_error(e)
         return failed
 
+    def warmup(self, max_audio_chunks: int, vision_grids: Sequence[tuple[int, int, int]]) -> int:
+        """Compile the audio encoder for every chunk bucket up to ``max_audio_chunks`` and the
+        vision encoder for each of ``vision_grids`` alone; returns how many programs."""
+        shapes = set()
+        chunks = 1
+        while chunks <= max_audio_chunks:
+            batch, _ = prepare_audio_batch([], self.spec.audio, min_chunks=chunks)
+            jax.block_until_ready(self._audio(self._audio_state, batch))
+            shapes.add(("audio", chunks))
+            chunks *= 2
+        for t, h, w in vision_grids:
+            patches = np.zeros((t * h * w, self.spec.vision.patch_dim), np.float32)
+            batch, _ = prepare_vision_batch([patches], [(t, h, w)], self.spec.vision)
+            key = ("vision", *(np.shape(x) for x in jax.tree.leaves(batch)))
+            if key not in shapes:
+                jax.block_until_ready(self._vision(self._vision_state, batch))
+                shapes.add(key)
+        return len(shapes)
+
     def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> PromptMerge:
         """The rows this step's prompt chunks need, grouped by step row then kind, bucketed
         (rows :meth:`prepare` did not encode, e.g. in a direct ``ARRunner.execute``, are encoded
@@ -232,6 +260,17 @@ class ThinkerFrontend:
         before = {t: np.concatenate([[0], np.cumsum(ids == t)]) for t in self.step_inputs.token_ids}
         extra = ThinkerRequest(inputs, positions, delta, before)
         return dataclasses.replace(request, token_ids=list(inputs.input_ids), extra=extra)
+
+    def warmup(self) -> int:
+        """Compile the encoders ahead of traffic (nothing without a processor: text prompts only):
+        audio for :data:`WARMUP_AUDIO_CHUNKS`, vision for :data:`WARMUP_IMAGE_SIZES`. Other image
+        sizes, videos, several images in one call and longer audio batches compile on first use,
+        and so do the AR step programs for a step's merged encoder rows above the smallest
+        bucket (those multiply the prompt-step programs by the merge buckets: not cheap)."""
+        if self.processor is None:
+            return 0
+        grids = self.processor.images([np.zeros((h, w, 3), np.uint8) for h, w in WARMUP_IMAGE_SIZES])[1]
+        return self.step_inputs.warmup(WARMUP_AUDIO_CHUNKS, grids)
 
     def check_prompt(self, index: int, prompt: dict[str, Any]) -> None:
         """Nothing beyond :meth:`prepare`: the thinker is the stage that reads the prompt."""
