@@ -31,6 +31,7 @@ from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage, StageInput, StageResult
 from omni_jax.stages.code2wav import Code2WavStage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
+from omni_jax.stages.limits import check_memory_before_loading
 from omni_jax.weights import load_part
 
 Prompt = str | dict[str, Any]
@@ -105,6 +106,17 @@ class OmniJaxPipeline:
         )
         for sc in config.stages:  # refuse stages not served yet, or not splittable so, before loading
             arch.part(sc.name).shard_rules(hf_config, meshes[sc.name].shape["model"])
+        engine = dict(
+            max_num_seqs=max_num_seqs or 64,
+            max_model_len=max_model_len,
+            page_size=page_size or 16,
+            max_num_batched_tokens=max_num_batched_tokens or 2048,
+        )
+        # Weights, KV caches and largest steps against each memory pool, from config.json alone:
+        # a layout that cannot fit is refused with the numbers before anything is read.
+        check_memory_before_loading(
+            path, hf_config, list(config.stages), meshes, dtype=dtype, num_pages=num_pages, **engine
+        )
         built: list[Stage] = []
         for sc in config.stages:
             stage_mesh = sharded_or_none(meshes[sc.name])
@@ -119,14 +131,11 @@ class OmniJaxPipeline:
                     sc,
                     model,
                     path,
-                    max_num_seqs=max_num_seqs or 64,
-                    max_model_len=max_model_len,
                     num_pages=num_pages,
-                    page_size=page_size or 16,
-                    max_num_batched_tokens=max_num_batched_tokens or 2048,
                     backend=attention_backend,
                     mesh=stage_mesh,
                     frontend=frontend,
+                    **engine,
                 )
             )
         for upstream, stage in zip(built, built[1:], strict=False):

@@ -43,7 +43,9 @@ def numbers(message: str) -> tuple[int, int]:
     ],
 )
 def test_absurd_cache_or_batch_refused_with_the_numbers(qwen2_dir, kwargs, item) -> None:
-    with pytest.raises(ValueError, match=r"stage 'llm' \(KV cache and largest step\) needs ") as e:
+    """Refused by ``from_pretrained``'s check before loading (the stage's own check after
+    loading gives the same numbers; ``test_default_cache_sized_to_what_is_left`` reaches it)."""
+    with pytest.raises(ValueError, match=r"the pipeline needs ") as e:
         OmniJaxPipeline.from_pretrained(qwen2_dir, **kwargs)
     message = str(e.value)
     needed, available = numbers(message)
@@ -66,7 +68,9 @@ def test_default_cache_sized_to_what_is_left(qwen2_dir, monkeypatch) -> None:
     assert 16 <= fit < 8 * 16
     assert pipe.stages[0].engine.runner.cache_cfg.num_pages == fit
     monkeypatch.setattr(memory, "host_available_bytes", lambda: plan.step_bytes)
-    with pytest.raises(ValueError, match=r"at most 0 pages fit next to that step \(16 hold one sequence"):
+    # Not even one sequence fits next to the step: refused before loading, the cache counted
+    # at one sequence (the least a default cache may be).
+    with pytest.raises(ValueError, match=r"the pipeline needs .*KV cache \(16 pages of 16 tokens"):
         OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
 
 
@@ -150,3 +154,16 @@ def test_accelerators_count_their_own_memory_cpus_the_hosts() -> None:
         ValueError, match=r"x needs 2\.00 GiB .* but device fake:1 \(Fake GPU\) has 1\.00 GiB"
     ):
         memory.refuse_unless_fits("x", {"a": 1 << 30, "b": 1 << 30}, [gpu0, gpu1])  # type: ignore[list-item]
+
+
+def test_from_pretrained_refuses_before_reading_weights(omni_dir, monkeypatch) -> None:
+    """``from_pretrained`` runs the check above first: an impossible cache is refused with the
+    numbers and no weight file is opened."""
+    from omni_jax import pipeline
+
+    def no_loading(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(pipeline, "load_part", no_loading)
+    with pytest.raises(ValueError, match=r"the pipeline needs .*stage 'talker' KV cache \(100000000 pages"):
+        OmniJaxPipeline.from_pretrained(omni_dir, num_pages=10**8)
