@@ -27,7 +27,9 @@ Figures per side: requests/s, thinker tokens/s (new text tokens, EOS included), 
 higher is better) and time per stage: seconds spent inside each stage (ours: inside the stage's
 ``step`` in the pipeline loop; the reference: inside ``thinker.generate``, ``talker.generate``
 and ``token2wav.forward``, its processor apart), plus ours' mean per-request latency per stage
-from the outputs' ``metrics``. Each side's figures count its own outputs (see the talker note
+from the outputs' ``metrics``, and the time inside the audio and vision encoders (part of the
+thinker's; ``--audio-seconds 10 --image-size 448`` measures them on a 10 s clip and a 448 x 448
+image, the thinker issue's encoder workload). Each side's figures count its own outputs (see the talker note
 below, the codes and so the audio differ in length between the sides).
 
 Each reference request carries one left pad token (attention mask 0 there). transformers 5 drops
@@ -131,10 +133,13 @@ def make_workload(pipe: OmniJaxPipeline, speakers: list[str], args: Any) -> Work
     for i in range(args.num_requests):
         kind = KINDS[i % len(KINDS)]
         media: list[dict[str, Any]] = []
-        if kind == "image":  # 56 x 56 to 84 x 112 pixels: 4 to 12 image tokens
-            media.append({"type": "image", "image": picture(56 + 28 * (i % 2), 56 + 28 * (i % 3), seed=i)})
-        elif kind == "audio":  # 0.5 to 1.5 s
-            media.append({"type": "audio", "audio": tone(0.5 + 0.25 * (i % 5), 220.0 + 55 * i, seed=i)})
+        if kind == "image":  # default 56 x 56 to 84 x 112 pixels: 4 to 12 image tokens
+            side = args.image_size
+            h, w = (56 + 28 * (i % 2), 56 + 28 * (i % 3)) if side is None else (side, side)
+            media.append({"type": "image", "image": picture(h, w, seed=i)})
+        elif kind == "audio":  # default 0.5 to 1.5 s
+            seconds = 0.5 + 0.25 * (i % 5) if args.audio_seconds is None else args.audio_seconds
+            media.append({"type": "audio", "audio": tone(seconds, 220.0 + 55 * i, seed=i)})
         text = QUESTIONS[i % len(QUESTIONS)]
         prompt = pipe.chat_prompt([{"role": "user", "content": [*media, {"type": "text", "text": text}]}])
         prompt["speaker"] = speakers[i % len(speakers)]
@@ -209,8 +214,16 @@ def figures(run: SideRun) -> dict[str, Any]:
 
 
 # -- ours ---------------------------------------------------------------------------------------
+def encoder_clock(module: Any, classes: tuple[str, ...]) -> StageClock:
+    """Time inside ``module``'s submodules of the named classes (their ``forward``)."""
+    found = {type(m).__name__: m for m in module.modules() if type(m).__name__ in classes}
+    return StageClock({name: (m, "forward") for name, m in found.items()})
+
+
 def _run_ours(pipe: OmniJaxPipeline, work: Workload, clock: StageClock) -> SideRun:
-    with clock.active():
+    # Both encoders run inside the thinker's one encode call per step (audio and vision).
+    encoders = StageClock({"encoders": (pipe.stages[0].frontend.step_inputs, "encode")})
+    with clock.active(), encoders.active():
         t0 = time.perf_counter()
         outs = pipe.run(work.prompts, work.params(), progress=False)
         wall = time.perf_counter() - t0
@@ -228,6 +241,7 @@ def _run_ours(pipe: OmniJaxPipeline, work: Workload, clock: StageClock) -> SideR
         ],
         audio_samples=[0 if o.audio is None else len(o.audio) for o in outs],
         extra={
+            "encoders_s": encoders.seconds["encoders"],
             "loop_other_s": wall - sum(clock.seconds.values()),
             "thinker_ttft_s_mean": float(np.mean([o.metrics["thinker"]["ttft_s"] for o in outs])),
             "stage_latency_s_mean": latency,
@@ -287,6 +301,7 @@ class Reference:
                 "code2wav": (m.token2wav, "forward"),
             }
         )
+        self.encoders = encoder_clock(m.thinker, ("Qwen2_5OmniAudioEncoder", "Qwen2_5OmniVisionEncoder"))
 
     def _one(self, prompt: dict[str, Any], work: Workload) -> tuple[list[int], list[int], int, int, float]:
         """``(thinker new tokens up to EOS, voiced codes, talker tokens up to the stop, samples,
@@ -355,7 +370,7 @@ class Reference:
         """The requests ``indices`` one after the other; also each one's wall seconds."""
         thinker, codes, codec, samples, each = [], [], [], [], []
         preprocess = 0.0
-        with self.clock.active():
+        with self.clock.active(), self.encoders.active():
             t0 = time.perf_counter()
             for i in indices:
                 t = time.perf_counter()
@@ -375,6 +390,7 @@ class Reference:
             codes=codes,
             audio_samples=samples,
             extra={
+                "encoders_s": sum(self.encoders.seconds.values()),
                 "preprocess_s": preprocess,
                 "loop_other_s": wall - preprocess - sum(self.clock.seconds.values()),
                 "request_latency_s_mean": float(np.mean(each)),
@@ -494,6 +510,7 @@ def table(result: dict[str, Any]) -> str:
         row("thinker / codec tokens", lambda s: f"{s['thinker_tokens']} / {s['codec_tokens']}"),
         row("audio s", lambda s: f"{s['audio_s']:.2f}"),
         *(row(f"in {st} s", lambda s, st=st: f"{s['stage_s'][st]:.2f}") for st in STAGES),
+        row("  of which audio + vision encoders s", lambda s: f"{s['encoders_s']:.2f}"),
         row("processor s", lambda s: f"{s['preprocess_s']:.2f}" if "preprocess_s" in s else "(in stages)"),
         row("other (loop, host) s", lambda s: f"{s['loop_other_s']:.2f}"),
         row("request latency s (mean)", lambda s: f"{s['request_latency_s_mean']:.2f}"),

@@ -101,6 +101,12 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     e2e.add_argument(
         "--talker-max-tokens", type=int, default=128, help="codec tokens per request at most (50 per second)"
     )
+    e2e.add_argument(
+        "--audio-seconds", type=float, default=None, help="every audio request's clip (default 0.5 to 1.5 s)"
+    )
+    e2e.add_argument(
+        "--image-size", type=int, default=None, help="each image request's square side (default 56 to 112 px)"
+    )
     return p
 
 
