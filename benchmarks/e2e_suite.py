@@ -61,6 +61,7 @@ import numpy as np
 from benchmarks.harness import CompileStats, compile_entry, measured_window
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.profiling import scope
+from omni_jax.testing import reference_omni_processor
 
 SAMPLE_RATE = 24_000
 AUDIO_RATE = 16_000  # the thinker's audio input
@@ -253,30 +254,6 @@ def _run_ours(pipe: OmniJaxPipeline, work: Workload, clock: StageClock) -> SideR
 
 
 # -- the reference ------------------------------------------------------------------------------
-def reference_processor(path: Path) -> Any:
-    """transformers' ``Qwen2_5OmniProcessor`` from the checkpoint's parts, without a video processor.
-
-    Its constructor looks up the video processor class, which needs torchvision; the workload has
-    no video, so the instance is assembled as the constructor would assemble it, less that part
-    (tests/omni_reference.py does the same with a stand-in for video). ``__call__`` is
-    transformers' code.
-    """
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
-
-    proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    proc.tokenizer = tokenizer
-    proc.feature_extractor = AutoFeatureExtractor.from_pretrained(path)
-    proc.image_processor = AutoImageProcessor.from_pretrained(path)
-    proc.video_processor = None
-    proc.chat_template = tokenizer.chat_template
-    for name in ("image", "audio", "video"):
-        setattr(proc, f"{name}_token", getattr(tokenizer, f"{name}_token"))
-        setattr(proc, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id"))
-    for name in ("vision_bos", "vision_eos", "audio_bos", "audio_eos"):
-        setattr(proc, f"{name}_token", getattr(tokenizer, f"{name}_token"))
-    return proc
 
 
 class Reference:
@@ -290,7 +267,7 @@ class Reference:
         self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(
             str(path), dtype=getattr(torch, dtype or "float32")
         ).eval()
-        self.proc = reference_processor(path)
+        self.proc = reference_omni_processor(path)
         self.eos, self.pad = eos, pad
         m = self.model
         self.codec_stops = [m.talker.codec_pad_token, m.talker.codec_eos_token]

@@ -423,3 +423,29 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides:
         }
     torch.save(speakers, path / "spk_dict.pt")
     return path
+
+
+def reference_omni_processor(path: str | Path, video_processor: Any = None) -> Any:
+    """transformers' ``Qwen2_5OmniProcessor`` from a checkpoint's own parts, for references.
+
+    Its constructor looks up the video processor class, which needs torchvision (no wheel for
+    these CPU machines), so the instance is assembled as the constructor would assemble it,
+    with ``video_processor`` in that slot (``None``: prompts without video); ``__call__`` is
+    transformers' code. Tests and the e2e benchmark prepare the reference's inputs with it.
+    """
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+
+    proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    proc.tokenizer = tokenizer
+    proc.feature_extractor = AutoFeatureExtractor.from_pretrained(path)
+    proc.image_processor = AutoImageProcessor.from_pretrained(path)
+    proc.video_processor = video_processor
+    proc.chat_template = tokenizer.chat_template
+    for name in ("image", "audio", "video"):
+        setattr(proc, f"{name}_token", getattr(tokenizer, f"{name}_token"))
+        setattr(proc, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id"))
+    for name in ("vision_bos", "vision_eos", "audio_bos", "audio_eos"):
+        setattr(proc, f"{name}_token", getattr(tokenizer, f"{name}_token"))
+    return proc

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from omni_jax.models.qwen2_5_omni.processor import VideoProcessor
+from omni_jax.testing import reference_omni_processor
 
 
 def tone(seconds: float, freq: float, seed: int) -> np.ndarray:
@@ -51,27 +52,8 @@ class StandInVideoProcessor:
 
 
 def reference_processor(omni_dir: Path) -> Any:
-    """``Qwen2_5OmniProcessor`` with the parts transformers loads for it from the checkpoint.
-
-    Its constructor would look up the video processor class (torchvision), so the instance is
-    assembled as the constructor would assemble it; ``__call__`` is transformers' code.
-    """
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
-
-    proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
-    tokenizer = AutoTokenizer.from_pretrained(omni_dir)
-    proc.tokenizer = tokenizer
-    proc.feature_extractor = AutoFeatureExtractor.from_pretrained(omni_dir)
-    proc.image_processor = AutoImageProcessor.from_pretrained(omni_dir)
-    proc.video_processor = StandInVideoProcessor(VideoProcessor.from_pretrained(omni_dir))
-    proc.chat_template = tokenizer.chat_template
-    for name in ("image", "audio", "video"):
-        setattr(proc, f"{name}_token", getattr(tokenizer, f"{name}_token"))
-        setattr(proc, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id"))
-    for name in ("vision_bos", "vision_eos", "audio_bos", "audio_eos"):
-        setattr(proc, f"{name}_token", getattr(tokenizer, f"{name}_token"))
-    return proc
+    """The composite processor with our numpy frame path standing in for its video processor."""
+    return reference_omni_processor(omni_dir, StandInVideoProcessor(VideoProcessor.from_pretrained(omni_dir)))
 
 
 def reference_inputs(proc: Any, prompt: dict[str, Any]) -> Any:

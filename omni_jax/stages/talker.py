@@ -32,7 +32,7 @@ import numpy as np
 from omni_jax.engine.ar_runner import StepRow
 from omni_jax.engine.scheduler import ARRequest
 from omni_jax.models.qwen2_5_omni.processor import OmniInputs
-from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index, positions_for
+from omni_jax.models.qwen2_5_omni.rope_index import media_rope_index, positions_for
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.talker import Talker, TalkerEmbeds
 from omni_jax.stages.base import StageInput, StageResult
@@ -165,15 +165,7 @@ class TalkerFrontend:
         thinker = upstream.extra
         inputs = thinker.inputs if isinstance(thinker, ThinkerRequest) else OmniInputs(list(prompt_ids))
         try:
-            positions, delta = get_rope_index(
-                spec.rope_index,
-                [*prompt_ids, bos, generated[0]],
-                image_grid_thw=inputs.image_grid_thw,
-                video_grid_thw=inputs.video_grid_thw,
-                second_per_grid_ts=inputs.video_second_per_grid,
-                audio_seqlens=inputs.audio_seqlens,
-                use_audio_in_video=inputs.use_audio_in_video,
-            )
+            positions, delta = media_rope_index(spec.rope_index, [*prompt_ids, bos, generated[0]], inputs)
         except (ValueError, IndexError) as e:
             raise ValueError(str(e) or "the thinker prompt's placeholders do not match its media") from None
         ids = [spec.codec_mask] * n + [spec.codec_pad, spec.codec_bos]

@@ -34,7 +34,7 @@ from omni_jax.engine.buckets import bucket
 from omni_jax.engine.scheduler import ARRequest
 from omni_jax.models.qwen2_5_omni.audio_encoder import prepare_audio_batch
 from omni_jax.models.qwen2_5_omni.processor import OmniInputs, OmniProcessor
-from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index, positions_for
+from omni_jax.models.qwen2_5_omni.rope_index import media_rope_index, positions_for
 from omni_jax.models.qwen2_5_omni.thinker import PromptMerge, Thinker
 from omni_jax.models.qwen2_5_omni.vision_encoder import prepare_vision_batch
 from omni_jax.stages.base import StageInput, StageResult
@@ -244,15 +244,7 @@ class ThinkerFrontend:
         else:
             inputs = self.processor.process(index, request.token_ids, data, **kwargs)
         try:
-            positions, delta = get_rope_index(
-                self.rope_spec,
-                inputs.input_ids,
-                image_grid_thw=inputs.image_grid_thw,
-                video_grid_thw=inputs.video_grid_thw,
-                second_per_grid_ts=inputs.video_second_per_grid,
-                audio_seqlens=inputs.audio_seqlens,
-                use_audio_in_video=inputs.use_audio_in_video,
-            )
+            positions, delta = media_rope_index(self.rope_spec, inputs.input_ids, inputs)
         except (ValueError, IndexError) as e:
             message = str(e) or "placeholders do not match the multimodal inputs"
             raise ValueError(f"request {index}: {message}") from None

@@ -208,3 +208,18 @@ def positions_for(prompt_positions: np.ndarray, rope_delta: int, start: int, end
     p = prompt_positions.shape[1]
     generated = _run(max(end - max(start, p), 0), max(start, p) + rope_delta)
     return np.concatenate([prompt_positions[:, start : min(end, p)], generated], axis=1)
+
+
+def media_rope_index(spec: RopeIndexSpec, token_ids: list[int], media: Any) -> tuple[np.ndarray, int]:
+    """:func:`get_rope_index` of ``token_ids`` with the grids and audio lengths of ``media``, a
+    processed prompt (:class:`~omni_jax.models.qwen2_5_omni.processor.OmniInputs`): the thinker
+    indexes its prompt so, the talker its prompt followed by its own two tokens."""
+    return get_rope_index(
+        spec,
+        token_ids,
+        image_grid_thw=media.image_grid_thw,
+        video_grid_thw=media.video_grid_thw,
+        second_per_grid_ts=media.video_second_per_grid,
+        audio_seqlens=media.audio_seqlens,
+        use_audio_in_video=media.use_audio_in_video,
+    )
