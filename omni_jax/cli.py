@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,13 @@ def _run(args: argparse.Namespace) -> int:
     initialize(args.coordinator_address, args.num_processes, args.process_id)
     pipe = OmniJaxPipeline.from_pretrained(args.model, stages=args.stages, dtype=args.dtype, mesh=args.mesh)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    # The flags set the first (text) stage's sampling; later stages keep their YAML defaults.
-    per_stage = params if len(pipe.stages) == 1 else [params, *[None] * (len(pipe.stages) - 1)]
+    # The flags set the first (text) stage's sampling; later stages keep their YAML defaults,
+    # seeded by --seed too so that a seeded run says the same every time.
+    later = [
+        None if args.seed is None else dataclasses.replace(s.defaults, seed=args.seed)
+        for s in pipe.stages[1:]
+    ]
+    per_stage = params if len(pipe.stages) == 1 else [params, *later]
     try:  # bad input is refused before any work: one line, no traceback
         outs = pipe.run([_prompt(pipe, args)], per_stage, progress=False)
     except ValueError as e:
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--prompt", required=True)
     r.add_argument("--max-tokens", type=int, default=64, help="of the text (first) stage")
     r.add_argument("--temperature", type=float, default=0.0, help="of the text (first) stage")
-    r.add_argument("--seed", type=int, default=None, help="of the text (first) stage")
+    r.add_argument("--seed", type=int, default=None, help="seeds every stage's sampling (reproducible runs)")
     r.add_argument("--dtype", default=None)
     r.add_argument("--output-dir", default=None, help="write <request_id>.txt (and .wav when it speaks)")
     r.add_argument("--stages", type=lambda s: s.split(","), default=None, help="e.g. thinker")

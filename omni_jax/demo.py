@@ -11,6 +11,7 @@ the path they take is the one a real checkpoint takes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import time
@@ -62,8 +63,10 @@ def run_demo(cache_dir: Path, output_dir: Path) -> int:
 
     pipe = OmniJaxPipeline.from_pretrained(tiny_omni_checkpoint(cache_dir), max_model_len=512)
     prompts = demo_prompts(pipe)
+    # Each stage's YAML defaults (the talker samples), seeded so that every run says the same.
+    params = [[dataclasses.replace(s.defaults, seed=i) for i in range(len(prompts))] for s in pipe.stages]
     t0 = time.perf_counter()
-    outs = pipe.run(prompts)
+    outs = pipe.run(prompts, params)
     dt = time.perf_counter() - t0
     output_dir.mkdir(parents=True, exist_ok=True)
     lines, failed = [], 0
