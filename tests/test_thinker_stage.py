@@ -137,29 +137,37 @@ def test_preemption_and_converted_dir(omni_converted_dir, expected) -> None:
     assert sum(o.metrics["thinker"]["num_preemptions"] for o in outs) > 0
 
 
+def assert_same_inputs(pipe: OmniJaxPipeline, proc: Any, case: str) -> None:
+    """Our processor's ids, audio features, image and video patches, grids and video timing for
+    ``case`` against ``proc`` (a composite processor) on the same prompt. Video pixels are held
+    to float32 rounding (``atol``, as in the frame-path test below): our frame path fuses
+    rescale and normalise as the reference's does."""
+    ours: OmniProcessor = pipe.stages[0].frontend.processor
+    prompt = our_prompt(pipe, case)
+    ids = pipe.tokenizer(prompt["prompt"])["input_ids"]
+    got = ours.process(0, ids, prompt.get("multi_modal_data"), **prompt.get("mm_processor_kwargs", {}))
+    ref = {k: v.numpy() if hasattr(v, "numpy") else v for k, v in reference_inputs(proc, prompt).items()}
+    assert got.input_ids == ref["input_ids"][0].tolist(), case
+    if "input_features" in ref:
+        frames = ref["feature_attention_mask"].sum(-1)
+        assert got.audio_seqlens == frames.tolist()
+        for f, r, n in zip(got.audio_features, ref["input_features"], frames, strict=True):
+            np.testing.assert_array_equal(f, r[:, :n])
+    if "pixel_values" in ref:
+        np.testing.assert_array_equal(np.concatenate(got.image_patches), ref["pixel_values"])
+        assert got.image_grid_thw == [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    if "video_grid_thw" in ref:
+        assert got.video_grid_thw == [tuple(g) for g in ref["video_grid_thw"].tolist()], case
+        assert got.video_second_per_grid == ref["video_second_per_grid"].tolist()
+        np.testing.assert_allclose(
+            np.concatenate(got.video_patches), ref["pixel_values_videos"], rtol=0, atol=2e-6
+        )
+
+
 def test_processor_matches_reference_part_by_part(pipe, ref_processor) -> None:
     """Features, grids and expanded ids equal the composite processor's, for every case."""
-    ours: OmniProcessor = pipe.stages[0].frontend.processor
     for case in CASES:
-        prompt = our_prompt(pipe, case)
-        ids = pipe.tokenizer(prompt["prompt"])["input_ids"]
-        got = ours.process(0, ids, prompt.get("multi_modal_data"), **prompt.get("mm_processor_kwargs", {}))
-        ref = {
-            k: v.numpy() if hasattr(v, "numpy") else v
-            for k, v in reference_inputs(ref_processor, prompt).items()
-        }
-        assert got.input_ids == ref["input_ids"][0].tolist(), case
-        if "input_features" in ref:
-            frames = ref["feature_attention_mask"].sum(-1)
-            assert got.audio_seqlens == frames.tolist()
-            for f, r, n in zip(got.audio_features, ref["input_features"], frames, strict=True):
-                np.testing.assert_array_equal(f, r[:, :n])
-        if "pixel_values" in ref:
-            np.testing.assert_array_equal(np.concatenate(got.image_patches), ref["pixel_values"])
-            assert got.image_grid_thw == [tuple(g) for g in ref["image_grid_thw"].tolist()]
-        if "video_grid_thw" in ref:
-            assert got.video_grid_thw == [tuple(g) for g in ref["video_grid_thw"].tolist()]
-            assert got.video_second_per_grid == ref["video_second_per_grid"].tolist()
+        assert_same_inputs(pipe, ref_processor, case)
     size = {"shortest_edge": VIDEO_SIZE["shortest_edge"], "longest_edge": VIDEO_SIZE["longest_edge"]}
     assert all(call["size"] == size for call in ref_processor.video_processor.calls)
 
@@ -167,29 +175,16 @@ def test_processor_matches_reference_part_by_part(pipe, ref_processor) -> None:
 def test_composite_processor_where_torchvision_is_installed(omni_dir, pipe) -> None:
     """transformers' own ``Qwen2_5OmniProcessor`` (``AutoProcessor``, with its torchvision video
     processor) against ours on every case, videos included. torchvision has no wheel for this
-    CPU image, so here the composite is assembled around our frame path instead
-    (:func:`reference_processor`, the part-by-part test above); the GPU image has torchvision, and
-    there this compares the whole composite. Video pixels go through torchvision's resize
-    there and PIL's here, so they are held to the image path's float32 rounding (``atol``)."""
+    CPU image, so here the composite is assembled around our frame path instead (the
+    part-by-part test above) and this test is skipped; the GPU image has torchvision. It is
+    where a difference between our frame path's PIL bicubic resize and torchvision's would show,
+    and it has not run anywhere yet."""
     pytest.importorskip("torchvision")
     from transformers import AutoProcessor
 
     composite = AutoProcessor.from_pretrained(omni_dir)
-    ours: OmniProcessor = pipe.stages[0].frontend.processor
     for case in CASES:
-        prompt = our_prompt(pipe, case)
-        ids = pipe.tokenizer(prompt["prompt"])["input_ids"]
-        got = ours.process(0, ids, prompt.get("multi_modal_data"), **prompt.get("mm_processor_kwargs", {}))
-        ref = {
-            k: v.numpy() if hasattr(v, "numpy") else v for k, v in reference_inputs(composite, prompt).items()
-        }
-        assert got.input_ids == ref["input_ids"][0].tolist(), case
-        if "pixel_values_videos" in ref:
-            assert got.video_grid_thw == [tuple(g) for g in ref["video_grid_thw"].tolist()], case
-            np.testing.assert_allclose(
-                np.concatenate(got.video_patches), ref["pixel_values_videos"], rtol=0, atol=2e-6
-            )
-            np.testing.assert_allclose(got.video_second_per_grid, ref["video_second_per_grid"].tolist())
+        assert_same_inputs(pipe, composite, case)
 
 
 def test_video_frames_match_the_image_processor(pipe) -> None:
