@@ -425,22 +425,29 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides:
     return path
 
 
-def reference_omni_processor(path: str | Path, video_processor: Any = None) -> Any:
+def reference_omni_processor(
+    path: str | Path, video_processor: Any = None, image_processor: Any = None
+) -> Any:
     """transformers' ``Qwen2_5OmniProcessor`` from a checkpoint's own parts, for references.
 
-    Its constructor looks up the video processor class, which needs torchvision (no wheel for
-    these CPU machines), so the instance is assembled as the constructor would assemble it,
-    with ``video_processor`` in that slot (``None``: prompts without video); ``__call__`` is
-    transformers' code. Tests and the e2e benchmark prepare the reference's inputs with it.
+    With torchvision installed and no part given, that is ``AutoProcessor``'s own instance.
+    Without, its constructor cannot look up the video processor class, so the instance is
+    assembled as the constructor would assemble it, with ``video_processor`` in that slot
+    (``None``: prompts without video) and ``image_processor`` (default: ``AutoImageProcessor``'s);
+    ``__call__`` is transformers' code either way. Tests and the e2e benchmark prepare the
+    reference's inputs with it.
     """
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+    from transformers.utils import is_torchvision_available
 
+    if is_torchvision_available() and video_processor is None and image_processor is None:
+        return AutoProcessor.from_pretrained(path)
     proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
     tokenizer = AutoTokenizer.from_pretrained(path)
     proc.tokenizer = tokenizer
     proc.feature_extractor = AutoFeatureExtractor.from_pretrained(path)
-    proc.image_processor = AutoImageProcessor.from_pretrained(path)
+    proc.image_processor = image_processor or AutoImageProcessor.from_pretrained(path)
     proc.video_processor = video_processor
     proc.chat_template = tokenizer.chat_template
     for name in ("image", "audio", "video"):

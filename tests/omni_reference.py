@@ -1,9 +1,9 @@
 """Reference-side helpers shared by the Qwen2.5-Omni end-to-end tests: media and the processor.
 
-transformers' composite ``Qwen2_5OmniProcessor`` cannot be built here (its video processor
-needs torchvision); :func:`reference_processor` assembles it from the parts it would load, so
-its ``__call__`` (transformers' code) prepares the reference's inputs from the same raw arrays
-our pipeline gets.
+transformers' composite ``Qwen2_5OmniProcessor`` prepares the reference's inputs from the same
+raw arrays our pipeline gets. With torchvision installed it is ``AutoProcessor``'s own; without
+(these CPU machines: its video processor needs torchvision), :func:`pil_reference_processor`
+assembles it from the PIL parts, our numpy frame path standing in for the video processor.
 """
 
 from __future__ import annotations
@@ -51,9 +51,28 @@ class StandInVideoProcessor:
         }
 
 
+def pil_reference_processor(omni_dir: Path) -> Any:
+    """The composite processor on the PIL image processor, with our numpy frame path standing in
+    for its video processor: the reference for ``OmniProcessor(pixels="pil")``."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return reference_omni_processor(
+        omni_dir,
+        StandInVideoProcessor(VideoProcessor.from_pretrained(omni_dir)),
+        Qwen2VLImageProcessorPil.from_pretrained(omni_dir),
+    )
+
+
 def reference_processor(omni_dir: Path) -> Any:
-    """The composite processor with our numpy frame path standing in for its video processor."""
-    return reference_omni_processor(omni_dir, StandInVideoProcessor(VideoProcessor.from_pretrained(omni_dir)))
+    """The composite processor whose pixels our default backend reproduces: ``AutoProcessor``
+    where torchvision is installed, else :func:`pil_reference_processor`."""
+    from transformers.utils import is_torchvision_available
+
+    return (
+        reference_omni_processor(omni_dir)
+        if is_torchvision_available()
+        else pil_reference_processor(omni_dir)
+    )
 
 
 def reference_inputs(proc: Any, prompt: dict[str, Any]) -> Any:

@@ -1,8 +1,8 @@
 """The thinker stage end to end: ``from_pretrained(path, stages=["thinker"])`` on multimodal prompts.
 
 The reference is transformers: ``Qwen2_5OmniProcessor.__call__`` (its own code, run with the
-parts it would load; only its video processor, which needs torchvision, is stood in for by our
-numpy frame path, called with the arguments the composite passes) and the full model's
+parts it would load; without torchvision its video processor is stood in for by our numpy frame
+path, called with the arguments the composite passes) and the full model's
 ``thinker.generate(do_sample=False)`` on that processor's output. Our pipeline gets the raw
 arrays and does its own processing, so ids, features, positions, encoders and the engine
 (chunked prefill, batching, preemption) are all on the path being compared.
@@ -18,11 +18,23 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from omni_reference import frames, picture, reference_inputs, reference_processor, tone
+from omni_reference import (
+    frames,
+    picture,
+    pil_reference_processor,
+    reference_inputs,
+    reference_processor,
+    tone,
+)
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.compilation import CompileCounter
-from omni_jax.models.qwen2_5_omni.processor import VIDEO_SIZE, OmniProcessor, VideoProcessor
+from omni_jax.models.qwen2_5_omni.processor import (
+    VIDEO_SIZE,
+    OmniProcessor,
+    TorchvisionVideoProcessor,
+    VideoProcessor,
+)
 from omni_jax.models.qwen2_5_omni.thinker import PromptMerge
 
 MAX_TOKENS = 6
@@ -137,12 +149,11 @@ def test_preemption_and_converted_dir(omni_converted_dir, expected) -> None:
     assert sum(o.metrics["thinker"]["num_preemptions"] for o in outs) > 0
 
 
-def assert_same_inputs(pipe: OmniJaxPipeline, proc: Any, case: str) -> None:
-    """Our processor's ids, audio features, image and video patches, grids and video timing for
+def assert_same_inputs(pipe: OmniJaxPipeline, ours: OmniProcessor, proc: Any, case: str) -> None:
+    """``ours``' ids, audio features, image and video patches, grids and video timing for
     ``case`` against ``proc`` (a composite processor) on the same prompt. Video pixels are held
-    to float32 rounding (``atol``, as in the frame-path test below): our frame path fuses
+    to float32 rounding (``atol``, as in the frame-path test below): our numpy frame path fuses
     rescale and normalise as the reference's does."""
-    ours: OmniProcessor = pipe.stages[0].frontend.processor
     prompt = our_prompt(pipe, case)
     ids = pipe.tokenizer(prompt["prompt"])["input_ids"]
     got = ours.process(0, ids, prompt.get("multi_modal_data"), **prompt.get("mm_processor_kwargs", {}))
@@ -164,27 +175,34 @@ def assert_same_inputs(pipe: OmniJaxPipeline, proc: Any, case: str) -> None:
         )
 
 
-def test_processor_matches_reference_part_by_part(pipe, ref_processor) -> None:
-    """Features, grids and expanded ids equal the composite processor's, for every case."""
+def test_processor_matches_reference_part_by_part(pipe, omni_dir) -> None:
+    """On the PIL backend, features, grids and expanded ids equal those of the composite
+    processor assembled from the PIL parts, for every case."""
+    ours = OmniProcessor.from_pretrained(omni_dir, pixels="pil")
+    reference = pil_reference_processor(omni_dir)
     for case in CASES:
-        assert_same_inputs(pipe, ref_processor, case)
+        assert_same_inputs(pipe, ours, reference, case)
     size = {"shortest_edge": VIDEO_SIZE["shortest_edge"], "longest_edge": VIDEO_SIZE["longest_edge"]}
-    assert all(call["size"] == size for call in ref_processor.video_processor.calls)
+    assert reference.video_processor.calls
+    assert all(call["size"] == size for call in reference.video_processor.calls)
 
 
 def test_composite_processor_where_torchvision_is_installed(omni_dir, pipe) -> None:
-    """transformers' own ``Qwen2_5OmniProcessor`` (``AutoProcessor``, with its torchvision video
-    processor) against ours on every case, videos included. torchvision has no wheel for this
-    CPU image, so here the composite is assembled around our frame path instead (the
-    part-by-part test above) and this test is skipped; the GPU image has torchvision. It is
-    where a difference between our frame path's PIL bicubic resize and torchvision's would show,
-    and it has not run anywhere yet."""
-    pytest.importorskip("torchvision")
+    """transformers' own ``Qwen2_5OmniProcessor`` (``AutoProcessor``, with its torchvision image
+    and video processors) against the pipeline's default, torchvision, backend on every case,
+    videos included. torchvision has no CPU wheel for these machines, so CI skips this (the
+    part-by-part test above covers the PIL backend); the GPU image has torchvision."""
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        pytest.skip("torchvision is not installed")
     from transformers import AutoProcessor
 
+    ours: OmniProcessor = pipe.stages[0].frontend.processor
+    assert isinstance(ours.video_processor, TorchvisionVideoProcessor)
     composite = AutoProcessor.from_pretrained(omni_dir)
     for case in CASES:
-        assert_same_inputs(pipe, composite, case)
+        assert_same_inputs(pipe, ours, composite, case)
 
 
 def test_video_frames_match_the_image_processor(pipe) -> None:

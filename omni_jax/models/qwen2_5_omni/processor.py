@@ -1,14 +1,19 @@
 """Qwen2.5-Omni thinker inputs: raw audio, images and videos -> encoder features + expanded ids.
 
 transformers' composite ``Qwen2_5OmniProcessor`` cannot be built without torchvision (its video
-processor needs it), so this composes the parts that load without it, each with transformers'
-own class from the checkpoint dir: ``WhisperFeatureExtractor`` (log-mel audio),
-``Qwen2VLImageProcessorPil`` (the slow image processor) and the tokenizer. What the composite
-adds on top is written here, following its code: the call arguments it passes to each part,
-the placeholder expansion (one ``<|AUDIO|>`` / ``<|IMAGE|>`` / ``<|VIDEO|>`` becomes one token
-per encoder output row; with ``use_audio_in_video`` a video's placeholder becomes its frames'
-and its audio track's tokens interleaved in 2-second chunks), and :class:`VideoProcessor`, a
-numpy port of ``Qwen2VLVideoProcessor`` for frame arrays.
+processor needs it), so this composes the parts, each with transformers' own class from the
+checkpoint dir: ``WhisperFeatureExtractor`` (log-mel audio), the image processor and the
+tokenizer. What the composite adds on top is written here, following its code: the call
+arguments it passes to each part, the placeholder expansion (one ``<|AUDIO|>`` / ``<|IMAGE|>`` /
+``<|VIDEO|>`` becomes one token per encoder output row; with ``use_audio_in_video`` a video's
+placeholder becomes its frames' and its audio track's tokens interleaved in 2-second chunks).
+
+Pixels follow the backend transformers itself would pick. With torchvision installed (what
+``AutoProcessor`` then builds): its torchvision image processor and ``Qwen2VLVideoProcessor``.
+Without: ``Qwen2VLImageProcessorPil`` and :class:`VideoProcessor`, a numpy port of the video
+processor on PIL's bicubic filter. The two resamplers round differently (measured on random
+frames: one or two uint8 levels in under 1% of pixels), so matching transformers exactly means
+resampling the way it would in the same environment.
 
 Expansion works on token ids rather than text: the placeholders are special tokens, so the
 tokenizer splits text at them and expanding before or after tokenizing gives the same ids.
@@ -20,7 +25,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -51,8 +56,7 @@ class VideoProcessor:
     """``Qwen2VLVideoProcessor`` for frame arrays, in numpy (frames are used as given, no sampling).
 
     Per video: every frame resized to one :func:`smart_resize` size with PIL's bicubic filter
-    (torchvision's antialiased bicubic, which the reference uses, is a port of the same filter;
-    uint8 results can differ by one level where the two round differently), rescale and
+    (the PIL backend's resampling; see the module docstring for torchvision's), rescale and
     normalise fused as the reference does (``(x - mean / scale) / (std / scale)`` in float32),
     the last frame repeated up to a multiple of ``temporal_patch_size``, then patches in the
     reference's order (merge blocks, then channel, time, rows, columns).
@@ -280,11 +284,46 @@ def _video_item(index: int, item: Any) -> np.ndarray:
     return item
 
 
+class TorchvisionVideoProcessor:
+    """transformers' own ``Qwen2VLVideoProcessor`` (torchvision), called as the composite calls
+    it, behind :class:`VideoProcessor`'s interface."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        self.temporal_patch_size: int = processor.temporal_patch_size
+        self.merge_size: int = processor.merge_size
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> TorchvisionVideoProcessor:
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        return cls(Qwen2VLVideoProcessor.from_pretrained(str(path), local_files_only=True))
+
+    def __call__(self, video: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+        out = self.processor([video], size=dict(VIDEO_SIZE), return_tensors="np")
+        (grid,) = out["video_grid_thw"]
+        return np.asarray(out["pixel_values_videos"], np.float32), (int(grid[0]), int(grid[1]), int(grid[2]))
+
+
+PixelBackend = Literal["torchvision", "pil"]
+
+
+def default_pixel_backend() -> PixelBackend:
+    """The backend transformers' ``AutoProcessor`` would build its image and video parts on."""
+    from transformers.utils import is_torchvision_available
+
+    return "torchvision" if is_torchvision_available() else "pil"
+
+
 class OmniProcessor:
     """The composite processor's job, from the checkpoint's own files (see the module docstring)."""
 
     def __init__(
-        self, tokenizer: Any, feature_extractor: Any, image_processor: Any, video_processor: VideoProcessor
+        self,
+        tokenizer: Any,
+        feature_extractor: Any,
+        image_processor: Any,
+        video_processor: VideoProcessor | TorchvisionVideoProcessor,
     ):
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
@@ -299,12 +338,27 @@ class OmniProcessor:
         self.vision_bos_id = ids["vision_bos"]
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, tokenizer: Any = None) -> OmniProcessor:
-        """Each part with transformers' own class from ``path`` (``preprocessor_config.json``)."""
+    def from_pretrained(
+        cls, path: str | Path, tokenizer: Any = None, pixels: PixelBackend | None = None
+    ) -> OmniProcessor:
+        """Each part with transformers' own class from ``path`` (``preprocessor_config.json``);
+        image and video pixels on ``pixels`` (default: :func:`default_pixel_backend`)."""
         from transformers import AutoTokenizer, WhisperFeatureExtractor
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         path = Path(path)
+        pixels = pixels or default_pixel_backend()
+        video: VideoProcessor | TorchvisionVideoProcessor
+        if pixels == "torchvision":
+            from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+            image_cls: Any = Qwen2VLImageProcessor
+            video = TorchvisionVideoProcessor.from_pretrained(path)
+        elif pixels == "pil":
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            image_cls, video = Qwen2VLImageProcessorPil, VideoProcessor.from_pretrained(path)
+        else:
+            raise ValueError(f"pixels must be 'torchvision' or 'pil', got {pixels!r}")
         if not (path / "preprocessor_config.json").exists():
             raise ValueError(f"{path}: no preprocessor_config.json (the audio and image processors)")
         if tokenizer is None:
@@ -317,8 +371,8 @@ class OmniProcessor:
         return cls(
             tokenizer,
             WhisperFeatureExtractor.from_pretrained(str(path), local_files_only=True),
-            Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True),
-            VideoProcessor.from_pretrained(path),
+            image_cls.from_pretrained(str(path), local_files_only=True),
+            video,
         )
 
     # -- the parts ----------------------------------------------------------------------
