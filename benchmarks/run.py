@@ -1,8 +1,8 @@
-"""``python -m benchmarks.run --suite {ar,code2wav,e2e,all} --model {tiny,small,PATH} [--reference]
+"""``python -m benchmarks.run --suite {ar,code2wav,e2e,soak,all} --model {tiny,small,PATH} [--reference]
 [--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]`` (also ``omni-jax bench ...``).
 
 ``tiny`` and ``small`` name a locally built checkpoint per suite (:mod:`benchmarks.models`);
-``all`` runs every registered suite (with a PATH, those whose ``model_type`` it is). Each suite
+``all`` runs every registered suite but the soak (with a PATH, those whose ``model_type`` it is). Each suite
 warms up (compile time reported on its own), measures ours and, with ``--reference``, the
 transformers / PyTorch reference on the same requests in this process, prints a table and, with
 ``--json``, writes the result (a list of results for ``all``); the schema is in
@@ -30,16 +30,19 @@ from omni_jax.parallel.mesh import parse_mesh
 @dataclasses.dataclass(frozen=True)
 class Suite:
     """``module`` has ``run(path, args) -> dict`` and ``table(result) -> str``; ``model_type`` is
-    the checkpoint kind it runs (the key of :data:`benchmarks.models.BUILDERS` for tiny / small)."""
+    the checkpoint kind it runs (the key of :data:`benchmarks.models.BUILDERS` for tiny / small);
+    ``in_all``: whether ``--suite all`` runs it (the soak is asked for by name)."""
 
     module: str
     model_type: str
+    in_all: bool = True
 
 
 SUITES: dict[str, Suite] = {
     "ar": Suite("benchmarks.ar_suite", "qwen2"),
     "code2wav": Suite("benchmarks.code2wav_suite", "qwen2_5_omni"),
     "e2e": Suite("benchmarks.e2e_suite", "qwen2_5_omni"),
+    "soak": Suite("benchmarks.soak_suite", "qwen2", in_all=False),
 }
 """The registered suites, in the order ``--suite all`` runs them; a new one is one line here."""
 
@@ -107,6 +110,17 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     e2e.add_argument(
         "--image-size", type=int, default=None, help="each image request's square side (default 56 to 112 px)"
     )
+    soak = p.add_argument_group("soak suite (--num-requests: 5000 by default)")
+    soak.add_argument("--soak-rounds", type=int, default=3, help="rounds under the tight page budget")
+    soak.add_argument(
+        "--soak-pages", type=int, default=None, help="the tight budget (default: 1.25 full-length sequences)"
+    )
+    soak.add_argument(
+        "--soak-reference",
+        type=int,
+        default=200,
+        help="--reference runs the greedy ones of the first N",
+    )
     return p
 
 
@@ -116,9 +130,9 @@ def suites_for(name: str, model: str) -> list[str]:
     from benchmarks.models import BUILDERS, model_type
 
     if model in ("tiny", "small"):
-        return [s for s, suite in SUITES.items() if model in BUILDERS[suite.model_type]]
+        return [s for s, suite in SUITES.items() if suite.in_all and model in BUILDERS[suite.model_type]]
     kind = model_type(Path(model))
-    matching = [s for s, suite in SUITES.items() if suite.model_type == kind]
+    matching = [s for s, suite in SUITES.items() if suite.in_all and suite.model_type == kind]
     if not matching:
         raise SystemExit(f"--model {model}: no suite runs model_type {kind!r}")
     return matching

@@ -113,11 +113,34 @@ def test_e2e_suite(tmp_path: Path) -> None:
     assert result["compile"]["reference"]["first_run_s"] > 0
 
 
+def test_soak_suite(tmp_path: Path) -> None:
+    """Two tight rounds of random traffic: every request back, nothing left behind, greedy
+    requests equal to transformers (the suite raises on a lost or miscounted request)."""
+    out = tmp_path / "soak.json"
+    argv = "--suite soak --model tiny --reference --num-requests 80 --soak-rounds 2 --soak-reference 40"
+    argv += f" --cache-dir {tmp_path} --json {out}"
+    assert main(argv.split()) == 0
+    result = json.loads(out.read_text())
+    harness.check_result(result)
+    ours = result["ours"]
+    assert result["requests"] == 80 and len(ours["rounds"]) == 2
+    assert ours["pages"] == 20 and ours["pages_unconstrained"] == 256
+    for r in ours["rounds"]:
+        assert r["preemptions"] > 0 and r["output_tokens"] >= 80 and r["tokens_per_s"] > 0
+        assert r["deterministic_differ"] <= 1  # a float tie between programs, at most
+    assert ours["live_arrays_growth"] == 0
+    agree, total = result["reference"]["greedy_agreement"].split()[0].split("/")
+    assert int(total) > 0 and agree == total
+    assert result["ratio"] > 0
+
+
 def test_suite_choices() -> None:
-    """``--suite all`` runs every registered suite; one Suite line registers another."""
+    """``--suite all`` runs every registered suite but the soak; one Suite line registers another."""
     from benchmarks.run import suites_for
 
-    assert suites_for("all", "tiny") == list(SUITES) == ["ar", "code2wav", "e2e"]
+    assert list(SUITES) == ["ar", "code2wav", "e2e", "soak"]
+    assert suites_for("all", "tiny") == ["ar", "code2wav", "e2e"]
+    assert suites_for("soak", "tiny") == ["soak"]
     with pytest.raises(SystemExit):
         parser().parse_args(["--suite", "nope"])
     with pytest.raises(SystemExit):

@@ -141,7 +141,7 @@ BAD_REQUESTS = [
     (
         {"prompt_token_ids": [1] * (MAX_POSITIONS // REPEATS + 1)},
         None,
-        "257 codes exceed the DiT's limit of 256",
+        "257 codes exceed the limit of 256",
     ),
     (
         {"prompt_token_ids": [1, 2, 3]},

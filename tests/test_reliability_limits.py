@@ -9,6 +9,7 @@ numbers are the code's own and nothing large is allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -167,3 +168,55 @@ def test_from_pretrained_refuses_before_reading_weights(omni_dir, monkeypatch) -
     monkeypatch.setattr(pipeline, "load_part", no_loading)
     with pytest.raises(ValueError, match=r"the pipeline needs .*stage 'talker' KV cache \(100000000 pages"):
         OmniJaxPipeline.from_pretrained(omni_dir, num_pages=10**8)
+
+
+def test_code2wav_largest_solve_refused_with_the_numbers(omni_dir) -> None:
+    """A code2wav batch the memory cannot hold (``max_batch`` x ``max_codes`` from the stage's
+    engine options) is refused before loading, its largest solve listed."""
+    hf_config, stages, meshes = meshes_for(omni_dir, ["code2wav"])
+    check_memory_before_loading(omni_dir, hf_config, stages, meshes, num_pages=None, **ENGINE)  # fits
+    huge = [dataclasses.replace(stages[0], engine={"max_batch": 10**6, "max_codes": 200})]
+    with pytest.raises(ValueError, match="the pipeline needs ") as e:
+        check_memory_before_loading(omni_dir, hf_config, huge, meshes, num_pages=None, **ENGINE)
+    needed, available = numbers(str(e.value))
+    assert needed > available
+    assert "stage 'code2wav' largest solve (1000000 requests of 200 codes, estimate)" in str(e.value)
+    assert "max_batch or max_codes" in str(e.value)
+    capped = [dataclasses.replace(stages[0], engine={"max_batch": 10**6, "max_codes": 10**9})]
+    with pytest.raises(ValueError, match=r"1000000 requests of 256 codes"):  # the DiT's positions cap it
+        check_memory_before_loading(omni_dir, hf_config, capped, meshes, num_pages=None, **ENGINE)
+
+
+@pytest.mark.parametrize("rows,codes", [(1, 256), (4, 64), (8, 128)])
+def test_solve_estimate_against_xla(omni_dir, rows, codes) -> None:
+    """The per-code estimate the check multiplies, against XLA's own count of the compiled
+    solve's temporaries for the tiny checkpoint: at least as large, at most 3x."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
+
+    hf_config = load_hf_config(omni_dir)
+    model = nnx.eval_shape(lambda: Token2Wav(hf_config.token2wav_config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    dit = hf_config.token2wav_config.dit_config
+    i32, f32 = jnp.int32, jnp.float32
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype)
+        for shape, dtype in (
+            ((rows, codes), i32),
+            ((rows,), i32),
+            ((rows, dit.enc_emb_dim), f32),
+            ((rows, 64, dit.mel_dim), f32),
+            ((rows,), i32),
+            ((rows, codes * dit.repeats, dit.mel_dim), f32),
+            ((rows,), i32),
+            ((rows,), f32),
+            ((rows,), f32),
+        )
+    ]
+    compiled = token2wav_compiled.lower(graphdef, state, *args, True).compile()
+    xla = compiled.memory_analysis().temp_size_in_bytes
+    estimate = model.solve_bytes_per_code * rows * codes
+    assert xla <= estimate <= 3 * xla, (estimate, xla)

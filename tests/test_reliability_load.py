@@ -28,10 +28,9 @@ the stage keeps no per-request entry, no ``ARRequest`` is alive, the number of l
 arrays is the same, and the process's resident memory does not grow from run to run (a
 generous bound: the check is for leaks that scale with requests).
 
-Sized for a few minutes on a 2-core CPU (most of it compiling the step programs); the
-workload avoids logprobs, penalties and long stop-id lists only because each would add
-another set of programs to compile (their semantics are tested in ``test_sampling``).
-A longer soak belongs in the benchmark harness (not here).
+Sized for a few minutes on a 2-core CPU (most of it compiling the step programs). The workload
+and its count checks are :mod:`benchmarks.workloads`'s, shared with the longer soak
+(``python -m benchmarks.run --suite soak``).
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks.workloads import count_problem, random_workload
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.kv_cache import PageAllocator
 from omni_jax.engine.scheduler import ARRequest
@@ -57,41 +57,7 @@ RSS_GROWTH_LIMIT = 64 << 20  # bytes, between the first and the last tight run
 
 
 def workload(vocab: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    rs = np.random.RandomState(seed)
-    prompts, params = [], []
-    for _ in range(NUM_REQUESTS):
-        prompts.append([int(t) for t in rs.randint(0, vocab, rs.randint(1, 49))])
-        kind = rs.choice(["greedy", "seeded", "unseeded"], p=[0.4, 0.45, 0.15])
-        max_tokens = None if rs.rand() < 0.05 else int(rs.randint(1, 25))
-        p = SamplingParams(
-            temperature=0.0 if kind == "greedy" else float(rs.uniform(0.5, 1.5)),
-            top_k=int(rs.choice([-1, 5, 50])),
-            top_p=float(rs.choice([1.0, 0.9])),
-            min_p=float(rs.choice([0.0, 0.05])),
-            seed=int(rs.randint(2**31)) if kind == "seeded" else None,
-            max_tokens=max_tokens,
-            min_tokens=int(rs.randint(0, (max_tokens or 24) + 1)) if rs.rand() < 0.3 else 0,
-            # at most 3 stop ids: with EOS, every suppress list fits one bucket (one set of programs)
-            stop_token_ids=[int(t) for t in rs.randint(0, vocab, rs.randint(0, 4))] or None,
-            ignore_eos=bool(rs.rand() < 0.3),
-        )
-        params.append(p)
-    return prompts, params
-
-
-def check_count(prompt: list[int], params: SamplingParams, out, eos: int) -> None:  # noqa: ANN001
-    """The token count and finish reason ``params`` imply for ``out`` (whatever the tokens)."""
-    stops = set(params.stop_token_ids or []) | (set() if params.ignore_eos else {eos})
-    toks = out.token_ids
-    limit = MAX_MODEL_LEN - len(prompt)
-    if params.max_tokens is not None:
-        limit = min(limit, params.max_tokens)
-    assert out.error is None and 1 <= len(toks) <= limit
-    assert not stops & set(toks[:-1])  # the first stop id ends the request (none under min_tokens)
-    if out.finish_reason == "stop":
-        assert toks[-1] in stops and len(toks) > params.min_tokens
-    else:
-        assert (out.finish_reason, len(toks)) == ("length", limit) and toks[-1] not in stops
+    return random_workload(NUM_REQUESTS, vocab, seed, max_prompt=48, max_new=24)
 
 
 TIE = 1e-4  # relative: far above float32 noise between programs, far below a real difference
@@ -177,8 +143,11 @@ def test_nothing_lost_under_constant_preemption(pipe, hf_qwen2) -> None:
         assert len(outs) == NUM_REQUESTS
         assert [o.prompt_token_ids for o in outs] == prompts
         assert len({o.request_id for o in outs}) == NUM_REQUESTS
-        for prompt, p, out in zip(prompts, params, outs, strict=True):
-            check_count(prompt, p, out, eos)
+        problems = [
+            count_problem(pr, p, o, eos, MAX_MODEL_LEN)
+            for pr, p, o in zip(prompts, params, outs, strict=True)
+        ]
+        assert not any(problems), [(i, x) for i, x in enumerate(problems) if x][:3]
         return [o.token_ids for o in outs], sum(o.metrics["llm"]["num_preemptions"] for o in outs)
 
     free, preempted = run()

@@ -23,13 +23,40 @@ from omni_jax.stages.config import StageConfig
 SAMPLE_RATE = 24_000
 """Qwen2.5-Omni's BigVGAN output rate (not recorded in the checkpoint's config)."""
 
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_CODES = 4096
+"""Codes per request when the stage YAML sets no ``max_codes``: the talker's default
+``max_tokens`` (transformers' ``talker_max_new_tokens``), 82 s of audio at 50 codes per second.
+With ``max_batch`` it bounds the largest solve, which the start-up check must find room for."""
+
+
+def solve_limits(sc: StageConfig, model: Token2Wav) -> tuple[int, int]:
+    """``(max_batch, max_codes)`` of a code2wav stage: its engine options, codes capped by the
+    DiT's positions."""
+    dit = model.dit
+    max_batch = int(sc.engine.get("max_batch", DEFAULT_MAX_BATCH))
+    positions = dit.max_position_embeddings // dit.repeats
+    max_codes = min(int(sc.engine.get("max_codes", DEFAULT_MAX_CODES)), positions)
+    if max_batch < 1 or max_codes < 1:
+        raise ValueError(f"stage {sc.name!r}: max_batch={max_batch} and max_codes={max_codes} must be >= 1")
+    return max_batch, max_codes
+
+
+def solve_demand(sc: StageConfig, model: Token2Wav) -> dict[str, int]:
+    """The largest solve's temporaries, for the start-up memory check (an estimate: see
+    :func:`omni_jax.models.qwen2_5_omni.token2wav.solve_bytes_per_code`)."""
+    max_batch, max_codes = solve_limits(sc, model)
+    what = f"stage {sc.name!r} largest solve ({max_batch} requests of {max_codes} codes, estimate)"
+    return {what: model.solve_bytes_per_code * max_batch * max_codes}
+
 
 class Code2WavStage:
     """Prompts (when first) are ``{"prompt_token_ids": codes, "speaker": name}``.
 
     Codes index the DiT's codec embedding: valid ids are ``0 .. num_embeds`` inclusive (the
-    table has ``num_embeds + 1`` rows, as in transformers). A request may hold at most
-    ``max_position_embeddings // repeats`` codes, the reference's limit on mel length. A prompt
+    table has ``num_embeds + 1`` rows, as in transformers). A request may hold at most the
+    engine option ``max_codes`` codes (default :data:`DEFAULT_MAX_CODES`), never more than
+    ``max_position_embeddings // repeats``, the reference's limit on mel length. A prompt
     without ``"speaker"`` uses :attr:`default_speaker`: the YAML's ``default_speaker`` when the
     checkpoint has that voice, else the checkpoint's first voice.
     """
@@ -63,18 +90,16 @@ class Code2WavStage:
         voices = Voices.load(path, sc.default_speaker)
         speakers = voices.speakers
         dit = model.dit
+        max_batch, max_codes = solve_limits(sc, model)
         geometry = SolveGeometry(
-            repeats=dit.repeats,
-            mel_dim=dit.mel_dim,
-            max_codes=dit.max_position_embeddings // dit.repeats,
-            min_guidance=MIN_GUIDANCE,
+            repeats=dit.repeats, mel_dim=dit.mel_dim, max_codes=max_codes, min_guidance=MIN_GUIDANCE
         )
         # Every voice's reference mel pads to one bucket: one compile fewer per batch shape.
         runner = GenerationRunner(
             token2wav_compiled,
             model,
             geometry,
-            max_batch=int(sc.engine.get("max_batch", 8)),
+            max_batch=max_batch,
             min_reference=max(len(s.ref_mel) for s in speakers.values()),
         )
         codec_vocab_size = int(dit.codec_embed.num_embeddings)
@@ -111,8 +136,9 @@ class Code2WavStage:
         geometry = self.runner.geometry
         if len(codes) > geometry.max_codes:
             raise ValueError(
-                f"request {index}: {len(codes)} codes exceed the DiT's limit of {geometry.max_codes} "
-                f"({geometry.max_codes * geometry.repeats} mel frames, max_position_embeddings)"
+                f"request {index}: {len(codes)} codes exceed the limit of {geometry.max_codes} "
+                f"(engine option max_codes of stage {self.config.name!r}, at most the DiT's "
+                "max_position_embeddings // repeats)"
             )
         if params.initial_noise is not None:
             want = (len(codes) * geometry.repeats, geometry.mel_dim)

@@ -1,13 +1,13 @@
 """Start-up limits across stages: refuse, before any weight is read, what the devices cannot hold.
 
-Each stage's weights (from its abstract model, ``nnx.eval_shape``: nothing is allocated or read)
-and, for an AR stage, its KV cache and largest step (:class:`~omni_jax.stages.ar.CachePlan`)
-are added up per memory pool (each accelerator, or the host for CPU devices) over the devices
-each stage is placed on, and compared with what the pool has left. Without ``num_pages`` the
-cache is sized later to what is left (at least one sequence), so only one sequence's pages count
-here. Weights are counted split over the ``model`` axis, a lower bound where parts are
-replicated (the encoders); :meth:`CachePlan.num_pages` checks again, exactly, once the weights
-are placed.
+Each stage's weights (from its abstract model, ``nnx.eval_shape``: nothing is allocated or read),
+an AR stage's KV cache and largest step (:class:`~omni_jax.stages.ar.CachePlan`) and a generation
+stage's largest solve (:func:`~omni_jax.stages.code2wav.solve_demand`) are added up per memory
+pool (each accelerator, or the host for CPU devices) over the devices each stage is placed on,
+and compared with what the pool has left. Without ``num_pages`` the cache is sized later to what
+is left (at least one sequence), so only one sequence's pages count here. Weights are counted
+split over the ``model`` axis, a lower bound where parts are replicated (the encoders);
+:meth:`CachePlan.num_pages` checks again, exactly, once the weights are placed.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from omni_jax.engine.memory import available_bytes, format_bytes, memory_pools, 
 from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.stages.ar import CachePlan, local_devices
+from omni_jax.stages.code2wav import solve_demand
 from omni_jax.stages.config import StageConfig
 
 
@@ -74,6 +75,8 @@ def check_memory_before_loading(
             )
             pages = plan.pages_per_seq if num_pages is None else num_pages
             items |= {f"stage {sc.name!r} {k}": v for k, v in plan.memory.demand(pages).items()}
+        else:
+            items |= solve_demand(sc, model)
         for device, count in memory_pools(local_devices(mesh)):
             _, pool = pools.setdefault(pool_key(device), (device, {}))
             for k, v in items.items():
@@ -86,5 +89,6 @@ def check_memory_before_loading(
             raise ValueError(
                 f"the pipeline needs {format_bytes(total)} but {where} has {format_bytes(available)} "
                 f"available [{listed}]; lower num_pages, max_model_len, max_num_seqs or "
-                "max_num_batched_tokens, use a smaller dtype, or spread the stages over more devices"
+                "max_num_batched_tokens (code2wav: the stage's max_batch or max_codes), use a smaller "
+                "dtype, or spread the stages over more devices"
             )

@@ -37,6 +37,37 @@ class Token2Wav(nnx.Module):
     def __init__(self, config: Any, *, rngs: nnx.Rngs):
         self.dit = DiT(config.dit_config, rngs=rngs)
         self.bigvgan = BigVGAN(config.bigvgan_config, rngs=rngs)
+        self.solve_bytes_per_code = solve_bytes_per_code(config)
+
+
+def solve_bytes_per_code(config: Any) -> int:
+    """Estimated temporaries of one solve per request row and code, float32 (``Token2WavConfig``).
+
+    A solve's memory grows linearly in rows x codes (block attention keeps the DiT linear in
+    frames), so the start-up check multiplies this by its largest batch. Per mel frame: the
+    DiT's live activations for the conditional and unconditional rows (hidden-width buffers and
+    the feed-forward's intermediate, each block's window of keys, values and scores), the RK4
+    state, then the vocoder's widest stage (channels x samples per frame, held a few times over
+    through its anti-aliased activations and resblock sum). Against XLA's own accounting
+    (``compiled.memory_analysis().temp_size_in_bytes``) the tests hold it to within 1x-3x.
+    """
+    dit, voc = config.dit_config, config.bigvgan_config
+    window = 3 * dit.block_size  # look-backward, own and look-ahead blocks at most
+    heads = dit.num_attention_heads
+    dit_frame = (
+        2
+        * (  # conditional and unconditional rows
+            (8 + 2 * dit.ff_mult) * dit.hidden_size
+            + heads * window * (1 + 2 * dit.head_dim // dit.block_size)
+        )
+        + 8 * dit.mel_dim
+    )
+    widest, samples = voc.upsample_initial_channel, 1
+    for i, rate in enumerate(voc.upsample_rates):
+        samples *= rate
+        widest = max(widest, voc.upsample_initial_channel // 2 ** (i + 1) * samples)
+    vocoder_frame = 8 * widest
+    return 4 * dit.repeats * (dit_frame + vocoder_frame)
 
 
 TOKEN2WAV_RULES: tuple[ParamRule, ...] = prefixed("code2wav_dit_model.", "dit", DIT_RULES) + prefixed(
