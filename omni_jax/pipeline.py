@@ -47,6 +47,19 @@ class _Pending:
     prompt: dict[str, Any]
 
 
+def _token_ids(index: int, ids: Any) -> list[int]:
+    """A list/tuple of ints or a 1-D integer array (numpy ints too: ids often come from
+    tokenizers or arrays) as Python ints; anything else (floats, bools, nesting) is refused."""
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
+        return [int(t) for t in ids]
+    integral = (int, np.integer)
+    if isinstance(ids, (list, tuple)) and all(
+        isinstance(t, integral) and not isinstance(t, bool) for t in ids
+    ):
+        return [int(t) for t in ids]
+    raise ValueError(f"request {index}: prompt_token_ids must be a list of ints or a 1-D integer array")
+
+
 class OmniJaxPipeline:
     """Multi-stage inference over one checkpoint; see DESIGN.md's public contract."""
 
@@ -189,10 +202,7 @@ class OmniJaxPipeline:
         if not isinstance(prompt, dict):
             raise ValueError(f"request {index}: a prompt is a str or a dict, got {type(prompt).__name__}")
         if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                raise ValueError(f"request {index}: prompt_token_ids must be a list of ints")
-            return StageInput(list(ids), prompt)
+            return StageInput(_token_ids(index, prompt["prompt_token_ids"]), prompt)
         if "prompt" in prompt:
             first = self.stages[0]
             if not first.accepts_text:

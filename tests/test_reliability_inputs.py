@@ -297,6 +297,17 @@ def code2wav(omni_dir) -> OmniJaxPipeline:
         ),
         ({"prompt_token_ids": [1, 2], "speaker": "Nobody"}, None, "unknown speaker 'Nobody'"),
         ({"prompt_token_ids": [1, 2.0]}, None, "prompt_token_ids must be a list of ints"),
+        ({"prompt_token_ids": [1, True]}, None, "prompt_token_ids must be a list of ints"),
+        (
+            {"prompt_token_ids": np.array([[1, 2]])},
+            None,
+            "prompt_token_ids must be a list of ints or a 1-D integer array",
+        ),
+        (
+            {"prompt_token_ids": np.array([1.0, 2.0])},
+            None,
+            "prompt_token_ids must be a list of ints or a 1-D integer array",
+        ),
     ],
 )
 def test_code2wav_first_refuses_before_work(code2wav, monkeypatch, bad, params, match) -> None:
@@ -369,3 +380,21 @@ def test_encoder_fault_alone_and_then_recovered(pipe, monkeypatch) -> None:
     assert out.finish_reason == "error" and "RESOURCE_EXHAUSTED: injected" in out.error
     (again,) = pipe.run(prompt, GREEDY, progress=False)
     assert again.error is None and len(again.token_ids) == 3
+
+
+def test_numpy_token_ids_taken_as_ints(code2wav) -> None:
+    """A 1-D integer array or a list of numpy ints is the same prompt as the list of ints."""
+    params = Token2WavParams(num_steps=2, seed=0)
+    ids = [4, 5, 6, 7]
+    outs = code2wav.run(
+        [
+            {"prompt_token_ids": ids},
+            {"prompt_token_ids": np.array(ids, np.int64)},
+            {"prompt_token_ids": list(np.array(ids, np.int32))},
+        ],
+        params,
+        progress=False,
+    )
+    assert all(o.prompt_token_ids == ids and type(o.prompt_token_ids[0]) is int for o in outs)
+    np.testing.assert_array_equal(outs[1].audio, outs[0].audio)
+    np.testing.assert_array_equal(outs[2].audio, outs[0].audio)
