@@ -132,3 +132,35 @@ def test_per_prompt_params_list(pipe, prompts) -> None:
     assert [len(o.token_ids) for o in outs] == [2, 5, 1]
     with pytest.raises(ValueError, match="one SamplingParams or a list of 3"):
         pipe.run([{"prompt_token_ids": p} for p in prompts[:3]], params[:2], progress=False)
+
+
+def test_ragged_step_split_into_calls(qwen2_dir, hf_qwen2, prompts, monkeypatch) -> None:
+    """A step of ragged prompt chunks runs as several calls of similar lengths (less padding),
+    covering every row once, each call a warmed-up shape; the tokens are generate's."""
+    from omni_jax.engine.ar_runner import ARRunner
+    from omni_jax.engine.buckets import token_bucket
+
+    pipe = OmniJaxPipeline.from_pretrained(
+        qwen2_dir, max_num_seqs=8, page_size=8, max_model_len=256, max_num_batched_tokens=1024
+    )
+    calls: list[list[int]] = []
+    split = ARRunner.groups
+
+    def seen(self, rows):  # noqa: ANN001, ANN202
+        groups = split(self, rows)
+        calls.append([len(g) for g in groups])
+        assert sorted(i for g in groups for i in g) == list(range(len(rows)))
+        shapes = self.step_shapes(1024)
+        for g in groups:
+            lengths = [len(rows[i].token_ids) for i in g]
+            if max(lengths) > 1:
+                b = self.rows_bucket(len(g))
+                assert any(s[:2] == (b, token_bucket(max(lengths))) for s in shapes)
+        return groups
+
+    monkeypatch.setattr(ARRunner, "groups", seen)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = pipe.run([{"prompt_token_ids": p} for p in prompts], params, progress=False)
+    assert any(len(c) > 1 for c in calls)  # LENGTHS 1..100 in one step: split
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == hf_greedy(hf_qwen2, p, 8, None)
