@@ -226,17 +226,15 @@ class ARRunner:
         so each data shard gets the same number of rows."""
         return round_up(row_bucket(n, self.max_rows), self.data)
 
-    def pages_bucket(self, t: int, max_pages: int) -> int:
-        """Block-table width of a step: decode reads only the pages its longest row needs.
+    def pages_bucket(self, max_pages: int) -> int:
+        """Block-table width of a call: only the pages its longest row needs (a power of two,
+        at least an eighth of the maximum to bound the number of programs).
 
-        A decode step is bound by bytes read, and the jnp path reads every page in the
-        table, so its width follows the context (power-of-two, at least an eighth of the
-        maximum to bound the number of programs). Prompt steps are bound by compute and keep
-        the full width, which keeps their number of programs down.
+        The jnp path gathers every page in the table and, for a prompt chunk, computes a score
+        for each of its keys: a full-width table made attention a third of the prompt compute
+        on the AR benchmark (chunks of up to 192 tokens against 512-token tables).
         """
         full = self.cache_cfg.pages_per_seq
-        if t > 1:
-            return full
         return min(full, bucket(max_pages, max(1, full // 8)))
 
     def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, int, int]]:
@@ -245,11 +243,15 @@ class ARRunner:
         The scheduler budgets real rows; a lone row is padded to ``MIN_ROWS`` after it.
         """
         rows = bucket_sizes(1, self.max_rows)
-        full = self.cache_cfg.pages_per_seq
-        decode_pages = sorted({self.pages_bucket(1, p) for p in range(1, full + 1)})
-        shapes = {(self.rows_bucket(b), 1, p) for b in rows for p in decode_pages}
+        c = self.cache_cfg
+        widths = sorted({self.pages_bucket(p) for p in range(1, c.pages_per_seq + 1)})
+        shapes = {(self.rows_bucket(b), 1, p) for b in rows for p in widths}
         for t in fine_bucket_sizes(self.min_prefill_bucket, max_num_batched_tokens):
-            shapes |= {(self.rows_bucket(b), t, full) for b in rows if b * t <= max_num_batched_tokens}
+            # a chunk of t tokens ends at least t tokens in: narrower tables never serve it
+            fit = [p for p in widths if p * c.page_size >= min(t, c.max_model_len)]
+            shapes |= {
+                (self.rows_bucket(b), t, p) for b in rows if b * t <= max_num_batched_tokens for p in fit
+            }
         return sorted(shapes)
 
     def warmup(self, max_num_batched_tokens: int, return_hidden: bool = False) -> int:
@@ -400,7 +402,7 @@ class ARRunner:
         n = len(rows)
         b = self.rows_bucket(n)
         t = token_bucket(max(len(r.token_ids) for r in rows), self.min_prefill_bucket)
-        p = self.pages_bucket(t, max(-(-r.end // self.cache_cfg.page_size) for r in rows))
+        p = self.pages_bucket(max(-(-r.end // self.cache_cfg.page_size) for r in rows))
         most = max((r.params.logprobs or 0) for r in rows)
         toks, finite, ids, lps, hidden = self._call(
             *self._pack(rows, b, t, p), num_logprobs=bucket(most) if most else 0, return_hidden=return_hidden
