@@ -135,7 +135,7 @@ class OmniJaxPipeline:
             stage_mesh = sharded_or_none(meshes[sc.name])
             model, _ = load_part(path, sc.name, dtype=dtype, mesh=stage_mesh, progress=progress)
             if sc.kind == "generation":
-                built.append(Code2WavStage.build(sc, model, path))
+                built.append(Code2WavStage.build(sc, model, path, stage_mesh))
                 continue
             part = arch.part(sc.name)
             frontend = None if part.frontend is None else part.frontend(hf_config, model, path, sc)

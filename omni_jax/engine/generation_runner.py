@@ -7,6 +7,10 @@ and split back into per-request waveforms trimmed to their valid samples. Reques
 are first grouped by code bucket, one solve per group: padding is paid in full compute, and a
 50-code request padded to the 200 codes of its neighbour would cost four times its own work.
 
+On a stage mesh, a solve's rows are split over ``data`` (rows padded to a multiple of it), each
+device solving its own requests with the replicated weights: rows never interact, so XLA
+partitions the whole program by rows.
+
 Randomness is batch-invariant: a request's initial noise comes from its own seed and its own
 length only (never from the bucket or its neighbours), so the same request with the same seed
 gives the same waveform alone or in any batch.
@@ -23,10 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from omni_jax.engine.buckets import bucket, fine_bucket
+from omni_jax.engine.buckets import bucket, fine_bucket, round_up
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.parallel.distributed import random_seed
+from omni_jax.parallel.mesh import axis_size
+from omni_jax.parallel.rules import put
 from omni_jax.profiling import scope
 
 Solve = Callable[..., tuple[jax.Array, jax.Array]]
@@ -86,10 +94,14 @@ class PaddedBatch:
     seeds: list[int | None]
     guided: bool = True
 
-    def arrays(self) -> tuple[jax.Array, ...]:
-        """The device arrays in :data:`Solve`'s argument order (after graphdef and state)."""
+    def arrays(self, mesh: Mesh | None = None) -> tuple[jax.Array, ...]:
+        """The device arrays in :data:`Solve`'s argument order (after graphdef and state); on
+        ``mesh``, rows (axis 0 of each) split over ``data``."""
         fields = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), np.ndarray)]
-        return tuple(jnp.asarray(getattr(self, name)) for name in fields)
+        if mesh is None:
+            return tuple(jnp.asarray(getattr(self, name)) for name in fields)
+        rows = NamedSharding(mesh, P("data"))
+        return tuple(put(getattr(self, name), rows) for name in fields)
 
 
 class GenerationRunner:
@@ -104,7 +116,10 @@ class GenerationRunner:
         max_batch: int = 8,
         min_codes: int = 16,
         min_reference: int = 16,
+        mesh: Mesh | None = None,
     ):
+        """``mesh``: the stage's ``("data", "model")`` mesh, the model's weights already placed
+        on it (replicated); ``None`` on one device."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.solve = solve
@@ -113,6 +128,8 @@ class GenerationRunner:
         self.max_batch = max_batch
         self.min_codes = min(min_codes, geometry.max_codes)
         self.min_reference = min_reference
+        self.mesh = mesh
+        self.data = axis_size(mesh, "data")
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
 
     def add(self, request: GenerationRequest) -> None:
@@ -154,7 +171,7 @@ class GenerationRunner:
         if not 1 <= len(requests) <= self.max_batch:
             raise ValueError(f"a batch holds 1 to {self.max_batch} requests, got {len(requests)}")
         g = self.geometry
-        rows = bucket(len(requests), 1, self.max_batch)
+        rows = round_up(bucket(len(requests), 1, self.max_batch), self.data)
         codes_len = self.code_bucket(max(len(r.codes) for r in requests))
         ref_len = bucket(max(len(r.reference_mel) for r in requests), self.min_reference)
         speaker_dim = requests[0].speaker_embedding.shape[-1]
@@ -200,7 +217,7 @@ class GenerationRunner:
             # Inputs to the device, one program (DiT solve then vocoder: device scopes
             # ``dit_solve`` / ``vocoder``), waveforms back to the host.
             with scope("code2wav/solve", rows=batch.codes.shape[0], codes=batch.codes.shape[1]):
-                wave, valid = self.solve(self.graphdef, self.state, *batch.arrays(), batch.guided)
+                wave, valid = self.solve(self.graphdef, self.state, *batch.arrays(self.mesh), batch.guided)
                 wave, valid = np.asarray(wave), np.asarray(valid)
         except jax.errors.JaxRuntimeError as e:
             if len(requests) > 1:  # find the culprit: the others still complete

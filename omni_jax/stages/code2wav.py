@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh
 
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.engine.generation_runner import GenerationRequest, GenerationRunner, SolveGeometry
@@ -86,7 +87,7 @@ class Code2WavStage:
         return self.voices.default
 
     @classmethod
-    def build(cls, sc: StageConfig, model: Token2Wav, path: Path) -> Code2WavStage:
+    def build(cls, sc: StageConfig, model: Token2Wav, path: Path, mesh: Mesh | None = None) -> Code2WavStage:
         voices = Voices.load(path, sc.default_speaker)
         speakers = voices.speakers
         dit = model.dit
@@ -101,6 +102,7 @@ class Code2WavStage:
             geometry,
             max_batch=max_batch,
             min_reference=max(len(s.ref_mel) for s in speakers.values()),
+            mesh=mesh,
         )
         codec_vocab_size = int(dit.codec_embed.num_embeddings)
         defaults = sc.default_params(Token2WavParams)

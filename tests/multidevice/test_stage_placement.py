@@ -66,6 +66,41 @@ def test_code2wav_stage_on_devices_6_and_7(omni_dir, tmp_path) -> None:
     assert out.error is None and out.audio.size > 0 and np.isfinite(out.audio).all()
 
 
+def test_code2wav_rows_split_over_data(omni_dir, tmp_path) -> None:
+    """On a ``data: 2`` mesh a solve's rows are split over the two devices (each solves its own
+    requests) and every request's waveform is the one it gets on one device."""
+    from omni_jax.engine.generation_runner import GenerationRequest
+
+    src = yaml.safe_load((Path(__file__).parents[2] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
+    for s in src["stages"]:
+        if s["name"] == "code2wav":
+            s["devices"], s["mesh"] = [6, 7], {"data": 2}
+    cfg = tmp_path / "omni.yaml"
+    cfg.write_text(yaml.safe_dump(src))
+    placed = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
+    alone = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
+    prompts = [{"prompt_token_ids": [1, 5, 9, 2, 7, 3][: 3 + i]} for i in range(3)]
+    params = Token2WavParams(num_steps=3, seed=0)
+    runner = placed.stages[0].runner
+    request = GenerationRequest(
+        "r",
+        np.array([1, 2, 3]),
+        np.zeros(4, np.float32),
+        np.zeros((2, runner.geometry.mel_dim), np.float32),
+        params,
+    )
+    batch = runner.pad([request])
+    assert batch.codes.shape[0] == 2  # one request: padded to a row per device
+    arrays = batch.arrays(runner.mesh)
+    assert all(a.sharding.spec == jax.sharding.PartitionSpec("data") for a in arrays)
+    assert all(a.sharding.device_set == set(jax.devices()[6:]) for a in arrays)
+    got = placed.run(prompts, params, progress=False)
+    want = alone.run(prompts, params, progress=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.error is None and g.audio.shape == w.audio.shape
+        np.testing.assert_allclose(g.audio, w.audio, rtol=1e-5, atol=1e-6)
+
+
 def test_overlapping_stage_devices_refused(omni_dir, tmp_path) -> None:
     stages = [
         {"name": "thinker", "kind": "ar", "input": "prompt", "devices": [0, 1, 2, 3]},
