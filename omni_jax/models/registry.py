@@ -13,6 +13,7 @@ from flax import nnx
 from omni_jax.models import qwen2
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni import speakers
+from omni_jax.models.qwen2_5_omni.dit import dit_partition_rules
 from omni_jax.models.qwen2_5_omni.talker import (
     TALKER_RULES_IN_OMNI,
     Talker,
@@ -152,6 +153,7 @@ _QWEN2_5_OMNI = Architecture(
             make=_token2wav_make,
             rules=lambda cfg: prefixed("token2wav.", "", TOKEN2WAV_RULES),
             ignore=lambda cfg: tuple(r"token2wav\." + p for p in TOKEN2WAV_IGNORE),
+            partition=lambda cfg, model: dit_partition_rules(cfg.token2wav_config.dit_config, model),
             dtype="float32",
         ),
     ),

@@ -49,39 +49,38 @@ def test_llm_stage_on_devices_4_to_7(gqa_dir, gqa_prompts, reference, tmp_path) 
     assert greedy(placed, gqa_prompts) == reference
 
 
-def test_code2wav_stage_on_devices_6_and_7(omni_dir, tmp_path) -> None:
-    """The generation stage's weights live only on its devices (replicated: it has no partition
-    rules, so its math is the one-device math) and it voices a request there."""
+def code2wav_on(omni_dir: Path, tmp_path: Path, devices: list[int], mesh: dict[str, int]) -> OmniJaxPipeline:
     src = yaml.safe_load((Path(__file__).parents[2] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
     for s in src["stages"]:
         if s["name"] == "code2wav":
-            s["devices"] = [6, 7]
-            s["mesh"] = {"data": 2}
+            s["devices"], s["mesh"] = devices, mesh
     cfg = tmp_path / "omni.yaml"
     cfg.write_text(yaml.safe_dump(src))
-    placed = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
-    runner = placed.stages[0].runner
-    assert devices_of(nnx.to_pure_dict(runner.state)) == set(jax.devices()[6:])
-    out = placed.run({"prompt_token_ids": [1, 5, 9, 2, 7, 3]}, Token2WavParams(num_steps=2, seed=0), False)[0]
-    assert out.error is None and out.audio.size > 0 and np.isfinite(out.audio).all()
+    return OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
 
 
-def test_code2wav_rows_split_over_data(omni_dir, tmp_path) -> None:
-    """On a ``data: 2`` mesh a solve's rows are split over the two devices (each solves its own
-    requests) and every request's waveform is the one it gets on one device."""
+@pytest.mark.parametrize(
+    "devices,mesh",
+    [([6, 7], {"data": 2}), ([6, 7], {"model": 2}), ([4, 5, 6, 7], {"data": 2, "model": 2})],
+)
+def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None:
+    """The stage's weights live only on its devices. A solve's rows are split over ``data``
+    (each device solves its own requests, rows padded to a multiple of it) and the DiT's
+    blocks over ``model`` (q/k/v/ff-in/modulation columns, out/ff-out rows); every request's
+    waveform is the one it gets on one device."""
     from omni_jax.engine.generation_runner import GenerationRequest
 
-    src = yaml.safe_load((Path(__file__).parents[2] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
-    for s in src["stages"]:
-        if s["name"] == "code2wav":
-            s["devices"], s["mesh"] = [6, 7], {"data": 2}
-    cfg = tmp_path / "omni.yaml"
-    cfg.write_text(yaml.safe_dump(src))
-    placed = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
+    placed = code2wav_on(omni_dir, tmp_path, devices, mesh)
     alone = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
-    prompts = [{"prompt_token_ids": [1, 5, 9, 2, 7, 3][: 3 + i]} for i in range(3)]
-    params = Token2WavParams(num_steps=3, seed=0)
     runner = placed.stages[0].runner
+    assert devices_of(nnx.to_pure_dict(runner.state)) == {jax.devices()[i] for i in devices}
+    model = mesh.get("model", 1)
+    block = runner.state["dit"]["transformer_blocks"][0]
+    assert block["attn"]["to_q"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert block["ff"]["ff_out"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("model", None)
+    shard = block["attn"]["to_q"]["kernel"].addressable_shards[0].data.shape
+    assert shard[1] * model == block["attn"]["to_q"]["kernel"].shape[1]
+    params = Token2WavParams(num_steps=3, seed=0)
     request = GenerationRequest(
         "r",
         np.array([1, 2, 3]),
@@ -90,10 +89,11 @@ def test_code2wav_rows_split_over_data(omni_dir, tmp_path) -> None:
         params,
     )
     batch = runner.pad([request])
-    assert batch.codes.shape[0] == 2  # one request: padded to a row per device
+    assert batch.codes.shape[0] == mesh.get("data", 1)  # one request: a row per data shard
     arrays = batch.arrays(runner.mesh)
     assert all(a.sharding.spec == jax.sharding.PartitionSpec("data") for a in arrays)
-    assert all(a.sharding.device_set == set(jax.devices()[6:]) for a in arrays)
+    assert all(a.sharding.device_set == {jax.devices()[i] for i in devices} for a in arrays)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 2, 7, 3][: 3 + i]} for i in range(3)]
     got = placed.run(prompts, params, progress=False)
     want = alone.run(prompts, params, progress=False)
     for g, w in zip(got, want, strict=True):

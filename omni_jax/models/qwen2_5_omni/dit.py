@@ -20,6 +20,7 @@ from flax import nnx
 
 from omni_jax.models.layers import rope_cos_sin, rope_inv_freq, rotate_half
 from omni_jax.models.param_map import ParamRule, conv1d_kernel, linear_kernel
+from omni_jax.parallel.rules import ShardRule
 
 TIME_FREQ_DIM = 256
 """Width of the sinusoidal timestep features (fixed in the reference)."""
@@ -470,3 +471,32 @@ DIT_RULES: tuple[ParamRule, ...] = (
 
 DIT_IGNORE: tuple[str, ...] = (r"rotary_embed\.(original_)?inv_freq",)
 """Buffers a checkpoint may carry that :class:`DiT` recomputes."""
+
+
+def dit_partition_rules(config: Any, model: int) -> tuple[ShardRule, ...]:
+    """Tensor-parallel layout of the DiT's blocks over ``model`` (``config``: its ``DiTConfig``).
+
+    Megatron-style per block: q/k/v and the feed-forward's input split their output columns
+    (whole heads per device), the attention output and the feed-forward's output split their
+    input rows, so each block needs one all-reduce after attention and one after the
+    feed-forward. The AdaLN modulation (``attn_norm``, ``hidden x 6 hidden``: the largest weight
+    of a block, applied to one time vector per row) splits its columns. The speaker encoder,
+    embeddings and projections are small and stay whole. ``ValueError`` when ``model`` does not
+    divide the heads.
+    """
+    if config.num_attention_heads % model:
+        raise ValueError(
+            f"model={model} does not divide the DiT's {config.num_attention_heads} attention heads"
+        )
+    col, row = (None, "model"), ("model", None)
+    block = r"dit\.transformer_blocks\.\d+\."
+    return (
+        ShardRule(block + r"attn\.to_[qkv]\.kernel", col),
+        ShardRule(block + r"attn\.to_[qkv]\.bias", ("model",)),
+        ShardRule(block + r"attn\.to_out\.kernel", row),
+        ShardRule(block + r"ff\.ff_in\.kernel", col),
+        ShardRule(block + r"ff\.ff_in\.bias", ("model",)),
+        ShardRule(block + r"ff\.ff_out\.kernel", row),
+        ShardRule(block + r"attn_norm\.kernel", col),
+        ShardRule(block + r"attn_norm\.bias", ("model",)),
+    )
