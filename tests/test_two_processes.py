@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 
 HERE = Path(__file__).parent
 MESH = {"data": 2, "model": 2}  # two devices per process: data spans the processes
@@ -25,16 +25,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one(qwen2_dir, tmp_path) -> None:
-    rs = np.random.RandomState(2)
-    prompts = [{"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=n)]} for n in (4, 11, 7)]
-    params = [
-        dict(temperature=0.0, max_tokens=6, ignore_eos=True),
-        dict(temperature=0.8, top_k=20, seed=11, max_tokens=6, ignore_eos=True),
-        dict(temperature=0.0, max_tokens=6, ignore_eos=True),
-    ]
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"mesh": MESH, "engine": ENGINE, "prompts": prompts, "params": params}))
+def run_two(model_dir: Path, spec: dict, tmp_path: Path) -> tuple[dict, dict]:
+    """Both processes' JSON results for ``spec`` (see ``two_process_worker.py``)."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
     port = free_port()
     procs, logs = [], []
     for pid in range(2):
@@ -50,8 +44,8 @@ def test_two_processes_equal_one(qwen2_dir, tmp_path) -> None:
         cmd = [
             sys.executable,
             str(HERE / "two_process_worker.py"),
-            str(qwen2_dir),
-            str(spec),
+            str(model_dir),
+            str(spec_file),
             str(tmp_path / f"p{pid}.json"),
         ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -67,9 +61,38 @@ def test_two_processes_equal_one(qwen2_dir, tmp_path) -> None:
     assert codes == [0, 0], text
     main, other = (json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2))
     assert [main["process_count"], main["global_devices"], main["mesh_processes"]] == [2, 4, [0, 1]]
+    assert other["token_ids"] == [] and other["audio"] == []  # only process 0 returns outputs
+    return main, other
+
+
+def test_two_processes_equal_one(qwen2_dir, tmp_path) -> None:
+    rs = np.random.RandomState(2)
+    prompts = [{"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=n)]} for n in (4, 11, 7)]
+    params = [
+        dict(temperature=0.0, max_tokens=6, ignore_eos=True),
+        dict(temperature=0.8, top_k=20, seed=11, max_tokens=6, ignore_eos=True),
+        dict(temperature=0.0, max_tokens=6, ignore_eos=True),
+    ]
+    spec = {"mesh": MESH, "engine": ENGINE, "prompts": prompts, "params": params}
+    main, _ = run_two(qwen2_dir, spec, tmp_path)
     assert main["q_local_shards"] == [[64, 32], [64, 32]]  # each local device holds half the heads
-    assert other["token_ids"] == []  # only process 0 returns outputs
 
     single = OmniJaxPipeline.from_pretrained(qwen2_dir, **ENGINE)
     want = single.run(prompts, [SamplingParams(**p) for p in params], progress=False)
     assert main["token_ids"] == [o.token_ids for o in want]
+
+
+def test_code2wav_across_two_processes(omni_dir, tmp_path) -> None:
+    """A code2wav stage whose mesh spans both processes (requests split over ``data`` across
+    them, DiT blocks over ``model``): process 0 reads every waveform back, equal to one process's."""
+    prompts = [{"prompt_token_ids": [1, 5, 9, 2, 7, 3][: 3 + i]} for i in range(3)]
+    params = [dict(num_steps=3, seed=i) for i in range(3)]
+    spec = {"mesh": MESH, "engine": {}, "stages": ["code2wav"], "prompts": prompts, "params": params}
+    main, _ = run_two(omni_dir, spec, tmp_path)
+    assert main["q_local_shards"] == [[32, 16], [32, 16]]  # the DiT's q columns halved per device
+
+    single = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
+    want = single.run(prompts, [Token2WavParams(**p) for p in params], progress=False)
+    assert len(main["audio"]) == len(want)
+    for got, w in zip(main["audio"], want, strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float32), w.audio, rtol=1e-5, atol=1e-6)

@@ -1,8 +1,9 @@
 """One process of ``test_two_processes.py``: joins the run through the environment, writes JSON.
 
-Started as ``python tests/two_process_worker.py MODEL_DIR PROMPTS_JSON OUT_JSON`` with
+Started as ``python tests/two_process_worker.py MODEL_DIR SPEC_JSON OUT_JSON`` with
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, exactly as a
-user would start each host.
+user would start each host. The spec names the mesh, the engine settings, the stages (an AR
+stage, or ``["code2wav"]``), the prompts and their params.
 """
 
 from __future__ import annotations
@@ -15,27 +16,34 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")
 
 
-def main(model_dir: str, prompts_json: str, out_json: str) -> None:
+def main(model_dir: str, spec_json: str, out_json: str) -> None:
     import jax
     from flax import nnx
 
-    from omni_jax import OmniJaxPipeline, SamplingParams
+    from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 
-    spec = json.loads(open(prompts_json).read())
-    pipe = OmniJaxPipeline.from_pretrained(model_dir, mesh=spec["mesh"], **spec["engine"])
-    params = [SamplingParams(**p) for p in spec["params"]]
-    outs = pipe.run(spec["prompts"], params, progress=False)
-    runner = pipe.stages[0].engine.runner
-    q = dict(nnx.to_flat_state(runner.state))[
-        ("model", "layers", 0, "self_attn", "q_proj", "kernel")
-    ].get_value()
+    spec = json.loads(open(spec_json).read())
+    stages = spec.get("stages")
+    pipe = OmniJaxPipeline.from_pretrained(model_dir, mesh=spec["mesh"], stages=stages, **spec["engine"])
+    first = pipe.stages[0]
+    generation = stages == ["code2wav"]
+    make = Token2WavParams if generation else SamplingParams
+    outs = pipe.run(spec["prompts"], [make(**p) for p in spec["params"]], progress=False)
+    if generation:
+        mesh, kernel = first.runner.mesh, ("dit", "transformer_blocks", 0, "attn", "to_q", "kernel")
+        state = first.runner.state
+    else:
+        mesh, kernel = first.engine.runner.mesh, ("model", "layers", 0, "self_attn", "q_proj", "kernel")
+        state = first.engine.runner.state
+    q = dict(nnx.to_flat_state(state))[kernel].get_value()
     result = {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "global_devices": jax.device_count(),
-        "mesh_processes": sorted({d.process_index for d in runner.mesh.devices.flat}),
+        "mesh_processes": sorted({d.process_index for d in mesh.devices.flat}),
         "q_local_shards": [list(s.data.shape) for s in q.addressable_shards],
         "token_ids": [o.token_ids for o in outs],
+        "audio": [o.audio.tolist() for o in outs if o.audio is not None],
     }
     with open(out_json, "w") as f:
         json.dump(result, f)

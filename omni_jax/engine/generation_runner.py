@@ -34,7 +34,7 @@ from omni_jax.engine.buckets import bucket, fine_bucket, round_up
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.parallel.distributed import random_seed
 from omni_jax.parallel.mesh import axis_size
-from omni_jax.parallel.rules import put
+from omni_jax.parallel.rules import fetch, put
 from omni_jax.profiling import scope
 
 Solve = Callable[..., tuple[jax.Array, jax.Array]]
@@ -218,7 +218,7 @@ class GenerationRunner:
             # ``dit_solve`` / ``vocoder``), waveforms back to the host.
             with scope("code2wav/solve", rows=batch.codes.shape[0], codes=batch.codes.shape[1]):
                 wave, valid = self.solve(self.graphdef, self.state, *batch.arrays(self.mesh), batch.guided)
-                wave, valid = np.asarray(wave), np.asarray(valid)
+                wave, valid = fetch(wave), fetch(valid)
         except jax.errors.JaxRuntimeError as e:
             if len(requests) > 1:  # find the culprit: the others still complete
                 return [result for r in requests for result in self.run([r])]

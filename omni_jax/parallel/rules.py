@@ -93,6 +93,16 @@ def put(x: Any, sharding: Any) -> Any:
     return jax.tree.map(one, x, sharding)
 
 
+def fetch(x: jax.Array) -> np.ndarray:
+    """A global array's whole value on this host, the inverse of :func:`put`. An array spanning
+    other processes' devices is gathered from them (every process must call this together)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def replicated_kv_heads(num_kv_heads: int, num_heads: int, model: int) -> int:
     """KV heads the cache holds so that ``model`` splits it evenly: ``lcm(num_kv_heads, model)``.
 
