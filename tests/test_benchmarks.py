@@ -41,13 +41,20 @@ def _check_schema(result: dict, suite: str) -> None:
     assert result["compile"]["reference"]["first_run_s"] > 0
 
 
+def run_suite(tmp_path: Path, argv: str) -> dict:
+    """``benchmarks.run`` on ``argv`` with a cache and JSON file under ``tmp_path``: its checked result."""
+    out = tmp_path / "result.json"
+    assert main([*argv.split(), "--cache-dir", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    harness.check_result(result)
+    return result
+
+
 def test_code2wav_suite(tmp_path: Path) -> None:
-    out, prof = tmp_path / "c2w.json", tmp_path / "prof"
+    prof = tmp_path / "prof"
     # Two ragged requests in one code bucket: one batched solve, one compile.
     argv = "--suite code2wav --model tiny --reference --batch-sizes 2 --min-codes 12 --max-codes 16"
-    argv += f" --num-steps 2 --repeats 1 --cache-dir {tmp_path} --json {out} --profile {prof}"
-    assert main(argv.split()) == 0
-    result = json.loads(out.read_text())
+    result = run_suite(tmp_path, argv + f" --num-steps 2 --repeats 1 --profile {prof}")
     _check_schema(result, "code2wav")
     assert result["codes_per_request"] == [12, 16]
     for side in ("ours", "reference"):
@@ -60,11 +67,8 @@ def test_code2wav_suite(tmp_path: Path) -> None:
 
 
 def test_ar_suite(tmp_path: Path) -> None:
-    out = tmp_path / "ar.json"
     argv = "--suite ar --model tiny --reference --num-requests 2 --max-tokens 3 --min-prompt 4"
-    argv += f" --max-prompt 8 --ref-batch 2 --cache-dir {tmp_path} --json {out}"
-    assert main(argv.split()) == 0
-    result = json.loads(out.read_text())
+    result = run_suite(tmp_path, argv + " --max-prompt 8 --ref-batch 2")
     _check_schema(result, "ar")
     assert result["ours"]["output_tokens"] == result["reference"]["output_tokens"] == 6
     assert result["ours"]["tokens_per_s"] > 0 and result["ours"]["ttft_s_mean"] > 0
@@ -75,12 +79,8 @@ def test_ar_suite(tmp_path: Path) -> None:
 def test_e2e_suite(tmp_path: Path) -> None:
     """Three requests (text, text + image, text + audio) through thinker, talker and code2wav,
     ours against transformers generate one by one; both greedy, so the tokens agree."""
-    out = tmp_path / "e2e.json"
     argv = "--suite e2e --model tiny --reference --num-requests 3 --max-tokens 6 --talker-max-tokens 8"
-    argv += f" --num-steps 2 --repeats 1 --cache-dir {tmp_path} --json {out}"
-    assert main(argv.split()) == 0
-    result = json.loads(out.read_text())
-    harness.check_result(result)
+    result = run_suite(tmp_path, argv + " --num-steps 2 --repeats 1")
     assert result["suite"] == "e2e" and result["model"] == "tiny"
     assert result["command"].startswith("python -m benchmarks.run --suite e2e --model tiny")
     assert result["requests"] == 3 and result["kinds"] == {"text": 1, "image": 1, "audio": 1}
@@ -116,12 +116,8 @@ def test_e2e_suite(tmp_path: Path) -> None:
 def test_soak_suite(tmp_path: Path) -> None:
     """Two tight rounds of random traffic: every request back, nothing left behind, greedy
     requests equal to transformers (the suite raises on a lost or miscounted request)."""
-    out = tmp_path / "soak.json"
     argv = "--suite soak --model tiny --reference --num-requests 80 --soak-rounds 2 --soak-reference 40"
-    argv += f" --cache-dir {tmp_path} --json {out}"
-    assert main(argv.split()) == 0
-    result = json.loads(out.read_text())
-    harness.check_result(result)
+    result = run_suite(tmp_path, argv)
     ours = result["ours"]
     assert result["requests"] == 80 and len(ours["rounds"]) == 2
     assert ours["pages"] == 20 and ours["pages_unconstrained"] == 256
