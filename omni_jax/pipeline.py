@@ -31,7 +31,7 @@ from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage, StageInput, StageResult
 from omni_jax.stages.code2wav import Code2WavStage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
-from omni_jax.stages.limits import check_memory_before_loading
+from omni_jax.stages.limits import cache_shares, check_memory_before_loading, stage_needs
 from omni_jax.weights import load_part
 
 Prompt = str | dict[str, Any]
@@ -127,9 +127,9 @@ class OmniJaxPipeline:
         )
         # Weights, KV caches and largest steps against each memory pool, from config.json alone:
         # a layout that cannot fit is refused with the numbers before anything is read.
-        check_memory_before_loading(
-            path, hf_config, list(config.stages), meshes, dtype=dtype, num_pages=num_pages, **engine
-        )
+        needs = stage_needs(path, hf_config, list(config.stages), meshes, dtype=dtype, **engine)
+        check_memory_before_loading(needs, num_pages)
+        shares = cache_shares(needs)
         built: list[Stage] = []
         for sc in config.stages:
             stage_mesh = sharded_or_none(meshes[sc.name])
@@ -148,6 +148,7 @@ class OmniJaxPipeline:
                     backend=attention_backend,
                     mesh=stage_mesh,
                     frontend=frontend,
+                    share=shares[sc.name],
                     **engine,
                 )
             )

@@ -13,6 +13,7 @@ import dataclasses
 import re
 from typing import Any
 
+import jax
 import pytest
 
 from omni_jax import OmniJaxPipeline
@@ -22,7 +23,7 @@ from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, stage_meshes
 from omni_jax.stages.config import load_pipeline_config
-from omni_jax.stages.limits import check_memory_before_loading
+from omni_jax.stages.limits import cache_shares, check_memory_before_loading, stage_needs
 from omni_jax.weights import load_hf_config
 
 BYTES = r"\d+\.\d\d GiB \((\d+) bytes\)"
@@ -95,6 +96,10 @@ def meshes_for(path: Any, stages: list[str] | None = None) -> tuple[Any, Any, An
 ENGINE = dict(dtype=None, max_num_seqs=64, max_model_len=None, page_size=16, max_num_batched_tokens=2048)
 
 
+def check(path: Any, hf_config: Any, stages: Any, meshes: Any, num_pages: int | None) -> None:
+    check_memory_before_loading(stage_needs(path, hf_config, stages, meshes, **ENGINE), num_pages)
+
+
 def test_checked_before_loading_over_every_stage(omni_dir, monkeypatch) -> None:
     """From ``config.json`` alone (abstract models, nothing read or allocated): every stage's
     weights and each AR stage's cache and step, added up for the memory they share."""
@@ -106,9 +111,9 @@ def test_checked_before_loading_over_every_stage(omni_dir, monkeypatch) -> None:
     monkeypatch.setattr(weights, "load_part", no_loading)
     monkeypatch.setattr(weights, "iter_safetensors", no_loading)
     hf_config, stages, meshes = meshes_for(omni_dir)
-    check_memory_before_loading(omni_dir, hf_config, stages, meshes, num_pages=None, **ENGINE)  # fits
+    check(omni_dir, hf_config, stages, meshes, None)  # fits
     with pytest.raises(ValueError, match="the pipeline needs ") as e:
-        check_memory_before_loading(omni_dir, hf_config, stages, meshes, num_pages=10**8, **ENGINE)
+        check(omni_dir, hf_config, stages, meshes, 10**8)
     message = str(e.value)
     needed, available = numbers(message)
     assert needed > available
@@ -123,7 +128,7 @@ def test_checked_before_loading_over_every_stage(omni_dir, monkeypatch) -> None:
         assert item in message
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 << 20)  # 1 MiB: not even the weights
     with pytest.raises(ValueError, match=r"the pipeline needs .* has 0\.00 GiB \(1048576 bytes\) available"):
-        check_memory_before_loading(omni_dir, hf_config, stages, meshes, num_pages=None, **ENGINE)
+        check(omni_dir, hf_config, stages, meshes, None)
 
 
 class FakeAccelerator:
@@ -174,17 +179,17 @@ def test_code2wav_largest_solve_refused_with_the_numbers(omni_dir) -> None:
     """A code2wav batch the memory cannot hold (``max_batch`` x ``max_codes`` from the stage's
     engine options) is refused before loading, its largest solve listed."""
     hf_config, stages, meshes = meshes_for(omni_dir, ["code2wav"])
-    check_memory_before_loading(omni_dir, hf_config, stages, meshes, num_pages=None, **ENGINE)  # fits
+    check(omni_dir, hf_config, stages, meshes, None)  # fits
     huge = [dataclasses.replace(stages[0], engine={"max_batch": 10**6, "max_codes": 200})]
     with pytest.raises(ValueError, match="the pipeline needs ") as e:
-        check_memory_before_loading(omni_dir, hf_config, huge, meshes, num_pages=None, **ENGINE)
+        check(omni_dir, hf_config, huge, meshes, None)
     needed, available = numbers(str(e.value))
     assert needed > available
     assert "stage 'code2wav' largest solve (1000000 requests of 200 codes, estimate)" in str(e.value)
     assert "max_batch or max_codes" in str(e.value)
     capped = [dataclasses.replace(stages[0], engine={"max_batch": 10**6, "max_codes": 10**9})]
     with pytest.raises(ValueError, match=r"1000000 requests of 256 codes"):  # the DiT's positions cap it
-        check_memory_before_loading(omni_dir, hf_config, capped, meshes, num_pages=None, **ENGINE)
+        check(omni_dir, hf_config, capped, meshes, None)
 
 
 @pytest.mark.parametrize("rows,codes", [(1, 256), (4, 64), (8, 128)])
@@ -220,3 +225,35 @@ def test_solve_estimate_against_xla(omni_dir, rows, codes) -> None:
     xla = compiled.memory_analysis().temp_size_in_bytes
     estimate = model.solve_bytes_per_code * rows * codes
     assert xla <= estimate <= 3 * xla, (estimate, xla)
+
+
+def test_default_caches_leave_room_for_later_stages(omni_dir, monkeypatch) -> None:
+    """Sharing one memory, the thinker's default cache (built first) leaves the talker and
+    code2wav what they need at the least, and splits the rest with the talker's cache by what
+    each would like (``max_num_seqs`` sequences); the talker leaves code2wav its share."""
+    hf_config, stages, meshes = meshes_for(omni_dir)
+    needs = stage_needs(omni_dir, hf_config, stages, meshes, **ENGINE)
+    thinker, talker, code2wav = needs
+    shares = cache_shares(needs)
+    assert set(shares) == {"thinker", "talker"}
+    least = lambda s: sum(s.demand(None).values())  # noqa: E731
+    assert shares["thinker"].reserved == {"host": least(talker) + least(code2wav)}
+    assert shares["talker"].reserved == {"host": least(code2wav)}
+    want = thinker.wanted_cache(), talker.wanted_cache()
+    assert shares["thinker"].fraction == pytest.approx(want[0] / sum(want))
+    assert shares["talker"].fraction == 1.0
+
+    # Enough for about 1000 thinker pages in its half of what the reservation and step leave.
+    mem = thinker.plan.memory
+    available = shares["thinker"].reserved["host"] + int((mem.step_bytes + 2 * 1000 * mem.page_bytes) / 0.9)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: available)
+    (device,) = jax.devices()
+    pages = thinker.plan.num_pages(None, [device], "thinker", shares["thinker"])
+    alone = thinker.plan.num_pages(None, [device], "thinker")  # as if nothing came after it
+    assert thinker.plan.pages_per_seq < pages < alone
+    assert abs(pages - 1000) <= 2
+    left = available - shares["thinker"].reserved["host"]
+    assert pages == thinker.plan.memory.pages_that_fit(left, share=shares["thinker"].fraction)
+    # What the thinker takes, with what it reserves, fits: the later stages can still load.
+    taken = thinker.plan.memory.kv_bytes(pages) + sum(thinker.fixed.values())
+    assert taken + shares["thinker"].reserved["host"] <= available

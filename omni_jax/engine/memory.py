@@ -69,6 +69,9 @@ def memory_pools(devices: Sequence[jax.Device]) -> list[tuple[jax.Device, int]]:
     return [(ds[0], len(ds)) for ds in pools.values()]
 
 
+STEP_ITEM = "largest step's temporaries (estimate)"
+
+
 @dataclasses.dataclass(frozen=True)
 class ARMemory:
     """One AR stage's allocations besides its weights, per device (heads split over ``model``,
@@ -100,13 +103,21 @@ class ARMemory:
         decode = self.max_rows * (gathered + self.num_heads * self.context * 4)
         return max(prompt, decode) + self.max_rows * self.vocab_size * 4
 
-    def demand(self, num_pages: int) -> dict[str, int]:
-        kv = f"KV cache ({num_pages} pages of {self.page_size} tokens, {self.page_bytes} bytes each)"
-        return {kv: self.kv_bytes(num_pages), "largest step's temporaries (estimate)": self.step_bytes}
+    def kv_item(self, num_pages: int) -> tuple[str, int]:
+        """The cache as one line of a refusal: ``(what, bytes)``."""
+        return (
+            f"KV cache ({num_pages} pages of {self.page_size} tokens, {self.page_bytes} bytes each)",
+            self.kv_bytes(num_pages),
+        )
 
-    def pages_that_fit(self, available: int, memory_fraction: float = 0.9) -> int:
-        """Pages a cache can have within ``memory_fraction`` of ``available`` bytes next to the step."""
-        return int((available * memory_fraction - self.step_bytes) // self.page_bytes) - 1
+    def demand(self, num_pages: int) -> dict[str, int]:
+        kv, kv_bytes = self.kv_item(num_pages)
+        return {kv: kv_bytes, STEP_ITEM: self.step_bytes}
+
+    def pages_that_fit(self, available: int, memory_fraction: float = 0.9, share: float = 1.0) -> int:
+        """Pages a cache can have within ``memory_fraction`` of ``available`` bytes next to the
+        step, taking ``share`` of the room the step leaves (other stages' caches take the rest)."""
+        return int((available * memory_fraction - self.step_bytes) * share // self.page_bytes) - 1
 
 
 def refuse_unless_fits(

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARRunner, CacheConfig, StepInputs
 from omni_jax.engine.buckets import MIN_ROWS, bucket, round_up
-from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, refuse_unless_fits
+from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, pool_key, refuse_unless_fits
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import PositionFn, text_positions
 from omni_jax.parallel.mesh import axis_size
@@ -103,13 +103,15 @@ class ARStage:
         backend: str,
         mesh: Mesh | None = None,
         frontend: ARFrontend | None = None,
+        share: CacheShare | None = None,
     ) -> ARStage:
         """Size the KV cache for ``model`` and wire scheduler, runner and sampling defaults.
 
         ``mesh``: where the model's parameters were placed; the cache is split over its
         ``model`` axis by KV heads (replicated heads when ``model`` exceeds them). A cache and
         largest step the devices cannot hold next to the weights are refused here, with the
-        numbers (:meth:`CachePlan.num_pages`), before anything is allocated.
+        numbers (:meth:`CachePlan.num_pages`), before anything is allocated. ``share``: what a
+        default cache leaves to the stages built after this one on the same memory.
         """
         plan = CachePlan.of(
             model,
@@ -120,7 +122,7 @@ class ARStage:
             max_num_batched_tokens=max_num_batched_tokens,
         )
         max_model_len = plan.max_model_len
-        num_pages = plan.num_pages(num_pages, local_devices(mesh), sc.name)
+        num_pages = plan.num_pages(num_pages, local_devices(mesh), sc.name, share)
         cache = CacheConfig(
             plan.num_layers, plan.num_kv_heads, plan.head_dim, num_pages, page_size, plan.dtype, max_model_len
         )
@@ -235,6 +237,21 @@ def local_devices(mesh: Mesh | None) -> list[jax.Device]:
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheShare:
+    """What a default cache leaves to the stages built after it on the same memory
+    (:func:`omni_jax.stages.limits.cache_shares`): ``reserved`` bytes per memory pool
+    (:func:`~omni_jax.engine.memory.pool_key`), then ``fraction`` of what the rest leaves next to
+    this stage's step is this cache's."""
+
+    reserved: dict[object, int] = dataclasses.field(default_factory=dict)
+    fraction: float = 1.0
+
+    def left(self, device: jax.Device, count: int) -> int:
+        """Bytes per device of ``device``'s pool (``count`` devices of this stage) not reserved."""
+        return max(available_bytes(device)[0] - self.reserved.get(pool_key(device), 0), 0) // count
+
+
+@dataclasses.dataclass(frozen=True)
 class CachePlan:
     """An AR stage's KV cache geometry and memory (:class:`ARMemory`) before anything is
     allocated: from a loaded model or an abstract one (``nnx.eval_shape``), so start-up can
@@ -295,14 +312,18 @@ class CachePlan:
         )
         return cls(layers, kv_heads, head_dim, dtype, max_model_len, page_size, max_num_seqs, memory)
 
-    def num_pages(self, num_pages: int | None, devices: list[jax.Device], name: str) -> int:
+    def num_pages(
+        self, num_pages: int | None, devices: list[jax.Device], name: str, share: CacheShare | None = None
+    ) -> int:
         """The cache's pages: ``num_pages``, or by default enough for ``max_num_seqs`` full-length
-        sequences capped by what ``devices`` have left (at least one sequence); ``ValueError``
-        with the numbers when the cache and the largest step cannot fit."""
+        sequences capped by what ``devices`` have left, less what ``share`` leaves to later
+        stages (at least one sequence); ``ValueError`` with the numbers when the cache and the
+        largest step cannot fit."""
         per_seq = self.pages_per_seq
         if num_pages is None:
+            share = share or CacheShare()
             fit = min(
-                self.memory.pages_that_fit(available_bytes(d)[0] // count)
+                self.memory.pages_that_fit(share.left(d, count), share=share.fraction)
                 for d, count in memory_pools(devices)
             )
             num_pages = max(per_seq, min(per_seq * self.max_num_seqs, fit))

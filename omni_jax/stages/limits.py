@@ -12,6 +12,7 @@ split over the ``model`` axis, a lower bound where parts are replicated (the enc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from omni_jax.engine.memory import available_bytes, format_bytes, memory_pools, pool_key
+from omni_jax.engine.memory import STEP_ITEM, available_bytes, format_bytes, memory_pools, pool_key
 from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.mesh import axis_size
-from omni_jax.stages.ar import CachePlan, local_devices
+from omni_jax.stages.ar import CachePlan, CacheShare, local_devices
 from omni_jax.stages.code2wav import solve_demand
 from omni_jax.stages.config import StageConfig
 
@@ -41,7 +42,32 @@ def weight_bytes(model: nnx.Module) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def check_memory_before_loading(
+@dataclasses.dataclass(frozen=True)
+class StageNeeds:
+    """One stage's memory per device, from its abstract model: ``fixed`` (weights, and the
+    largest step's temporaries or the largest solve), and for an AR stage its cache ``plan``."""
+
+    name: str
+    fixed: dict[str, int]
+    plan: CachePlan | None
+    pools: list[tuple[jax.Device, int]]
+
+    def demand(self, num_pages: int | None) -> dict[str, int]:
+        """Everything per device, a default cache (``num_pages`` None) counted at one sequence."""
+        if self.plan is None:
+            return self.fixed
+        kv, kv_bytes = self.plan.memory.kv_item(self.plan.pages_per_seq if num_pages is None else num_pages)
+        return self.fixed | {f"stage {self.name!r} {kv}": kv_bytes}
+
+    def wanted_cache(self) -> int:
+        """Bytes per device of the cache a default build would like (``max_num_seqs`` sequences);
+        0 for a stage without one."""
+        if self.plan is None:
+            return 0
+        return self.plan.memory.kv_bytes(self.plan.pages_per_seq * self.plan.max_num_seqs)
+
+
+def stage_needs(
     path: str | Path,
     hf_config: Any,
     stages: list[StageConfig],
@@ -50,20 +76,19 @@ def check_memory_before_loading(
     dtype: str | None,
     max_num_seqs: int,
     max_model_len: int | None,
-    num_pages: int | None,
     page_size: int,
     max_num_batched_tokens: int,
-) -> None:
-    """``ValueError`` naming the pool, the needed and the available bytes, item by item, when the
-    stages' weights, KV caches and largest steps cannot fit; reads only ``config.json``."""
+) -> list[StageNeeds]:
+    """:class:`StageNeeds` of every stage, in build order; reads only ``config.json``."""
     path = Path(path)
     arch = architecture_of(hf_config)
-    pools: dict[object, tuple[jax.Device, dict[str, int]]] = {}
+    needs = []
     for sc in stages:
         part = arch.part(sc.name)
         model = nnx.eval_shape(part.make(hf_config, part_dtype(path, hf_config, part.dtype, dtype)))
         mesh = meshes[sc.name]
-        items = {f"stage {sc.name!r} weights": weight_bytes(model) // axis_size(mesh, "model")}
+        fixed = {f"stage {sc.name!r} weights": weight_bytes(model) // axis_size(mesh, "model")}
+        plan = None
         if sc.kind == "ar":
             plan = CachePlan.of(
                 model,
@@ -73,13 +98,21 @@ def check_memory_before_loading(
                 page_size=page_size,
                 max_num_batched_tokens=max_num_batched_tokens,
             )
-            pages = plan.pages_per_seq if num_pages is None else num_pages
-            items |= {f"stage {sc.name!r} {k}": v for k, v in plan.memory.demand(pages).items()}
+            fixed[f"stage {sc.name!r} {STEP_ITEM}"] = plan.memory.step_bytes
         else:
-            items |= solve_demand(sc, model)
-        for device, count in memory_pools(local_devices(mesh)):
+            fixed |= solve_demand(sc, model)
+        needs.append(StageNeeds(sc.name, fixed, plan, memory_pools(local_devices(mesh))))
+    return needs
+
+
+def check_memory_before_loading(needs: list[StageNeeds], num_pages: int | None) -> None:
+    """``ValueError`` naming the pool, the needed and the available bytes, item by item, when the
+    stages' weights, KV caches and largest steps cannot fit."""
+    pools: dict[object, tuple[jax.Device, dict[str, int]]] = {}
+    for stage in needs:
+        for device, count in stage.pools:
             _, pool = pools.setdefault(pool_key(device), (device, {}))
-            for k, v in items.items():
+            for k, v in stage.demand(num_pages).items():
                 pool[k] = pool.get(k, 0) + v * count
     for device, needed in pools.values():
         available, where = available_bytes(device)
@@ -92,3 +125,28 @@ def check_memory_before_loading(
                 "max_num_batched_tokens (code2wav: the stage's max_batch or max_codes), use a smaller "
                 "dtype, or spread the stages over more devices"
             )
+
+
+def cache_shares(needs: list[StageNeeds]) -> dict[str, CacheShare]:
+    """What each AR stage's default cache must leave to the stages built after it.
+
+    A default cache takes what is left when its stage is built. Built first, the thinker would
+    take the memory a later talker or code2wav on the same device needs for its weights. So a
+    stage reserves, on each memory pool, what later stages there need at the least (weights,
+    largest step or solve, one sequence of cache), and takes of the rest the share its wanted
+    cache (``max_num_seqs`` sequences) has among the AR stages not yet built on that pool.
+    """
+    shares = {}
+    for i, stage in enumerate(needs):
+        if stage.plan is None:
+            continue
+        reserved: dict[object, int] = {}
+        fraction = 1.0
+        for device, _ in stage.pools:
+            key = pool_key(device)
+            later = [(s, c) for s in needs[i + 1 :] for d, c in s.pools if pool_key(d) == key]
+            reserved[key] = sum(sum(s.demand(None).values()) * c for s, c in later)
+            wants = stage.wanted_cache() + sum(s.wanted_cache() * c for s, c in later)
+            fraction = min(fraction, stage.wanted_cache() / wants)
+        shares[stage.name] = CacheShare(reserved, fraction)
+    return shares
