@@ -142,11 +142,11 @@ def cache_shares(needs: list[StageNeeds]) -> dict[str, CacheShare]:
             continue
         reserved: dict[object, int] = {}
         fraction = 1.0
-        for device, _ in stage.pools:
+        for device, count in stage.pools:
             key = pool_key(device)
             later = [(s, c) for s in needs[i + 1 :] for d, c in s.pools if pool_key(d) == key]
             reserved[key] = sum(sum(s.demand(None).values()) * c for s, c in later)
-            wants = stage.wanted_cache() + sum(s.wanted_cache() * c for s, c in later)
-            fraction = min(fraction, stage.wanted_cache() / wants)
+            mine = stage.wanted_cache() * count
+            fraction = min(fraction, mine / (mine + sum(s.wanted_cache() * c for s, c in later)))
         shares[stage.name] = CacheShare(reserved, fraction)
     return shares
