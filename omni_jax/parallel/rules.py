@@ -93,10 +93,11 @@ def put(x: Any, sharding: Any) -> Any:
     return jax.tree.map(one, x, sharding)
 
 
-def fetch(x: jax.Array) -> np.ndarray:
+def fetch(x: jax.Array | np.ndarray) -> np.ndarray:
     """A global array's whole value on this host, the inverse of :func:`put`. An array spanning
-    other processes' devices is gathered from them (every process must call this together)."""
-    if x.is_fully_addressable:
+    other processes' devices is gathered from them (every process must call this together);
+    a host array is returned as it is."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(x)
     from jax.experimental import multihost_utils
 
