@@ -360,13 +360,17 @@ class ARRunner:
         groups that minimise the padded token-rows plus :data:`CALL_COST` per call (a call
         reads every weight once however few its rows): an exact split, a dynamic program
         over at most ``max_rows`` rows. Every group's shape is one of :meth:`step_shapes`
-        (fewer rows, no longer chunk than the whole step), so warm-up covers them all.
+        (fewer rows, no longer chunk than the whole step), so warm-up covers them all. A decode
+        step (one token per row) is one call: its cost is the weight read a split would repeat.
         """
+        if all(len(r.token_ids) == 1 for r in rows):  # decode: a call costs its weight read
+            return [list(range(len(rows)))]
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids))
-        lengths = [len(rows[i].token_ids) for i in order]
+        tokens = [token_bucket(len(rows[i].token_ids), self.min_prefill_bucket) for i in order]
+        row_buckets = [0] + [self.rows_bucket(k) for k in range(1, len(order) + 1)]
 
         def cost(a: int, b: int) -> int:  # rows order[a:b] in one call
-            return self.rows_bucket(b - a) * token_bucket(lengths[b - 1], self.min_prefill_bucket) + CALL_COST
+            return row_buckets[b - a] * tokens[b - 1] + CALL_COST
 
         best = [0] + [0] * len(order)
         cut = [0] * (len(order) + 1)

@@ -74,12 +74,11 @@ def stage_needs(
     meshes: dict[str, Mesh],
     *,
     dtype: str | None,
-    max_num_seqs: int,
-    max_model_len: int | None,
-    page_size: int,
-    max_num_batched_tokens: int,
+    **engine: Any,
 ) -> list[StageNeeds]:
-    """:class:`StageNeeds` of every stage, in build order; reads only ``config.json``."""
+    """:class:`StageNeeds` of every stage, in build order; reads only ``config.json``. ``engine``:
+    :meth:`CachePlan.of`'s settings (``max_num_seqs``, ``max_model_len``, ``page_size``,
+    ``max_num_batched_tokens``), as the AR stages will be built with them."""
     path = Path(path)
     arch = architecture_of(hf_config)
     needs = []
@@ -90,14 +89,7 @@ def stage_needs(
         fixed = {f"stage {sc.name!r} weights": weight_bytes(model) // axis_size(mesh, "model")}
         plan = None
         if sc.kind == "ar":
-            plan = CachePlan.of(
-                model,
-                mesh,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                page_size=page_size,
-                max_num_batched_tokens=max_num_batched_tokens,
-            )
+            plan = CachePlan.of(model, mesh, **engine)
             fixed[f"stage {sc.name!r} {STEP_ITEM}"] = plan.memory.step_bytes
         else:
             fixed |= solve_demand(sc, model)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import yaml
 from flax import nnx
+from parity import SPLIT_ROUNDING, rel_err
 
 from omni_jax import OmniJaxPipeline, Token2WavParams
 
@@ -98,7 +99,7 @@ def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None
     want = alone.run(prompts, params, progress=False)
     for g, w in zip(got, want, strict=True):
         assert g.error is None and g.audio.shape == w.audio.shape
-        np.testing.assert_allclose(g.audio, w.audio, rtol=1e-5, atol=1e-6)
+        assert rel_err(g.audio, w.audio) < SPLIT_ROUNDING
 
 
 def test_overlapping_stage_devices_refused(omni_dir, tmp_path) -> None:
