@@ -34,16 +34,20 @@ def _ours(
     profile: str | None,
     mesh: dict[str, int] | None = None,
     profile_python: bool = False,
+    max_num_seqs: int = 32,
 ) -> dict:
     pipe = OmniJaxPipeline.from_pretrained(
         path,
         dtype=dtype,
         mesh=mesh,
-        max_num_seqs=32,
+        max_num_seqs=max_num_seqs,
         max_model_len=max(512, -(-(max(map(len, prompts)) + max_new) // 16) * 16),
         max_num_batched_tokens=2048,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    # min_tokens as the reference's min_new_tokens: both keep EOS from being sampled, so a
+    # request whose greedy choice is EOS continues with the same next-best token on both sides
+    # (ignore_eos alone would emit the EOS and go on, where generate had suppressed it).
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, min_tokens=max_new, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     with CompileStats() as stats:
         t0 = time.perf_counter()
@@ -126,7 +130,16 @@ def run(path: Path, args: Any) -> dict:
 
     cfg = load_hf_config(path)
     prompts = make_requests(cfg.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
-    ours = _ours(path, prompts, args.max_tokens, args.dtype, args.profile, args.mesh, args.profile_python)
+    ours = _ours(
+        path,
+        prompts,
+        args.max_tokens,
+        args.dtype,
+        args.profile,
+        args.mesh,
+        args.profile_python,
+        args.max_num_seqs,
+    )
     bw = memory_bandwidth()
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
     weight_bytes = decode_read_params(path) * itemsize
@@ -137,6 +150,7 @@ def run(path: Path, args: Any) -> dict:
         "requests": len(prompts),
         "prompt_len_range": [args.min_prompt, args.max_prompt],
         "max_tokens": args.max_tokens,
+        "max_num_seqs": args.max_num_seqs,
         "dtype": args.dtype,
         "mesh": args.mesh,
         "params": count_params(path),

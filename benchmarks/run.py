@@ -88,6 +88,9 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     ar.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
     ar.add_argument("--max-prompt", type=int, default=192, help="longest prompt (tokens)")
     ar.add_argument("--ref-batch", type=int, default=8, help="transformers generate batch (left-padded)")
+    ar.add_argument(
+        "--max-num-seqs", type=int, default=32, help="our engine's concurrent sequences (ar suite)"
+    )
     c2w = p.add_argument_group("code2wav suite (--num-steps, --guidance-scale, --repeats: e2e too)")
     c2w.add_argument(
         "--batch-sizes",

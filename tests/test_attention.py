@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,3 +51,35 @@ def test_write_kv_drops_padding_slots() -> None:
     flat = np.asarray(new_k).reshape(4, 3)
     assert flat[[0, 3]].sum() == 6 and flat[[1, 2]].sum() == 0
     assert jax.tree.structure(new_k) == jax.tree.structure(pages)
+
+
+def _ragged_step(rng: np.random.RandomState, batch: int, tokens: int) -> tuple[Any, ...]:
+    """``q, k_pages, v_pages, md``: ``batch`` rows of up to ``tokens`` new tokens, shuffled
+    6-page tables."""
+    kv_heads, heads, d, num_pages, page_size, pps = 2, 4, 16, 80, 4, 6
+    k = jnp.asarray(rng.randn(kv_heads, num_pages, page_size, d), jnp.float32)
+    v = jnp.asarray(rng.randn(kv_heads, num_pages, page_size, d), jnp.float32)
+    qlen = rng.randint(1, tokens + 1, batch).astype(np.int32)
+    md = AttentionMetadata(
+        slot_mapping=jnp.zeros((batch, tokens), jnp.int32),
+        block_tables=jnp.asarray(rng.permutation(num_pages)[: batch * pps].reshape(batch, pps), jnp.int32),
+        context_lens=jnp.asarray(qlen + rng.randint(0, page_size * pps - tokens + 1, batch), jnp.int32),
+        query_lens=jnp.asarray(qlen),
+    )
+    return jnp.asarray(rng.randn(batch, tokens, heads, d), jnp.float32), k, v, md
+
+
+def test_decode_row_chunks_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the jnp path runs a large decode step in chunks of rows; each row's result must be
+    the one the whole step gives at once. Prompt steps (``t > 1``) are never chunked."""
+    from omni_jax.models import attention
+
+    q, k, v, md = _ragged_step(np.random.RandomState(2), 12, 1)
+    attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))
+    whole = np.asarray(attend(q, k, v, md))
+    per_row = 2 * 2 * 24 * 16 * 4 + 4 * 24 * 4  # K/V gathered + scores, as the chunker counts
+    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 4 * per_row)
+    assert attention._rows_per_chunk(12, 1, 4, 2, 24, 16, 4) == 4
+    assert attention._rows_per_chunk(12, 5, 4, 2, 24, 16, 4) == 12
+    attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))  # traced anew
+    np.testing.assert_array_equal(np.asarray(attend(q, k, v, md)), whole)
