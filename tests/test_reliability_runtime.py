@@ -69,9 +69,10 @@ def test_non_finite_logits_end_only_that_request(qwen2_dir, hf_qwen2, poisoned) 
     check(pipe.run([{"prompt_token_ids": p} for p in good], params, progress=False))
 
 
-def test_non_finite_waveform_ends_only_that_request(omni_dir) -> None:
+def test_non_finite_waveform_ends_only_that_request(omni_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
     runner = pipe.stages[0].runner
+    monkeypatch.setattr(runner.cost, "overhead", lambda: runner.cost.cap)  # the three share a solve
     solve = runner.solve
 
     def second_row_broken(*args, **kwargs):  # noqa: ANN002, ANN003 - passed through

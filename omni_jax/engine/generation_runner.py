@@ -3,9 +3,11 @@
 There is no KV cache, no logits and no sampler here: a request is its whole input, so a batch is
 padded once (batch size and reference-mel length to a power-of-two bucket, code length to one of
 eight sizes per octave, so steady-state serving never recompiles), solved by one compiled program,
-and split back into per-request waveforms trimmed to their valid samples. Requests taken together
-are first grouped by code bucket, one solve per group: padding is paid in full compute, and a
-50-code request padded to the 200 codes of its neighbour would cost four times its own work.
+and split back into per-request waveforms trimmed to their valid samples. Requests waiting together
+are split into solves by length (:meth:`GenerationRunner.groups`), weighing the padding a shared
+solve pays in full against what one more solve costs on this device (:class:`SolveCost`, fitted
+to the runner's own timings), and each step runs one solve, the oldest request's, so results
+come back as soon as their own solve ends and later arrivals can still join the others.
 
 On a stage mesh, a solve's rows are split over ``data`` (rows padded to a multiple of it), each
 device solving its own requests with the replicated weights: rows never interact, so XLA
@@ -32,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from omni_jax.engine.buckets import bucket, fine_bucket, round_up
 from omni_jax.engine.generation_params import Token2WavParams
+from omni_jax.engine.solve_cost import SolveCost
 from omni_jax.parallel.distributed import random_seed
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import fetch, put
@@ -131,6 +134,7 @@ class GenerationRunner:
         self.mesh = mesh
         self.data = axis_size(mesh, "data")
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self.cost = SolveCost(cap=float(max_batch * geometry.max_codes))
 
     def add(self, request: GenerationRequest) -> None:
         self._waiting.append(request)
@@ -139,20 +143,45 @@ class GenerationRunner:
         return bool(self._waiting)
 
     def step(self) -> list[GenerationResult]:
-        """Solve the oldest ``max_batch`` waiting requests; all of them finish in this step."""
+        """One solve: the group (:meth:`groups`) of the oldest waiting request, among the oldest
+        ``max_batch``; the rest wait, in their order, for the next step."""
         batch = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
-        return [result for group in self.groups(batch) for result in self.run(group)]
+        group = next(g for g in self.groups(batch) if any(r is batch[0] for r in g))
+        chosen = {id(r) for r in group}
+        self._waiting.extendleft(reversed([r for r in batch if id(r) not in chosen]))
+        return self.run(group)
 
     def code_bucket(self, num_codes: int) -> int:
         """Padded code length of a solve whose longest request has ``num_codes`` codes."""
         return min(fine_bucket(num_codes, self.min_codes, steps=8), self.geometry.max_codes)
 
+    def rows_bucket(self, n: int) -> int:
+        """Rows of a solve of ``n`` requests: a power of two, padded to a multiple of ``data``."""
+        return round_up(bucket(n, 1, self.max_batch), self.data)
+
     def groups(self, requests: list[GenerationRequest]) -> list[list[GenerationRequest]]:
-        """``requests`` split into solves of one code bucket each, shortest bucket first."""
-        by_bucket: dict[int, list[GenerationRequest]] = collections.defaultdict(list)
-        for r in requests:
-            by_bucket[self.code_bucket(len(r.codes))].append(r)
-        return [by_bucket[b] for b in sorted(by_bucket)]
+        """``requests`` split into solves, shortest first, each request in one.
+
+        Sorted by length, the requests are cut into contiguous groups that minimise the padded
+        code-rows (rows and codes to their buckets) plus :meth:`SolveCost.overhead` per solve:
+        an exact dynamic program over at most ``max_batch`` requests. With little overhead a
+        group holds one code bucket (or splits where its rows would pad to the next power of
+        two); the larger a solve's fixed cost, the more lengths share one.
+        """
+        order = sorted(requests, key=lambda r: len(r.codes))
+        codes = [self.code_bucket(len(r.codes)) for r in order]
+        overhead = self.cost.overhead()
+        best = [0.0] * (len(order) + 1)
+        cut = [0] * (len(order) + 1)
+        for b in range(1, len(order) + 1):
+            best[b], cut[b] = min(
+                (best[a] + self.rows_bucket(b - a) * codes[b - 1] + overhead, a) for a in range(b)
+            )
+        bounds, b = [], len(order)
+        while b:
+            bounds.append((cut[b], b))
+            b = cut[b]
+        return [order[a:b] for a, b in reversed(bounds)]
 
     def initial_noise(self, request: GenerationRequest) -> tuple[np.ndarray, int | None]:
         """``(noise [len(codes) * repeats, mel_dim] float32, seed)``; the seed is None when given."""
@@ -171,7 +200,7 @@ class GenerationRunner:
         if not 1 <= len(requests) <= self.max_batch:
             raise ValueError(f"a batch holds 1 to {self.max_batch} requests, got {len(requests)}")
         g = self.geometry
-        rows = round_up(bucket(len(requests), 1, self.max_batch), self.data)
+        rows = self.rows_bucket(len(requests))
         codes_len = self.code_bucket(max(len(r.codes) for r in requests))
         ref_len = bucket(max(len(r.reference_mel) for r in requests), self.min_reference)
         speaker_dim = requests[0].speaker_embedding.shape[-1]
@@ -228,6 +257,8 @@ class GenerationRunner:
                 )
             ]
         dt = time.perf_counter() - t0
+        rows, codes = batch.codes.shape
+        self.cost.record((rows, codes, batch.reference_mel.shape[1], batch.guided), rows * codes, dt)
         with scope("code2wav/split", requests=len(requests)):
             results = []
             for i, r in enumerate(requests):

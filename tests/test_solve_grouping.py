@@ -1,0 +1,97 @@
+"""How the code2wav runner splits waiting requests into solves, and the cost fit that decides it.
+
+A stand-in solve (zeros, one call recorded per solve) keeps these free of any model: what is
+tested is which requests share a solve, in which order steps run them, and that nothing is
+lost or reordered on the way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from omni_jax.engine.generation_params import Token2WavParams
+from omni_jax.engine.generation_runner import GenerationRequest, GenerationRunner, SolveGeometry
+from omni_jax.engine.solve_cost import MIN_OVERHEAD, SolveCost
+
+SAMPLES_PER_FRAME = 3
+
+
+class _NoWeights(nnx.Module):
+    pass
+
+
+def make_runner(calls: list[list[int]], max_batch: int = 8) -> GenerationRunner:
+    def solve(graphdef, state, codes, code_lengths, *rest):  # noqa: ANN001, ANN002, ANN202 - a stand-in
+        lengths = np.asarray(code_lengths)
+        calls.append(lengths.tolist())
+        wave = np.zeros((codes.shape[0], 2 * codes.shape[1] * SAMPLES_PER_FRAME), np.float32)
+        return wave, lengths * 2 * SAMPLES_PER_FRAME
+
+    geometry = SolveGeometry(repeats=2, mel_dim=4, max_codes=512, min_guidance=1e-5)
+    return GenerationRunner(solve, _NoWeights(), geometry, max_batch=max_batch)
+
+
+def request(name: str, num_codes: int) -> GenerationRequest:
+    return GenerationRequest(
+        name,
+        np.ones(num_codes, np.int32),
+        np.zeros(3, np.float32),
+        np.zeros((5, 4), np.float32),
+        Token2WavParams(seed=0),
+    )
+
+
+def test_fit_skips_compiles_and_reads_the_overhead() -> None:
+    cost = SolveCost(cap=4096.0)
+    assert cost.overhead() == MIN_OVERHEAD  # nothing timed: solves follow the code buckets
+    a, b = 0.02, 1e-4  # a solve's fixed seconds, seconds per padded code-row
+    for n in (64, 128, 512):
+        cost.record((n,), n, 100.0)  # a shape's first solve compiles: never counted
+        cost.record((n,), n, a + b * n + 0.5)  # a slow run, then the real cost
+        cost.record((n,), n, a + b * n)
+    assert cost.overhead() == pytest.approx(a / b)
+
+
+def test_fit_without_a_slope_groups_everything() -> None:
+    cost = SolveCost(cap=4096.0)
+    for n in (64, 512):  # a device that solves eight rows as fast as one
+        cost.record((n,), n, 1.0)
+        cost.record((n,), n, 1.0)
+    assert cost.overhead() == 4096.0
+
+
+def ids(groups: list[list[GenerationRequest]]) -> list[list[str]]:
+    return [[r.request_id for r in g] for g in groups]
+
+
+def test_groups_weigh_padding_against_solves(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = make_runner([])
+    lengths = {"a": 100, "b": 20, "c": 100, "d": 20, "e": 100, "f": 30, "g": 100}
+    waiting = [request(name, n) for name, n in lengths.items()]
+    # Cheap solves: shortest first, one code bucket (20, 32, 104 codes) each.
+    assert ids(runner.groups(waiting)) == [["b", "d"], ["f"], ["a", "c", "e", "g"]]
+    monkeypatch.setattr(runner.cost, "overhead", lambda: 1000.0)  # dear solves: one for all
+    assert ids(runner.groups(waiting)) == [["b", "d", "f", "a", "c", "e", "g"]]
+    # Three rows pad to four: with cheap solves, 2 + 1 rows of 104 codes beat 4.
+    monkeypatch.setattr(runner.cost, "overhead", lambda: MIN_OVERHEAD)
+    assert [len(g) for g in runner.groups(waiting[:1] + waiting[2:3] + waiting[4:5])] in ([1, 2], [2, 1])
+
+
+def test_a_step_runs_the_oldest_requests_solve_and_keeps_the_rest_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[list[int]] = []
+    runner = make_runner(calls)
+    for name, n in [("long", 100), ("short", 20), ("long2", 100), ("short2", 20)]:
+        runner.add(request(name, n))
+    first = runner.step()
+    assert [r.request.request_id for r in first] == ["long", "long2"]
+    assert [len(r.waveform) for r in first] == [100 * 2 * SAMPLES_PER_FRAME] * 2
+    assert [r.request_id for r in runner._waiting] == ["short", "short2"]
+    runner.add(request("short3", 30))  # arrives in time to join the next solve (solves made dear)
+    monkeypatch.setattr(runner.cost, "overhead", lambda: 1000.0)
+    second = runner.step()
+    assert [r.request.request_id for r in second] == ["short", "short2", "short3"]
+    assert not runner.has_work() and calls == [[100, 100], [20, 20, 30, 1]]
