@@ -382,8 +382,13 @@ def test_encoder_fault_alone_and_then_recovered(pipe, monkeypatch) -> None:
     assert again.error is None and len(again.token_ids) == 3
 
 
-def test_numpy_token_ids_taken_as_ints(code2wav) -> None:
-    """A 1-D integer array or a list of numpy ints is the same prompt as the list of ints."""
+def test_numpy_token_ids_taken_as_ints(code2wav, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1-D integer array or a list of numpy ints is the same prompt as the list of ints.
+
+    The three share one solve (solves made dear), where equal inputs give equal bits; solves
+    of other row counts may round differently."""
+    cost = code2wav.stages[0].runner.cost
+    monkeypatch.setattr(cost, "overhead", lambda: cost.cap)
     params = Token2WavParams(num_steps=2, seed=0)
     ids = [4, 5, 6, 7]
     outs = code2wav.run(
