@@ -22,6 +22,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     kaiser_sinc_filter1d,
 )
 
+from omni_jax.engine.compilation import StaticGraph
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.param_map import conv_transpose1d_kernel
 from omni_jax.models.qwen2_5_omni.bigvgan import BIGVGAN_RULES, BigVGAN, kaiser_sinc_filter
@@ -43,6 +44,12 @@ BIGVGAN_CONFIG = TINY_BIGVGAN_CONFIG
 MEL = DIT_CONFIG["mel_dim"]
 SPK = DIT_CONFIG["enc_emb_dim"]  # width of the speaker "cond" vector
 HOP = 5 * 3 * 2 * 2
+
+
+def split(model: nnx.Module) -> tuple[StaticGraph, nnx.State]:
+    """``nnx.split`` with the graphdef as :func:`token2wav_compiled` takes it."""
+    graphdef, state = nnx.split(model)
+    return StaticGraph(graphdef), state
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -221,9 +228,9 @@ def test_batched_equals_unbatched(ours: Token2Wav) -> None:
     """
     requests = [make_request(10, 5, 19), make_request(11, 12, 11), make_request(12, 9, 15)]
     steps = dict(num_steps=[3, 5, 1], guidance_scale=[0.5, 0.0, 1.5], sway_coefficient=[-1.0, 0.0, -0.5])
-    graphdef, state = nnx.split(ours)
+    graph, state = split(ours)
     run = lambda batch, **kw: token2wav_compiled(
-        graphdef, state, **batch, **{k: jnp.asarray(v) for k, v in kw.items()}
+        graph, state, **batch, **{k: jnp.asarray(v) for k, v in kw.items()}
     )
     waves, lengths = run(pad_batch(requests), **steps)
     for i, req in enumerate(requests):
@@ -237,12 +244,12 @@ def test_batched_equals_unbatched(ours: Token2Wav) -> None:
 
 def test_unguided_program_equals_guidance_zero(ours: Token2Wav) -> None:
     """``guided=False`` drops the null half; it equals the CFG program at scales below the threshold."""
-    graphdef, state = nnx.split(ours)
+    graph, state = split(ours)
     batch = pad_batch([make_request(30, 6, 9), make_request(31, 4, 12)])
     knobs = dict(num_steps=jnp.asarray([3, 4]), sway_coefficient=jnp.asarray([-1.0, 0.0]))
     scales = jnp.asarray([0.0, MIN_GUIDANCE / 2])
-    both, lengths = token2wav_compiled(graphdef, state, **batch, guidance_scale=scales, **knobs)
-    alone, _ = token2wav_compiled(graphdef, state, **batch, guidance_scale=scales, **knobs, guided=False)
+    both, lengths = token2wav_compiled(graph, state, **batch, guidance_scale=scales, **knobs)
+    alone, _ = token2wav_compiled(graph, state, **batch, guidance_scale=scales, **knobs, guided=False)
     for i in range(2):
         n = int(lengths[i])
         err = rel_err(alone[i, :n], np.asarray(both[i, :n]))
@@ -251,17 +258,17 @@ def test_unguided_program_equals_guidance_zero(ours: Token2Wav) -> None:
 
 def test_solve_is_one_program(ours: Token2Wav) -> None:
     """The RK4 steps are a while loop in one program; changing num_steps does not recompile."""
-    graphdef, state = nnx.split(ours)
+    graph, state = split(ours)
     batch = pad_batch([make_request(20, 4, 9)])
     knobs = lambda n: dict(
         num_steps=jnp.asarray([n]), guidance_scale=jnp.asarray([0.5]), sway_coefficient=jnp.asarray([-1.0])
     )
     jaxpr = jax.make_jaxpr(token2wav_compiled.__wrapped__, static_argnums=0)(
-        graphdef, state, **batch, **knobs(4)
+        graph, state, **batch, **knobs(4)
     )
     assert "while[" in str(jaxpr)
     before = token2wav_compiled._cache_size()
-    first, _ = token2wav_compiled(graphdef, state, **batch, **knobs(3))
-    second, _ = token2wav_compiled(graphdef, state, **batch, **knobs(6))
+    first, _ = token2wav_compiled(graph, state, **batch, **knobs(3))
+    second, _ = token2wav_compiled(graph, state, **batch, **knobs(6))
     assert token2wav_compiled._cache_size() == before + 1
     assert not np.allclose(first, second)

@@ -183,10 +183,10 @@ def test_run_time_failure_ends_only_that_request(pipes, monkeypatch) -> None:
     runner = pipe.stages[0].runner
     solve = runner.solve
 
-    def flaky(graphdef, state, codes, code_lengths, *rest):
+    def flaky(graph, state, codes, code_lengths, *rest):
         if 13 in np.asarray(code_lengths):
             raise jax.errors.JaxRuntimeError("device fault")
-        return solve(graphdef, state, codes, code_lengths, *rest)
+        return solve(graph, state, codes, code_lengths, *rest)
 
     monkeypatch.setattr(runner, "solve", flaky)
     bad, good = pipe.run(

@@ -200,6 +200,7 @@ def test_solve_estimate_against_xla(omni_dir, rows, codes) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
+    from omni_jax.engine.compilation import StaticGraph
     from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
 
     hf_config = load_hf_config(omni_dir)
@@ -221,7 +222,7 @@ def test_solve_estimate_against_xla(omni_dir, rows, codes) -> None:
             ((rows,), f32),
         )
     ]
-    compiled = token2wav_compiled.lower(graphdef, state, *args, True).compile()
+    compiled = token2wav_compiled.lower(StaticGraph(graphdef), state, *args, True).compile()
     xla = compiled.memory_analysis().temp_size_in_bytes
     estimate = model.solve_bytes_per_code * rows * codes
     assert xla <= estimate <= 3 * xla, (estimate, xla)

@@ -23,7 +23,7 @@ class _NoWeights(nnx.Module):
 
 
 def make_runner(calls: list[list[int]], max_batch: int = 8) -> GenerationRunner:
-    def solve(graphdef, state, codes, code_lengths, *rest):  # noqa: ANN001, ANN002, ANN202 - a stand-in
+    def solve(graph, state, codes, code_lengths, *rest):  # noqa: ANN001, ANN002, ANN202 - a stand-in
         lengths = np.asarray(code_lengths)
         calls.append(lengths.tolist())
         wave = np.zeros((codes.shape[0], 2 * codes.shape[1] * SAMPLES_PER_FRAME), np.float32)

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from omni_jax.engine.buckets import bucket, fine_bucket, round_up
+from omni_jax.engine.compilation import StaticGraph
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.engine.solve_cost import SolveCost
 from omni_jax.parallel.distributed import random_seed
@@ -41,10 +42,11 @@ from omni_jax.parallel.rules import fetch, put
 from omni_jax.profiling import scope
 
 Solve = Callable[..., tuple[jax.Array, jax.Array]]
-"""``solve(graphdef, state, codes, code_lengths, speaker_embedding, reference_mel, reference_lengths,
+"""``solve(graph, state, codes, code_lengths, speaker_embedding, reference_mel, reference_lengths,
 initial_noise, num_steps, guidance_scale, sway_coefficient, guided) -> (wave [B, S], valid samples
-[B])``, e.g. ``token2wav_compiled``; every array is batched and the knobs are ``[B]``; ``guided``
-(static) is False when no request needs classifier-free guidance."""
+[B])``, e.g. ``token2wav_compiled``; ``graph`` is the model's :class:`StaticGraph`; every array is
+batched and the knobs are ``[B]``; ``guided`` (static) is False when no request needs
+classifier-free guidance."""
 
 
 @dataclasses.dataclass
@@ -127,6 +129,7 @@ class GenerationRunner:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.solve = solve
         self.graphdef, self.state = nnx.split(model)
+        self.graph = StaticGraph(self.graphdef)
         self.geometry = geometry
         self.max_batch = max_batch
         self.min_codes = min(min_codes, geometry.max_codes)
@@ -246,7 +249,7 @@ class GenerationRunner:
             # Inputs to the device, one program (DiT solve then vocoder: device scopes
             # ``dit_solve`` / ``vocoder``), waveforms back to the host.
             with scope("code2wav/solve", rows=batch.codes.shape[0], codes=batch.codes.shape[1]):
-                wave, valid = self.solve(self.graphdef, self.state, *batch.arrays(self.mesh), batch.guided)
+                wave, valid = self.solve(self.graph, self.state, *batch.arrays(self.mesh), batch.guided)
                 wave, valid = fetch(wave), fetch(valid)
         except jax.errors.JaxRuntimeError as e:
             if len(requests) > 1:  # find the culprit: the others still complete

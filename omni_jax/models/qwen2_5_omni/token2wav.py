@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from omni_jax.engine.compilation import StaticGraph
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni.bigvgan import BIGVGAN_IGNORE, BIGVGAN_RULES, BigVGAN
 from omni_jax.models.qwen2_5_omni.dit import DIT_IGNORE, DIT_RULES, DiT
@@ -209,7 +210,7 @@ def token2wav(
 
 @functools.partial(jax.jit, static_argnums=(0, 11), static_argnames="guided")
 def token2wav_compiled(
-    graphdef: nnx.GraphDef,
+    graph: StaticGraph,
     state: nnx.State,
     codes: jax.Array,
     code_lengths: jax.Array,
@@ -222,13 +223,14 @@ def token2wav_compiled(
     sway_coefficient: jax.Array,
     guided: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`token2wav` as one compiled program over ``nnx.split(model)``.
+    """:func:`token2wav` as one compiled program over ``nnx.split(model)`` (the graphdef wrapped
+    in a :class:`StaticGraph`).
 
     Compiles once per input shape (bucket the batch, code and reference lengths) and ``guided``;
     the step parameters are traced, so new values never recompile.
     """
     return token2wav(
-        nnx.merge(graphdef, state),
+        nnx.merge(graph.graphdef, state),
         codes,
         code_lengths,
         speaker_embedding,
