@@ -24,6 +24,7 @@ from omni_jax.engine.buckets import (
     bucket,
     bucket_sizes,
     fine_bucket_sizes,
+    padded_split,
     round_up,
     row_bucket,
     token_bucket,
@@ -367,20 +368,7 @@ class ARRunner:
             return [list(range(len(rows)))]
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids))
         tokens = [token_bucket(len(rows[i].token_ids), self.min_prefill_bucket) for i in order]
-        row_buckets = [0] + [self.rows_bucket(k) for k in range(1, len(order) + 1)]
-
-        def cost(a: int, b: int) -> int:  # rows order[a:b] in one call
-            return row_buckets[b - a] * tokens[b - 1] + CALL_COST
-
-        best = [0] + [0] * len(order)
-        cut = [0] * (len(order) + 1)
-        for b in range(1, len(order) + 1):
-            best[b], cut[b] = min((best[a] + cost(a, b), a) for a in range(b))
-        bounds, b = [], len(order)
-        while b:
-            bounds.append((cut[b], b))
-            b = cut[b]
-        return [order[a:b] for a, b in reversed(bounds)]
+        return [order[a:b] for a, b in padded_split(tokens, self.rows_bucket, CALL_COST)]
 
     def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
         """One scheduler step: its rows in one call or, when they are ragged prompt chunks, in

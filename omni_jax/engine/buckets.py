@@ -6,6 +6,8 @@ logarithm of the largest size, so steady-state serving never compiles.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 MIN_ROWS = 2
 """Steps carry at least two rows. With one row and one token, XLA rewrites the cache scatter
 as a dynamic-update-slice and (CPU, measured) copies every layer's whole cache each step:
@@ -74,3 +76,24 @@ def token_bucket(n: int, minimum: int = 16) -> int:
 def fine_bucket_sizes(minimum: int, maximum: int) -> list[int]:
     sizes = sorted({fine_bucket(n, minimum) for n in range(minimum, maximum + 1)})
     return [s for s in sizes if s <= maximum]
+
+
+def padded_split(sizes: Sequence[int], rows: Callable[[int], int], overhead: float) -> list[tuple[int, int]]:
+    """Bounds ``[a, b)`` of the contiguous groups that run items of padded ``sizes`` (sorted,
+    ascending) most cheaply, one program call each.
+
+    A group of ``k`` items costs ``rows(k) * sizes[b - 1]`` (its rows bucketed, each padded to
+    its longest item) plus ``overhead`` per call; the split is exact, a dynamic program over the
+    items. Ties go to the earlier cut, so to fewer, larger groups at the front.
+    """
+    n = len(sizes)
+    row_buckets = [0] + [rows(k) for k in range(1, n + 1)]
+    best = [0.0] * (n + 1)
+    cut = [0] * (n + 1)
+    for b in range(1, n + 1):
+        best[b], cut[b] = min((best[a] + row_buckets[b - a] * sizes[b - 1] + overhead, a) for a in range(b))
+    bounds, b = [], n
+    while b:
+        bounds.append((cut[b], b))
+        b = cut[b]
+    return bounds[::-1]

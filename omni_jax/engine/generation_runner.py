@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from omni_jax.engine.buckets import bucket, fine_bucket, round_up
+from omni_jax.engine.buckets import bucket, fine_bucket, padded_split, round_up
 from omni_jax.engine.compilation import StaticGraph
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.engine.solve_cost import SolveCost
@@ -166,25 +166,14 @@ class GenerationRunner:
         """``requests`` split into solves, shortest first, each request in one.
 
         Sorted by length, the requests are cut into contiguous groups that minimise the padded
-        code-rows (rows and codes to their buckets) plus :meth:`SolveCost.overhead` per solve:
-        an exact dynamic program over at most ``max_batch`` requests. With little overhead a
+        code-rows (rows and codes to their buckets) plus :meth:`SolveCost.overhead` per solve
+        (:func:`~omni_jax.engine.buckets.padded_split`). With little overhead a
         group holds one code bucket (or splits where its rows would pad to the next power of
         two); the larger a solve's fixed cost, the more lengths share one.
         """
         order = sorted(requests, key=lambda r: len(r.codes))
         codes = [self.code_bucket(len(r.codes)) for r in order]
-        overhead = self.cost.overhead()
-        best = [0.0] * (len(order) + 1)
-        cut = [0] * (len(order) + 1)
-        for b in range(1, len(order) + 1):
-            best[b], cut[b] = min(
-                (best[a] + self.rows_bucket(b - a) * codes[b - 1] + overhead, a) for a in range(b)
-            )
-        bounds, b = [], len(order)
-        while b:
-            bounds.append((cut[b], b))
-            b = cut[b]
-        return [order[a:b] for a, b in reversed(bounds)]
+        return [order[a:b] for a, b in padded_split(codes, self.rows_bucket, self.cost.overhead())]
 
     def initial_noise(self, request: GenerationRequest) -> tuple[np.ndarray, int | None]:
         """``(noise [len(codes) * repeats, mel_dim] float32, seed)``; the seed is None when given."""
