@@ -83,3 +83,50 @@ def test_decode_row_chunks_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> Non
     assert attention._rows_per_chunk(12, 5, 4, 2, 24, 16, 4) == 12
     attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))  # traced anew
     np.testing.assert_array_equal(np.asarray(attend(q, k, v, md)), whole)
+
+
+def test_decode_chunks_narrow_their_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode chunks take length-sorted rows and read only the pages their longest row needs.
+
+    Rows in shuffled order whose sorted chunks of 4 need 1, 2, 4 and 8 of 8 pages: every table
+    entry past its chunk's width points at a page of NaN, which a gather at full width would
+    carry into the row (``0 * NaN``). The result must be the clean whole step's, bit for bit,
+    in the rows' own order.
+    """
+    from omni_jax.models import attention
+
+    assert attention._chunk_widths(8) == [1, 2, 4, 8]
+    assert attention._chunk_widths(24) == [3, 6, 12, 24]
+    assert attention._chunk_widths(6) == [3, 6]
+    rng = np.random.RandomState(4)
+    kv_heads, heads, d, num_pages, page_size, pps, batch = 2, 4, 16, 160, 4, 8, 16
+    lens = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 25, 30, 32], np.int32)
+    width = np.repeat([1, 2, 4, 8], 4)  # pages of each sorted chunk of 4 rows
+    shuffle = rng.permutation(batch)
+    tables = rng.permutation(num_pages)[: batch * pps].reshape(batch, pps).astype(np.int32)
+    q = jnp.asarray(rng.randn(batch, 1, heads, d), jnp.float32)
+    k, v = (rng.randn(kv_heads, num_pages + 1, page_size, d).astype(np.float32) for _ in range(2))
+    k[:, num_pages] = v[:, num_pages] = np.nan
+    poisoned = tables.copy()
+    for row, w in zip(shuffle, width, strict=True):
+        poisoned[row, w:] = num_pages
+    lens_in_order = np.empty_like(lens)
+    lens_in_order[shuffle] = lens
+
+    def md(block_tables: np.ndarray) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=jnp.zeros((batch, 1), jnp.int32),
+            block_tables=jnp.asarray(block_tables),
+            context_lens=jnp.asarray(lens_in_order),
+            query_lens=jnp.ones((batch,), jnp.int32),
+        )
+
+    attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))
+    whole = np.asarray(attend(q, jnp.asarray(k), jnp.asarray(v), md(tables)))
+    assert np.isfinite(whole).all()
+    keys = pps * page_size
+    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 4 * (2 * kv_heads * keys * d * 4 + heads * keys * 4))
+    assert attention._rows_per_chunk(batch, 1, heads, kv_heads, keys, d, 4) == 4
+    attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))  # traced anew
+    got = np.asarray(attend(q, jnp.asarray(k), jnp.asarray(v), md(poisoned)))
+    np.testing.assert_array_equal(got, whole)

@@ -97,6 +97,14 @@ def _rows_per_chunk(b: int, t: int, h: int, kvh: int, keys: int, d: int, itemsiz
     return max(c for c in range(1, min(fit, b) + 1) if b % c == 0)
 
 
+def _chunk_widths(pages: int) -> list[int]:
+    """Block-table widths a decode chunk may narrow to: ``pages`` and up to three halvings."""
+    widths = [pages]
+    while len(widths) < 4 and widths[-1] % 2 == 0:
+        widths.append(widths[-1] // 2)
+    return widths[::-1]
+
+
 def _attention_jnp(
     q: jax.Array,
     k_pages: jax.Array,
@@ -106,26 +114,37 @@ def _attention_jnp(
     sliding_window: int | None,
 ) -> jax.Array:
     """Rows in chunks (:func:`_rows_per_chunk`), a sequential map over chunks of the same
-    per-row computation.
+    per-row computation, each chunk over only the pages its longest row needs.
 
-    Chunk ``j`` holds rows ``j, j + n, j + 2n, ...`` (``n`` chunks): under a mesh the rows are
-    split over ``data`` in contiguous blocks, and strided chunks keep every chunk spread over
-    all of them, so no device waits on another's rows.
+    The step's table is as wide as its longest row, but a row's context can be far shorter
+    (prompts of 16 to 64 tokens growing by 128 in the benchmark with 256 rows): gathering every
+    row's full table read 2.3x the pages in use. So rows are sorted by context length, chunks
+    take consecutive sorted rows, and each chunk switches to the narrowest of
+    :func:`_chunk_widths` that holds its longest row. Keys past a row's context weigh exactly
+    zero at any width, so a row's result does not depend on its chunk (tested bit for bit).
     """
     b, t, h, d = q.shape
     kvh, _, page_size, _ = k_pages.shape
-    keys = md.block_tables.shape[1] * page_size
-    c = _rows_per_chunk(b, t, h, kvh, keys, d, k_pages.dtype.itemsize)
+    pages = md.block_tables.shape[1]
+    c = _rows_per_chunk(b, t, h, kvh, pages * page_size, d, k_pages.dtype.itemsize)
     if c == b:
         return _attention_rows(q, k_pages, v_pages, md, scale, sliding_window)
-    n = b // c
-    chunked = lambda a: a.reshape(c, n, *a.shape[1:]).swapaxes(0, 1)
+    order = jnp.argsort(md.context_lens)
+    chunked = lambda a: a[order].reshape(b // c, c, *a.shape[1:])
+    widths = _chunk_widths(pages)
+
+    def narrow(width: int, qc: jax.Array, mdc: AttentionMetadata) -> jax.Array:
+        mdc = dataclasses.replace(mdc, block_tables=mdc.block_tables[:, :width])
+        return _attention_rows(qc, k_pages, v_pages, mdc, scale, sliding_window)
 
     def one(rows: tuple[jax.Array, AttentionMetadata]) -> jax.Array:
-        return _attention_rows(rows[0], k_pages, v_pages, rows[1], scale, sliding_window)
+        qc, mdc = rows
+        need = -(-mdc.context_lens.max() // page_size)
+        branch = jnp.searchsorted(jnp.asarray(widths, jnp.int32), need)
+        return jax.lax.switch(branch, [functools.partial(narrow, w) for w in widths], qc, mdc)
 
     out = jax.lax.map(one, (chunked(q), jax.tree.map(chunked, md)))
-    return out.swapaxes(0, 1).reshape(q.shape)
+    return jnp.zeros_like(q).at[order].set(out.reshape(q.shape), unique_indices=True)
 
 
 def _attention_rows(
