@@ -136,7 +136,8 @@ class StepResult:
 
 def _step_fn(
     graphdef: nnx.GraphDef,
-    state: nnx.State,
+    treedef: Any,
+    leaves: list[jax.Array],
     kv_cache: Any,
     tokens: jax.Array,
     positions: jax.Array,
@@ -149,7 +150,7 @@ def _step_fn(
     backend: Backend,
     return_hidden: bool,
 ) -> tuple[Any, ...]:
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     embeds = model.embed(tokens, extra)
     hidden, kv_cache = model(embeds, positions, kv_cache, md, backend)
     last = hidden[jnp.arange(hidden.shape[0]), logits_idx]
@@ -184,6 +185,10 @@ class ARRunner:
         be placed on it. The cache is split on KV heads over ``model`` (``cache.num_kv_heads``
         counts stored, possibly replicated, heads), step rows over ``data``."""
         self.graphdef, self.state = nnx.split(model)
+        # The step takes the state's leaves, its structure bound in: jit flattens its arguments
+        # on every call, and flattening the NNX state (a Python call per variable) was a third
+        # of a tiny talker step's dispatch (0.65 against 0.46 ms a step, measured).
+        self._leaves, treedef = jax.tree.flatten(self.state)
         self.cache_cfg = cache
         self.max_num_seqs = max_num_seqs
         self.mesh = mesh
@@ -207,7 +212,7 @@ class ARRunner:
             rep = NamedSharding(mesh, P())
             layout["out_shardings"] = (rep, rep, rep, rep, rep, self.kv_cache[0][0].sharding)
         self._step = jax.jit(
-            functools.partial(_step_fn, self.graphdef),
+            functools.partial(_step_fn, self.graphdef, treedef),
             donate_argnames=("kv_cache",),
             static_argnames=("num_logprobs", "backend", "return_hidden"),
             **layout,
@@ -313,7 +318,7 @@ class ARRunner:
 
     def _run_step(self, args: Sequence[Any], num_logprobs: int, return_hidden: bool) -> tuple[Any, ...]:
         toks, finite, ids, lps, hidden, self.kv_cache = self._step(
-            self.state,
+            self._leaves,
             self.kv_cache,
             *args,
             num_logprobs=num_logprobs,
