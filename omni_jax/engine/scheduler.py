@@ -152,11 +152,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _reserve(self, req: ARRequest, end: int, protected: list[ARRequest]) -> bool:
-        """Give ``req`` pages up to token ``end``, preempting newer requests if needed."""
+    def _reserve(self, req: ARRequest, end: int, step: Sequence[tuple[ARRequest, StepRow]]) -> bool:
+        """Give ``req`` pages up to token ``end``, preempting newer requests if needed (never
+        one already in ``step``). The rows already placed are looked at only when pages run
+        short: reading them for every row made scheduling quadratic in the step's rows."""
         need = pages_needed(end, self.cfg.page_size) - len(req.pages)
         while need > self.allocator.num_free:
-            victims = [r for r in self.running if r.arrival > req.arrival and r not in protected]
+            placed = {id(r) for r, _ in step}
+            victims = [r for r in self.running if r.arrival > req.arrival and id(r) not in placed]
             if not victims:
                 return False
             self._preempt(max(victims, key=lambda r: r.arrival))
@@ -194,7 +197,7 @@ class Scheduler:
         for req, chunk in plan:
             if req.status is not Status.RUNNING:  # preempted for an older row this step
                 continue
-            if self._reserve(req, req.num_computed + chunk, [r for r, _ in step]):
+            if self._reserve(req, req.num_computed + chunk, step):
                 step.append((req, self._row(req, chunk)))
             else:
                 self._preempt(req)
