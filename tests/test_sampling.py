@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from omni_jax import OmniJaxPipeline, SamplingParams
-from omni_jax.engine.sampling import pack_sampling, processed_logits, sample
+from omni_jax.engine.sampling import first_argmax, pack_sampling, processed_logits, sample
 
 V = 50
 ROWS = [
@@ -41,6 +41,20 @@ def hf_processed(logits: np.ndarray, history: list[int], p: SamplingParams) -> n
     if p.min_p > 0:
         x = MinPLogitsWarper(p.min_p)(ids, x)
     return x[0].numpy()
+
+
+def test_first_argmax_is_argmax() -> None:
+    """Ties go to the first maximum, an all ``-inf`` row (everything suppressed) to id 0, as
+    ``jnp.argmax`` gives them; random rows agree everywhere."""
+    rng = np.random.RandomState(5)
+    x = rng.randn(64, 1000).astype(np.float32)
+    x[1, [7, 300, 999]] = 9.0
+    x[2] = -np.inf
+    x[3, :] = 0.5
+    x[4, 998:] = 20.0
+    x = jax.numpy.asarray(x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(x)), np.asarray(jax.numpy.argmax(x, -1)))
+    assert int(jax.jit(first_argmax)(x)[1]) == 7
 
 
 def test_processed_logits_match_transformers_per_row() -> None:

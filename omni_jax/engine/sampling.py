@@ -150,6 +150,19 @@ def processed_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return _truncate(x / temp[:, None], st)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` (the first of tied maxima) as a max and a masked min.
+
+    XLA on CPU runs ``argmax`` as one reduction over (value, index) pairs that does not
+    vectorise: 5.0 ms for 256 rows of an 8192-token vocabulary, against 1.7 ms for these two
+    plain reductions (measured), on every step. A row holding NaN matches nowhere and gets the
+    last id (its non-finite logits end the request anyway).
+    """
+    v = x.shape[-1]
+    hit = x == x.max(axis=-1, keepdims=True)
+    return jnp.minimum(jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1), v - 1)
+
+
 def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """Gumbel-max over the processed logits for sampled rows, argmax for greedy rows."""
     x = processed_logits(logits, st)
@@ -160,7 +173,7 @@ def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:
         return jax.random.gumbel(key, (v,), jnp.float32)
 
     gumbel = jax.vmap(noise)(st.seeds, st.draw_index)
-    return jnp.argmax(jnp.where(st.temperature[:, None] > 0, x + gumbel, x), axis=-1)
+    return first_argmax(jnp.where(st.temperature[:, None] > 0, x + gumbel, x))
 
 
 def sample(
@@ -180,7 +193,7 @@ def sample(
         & (st.frequency_penalty == 0)
         & jnp.all(st.suppress < 0, axis=-1)
     )
-    tokens = jax.lax.cond(plain, lambda lg, _: jnp.argmax(lg, axis=-1), _draw, logits, st).astype(jnp.int32)
+    tokens = jax.lax.cond(plain, lambda lg, _: first_argmax(lg), _draw, logits, st).astype(jnp.int32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)
