@@ -45,9 +45,10 @@ def _ours(
         max_num_batched_tokens=2048,
     )
     # min_tokens as the reference's min_new_tokens: both keep EOS from being sampled, so a
-    # request whose greedy choice is EOS continues with the same next-best token on both sides
-    # (ignore_eos alone would emit the EOS and go on, where generate had suppressed it).
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, min_tokens=max_new, ignore_eos=True)
+    # request whose greedy choice is EOS continues with the same next-best token on both sides.
+    # Not ignore_eos: as in vLLM, it makes EOS an ordinary token, which min_tokens then no
+    # longer holds back (so it would be emitted where generate had suppressed it).
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, min_tokens=max_new)
     batch = [{"prompt_token_ids": p} for p in prompts]
     with CompileStats() as stats:
         t0 = time.perf_counter()
