@@ -133,6 +133,17 @@ def _truncate(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
+def _adjusted(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Penalties and suppression: what changes a greedy row's choice (truncation never does)."""
+    b, v = logits.shape
+    needs_penalty = jnp.any(
+        (st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)
+    )
+    x = jax.lax.cond(needs_penalty, _penalise, lambda lg, _: lg, logits, st)
+    suppressed = jnp.where(st.suppress >= 0, st.suppress, v)  # -1 padding -> out of range, dropped
+    return x.at[jnp.arange(b)[:, None], suppressed].set(-jnp.inf, mode="drop")
+
+
 def processed_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """The distribution a sampled row draws from: penalties, suppression, temperature, truncation.
 
@@ -140,14 +151,8 @@ def processed_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     min-p); min-p compares probabilities with the row's largest, which truncation keeps, so
     applying it as one more mask is the same as applying it last.
     """
-    b, v = logits.shape
-    needs_penalty = jnp.any(
-        (st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0)
-    )
-    x = jax.lax.cond(needs_penalty, _penalise, lambda lg, _: lg, logits, st)
-    x = x.at[jnp.arange(b)[:, None], jnp.where(st.suppress >= 0, st.suppress, v)].set(-jnp.inf, mode="drop")
     temp = jnp.where(st.temperature > 0, st.temperature, 1.0)
-    return _truncate(x / temp[:, None], st)
+    return _truncate(_adjusted(logits, st) / temp[:, None], st)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -183,17 +188,14 @@ def sample(
 
     Returns ``(tokens [B], ids [B, 1 + N], logprobs [B, 1 + N])``: column 0 is the drawn
     token, then the top-``N`` (static) of the model's raw distribution (vLLM's default).
-    An all-greedy batch with no penalties (the common serving case) skips the penalty
-    scatter, the vocabulary sort and the noise, through ``lax.cond``.
+    An all-greedy batch skips the vocabulary sort and the noise through ``lax.cond``: its
+    choice is the argmax after penalties and suppression, which truncation keeps (it only
+    drops tokens below the largest). With suppression (e.g. EOS under ``min_tokens``) every
+    step used to take the sampling path: 549 against 180 ms a 256-row step (measured).
     """
-    plain = jnp.all(
-        (st.temperature == 0)
-        & (st.repetition_penalty == 1)
-        & (st.presence_penalty == 0)
-        & (st.frequency_penalty == 0)
-        & jnp.all(st.suppress < 0, axis=-1)
-    )
-    tokens = jax.lax.cond(plain, lambda lg, _: first_argmax(lg), _draw, logits, st).astype(jnp.int32)
+    greedy = jnp.all(st.temperature == 0)
+    tokens = jax.lax.cond(greedy, lambda lg, s: first_argmax(_adjusted(lg, s)), _draw, logits, st)
+    tokens = tokens.astype(jnp.int32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)
