@@ -191,7 +191,7 @@ def sample(
     An all-greedy batch skips the vocabulary sort and the noise through ``lax.cond``: its
     choice is the argmax after penalties and suppression, which truncation keeps (it only
     drops tokens below the largest). With suppression (e.g. EOS under ``min_tokens``) every
-    step used to take the sampling path: 549 against 180 ms a 256-row step (measured).
+    step used to take the sampling path: 549 against 186 ms a 256-row step (measured).
     """
     greedy = jnp.all(st.temperature == 0)
     tokens = jax.lax.cond(greedy, lambda lg, s: first_argmax(_adjusted(lg, s)), _draw, logits, st)

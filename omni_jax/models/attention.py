@@ -122,6 +122,8 @@ def _attention_jnp(
     take consecutive sorted rows, and each chunk switches to the narrowest of
     :func:`_chunk_widths` that holds its longest row. Keys past a row's context weigh exactly
     zero at any width, so a row's result does not depend on its chunk (tested bit for bit).
+    Under a ``data`` mesh the sort moves rows between devices; chunking runs only on CPU,
+    where meshes are emulated for tests, and the result is the same (tested).
     """
     b, t, h, d = q.shape
     kvh, _, page_size, _ = k_pages.shape
