@@ -81,6 +81,30 @@ def test_processed_logits_match_transformers_per_row() -> None:
         np.testing.assert_allclose(got[i][keep], want[keep], rtol=1e-6, atol=1e-6, err_msg=f"row {i}")
 
 
+def test_all_greedy_step_picks_the_processed_argmax() -> None:
+    """An all-greedy step skips truncation (no sort): with penalties, suppression and top-k/p,
+    min-p set, each row's token is still the argmax of the full processed distribution."""
+    rs = np.random.RandomState(6)
+    logits = np.round(rs.randn(6, V) * 2, 1).astype(np.float32)  # rounded: ties occur
+    rows = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, top_k=3, top_p=0.2, min_p=0.5),
+        SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, repetition_penalty=0.7, top_k=1),
+        SamplingParams(temperature=0.0),
+    ]
+    histories = [list(rs.randint(0, V, size=8)) for _ in rows]
+    suppress = [[int(np.argmax(logits[i]))] if i % 2 else [] for i in range(len(rows))]
+    st = pack_sampling(
+        rows, histories, [3] * 6, [0] * 6, [0] * 6, suppress, batch=6, history_len=8, suppress_len=4
+    )
+    tokens, _, _ = jax.jit(sample, static_argnums=2)(logits, st, 0)
+    want = np.argmax(np.asarray(jax.jit(processed_logits)(logits, st)), axis=-1)
+    np.testing.assert_array_equal(np.asarray(tokens), want)
+    assert all(int(tokens[i]) != suppress[i][0] for i in range(1, 6, 2))
+
+
 def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
     logits = np.zeros((1, 8), np.float32)
     p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
