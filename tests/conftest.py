@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")  # tests must not write to ~/.cache
+# The CPU kernels build once per test session (a few seconds), outside ~/.cache.
+os.environ.setdefault("OMNI_JAX_KERNEL_CACHE", tempfile.mkdtemp(prefix="omni_jax_kernels_"))
 
 import pytest  # noqa: E402
 

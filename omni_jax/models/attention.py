@@ -1,4 +1,5 @@
-"""Paged attention behind one function, with a portable jnp path and the Pallas GPU kernel.
+"""Paged attention behind one function: a portable jnp path, the Pallas GPU kernel and a C++
+CPU kernel for decode.
 
 The cache layout is per layer ``[kv_heads, num_pages, page_size, head_dim]`` for K and V,
 the layout ``jax.experimental.pallas.ops.gpu.paged_attention`` reads, so the decode hot path
@@ -12,13 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-Backend = Literal["auto", "jnp", "pallas", "pallas_interpret"]
+from omni_jax.kernels.cpu import paged_decode_target
+
+Backend = Literal["auto", "jnp", "pallas", "pallas_interpret", "cpu"]
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -207,10 +212,46 @@ def _pallas_decode(
     return out[:, None]
 
 
-def _pallas_decode_on_mesh(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata, scale: float, interpret: bool
+def _cpu_decode(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md: AttentionMetadata,
+    *,
+    target: str,
+    scale: float,
+    sliding_window: int | None,
 ) -> jax.Array:
-    """The kernel once per device of the current mesh (``jax.set_mesh``), on its own shard.
+    """The C++ kernel (``omni_jax/kernels/paged_decode_cpu.cc``): each row's pages read in
+    place, once, where the jnp path gathers a copy and reads it twice. A 256-row decode layer
+    of the benchmark's 40M Qwen2 (8 heads over 2 KV heads, head_dim 64, ~100 keys a row) took
+    2.0 ms against 6.0 ms, measured on this 2-core CPU."""
+    b, _, h, d = q.shape
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, h, d), q.dtype))(
+        q[:, 0],
+        k_pages,
+        v_pages,
+        md.block_tables.astype(jnp.int32),
+        md.context_lens.astype(jnp.int32),
+        scale=np.float32(scale),
+        window=np.int64(sliding_window or 0),
+    )
+    return out[:, None]
+
+
+def _cpu_kernel_fits(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> bool:
+    """The CPU kernel reads float32 and works on head_dim in 16-lane vectors."""
+    return all(x.dtype == jnp.float32 for x in (q, k_pages, v_pages)) and q.shape[-1] % 16 == 0
+
+
+def _per_device(
+    kernel: Callable[..., jax.Array],
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md: AttentionMetadata,
+) -> jax.Array:
+    """A decode kernel once per device of the current mesh (``jax.set_mesh``), on its shard.
 
     XLA cannot split a kernel call by itself, so under a mesh each device runs the kernel on
     its rows (``data``) and its query and KV heads (``model``); a head's query group lives
@@ -218,10 +259,10 @@ def _pallas_decode_on_mesh(
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return _pallas_decode(q, k_pages, v_pages, md, scale, interpret)
+        return kernel(q, k_pages, v_pages, md)
     heads = P("data", None, "model", None)
     return jax.shard_map(
-        functools.partial(_pallas_decode, scale=scale, interpret=interpret),
+        kernel,
         in_specs=(heads, P("model"), P("model"), P("data")),
         out_specs=heads,
         check_vma=False,
@@ -240,17 +281,34 @@ def paged_attention(
 ) -> jax.Array:
     """Attention of ``q [B, T, H, D]`` over the paged cache (which already holds this step).
 
-    ``auto`` takes the Pallas kernel for ``T == 1`` decode on GPU and the jnp gather path
-    otherwise; ``pallas_interpret`` runs the kernel on any backend so tests can hold it to
-    the jnp path without a GPU.
+    ``auto`` takes a kernel for ``T == 1`` decode (Pallas on GPU; on CPU the C++ kernel,
+    for float32 with ``head_dim % 16 == 0``, when it could be built) and the jnp gather path
+    otherwise; ``pallas_interpret`` runs the Pallas kernel on any backend so tests can hold it
+    to the jnp path without a GPU.
     """
-    decode = q.shape[1] == 1 and sliding_window is None
+    decode = q.shape[1] == 1
+    on_cpu = jax.default_backend() == "cpu"
     if backend == "auto":
-        backend = "pallas" if decode and jax.default_backend() == "gpu" else "jnp"
+        if decode and sliding_window is None and jax.default_backend() == "gpu":
+            backend = "pallas"
+        elif decode and on_cpu and _cpu_kernel_fits(q, k_pages, v_pages) and paged_decode_target():
+            backend = "cpu"
+        else:
+            backend = "jnp"
     if backend in ("pallas", "pallas_interpret"):
-        if not decode:
+        if not decode or sliding_window is not None:
             raise ValueError(
                 "the Pallas paged-attention kernel serves decode steps (T == 1) without a window"
             )
-        return _pallas_decode_on_mesh(q, k_pages, v_pages, md, scale, interpret=backend == "pallas_interpret")
+        kernel = functools.partial(_pallas_decode, scale=scale, interpret=backend == "pallas_interpret")
+        return _per_device(kernel, q, k_pages, v_pages, md)
+    if backend == "cpu":
+        target = paged_decode_target()
+        if not (decode and on_cpu and _cpu_kernel_fits(q, k_pages, v_pages) and target):
+            raise ValueError(
+                "the CPU paged-attention kernel serves float32 decode steps (T == 1) with head_dim a "
+                "multiple of 16 on the CPU backend, and needs a C++ compiler to build"
+            )
+        kernel = functools.partial(_cpu_decode, target=target, scale=scale, sliding_window=sliding_window)
+        return _per_device(kernel, q, k_pages, v_pages, md)
     return _attention_jnp(q, k_pages, v_pages, md, scale, sliding_window)

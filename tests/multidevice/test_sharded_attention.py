@@ -1,5 +1,5 @@
-"""The Pallas decode kernel (interpreted) on a sharded mesh runs per device through
-``shard_map`` and matches the unsharded jnp path, over a cache of replicated KV heads."""
+"""The decode kernels (Pallas interpreted, and the CPU kernel) on a sharded mesh run per device
+through ``shard_map`` and match the unsharded jnp path, over a cache of replicated KV heads."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from omni_jax.models.attention import AttentionMetadata, paged_attention
 from omni_jax.parallel import make_mesh, put
 
 
-def test_pallas_decode_under_shard_map_matches_jnp() -> None:
+def test_decode_kernels_under_shard_map_match_jnp() -> None:
     rng = np.random.RandomState(1)
     batch, heads, kv_heads, d, num_pages, page_size, pps = 4, 8, 2, 16, 32, 4, 6
     mesh = make_mesh({"data": 2, "model": 4})
@@ -40,7 +40,7 @@ def test_pallas_decode_under_shard_map_matches_jnp() -> None:
     q_s = put(q, NamedSharding(mesh, P("data", None, "model", None)))
     md_s = put(md, NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
-        for backend in ("pallas_interpret", "jnp"):
+        for backend in ("pallas_interpret", "cpu", "jnp"):
             got = jax.jit(functools.partial(attend, backend=backend))(q_s, k_s, v_s, md_s)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
