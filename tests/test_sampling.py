@@ -83,7 +83,8 @@ def test_processed_logits_match_transformers_per_row() -> None:
 
 def test_all_greedy_step_picks_the_processed_argmax() -> None:
     """An all-greedy step skips truncation (no sort): with penalties, suppression and top-k/p,
-    min-p set, each row's token is still the argmax of the full processed distribution."""
+    min-p set, each row's token is still the argmax of the full processed distribution, the
+    one the sampling program picks for a greedy row."""
     rs = np.random.RandomState(6)
     logits = np.round(rs.randn(6, V) * 2, 1).astype(np.float32)  # rounded: ties occur
     rows = [
@@ -99,10 +100,13 @@ def test_all_greedy_step_picks_the_processed_argmax() -> None:
     st = pack_sampling(
         rows, histories, [3] * 6, [0] * 6, [0] * 6, suppress, batch=6, history_len=8, suppress_len=4
     )
-    tokens, _, _ = jax.jit(sample, static_argnums=2)(logits, st, 0)
+    tokens, _, _ = jax.jit(sample, static_argnums=2, static_argnames="greedy")(logits, st, None, greedy=True)
     want = np.argmax(np.asarray(jax.jit(processed_logits)(logits, st)), axis=-1)
     np.testing.assert_array_equal(np.asarray(tokens), want)
     assert all(int(tokens[i]) != suppress[i][0] for i in range(1, 6, 2))
+    # the sampling program (a step with any sampled row) gives greedy rows the same choice
+    drawn, _, _ = jax.jit(sample, static_argnums=2, static_argnames="greedy")(logits, st, None, greedy=False)
+    np.testing.assert_array_equal(np.asarray(drawn), want)
 
 
 def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
@@ -123,7 +127,9 @@ def test_draws_follow_the_distribution() -> None:
     n = 4000
     p = SamplingParams(temperature=1.0)
     st = pack_sampling([p] * n, [[]] * n, [0] * n, list(range(n)), [0] * n, [[]] * n, n, 1, 4)
-    toks, _, _ = jax.jit(sample, static_argnums=2)(np.repeat(logits, n, 0), st, 0)
+    toks, _, _ = jax.jit(sample, static_argnums=2, static_argnames="greedy")(
+        np.repeat(logits, n, 0), st, None, greedy=False
+    )
     freq = np.bincount(np.asarray(toks), minlength=4) / n
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
 
@@ -187,3 +193,26 @@ def test_logprobs_are_the_models_log_softmax(pipe, hf_qwen2) -> None:
         assert set(lp) == {tok, *top.tolist()}
         for t, v in lp.items():
             assert abs(v - row[t]) < 1e-5
+
+
+def test_logprobs_only_for_the_rows_that_ask(pipe, hf_qwen2) -> None:
+    """A batch where one request asks for its tokens' log-probabilities alone (``logprobs=0``)
+    and the others for none, with prompts far apart in length (their prompt steps run as
+    separate calls) and one sampled row: only the asking request gets them, and they are the
+    model's."""
+    prompts = [[5, 6, 7], list(range(30, 90)), [9, 8]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=3, logprobs=0, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=3, ignore_eos=True),
+    ]
+    outs = pipe.run([{"prompt_token_ids": p} for p in prompts], params, False)
+    assert outs[0].logprobs is None and outs[2].logprobs is None
+    asked = outs[1]
+    ids = prompts[1] + asked.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_qwen2(torch.tensor([ids])).logits[0], -1).numpy()
+    assert len(asked.logprobs) == 3
+    for step, (tok, lp) in enumerate(zip(asked.token_ids, asked.logprobs, strict=True)):
+        assert list(lp) == [tok]
+        assert abs(lp[tok] - ref[len(prompts[1]) - 1 + step][tok]) < 1e-5

@@ -128,8 +128,8 @@ class StepInputs(Protocol):
 class StepResult:
     tokens: np.ndarray  # [rows]
     finite: np.ndarray  # [rows] bool: the row's logits were all finite
-    logprob_ids: np.ndarray  # [rows, 1 + N]
-    logprobs: np.ndarray  # [rows, 1 + N]
+    logprob_ids: np.ndarray | None  # [rows, 1 + N], when some row asked for logprobs
+    logprobs: np.ndarray | None  # [rows, 1 + N]
     hidden: np.ndarray | None  # [rows, T, D] final (normed) hidden states, when requested
     embeds: np.ndarray | None  # [rows, T, D] the decoder's input embeddings, when requested
 
@@ -146,7 +146,8 @@ def _step_fn(
     st: SamplingTensors,
     extra: Any,
     *,
-    num_logprobs: int,
+    greedy: bool,
+    num_logprobs: int | None,
     backend: Backend,
     return_hidden: bool,
 ) -> tuple[Any, ...]:
@@ -156,7 +157,7 @@ def _step_fn(
     last = hidden[jnp.arange(hidden.shape[0]), logits_idx]
     logits = model.logits(last)
     finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row
-    toks, ids, lps = sample(logits, st, num_logprobs)
+    toks, ids, lps = sample(logits, st, num_logprobs, greedy=greedy)
     return toks, finite, ids, lps, ((hidden, embeds) if return_hidden else None), kv_cache
 
 
@@ -214,7 +215,7 @@ class ARRunner:
         self._step = jax.jit(
             functools.partial(_step_fn, self.graphdef, treedef),
             donate_argnames=("kv_cache",),
-            static_argnames=("num_logprobs", "backend", "return_hidden"),
+            static_argnames=("greedy", "num_logprobs", "backend", "return_hidden"),
             **layout,
         )
         self._scrub = jax.jit(_scrub_fn, donate_argnames=("kv_cache",))
@@ -261,14 +262,16 @@ class ARRunner:
         return sorted(shapes)
 
     def warmup(self, max_num_batched_tokens: int, return_hidden: bool = False) -> int:
-        """Compile the plain (no penalty, no logprobs) step for every bucket; returns the count.
+        """Compile the plain (greedy, no penalty, no logprobs) step for every bucket; returns
+        the count. A step with a sampled row, penalties or logprobs is another program, compiled
+        when a bucket first meets one.
 
         The inputs are all padding: every cache write lands on the dropped slot, so the
         cache is untouched.
         """
         shapes = self.step_shapes(max_num_batched_tokens)
         for b, t, p in shapes:
-            self._call(*self._pack([], b, t, p), num_logprobs=0, return_hidden=return_hidden)
+            self._call(*self._pack([], b, t, p), greedy=True, num_logprobs=None, return_hidden=return_hidden)
         return len(shapes)
 
     def _pack(self, rows: Sequence[StepRow], b: int, t: int, p: int) -> tuple[Any, ...]:
@@ -310,20 +313,17 @@ class ARRunner:
         extra = None if self.step_inputs is None else self.step_inputs.pack(rows, b, t)
         return tokens, positions, md, np.maximum(qlen - 1, 0), st, extra
 
-    def _call(self, *args: Any, num_logprobs: int, return_hidden: bool) -> tuple[Any, ...]:
+    def _call(self, *args: Any, **static: Any) -> tuple[Any, ...]:
+        """One compiled step; ``static`` picks the program (``greedy``, ``num_logprobs``,
+        ``return_hidden``)."""
         if self.mesh is None:
-            return self._run_step(args, num_logprobs, return_hidden)
+            return self._run_step(args, static)
         with jax.set_mesh(self.mesh):  # kernels that need the mesh (shard_map) read it here
-            return self._run_step(self._shard_rows(args), num_logprobs, return_hidden)
+            return self._run_step(self._shard_rows(args), static)
 
-    def _run_step(self, args: Sequence[Any], num_logprobs: int, return_hidden: bool) -> tuple[Any, ...]:
+    def _run_step(self, args: Sequence[Any], static: dict[str, Any]) -> tuple[Any, ...]:
         toks, finite, ids, lps, hidden, self.kv_cache = self._step(
-            self._leaves,
-            self.kv_cache,
-            *args,
-            num_logprobs=num_logprobs,
-            backend=self.backend,
-            return_hidden=return_hidden,
+            self._leaves, self.kv_cache, *args, backend=self.backend, **static
         )
         return toks, finite, ids, lps, hidden
 
@@ -379,9 +379,12 @@ class ARRunner:
         """One scheduler step: its rows in one call or, when they are ragged prompt chunks, in
         the calls of :meth:`groups`, results back in ``rows``' order."""
         groups = self.groups(rows)
+        # one logprobs width for the whole step, so that every call returns the same columns
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        num_logprobs = (bucket(max(asked)) if max(asked) else 0) if asked else None
         if len(groups) == 1:
-            return self._execute(rows, return_hidden)
-        parts = [self._execute([rows[i] for i in g], return_hidden) for g in groups]
+            return self._execute(rows, return_hidden, num_logprobs)
+        parts = [self._execute([rows[i] for i in g], return_hidden, num_logprobs) for g in groups]
         where = np.argsort(np.concatenate(groups))  # row i's position in the concatenation
 
         def joined(field: str) -> np.ndarray | None:
@@ -395,21 +398,23 @@ class ARRunner:
 
         return StepResult(**{f.name: joined(f.name) for f in dataclasses.fields(StepResult)})
 
-    def _execute(self, rows: Sequence[StepRow], return_hidden: bool) -> StepResult:
+    def _execute(self, rows: Sequence[StepRow], return_hidden: bool, num_logprobs: int | None) -> StepResult:
         n = len(rows)
         b = self.rows_bucket(n)
         t = token_bucket(max(len(r.token_ids) for r in rows), self.min_prefill_bucket)
         p = self.pages_bucket(max(-(-r.end // self.cache_cfg.page_size) for r in rows))
-        most = max((r.params.logprobs or 0) for r in rows)
         toks, finite, ids, lps, hidden = self._call(
-            *self._pack(rows, b, t, p), num_logprobs=bucket(most) if most else 0, return_hidden=return_hidden
+            *self._pack(rows, b, t, p),
+            greedy=all(r.params.greedy for r in rows),
+            num_logprobs=num_logprobs,
+            return_hidden=return_hidden,
         )
         hidden, embeds = (None, None) if hidden is None else (np.asarray(h)[:n] for h in hidden)
         return StepResult(
             tokens=np.asarray(toks)[:n],
             finite=np.asarray(finite)[:n],
-            logprob_ids=np.asarray(ids)[:n],
-            logprobs=np.asarray(lps)[:n],
+            logprob_ids=None if ids is None else np.asarray(ids)[:n],
+            logprobs=None if lps is None else np.asarray(lps)[:n],
             hidden=hidden,
             embeds=embeds,
         )
