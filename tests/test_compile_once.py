@@ -19,8 +19,9 @@ def test_long_ragged_workload_after_warmup_never_compiles(qwen2_dir) -> None:
     prompts = [
         {"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=n)]} for n in rs.randint(1, 90, 40)
     ]
-    params = [
-        SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rs.randint(1, 30, 40)
+    params = [  # greedy and sampled requests, mixed in the same steps
+        SamplingParams(temperature=float(i % 3 == 0), seed=i, top_k=5, max_tokens=int(m), ignore_eos=True)
+        for i, m in enumerate(rs.randint(1, 30, 40))
     ]
     with CompileCounter() as steady:
         outs = pipe.run(prompts, params, progress=False)

@@ -262,17 +262,20 @@ class ARRunner:
         return sorted(shapes)
 
     def warmup(self, max_num_batched_tokens: int, return_hidden: bool = False) -> int:
-        """Compile the plain (greedy, no penalty, no logprobs) step for every bucket; returns
-        the count. A step with a sampled row, penalties or logprobs is another program, compiled
-        when a bucket first meets one.
+        """Compile the plain step (no penalty, no logprobs) for every bucket, in its greedy and
+        its sampling program; returns the number of programs. A step with penalties or logprobs
+        is another program, compiled when a bucket first meets one.
 
         The inputs are all padding: every cache write lands on the dropped slot, so the
         cache is untouched.
         """
         shapes = self.step_shapes(max_num_batched_tokens)
         for b, t, p in shapes:
-            self._call(*self._pack([], b, t, p), greedy=True, num_logprobs=None, return_hidden=return_hidden)
-        return len(shapes)
+            for greedy in (True, False):
+                self._call(
+                    *self._pack([], b, t, p), greedy=greedy, num_logprobs=None, return_hidden=return_hidden
+                )
+        return 2 * len(shapes)
 
     def _pack(self, rows: Sequence[StepRow], b: int, t: int, p: int) -> tuple[Any, ...]:
         """Host arrays of one step, ``rows`` padded to ``b`` rows of ``t`` tokens, ``p`` pages."""
