@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")  # tests must not write to ~/.cache
-# The CPU kernels build once per test session (a few seconds), outside ~/.cache.
-os.environ.setdefault("OMNI_JAX_KERNEL_CACHE", tempfile.mkdtemp(prefix="omni_jax_kernels_"))
+# The CPU kernels build once per test session (a few seconds), outside ~/.cache; test
+# subprocesses inherit the directory, and it goes when the session ends.
+if "OMNI_JAX_KERNEL_CACHE" not in os.environ:
+    os.environ["OMNI_JAX_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="omni_jax_kernels_")
+    atexit.register(shutil.rmtree, os.environ["OMNI_JAX_KERNEL_CACHE"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

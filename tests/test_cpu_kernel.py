@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 import sys
@@ -132,10 +133,12 @@ def test_a_failed_build_says_what_failed(tmp_path: Path, monkeypatch: pytest.Mon
 def test_a_second_process_reuses_the_build(tmp_path: Path) -> None:
     """The cached library loads in a fresh process, without building again."""
     code = "from omni_jax.kernels import cpu; print(cpu.paged_decode_target())"
-    env = {**__import__("os").environ, cpu.ENV_CACHE_DIR: str(tmp_path)}
+    env = {**os.environ, cpu.ENV_CACHE_DIR: str(tmp_path)}
+    built = []
     for _ in range(2):
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
         assert out.stdout.strip() == cpu.PAGED_DECODE_TARGET
-    assert len(list(tmp_path.glob("*.so"))) == 1
+        built.append([(p.name, p.stat().st_mtime_ns) for p in tmp_path.glob("*.so")])
+    assert len(built[0]) == 1 and built[1] == built[0]
