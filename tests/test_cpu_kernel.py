@@ -16,6 +16,11 @@ import pytest
 from omni_jax.kernels import cpu
 from omni_jax.models.attention import AttentionMetadata, paged_attention
 
+ATOL = 2e-6
+"""The kernel and the jnp path differ only in summation order and in their float32 ``exp``
+(glibc's vector exp against XLA's): a few ulps of outputs of order 1. The worst over 200 random
+steps of the layouts below, with and without a window, was 9.5e-7 (measured)."""
+
 
 def _decode_step(
     rng: np.random.RandomState, lens: list[int], heads: int, kv_heads: int, d: int, page_size: int = 4
@@ -52,7 +57,7 @@ def test_cpu_kernel_matches_jnp(heads: int, kv_heads: int, head_dim: int) -> Non
     scale = head_dim**-0.5
     want = jax.jit(lambda *a: paged_attention(*a, scale=scale, backend="jnp"))(q, k, v, md)
     got = jax.jit(lambda *a: paged_attention(*a, scale=scale, backend="cpu"))(q, k, v, md)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL)
 
 
 def test_cpu_kernel_sliding_window() -> None:
@@ -60,7 +65,7 @@ def test_cpu_kernel_sliding_window() -> None:
     for window in (1, 6, 64):
         want = paged_attention(q, k, v, md, scale=0.25, sliding_window=window, backend="jnp")
         got = paged_attention(q, k, v, md, scale=0.25, sliding_window=window, backend="cpu")
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL)
 
 
 def test_cpu_kernel_rows_are_independent() -> None:

@@ -81,55 +81,65 @@ struct Keys {
   const int32_t* table;
   int64_t page_size, num_pages, head_dim, first, len;
 
+  int64_t count() const { return len - first; }
+
   const float* Row(int64_t pos) const {
     const int64_t page = std::clamp<int64_t>(table[pos / page_size], 0, num_pages - 1);
     return head + (page * page_size + pos % page_size) * head_dim;
   }
-  void PrefetchAhead(int64_t pos, int64_t offset) const {
-    if (pos + page_size >= len) return;
-    const float* row = Row(pos + page_size) + offset;
-    for (int64_t x = 0; x < kMaxVecs * kLanes; x += 64 / sizeof(float)) __builtin_prefetch(row + x);
+
+  // Lanes [offset, offset + NV * 16) of the i-th key, prefetching the key a page later.
+  template <int NV>
+  __attribute__((always_inline)) void Read(int64_t i, int64_t offset, Vec (&out)[NV]) const {
+    const int64_t pos = first + i;
+    if (pos + page_size < len) {
+      const float* ahead = Row(pos + page_size) + offset;
+      for (int64_t x = 0; x < NV * kLanes; x += 64 / sizeof(float)) __builtin_prefetch(ahead + x);
+    }
+    const float* row = Row(pos) + offset;
+    for (int c = 0; c < NV; ++c) out[c] = Load(row + c * kLanes);
   }
 };
 
 // scores[j][i] += q_j . k_i over lanes [offset, offset + NV * 16) of head_dim, for NH heads
 // held in registers across all keys.
 template <int NH, int NV>
-void ScoreChunk(const float* q, int64_t d, const Keys& keys, int64_t offset, float* scores) {
-  Vec qv[NH][NV];
-  for (int j = 0; j < NH; ++j)
-    for (int c = 0; c < NV; ++c) qv[j][c] = Load(q + j * d + offset + c * kLanes);
-  const int64_t n = keys.len - keys.first;
-  for (int64_t i = 0; i < n; ++i) {
-    keys.PrefetchAhead(keys.first + i, offset);
-    const float* row = keys.Row(keys.first + i) + offset;
-    Vec kv[NV];
-    for (int c = 0; c < NV; ++c) kv[c] = Load(row + c * kLanes);
-    for (int j = 0; j < NH; ++j) {
-      Vec acc = qv[j][0] * kv[0];
-      for (int c = 1; c < NV; ++c) acc += qv[j][c] * kv[c];
-      scores[j * n + i] += Sum(acc);
+struct Score {
+  static void Run(const float* q, int64_t d, const Keys& keys, int64_t offset, float* scores) {
+    Vec qv[NH][NV];
+    for (int j = 0; j < NH; ++j)
+      for (int c = 0; c < NV; ++c) qv[j][c] = Load(q + j * d + offset + c * kLanes);
+    const int64_t n = keys.count();
+    for (int64_t i = 0; i < n; ++i) {
+      Vec kv[NV];
+      keys.Read(i, offset, kv);
+      for (int j = 0; j < NH; ++j) {
+        Vec acc = qv[j][0] * kv[0];
+        for (int c = 1; c < NV; ++c) acc += qv[j][c] * kv[c];
+        scores[j * n + i] += Sum(acc);
+      }
     }
   }
-}
+};
 
 // out_j[offset, offset + NV * 16) = sum_i probs[j][i] * v_i, accumulated in registers.
 template <int NH, int NV>
-void ValueChunk(const float* probs, const Keys& values, int64_t offset, float* out, int64_t d) {
-  Vec acc[NH][NV] = {};
-  const int64_t n = values.len - values.first;
-  for (int64_t i = 0; i < n; ++i) {
-    values.PrefetchAhead(values.first + i, offset);
-    const float* row = values.Row(values.first + i) + offset;
-    Vec vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = Load(row + c * kLanes);
+struct Value {
+  static void Run(const float* probs, const Keys& values, int64_t offset, float* out, int64_t d) {
+    Vec acc[NH][NV] = {};
+    const int64_t n = values.count();
+    for (int64_t i = 0; i < n; ++i) {
+      Vec vv[NV];
+      values.Read(i, offset, vv);
+      for (int j = 0; j < NH; ++j)
+        for (int c = 0; c < NV; ++c) acc[j][c] += probs[j * n + i] * vv[c];
+    }
     for (int j = 0; j < NH; ++j)
-      for (int c = 0; c < NV; ++c) acc[j][c] += probs[j * n + i] * vv[c];
+      for (int c = 0; c < NV; ++c) std::memcpy(out + j * d + offset + c * kLanes, &acc[j][c], sizeof(Vec));
   }
-  for (int j = 0; j < NH; ++j)
-    for (int c = 0; c < NV; ++c) std::memcpy(out + j * d + offset + c * kLanes, &acc[j][c], sizeof(Vec));
-}
+};
 
+// Op<nh, nv>::Run(args...) for runtime nh <= kMaxHeads, nv <= kMaxVecs.
 template <template <int, int> class Op, int NH = 1, int NV = 1, typename... A>
 void Dispatch(int nh, int nv, A&&... args) {
   if constexpr (NH <= kMaxHeads && NV <= kMaxVecs) {
@@ -138,20 +148,6 @@ void Dispatch(int nh, int nv, A&&... args) {
     Op<NH, NV>::Run(args...);
   }
 }
-
-template <int NH, int NV>
-struct ScoreOp {
-  static void Run(const float* q, int64_t d, const Keys& k, int64_t off, float* s) {
-    ScoreChunk<NH, NV>(q, d, k, off, s);
-  }
-};
-
-template <int NH, int NV>
-struct ValueOp {
-  static void Run(const float* p, const Keys& v, int64_t off, float* out, int64_t d) {
-    ValueChunk<NH, NV>(p, v, off, out, d);
-  }
-};
 
 // One row's query group against one KV head, in passes of up to four heads.
 void AttendOne(const Problem& p, int64_t b, int64_t kh, std::vector<float>& scores) {
@@ -164,17 +160,17 @@ void AttendOne(const Problem& p, int64_t b, int64_t kh, std::vector<float>& scor
     std::fill(out, out + g * d, 0.0f);
     return;
   }
-  const int64_t n = len - first;
   const int32_t* table = p.tables + b * p.table_width;
   const int64_t head_size = p.num_pages * s * d;
   const Keys keys{p.k + kh * head_size, table, s, p.num_pages, d, first, len};
   const Keys values{p.v + kh * head_size, table, s, p.num_pages, d, first, len};
+  const int64_t n = keys.count();
   for (int64_t h0 = 0; h0 < g; h0 += kMaxHeads) {
     const int nh = static_cast<int>(std::min<int64_t>(kMaxHeads, g - h0));
     scores.assign(nh * n, 0.0f);
     for (int64_t off = 0; off < d; off += kMaxVecs * kLanes) {
       const int nv = static_cast<int>(std::min<int64_t>(kMaxVecs, (d - off) / kLanes));
-      Dispatch<ScoreOp>(nh, nv, q + h0 * d, d, keys, off, scores.data());
+      Dispatch<Score>(nh, nv, q + h0 * d, d, keys, off, scores.data());
     }
     for (int64_t j = 0; j < nh; ++j) {
       float* sj = scores.data() + j * n;
@@ -190,7 +186,7 @@ void AttendOne(const Problem& p, int64_t b, int64_t kh, std::vector<float>& scor
     }
     for (int64_t off = 0; off < d; off += kMaxVecs * kLanes) {
       const int nv = static_cast<int>(std::min<int64_t>(kMaxVecs, (d - off) / kLanes));
-      Dispatch<ValueOp>(nh, nv, scores.data(), values, off, out + h0 * d, d);
+      Dispatch<Value>(nh, nv, scores.data(), values, off, out + h0 * d, d);
     }
   }
 }

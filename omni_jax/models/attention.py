@@ -287,11 +287,11 @@ def paged_attention(
     to the jnp path without a GPU.
     """
     decode = q.shape[1] == 1
-    on_cpu = jax.default_backend() == "cpu"
+    cpu_kernel = decode and jax.default_backend() == "cpu" and _cpu_kernel_fits(q, k_pages, v_pages)
     if backend == "auto":
         if decode and sliding_window is None and jax.default_backend() == "gpu":
             backend = "pallas"
-        elif decode and on_cpu and _cpu_kernel_fits(q, k_pages, v_pages) and paged_decode_target():
+        elif cpu_kernel and paged_decode_target():
             backend = "cpu"
         else:
             backend = "jnp"
@@ -303,8 +303,8 @@ def paged_attention(
         kernel = functools.partial(_pallas_decode, scale=scale, interpret=backend == "pallas_interpret")
         return _per_device(kernel, q, k_pages, v_pages, md)
     if backend == "cpu":
-        target = paged_decode_target()
-        if not (decode and on_cpu and _cpu_kernel_fits(q, k_pages, v_pages) and target):
+        target = paged_decode_target() if cpu_kernel else None
+        if target is None:
             raise ValueError(
                 "the CPU paged-attention kernel serves float32 decode steps (T == 1) with head_dim a "
                 "multiple of 16 on the CPU backend, and needs a C++ compiler to build"

@@ -40,9 +40,10 @@ def test_decode_kernels_under_shard_map_match_jnp() -> None:
     q_s = put(q, NamedSharding(mesh, P("data", None, "model", None)))
     md_s = put(md, NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
-        for backend in ("pallas_interpret", "cpu", "jnp"):
+        # the Pallas kernel as its unsharded test holds it; the CPU kernel as tests/test_cpu_kernel.py
+        for backend, atol in (("pallas_interpret", 1e-5), ("cpu", 2e-6), ("jnp", 0)):
             got = jax.jit(functools.partial(attend, backend=backend))(q_s, k_s, v_s, md_s)
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=atol)
 
 
 def test_decode_row_chunks_on_a_data_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
