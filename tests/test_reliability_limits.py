@@ -63,7 +63,7 @@ def test_default_cache_sized_to_what_is_left(qwen2_dir, monkeypatch) -> None:
     full = OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
     assert full.stages[0].engine.runner.cache_cfg.num_pages == 8 * 256 // 16
     plan = plan_of(full, kw)
-    small = 3 * plan.step_bytes  # room for the step and a hundred-odd pages
+    small = int((plan.step_bytes + 64 * plan.page_bytes) / 0.9)  # room for the step and 63 pages
     monkeypatch.setattr(memory, "host_available_bytes", lambda: small)
     pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
     fit = plan.pages_that_fit(small)

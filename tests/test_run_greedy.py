@@ -134,33 +134,33 @@ def test_per_prompt_params_list(pipe, prompts) -> None:
         pipe.run([{"prompt_token_ids": p} for p in prompts[:3]], params[:2], progress=False)
 
 
-def test_ragged_step_split_into_calls(qwen2_dir, hf_qwen2, prompts, monkeypatch) -> None:
-    """A step of ragged prompt chunks runs as several calls of similar lengths (less padding),
-    covering every row once, each call a warmed-up shape; the tokens are generate's."""
+def test_ragged_steps_are_flat(qwen2_dir, hf_qwen2, prompts, monkeypatch) -> None:
+    """Prompt chunks and decode rows share flat steps: one call a step, as many token rows as
+    the step has tokens (to a fine bucket), each ``(rows, pages)`` a shape warm-up compiles.
+    A 64-token budget chunks the longer prompts and mixes decode rows into prompt steps; the
+    tokens are generate's."""
     from omni_jax.engine.ar_runner import ARRunner
-    from omni_jax.engine.buckets import token_bucket
 
+    budget = 64
     pipe = OmniJaxPipeline.from_pretrained(
-        qwen2_dir, max_num_seqs=8, page_size=8, max_model_len=256, max_num_batched_tokens=1024
+        qwen2_dir, max_num_seqs=8, page_size=8, max_model_len=256, max_num_batched_tokens=budget
     )
-    calls: list[list[int]] = []
-    split = ARRunner.groups
+    calls: list[tuple[list[int], int]] = []
+    pack = ARRunner._pack
 
-    def seen(self, rows):  # noqa: ANN001, ANN202
-        groups = split(self, rows)
-        calls.append([len(g) for g in groups])
-        assert sorted(i for g in groups for i in g) == list(range(len(rows)))
-        shapes = self.step_shapes(1024)
-        for g in groups:
-            lengths = [len(rows[i].token_ids) for i in g]
-            if max(lengths) > 1:
-                b = self.rows_bucket(len(g))
-                assert any(s[:2] == (b, token_bucket(max(lengths))) for s in shapes)
-        return groups
+    def seen(self, rows, n, p):  # noqa: ANN001, ANN202
+        if rows:
+            lengths = [len(r.token_ids) for r in rows]
+            calls.append((lengths, n))
+            assert (n, p) in self.step_shapes(budget)
+            assert n == self.rows_bucket(sum(lengths)) and n < 1.5 * sum(lengths) + 2
+        return pack(self, rows, n, p)
 
-    monkeypatch.setattr(ARRunner, "groups", seen)
+    monkeypatch.setattr(ARRunner, "_pack", seen)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = pipe.run([{"prompt_token_ids": p} for p in prompts], params, progress=False)
-    assert any(len(c) > 1 for c in calls)  # LENGTHS 1..100 in one step: split
+    assert all(sum(lengths) <= budget for lengths, _ in calls)
+    assert max(max(lengths) for lengths, _ in calls) < max(LENGTHS)  # the longest prompt in chunks
+    assert any(1 in lengths and max(lengths) > 1 for lengths, _ in calls)  # decode rows ride along
     for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == hf_greedy(hf_qwen2, p, 8, None)

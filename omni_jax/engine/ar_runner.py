@@ -3,6 +3,15 @@
 The step is a pure function of ``(params, kv_cache, inputs, metadata, sampling tensors)``
 that donates the cache, so the cache is updated in place on device and the host only ever
 sees sampled tokens (and hidden states and input embeddings when a later stage asked for them).
+
+A step is flat: every scheduled token is a row of its own (``[tokens, 1]``), with its
+sequence's block table and its own causal horizon as context length, the layout vLLM calls
+flattened tokens. The matmuls, most of a step's compute, then see exactly the step's tokens,
+where a ``[rows, tokens]`` block pads every prompt chunk to the step's longest (28% of the
+prompt compute on the AR benchmark, after splitting steps into calls of similar lengths). A
+prompt chunk's tokens attend through the decode path, each to its own prefix; the step writes
+all its keys and values before any attention reads them, so a token sees the earlier tokens
+of its own chunk. Logits and sampling run for each sequence's last token only.
 """
 
 from __future__ import annotations
@@ -22,12 +31,10 @@ from jax.sharding import PartitionSpec as P
 from omni_jax.engine.buckets import (
     MIN_ROWS,
     bucket,
-    bucket_sizes,
+    fine_bucket,
     fine_bucket_sizes,
-    padded_split,
+    max_sequence_rows,
     round_up,
-    row_bucket,
-    token_bucket,
 )
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.engine.sampling import SamplingParams, SamplingTensors, pack_sampling, sample
@@ -46,12 +53,6 @@ class ARModel(Protocol):
     ) -> tuple[jax.Array, Any]: ...
 
     def logits(self, hidden: jax.Array) -> jax.Array: ...
-
-
-CALL_COST = 64
-"""What one more call of the step costs, in padded token-rows, when :meth:`ARRunner.groups`
-splits a step: about a weight read (11 ms for the 40M benchmark model on this 2-core CPU, where a
-prompt token-row costs 0.46 ms), rounded up so that splits buy real savings."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,23 @@ class StepRow:
     def end(self) -> int:
         return self.start + len(self.token_ids)
 
+    def one_token_rows(self) -> list[StepRow]:
+        """The row as rows of one token each, in order (a flat step's layout); only the last
+        samples."""
+        m = len(self.token_ids)
+        if m == 1:
+            return [self]
+        return [
+            dataclasses.replace(
+                self,
+                token_ids=self.token_ids[j : j + 1],
+                positions=self.positions[..., j : j + 1],
+                start=self.start + j,
+                sample=self.sample and j == m - 1,
+            )
+            for j in range(m)
+        ]
+
 
 class StepInputs(Protocol):
     """Model-specific inputs of a step's embedding, e.g. encoder rows a multimodal model merges.
@@ -111,7 +129,9 @@ class StepInputs(Protocol):
     ``pack`` runs on the host for every step (also for warm-up, with no rows) for a step of
     ``batch`` rows of ``tokens`` tokens, and returns the pytree passed as ``extra`` to
     ``model.embed(tokens, extra)``; its shapes must come from a few buckets, and a step whose
-    rows need nothing must get the same shapes every time, so decode never recompiles.
+    rows need nothing must get the same shapes every time, so decode never recompiles. The
+    runner's steps are flat: ``rows`` are one-token rows (:meth:`StepRow.one_token_rows`, a
+    prompt chunk's in order), ``batch`` the step's token rows and ``tokens`` 1.
 
     ``prepare`` runs first, once per step, for work a row needs before packing that can fail
     for one request alone (e.g. running encoders when a request is admitted); it returns
@@ -130,8 +150,8 @@ class StepResult:
     finite: np.ndarray  # [rows] bool: the row's logits were all finite
     logprob_ids: np.ndarray | None  # [rows, 1 + N], when some row asked for logprobs
     logprobs: np.ndarray | None  # [rows, 1 + N]
-    hidden: np.ndarray | None  # [rows, T, D] final (normed) hidden states, when requested
-    embeds: np.ndarray | None  # [rows, T, D] the decoder's input embeddings, when requested
+    hidden: list[np.ndarray] | None  # per row [its tokens, D] final (normed) hidden states, when requested
+    embeds: list[np.ndarray] | None  # per row [its tokens, D] the decoder's input embeddings, when requested
 
 
 def _step_fn(
@@ -154,7 +174,7 @@ def _step_fn(
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     embeds = model.embed(tokens, extra)
     hidden, kv_cache = model(embeds, positions, kv_cache, md, backend)
-    last = hidden[jnp.arange(hidden.shape[0]), logits_idx]
+    last = hidden.reshape(-1, hidden.shape[-1])[logits_idx]  # each sequence's last token
     logits = model.logits(last)
     finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row
     toks, ids, lps = sample(logits, st, num_logprobs, greedy=greedy)
@@ -177,7 +197,6 @@ class ARRunner:
         *,
         max_num_seqs: int,
         backend: Backend = "auto",
-        min_prefill_bucket: int = 16,
         position_shape: tuple[int, ...] = (),
         mesh: Mesh | None = None,
         step_inputs: StepInputs | None = None,
@@ -194,9 +213,8 @@ class ARRunner:
         self.max_num_seqs = max_num_seqs
         self.mesh = mesh
         self.data = axis_size(mesh, "data")
-        self.max_rows = round_up(max(MIN_ROWS, bucket(max_num_seqs)), self.data)
+        self.max_rows = max_sequence_rows(max_num_seqs, self.data)
         self.backend = backend
-        self.min_prefill_bucket = min_prefill_bucket
         self.position_shape = position_shape  # () for 1-D RoPE, (3,) for M-RoPE
         self.step_inputs = step_inputs  # None: the model embeds tokens alone
         self.kv_cache = init_kv_cache(
@@ -229,37 +247,36 @@ class ARRunner:
         self.kv_cache = self._scrub(self.kv_cache, ids)
 
     def rows_bucket(self, n: int) -> int:
-        """Rows of a step with ``n`` real rows: a row bucket, padded to a multiple of ``data``
-        so each data shard gets the same number of rows."""
-        return round_up(row_bucket(n, self.max_rows), self.data)
+        """Token rows of a step with ``n`` tokens: a fine bucket (at most a third padding), at
+        least :data:`MIN_ROWS`, padded to a multiple of ``data`` so each data shard gets the
+        same number of rows."""
+        return round_up(fine_bucket(n, MIN_ROWS), self.data)
+
+    def sequences(self, rows: int) -> int:
+        """Sequence rows (logits and sampling) of a step of ``rows`` token rows: one per token
+        up to the most sequences a step can hold. A fixed function of the token rows, so it
+        adds no programs; a prompt step samples at most ``max_rows`` rows however long it is."""
+        return min(rows, self.max_rows)
 
     def pages_bucket(self, max_pages: int) -> int:
         """Block-table width of a call: only the pages its longest row needs (a power of two,
         at least an eighth of the maximum to bound the number of programs).
 
-        The jnp path gathers every page in the table and, for a prompt chunk, computes a score
-        for each of its keys: a full-width table made attention a third of the prompt compute
-        on the AR benchmark (chunks of up to 192 tokens against 512-token tables).
+        The jnp path gathers every page in the table: a full-width table made attention a
+        third of the prompt compute on the AR benchmark (512-token tables for chunks of up to
+        192 tokens).
         """
         full = self.cache_cfg.pages_per_seq
         return min(full, bucket(max_pages, max(1, full // 8)))
 
-    def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, int, int]]:
-        """Every ``(rows, tokens, pages)`` bucket a scheduler with this budget can produce.
-
-        The scheduler budgets real rows; a lone row is padded to ``MIN_ROWS`` after it.
-        """
-        rows = bucket_sizes(1, self.max_rows)
+    def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, int]]:
+        """Every ``(token rows, pages)`` bucket a scheduler with this budget can produce: up to
+        the budget's tokens (a prompt step) or ``max_rows`` (a decode step), any table width."""
         c = self.cache_cfg
         widths = sorted({self.pages_bucket(p) for p in range(1, c.pages_per_seq + 1)})
-        shapes = {(self.rows_bucket(b), 1, p) for b in rows for p in widths}
-        for t in fine_bucket_sizes(self.min_prefill_bucket, max_num_batched_tokens):
-            # a chunk of t tokens ends at least t tokens in: narrower tables never serve it
-            fit = [p for p in widths if p * c.page_size >= min(t, c.max_model_len)]
-            shapes |= {
-                (self.rows_bucket(b), t, p) for b in rows if b * t <= max_num_batched_tokens for p in fit
-            }
-        return sorted(shapes)
+        most = max(max_num_batched_tokens, self.max_rows)
+        rows = {self.rows_bucket(n) for n in fine_bucket_sizes(MIN_ROWS, most)}
+        return sorted((n, p) for n in rows for p in widths)
 
     def warmup(self, max_num_batched_tokens: int, return_hidden: bool = False) -> int:
         """Compile the plain step (no penalty, no logprobs) for every bucket, in its greedy and
@@ -270,33 +287,39 @@ class ARRunner:
         cache is untouched.
         """
         shapes = self.step_shapes(max_num_batched_tokens)
-        for b, t, p in shapes:
+        for n, p in shapes:
             for greedy in (True, False):
-                self._call(
-                    *self._pack([], b, t, p), greedy=greedy, num_logprobs=None, return_hidden=return_hidden
-                )
+                args = self._pack([], n, p)
+                self._call(*args, greedy=greedy, num_logprobs=None, return_hidden=return_hidden)
         return 2 * len(shapes)
 
-    def _pack(self, rows: Sequence[StepRow], b: int, t: int, p: int) -> tuple[Any, ...]:
-        """Host arrays of one step, ``rows`` padded to ``b`` rows of ``t`` tokens, ``p`` pages."""
+    def _pack(self, rows: Sequence[StepRow], n: int, p: int) -> tuple[Any, ...]:
+        """Host arrays of one flat step: ``rows``' tokens in order, padded to ``n`` token rows
+        with ``p``-page tables, and :meth:`sequences` sampling rows."""
         c = self.cache_cfg
-        oob = c.dropped_slot
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.zeros((*self.position_shape, b, t), np.int32)
-        slots = np.full((b, t), oob, np.int32)
-        tables = np.full((b, p), c.null_page, np.int32)
-        ctx = np.zeros((b,), np.int32)
-        qlen = np.zeros((b,), np.int32)
+        s = self.sequences(n)
+        tokens = np.zeros((n, 1), np.int32)
+        positions = np.zeros((*self.position_shape, n, 1), np.int32)
+        slots = np.full((n, 1), c.dropped_slot, np.int32)
+        tables = np.full((n, p), c.null_page, np.int32)
+        ctx = np.zeros((n,), np.int32)
+        qlen = np.zeros((n,), np.int32)
+        last = np.zeros((s,), np.int32)
+        offset = 0
         for i, r in enumerate(rows):
             m = len(r.token_ids)
-            tokens[i, :m] = r.token_ids
-            positions[..., i, :m] = r.positions
+            seg = slice(offset, offset + m)
+            tokens[seg, 0] = r.token_ids
+            positions[..., seg, 0] = r.positions
             idx = np.arange(r.start, r.end)
             pages = np.asarray(r.pages, np.int32)
-            slots[i, :m] = pages[idx // c.page_size] * c.page_size + idx % c.page_size
+            slots[seg, 0] = pages[idx // c.page_size] * c.page_size + idx % c.page_size
             used = -(-r.end // c.page_size)
-            tables[i, :used] = pages[:used]
-            ctx[i], qlen[i] = r.end, m
+            tables[seg, :used] = pages[:used]
+            ctx[seg] = idx + 1  # each token's causal horizon
+            qlen[seg] = 1
+            offset += m
+            last[i] = offset - 1
         needs_history = any(
             r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
             for r in rows
@@ -308,13 +331,15 @@ class ARRunner:
             [r.seed for r in rows],
             [r.draw_index for r in rows],
             [r.suppress for r in rows],
-            batch=b,
+            batch=s,
             history_len=c.max_model_len if needs_history else 1,
             suppress_len=bucket(max([len(r.suppress) for r in rows], default=0), 4),
         )
         md = AttentionMetadata(slots, tables, ctx, qlen)
-        extra = None if self.step_inputs is None else self.step_inputs.pack(rows, b, t)
-        return tokens, positions, md, np.maximum(qlen - 1, 0), st, extra
+        extra = None
+        if self.step_inputs is not None:
+            extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
+        return tokens, positions, md, last, st, extra
 
     def _call(self, *args: Any, **static: Any) -> tuple[Any, ...]:
         """One compiled step; ``static`` picks the program (``greedy``, ``num_logprobs``,
@@ -360,64 +385,31 @@ class ARRunner:
         ``{row index: message}`` of rows that failed."""
         return {} if self.step_inputs is None else self.step_inputs.prepare(rows)
 
-    def groups(self, rows: Sequence[StepRow]) -> list[list[int]]:
-        """Row indices of the calls that run one scheduler step, in length order.
-
-        Each call pads its rows to its longest one, so a step of ragged prompt chunks run as
-        one ``[rows, tokens]`` program computes mostly padding (measured on the AR benchmark:
-        6000 padded tokens for 3365 real ones). Rows sorted by length are cut into contiguous
-        groups that minimise the padded token-rows plus :data:`CALL_COST` per call (a call
-        reads every weight once however few its rows): an exact split, a dynamic program
-        over at most ``max_rows`` rows. Every group's shape is one of :meth:`step_shapes`
-        (fewer rows, no longer chunk than the whole step), so warm-up covers them all. A decode
-        step (one token per row) is one call: its cost is the weight read a split would repeat.
-        """
-        if all(len(r.token_ids) == 1 for r in rows):  # decode: a call costs its weight read
-            return [list(range(len(rows)))]
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids))
-        tokens = [token_bucket(len(rows[i].token_ids), self.min_prefill_bucket) for i in order]
-        return [order[a:b] for a, b in padded_split(tokens, self.rows_bucket, CALL_COST)]
-
     def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
-        """One scheduler step: its rows in one call or, when they are ragged prompt chunks, in
-        the calls of :meth:`groups`, results back in ``rows``' order."""
-        groups = self.groups(rows)
-        # one logprobs width for the whole step, so that every call returns the same columns
-        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        num_logprobs = (bucket(max(asked)) if max(asked) else 0) if asked else None
-        if len(groups) == 1:
-            return self._execute(rows, return_hidden, num_logprobs)
-        parts = [self._execute([rows[i] for i in g], return_hidden, num_logprobs) for g in groups]
-        where = np.argsort(np.concatenate(groups))  # row i's position in the concatenation
-
-        def joined(field: str) -> np.ndarray | None:
-            arrays = [getattr(part, field) for part in parts]
-            if arrays[0] is None:
-                return None
-            if arrays[0].ndim == 3:  # hidden / embeds [rows, T, D]: each call's own T
-                width = max(a.shape[1] for a in arrays)
-                arrays = [np.pad(a, ((0, 0), (0, width - a.shape[1]), (0, 0))) for a in arrays]
-            return np.concatenate(arrays)[where]
-
-        return StepResult(**{f.name: joined(f.name) for f in dataclasses.fields(StepResult)})
-
-    def _execute(self, rows: Sequence[StepRow], return_hidden: bool, num_logprobs: int | None) -> StepResult:
-        n = len(rows)
-        b = self.rows_bucket(n)
-        t = token_bucket(max(len(r.token_ids) for r in rows), self.min_prefill_bucket)
+        """One scheduler step as one flat call; results in ``rows``' order."""
+        n_rows = len(rows)
+        lengths = [len(r.token_ids) for r in rows]
+        n = self.rows_bucket(sum(lengths))
         p = self.pages_bucket(max(-(-r.end // self.cache_cfg.page_size) for r in rows))
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         toks, finite, ids, lps, hidden = self._call(
-            *self._pack(rows, b, t, p),
+            *self._pack(rows, n, p),
             greedy=all(r.params.greedy for r in rows),
-            num_logprobs=num_logprobs,
+            num_logprobs=(bucket(max(asked)) if max(asked) else 0) if asked else None,
             return_hidden=return_hidden,
         )
-        hidden, embeds = (None, None) if hidden is None else (np.asarray(h)[:n] for h in hidden)
+        hidden, embeds = (None, None) if hidden is None else (self._per_row(h, lengths) for h in hidden)
         return StepResult(
-            tokens=np.asarray(toks)[:n],
-            finite=np.asarray(finite)[:n],
-            logprob_ids=None if ids is None else np.asarray(ids)[:n],
-            logprobs=None if lps is None else np.asarray(lps)[:n],
+            tokens=np.asarray(toks)[:n_rows],
+            finite=np.asarray(finite)[:n_rows],
+            logprob_ids=None if ids is None else np.asarray(ids)[:n_rows],
+            logprobs=None if lps is None else np.asarray(lps)[:n_rows],
             hidden=hidden,
             embeds=embeds,
         )
+
+    @staticmethod
+    def _per_row(states: jax.Array, lengths: Sequence[int]) -> list[np.ndarray]:
+        """A flat step's ``[token rows, 1, D]`` states cut into each row's ``[tokens, D]``."""
+        flat = np.asarray(states)[:, 0]
+        return np.split(flat[: sum(lengths)], np.cumsum(lengths)[:-1])

@@ -14,14 +14,15 @@ as a dynamic-update-slice and (CPU, measured) copies every layer's whole cache e
 batch-1 decode of a 40M model took 228 ms per step instead of 18 ms with two rows."""
 
 
-def row_bucket(n: int, maximum: int | None = None) -> int:
-    """Rows of a step: a power of two, at least :data:`MIN_ROWS`."""
-    return bucket(n, MIN_ROWS, maximum)
-
-
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is ``>= n``."""
     return -(-n // multiple) * multiple
+
+
+def max_sequence_rows(max_num_seqs: int, data: int = 1) -> int:
+    """Sequence rows of an AR stage's largest step: ``max_num_seqs`` bucketed, at least
+    :data:`MIN_ROWS`, a multiple of the ``data`` mesh axis (each shard the same rows)."""
+    return round_up(max(MIN_ROWS, bucket(max_num_seqs)), data)
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -37,16 +38,6 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
             raise ValueError(f"size {n} exceeds the largest bucket {maximum}")
         b = min(b, maximum)
     return b
-
-
-def bucket_sizes(minimum: int, maximum: int) -> list[int]:
-    """Every bucket between ``minimum`` and ``maximum`` (for warm-up)."""
-    sizes, b = [], next_pow2(minimum)
-    while b < maximum:
-        sizes.append(b)
-        b *= 2
-    sizes.append(maximum)
-    return sizes
 
 
 def fine_bucket(n: int, minimum: int = 1, steps: int = 2) -> int:
@@ -66,11 +57,6 @@ def fine_bucket(n: int, minimum: int = 1, steps: int = 2) -> int:
         if half + j * half // steps >= need:
             return half + j * half // steps
     return p
-
-
-def token_bucket(n: int, minimum: int = 16) -> int:
-    """Tokens per row of a step: exactly 1 for decode, a fine bucket for prompt chunks."""
-    return 1 if n == 1 else fine_bucket(n, minimum)
 
 
 def fine_bucket_sizes(minimum: int, maximum: int) -> list[int]:

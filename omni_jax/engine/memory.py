@@ -4,9 +4,10 @@ A KV cache or a step that cannot fit must be refused when the pipeline is built,
 numbers, not found by an out-of-memory error in the middle of a run. What an AR stage holds
 besides its weights is known before anything is allocated (:class:`ARMemory`): the paged
 cache (``2 x layers x kv_heads x pages x page_size x head_dim`` elements) and the temporaries
-of its largest step, estimated from the jnp attention path, which materialises float32 scores
-``[rows, heads, tokens, context]`` for a prompt step and gathers every row's K and V pages for
-a decode step (one layer at a time), plus the step's float32 logits.
+of its largest step, estimated from the jnp attention path: steps are flat (every token a row
+of its own, :mod:`omni_jax.engine.ar_runner`), and that path gathers each row's K and V pages
+and scores them in chunks of rows (one layer at a time), plus each token row's activations
+(the MLP's gate and up outputs beside the residual stream) and the step's float32 logits.
 
 What a device has left: ``bytes_limit - bytes_in_use`` from ``memory_stats()`` on accelerators;
 CPU devices report no statistics and allocate from host memory, so they count against the
@@ -85,8 +86,10 @@ class ARMemory:
     itemsize: int  # of the cache and activations
     page_size: int
     context: int  # tokens a row's block table reaches: pages_per_seq * page_size
-    max_rows: int  # rows of the largest decode step on one device
-    max_prompt_tokens: int  # padded tokens of the largest prompt step on one device
+    max_rows: int  # sequences (logits rows) of the largest step on one device
+    max_token_rows: int  # token rows of the largest step on one device
+    chunk_bytes: int  # what the jnp path gathers and scores at once (attention.chunk_bytes)
+    activation_width: int  # float32 values a token row holds at once on one device (see step_bytes)
 
     @property
     def page_bytes(self) -> int:
@@ -98,10 +101,11 @@ class ARMemory:
 
     @property
     def step_bytes(self) -> int:
-        prompt = self.max_prompt_tokens * self.num_heads * self.context * 4
         gathered = 2 * self.num_kv_heads * self.context * self.head_dim * self.itemsize
-        decode = self.max_rows * (gathered + self.num_heads * self.context * 4)
-        return max(prompt, decode) + self.max_rows * self.vocab_size * 4
+        per_row = gathered + self.num_heads * self.context * 4
+        rows = min(self.max_token_rows, max(1, self.chunk_bytes // per_row))
+        activations = self.max_token_rows * self.activation_width * 4
+        return rows * per_row + activations + self.max_rows * self.vocab_size * 4
 
     def kv_item(self, num_pages: int) -> tuple[str, int]:
         """The cache as one line of a refusal: ``(what, bytes)``."""

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from omni_jax.engine.ar_runner import StepResult, StepRow
-from omni_jax.engine.buckets import row_bucket, token_bucket
 from omni_jax.engine.kv_cache import PageAllocator, pages_needed
 from omni_jax.engine.sampling import SamplingParams
 
@@ -96,7 +95,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     page_size: int
     max_prefill_chunk: int
-    mix_max_padded_tokens: int = 0
 
 
 class Scheduler:
@@ -171,27 +169,39 @@ class Scheduler:
     def schedule(self) -> list[tuple[ARRequest, StepRow]]:
         """The next step's rows with their requests (empty when there is nothing to do).
 
-        Prompt chunks go first. In a ``[rows, tokens]`` step a decode row costs a whole
-        chunk's compute, so decode rows ride along only where that is cheap: in the padding
-        rows the step has anyway, or all of them when the extra padded tokens stay within
-        ``mix_max_padded_tokens`` (worth it where a decode step's weight read costs more than
-        that much prompt compute, as on GPUs) and the step fits the token budget.
+        Steps are flat (see :mod:`omni_jax.engine.ar_runner`): a row costs its tokens and
+        nothing more, so every decoding request runs each step, and prompt chunks (running
+        requests' first, then admissions in FIFO order) share what is left of the
+        ``max_num_batched_tokens`` budget, a long prompt in chunks.
         """
         cfg = self.cfg
-        prefilling = [r for r in self.running if r.remaining > 1]
-        decoding = [r for r in self.running if r.remaining == 1]
-        plan = self._plan_prefill(prefilling)
-        if plan:
-            t = token_bucket(max(c for _, c in plan))
-            p, n = len(plan), len(plan) + len(decoding)
-            extra = (row_bucket(n) - row_bucket(p)) * t
-            fits = n <= cfg.max_num_seqs and row_bucket(n) * t <= cfg.max_num_batched_tokens
-            riders = (
-                decoding if fits and extra <= cfg.mix_max_padded_tokens else decoding[: row_bucket(p) - p]
-            )
-            plan += [(r, 1) for r in riders]
-        else:
-            plan = [(r, 1) for r in decoding]
+        plan = [(r, 1) for r in self.running if r.remaining == 1]
+        budget = cfg.max_num_batched_tokens - len(plan)
+
+        def take(req: ARRequest) -> bool:
+            nonlocal budget
+            chunk = min(req.remaining, cfg.max_prefill_chunk, budget)
+            if chunk < 1:
+                return False
+            plan.append((req, chunk))
+            budget -= chunk
+            return True
+
+        for req in self.running:
+            if req.remaining > 1 and not take(req):
+                break
+        # A waiting request is admitted only into pages no running request needs for its next
+        # tokens (those may preempt newer requests; a newcomer may not).
+        spare = self.allocator.num_free - sum(self._growth(r, c) for r, c in plan)
+        while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            need = pages_needed(min(req.remaining, cfg.max_prefill_chunk, budget), cfg.page_size)
+            if need > spare or not take(req):
+                break
+            spare -= need
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
         plan.sort(key=lambda rc: rc[0].arrival)
         step: list[tuple[ARRequest, StepRow]] = []
         for req, chunk in plan:
@@ -202,36 +212,6 @@ class Scheduler:
             else:
                 self._preempt(req)
         return step
-
-    def _plan_prefill(self, prefilling: list[ARRequest]) -> list[tuple[ARRequest, int]]:
-        """Running requests with uncomputed prompt first, then admissions in FIFO order."""
-        cfg = self.cfg
-        plan: list[tuple[ARRequest, int]] = []
-
-        def take(req: ARRequest) -> bool:
-            chunk = min(req.remaining, cfg.max_prefill_chunk)
-            longest = max([chunk] + [c for _, c in plan])
-            if plan and row_bucket(len(plan) + 1) * token_bucket(longest) > cfg.max_num_batched_tokens:
-                return False
-            plan.append((req, chunk))
-            return True
-
-        for req in prefilling:
-            if not take(req):
-                return plan
-        # A waiting request is admitted only into pages no running request needs for its next
-        # tokens (those may preempt newer requests; a newcomer may not).
-        spare = self.allocator.num_free - sum(self._growth(r, c) for r, c in plan)
-        spare -= sum(self._growth(r, 1) for r in self.running if r.remaining == 1)
-        while self.waiting and len(self.running) < cfg.max_num_seqs:
-            need = pages_needed(min(self.waiting[0].remaining, cfg.max_prefill_chunk), cfg.page_size)
-            if need > spare or not take(self.waiting[0]):
-                break
-            spare -= need
-            req = self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
-        return plan
 
     def _growth(self, req: ARRequest, chunk: int) -> int:
         """Pages ``req`` lacks for its next ``chunk`` tokens."""
@@ -267,8 +247,7 @@ class Scheduler:
             if req.capture_hidden and result.hidden is not None and result.embeds is not None:
                 if row.start == 0:  # computed afresh (after a preemption too): drop stale rows
                     req.captured = []
-                m = len(row.token_ids)
-                req.captured.append((result.hidden[i, :m], result.embeds[i, :m]))
+                req.captured.append((result.hidden[i], result.embeds[i]))
             if not row.sample:
                 continue
             if not result.finite[i]:

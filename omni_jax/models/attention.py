@@ -86,19 +86,32 @@ for a whole step at once that outgrows the caches and every pass over it goes to
 of 16, measured on this 2-core CPU."""
 
 
-def _rows_per_chunk(b: int, t: int, h: int, kvh: int, keys: int, d: int, itemsize: int) -> int:
-    """Rows per chunk of a ``[b, t]`` step: on CPU decode steps (``t == 1``), the largest
-    divisor of ``b`` whose gathered K/V and scores fit :data:`CPU_CHUNK_BYTES`; otherwise all.
+ACCELERATOR_CHUNK_BYTES = 1 << 30
+"""Off CPU, what one chunk of decode rows of :func:`_attention_jnp` may gather and score.
 
-    Off CPU one wide batched product is what the device is good at. Prompt steps stay whole:
-    :meth:`ARRunner.groups` already gives them a few rows per call, and for ``t > 1`` XLA's
-    CPU products round differently at another row count, so a row's result would depend on its
-    chunk (decode rows come out bit for bit the same; tests hold both).
+One wide batched product is what an accelerator is good at, so chunks there only bound the
+temporaries: a flat step (:mod:`omni_jax.engine.ar_runner`) makes every prompt token a decode
+row, and 2048 of them over 4096-token tables would gather 8 GiB at once."""
+
+
+def chunk_bytes(platform: str) -> int:
+    """What one chunk of decode rows of the jnp path may gather and score on ``platform``."""
+    return CPU_CHUNK_BYTES if platform == "cpu" else ACCELERATOR_CHUNK_BYTES
+
+
+def _rows_per_chunk(b: int, t: int, h: int, kvh: int, keys: int, d: int, itemsize: int) -> int:
+    """Rows per chunk of a ``[b, t]`` step: for decode-shaped steps (``t == 1``), the largest
+    divisor of ``b`` whose gathered K/V and scores fit :func:`chunk_bytes`; otherwise all.
+
+    Prompt blocks (``t > 1``, the one-shot :func:`~omni_jax.engine.forward.full_forward`) stay
+    whole: for ``t > 1`` XLA's CPU products round differently at another row count, so a
+    row's result would depend on its chunk (decode rows come out bit for bit the same; tests
+    hold both).
     """
-    if jax.default_backend() != "cpu" or t > 1:
+    if t > 1:
         return b
     per_row = 2 * kvh * keys * d * itemsize + h * keys * 4
-    fit = max(1, CPU_CHUNK_BYTES // per_row)
+    fit = max(1, chunk_bytes(jax.default_backend()) // per_row)
     return max(c for c in range(1, min(fit, b) + 1) if b % c == 0)
 
 
@@ -127,8 +140,9 @@ def _attention_jnp(
     take consecutive sorted rows, and each chunk switches to the narrowest of
     :func:`_chunk_widths` that holds its longest row. Keys past a row's context weigh exactly
     zero at any width, so a row's result does not depend on its chunk (tested bit for bit).
-    Under a ``data`` mesh the sort moves rows between devices; chunking runs only on CPU,
-    where meshes are emulated for tests, and the result is the same (tested).
+    Under a ``data`` mesh the sort moves rows between devices, and the result is the same
+    (tested on emulated CPU meshes); off CPU, chunks are large enough that a decode step of
+    sequences is one chunk, and only a flat step's many token rows are split.
     """
     b, t, h, d = q.shape
     kvh, _, page_size, _ = k_pages.shape

@@ -15,10 +15,11 @@ from jax.sharding import Mesh
 
 from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARRunner, CacheConfig, StepInputs
-from omni_jax.engine.buckets import MIN_ROWS, bucket, round_up
+from omni_jax.engine.buckets import max_sequence_rows, round_up
 from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, pool_key, refuse_unless_fits
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import PositionFn, text_positions
+from omni_jax.models.attention import chunk_bytes
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import replicated_kv_heads
 from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
@@ -297,7 +298,7 @@ class CachePlan:
             raise ValueError(f"max_num_seqs={max_num_seqs} and page_size={page_size} must be >= 1")
         dtype = jnp.dtype(jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype)
         pages_per_seq = -(-max_model_len // page_size)
-        prompt_rows = round_up(MIN_ROWS, data) // data  # a lone prompt chunk is padded to MIN_ROWS
+        max_rows = max_sequence_rows(max_num_seqs, data)
         memory = ARMemory(
             num_layers=layers,
             num_heads=spec.num_heads // tp,
@@ -307,8 +308,10 @@ class CachePlan:
             itemsize=dtype.itemsize,
             page_size=page_size,
             context=pages_per_seq * page_size,
-            max_rows=round_up(max(MIN_ROWS, bucket(max_num_seqs)), data) // data,
-            max_prompt_tokens=prompt_rows * max_num_batched_tokens,
+            max_rows=max_rows // data,
+            max_token_rows=max(max_rows, round_up(max_num_batched_tokens, data)) // data,
+            chunk_bytes=chunk_bytes(jax.default_backend() if mesh is None else mesh.devices.flat[0].platform),
+            activation_width=2 * spec.intermediate_size // tp + 3 * spec.hidden_size,
         )
         return cls(layers, kv_heads, head_dim, dtype, max_model_len, page_size, max_num_seqs, memory)
 

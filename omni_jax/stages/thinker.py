@@ -178,9 +178,9 @@ class ThinkerStepInputs:
         """The rows this step's prompt chunks need, grouped by step row then kind, bucketed
         (rows :meth:`prepare` did not encode, e.g. in a direct ``ARRunner.execute``, are encoded
         here, and an encoder failure raises)."""
-        pending = [r.extra for r in rows if _needs_rows(r)]
+        pending = {id(r.extra): r.extra for r in rows if _needs_rows(r)}  # a chunk's tokens share one
         if pending:
-            self.encode(pending)
+            self.encode(list(pending.values()))
         first = np.zeros((len(self.token_ids), batch), np.int32)
         limit = np.zeros((batch,), np.int32)
         blocks: list[np.ndarray] = []

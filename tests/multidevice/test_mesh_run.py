@@ -123,7 +123,10 @@ def test_hidden_states_come_back_whole(gqa_dir, pipes) -> None:
     got = runner.execute(rows, return_hidden=True)
     want = single.execute(_prompt_rows(single, [[5, 6, 7], [8, 9, 10, 11, 12]]), return_hidden=True)
     np.testing.assert_array_equal(got.tokens, want.tokens)
-    np.testing.assert_allclose(got.hidden, want.hidden, rtol=1e-5, atol=1e-5)
+    assert [h.shape[0] for h in got.hidden] == [3, 5]  # each row's tokens, no padding
+    assert [h.shape for h in got.hidden] == [h.shape for h in want.hidden]
+    for g, w in zip(got.hidden, want.hidden, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def _prompt_rows(runner, prompts: list[list[int]]) -> list:  # noqa: ANN001
