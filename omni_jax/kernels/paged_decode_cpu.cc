@@ -75,7 +75,8 @@ inline float Sum(Vec v) {
 
 // Rows of one KV head in one row's pages, by position; a page one page ahead is prefetched,
 // because a KV page (4 KB at page_size 16, head_dim 64) ends where the hardware prefetcher
-// stops.
+// stops. The prefetch goes to L2 (locality 2, prefetcht1): a 256-row layer from memory on two
+// threads took 1.87 ms against 2.17 ms prefetching to L1, which holds fewer misses in flight.
 struct Keys {
   const float* head;
   const int32_t* table;
@@ -94,7 +95,7 @@ struct Keys {
     const int64_t pos = first + i;
     if (pos + page_size < len) {
       const float* ahead = Row(pos + page_size) + offset;
-      for (int64_t x = 0; x < NV * kLanes; x += 64 / sizeof(float)) __builtin_prefetch(ahead + x);
+      for (int64_t x = 0; x < NV * kLanes; x += 64 / sizeof(float)) __builtin_prefetch(ahead + x, 0, 2);
     }
     const float* row = Row(pos) + offset;
     for (int c = 0; c < NV; ++c) out[c] = Load(row + c * kLanes);
