@@ -12,14 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import KERNEL_ATOL
 
 from omni_jax.kernels import cpu
 from omni_jax.models.attention import AttentionMetadata, paged_attention
-
-ATOL = 2e-6
-"""The kernel and the jnp path differ only in summation order and in their float32 ``exp``
-(glibc's vector exp against XLA's): a few ulps of outputs of order 1. The worst over 200 random
-steps of the layouts below, with and without a window, was 9.5e-7 (measured)."""
 
 
 def _decode_step(
@@ -57,7 +53,7 @@ def test_cpu_kernel_matches_jnp(heads: int, kv_heads: int, head_dim: int) -> Non
     scale = head_dim**-0.5
     want = jax.jit(lambda *a: paged_attention(*a, scale=scale, backend="jnp"))(q, k, v, md)
     got = jax.jit(lambda *a: paged_attention(*a, scale=scale, backend="cpu"))(q, k, v, md)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=KERNEL_ATOL)
 
 
 def test_cpu_kernel_sliding_window() -> None:
@@ -65,7 +61,7 @@ def test_cpu_kernel_sliding_window() -> None:
     for window in (1, 6, 64):
         want = paged_attention(q, k, v, md, scale=0.25, sliding_window=window, backend="jnp")
         got = paged_attention(q, k, v, md, scale=0.25, sliding_window=window, backend="cpu")
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=ATOL)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=KERNEL_ATOL)
 
 
 def test_cpu_kernel_rows_are_independent() -> None:
