@@ -34,6 +34,7 @@ from omni_jax.engine.buckets import (
     fine_bucket,
     fine_bucket_sizes,
     max_sequence_rows,
+    max_token_rows,
     round_up,
 )
 from omni_jax.engine.kv_cache import init_kv_cache
@@ -274,7 +275,7 @@ class ARRunner:
         the budget's tokens (a prompt step) or ``max_rows`` (a decode step), any table width."""
         c = self.cache_cfg
         widths = sorted({self.pages_bucket(p) for p in range(1, c.pages_per_seq + 1)})
-        most = max(max_num_batched_tokens, self.max_rows)
+        most = max_token_rows(max_num_batched_tokens, self.max_rows, self.data)
         rows = {self.rows_bucket(n) for n in fine_bucket_sizes(MIN_ROWS, most)}
         return sorted((n, p) for n in rows for p in widths)
 

@@ -25,6 +25,12 @@ def max_sequence_rows(max_num_seqs: int, data: int = 1) -> int:
     return round_up(max(MIN_ROWS, bucket(max_num_seqs)), data)
 
 
+def max_token_rows(max_num_batched_tokens: int, max_rows: int, data: int = 1) -> int:
+    """Token rows of an AR stage's largest flat step: the budget's tokens (a prompt step) or
+    ``max_rows`` (a decode step of every sequence), a multiple of ``data``."""
+    return round_up(max(max_num_batched_tokens, max_rows), data)
+
+
 def next_pow2(n: int, minimum: int = 1) -> int:
     n = max(n, minimum)
     return 1 << (n - 1).bit_length()

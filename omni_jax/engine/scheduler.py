@@ -178,26 +178,25 @@ class Scheduler:
         plan = [(r, 1) for r in self.running if r.remaining == 1]
         budget = cfg.max_num_batched_tokens - len(plan)
 
-        def take(req: ARRequest) -> bool:
-            nonlocal budget
+        for req in self.running:
+            if req.remaining == 1:
+                continue
             chunk = min(req.remaining, cfg.max_prefill_chunk, budget)
             if chunk < 1:
-                return False
+                break
             plan.append((req, chunk))
             budget -= chunk
-            return True
-
-        for req in self.running:
-            if req.remaining > 1 and not take(req):
-                break
         # A waiting request is admitted only into pages no running request needs for its next
         # tokens (those may preempt newer requests; a newcomer may not).
         spare = self.allocator.num_free - sum(self._growth(r, c) for r, c in plan)
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            need = pages_needed(min(req.remaining, cfg.max_prefill_chunk, budget), cfg.page_size)
-            if need > spare or not take(req):
+            chunk = min(req.remaining, cfg.max_prefill_chunk, budget)
+            need = pages_needed(chunk, cfg.page_size)
+            if need > spare:
                 break
+            plan.append((req, chunk))
+            budget -= chunk
             spare -= need
             self.waiting.popleft()
             req.status = Status.RUNNING

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARRunner, CacheConfig, StepInputs
-from omni_jax.engine.buckets import max_sequence_rows, round_up
+from omni_jax.engine.buckets import max_sequence_rows, max_token_rows
 from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, pool_key, refuse_unless_fits
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import PositionFn, text_positions
@@ -309,7 +309,7 @@ class CachePlan:
             page_size=page_size,
             context=pages_per_seq * page_size,
             max_rows=max_rows // data,
-            max_token_rows=max(max_rows, round_up(max_num_batched_tokens, data)) // data,
+            max_token_rows=max_token_rows(max_num_batched_tokens, max_rows, data) // data,
             chunk_bytes=chunk_bytes(jax.default_backend() if mesh is None else mesh.devices.flat[0].platform),
             activation_width=2 * spec.intermediate_size // tp + 3 * spec.hidden_size,
         )
