@@ -2,16 +2,21 @@
 
 safetensors' numpy backend cannot represent bfloat16, the dtype most real checkpoints ship
 in, so the file format (an 8-byte header length, a JSON header, raw little-endian data) is
-read here directly into ``np.memmap`` views with ``ml_dtypes`` dtypes: zero-copy, one tensor
-at a time, never the whole model. ``pytorch_model*.bin`` checkpoints need torch and are read
-through it when it is installed.
+read here directly into ``np.memmap`` arrays with ``ml_dtypes`` dtypes: zero-copy, one tensor
+at a time, never the whole model. Each tensor is mapped on its own (:meth:`StoredTensor.read`),
+so the pages a reader touched leave the process's resident set as soon as it drops the array;
+one mapping of a whole shard would keep every page read so far resident until the shard ends
+(several GB with a real checkpoint's shards). ``pytorch_model*.bin`` checkpoints need torch and
+are read through it when it is installed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import ml_dtypes
@@ -102,14 +107,54 @@ def _check_entry(path: Path, name: str, info: object) -> None:
         )
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """``(name, read-only memmap view)`` for every tensor of one file, in file order."""
+TensorReader = Callable[[], np.ndarray]
+"""Maps one checkpoint tensor when called: the array reads the file only where it is touched."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in a safetensors file (checked by :func:`read_header`)."""
+
+    file: Path
+    offset: int  # of the tensor's first byte in the file
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def read(self) -> np.ndarray:
+        """A read-only ``np.memmap`` of this tensor alone (its own mapping, see the module doc)."""
+        n = math.prod(self.shape)
+        if n == 0:  # an empty mapping is an error; there is nothing to read
+            return np.zeros(self.shape, self.dtype)
+        return np.memmap(self.file, dtype=self.dtype, mode="r", offset=self.offset, shape=(n,)).reshape(
+            self.shape
+        )
+
+
+def stored_tensors(path: Path) -> list[tuple[str, StoredTensor]]:
+    """``(name, where its bytes are)`` for every tensor of one file, in file order; reads only the header."""
     data_start, header = read_header(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out = []
     for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        begin, end = info["data_offsets"]
-        buf = mm[data_start + begin : data_start + end]
-        yield name, buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        offset = data_start + info["data_offsets"][0]
+        out.append((name, StoredTensor(path, offset, np.dtype(_DTYPES[info["dtype"]]), tuple(info["shape"]))))
+    return out
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, read-only memmap)`` for every tensor of one file, in file order, each mapped alone."""
+    for name, tensor in stored_tensors(path):
+        yield name, tensor.read()
+
+
+def tensor_readers(path: Path) -> Iterator[tuple[str, TensorReader]]:
+    """``(name, reader)`` for every tensor of one weight file, in file order: safetensors tensors
+    are mapped only when their reader is called; a ``.bin`` file is loaded by torch (memory-mapped)."""
+    if path.suffix == ".safetensors":
+        for name, tensor in stored_tensors(path):
+            yield name, tensor.read
+    else:
+        for name, array in iter_torch_bin(path):
+            yield name, lambda array=array: array
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

@@ -45,15 +45,16 @@ from omni_jax.models.param_map import (
     parse_path,
 )
 from omni_jax.models.registry import Architecture, ModelPart, architecture_of
+from omni_jax.orbax_io import DeferredArray, restore_stage, stored_arrays, write_stage
 from omni_jax.parallel.mesh import axis_size
-from omni_jax.parallel.rules import Layout, layout, put
+from omni_jax.parallel.rules import Layout, layout, put_cast
 from omni_jax.safetensors_io import (
     CheckpointError,
+    TensorReader,
     checkpoint_files,
     count_tensors,
     first_line,
-    iter_safetensors,
-    iter_torch_bin,
+    tensor_readers,
 )
 
 MANIFEST = "omni_jax.json"
@@ -139,9 +140,9 @@ class _Cursor:
 
 def _part_tensors(
     model_dir: Path, arch: Architecture, part: ModelPart, cfg: Any, progress: bool, cursor: _Cursor
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Tensors of ``part``; those of other parts (served or not yet, or that another part drops)
-    are skipped, strays are errors. ``cursor`` follows the file being read."""
+) -> Iterator[tuple[str, TensorReader]]:
+    """Readers of ``part``'s tensors; those of other parts (served or not yet, or that another
+    part drops) are skipped, strays are errors. ``cursor`` follows the file being read."""
     rules = part.rules(cfg)
     others = [r for p in arch.parts if p is not part for r in p.rules(cfg)]
     dropped = [re.compile(x) for p in arch.parts if p is not part for x in p.ignore(cfg)]
@@ -150,7 +151,7 @@ def _part_tensors(
     with bar:
         for f in cursor.files:
             cursor.file = f
-            for name, array in iter_safetensors(f) if f.suffix == ".safetensors" else iter_torch_bin(f):
+            for name, read in tensor_readers(f):
                 bar.update(1)
                 if map_name(rules, name) is None and (
                     arch.is_unserved_tensor(name)
@@ -158,7 +159,7 @@ def _part_tensors(
                     or any(d.fullmatch(name) for d in dropped)
                 ):
                     continue
-                yield name, array
+                yield name, read
         cursor.file = None
 
 
@@ -171,10 +172,11 @@ def load_part(
 ) -> tuple[nnx.Module, Any]:
     """Build the ``stage`` model from an HF dir or a converted dir; returns ``(model, hf_config)``.
 
-    The model is built abstractly and each tensor placed as it is read, so the full model
-    never exists twice. With ``mesh``, every tensor goes straight into its shards under the
-    part's partition rules (HF tensors one by one as converted, Orbax restored directly
-    into the target layout), so no device ever holds more than its share.
+    The model is built abstractly and each tensor placed on its devices as it is read, cast
+    on the way, so the host holds a bounded number of tensors at a time and the model never
+    exists twice. With ``mesh``, every tensor goes straight into its shards under the part's
+    partition rules (an HF tensor sliced per device from its memory map, Orbax restored
+    directly into the target layout), so no device ever holds more than its share.
     """
     model_dir = Path(model_dir)
     cfg = load_hf_config(model_dir)
@@ -198,7 +200,11 @@ def load_part(
         values = _restore_stage(model_dir, stage, abstract, manifest, dtype, sharding)
     else:
         dtype = part.dtype or dtype or checkpoint_dtype(cfg)
-        place = None if sharding is None else lambda path, x: put(x, sharding(path, x.shape))
+
+        def place(path: FlaxPath, read: TensorReader) -> jax.Array:
+            x = read()
+            return put_cast(x, None if sharding is None else sharding(path, x.shape), jnp.dtype(dtype))
+
         graphdef, abstract, values = _read_hf_part(model_dir, arch, part, cfg, dtype, progress, place)
     return merge_params(graphdef, abstract, values), cfg
 
@@ -210,9 +216,10 @@ def _read_hf_part(
     cfg: Any,
     dtype: str,
     progress: bool,
-    place: Callable[[FlaxPath, np.ndarray], object] | None = None,
-) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable], dict[FlaxPath, object]]:
-    """Stream ``part``'s tensors from an HF dir into its parameters (checked by name and shape).
+    place: Callable[[FlaxPath, TensorReader], Any],
+) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable], dict[FlaxPath, Any]]:
+    """Stream ``part``'s tensors from an HF dir into its parameters (checked by name and shape),
+    each given to ``place`` (see :func:`~omni_jax.models.param_map.fill_params`).
 
     A mismatch names the file it was found in and points at ``config.json``, which is what
     the expected shapes come from.
@@ -224,24 +231,13 @@ def _read_hf_part(
             abstract,
             _part_tensors(model_dir, arch, part, cfg, progress, cursor),
             part.rules(cfg),
-            dtype=jnp.dtype(dtype),
+            place,
             ignore=part.ignore(cfg),
-            place=place,
         )
     except ParamMismatchError as e:
         hint = "" if "a second time" in str(e) else f"; does {model_dir / 'config.json'} match the weights?"
         raise ParamMismatchError(f"{cursor.where(model_dir)}: {e}{hint}") from e
     return graphdef, abstract, values
-
-
-def _nest(flat: dict[FlaxPath, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(str(key), {})
-        node[str(path[-1])] = value
-    return tree
 
 
 def _restore_stage(
@@ -252,16 +248,16 @@ def _restore_stage(
     dtype: str,
     sharding: Layout | None,
 ) -> dict[FlaxPath, object]:
-    """Read ``stage``'s Orbax checkpoint, each array straight into ``sharding`` when given.
+    """Read ``stage``'s Orbax checkpoint, each array straight into ``sharding`` (the default
+    device without one), one array at a time (:func:`restore_stage`).
 
     First the stored arrays are held to the manifest (names, shapes, dtypes: a damaged or
     mixed-up converted dir), then the manifest to the model ``config.json`` describes. Both
     read only metadata; the arrays are read once, by the restore.
     """
-    import orbax.checkpoint as ocp
-
     stage_dir = model_dir / "params" / stage
-    _check_stored(stage_dir, stored_arrays(stage_dir), manifest, stage)
+    stored = stored_arrays(stage_dir)
+    _check_stored(stage_dir, stored, manifest, stage)
     shapes = {parse_path(k): tuple(v) for k, v in manifest["shapes"][stage].items()}
     for path, var in abstract.items():
         if path not in shapes:
@@ -280,42 +276,14 @@ def _restore_stage(
             f"{model_dir / MANIFEST}: tensor {extra[0]!r} of the checkpoint has no place in the model "
             "config.json describes"
         )
-    target = _nest(
-        {
-            p: jax.ShapeDtypeStruct(v.shape, jnp.dtype(dtype), sharding=sharding and sharding(p, v.shape))
-            for p, v in abstract.items()
-        }
-    )
-    try:
-        restored = ocp.StandardCheckpointer().restore(stage_dir.absolute(), target)
-    except Exception as e:  # tensorstore / orbax errors on damaged data files
-        raise CheckpointError(f"{stage_dir}: cannot restore the arrays ({first_line(e)})") from e
-    out = {}
-    for path in abstract:
-        node: Any = restored
-        for key in path:
-            node = node[str(key)]
-        out[path] = node
-    return out
-
-
-def stored_arrays(stage_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{dotted path: (shape, dtype)}`` of the arrays in one stage's Orbax checkpoint (metadata only)."""
-    import orbax.checkpoint as ocp
-
-    if not stage_dir.is_dir():
-        raise CheckpointError(f"{stage_dir}: missing; the converted checkpoint is incomplete, convert again")
-    try:
-        meta = ocp.StandardCheckpointer().metadata(stage_dir.absolute())
-        tree = getattr(meta, "item_metadata", meta)
-        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    except Exception as e:  # orbax raises several kinds on a damaged checkpoint
-        raise CheckpointError(f"{stage_dir}: unreadable Orbax checkpoint ({first_line(e)})") from e
-    out = {}
-    for keys, leaf in leaves:
-        name = ".".join(str(getattr(k, "key", k)) for k in keys)
-        out[name] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
-    return out
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {
+        p: jax.ShapeDtypeStruct(
+            v.shape, jnp.dtype(dtype), sharding=default if sharding is None else sharding(p, v.shape)
+        )
+        for p, v in abstract.items()
+    }
+    return restore_stage(stage_dir, target)
 
 
 def _check_stored(
@@ -354,15 +322,16 @@ def convert(
 ) -> Path:
     """HF checkpoint dir -> converted dir, written to a temp dir beside ``dst`` and renamed at the end.
 
-    Every input is checked before anything is written (config, architecture, every weight
-    file's header); a fault raises a ``ValueError`` (:class:`CheckpointError`,
+    Each stage's tensors are checked (names, shapes) from the headers before any of it is
+    written, then written to Orbax a bounded number at a time, each read from its memory map
+    and cast on the way (:func:`~omni_jax.orbax_io.write_stage`): the model is never held
+    whole in host memory. Every input is checked before anything is written (config,
+    architecture, every weight file's header); a fault raises a ``ValueError`` (:class:`CheckpointError`,
     :class:`ParamMismatchError`, :class:`DestinationExistsError`) naming the file or tensor,
     and nothing is left at ``dst``. An existing ``dst`` is refused unless ``overwrite``, and
     even then only an earlier conversion (or an empty dir) is replaced, once the new one is
     complete.
     """
-    import orbax.checkpoint as ocp
-
     src, dst = Path(src), Path(dst)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
@@ -389,13 +358,11 @@ def convert(
         shapes: dict[str, dict[str, list[int]]] = {}
         dtypes: dict[str, dict[str, str]] = {}
         for part in arch.parts:
-            _, _, values = _read_hf_part(src, arch, part, cfg, part.dtype or dtype, progress)
-            checkpointer = ocp.StandardCheckpointer()
-            checkpointer.save((tmp / "params" / part.stage).absolute(), _nest(values))
-            checkpointer.wait_until_finished()
-            shapes[part.stage] = {format_path(p): list(np.shape(v)) for p, v in values.items()}
-            dtypes[part.stage] = {format_path(p): str(np.dtype(v.dtype)) for p, v in values.items()}
-            del values
+            part_dtype = part.dtype or dtype
+            values = _read_hf_part(src, arch, part, cfg, part_dtype, False, _deferred(part_dtype))[2]
+            write_stage(tmp / "params" / part.stage, values, progress)
+            shapes[part.stage] = {format_path(p): list(v.shape) for p, v in values.items()}
+            dtypes[part.stage] = {format_path(p): str(v.dtype) for p, v in values.items()}
         for f in side:
             if f.name in converters:
                 try:
@@ -420,6 +387,12 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _deferred(dtype: str) -> Callable[[FlaxPath, TensorReader], DeferredArray]:
+    """``place`` for conversion: each parameter written later, read and cast to ``dtype`` then."""
+    target = np.dtype(jnp.dtype(dtype))
+    return lambda path, read: DeferredArray(read, tuple(read().shape), target)
 
 
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:

@@ -109,7 +109,7 @@ def test_checked_before_loading_over_every_stage(omni_dir, monkeypatch) -> None:
         raise AssertionError("weights were read")
 
     monkeypatch.setattr(weights, "load_part", no_loading)
-    monkeypatch.setattr(weights, "iter_safetensors", no_loading)
+    monkeypatch.setattr(weights, "tensor_readers", no_loading)
     hf_config, stages, meshes = meshes_for(omni_dir)
     check(omni_dir, hf_config, stages, meshes, None)  # fits
     with pytest.raises(ValueError, match="the pipeline needs ") as e:

@@ -1,7 +1,7 @@
 """Build NNX models from named tensors without materialising random weights first.
 
 The model is created abstractly (``nnx.eval_shape``), so its constructor allocates nothing;
-each parameter is then set from the checkpoint (optionally straight into its device shard).
+each parameter is then set from the checkpoint, straight onto its device (or into its shards).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import numpy as np
 from flax import nnx
 
 from omni_jax.models.param_map import FlaxPath, ParamRule, fill_params
+from omni_jax.parallel.rules import put_cast
+from omni_jax.safetensors_io import TensorReader
 
 
 def abstract_params(ctor: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable]]:
@@ -36,9 +38,16 @@ def build_model(
     dtype: np.dtype | None = None,
     ignore: Iterable[str] = (),
 ) -> nnx.Module:
-    """Model from ``ctor`` with every parameter taken from ``tensors`` (HF names) via ``rules``."""
+    """Model from ``ctor`` with every parameter taken from ``tensors`` (HF names) via ``rules``,
+    on the default device, in ``dtype`` (default: each tensor's own)."""
+
+    def place(path: FlaxPath, read: TensorReader) -> jax.Array:
+        x = read()
+        return put_cast(x, None, x.dtype if dtype is None else dtype)
+
     graphdef, abstract = abstract_params(ctor)
-    values = fill_params(abstract, tensors, rules, dtype=dtype, ignore=ignore)
+    readers = ((name, lambda array=array: array) for name, array in tensors)
+    values = fill_params(abstract, readers, rules, place, ignore=ignore)
     return merge_params(graphdef, abstract, values)
 
 

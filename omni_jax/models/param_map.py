@@ -4,6 +4,10 @@ Each model module declares a tuple of :class:`ParamRule` next to its code, so th
 lives with the layer it describes and the converter stays model-agnostic: it streams HF
 tensors, asks the rules where each one goes and how to reshape it, and checks that every
 parameter of the model was filled exactly once with the right shape.
+
+A rule's transform returns a view where it can (a transpose, a reshape, a flip), never a
+copy: applied to a memory-mapped tensor it reads nothing, so shapes are checked for free and
+the one copy of each tensor is made where it is placed, in its final dtype and layout.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
+
+from omni_jax.safetensors_io import TensorReader
 
 Transform = Callable[[np.ndarray], np.ndarray]
 FlaxPath = tuple[str | int, ...]
@@ -38,7 +45,7 @@ def conv_transpose1d_kernel(x: np.ndarray) -> np.ndarray:
     The kernel is flipped along ``k`` because ``nnx.ConvTranspose`` (``lax.conv_transpose``
     without ``transpose_kernel``) correlates where torch convolves.
     """
-    return np.transpose(x, (2, 0, 1))[::-1].copy()
+    return np.transpose(x, (2, 0, 1))[::-1]
 
 
 def conv2d_kernel(x: np.ndarray) -> np.ndarray:
@@ -105,28 +112,33 @@ class ParamMismatchError(ValueError):
     """A checkpoint does not fit the model: the message names the offending tensor."""
 
 
+Placed = TypeVar("Placed")
+
+
 def fill_params(
     abstract_state: dict[FlaxPath, object],
-    tensors: Iterable[tuple[str, np.ndarray]],
+    tensors: Iterable[tuple[str, TensorReader]],
     rules: Iterable[ParamRule],
-    dtype: np.dtype | None = None,
+    place: Callable[[FlaxPath, TensorReader], Placed],
     ignore: Iterable[str] = (),
-    place: Callable[[FlaxPath, np.ndarray], object] | None = None,
-) -> dict[FlaxPath, object]:
+) -> dict[FlaxPath, Placed]:
     """Put each HF tensor where ``rules`` say, checking names and shapes as it goes.
 
     ``abstract_state`` maps every parameter path of the model to something with ``.shape``
-    (``jax.ShapeDtypeStruct`` from ``nnx.eval_shape``). ``tensors`` is consumed lazily, so a
-    streaming reader never holds two copies. ``ignore`` lists regexes of HF names that are
-    legitimately dropped (buffers, sub-models not being built). ``place`` turns a host array
-    into its final form (e.g. ``jax.device_put`` with a sharding); the default keeps numpy.
+    (``jax.ShapeDtypeStruct`` from ``nnx.eval_shape``). ``tensors`` is consumed lazily, each
+    ``(HF name, reader)``; the reader maps the tensor (:data:`TensorReader`), and the shape
+    check reads nothing of it. ``place(path, reader)`` gets a reader of the transformed tensor
+    (a view of the mapped bytes) and returns the parameter's final form: a device array made
+    now, or a deferred write that calls the reader later. Nothing here holds a tensor after
+    ``place`` returns, so a streaming reader never holds two copies. ``ignore`` lists regexes
+    of HF names that are legitimately dropped (buffers, sub-models not being built).
     Raises :class:`ParamMismatchError` naming the tensor on an unknown, duplicate,
     mis-shaped or missing tensor.
     """
     rules = tuple(rules)
     ignored = [re.compile(p) for p in ignore]
-    out: dict[FlaxPath, object] = {}
-    for name, array in tensors:
+    out: dict[FlaxPath, Placed] = {}
+    for name, read in tensors:
         if any(p.fullmatch(name) for p in ignored):
             continue
         hit = map_name(rules, name)
@@ -139,16 +151,15 @@ def fill_params(
             )
         if path in out:
             raise ParamMismatchError(f"tensor {name!r} fills {format_path(path)!r} a second time")
-        value = transform(np.asarray(array))
+        source = read()
+        got, shape = tuple(source.shape), tuple(transform(source).shape)
+        del source
         want = tuple(abstract_state[path].shape)
-        if tuple(value.shape) != want:
+        if shape != want:
             raise ParamMismatchError(
-                f"tensor {name!r} has shape {tuple(np.shape(array))} -> {tuple(value.shape)} "
-                f"but {format_path(path)!r} needs {want}"
+                f"tensor {name!r} has shape {got} -> {shape} but {format_path(path)!r} needs {want}"
             )
-        if dtype is not None:
-            value = value.astype(dtype)
-        out[path] = place(path, value) if place is not None else value
+        out[path] = place(path, lambda read=read, transform=transform: transform(read()))
     missing = [format_path(p) for p in abstract_state if p not in out]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

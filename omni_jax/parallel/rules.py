@@ -3,7 +3,7 @@
 A model declares its rules next to its code as :class:`ShardRule` entries (a regular
 expression over the dotted Flax path, one mesh axis or ``None`` per dimension); a parameter no
 rule names is replicated. Weights are then put straight into their shards as they are read
-(:func:`put`), so the full model never sits on one device.
+(:func:`put_cast`), so the full model never sits on one device.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -91,6 +91,38 @@ def put(x: Any, sharding: Any) -> Any:
     if isinstance(sharding, jax.sharding.Sharding):
         return jax.tree.map(lambda a: one(a, sharding), x)
     return jax.tree.map(one, x, sharding)
+
+
+class HostArray(Protocol):
+    """What :func:`put_cast` places: a shape, and numpy slices of it on demand (an ``np.ndarray``,
+    a memory-mapped tensor, an array stored in a checkpoint)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray: ...
+
+
+def put_cast(x: HostArray, sharding: jax.sharding.Sharding | None, dtype: Any) -> jax.Array:
+    """A host array, typically a view of a memory-mapped checkpoint tensor, as a global array of
+    ``dtype`` laid out by ``sharding`` (``None``: the default device).
+
+    Each device's shard is sliced from ``x`` and cast on the host for that shard alone, once
+    per distinct shard (a shard replicated over ``data`` goes to every device holding it), so a
+    sharded parameter is never copied whole on the host and no copy of it is made in any other
+    dtype. With several processes each one fills only its own devices' shards.
+    """
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shards: dict[tuple[Any, ...], np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in shards:
+            shards[key] = np.asarray(x[index], dtype=dtype, order="C")
+        return shards[key]
+
+    return jax.make_array_from_callback(tuple(x.shape), sharding, shard, dtype=dtype)
 
 
 def fetch(x: jax.Array | np.ndarray) -> np.ndarray:
