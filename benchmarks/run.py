@@ -43,6 +43,7 @@ SUITES: dict[str, Suite] = {
     "code2wav": Suite("benchmarks.code2wav_suite", "qwen2_5_omni"),
     "e2e": Suite("benchmarks.e2e_suite", "qwen2_5_omni"),
     "soak": Suite("benchmarks.soak_suite", "qwen2", in_all=False),
+    "memory": Suite("benchmarks.memory_suite", "qwen2", in_all=False),
 }
 """The registered suites, in the order ``--suite all`` runs them; a new one is one line here."""
 
