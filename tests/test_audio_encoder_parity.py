@@ -17,6 +17,8 @@ from omni_jax.models.qwen2_5_omni.audio_encoder import (
     AudioBatch,
     AudioEncoder,
     AudioEncoderSpec,
+    audio_chunk_buckets,
+    plan_audio_calls,
     prepare_audio_batch,
 )
 
@@ -96,3 +98,30 @@ def test_audio_encoder_matches_reference_batched(n_window: int) -> None:
     for f, got in zip(other, out2, strict=True):
         assert _rel_err(got, _reference_forward(ref, [f])) < 1e-5
     assert traces == 1
+
+
+def test_clips_cut_into_calls_match_reference() -> None:
+    """Clips admitted together are cut into calls of at most the largest chunk bucket; each
+    call's rows, split per clip, equal the reference's for the clip alone."""
+    ref = _reference(4)
+    spec = AudioEncoderSpec.from_hf(ref.config)
+    model = build_model(
+        lambda: AudioEncoder(spec, rngs=nnx.Rngs(0)), torch_state_items(ref), AUDIO_RULES, ignore=AUDIO_IGNORE
+    )
+    graphdef, state = nnx.split(model)
+    encode = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+    rng = np.random.default_rng(1)
+    chunk = spec.chunk_frames
+    lengths = [3 * chunk + 1, 5, chunk, 4 * chunk, 2 * chunk - 1]  # 4, 1, 1, 4, 2 chunks
+    feats = [rng.standard_normal((16, n)).astype(np.float32) for n in lengths]
+    buckets = audio_chunk_buckets(4 * chunk, spec)
+    assert buckets == (1, 2, 4)
+    calls = plan_audio_calls(lengths, spec, buckets)
+    assert [(c.start, c.stop, c.size) for c in calls] == [(0, 1, 4), (1, 3, 2), (3, 4, 4), (4, 5, 2)]
+    got = []
+    for call in calls:
+        batch, rows = prepare_audio_batch(feats[call.start : call.stop], spec, min_chunks=call.size)
+        assert batch.chunk_lens.shape == (call.size,)
+        got += rows.split(np.asarray(encode(state, batch)))
+    for f, rows in zip(feats, got, strict=True):
+        assert _rel_err(rows, _reference_forward(ref, [f])) < 1e-5

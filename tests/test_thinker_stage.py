@@ -323,31 +323,3 @@ def test_encoders_run_once_per_admission_not_per_decode_step(pipe, monkeypatch) 
     outs = pipe.run([our_prompt(pipe, "audio"), our_prompt(pipe, "image")], params, progress=False)
     assert [len(o.token_ids) for o in outs] == [MAX_TOKENS, MAX_TOKENS]
     assert calls == [2]
-
-
-def test_warmup_compiles_the_encoders(omni_dir, monkeypatch) -> None:
-    """After the frontend's warm-up, a 10 s clip and a 448x448 image are encoded without
-    compiling; an image size outside the warmed set still compiles (so the count is live)."""
-    from omni_jax.stages.thinker import WARMUP_IMAGE_SIZES
-
-    fresh = OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], max_num_seqs=2)
-    frontend = fresh.stages[0].frontend
-    assert frontend.warmup() == 5 + len(WARMUP_IMAGE_SIZES)  # chunk buckets 1..16, then each image
-    encode = frontend.step_inputs.encode
-    compiles: list[int] = []
-
-    def counted(requests):  # noqa: ANN001, ANN202 - ThinkerStepInputs.encode's
-        with CompileCounter() as c:
-            encode(requests)
-        compiles.append(c.compiles)
-
-    monkeypatch.setattr(frontend.step_inputs, "encode", counted)
-    media = [
-        {"type": "audio", "audio": tone(10.0, 330, 5)},
-        {"type": "image", "image": picture(448, 448, 6)},
-        {"type": "image", "image": picture(56, 84, 7)},
-    ]
-    for item in media:
-        (out,) = fresh.run(fresh.chat_prompt(user(item)), GREEDY, progress=False)
-        assert out.error is None
-    assert compiles[:2] == [0, 0] and compiles[2] > 0

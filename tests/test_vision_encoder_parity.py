@@ -10,12 +10,15 @@ from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5O
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniVisionEncoder
 
 from omni_jax.models.loading import build_model, torch_state_items
+from omni_jax.models.qwen2_5_omni import vision_encoder
 from omni_jax.models.qwen2_5_omni.vision_encoder import (
     VISION_RULES,
     VisionBatch,
     VisionEncoder,
     VisionEncoderSpec,
+    plan_vision_calls,
     prepare_vision_batch,
+    vision_token_buckets,
 )
 
 
@@ -98,3 +101,41 @@ def test_vision_encoder_matches_reference_batched() -> None:
     for p, g, got in zip(patches2, grids2, out2, strict=True):
         assert _rel_err(got, _reference_forward(ref, [p], [g])) < 1e-5
     assert traces == traces_before
+
+
+def test_calls_cut_by_the_plan_match_reference(monkeypatch) -> None:
+    """Items cut into calls of a small ladder (a video's frames over several calls, frames
+    sharing a call with other items' frames, padding past a partly filled band tile), with
+    the full-attention layer in several query tiles: each item's rows equal the reference's
+    for it alone."""
+    ref = _reference()
+    spec = VisionEncoderSpec.from_hf(ref.config)
+    model = build_model(lambda: VisionEncoder(spec, rngs=nnx.Rngs(0)), torch_state_items(ref), VISION_RULES)
+    graphdef, state = nnx.split(model)
+    monkeypatch.setattr(vision_encoder, "SCORE_ELEMENTS", 2 * 16 * spec.num_heads)  # 1 or 2 queries a tile
+    encode = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+    rng = np.random.default_rng(1)
+    # a 3-frame video of 6x10 (windows cut at the right edge), a 2x2 image (one unit), a
+    # 10x4 image, a 2-frame 4x4 video
+    grids = [(3, 6, 10), (1, 2, 2), (1, 10, 4), (2, 4, 4)]
+    patches = [_patches(rng, g, spec.patch_dim) for g in grids]
+    buckets = vision_token_buckets(spec, 64)
+    assert buckets == (16, 32, 64)
+    calls = plan_vision_calls(grids, spec, buckets)
+    assert any(len(c.pieces) > 1 for c in calls) and len({p.item for c in calls for p in c.pieces}) == 4
+    assert sum(1 for c in calls for p in c.pieces if p.item == 0) > 1  # the video is cut
+    rows: list[list[np.ndarray]] = [[] for _ in grids]
+    for call in calls:
+        pieces = [
+            patches[p.item][p.first * g[1] * g[2] : (p.first + p.frames) * g[1] * g[2]]
+            for p, g in ((p, grids[p.item]) for p in call.pieces)
+        ]
+        piece_grids = [(p.frames, *grids[p.item][1:]) for p in call.pieces]
+        batch, split = prepare_vision_batch(pieces, piece_grids, spec, tokens=call.tokens)
+        assert batch.patches.shape[0] == call.tokens
+        for p, got in zip(call.pieces, split.split(np.asarray(encode(state, batch))), strict=True):
+            rows[p.item].append(got)
+    for p, g, got in zip(patches, grids, rows, strict=True):
+        err = _rel_err(np.concatenate(got), _reference_forward(ref, [p], [g]))
+        print(f"grid {g}: rel err {err:.2e}")
+        assert err < 1e-5, (g, err)

@@ -4,18 +4,26 @@ The AR engine knows nothing of audio or images. This frontend gives it three thi
 
 - ``prepare``: a prompt's ``multi_modal_data`` through :class:`OmniProcessor` (features and
   placeholder expansion) and its M-RoPE positions (:func:`get_rope_index`), before any work;
+  media an encoder cannot take in one call is refused there (:class:`EncoderBuckets`);
 - ``positions``: each step's ``[3, n]`` positions from the prompt's and ``rope_delta``
   (:func:`positions_for`), right after a preemption too;
 - ``step_inputs``: per step, the encoder rows its prompt chunks need, packed as a
-  :class:`PromptMerge` for :meth:`Thinker.embed`.
+  :class:`PromptMerge` for :meth:`Thinker.embed`, with one row a step token row, so it adds
+  no shape of its own to the AR step programs.
 
 Encoders run once per request when it is first scheduled (all requests scheduled in that step
-in one audio and one vision call), and their rows are kept on the host until the request's
-prefill is done. A request preempted after that is encoded again when it is recomputed,
-so rows are never held for requests that are only decoding (and decode steps run no encoder).
-When an encoder call fails (a device error, input the feature path cannot take), the
-requests of that call are encoded one at a time to find the culprit: only it ends, with
-``finish_reason="error"``, and the others run on (:meth:`ThinkerStepInputs.prepare`).
+together, cut into as few encoder calls as their cost model picks), and their rows are kept on
+the host until the request's prefill is done. A request preempted after that is encoded again
+when it is recomputed, so rows are never held for requests that are only decoding (and decode
+steps run no encoder). When an encoder call fails (a device error, input the feature path
+cannot take), the requests of that step are encoded one at a time to find the culprit: only it
+ends, with ``finish_reason="error"``, and the others run on (:meth:`ThinkerStepInputs.prepare`).
+
+Every encoder call has a size from a fixed set (:class:`EncoderBuckets`): the audio encoder's
+chunk counts, powers of two up to what the feature extractor's longest clip needs; the vision
+encoder's token counts, the band tile times a power of two up to what the largest image or
+video frame the processor emits needs. :meth:`ThinkerFrontend.warmup` compiles all of them, so
+no request mix compiles an encoder after it.
 """
 
 from __future__ import annotations
@@ -30,29 +38,95 @@ import numpy as np
 from flax import nnx
 
 from omni_jax.engine.ar_runner import StepRow
-from omni_jax.engine.buckets import bucket
 from omni_jax.engine.scheduler import ARRequest
-from omni_jax.models.qwen2_5_omni.audio_encoder import prepare_audio_batch
-from omni_jax.models.qwen2_5_omni.processor import OmniInputs, OmniProcessor
+from omni_jax.models.qwen2_5_omni.audio_encoder import (
+    AudioBatch,
+    audio_chunk_buckets,
+    audio_chunks,
+    plan_audio_calls,
+    prepare_audio_batch,
+)
+from omni_jax.models.qwen2_5_omni.processor import VIDEO_SIZE, OmniInputs, OmniProcessor
 from omni_jax.models.qwen2_5_omni.rope_index import media_rope_index, positions_for
-from omni_jax.models.qwen2_5_omni.thinker import PromptMerge, Thinker
-from omni_jax.models.qwen2_5_omni.vision_encoder import prepare_vision_batch
+from omni_jax.models.qwen2_5_omni.thinker import PromptMerge, Thinker, ThinkerSpec
+from omni_jax.models.qwen2_5_omni.vision_encoder import (
+    VisionBatch,
+    plan_vision_calls,
+    prepare_vision_batch,
+    vision_token_buckets,
+)
 from omni_jax.stages.base import StageInput, StageResult
-
-MIN_MERGE_ROWS = 16
-"""Smallest row bucket of a step's :class:`PromptMerge` (the shape every text or decode step has)."""
-
-WARMUP_AUDIO_CHUNKS = 16
-"""Audio encoder programs :meth:`ThinkerFrontend.warmup` compiles: chunk counts 1, 2, 4, 8, 16,
-i.e. any one clip up to 30 s (the feature extractor's limit, 100-frame chunks of the real
-model), or clips that a step admits together totalling that."""
-
-WARMUP_IMAGE_SIZES = ((448, 448), (224, 224))
-"""Images (height, width in pixels) whose vision encoder programs :meth:`ThinkerFrontend.warmup`
-compiles, each alone in an encoder call (the processor's resize decides the patch grid)."""
 
 PROCESSOR_KWARGS = ("use_audio_in_video", "fps")
 """Keys a prompt's ``mm_processor_kwargs`` may hold (vLLM's name for per-prompt processor options)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderBuckets:
+    """The call sizes the thinker's encoders are compiled for, ascending.
+
+    audio_chunks: chunks (``2 * n_window`` mel frames each) of an audio encoder call.
+    vision_tokens: patches of a vision encoder call (see :func:`vision_token_buckets`).
+    The largest of each is the most one clip, image or video frame may need.
+    """
+
+    audio_chunks: tuple[int, ...] = ()
+    vision_tokens: tuple[int, ...] = ()
+
+    @classmethod
+    def for_processor(cls, processor: OmniProcessor, spec: ThinkerSpec) -> EncoderBuckets:
+        """Sized to the processor's own bounds: the feature extractor's longest clip (its
+        ``chunk_length``), and the most pixels its image processor or the video path resizes a
+        frame to, so that any input it accepts fits one call."""
+        patch = spec.vision.patch_size
+        pixels = max(int(processor.image_processor.size["longest_edge"]), VIDEO_SIZE["longest_edge"])
+        return cls(
+            audio_chunks=audio_chunk_buckets(int(processor.feature_extractor.nb_max_frames), spec.audio),
+            vision_tokens=vision_token_buckets(spec.vision, pixels // (patch * patch)),
+        )
+
+    def check(self, index: int, inputs: OmniInputs, spec: ThinkerSpec) -> None:
+        """``ValueError`` naming request ``index``, the item and the limit when a clip or a frame
+        needs more than the largest call."""
+        if inputs.audio_features:
+            most = self.audio_chunks[-1]
+            frames = spec.audio.chunk_frames
+            for i, n in enumerate(inputs.audio_seqlens):
+                if audio_chunks(n, spec.audio) > most:
+                    raise ValueError(
+                        f"request {index}: audio {i} has {n} mel frames, more than the audio encoder's "
+                        f"largest call takes ({most} chunks of {frames} frames = {most * frames} frames)"
+                    )
+        for kind, grids in (("image", inputs.image_grid_thw), ("video", inputs.video_grid_thw)):
+            for i, (_, h, w) in enumerate(grids):
+                if h * w > self.vision_tokens[-1]:
+                    raise ValueError(
+                        f"request {index}: {kind} {i} is {h}x{w} = {h * w} patches a frame, more than the "
+                        f"vision encoder's largest call takes ({self.vision_tokens[-1]} patches)"
+                    )
+
+
+class EncoderPrograms:
+    """One encoder's compiled programs, one per input shape: compiled ahead of traffic by
+    :meth:`compile` (warm-up, from shapes alone) or at a shape's first call, then reused."""
+
+    def __init__(self, module: nnx.Module):
+        graphdef, self.state = nnx.split(module)
+        self._jit = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+        self._compiled: dict[tuple[Any, ...], jax.stages.Compiled] = {}
+
+    def compile(self, state: nnx.State, batch: Any) -> jax.stages.Compiled:
+        """The program for ``batch``'s shapes (arrays or ``jax.ShapeDtypeStruct``)."""
+        key = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(batch))
+        if key not in self._compiled:
+            self._compiled[key] = self._jit.lower(state, batch).compile()
+        return self._compiled[key]
+
+    def __call__(self, state: nnx.State, batch: Any) -> jax.Array:
+        return self.compile(state, batch)(state, batch)
+
+    def __len__(self) -> int:
+        return len(self._compiled)
 
 
 @dataclasses.dataclass
@@ -92,31 +166,25 @@ def _needs_rows(row: StepRow) -> bool:
 class ThinkerStepInputs:
     """Runs the encoders at admission and packs each step's :class:`PromptMerge` (host side)."""
 
-    def __init__(self, model: Thinker):
+    def __init__(self, model: Thinker, buckets: EncoderBuckets):
         spec = model.thinker_spec
         self.spec = spec
+        self.buckets = buckets
         self.token_ids = (spec.audio_token_id, spec.image_token_id, spec.video_token_id)
         self.width = spec.text.hidden_size
         self.dtype = np.dtype(model.model.embed_tokens.embedding.dtype)
-        audio_def, self._audio_state = nnx.split(model.audio_tower)
-        vision_def, self._vision_state = nnx.split(model.visual)
-        self._audio = jax.jit(lambda state, batch: nnx.merge(audio_def, state)(batch))
-        self._vision = jax.jit(lambda state, batch: nnx.merge(vision_def, state)(batch))
+        self._audio = EncoderPrograms(model.audio_tower)
+        self._audio_state = self._audio.state
+        self._vision = EncoderPrograms(model.visual)
+        self._vision_state = self._vision.state
 
     def encode(self, requests: Sequence[ThinkerRequest]) -> None:
-        """Every request's audio in one encoder call and its images and videos in one more."""
-        audio = [f for r in requests for f in r.inputs.audio_features]
-        audio_rows: list[np.ndarray] = []
-        if audio:
-            batch, split = prepare_audio_batch(audio, self.spec.audio)
-            audio_rows = split.split(np.asarray(self._audio(self._audio_state, batch)))
+        """Every request's audio, then its images and videos, in the calls each encoder's plan
+        cuts them into (:func:`plan_audio_calls`, :func:`plan_vision_calls`)."""
+        audio_rows = self._encode_audio([f for r in requests for f in r.inputs.audio_features])
         patches = [p for r in requests for p in (*r.inputs.image_patches, *r.inputs.video_patches)]
         grids = [g for r in requests for g in (*r.inputs.image_grid_thw, *r.inputs.video_grid_thw)]
-        vision_rows: list[np.ndarray] = []
-        if patches:
-            batch, split = prepare_vision_batch(patches, grids, self.spec.vision)
-            vision_rows = split.split(np.asarray(self._vision(self._vision_state, batch)))
-        audio_it, vision_it = iter(audio_rows), iter(vision_rows)
+        audio_it, vision_it = iter(audio_rows), iter(self._encode_vision(patches, grids))
         empty = np.zeros((0, self.width), self.dtype)
 
         def take(it: Any, n: int) -> np.ndarray:
@@ -131,11 +199,44 @@ class ThinkerStepInputs:
                 video_id: take(vision_it, len(r.inputs.video_patches)),
             }
 
-    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]:
-        """Encode the media of the step's newly scheduled requests, all in one call per encoder;
-        returns ``{row index: message}`` for the requests whose encoding failed.
+    def _encode_audio(self, features: list[np.ndarray]) -> list[np.ndarray]:
+        """Each clip's rows."""
+        if not features:
+            return []
+        rows: list[np.ndarray] = []
+        for call in plan_audio_calls(
+            [f.shape[1] for f in features], self.spec.audio, self.buckets.audio_chunks
+        ):
+            batch, split = prepare_audio_batch(
+                features[call.start : call.stop], self.spec.audio, min_chunks=call.size
+            )
+            rows += split.split(np.asarray(self._audio(self._audio_state, batch)))
+        return rows
 
-        When the batched call fails, each request is encoded alone, so only the culprit fails
+    def _encode_vision(
+        self, patches: list[np.ndarray], grids: list[tuple[int, int, int]]
+    ) -> list[np.ndarray]:
+        """Each image's or video's rows (a video's frames may come from several calls)."""
+        if not patches:
+            return []
+        rows: list[list[np.ndarray]] = [[] for _ in patches]
+        for call in plan_vision_calls(grids, self.spec.vision, self.buckets.vision_tokens):
+            pieces, piece_grids = [], []
+            for p in call.pieces:
+                _, h, w = grids[p.item]
+                pieces.append(patches[p.item][p.first * h * w : (p.first + p.frames) * h * w])
+                piece_grids.append((p.frames, h, w))
+            batch, split = prepare_vision_batch(pieces, piece_grids, self.spec.vision, tokens=call.tokens)
+            out = split.split(np.asarray(self._vision(self._vision_state, batch)))
+            for p, piece_rows in zip(call.pieces, out, strict=True):
+                rows[p.item].append(piece_rows)
+        return [np.concatenate(r) for r in rows]
+
+    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]:
+        """Encode the media of the step's newly scheduled requests together; returns
+        ``{row index: message}`` for the requests whose encoding failed.
+
+        When the joint encoding fails, each request is encoded alone, so only the culprit fails
         (its error names the exception); the others keep their rows and run.
         """
         pending = [i for i, r in enumerate(rows) if _needs_rows(r)]
@@ -155,35 +256,26 @@ class ThinkerStepInputs:
                 failed[i] = _encoder_error(e)
         return failed
 
-    def warmup(self, max_audio_chunks: int, vision_grids: Sequence[tuple[int, int, int]]) -> int:
-        """Compile the audio encoder for every chunk bucket up to ``max_audio_chunks`` and the
-        vision encoder for each of ``vision_grids`` alone; returns how many programs."""
-        shapes = set()
-        chunks = 1
-        while chunks <= max_audio_chunks:
-            batch, _ = prepare_audio_batch([], self.spec.audio, min_chunks=chunks)
-            jax.block_until_ready(self._audio(self._audio_state, batch))
-            shapes.add(("audio", chunks))
-            chunks *= 2
-        for t, h, w in vision_grids:
-            patches = np.zeros((t * h * w, self.spec.vision.patch_dim), np.float32)
-            batch, _ = prepare_vision_batch([patches], [(t, h, w)], self.spec.vision)
-            key = ("vision", *(np.shape(x) for x in jax.tree.leaves(batch)))
-            if key not in shapes:
-                jax.block_until_ready(self._vision(self._vision_state, batch))
-                shapes.add(key)
-        return len(shapes)
+    def warmup(self) -> int:
+        """Compile every program of :attr:`buckets` (from shapes: nothing runs); returns how many
+        encoder programs there are."""
+        for chunks in self.buckets.audio_chunks:
+            self._audio.compile(self._audio_state, AudioBatch.shapes(self.spec.audio, chunks))
+        for tokens in self.buckets.vision_tokens:
+            self._vision.compile(self._vision_state, VisionBatch.shapes(self.spec.vision, tokens))
+        return len(self._audio) + len(self._vision)
 
     def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> PromptMerge:
-        """The rows this step's prompt chunks need, grouped by step row then kind, bucketed
-        (rows :meth:`prepare` did not encode, e.g. in a direct ``ARRunner.execute``, are encoded
-        here, and an encoder failure raises)."""
+        """The rows this step's prompt chunks need, grouped by step row then kind, in
+        ``batch * tokens`` rows, one a step token (a step never merges more), so that the merge
+        has no shape of its own beyond the step's (rows :meth:`prepare` did not encode, e.g. in a
+        direct ``ARRunner.execute``, are encoded here, and an encoder failure raises)."""
         pending = {id(r.extra): r.extra for r in rows if _needs_rows(r)}  # a chunk's tokens share one
         if pending:
             self.encode(list(pending.values()))
         first = np.zeros((len(self.token_ids), batch), np.int32)
         limit = np.zeros((batch,), np.int32)
-        blocks: list[np.ndarray] = []
+        merged = np.zeros((batch * tokens, self.width), self.dtype)
         offset = 0
         for i, row in enumerate(rows):
             req: ThinkerRequest | None = row.extra
@@ -194,13 +286,10 @@ class ThinkerStepInputs:
             for k, token in enumerate(self.token_ids):
                 a, b = int(req.before[token][min(row.start, end)]), int(req.before[token][end])
                 first[k, i] = offset
-                blocks.append(req.rows[token][a:b])
+                merged[offset : offset + b - a] = req.rows[token][a:b]
                 offset += b - a
             if row.end >= row.prompt_len:
                 req.rows = None  # prefill done: a preempted request is encoded again
-        merged = np.zeros((bucket(offset, MIN_MERGE_ROWS), self.width), self.dtype)
-        if offset:
-            merged[:offset] = np.concatenate(blocks)
         return PromptMerge(merged, first, limit, self.token_ids)
 
 
@@ -216,10 +305,19 @@ class ThinkerFrontend:
     suppress_ids: tuple[int, ...] = ()
     reads_hidden = False
 
-    def __init__(self, processor: OmniProcessor | None, model: Thinker):
+    def __init__(
+        self, processor: OmniProcessor | None, model: Thinker, buckets: EncoderBuckets | None = None
+    ):
+        """``buckets``: the encoders' call sizes; default :meth:`EncoderBuckets.for_processor`
+        (none without a processor: text prompts only)."""
         self.processor = processor
-        self.rope_spec = model.thinker_spec.rope_index
-        self.step_inputs = ThinkerStepInputs(model)
+        self.spec = model.thinker_spec
+        self.rope_spec = self.spec.rope_index
+        if buckets is None:
+            buckets = (
+                EncoderBuckets() if processor is None else EncoderBuckets.for_processor(processor, self.spec)
+            )
+        self.step_inputs = ThinkerStepInputs(model, buckets)
 
     @classmethod
     def build(cls, model: Thinker, path: Path) -> ThinkerFrontend:
@@ -243,6 +341,7 @@ class ThinkerFrontend:
             inputs = OmniInputs(input_ids=list(request.token_ids))
         else:
             inputs = self.processor.process(index, request.token_ids, data, **kwargs)
+            self.step_inputs.buckets.check(index, inputs, self.spec)
         try:
             positions, delta = media_rope_index(self.rope_spec, inputs.input_ids, inputs)
         except (ValueError, IndexError) as e:
@@ -254,15 +353,14 @@ class ThinkerFrontend:
         return dataclasses.replace(request, token_ids=list(inputs.input_ids), extra=extra)
 
     def warmup(self) -> int:
-        """Compile the encoders ahead of traffic (nothing without a processor: text prompts only):
-        audio for :data:`WARMUP_AUDIO_CHUNKS`, vision for :data:`WARMUP_IMAGE_SIZES`. Other image
-        sizes, videos, several images in one call and longer audio batches compile on first use,
-        and so do the AR step programs for a step's merged encoder rows above the smallest
-        bucket (those multiply the prompt-step programs by the merge buckets: not cheap)."""
-        if self.processor is None:
-            return 0
-        grids = self.processor.images([np.zeros((h, w, 3), np.uint8) for h, w in WARMUP_IMAGE_SIZES])[1]
-        return self.step_inputs.warmup(WARMUP_AUDIO_CHUNKS, grids)
+        """Compile every encoder program ahead of traffic, from shapes (nothing runs); returns
+        how many there are (none without a processor: text prompts only). Those are one audio
+        program per chunk count of :attr:`EncoderBuckets.audio_chunks` (1, 2, 4, ... up to the
+        longest clip the feature extractor takes) and one vision program per token count of
+        :attr:`EncoderBuckets.vision_tokens` (the vision encoder's band tile times 1, 2, 4, ...
+        up to the largest frame the processor emits): every call :meth:`ThinkerStepInputs.encode`
+        can make, whatever the images, videos and clips a step admits."""
+        return self.step_inputs.warmup()
 
     def check_prompt(self, index: int, prompt: dict[str, Any]) -> None:
         """Nothing beyond :meth:`prepare`: the thinker is the stage that reads the prompt."""

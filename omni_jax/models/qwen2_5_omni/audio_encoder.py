@@ -8,9 +8,11 @@ sees the same shapes for every batch in a bucket. The stride-2 pooling that foll
 layers pairs tokens per audio, possibly across chunks, so its gather indices come from the
 host too.
 
-``prepare_audio_batch`` builds the :class:`AudioBatch`; ``AudioEncoder(batch)`` returns
-``[num_chunks * n_window // 2, output_dim]`` rows and :class:`RowSplit` says which rows are
-whose.
+The chunk count is the call's only free dimension, a power of two up to the largest that one
+clip needs (:func:`audio_chunk_buckets`); clips admitted together are cut into calls of those
+sizes by :func:`plan_audio_calls`, ``prepare_audio_batch`` builds each call's
+:class:`AudioBatch`, ``AudioEncoder(batch)`` returns ``[num_chunks * n_window // 2, output_dim]``
+rows and :class:`RowSplit` says which rows are whose.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from omni_jax.models.param_map import ParamRule, conv1d_kernel, linear_kernel
+from omni_jax.models.qwen2_5_omni.encoder_calls import CallPlan, plan_calls, size_ladder
 
 AUDIO_IGNORE: tuple[str, ...] = (r"audio_bos_eos_token\.weight",)
 """HF tensors the encoder does not use (the thinker never reads ``audio_bos_eos_token``)."""
@@ -118,6 +121,37 @@ class AudioBatch:
     features: jax.Array
     chunk_lens: jax.Array
     pool_pairs: jax.Array
+
+    @classmethod
+    def shapes(cls, spec: AudioEncoderSpec, chunks: int) -> AudioBatch:
+        """The ``jax.ShapeDtypeStruct`` of each field for a call of ``chunks`` chunks (to compile
+        a program without building its inputs)."""
+        leaf = jax.ShapeDtypeStruct
+        return cls(
+            features=leaf((chunks, spec.chunk_frames, spec.num_mel_bins), jnp.float32),
+            chunk_lens=leaf((chunks,), jnp.int32),
+            pool_pairs=leaf((chunks * spec.n_window // 2, 2), jnp.int32),
+        )
+
+
+def audio_chunks(frames: int, spec: AudioEncoderSpec) -> int:
+    """Chunks of ``2 * n_window`` mel frames a clip of ``frames`` frames takes."""
+    return -(-frames // spec.chunk_frames)
+
+
+def audio_chunk_buckets(largest_clip: int, spec: AudioEncoderSpec) -> tuple[int, ...]:
+    """The call sizes (chunks) of the audio encoder: powers of two up to the first that holds a
+    clip of ``largest_clip`` mel frames."""
+    return size_ladder(1, audio_chunks(largest_clip, spec))
+
+
+def plan_audio_calls(frames: Sequence[int], spec: AudioEncoderSpec, buckets: Sequence[int]) -> list[CallPlan]:
+    """Cut clips of ``frames`` mel frames (in order, each whole) into calls of ``buckets`` chunk
+    counts at the least padded chunks, one more call costing as much as the smallest bucket (the
+    encoder's work is linear in the chunk count: attention stays inside a chunk). A clip larger
+    than the largest bucket raises ``ValueError``; callers refuse such clips at validation."""
+    chunks = [audio_chunks(n, spec) for n in frames]
+    return plan_calls(chunks, buckets, lambda size: size + buckets[0])
 
 
 def audio_output_lengths(frames: int) -> tuple[int, int]:

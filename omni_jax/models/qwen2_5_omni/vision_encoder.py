@@ -2,16 +2,28 @@
 
 The reference permutes tokens into window order and loops over ``cu_seqlens`` segments:
 windows of ``window_size`` pixels for most layers, whole frames for ``fullatt_block_indexes``.
-Here tokens stay in their input order (merge-block-major, as the processor emits them, so the
-patch merger's groups of ``spatial_merge_size**2`` rows are contiguous and the output needs no
-un-permuting) and each segment kind becomes a dense ``[blocks, block_len]`` layout: the host
-computes, per batch, which token sits in which block slot (:class:`AttentionBlocks`), and the
-jitted layer gathers q/k/v into blocks, attends with a key mask and gathers the result back.
-That keeps attention cost per block instead of quadratic in the whole batch, and every shape
-is a bucket size, so batches of different images and videos share one compilation.
+Here the host does the same permutation (:func:`prepare_vision_batch`), so every window and
+every frame is a contiguous run of tokens, and tags each token with its window and its frame.
+Each kind of layer is then one dense computation whose shapes depend on the call's token
+count ``N`` alone:
 
-``prepare_vision_batch`` builds the :class:`VisionBatch`; ``VisionEncoder(batch)`` returns
-``[tokens // merge_unit, out_hidden_size]`` rows, split per request by :class:`RowSplit`.
+- window layers: banded attention. Queries go in tiles of :attr:`VisionEncoderSpec.band_tile`
+  tokens (a power of two holding a whole window); a window never reaches further than one tile
+  either side, so each tile attends to its own and its two neighbouring tiles, masked to the
+  query's window. Cost: ``3 * band_tile`` keys a query, whatever the images.
+- full-attention layers: each query attends to all ``N`` tokens, masked to its frame, in query
+  tiles (:func:`query_tile`) so the score memory stays bounded. Cost: ``N`` keys a query, so
+  frames sharing a call pay for each other; :func:`plan_vision_calls` weighs that against one
+  more call.
+
+So a call's only free dimension is ``N``, padded to a size of a fixed ladder
+(:func:`vision_token_buckets`); the encoder compiles one program per ladder size. Frames are
+independent in this encoder (rotary positions, windows and full attention all stay inside a
+frame), so a video's frames may go to different calls.
+
+:func:`plan_vision_calls` cuts a step's images and videos into calls, ``prepare_vision_batch``
+builds each call's :class:`VisionBatch`, and ``VisionEncoder(batch)`` returns
+``[N // merge_unit, out_hidden_size]`` rows in input order, split per item by :class:`RowSplit`.
 """
 
 from __future__ import annotations
@@ -26,7 +38,11 @@ import numpy as np
 from flax import nnx
 
 from omni_jax.models.param_map import ParamRule, linear_kernel
-from omni_jax.models.qwen2_5_omni.audio_encoder import RowSplit, block_attention, bucket_size
+from omni_jax.models.qwen2_5_omni.audio_encoder import RowSplit, bucket_size
+from omni_jax.models.qwen2_5_omni.encoder_calls import plan_calls, size_ladder
+
+SCORE_ELEMENTS = 1 << 26
+"""Most attention scores (query tile x keys x heads) a full-attention layer holds at once."""
 
 
 def patch_embed_kernel(x: np.ndarray) -> np.ndarray:
@@ -92,53 +108,62 @@ class VisionEncoderSpec:
     def window_tokens(self) -> int:
         return self.window_units**2 * self.merge_unit
 
+    @property
+    def band_tile(self) -> int:
+        """Query tile of the window layers: a power of two holding a whole window, so that a
+        window starting or ending in a tile lies within that tile and its two neighbours."""
+        return bucket_size(self.window_tokens)
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AttentionBlocks:
-    """Attention segments of a flat token sequence, laid out as dense blocks.
+    def token_flops(self) -> int:
+        """Multiply-adds x 2 per token of everything but attention scores (patch embedding,
+        every layer's projections and MLP, the merger's share)."""
+        d, m = self.hidden_size, self.merge_unit
+        layer = 4 * d * d + 3 * d * self.intermediate_size
+        merger = (d * m * d * m + d * m * self.out_hidden_size) // m
+        return 2 * (self.patch_dim * d + self.depth * layer + merger)
 
-    index: ``[B, L]`` token of each block slot; a block's tokens come first, then padding
-        slots pointing at token 0.
-    lengths: ``[B]`` tokens in each block (the key mask).
-    slot: ``[N]`` where each token sits in the flattened ``[B * L]`` layout (padding tokens
-        point at slot 0 and read garbage nobody uses).
-    """
-
-    index: jax.Array
-    lengths: jax.Array
-    slot: jax.Array
-
-    @classmethod
-    def build(
-        cls, segments: Sequence[np.ndarray], num_tokens: int, num_blocks: int, block_len: int
-    ) -> AttentionBlocks:
-        """Blocks from ``segments`` (token ids, each at most ``block_len``) on the host."""
-        index = np.zeros((num_blocks, block_len), np.int32)
-        lengths = np.zeros((num_blocks,), np.int32)
-        slot = np.zeros((num_tokens,), np.int32)
-        for b, seg in enumerate(segments):
-            index[b, : len(seg)] = seg
-            lengths[b] = len(seg)
-            slot[seg] = b * block_len + np.arange(len(seg))
-        return cls(index, lengths, slot)
+    def call_flops(self, tokens: int) -> int:
+        """FLOPs of one call of ``tokens`` tokens: :meth:`token_flops` per token, plus the scores
+        and weighted sums of ``3 * band_tile`` keys a query in window layers and ``tokens`` keys
+        in full-attention layers."""
+        full = len(self.fullatt_block_indexes)
+        pair = 4 * self.hidden_size
+        window_keys = (self.depth - full) * 3 * self.band_tile
+        return tokens * self.token_flops() + pair * tokens * (window_keys + full * tokens)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class VisionBatch:
-    """Device inputs of one encoder call; every shape is a bucket size.
+    """Device inputs of one encoder call of ``N`` tokens (its only free dimension).
 
-    patches: ``[N, C * T * P * P]`` flattened patches of all requests, then zero rows.
+    patches: ``[N, C * T * P * P]`` flattened patches in window order (frames one after the
+        other, each frame's windows in the reference's order), then zero rows.
     positions: ``[N, 2]`` (row, column) of each patch in its frame, for the 2-D rotary.
-    windows: segments of the window-attention layers (one per window, in window order).
-    frames: segments of the full-attention layers (one per frame).
+    windows: ``[N]`` window of each token (numbered across the call; -1 for padding).
+    frames: ``[N]`` frame of each token (likewise).
+    rows: ``[N // merge_unit]`` merged row (window order) of each output row (input order:
+        item after item, each in the processor's merge-block order), then the padding rows.
     """
 
     patches: jax.Array
     positions: jax.Array
-    windows: AttentionBlocks
-    frames: AttentionBlocks
+    windows: jax.Array
+    frames: jax.Array
+    rows: jax.Array
+
+    @classmethod
+    def shapes(cls, spec: VisionEncoderSpec, tokens: int) -> VisionBatch:
+        """The ``jax.ShapeDtypeStruct`` of each field for a call of ``tokens`` tokens (to compile
+        a program without building its inputs)."""
+        leaf = jax.ShapeDtypeStruct
+        return cls(
+            patches=leaf((tokens, spec.patch_dim), jnp.float32),
+            positions=leaf((tokens, 2), jnp.int32),
+            windows=leaf((tokens,), jnp.int32),
+            frames=leaf((tokens,), jnp.int32),
+            rows=leaf((tokens // spec.merge_unit,), jnp.int32),
+        )
 
 
 def _frame_windows(grid_h: int, grid_w: int, spec: VisionEncoderSpec) -> list[np.ndarray]:
@@ -165,63 +190,127 @@ def _frame_positions(grid_h: int, grid_w: int, m: int) -> np.ndarray:
     return grid.transpose(0, 2, 1, 3, 4).reshape(-1, 2)
 
 
+def _check_grid(i: int, thw: Sequence[int], m: int) -> tuple[int, int, int]:
+    t, h, w = (int(v) for v in thw)
+    if t < 1 or h < m or w < m or h % m or w % m:
+        raise ValueError(
+            f"vision input {i}: grid_thw {tuple(thw)} must have t >= 1 and h, w multiples of {m}"
+        )
+    return t, h, w
+
+
+def default_tokens(total: int, spec: VisionEncoderSpec) -> int:
+    """The call size for ``total`` tokens when the caller names none: the band tile times a
+    power of two."""
+    return bucket_size(-(-max(total, 1) // spec.band_tile)) * spec.band_tile
+
+
 def prepare_vision_batch(
     patches: Sequence[np.ndarray],
     grid_thw: Sequence[tuple[int, int, int]],
     spec: VisionEncoderSpec,
     *,
-    min_tokens: int = 1,
-    min_windows: int = 1,
-    min_frames: int = 1,
-    min_frame_tokens: int = 1,
+    tokens: int | None = None,
 ) -> tuple[VisionBatch, RowSplit]:
-    """Pack images/videos (``patches[i]`` is ``[t*h*w, patch_dim]`` for ``grid_thw[i]``) on the host.
-
-    Output rows (``tokens // merge_unit``), window and frame counts and the frame block
-    length are padded to powers of two (at least the given minimums); the window block length
-    is fixed by the config. The returned :class:`RowSplit` says which output rows are whose.
+    """Pack images/videos (``patches[i]`` is ``[t*h*w, patch_dim]`` for ``grid_thw[i]``) into one
+    call of ``tokens`` tokens (a multiple of :attr:`VisionEncoderSpec.band_tile`; default
+    :func:`default_tokens`) on the host. The returned :class:`RowSplit` says which output rows
+    are whose.
     """
-    m = spec.spatial_merge_size
-    windows: list[np.ndarray] = []
-    frames: list[np.ndarray] = []
+    m, unit = spec.spatial_merge_size, spec.merge_unit
+    order: list[np.ndarray] = []  # per frame: its tokens in window order (call-wide ids)
     positions: list[np.ndarray] = []
+    windows: list[np.ndarray] = []
+    unit_order: list[np.ndarray] = []  # per frame: the merged row (window order) of each input unit
     counts: list[int] = []
-    start = 0
+    start = num_windows = 0
     for i, (x, thw) in enumerate(zip(patches, grid_thw, strict=True)):
-        t, h, w = (int(v) for v in thw)
-        if t < 1 or h < m or w < m or h % m or w % m:
-            raise ValueError(
-                f"vision input {i}: grid_thw {tuple(thw)} must have t >= 1 and h, w multiples of {m}"
-            )
+        t, h, w = _check_grid(i, thw, m)
         if x.shape != (t * h * w, spec.patch_dim):
             raise ValueError(
                 f"vision input {i}: patches shape {x.shape}, expected {(t * h * w, spec.patch_dim)}"
             )
         frame_windows = _frame_windows(h, w, spec)
+        perm = np.concatenate(frame_windows)
+        local_rows = np.argsort(perm[::unit] // unit)
+        lengths = [len(win) for win in frame_windows]
+        frame_pos = _frame_positions(h, w, m)[perm]
         for f in range(t):
             offset = start + f * h * w
-            windows += [offset + win for win in frame_windows]
-            frames.append(offset + np.concatenate(frame_windows))
-        positions.append(np.tile(_frame_positions(h, w, m), (t, 1)))
+            order.append(offset + perm)
+            positions.append(frame_pos)
+            windows.append(num_windows + np.repeat(np.arange(len(lengths)), lengths))
+            unit_order.append(offset // unit + local_rows)
+            num_windows += len(lengths)
         counts.append(t * h * w)
         start += t * h * w
-    unit = spec.merge_unit
-    num_tokens = bucket_size(-(-max(start, min_tokens) // unit)) * unit
-    flat = np.zeros((num_tokens, spec.patch_dim), np.float32)
-    pos = np.zeros((num_tokens, 2), np.int32)
+    n = default_tokens(start, spec) if tokens is None else tokens
+    if n < start or n % spec.band_tile:
+        raise ValueError(
+            f"a call of {n} tokens cannot hold {start} (it must be a multiple of {spec.band_tile})"
+        )
+    flat = np.zeros((n, spec.patch_dim), np.float32)
+    pos = np.zeros((n, 2), np.int32)
+    window_ids = np.full((n,), -1, np.int32)
+    frame_ids = np.full((n,), -1, np.int32)
+    rows = np.arange(n // unit, dtype=np.int32)
     if counts:
-        flat[:start] = np.concatenate(patches)
+        flat[:start] = np.concatenate(patches)[np.concatenate(order)]
         pos[:start] = np.concatenate(positions)
-    frame_len = bucket_size(max((len(f) for f in frames), default=1), min_frame_tokens)
-    batch = VisionBatch(
-        patches=flat,
-        positions=pos,
-        windows=AttentionBlocks.build(
-            windows, num_tokens, bucket_size(len(windows), min_windows), spec.window_tokens
-        ),
-        frames=AttentionBlocks.build(frames, num_tokens, bucket_size(len(frames), min_frames), frame_len),
-    )
-    return batch, RowSplit.from_lengths([n // unit for n in counts])
+        window_ids[:start] = np.concatenate(windows)
+        frame_ids[:start] = np.repeat(np.arange(len(order)), [len(o) for o in order])
+        rows[: start // unit] = np.concatenate(unit_order)
+    batch = VisionBatch(flat, pos, window_ids, frame_ids, rows)
+    return batch, RowSplit.from_lengths([c // unit for c in counts])
+
+
+PER_OCTAVE = 1
+"""Call sizes per doubling of the vision ladder (:func:`vision_token_buckets`)."""
+
+
+def vision_token_buckets(spec: VisionEncoderSpec, largest_frame: int) -> tuple[int, ...]:
+    """The call sizes (tokens) of the vision encoder: from one band tile up to the first size
+    that holds a frame of ``largest_frame`` patches, :data:`PER_OCTAVE` sizes a doubling."""
+    return size_ladder(spec.band_tile, max(largest_frame, 1), PER_OCTAVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionPiece:
+    """Frames ``first : first + frames`` of item ``item`` (an image is one frame)."""
+
+    item: int
+    first: int
+    frames: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionCall:
+    """One encoder call: ``tokens`` (a bucket) and the pieces it holds, in order."""
+
+    tokens: int
+    pieces: tuple[VisionPiece, ...]
+
+
+def plan_vision_calls(
+    grid_thw: Sequence[tuple[int, int, int]], spec: VisionEncoderSpec, buckets: Sequence[int]
+) -> list[VisionCall]:
+    """Cut items (their frames in order) into calls of ``buckets`` sizes at the least cost
+    (:meth:`VisionEncoderSpec.call_flops` of each call's size, plus that of the smallest size
+    for each call, what one more call is taken to cost). A frame larger than the largest
+    bucket raises ``ValueError``; callers refuse such inputs at validation."""
+    frames = [(i, f, h * w) for i, (t, h, w) in enumerate(grid_thw) for f in range(t)]
+    overhead = spec.call_flops(buckets[0])
+    plans = plan_calls([n for _, _, n in frames], buckets, lambda size: spec.call_flops(size) + overhead)
+    calls = []
+    for plan in plans:
+        pieces: list[VisionPiece] = []
+        for item, frame, _ in frames[plan.start : plan.stop]:
+            if pieces and pieces[-1].item == item:
+                pieces[-1] = dataclasses.replace(pieces[-1], frames=pieces[-1].frames + 1)
+            else:
+                pieces.append(VisionPiece(item, frame, 1))
+        calls.append(VisionCall(plan.size, tuple(pieces)))
+    return calls
 
 
 class RMSNorm(nnx.Module):
@@ -257,6 +346,55 @@ def vision_rope(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
     return jnp.cos(emb), jnp.sin(emb)
 
 
+def query_tile(tokens: int, heads: int) -> int:
+    """Query tile of a full-attention layer over ``tokens`` keys: the largest power of two that
+    divides ``tokens`` and keeps a tile's scores within :data:`SCORE_ELEMENTS`."""
+    tile = tokens & -tokens
+    while tile > 1 and tile * tokens * heads > SCORE_ELEMENTS:
+        tile //= 2
+    return tile
+
+
+def banded_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array, tile: int) -> jax.Array:
+    """``[N, heads, D]`` attention of each token over the tokens of its segment, segments being
+    contiguous runs of at most ``tile`` tokens (``N`` a multiple of ``tile``).
+
+    Query tile ``b`` attends to key tiles ``b - 1 .. b + 1``, which hold every segment that
+    reaches into it; keys beyond the ends are padding of segment ``-2``, which no token has.
+    """
+    n = q.shape[0]
+    blocks = n // tile
+
+    def band(x: jax.Array, fill: int) -> jax.Array:
+        pad = [(tile, tile)] + [(0, 0)] * (x.ndim - 1)
+        x = jnp.pad(x, pad, constant_values=fill)
+        views = [x[i * tile : i * tile + n].reshape(blocks, tile, *x.shape[1:]) for i in range(3)]
+        return jnp.concatenate(views, axis=1)
+
+    mask = segment.reshape(blocks, tile)[:, :, None] == band(segment, -2)[:, None, :]
+    out = jax.nn.dot_product_attention(
+        q.reshape(blocks, tile, *q.shape[1:]), band(k, 0), band(v, 0), mask=mask[:, None]
+    )
+    return out.reshape(q.shape)
+
+
+def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> jax.Array:
+    """``[N, heads, D]`` attention of each token over all tokens of its segment, anywhere in the
+    call, in query tiles of :func:`query_tile`."""
+    n, heads, d = q.shape
+    tile = query_tile(n, heads)
+
+    def attend(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        q_tile, seg_tile = args
+        mask = seg_tile[:, None] == segment[None, :]
+        return jax.nn.dot_product_attention(q_tile[None], k[None], v[None], mask=mask[None, None])[0]
+
+    if tile == n:
+        return attend((q, segment))
+    out = jax.lax.map(attend, (q.reshape(n // tile, tile, heads, d), segment.reshape(n // tile, tile)))
+    return out.reshape(n, heads, d)
+
+
 class VisionAttention(nnx.Module):
     def __init__(self, spec: VisionEncoderSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         d = spec.hidden_size
@@ -267,7 +405,11 @@ class VisionAttention(nnx.Module):
         self.v = nnx.Linear(d, d, **kw)
         self.proj = nnx.Linear(d, d, **kw)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, blocks: AttentionBlocks) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment: jax.Array, band: int | None
+    ) -> jax.Array:
+        """Attention inside each ``segment`` (windows: contiguous within ``band`` tokens, see
+        :func:`banded_attention`; ``band=None``: frames, see :func:`segment_attention`)."""
         n, d = x.shape
         heads = (n, self.num_heads, d // self.num_heads)
         cos, sin = cos[:, None, :], sin[:, None, :]
@@ -276,11 +418,14 @@ class VisionAttention(nnx.Module):
             y32 = y.astype(jnp.float32)
             return (y32 * cos + _rotate_half(y32) * sin).astype(y.dtype)
 
-        q = rotate(self.q(x).reshape(heads))[blocks.index]
-        k = rotate(self.k(x).reshape(heads))[blocks.index]
-        v = self.v(x).reshape(heads)[blocks.index]
-        out = block_attention(q, k, v, blocks.lengths)
-        return self.proj(out.reshape(-1, d)[blocks.slot])
+        q = rotate(self.q(x).reshape(heads))
+        k = rotate(self.k(x).reshape(heads))
+        v = self.v(x).reshape(heads)
+        if band is None:
+            out = segment_attention(q, k, v, segment)
+        else:
+            out = banded_attention(q, k, v, segment, band)
+        return self.proj(out.reshape(n, d))
 
 
 class VisionMLP(nnx.Module):
@@ -303,8 +448,10 @@ class VisionBlock(nnx.Module):
         self.attn = VisionAttention(spec, dtype=dtype, rngs=rngs)
         self.mlp = VisionMLP(spec, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, blocks: AttentionBlocks) -> jax.Array:
-        x = x + self.attn(self.norm1(x), cos, sin, blocks)
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment: jax.Array, band: int | None
+    ) -> jax.Array:
+        x = x + self.attn(self.norm1(x), cos, sin, segment, band)
         return x + self.mlp(self.norm2(x))
 
 
@@ -335,14 +482,16 @@ class VisionEncoder(nnx.Module):
         self.merger = PatchMerger(spec, dtype=dtype, rngs=rngs)
 
     def __call__(self, batch: VisionBatch) -> jax.Array:
-        """``[N // merge_unit, out_hidden_size]`` embeddings; see :class:`RowSplit` for the rows."""
+        """``[N // merge_unit, out_hidden_size]`` embeddings in input order; see :class:`RowSplit`."""
         spec = self.spec
         x = self.patch_embed(batch.patches.astype(self.patch_embed.kernel.dtype))
         cos, sin = vision_rope(batch.positions, spec.hidden_size // spec.num_heads, spec.rope_theta)
         for i, block in enumerate(self.blocks):
-            segments = batch.frames if i in spec.fullatt_block_indexes else batch.windows
-            x = block(x, cos, sin, segments)
-        return self.merger(x)
+            if i in spec.fullatt_block_indexes:
+                x = block(x, cos, sin, batch.frames, None)
+            else:
+                x = block(x, cos, sin, batch.windows, spec.band_tile)
+        return self.merger(x)[batch.rows]
 
 
 VISION_RULES: tuple[ParamRule, ...] = (

@@ -1,0 +1,243 @@
+"""Compile once, for the thinker's encoders: every encoder call has a size from a fixed set
+(``EncoderBuckets``), warm-up compiles all of them, and no mix of images, videos and clips
+compiles an encoder after it; what no call can hold is refused at validation."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+from flax import nnx
+from omni_reference import frames, picture, tone
+
+from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax.engine.compilation import CompileCounter
+from omni_jax.models.qwen2_5_omni.encoder_calls import plan_calls, size_ladder, smallest_fit
+from omni_jax.stages.base import StageInput
+from omni_jax.stages.thinker import EncoderBuckets, ThinkerFrontend, ThinkerRequest
+
+AUDIO_BUCKETS = (1, 2, 4, 8, 16)
+"""A 30 s clip (the feature extractor's chunk_length) is 3000 mel frames: 15 chunks of 200."""
+
+VISION_BUCKETS = tuple(64 * 2**k for k in range(11))
+"""The band tile (a 112-pixel window is 64 patches) up to 65536 patches, the image processor's
+max_pixels (28 * 28 * 16384) in 14-pixel patches."""
+
+
+def user(*items: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*items, {"type": "text", "text": "what is this"}]}]
+
+
+def image(h: int, w: int, seed: int) -> dict[str, Any]:
+    return {"type": "image", "image": picture(h, w, seed)}
+
+
+def audio(seconds: float, seed: int) -> dict[str, Any]:
+    return {"type": "audio", "audio": tone(seconds, 200 + 50 * seed, seed)}
+
+
+MEDIA = [
+    user(image(28, 28, 0)),  # tiny: resized up to the processor's 56x56 minimum
+    user(image(56, 84, 1)),
+    user(image(300, 90, 2)),  # non-square both ways
+    user(image(90, 500, 3)),
+    user(image(720, 1280, 4)),
+    user(image(100, 100, 5), image(200, 120, 6), image(64, 300, 7)),  # several images in one prompt
+    user({"type": "video", "video": frames(6, 60, 80, 8)}),
+    user({"type": "video", "video": frames(16, 448, 448, 9)}),
+    user(audio(0.7, 10)),
+    user(audio(3.0, 11)),
+    user(audio(12.0, 12)),
+    user(audio(29.9, 13)),  # the longest clip the feature extractor takes
+    user(audio(2.0, 14), image(150, 150, 15)),
+]
+"""What one step may admit (beyond what the tiny thinker's 512 positions hold: the encoders
+are called directly)."""
+
+
+@pytest.fixture(scope="module")
+def warm(omni_dir) -> tuple[OmniJaxPipeline, int, CompileCounter]:
+    """A thinker pipeline whose encoders (only) are warmed up."""
+    pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], max_num_seqs=4)
+    with CompileCounter() as counter:
+        programs = pipe.stages[0].frontend.warmup()
+    return pipe, programs, counter
+
+
+def frontend_of(pipe: OmniJaxPipeline) -> ThinkerFrontend:
+    return pipe.stages[0].frontend
+
+
+def prepared(pipe: OmniJaxPipeline, messages: list[dict[str, Any]], index: int = 0) -> ThinkerRequest:
+    prompt = pipe.chat_prompt(messages)
+    request = StageInput(list(pipe.tokenizer(prompt["prompt"])["input_ids"]), prompt)
+    return frontend_of(pipe).prepare(index, request).extra
+
+
+def test_size_ladder_and_smallest_fit() -> None:
+    assert size_ladder(64, 65536) == VISION_BUCKETS
+    assert size_ladder(1, 15) == AUDIO_BUCKETS
+    assert size_ladder(16, 100, per_octave=2) == (16, 32, 48, 64, 96, 128)
+    assert smallest_fit(AUDIO_BUCKETS, 5) == 8 and smallest_fit(AUDIO_BUCKETS, 16) == 16
+    with pytest.raises(ValueError, match="17 exceeds the largest call size 16"):
+        smallest_fit(AUDIO_BUCKETS, 17)
+
+
+def test_plan_calls_is_the_cheapest_cut() -> None:
+    """Against every cut of small runs: the plan's cost is the least, its calls hold every
+    item once, in order, in a size of the ladder that holds them."""
+    ladder = (2, 4, 8)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        sizes = [int(s) for s in rng.integers(1, 9, rng.integers(1, 7))]
+        overhead = float(rng.choice([0.5, 2.0, 9.0]))
+
+        def cost(size: int, overhead: float = overhead) -> float:
+            return size**1.5 + overhead
+
+        plan = plan_calls(sizes, ladder, cost)
+        assert [p.start for p in plan] == [0] + [p.stop for p in plan[:-1]] and plan[-1].stop == len(sizes)
+        assert all(p.size == smallest_fit(ladder, sum(sizes[p.start : p.stop])) for p in plan)
+        best = min(
+            sum(
+                cost(smallest_fit(ladder, sum(sizes[a:b])))
+                for a, b in itertools.pairwise((0, *cuts, len(sizes)))
+            )
+            for k in range(len(sizes))
+            for cuts in itertools.combinations(range(1, len(sizes)), k)
+            if all(sum(sizes[a:b]) <= 8 for a, b in itertools.pairwise((0, *cuts, len(sizes))))
+        )
+        assert sum(cost(p.size) for p in plan) == pytest.approx(best)
+    with pytest.raises(ValueError, match="item 1 has size 9, more than the largest call size 8"):
+        plan_calls([1, 9], ladder, float)
+
+
+def test_warmup_compiles_every_encoder_program(warm) -> None:
+    """The program count is the bucket count, bounded whatever the traffic: 5 audio and 11
+    vision programs for the tiny checkpoint's processor; a second warm-up compiles nothing."""
+    pipe, programs, counter = warm
+    buckets = frontend_of(pipe).step_inputs.buckets
+    assert buckets == EncoderBuckets(AUDIO_BUCKETS, VISION_BUCKETS)
+    assert programs == len(AUDIO_BUCKETS) + len(VISION_BUCKETS) == 16
+    assert (counter.traces, counter.compiles) == (16, 16)
+    with CompileCounter() as again:
+        assert frontend_of(pipe).warmup() == 16
+    assert (again.traces, again.compiles) == (0, 0)
+
+
+def test_default_buckets_take_anything_the_processor_emits(warm) -> None:
+    """The largest buckets hold the longest clip and the largest frame the processor emits."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    pipe, _, _ = warm
+    processor = frontend_of(pipe).processor
+    (features,) = processor.audio_features([np.zeros(30 * 16_000, np.float32)])
+    assert -(-features.shape[1] // 200) <= AUDIO_BUCKETS[-1]
+    edge = processor.image_processor.size["longest_edge"]
+    for h, w in ((20_000, 20_000), (3584, 3584), (100, 19_000), (4000, 3000)):
+        rh, rw = smart_resize(h, w, 28, 56 * 56, edge)
+        assert rh * rw // 14**2 <= VISION_BUCKETS[-1]
+
+
+def test_no_encoder_compiles_after_warmup(warm) -> None:
+    """Images of many sizes, several in a prompt, videos and clips up to 30 s, encoded in one
+    step together and each alone: nothing traces or compiles, and a request's rows are the
+    same either way."""
+    pipe, _, _ = warm
+    step_inputs = frontend_of(pipe).step_inputs
+    requests = [prepared(pipe, m, i) for i, m in enumerate(MEDIA)]
+    with CompileCounter() as counter:
+        step_inputs.encode(requests)
+        together = [r.rows for r in requests]
+        for r in requests:
+            step_inputs.encode([r])
+    assert (counter.traces, counter.compiles) == (0, 0)
+    for r, rows in zip(requests, together, strict=True):
+        for token, got in rows.items():
+            assert len(got) == int(r.before[token][-1])
+            np.testing.assert_allclose(got, r.rows[token], rtol=1e-5, atol=1e-5 * np.abs(got).max(initial=1))
+
+
+def test_split_video_rows_equal_whole(warm) -> None:
+    """With a ladder too small for two frames in one call, a video's frames go to separate
+    calls; its rows, put back together, equal those of the default ladder's single call."""
+    pipe, _, _ = warm
+    frontend = frontend_of(pipe)
+    messages = user({"type": "video", "video": frames(6, 60, 80, 8)}, image(56, 84, 1))
+    whole = prepared(pipe, messages)
+    frontend.step_inputs.encode([whole])
+    (t, h, w) = whole.inputs.video_grid_thw[0]
+    assert t > 1
+    runner = pipe.stages[0].engine.runner
+    frame = -(-h * w // 64) * 64  # one frame a call (64: the band tile)
+    small = ThinkerFrontend(
+        frontend.processor, nnx.merge(runner.graphdef, runner.state), EncoderBuckets((1,), (64, frame))
+    )
+    cut = prepared(pipe, messages)
+    small.step_inputs.encode([cut])
+    for token, rows in whole.rows.items():
+        np.testing.assert_allclose(cut.rows[token], rows, rtol=1e-5, atol=1e-5 * np.abs(rows).max(initial=1))
+
+
+def test_thinker_run_compiles_no_encoder_after_encoder_warmup(warm, monkeypatch) -> None:
+    """Through the stage (the AR steps may compile; the encoders may not): requests of
+    different media, four audio requests admitted in the same step."""
+    pipe, _, _ = warm
+    step_inputs = frontend_of(pipe).step_inputs
+    encode = step_inputs.encode
+    calls: list[tuple[int, int, int]] = []
+
+    def counted(requests):  # noqa: ANN001, ANN202 - ThinkerStepInputs.encode's
+        with CompileCounter() as c:
+            encode(requests)
+        calls.append((len(requests), c.traces, c.compiles))
+
+    monkeypatch.setattr(step_inputs, "encode", counted)
+    prompts = [pipe.chat_prompt(user(audio(s, i))) for i, s in enumerate((0.5, 2.5, 6.0, 9.0))]
+    prompts += [pipe.chat_prompt(m) for m in (MEDIA[2], MEDIA[3], MEDIA[5], MEDIA[6], MEDIA[12])]
+    outs = pipe.run(prompts, SamplingParams(temperature=0.0, max_tokens=2), progress=False)
+    assert all(o.error is None for o in outs)
+    assert calls[0][0] == 4 and sum(n for n, _, _ in calls) == len(prompts)
+    assert all((traces, compiles) == (0, 0) for _, traces, compiles in calls), calls
+
+
+def test_what_no_call_holds_is_refused_at_validation(warm, monkeypatch) -> None:
+    """With smaller buckets (the largest a call of 2 chunks, 128 patches), a longer clip, a
+    larger image or video frame is refused before any work, naming the request and the
+    limit; the pipeline stays usable."""
+    pipe, _, _ = warm
+    step_inputs = frontend_of(pipe).step_inputs
+    monkeypatch.setattr(step_inputs, "buckets", EncoderBuckets((1, 2), (64, 128)))
+    cases = [
+        (user(audio(5.0, 0)), r"request 1: audio 0 has 500 mel frames, .* \(2 chunks of 200 frames = 400"),
+        (user(image(300, 300, 1)), r"request 1: image 0 is 22x22 = 484 patches a frame, .* \(128 patches\)"),
+        (user(image(56, 56, 2), image(200, 200, 3)), r"request 1: image 1 is 14x14 = 196 patches"),
+        (
+            user({"type": "video", "video": frames(2, 60, 80, 4)}),
+            r"request 1: video 0 is \d+x\d+ = \d+ patches",
+        ),
+    ]
+    for messages, match in cases:
+        with pytest.raises(ValueError, match=match):
+            pipe.run(["hello", pipe.chat_prompt(messages)], progress=False)
+    (out,) = pipe.run(pipe.chat_prompt(user(audio(3.0, 5), image(56, 56, 6))), progress=False)
+    assert out.error is None
+
+
+def test_whole_thinker_stage_compiles_nothing_after_warmup(omni_dir) -> None:
+    """``pipe.warmup()`` (AR steps and encoders), then a mix of text and media requests,
+    greedy and sampled, several admitted in the same step: nothing traces or compiles."""
+    pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], max_num_seqs=4)
+    pipe.warmup()
+    prompts: list[Any] = ["a text prompt", "another, longer text prompt than the first one"]
+    prompts += [pipe.chat_prompt(m) for m in (*MEDIA[:4], MEDIA[5], MEDIA[6], *MEDIA[8:11], MEDIA[12])]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=3 + i % 4)
+        for i in range(len(prompts))
+    ]
+    with CompileCounter() as counter:
+        outs = pipe.run(prompts, params, progress=False)
+    assert all(o.error is None for o in outs)
+    assert (counter.traces, counter.compiles) == (0, 0)
