@@ -21,9 +21,9 @@ from omni_jax.stages.thinker import EncoderBuckets, ThinkerFrontend, ThinkerRequ
 AUDIO_BUCKETS = (1, 2, 4, 8, 16)
 """A 30 s clip (the feature extractor's chunk_length) is 3000 mel frames: 15 chunks of 200."""
 
-VISION_BUCKETS = tuple(64 * 2**k for k in range(11))
-"""The band tile (a 112-pixel window is 64 patches) up to 65536 patches, the image processor's
-max_pixels (28 * 28 * 16384) in 14-pixel patches."""
+VISION_BUCKETS = (64, 128, *(64 * m * 2**k for k in range(9) for m in (3, 4)))
+"""The band tile (a 112-pixel window is 64 patches) times 1, 2, 3, 4, 6, 8, ... up to 65536
+patches, the image processor's max_pixels (28 * 28 * 16384) in 14-pixel patches."""
 
 
 def user(*items: dict[str, Any]) -> list[dict[str, Any]]:
@@ -77,7 +77,8 @@ def prepared(pipe: OmniJaxPipeline, messages: list[dict[str, Any]], index: int =
 
 
 def test_size_ladder_and_smallest_fit() -> None:
-    assert size_ladder(64, 65536) == VISION_BUCKETS
+    assert size_ladder(64, 65536, per_octave=2) == VISION_BUCKETS
+    assert size_ladder(64, 65536) == tuple(64 * 2**k for k in range(11))
     assert size_ladder(1, 15) == AUDIO_BUCKETS
     assert size_ladder(16, 100, per_octave=2) == (16, 32, 48, 64, 96, 128)
     assert smallest_fit(AUDIO_BUCKETS, 5) == 8 and smallest_fit(AUDIO_BUCKETS, 16) == 16
@@ -115,15 +116,15 @@ def test_plan_calls_is_the_cheapest_cut() -> None:
 
 
 def test_warmup_compiles_every_encoder_program(warm) -> None:
-    """The program count is the bucket count, bounded whatever the traffic: 5 audio and 11
+    """The program count is the bucket count, bounded whatever the traffic: 5 audio and 20
     vision programs for the tiny checkpoint's processor; a second warm-up compiles nothing."""
     pipe, programs, counter = warm
     buckets = frontend_of(pipe).step_inputs.buckets
     assert buckets == EncoderBuckets(AUDIO_BUCKETS, VISION_BUCKETS)
-    assert programs == len(AUDIO_BUCKETS) + len(VISION_BUCKETS) == 16
-    assert (counter.traces, counter.compiles) == (16, 16)
+    assert programs == len(AUDIO_BUCKETS) + len(VISION_BUCKETS) == 25
+    assert (counter.traces, counter.compiles) == (25, 25)
     with CompileCounter() as again:
-        assert frontend_of(pipe).warmup() == 16
+        assert frontend_of(pipe).warmup() == 25
     assert (again.traces, again.compiles) == (0, 0)
 
 

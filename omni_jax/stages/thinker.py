@@ -21,7 +21,8 @@ ends, with ``finish_reason="error"``, and the others run on (:meth:`ThinkerStepI
 
 Every encoder call has a size from a fixed set (:class:`EncoderBuckets`): the audio encoder's
 chunk counts, powers of two up to what the feature extractor's longest clip needs; the vision
-encoder's token counts, the band tile times a power of two up to what the largest image or
+encoder's token counts, the band tile times 1, 2, 3, 4, 6, 8, 12, ... (two sizes a doubling, so
+that past the smallest sizes a call is at most a third padding) up to what the largest image or
 video frame the processor emits needs. :meth:`ThinkerFrontend.warmup` compiles all of them, so
 no request mix compiles an encoder after it.
 """
@@ -357,8 +358,8 @@ class ThinkerFrontend:
         how many there are (none without a processor: text prompts only). Those are one audio
         program per chunk count of :attr:`EncoderBuckets.audio_chunks` (1, 2, 4, ... up to the
         longest clip the feature extractor takes) and one vision program per token count of
-        :attr:`EncoderBuckets.vision_tokens` (the vision encoder's band tile times 1, 2, 4, ...
-        up to the largest frame the processor emits): every call :meth:`ThinkerStepInputs.encode`
+        :attr:`EncoderBuckets.vision_tokens` (the vision encoder's band tile times 1, 2, 3, 4, 6,
+        8, ... up to the largest frame the processor emits): every call :meth:`ThinkerStepInputs.encode`
         can make, whatever the images, videos and clips a step admits."""
         return self.step_inputs.warmup()
 

@@ -8,6 +8,7 @@ never invent one. Items keep their order: each call takes a consecutive run of t
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -38,10 +39,10 @@ def size_ladder(unit: int, largest: int, per_octave: int = 1) -> tuple[int, ...]
 
 def smallest_fit(sizes: Sequence[int], n: int) -> int:
     """The smallest of ``sizes`` (ascending) that holds ``n``."""
-    for size in sizes:
-        if size >= n:
-            return size
-    raise ValueError(f"{n} exceeds the largest call size {sizes[-1]}")
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"{n} exceeds the largest call size {sizes[-1]}")
+    return sizes[i]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -264,8 +264,10 @@ def prepare_vision_batch(
     return batch, RowSplit.from_lengths([c // unit for c in counts])
 
 
-PER_OCTAVE = 1
-"""Call sizes per doubling of the vision ladder (:func:`vision_token_buckets`)."""
+PER_OCTAVE = 2
+"""Call sizes per doubling of the vision ladder (:func:`vision_token_buckets`): with two, past
+the smallest sizes a lone frame's call is at most a third padding (half with one), for twice
+the programs."""
 
 
 def vision_token_buckets(spec: VisionEncoderSpec, largest_frame: int) -> tuple[int, ...]:
