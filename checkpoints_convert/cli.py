@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 
-from omni_jax.models.param_map import ParamMismatchError
-from omni_jax.safetensors_io import CheckpointError
+from omni_jax.cli_errors import OneLineParser, run_command
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--verify",
         action="store_true",
-        help="compare logits of the converted model with transformers (needs torch)",
+        help="compare the converted model with transformers (needs torch): Qwen2 logits; Qwen2.5-Omni "
+        "thinker and talker logits and one code2wav solve. A failed check removes DST",
     )
     p.add_argument(
         "--check-sources",
@@ -37,34 +38,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Convert; expected faults print one line naming the file or tensor and return 1."""
+    """Convert (and verify). Faults raise ``ValueError`` naming the file or tensor, which the
+    entry point prints as one line with exit code 2; sources that differ from a conversion's
+    record (``--check-sources``) print ``error: ...`` and return 1."""
     from omni_jax.weights import check_sources, convert
 
-    try:
-        if args.check_sources:
-            changed = check_sources(args.src, args.dst, progress=not args.quiet)
-            if changed:
-                which = ", ".join(changed)
-                print(
-                    f"error: {args.src} differs from what {args.dst} was converted from: {which}",
-                    file=sys.stderr,
-                )
-                return 1
-            print(f"{args.src}: every source file of {args.dst} has its recorded sha256")
-            return 0
-        dst = convert(args.src, args.dst, dtype=args.dtype, progress=not args.quiet, overwrite=args.overwrite)
-        if args.verify:
-            from checkpoints_convert.verify import verify
+    if args.check_sources:
+        changed = check_sources(args.src, args.dst, progress=not args.quiet)
+        if changed:
+            which = ", ".join(changed)
+            print(
+                f"error: {args.src} differs from what {args.dst} was converted from: {which}", file=sys.stderr
+            )
+            return 1
+        print(f"{args.src}: every source file of {args.dst} has its recorded sha256")
+        return 0
+    if args.verify:
+        from checkpoints_convert.verify import check_verifiable, verify
 
-            print(verify(args.src, dst))
-    except (CheckpointError, ParamMismatchError, FileExistsError, FileNotFoundError, ValueError) as e:
-        print("error: " + " ".join(str(e).split("\n")), file=sys.stderr)
-        return 1
+        check_verifiable(args.src)  # refused before any conversion work
+    dst = convert(args.src, args.dst, dtype=args.dtype, progress=not args.quiet, overwrite=args.overwrite)
+    if args.verify:
+        try:
+            checks = verify(args.src, dst)
+        except BaseException:  # an unverified conversion is not left behind
+            shutil.rmtree(dst, ignore_errors=True)
+            raise
+        for check in checks:
+            print(f"verify: {check}")
+        failed = [str(c) for c in checks if not c.passed]
+        if failed:
+            shutil.rmtree(dst)
+            raise ValueError(f"verify failed, {dst} removed: {'; '.join(failed)}")
     print(f"converted {args.src} -> {dst}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=__doc__)
+    p = OneLineParser(prog="python -m checkpoints_convert", description=__doc__)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    return run_command(run, args)

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omni_jax.cli_errors import OneLineParser, run_command
+
 
 def _video(path: str) -> Any:
     """A ``--video`` file: frames ``[frames, H, W, 3]`` saved with ``numpy.save`` (decode real
@@ -16,7 +18,12 @@ def _video(path: str) -> Any:
 
     if not path.endswith(".npy"):
         raise ValueError(f"--video {path}: pass decoded frames as a .npy array [frames, H, W, 3]")
-    return np.load(path)
+    if not Path(path).is_file():
+        raise ValueError(f"--video {path}: no such file")
+    try:
+        return np.load(path)
+    except (ValueError, OSError, EOFError) as e:  # not an .npy array, or a truncated one
+        raise ValueError(f"--video {path}: not a readable .npy array ({e})") from None
 
 
 def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
@@ -40,9 +47,11 @@ def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
 def _run(args: argparse.Namespace) -> int:
     from omni_jax import OmniJaxPipeline, SamplingParams
     from omni_jax.parallel import initialize
+    from omni_jax.parallel.mesh import parse_mesh
 
+    mesh = None if args.mesh is None else parse_mesh(args.mesh)
     initialize(args.coordinator_address, args.num_processes, args.process_id)
-    pipe = OmniJaxPipeline.from_pretrained(args.model, stages=args.stages, dtype=args.dtype, mesh=args.mesh)
+    pipe = OmniJaxPipeline.from_pretrained(args.model, stages=args.stages, dtype=args.dtype, mesh=mesh)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     # The flags set the first (text) stage's sampling; later stages keep their YAML defaults,
     # seeded by --seed too so that a seeded run says the same every time.
@@ -51,11 +60,7 @@ def _run(args: argparse.Namespace) -> int:
         for s in pipe.stages[1:]
     ]
     per_stage = params if len(pipe.stages) == 1 else [params, *later]
-    try:  # bad input is refused before any work: one line, no traceback
-        outs = pipe.run([_prompt(pipe, args)], per_stage, progress=False)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    outs = pipe.run([_prompt(pipe, args)], per_stage, progress=False)
     if not outs:  # not process 0 of a multi-process run: it printed nothing and wrote nothing
         return 0
     out = outs[0]
@@ -90,13 +95,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``omni-jax`` console script; a user's mistake is one line on stderr and exit code 2
+    (:mod:`omni_jax.cli_errors`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # all of the rest is benchmarks.run's (REMAINDER rejects leading options)
-        return _bench(argparse.Namespace(rest=argv[1:]))
+        rest = [a for a in argv[1:] if a != "--debug"]
+        return run_command(_bench, argparse.Namespace(rest=rest, debug=len(rest) < len(argv) - 1))
     from checkpoints_convert import cli as convert_cli
-    from omni_jax.parallel.mesh import parse_mesh
 
-    p = argparse.ArgumentParser(prog="omni-jax")
+    p = OneLineParser(prog="omni-jax")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="generate for one prompt")
     r.add_argument("model")
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
     r.add_argument("--video", action="append", default=[], help="video frames as .npy (repeatable)")
     r.add_argument("--speaker", default=None, help="the voice (Qwen2.5-Omni: e.g. Chelsie, Ethan)")
-    r.add_argument("--mesh", type=parse_mesh, default=None, help="every stage's mesh, e.g. data=2,model=4")
+    r.add_argument("--mesh", default=None, help="every stage's mesh, e.g. data=2,model=4")
     r.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     r.add_argument("--num-processes", type=int, default=None)
     r.add_argument("--process-id", type=int, default=None)
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=_bench)
     args = p.parse_args(argv)
-    return args.fn(args)
+    return run_command(args.fn, args)
 
 
 if __name__ == "__main__":

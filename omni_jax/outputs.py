@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+
+PCM16_SCALE = 32767
+"""Full scale of 16-bit PCM: [-1, 1] maps to [-32767, 32767] (symmetric, as libsndfile writes)."""
 
 
 @dataclasses.dataclass
@@ -33,11 +36,21 @@ class OmniRequestOutput:
     metrics: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     logprobs: list[dict[int, float]] | None = None
 
-    def save_wav(self, path: str | Path) -> Path:
-        """Write :attr:`audio` as a 32-bit float WAV at :attr:`sample_rate`; returns the path."""
+    def save_wav(self, path: str | Path, sample_format: Literal["pcm16", "float32"] = "pcm16") -> Path:
+        """Write :attr:`audio` as a mono WAV at :attr:`sample_rate`; returns the path.
+
+        ``"pcm16"`` (the default): 16-bit integer PCM, what Python's ``wave``, browsers and
+        most players read; samples are clipped to [-1, 1] and rounded. ``"float32"``: the
+        samples as they are (IEEE float WAV, which ``wave`` and some players cannot open).
+        """
         if self.audio is None or self.sample_rate is None:
             raise ValueError(f"request {self.request_id} has no audio")
+        if sample_format not in ("pcm16", "float32"):
+            raise ValueError(f"sample_format must be 'pcm16' or 'float32', got {sample_format!r}")
         from scipy.io import wavfile  # a dependency of jax
 
-        wavfile.write(str(path), self.sample_rate, np.asarray(self.audio, np.float32))
+        samples = np.asarray(self.audio, np.float32)
+        if sample_format == "pcm16":
+            samples = np.round(np.clip(samples, -1.0, 1.0) * PCM16_SCALE).astype(np.int16)
+        wavfile.write(str(path), self.sample_rate, samples)
         return Path(path)

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from omni_jax.engine.compilation import enable_persistent_cache
+from omni_jax.models.hf_config import thinker_ids_unflagged
 from omni_jax.models.registry import architecture_of
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.parallel.distributed import initialize as initialize_distributed
@@ -27,6 +27,7 @@ from omni_jax.parallel.distributed import is_main_process
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.profiling import scope
+from omni_jax.progress import RequestsBar
 from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage, StageInput, StageResult
 from omni_jax.stages.code2wav import Code2WavStage
@@ -103,6 +104,15 @@ class OmniJaxPipeline:
         ``~/.cache/omni_jax/xla`` or ``$OMNI_JAX_COMPILATION_CACHE``); ``False`` turns it off.
         """
         path = Path(path)
+        dtype = _dtype_name(dtype)
+        _check_stage_names(stages)
+        _check_sizes(
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         initialize_distributed()
         enable_persistent_cache(compilation_cache)
         if not (path / "config.json").exists():
@@ -112,6 +122,9 @@ class OmniJaxPipeline:
         hf_config = load_hf_config(path)
         arch = architecture_of(hf_config)
         config = load_pipeline_config(stage_config or arch.stage_yaml).select(stages)
+        missing = arch.missing_files(path, [sc.name for sc in config.stages])
+        if missing is not None:
+            raise ValueError(missing)
         meshes = stage_meshes(
             [StagePlacement(sc.name, sc.mesh, sc.devices) for sc in config.stages],
             mesh_shape(mesh),
@@ -120,10 +133,10 @@ class OmniJaxPipeline:
         for sc in config.stages:  # refuse stages not served yet, or not splittable so, before loading
             arch.part(sc.name).shard_rules(hf_config, meshes[sc.name].shape["model"])
         engine = dict(
-            max_num_seqs=max_num_seqs or 64,
+            max_num_seqs=64 if max_num_seqs is None else max_num_seqs,
             max_model_len=max_model_len,
-            page_size=page_size or 16,
-            max_num_batched_tokens=max_num_batched_tokens or 2048,
+            page_size=16 if page_size is None else page_size,
+            max_num_batched_tokens=2048 if max_num_batched_tokens is None else max_num_batched_tokens,
         )
         # Weights, KV caches and largest steps against each memory pool, from config.json alone:
         # a layout that cannot fit is refused with the numbers before anything is read.
@@ -279,24 +292,22 @@ class OmniJaxPipeline:
             request.keep_hidden = self._next_reads_hidden(p, 0)
             first.submit(p.output.request_id, request, p.stage_params[0])
             by_id[p.output.request_id] = p
-        bar = tqdm(total=len(pending), desc="requests", unit="req", disable=not progress)
         tokens = 0
-        t0 = time.perf_counter()
-        with bar:
+        with RequestsBar(len(pending), enabled=progress) as bar:
             while any(s.has_work() for s in self.stages):
                 for si, stage in enumerate(self.stages):
                     if not stage.has_work():
                         continue
                     with scope(f"stage/{stage.config.name}"):
                         finished = stage.step()
+                    bar.step_done()
                     for result in finished:
                         p = by_id[result.request_id]
                         self._stage_done(p, si, result)
                         if stage.config.kind == "ar":
                             tokens += len(result.token_ids)
                         if not self._hand_on(p, si, result):
-                            bar.update(1)
-                            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f}")
+                            bar.request_done(tokens)
 
     def _hand_on(self, p: _Pending, si: int, result: StageResult) -> bool:
         """Submit a request stage ``si`` finished to the next stage; False when it is done.
@@ -381,9 +392,45 @@ class OmniJaxPipeline:
                 out.token_ids, out.finish_reason = list(result.token_ids), result.finish_reason
 
 
+def _dtype_name(dtype: Any) -> str | None:
+    """``dtype`` as one of :data:`~omni_jax.weights.DTYPES` (a name or a numpy/JAX dtype);
+    ``ValueError`` listing them for anything else."""
+    from omni_jax.weights import DTYPES
+
+    if dtype is None:
+        return None
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:  # not a dtype at all ("bf17")
+        name = None
+    if name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    return name
+
+
+def _check_stage_names(stages: Any) -> None:
+    """``stages`` is ``None`` or a non-empty list of names (a bare string would be read letter
+    by letter)."""
+    if stages is None:
+        return
+    if not isinstance(stages, (list, tuple)) or not stages or not all(isinstance(s, str) for s in stages):
+        raise ValueError(f"stages must be a non-empty list of stage names, e.g. ['thinker'], got {stages!r}")
+
+
+def _check_sizes(**sizes: Any) -> None:
+    """Each engine size given is a positive integer (``None`` takes the default), so a 0 or a
+    negative is refused by name instead of falling back to a default or failing later."""
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer (or None for the default)")
+
+
 def _load_tokenizer(path: Path) -> Any:
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    with thinker_ids_unflagged():  # AutoTokenizer builds the checkpoint's config
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from omni_jax.models.hf_config import read_config
 from omni_jax.models.loading import abstract_params, merge_params
 from omni_jax.models.param_map import (
     FlaxPath,
@@ -72,8 +73,6 @@ class DestinationExistsError(CheckpointError, FileExistsError):
 def load_hf_config(model_dir: str | Path) -> Any:
     """``config.json`` through transformers; a missing, unreadable or unknown config raises
     :class:`CheckpointError` naming the file."""
-    from transformers import AutoConfig
-
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not model_dir.is_dir():
@@ -83,7 +82,7 @@ def load_hf_config(model_dir: str | Path) -> Any:
     try:
         if not isinstance(json.loads(path.read_text()), dict):
             raise ValueError("not a JSON object")
-        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        return read_config(model_dir)
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: cannot read the model config ({first_line(e)})") from e
 
@@ -349,6 +348,7 @@ def convert(
     count_tensors(weights)  # reads (checks) every safetensors header before any work
     converters = dict(arch.side_files)
     side = list(_side_files(src, converters))
+    arch.warn_missing_files(src)
     index = [src / f for f in WEIGHT_FILES if (src / f).exists()]
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(dst, "tmp")

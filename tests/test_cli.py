@@ -49,7 +49,7 @@ def test_run_writes_text_and_wav(omni_dir, tmp_path, capsys) -> None:
     (wav,) = out.glob("*.wav")
     assert text.stem == wav.stem
     rate, samples = read_wav(wav)
-    assert rate == 24_000 and samples.dtype == np.float32 and samples.size > 0
+    assert rate == 24_000 and samples.dtype == np.int16 and samples.size > 0  # 16-bit PCM
     assert f"wrote {wav}" in capsys.readouterr().err
 
 

@@ -81,9 +81,9 @@ def test_cli_converts_verifies_and_refuses_existing_destination(qwen2_dir, tmp_p
     cmd = [sys.executable, "-m", "checkpoints_convert", str(qwen2_dir), str(dst), "--verify", "--quiet"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "verify: max relative logit error" in done.stdout
+    assert "verify: logits over 16 tokens: max relative error" in done.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 1
+    assert again.returncode == 2
     assert again.stderr.strip().splitlines()[-1].startswith("error: destination")
     assert "Traceback" not in again.stderr
 

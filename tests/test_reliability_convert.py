@@ -2,7 +2,7 @@
 
 Each broken source is a copy of the tiny Qwen2 checkpoint with one fault. Every fault must be
 refused by ``omni_jax.weights.convert`` with a one-line ``ValueError`` naming the file or
-tensor, and by the command line with that line on stderr, exit code 1 and no traceback; and
+tensor, and by the command line with that line on stderr, exit code 2 and no traceback; and
 nothing may be left at (or beside) the destination.
 """
 
@@ -415,11 +415,11 @@ def test_loading_checks_the_manifest(converted, tmp_path, fault, message) -> Non
     assert "\n" not in str(info.value)
 
 
-def test_cli_prints_one_line_and_exits_1(qwen2_dir, tmp_path, capsys) -> None:
+def test_cli_prints_one_line_and_exits_2(qwen2_dir, tmp_path, capsys) -> None:
     src = copy_of(qwen2_dir, tmp_path)
     truncate(lambda n: n - 100)(src)
     dst = tmp_path / "dst"
-    assert convert_main([str(src), str(dst), "--quiet"]) == 1
+    assert convert_main([str(src), str(dst), "--quiet"]) == 2
     out = capsys.readouterr()
     assert out.err.count("\n") == 1, out.err
     assert out.err.startswith(f"error: {src}/model.safetensors: truncated file, tensor ")
@@ -427,7 +427,7 @@ def test_cli_prints_one_line_and_exits_1(qwen2_dir, tmp_path, capsys) -> None:
     assert out.out == "" and leftovers(dst) == []
     # --overwrite reaches convert() from both command lines.
     dst.mkdir()
-    assert convert_main([str(qwen2_dir), str(dst), "--quiet"]) == 1
+    assert convert_main([str(qwen2_dir), str(dst), "--quiet"]) == 2
     assert capsys.readouterr().err.startswith(f"error: destination {dst} already exists")
     assert convert_main([str(qwen2_dir), str(dst), "--quiet", "--overwrite"]) == 0
     assert (dst / MANIFEST).exists() and leftovers(dst) == [dst]
@@ -441,7 +441,7 @@ def test_command_lines_show_no_traceback(qwen2_dir, tmp_path, command) -> None:
     done = subprocess.run(
         [sys.executable, *command, str(src), str(dst), "--quiet"], capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -39,16 +40,19 @@ class CompileCounter:
     """Counts traces and backend compilations while active (``with CompileCounter() as c``).
 
     A jitted function that hits its in-memory cache neither traces nor compiles, so a
-    steady state that never recompiles leaves both counts at zero.
+    steady state that never recompiles leaves both counts at zero. ``on_count(counter)`` runs
+    after each counted event, in the thread that compiles: a trace ends just before its
+    program is lowered and compiled, so a progress display can say "compiling" while it is.
     """
 
     _lock = threading.Lock()
     _active: list[CompileCounter] = []
     _installed = False
 
-    def __init__(self) -> None:
+    def __init__(self, on_count: Callable[[CompileCounter], None] | None = None) -> None:
         self.traces = 0
         self.compiles = 0
+        self.on_count = on_count
 
     @classmethod
     def _listener(cls, event: str, duration: float, **_: object) -> None:
@@ -58,6 +62,10 @@ class CompileCounter:
                 c.traces += 1
             elif event == _COMPILE_EVENT:
                 c.compiles += 1
+            else:
+                continue
+            if c.on_count is not None:
+                c.on_count(c)
 
     def __enter__(self) -> CompileCounter:
         with self._lock:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +67,35 @@ SideFileConverter = Callable[[Path, Path], None]
 
 
 @dataclasses.dataclass(frozen=True)
+class StageFile:
+    """A file beside the weights that some stages cannot serve without.
+
+    ``present(model_dir)`` knows both the hub's form and what conversion writes for it;
+    ``what`` (what the file holds) and ``without`` (what a checkpoint lacking it still serves)
+    are for the messages.
+    """
+
+    name: str
+    what: str
+    without: str
+    stages: tuple[str, ...]
+    present: Callable[[Path], bool]
+
+
+@dataclasses.dataclass(frozen=True)
 class Architecture:
     """``unserved``: ``(stage, HF name prefix)`` of parts not ported yet. Their tensors are skipped
     by name (never silently: every other tensor must belong to a served part), and asking for
     their stage is an error that says so. ``side_files``: ``(file name, converter)`` pairs run by
-    the converter instead of copying the file."""
+    the converter instead of copying the file. ``stage_files``: files some stages need (a
+    checkpoint without them serves only the other stages)."""
 
     name: str
     stage_yaml: str
     parts: tuple[ModelPart, ...]
     unserved: tuple[tuple[str, str], ...] = ()
     side_files: tuple[tuple[str, SideFileConverter], ...] = ()
+    stage_files: tuple[StageFile, ...] = ()
 
     def part(self, stage: str) -> ModelPart:
         for p in self.parts:
@@ -93,6 +112,26 @@ class Architecture:
 
     def is_unserved_tensor(self, hf_name: str) -> bool:
         return any(hf_name.startswith(prefix) for _, prefix in self.unserved)
+
+    def missing_files(self, model_dir: Path, stages: Iterable[str]) -> str | None:
+        """What ``model_dir`` lacks for ``stages``, as one line naming the file and the stages it
+        can still serve; ``None`` when nothing is missing."""
+        wanted = list(stages)
+        missing = [f for f in self.stage_files if set(f.stages) & set(wanted) and not f.present(model_dir)]
+        if not missing:
+            return None
+        blocked = {s for f in missing for s in f.stages}
+        served = [p.stage for p in self.parts if p.stage not in blocked]
+        files = "; ".join(f"no {f.name} ({f.what}): {f.without}" for f in missing)
+        stopped = [s for s in wanted if s in blocked]
+        return f"{model_dir}: {files}; stages {stopped} cannot run: load it with stages={served}"
+
+    def warn_missing_files(self, src: Path) -> None:
+        """At conversion: a source without a stage file converts, with a warning saying what the
+        result serves."""
+        message = self.missing_files(src, [p.stage for p in self.parts])
+        if message is not None:
+            warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _qwen2_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
@@ -158,6 +197,15 @@ _QWEN2_5_OMNI = Architecture(
         ),
     ),
     side_files=((speakers.TORCH_FILE, speakers.convert_speakers),),
+    stage_files=(
+        StageFile(
+            name=speakers.TORCH_FILE,
+            what="the voices the talker and code2wav speak with",
+            without="the checkpoint serves text only",
+            stages=("talker", "code2wav"),
+            present=speakers.has_voices,
+        ),
+    ),
 )
 
 ARCHITECTURES: dict[str, Architecture] = {

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from omni_jax.models.hf_config import thinker_ids_unflagged
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
 from omni_jax.models.qwen2_5_omni.rope_index import chunk_bounds
 
@@ -242,7 +243,26 @@ def _pixel_array(index: int, kind: str, item: np.ndarray) -> None:
     _check_finite(index, kind, item)
 
 
+IMAGE_CHANNELS = (1, 3, 4)
+"""Channels an image array may have: grey, RGB, RGBA."""
+
+
+def _rgb_array(item: np.ndarray) -> np.ndarray:
+    """An image array as ``[H, W, 3]``, channels as PIL's ``convert("RGB")`` makes them: grey
+    repeated, alpha dropped. ``[H, W, C]`` wins over ``[C, H, W]`` whenever the last axis is a
+    channel count, so a tiny ``(1, 1, 3)`` picture is one RGB pixel (transformers' own guess
+    reads it channels-first)."""
+    if item.ndim == 2:
+        item = item[..., None]
+    elif item.shape[-1] not in IMAGE_CHANNELS:
+        item = item.transpose(1, 2, 0)
+    if item.shape[-1] == 1:
+        return np.repeat(item, 3, axis=-1)
+    return item[..., :3]
+
+
 def _image_item(index: int, item: Any) -> Any:
+    """A PIL image (RGB) or an ``[H, W, 3]`` array (:func:`_rgb_array`), checked."""
     from PIL import Image
 
     if isinstance(item, (str, Path)):
@@ -256,18 +276,19 @@ def _image_item(index: int, item: Any) -> Any:
     if isinstance(item, Image.Image):
         if min(item.size) < 1:
             raise _fail(index, f"image has an empty dimension: size {item.size}")
-        return item
+        return item if item.mode == "RGB" else item.convert("RGB")
     ok = isinstance(item, np.ndarray) and (
-        item.ndim == 2 or (item.ndim == 3 and (item.shape[-1] in (1, 3) or item.shape[0] in (1, 3)))
+        item.ndim == 2
+        or (item.ndim == 3 and (item.shape[-1] in IMAGE_CHANNELS or item.shape[0] in IMAGE_CHANNELS))
     )
     if not ok:
         raise _fail(
             index,
-            "image must be a PIL image, an array [H, W], [H, W, C] or [C, H, W] with C in (1, 3), or a path; "
-            f"got {_describe(item)}",
+            "image must be a PIL image, an array [H, W], [H, W, C] or [C, H, W] with C in (1, 3, 4), "
+            f"or a path; got {_describe(item)}",
         )
     _pixel_array(index, "image", item)
-    return item
+    return _rgb_array(item)
 
 
 def _video_item(index: int, item: Any) -> np.ndarray:
@@ -362,7 +383,8 @@ class OmniProcessor:
         if not (path / "preprocessor_config.json").exists():
             raise ValueError(f"{path}: no preprocessor_config.json (the audio and image processors)")
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            with thinker_ids_unflagged():  # AutoTokenizer builds the checkpoint's config
+                tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         missing = [
             n for n in ("audio_token", "image_token", "video_token") if not getattr(tokenizer, n, None)
         ]
@@ -390,8 +412,10 @@ class OmniProcessor:
         return [np.asarray(f[:, :n], np.float32) for f, n in zip(out["input_features"], frames, strict=True)]
 
     def images(self, images: Sequence[Any]) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
-        """Per image ``(patches [h*w, patch_dim], grid (1, h, w))`` from the image processor."""
-        out = self.image_processor(list(images), return_tensors="np")
+        """Per image ``(patches [h*w, patch_dim], grid (1, h, w))`` from the image processor, for
+        RGB PIL images and ``[H, W, 3]`` arrays (what :meth:`process` checks them into): the
+        layout is given, never guessed from the shape."""
+        out = self.image_processor(list(images), return_tensors="np", input_data_format="channels_last")
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"]]
         bounds = np.cumsum([0] + [int(np.prod(g)) for g in grids])
         pixels = np.asarray(out["pixel_values"], np.float32)

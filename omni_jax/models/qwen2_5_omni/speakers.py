@@ -90,6 +90,12 @@ def convert_speakers(src: Path, dst_dir: Path) -> None:
     (dst_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
 
 
+def has_voices(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds voices: the hub's ``spk_dict.pt`` or conversion's files."""
+    model_dir = Path(model_dir)
+    return (model_dir / INDEX_FILE).exists() or (model_dir / TORCH_FILE).exists()
+
+
 def load_speakers(model_dir: str | Path) -> dict[str, Speaker]:
     """The checkpoint's voices in file order: converted files if present, else ``spk_dict.pt``.
 
@@ -127,7 +133,7 @@ class Voices:
 
     def __init__(self, speakers: dict[str, Speaker], preferred: str | None = None):
         if not speakers:
-            raise ValueError("no speakers (spk_dict.pt, or speakers.json from conversion)")
+            raise ValueError(f"no speakers ({TORCH_FILE}, or {INDEX_FILE} from conversion)")
         self.speakers = speakers
         self.default = preferred if preferred in speakers else next(iter(speakers))
 
@@ -135,7 +141,10 @@ class Voices:
     def load(cls, model_dir: str | Path, preferred: str | None = None) -> Voices:
         speakers = load_speakers(model_dir)
         if not speakers:
-            raise ValueError(f"{model_dir}: no speakers (spk_dict.pt, or speakers.json from conversion)")
+            raise ValueError(
+                f"{model_dir}: no speakers ({TORCH_FILE}, or {INDEX_FILE} from conversion): the checkpoint "
+                "serves text only; load it with stages=['thinker']"
+            )
         return cls(speakers, preferred)
 
     def pick(self, index: int, prompt: dict[str, Any]) -> Speaker:

@@ -1,0 +1,80 @@
+"""How the command lines answer a user's mistake: one line on stderr and exit code 2.
+
+Every entry point (``omni-jax run|convert|demo|bench|plan``, ``python -m checkpoints_convert``)
+parses with :class:`OneLineParser` and runs its command through :func:`run_command`, the one
+place where errors become messages. What user input causes is reported as ``error: <message>``:
+
+- ``ValueError``: the library's refusals (bad arguments, a missing or broken checkpoint, a
+  dtype it does not serve, an impossible mesh or stage list, bad media, an unknown speaker;
+  conversion's ``CheckpointError`` and ``ParamMismatchError`` are ``ValueError`` s too);
+- ``OSError``: a path the user named that cannot be read or written;
+- ``SystemExit("message")``: how the benchmark harness refuses its arguments.
+
+Anything else is a bug and keeps its traceback; ``--debug`` shows the traceback of these too.
+Warnings print as ``warning: <message>`` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn, TextIO
+
+EXIT_USAGE = 2
+USER_ERRORS = (ValueError, OSError)
+
+
+def one_line(message: str) -> str:
+    """``message`` with its lines joined: a refusal is one line, whatever the raiser wrote."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """``argparse`` with one-line usage errors (exit code 2) and a ``--debug`` flag on every
+    (sub)command; ``omni-jax run ... --debug`` and ``omni-jax --debug run ...`` both work."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,  # a subcommand's absent flag must not reset the top level's
+            help="show the Python traceback of an error",
+        )
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def _warning_line(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    print(f"warning: {one_line(str(message))}", file=sys.stderr if file is None else file)
+
+
+def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``command(args)``'s exit code; a user's mistake prints one line and returns
+    :data:`EXIT_USAGE` (re-raised with its traceback under ``args.debug``)."""
+    debug = bool(getattr(args, "debug", False))
+    with warnings.catch_warnings():
+        if not debug:
+            warnings.showwarning = _warning_line
+        try:
+            return command(args)
+        except USER_ERRORS as e:
+            if debug:
+                raise
+            message = str(e) or type(e).__name__
+        except SystemExit as e:
+            if debug or not isinstance(e.code, str):
+                raise
+            message = e.code
+    print(f"error: {one_line(message)}", file=sys.stderr)
+    return EXIT_USAGE

@@ -1,0 +1,61 @@
+"""The requests bar of ``OmniJaxPipeline.run``: requests done, output tokens per second, and a
+note while XLA compiles.
+
+A run's first requests of each shape wait on XLA compilations, which can take far longer than
+the steps themselves, with nothing else moving on screen; the bar says so while it happens and
+how many programs were compiled, counted by the engine's
+:class:`~omni_jax.engine.compilation.CompileCounter`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from omni_jax.engine.compilation import CompileCounter
+
+
+class RequestsBar:
+    """``with RequestsBar(n, enabled) as bar``: :meth:`request_done` per finished request,
+    :meth:`step_done` after every stage step (the end of any compilation it waited on)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self._bar = tqdm(total=total, desc="requests", unit="req", disable=not enabled)
+        self._counter = CompileCounter(on_count=self._compiling) if enabled else None
+        self._t0 = time.perf_counter()
+        self._tokens = 0
+        self._noting = False
+
+    def __enter__(self) -> RequestsBar:
+        self._bar.__enter__()
+        if self._counter is not None:
+            self._counter.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(*exc)
+        self._bar.__exit__(*exc)
+
+    def _compiling(self, counter: CompileCounter) -> None:
+        """A trace just ended (its program is being compiled) or a compilation just did."""
+        self._noting = True
+        self._bar.set_postfix_str(f"compiling XLA programs ({counter.compiles} compiled)")
+
+    def _show_rate(self) -> None:
+        rate = f"tok_s={self._tokens / max(time.perf_counter() - self._t0, 1e-9):.1f}"
+        compiled = 0 if self._counter is None else self._counter.compiles
+        self._bar.set_postfix_str(rate + (f", compiled={compiled}" if compiled else ""))
+
+    def step_done(self) -> None:
+        if self._noting:
+            self._noting = False
+            self._show_rate()
+
+    def request_done(self, tokens: int) -> None:
+        """One more request finished; ``tokens``: AR tokens generated so far."""
+        self._tokens = tokens
+        self._bar.update(1)
+        self._show_rate()
