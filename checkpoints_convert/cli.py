@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     dst = convert(args.src, args.dst, dtype=args.dtype, progress=not args.quiet, overwrite=args.overwrite)
     if args.verify:
         try:
-            checks = verify(args.src, dst)
+            checks = verify(args.src, dst, progress=not args.quiet)
         except BaseException:  # an unverified conversion is not left behind
             shutil.rmtree(dst, ignore_errors=True)
             raise

@@ -14,8 +14,9 @@ The transformers model is loaded whole in float32 (about 4 bytes per parameter o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,28 @@ def _torch() -> Any:
     return torch
 
 
+@contextlib.contextmanager
+def _reference_loading(progress: bool) -> Iterator[None]:
+    """Load a transformers model quietly: no warnings about the talker's thinker-vocabulary
+    ids, and no loading bar unless ``progress``."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        with thinker_ids_unflagged():
+            yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
-def _qwen2(src: Path, dst: Path, cfg: Any, limit: float) -> list[Check]:
+def _qwen2(src: Path, dst: Path, cfg: Any, limit: float, progress: bool) -> list[Check]:
     torch = _torch()
     from transformers import AutoModelForCausalLM
 
@@ -73,7 +91,8 @@ def _qwen2(src: Path, dst: Path, cfg: Any, limit: float) -> list[Check]:
     model, _ = load_part(dst, "llm", dtype="float32")
     ours, _ = full_forward(model, ids)
     del model
-    ref_model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    with _reference_loading(progress):
+        ref_model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].float().numpy()
     return [Check(f"logits over {len(ids)} tokens", _rel_err(ours, ref), limit)]
@@ -175,11 +194,11 @@ def _code2wav(ref: Any, dst: Path, cfg: Any) -> Check:
     )
 
 
-def _qwen2_5_omni(src: Path, dst: Path, cfg: Any, limit: float) -> list[Check]:
+def _qwen2_5_omni(src: Path, dst: Path, cfg: Any, limit: float, progress: bool) -> list[Check]:
     torch = _torch()
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    with thinker_ids_unflagged():
+    with _reference_loading(progress):
         ref = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32).eval()
     return [
         _thinker(ref.thinker, dst, limit),
@@ -188,7 +207,7 @@ def _qwen2_5_omni(src: Path, dst: Path, cfg: Any, limit: float) -> list[Check]:
     ]
 
 
-_VERIFIERS: dict[str, Callable[[Path, Path, Any, float], list[Check]]] = {
+_VERIFIERS: dict[str, Callable[[Path, Path, Any, float, bool], list[Check]]] = {
     "Qwen2ForCausalLM": _qwen2,
     "Qwen2_5OmniForConditionalGeneration": _qwen2_5_omni,
 }
@@ -208,10 +227,11 @@ def check_verifiable(src: str | Path) -> None:
         raise ValueError(f"--verify: {src} has no {name} ({why}); convert without --verify")
 
 
-def verify(src: str | Path, dst: str | Path) -> list[Check]:
+def verify(src: str | Path, dst: str | Path, progress: bool = True) -> list[Check]:
     """Every check of the converted ``dst`` against ``src`` in transformers (see the module
-    docstring); the caller decides what a failed one means."""
+    docstring); the caller decides what a failed one means. ``progress``: transformers'
+    loading bar."""
     src, dst = Path(src), Path(dst)
     cfg = load_hf_config(src)
     limit = FLOAT32_LIMIT if read_manifest(dst)["dtype"] == "float32" else ROUNDED_LIMIT
-    return _VERIFIERS[architecture(src, cfg).name](src, dst, cfg, limit)
+    return _VERIFIERS[architecture(src, cfg).name](src, dst, cfg, limit, progress)

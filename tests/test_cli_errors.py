@@ -1,0 +1,157 @@
+"""Every user mistake on the command line is one line on stderr and exit code 2 (issue 19.3).
+
+Each case calls ``omni-jax`` as a user would (``main`` in process, and a few in a fresh
+process, where nothing else of the test session can write to stderr): a missing or broken
+checkpoint, a dtype typo, an impossible mesh or stage list, missing media files, an unknown
+speaker, a checkpoint without voices, conversion and benchmark mistakes. ``--debug`` shows the
+traceback instead, and an error that is not the user's (a bug) keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni_jax import OmniJaxPipeline
+from omni_jax.cli import main
+from omni_jax.weights import convert
+
+
+@pytest.fixture(scope="module")
+def qwen2_converted(qwen2_dir, tmp_path_factory) -> Path:
+    return convert(qwen2_dir, tmp_path_factory.mktemp("cli_errors") / "conv", progress=False)
+
+
+@pytest.fixture(scope="module")
+def broken(qwen2_converted, tmp_path_factory) -> Path:
+    """A converted checkpoint whose stage params are gone (an interrupted copy)."""
+    d = tmp_path_factory.mktemp("cli_broken") / "conv"
+    shutil.copytree(qwen2_converted, d)
+    shutil.rmtree(d / "params" / "llm")
+    return d
+
+
+@pytest.fixture(scope="module")
+def voiceless(omni_dir, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("cli_voiceless") / "hf"
+    shutil.copytree(omni_dir, d)
+    (d / "spk_dict.pt").unlink()
+    return d
+
+
+def exit_code(argv: list[str]) -> int:
+    """What the console script exits with: ``main``'s return value, or argparse's exit."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        assert isinstance(e.code, int)
+        return e.code
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# (argv after the program name with {q} a converted Qwen2, {o} the HF Qwen2.5-Omni, {b} a broken
+# conversion, {v} an Omni without voices, {t} a temp dir; a regex the one line must match)
+CASES = {
+    "missing checkpoint": (["run", "{t}/nope", "--prompt", "hi"], r"nope: not a checkpoint directory"),
+    "broken conversion": (["run", "{b}", "--prompt", "hi"], r"params/llm: missing; the converted checkpoint"),
+    "dtype typo": (
+        ["run", "{q}", "--prompt", "hi", "--dtype", "bf17"],
+        r"dtype='bf17' is not one of float32, bfloat16, float16$",
+    ),
+    "unserved dtype": (["run", "{q}", "--prompt", "hi", "--dtype", "int8"], r"dtype='int8' is not one of"),
+    "too many devices": (["run", "{q}", "--prompt", "hi", "--mesh", "data=64"], r"the mesh needs 64 devices"),
+    "mesh syntax": (["run", "{q}", "--prompt", "hi", "--mesh", "bogus"], r"mesh 'bogus': expected axis=size"),
+    "stage without its input": (
+        ["run", "{o}", "--prompt", "hi", "--stages", "talker"],
+        r"stage 'talker' reads 'thinker''s output and cannot take a prompt",
+    ),
+    "unknown stage": (
+        ["run", "{o}", "--prompt", "hi", "--stages", "thinker,nope"],
+        r"unknown stage\(s\) \['nope'\]",
+    ),
+    "missing video": (
+        ["run", "{o}", "--stages", "thinker", "--prompt", "hi", "--video", "{t}/clip.npy"],
+        r"--video .*clip.npy: no such file",
+    ),
+    "missing audio": (
+        ["run", "{o}", "--stages", "thinker", "--prompt", "hi", "--audio", "{t}/a.wav"],
+        r"request 0: audio file '.*a.wav' does not exist",
+    ),
+    "missing image": (
+        ["run", "{o}", "--stages", "thinker", "--prompt", "hi", "--image", "{t}/a.png"],
+        r"request 0: image file '.*a.png' does not exist",
+    ),
+    "unknown speaker": (["run", "{o}", "--prompt", "hi", "--speaker", "Nobody"], r"unknown speaker 'Nobody'"),
+    "no voices": (
+        ["run", "{v}", "--prompt", "hi"],
+        r"no spk_dict.pt .*serves text only; stages \['talker', 'code2wav'\] cannot run: "
+        r"load it with stages=\['thinker'\]",
+    ),
+    "missing argument": (["run", "{q}"], r"omni-jax run: the following arguments are required: --prompt"),
+    "convert missing source": (["convert", "{t}/nope", "{t}/out"], r"nope: no such checkpoint directory"),
+    "convert dtype typo": (
+        ["convert", "{q}", "{t}/out", "--dtype", "bf17"],
+        r"argument --dtype: invalid choice: 'bf17' \(choose from 'float32', 'bfloat16', 'float16'\)",
+    ),
+    "demo cache under a file": (["demo", "--cache-dir", "{t}/file/cache"], r"Not a directory"),
+    "bench model": (
+        ["bench", "--suite", "ar", "--model", "{t}/nope"],
+        r"--model .*nope: not 'tiny', 'small'",
+    ),
+}
+
+
+@pytest.mark.parametrize("argv,pattern", list(CASES.values()), ids=list(CASES))
+def test_mistake_is_one_line_and_exit_2(
+    argv, pattern, qwen2_converted, omni_dir, broken, voiceless, tmp_path, capsys
+) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    paths = dict(q=qwen2_converted, o=omni_dir, b=broken, v=voiceless, t=tmp_path)
+    assert exit_code([a.format(**paths) for a in argv]) == 2
+    line = one_error_line(capsys)
+    assert re.search(pattern, line), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_debug_shows_the_traceback(qwen2_converted) -> None:
+    with pytest.raises(ValueError, match="dtype='bf17' is not one of"):
+        main(["run", str(qwen2_converted), "--prompt", "hi", "--dtype", "bf17", "--debug"])
+    with pytest.raises(ValueError, match="dtype='bf17' is not one of"):
+        main(["--debug", "run", str(qwen2_converted), "--prompt", "hi", "--dtype", "bf17"])
+
+
+def test_a_bug_keeps_its_traceback(qwen2_converted, monkeypatch) -> None:
+    def broken_loader(*args, **kwargs):
+        raise KeyError("a bug, not the user's mistake")
+
+    monkeypatch.setattr(OmniJaxPipeline, "from_pretrained", broken_loader)
+    with pytest.raises(KeyError, match="a bug"):
+        main(["run", str(qwen2_converted), "--prompt", "hi"])
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "omni_jax.cli", *argv], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_fresh_process_prints_exactly_one_line(omni_dir, tmp_path) -> None:
+    """Nothing else reaches stderr either: no traceback, no transformers config warnings."""
+    done = cli("run", str(omni_dir), "--prompt", "hi", "--speaker", "Nobody")
+    assert done.returncode == 2
+    assert done.stderr == "error: request 0: unknown speaker 'Nobody'; known speakers: ['Chelsie', 'Ethan']\n"
+    done = cli("run", str(tmp_path / "nope"), "--prompt", "hi", "--debug")
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert done.stderr.rstrip().endswith("not a checkpoint directory (no config.json)")

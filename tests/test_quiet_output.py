@@ -1,0 +1,119 @@
+"""Quiet, informative output (issue 19.6).
+
+- Loading a Qwen2.5-Omni checkpoint prints none of transformers' "may result in unexpected
+  behavior" warnings about the talker's thinker-vocabulary ids (the checkpoint's own, correct
+  fields), while such an id outside the thinker's vocabulary is refused by name.
+- ``run()``'s requests bar says when XLA is compiling, and how many programs it compiled.
+- ``save_wav`` writes 16-bit PCM that Python's ``wave`` opens; float32 on request.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.io import wavfile
+
+from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax.engine.compilation import CompileCounter
+from omni_jax.outputs import OmniRequestOutput
+from omni_jax.safetensors_io import CheckpointError
+from omni_jax.weights import load_hf_config
+
+WARNING = "may result in unexpected behavior"
+
+
+def stderr_of(code: str) -> str:
+    """A fresh process's stderr: transformers warns once per process, so a test process that
+    loaded the checkpoint before would see nothing either way."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_transformers_itself_warns(omni_dir) -> None:
+    """The warnings this file proves absent exist: a bare ``AutoConfig`` load prints all seven."""
+    err = stderr_of(f"from transformers import AutoConfig; AutoConfig.from_pretrained({str(omni_dir)!r})")
+    assert err.count(WARNING) == 7, err
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from omni_jax import OmniJaxPipeline; OmniJaxPipeline.from_pretrained({d!r}, max_model_len=128)",
+        "from omni_jax.models.qwen2_5_omni.processor import OmniProcessor\n"
+        "OmniProcessor.from_pretrained({d!r})",
+    ],
+    ids=["pipeline", "processor"],
+)
+def test_loading_prints_no_config_warnings(omni_dir, code) -> None:
+    err = stderr_of(code.format(d=str(omni_dir)))
+    assert WARNING not in err, err
+
+
+def test_thinker_id_outside_the_thinker_vocabulary_is_refused(omni_dir, tmp_path) -> None:
+    d = tmp_path / "hf"
+    shutil.copytree(omni_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    vocab = cfg["thinker_config"]["text_config"]["vocab_size"]
+    cfg["talker_config"]["tts_text_start_token_id"] = vocab + 5
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"talker_config\.tts_text_start_token_id={vocab + 5} is outside the thinker's vocabulary "
+        rf"\[0, {vocab}\)",
+    ):
+        load_hf_config(d)
+
+
+def test_run_says_when_xla_compiles(qwen2_dir, capsys) -> None:
+    # Engine sizes no other test uses, so this pipeline's programs are compiled here.
+    pipe = OmniJaxPipeline.from_pretrained(
+        qwen2_dir, max_model_len=40, max_num_seqs=3, max_num_batched_tokens=32
+    )
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    pipe.run(["one two three", "four"], params)
+    states = capsys.readouterr().err.split("\r")  # each redraw of the bar
+    assert any("compiling XLA programs" in s for s in states), states
+    assert "2/2" in states[-1] and "compiled=" in states[-1] and "compiling" not in states[-1], states
+    for _ in range(3):  # until a run compiles nothing: then the bar must not say it does
+        with CompileCounter() as counter:
+            pipe.run(["one two three", "four"], params)
+        err = capsys.readouterr().err
+        if counter.traces == counter.compiles == 0:
+            break
+    assert counter.traces == counter.compiles == 0
+    assert "2/2" in err and "compiling" not in err and "compiled=" not in err, err
+
+
+AUDIO = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 1.7, -2.5, 1e-5, 0.25], np.float32)
+
+
+def output() -> OmniRequestOutput:
+    return OmniRequestOutput(request_id="0", prompt_token_ids=[1], audio=AUDIO, sample_rate=24_000)
+
+
+def test_save_wav_writes_16_bit_pcm_that_wave_opens(tmp_path: Path) -> None:
+    path = output().save_wav(tmp_path / "a.wav")
+    with wave.open(str(path)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24_000)
+        frames = np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    want = np.array([0, 16384, -16384, 32767, -32767, 32767, -32767, 0, 8192], np.int16)  # clipped, rounded
+    np.testing.assert_array_equal(frames, want)
+
+
+def test_save_wav_float32_on_request(tmp_path: Path) -> None:
+    path = output().save_wav(tmp_path / "f.wav", sample_format="float32")
+    rate, samples = wavfile.read(path)
+    assert rate == 24_000 and samples.dtype == np.float32
+    np.testing.assert_array_equal(samples, AUDIO)  # as they are, unclipped
+    with pytest.raises(wave.Error):  # why 16-bit PCM is the default
+        wave.open(str(path))
+    with pytest.raises(ValueError, match="sample_format must be 'pcm16' or 'float32', got 'int8'"):
+        output().save_wav(tmp_path / "x.wav", sample_format="int8")
