@@ -120,10 +120,11 @@ def test_calls_cut_by_the_plan_match_reference(monkeypatch) -> None:
     grids = [(3, 6, 10), (1, 2, 2), (1, 10, 4), (2, 4, 4)]
     patches = [_patches(rng, g, spec.patch_dim) for g in grids]
     buckets = vision_token_buckets(spec, 64)
-    assert buckets == (16, 32, 64)
+    assert buckets == (16, 32, 48, 64)
     calls = plan_vision_calls(grids, spec, buckets)
     assert any(len(c.pieces) > 1 for c in calls) and len({p.item for c in calls for p in c.pieces}) == 4
     assert sum(1 for c in calls for p in c.pieces if p.item == 0) > 1  # the video is cut
+    assert 48 in {c.tokens for c in calls}  # a call of three band tiles
     rows: list[list[np.ndarray]] = [[] for _ in grids]
     for call in calls:
         pieces = [

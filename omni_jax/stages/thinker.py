@@ -30,9 +30,9 @@ no request mix compiles an encoder after it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -42,6 +42,7 @@ from omni_jax.engine.ar_runner import StepRow
 from omni_jax.engine.scheduler import ARRequest
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     AudioBatch,
+    RowSplit,
     audio_chunk_buckets,
     audio_chunks,
     plan_audio_calls,
@@ -52,11 +53,14 @@ from omni_jax.models.qwen2_5_omni.rope_index import media_rope_index, positions_
 from omni_jax.models.qwen2_5_omni.thinker import PromptMerge, Thinker, ThinkerSpec
 from omni_jax.models.qwen2_5_omni.vision_encoder import (
     VisionBatch,
+    VisionCall,
     plan_vision_calls,
     prepare_vision_batch,
     vision_token_buckets,
 )
 from omni_jax.stages.base import StageInput, StageResult
+
+T = TypeVar("T")
 
 PROCESSOR_KWARGS = ("use_audio_in_video", "fps")
 """Keys a prompt's ``mm_processor_kwargs`` may hold (vLLM's name for per-prompt processor options)."""
@@ -111,8 +115,7 @@ class EncoderPrograms:
     """One encoder's compiled programs, one per input shape: compiled ahead of traffic by
     :meth:`compile` (warm-up, from shapes alone) or at a shape's first call, then reused."""
 
-    def __init__(self, module: nnx.Module):
-        graphdef, self.state = nnx.split(module)
+    def __init__(self, graphdef: nnx.GraphDef):
         self._jit = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
         self._compiled: dict[tuple[Any, ...], jax.stages.Compiled] = {}
 
@@ -174,10 +177,10 @@ class ThinkerStepInputs:
         self.token_ids = (spec.audio_token_id, spec.image_token_id, spec.video_token_id)
         self.width = spec.text.hidden_size
         self.dtype = np.dtype(model.model.embed_tokens.embedding.dtype)
-        self._audio = EncoderPrograms(model.audio_tower)
-        self._audio_state = self._audio.state
-        self._vision = EncoderPrograms(model.visual)
-        self._vision_state = self._vision.state
+        audio_def, self._audio_state = nnx.split(model.audio_tower)
+        vision_def, self._vision_state = nnx.split(model.visual)
+        self._audio = EncoderPrograms(audio_def)
+        self._vision = EncoderPrograms(vision_def)
 
     def encode(self, requests: Sequence[ThinkerRequest]) -> None:
         """Every request's audio, then its images and videos, in the calls each encoder's plan
@@ -204,15 +207,16 @@ class ThinkerStepInputs:
         """Each clip's rows."""
         if not features:
             return []
-        rows: list[np.ndarray] = []
-        for call in plan_audio_calls(
-            [f.shape[1] for f in features], self.spec.audio, self.buckets.audio_chunks
-        ):
-            batch, split = prepare_audio_batch(
-                features[call.start : call.stop], self.spec.audio, min_chunks=call.size
-            )
-            rows += split.split(np.asarray(self._audio(self._audio_state, batch)))
-        return rows
+        spec, buckets = self.spec.audio, self.buckets.audio_chunks
+
+        def dispatch() -> Iterator[tuple[RowSplit, jax.Array]]:
+            for call in plan_audio_calls([f.shape[1] for f in features], spec, buckets):
+                batch, split = prepare_audio_batch(
+                    features[call.start : call.stop], spec, min_chunks=call.size
+                )
+                yield split, self._audio(self._audio_state, batch)
+
+        return [rows for split, out in _one_ahead(dispatch()) for rows in split.split(out)]
 
     def _encode_vision(
         self, patches: list[np.ndarray], grids: list[tuple[int, int, int]]
@@ -220,16 +224,20 @@ class ThinkerStepInputs:
         """Each image's or video's rows (a video's frames may come from several calls)."""
         if not patches:
             return []
+
+        def dispatch() -> Iterator[tuple[tuple[VisionCall, RowSplit], jax.Array]]:
+            for call in plan_vision_calls(grids, self.spec.vision, self.buckets.vision_tokens):
+                pieces, piece_grids = [], []
+                for p in call.pieces:
+                    _, h, w = grids[p.item]
+                    pieces.append(patches[p.item][p.first * h * w : (p.first + p.frames) * h * w])
+                    piece_grids.append((p.frames, h, w))
+                batch, split = prepare_vision_batch(pieces, piece_grids, self.spec.vision, tokens=call.tokens)
+                yield (call, split), self._vision(self._vision_state, batch)
+
         rows: list[list[np.ndarray]] = [[] for _ in patches]
-        for call in plan_vision_calls(grids, self.spec.vision, self.buckets.vision_tokens):
-            pieces, piece_grids = [], []
-            for p in call.pieces:
-                _, h, w = grids[p.item]
-                pieces.append(patches[p.item][p.first * h * w : (p.first + p.frames) * h * w])
-                piece_grids.append((p.frames, h, w))
-            batch, split = prepare_vision_batch(pieces, piece_grids, self.spec.vision, tokens=call.tokens)
-            out = split.split(np.asarray(self._vision(self._vision_state, batch)))
-            for p, piece_rows in zip(call.pieces, out, strict=True):
+        for (call, split), out in _one_ahead(dispatch()):
+            for p, piece_rows in zip(call.pieces, split.split(out), strict=True):
                 rows[p.item].append(piece_rows)
         return [np.concatenate(r) for r in rows]
 
@@ -292,6 +300,19 @@ class ThinkerStepInputs:
             if row.end >= row.prompt_len:
                 req.rows = None  # prefill done: a preempted request is encoded again
         return PromptMerge(merged, first, limit, self.token_ids)
+
+
+def _one_ahead(dispatched: Iterator[tuple[T, jax.Array]]) -> Iterator[tuple[T, np.ndarray]]:
+    """The results of encoder calls in order, each read once the next call is dispatched: the
+    host packs a call while the device runs the one before, and no more than two calls' buffers
+    are alive at once, however many calls a step makes."""
+    previous: tuple[T, jax.Array] | None = None
+    for current in dispatched:
+        if previous is not None:
+            yield previous[0], np.asarray(previous[1])
+        previous = current
+    if previous is not None:
+        yield previous[0], np.asarray(previous[1])
 
 
 def _encoder_error(e: Exception) -> str:
