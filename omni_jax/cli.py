@@ -1,4 +1,4 @@
-"""``omni-jax``: run, convert, demo and bench from the command line."""
+"""``omni-jax``: run, convert, plan, demo and bench from the command line."""
 
 from __future__ import annotations
 
@@ -82,6 +82,24 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """Print the memory plan of ``from_pretrained(MODEL, ...)`` from its ``config.json`` alone."""
+    from omni_jax.parallel.mesh import parse_mesh
+    from omni_jax.planning import plan_memory
+
+    plan = plan_memory(
+        args.model,
+        stages=args.stages,
+        dtype=args.dtype,
+        mesh=None if args.mesh is None else parse_mesh(args.mesh),
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+    )
+    print(plan.table())
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from omni_jax.demo import run_demo
 
@@ -126,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("convert", help="HF checkpoint -> Orbax checkpoint")
     convert_cli.add_arguments(c)
     c.set_defaults(fn=convert_cli.run)
+    pl = sub.add_parser("plan", help="per-device bytes of weights, KV cache and largest step (config.json)")
+    pl.add_argument("model", help="a checkpoint directory (only its config.json is read)")
+    pl.add_argument("--mesh", default=None, help="every stage's mesh, e.g. data=2,model=4")
+    pl.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    pl.add_argument("--stages", type=lambda s: s.split(","), default=None, help="e.g. thinker")
+    pl.add_argument("--max-model-len", type=int, default=None)
+    pl.add_argument("--max-num-seqs", type=int, default=None)
+    pl.add_argument("--page-size", type=int, default=None)
+    pl.set_defaults(fn=_plan)
     d = sub.add_parser("demo", help="build a tiny model locally and run it end to end")
     d.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "demo"))
     d.add_argument("--output-dir", default="omni_jax_demo_output")

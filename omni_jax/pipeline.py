@@ -32,7 +32,7 @@ from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage, StageInput, StageResult
 from omni_jax.stages.code2wav import Code2WavStage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
-from omni_jax.stages.limits import cache_shares, check_memory_before_loading, stage_needs
+from omni_jax.stages.limits import cache_shares, check_memory_before_loading, engine_settings, stage_needs
 from omni_jax.weights import load_part
 
 Prompt = str | dict[str, Any]
@@ -132,11 +132,11 @@ class OmniJaxPipeline:
         )
         for sc in config.stages:  # refuse stages not served yet, or not splittable so, before loading
             arch.part(sc.name).shard_rules(hf_config, meshes[sc.name].shape["model"])
-        engine = dict(
-            max_num_seqs=64 if max_num_seqs is None else max_num_seqs,
+        engine = engine_settings(
+            max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
-            page_size=16 if page_size is None else page_size,
-            max_num_batched_tokens=2048 if max_num_batched_tokens is None else max_num_batched_tokens,
+            page_size=page_size,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         # Weights, KV caches and largest steps against each memory pool, from config.json alone:
         # a layout that cannot fit is refused with the numbers before anything is read.

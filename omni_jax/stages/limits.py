@@ -6,8 +6,12 @@ stage's largest solve (:func:`~omni_jax.stages.code2wav.solve_demand`) are added
 pool (each accelerator, or the host for CPU devices) over the devices each stage is placed on,
 and compared with what the pool has left. Without ``num_pages`` the cache is sized later to what
 is left (at least one sequence), so only one sequence's pages count here. Weights are counted
-split over the ``model`` axis, a lower bound where parts are replicated (the encoders);
-:meth:`CachePlan.num_pages` checks again, exactly, once the weights are placed.
+as each device holds them under the part's partition rules (split dimensions divided,
+replicated parameters whole); :meth:`CachePlan.num_pages` checks again, exactly, once the
+weights are placed.
+
+The same per-device figures, for a mesh this process need not have (:class:`PlannedMesh`), are
+the memory plan's (:mod:`omni_jax.planning`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,27 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from omni_jax.engine.memory import STEP_ITEM, available_bytes, format_bytes, memory_pools, pool_key
-from omni_jax.models.registry import architecture_of
-from omni_jax.parallel.mesh import axis_size
+from omni_jax.models.registry import Architecture, architecture_of
+from omni_jax.parallel.mesh import AXES, axis_size
+from omni_jax.parallel.rules import ShardRule, partition_spec
 from omni_jax.stages.ar import CachePlan, CacheShare, local_devices
 from omni_jax.stages.code2wav import solve_demand
 from omni_jax.stages.config import StageConfig
+
+ENGINE_DEFAULTS = {"max_num_seqs": 64, "page_size": 16, "max_num_batched_tokens": 2048}
+"""The AR engine's sizes when ``from_pretrained`` is given none (``max_model_len``: the model's
+``max_position_embeddings``, at most 4096, see :meth:`CachePlan.of`)."""
+
+
+def engine_settings(**sizes: int | None) -> dict[str, int | None]:
+    """:meth:`CachePlan.of`'s settings from ``from_pretrained``'s: each size not given (``None``)
+    takes its :data:`ENGINE_DEFAULTS` value; ``max_model_len`` stays ``None`` (the model's)."""
+    return {k: ENGINE_DEFAULTS[k] if v is None and k in ENGINE_DEFAULTS else v for k, v in sizes.items()}
 
 
 def part_dtype(path: Path, hf_config: Any, part_dtype: str | None, dtype: str | None) -> str:
@@ -38,8 +54,34 @@ def part_dtype(path: Path, hf_config: Any, part_dtype: str | None, dtype: str | 
     return read_manifest(path)["dtype"] if is_converted(path) else checkpoint_dtype(hf_config)
 
 
-def weight_bytes(model: nnx.Module) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+@dataclasses.dataclass(frozen=True)
+class PlannedDevice:
+    """A device of a :class:`PlannedMesh`: only its platform is known."""
+
+    platform: str
+
+
+class PlannedMesh:
+    """A stage's mesh planned for devices this process need not have (a plan for GPUs, made on a
+    laptop): its axis sizes and platform, which is all the memory estimates read of a mesh
+    (``shape`` as ``Mesh.shape``; ``devices``, as ``Mesh.devices``, stand-ins of that platform)."""
+
+    def __init__(self, shape: dict[str, int], platform: str):
+        self.shape = {a: shape[a] for a in AXES}
+        self.devices = np.array(
+            [PlannedDevice(platform)] * math.prod(self.shape.values()), dtype=object
+        ).reshape(tuple(self.shape.values()))
+
+
+def device_weight_bytes(model: nnx.Module, rules: tuple[ShardRule, ...], mesh: Mesh | PlannedMesh) -> int:
+    """Bytes of ``model``'s parameters one device of ``mesh`` holds under ``rules``: each split
+    dimension divided by its axis size, replicated parameters whole (every device holds the same)."""
+    total = 0
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shape = tuple(var.shape)
+        split = math.prod(mesh.shape[a] for a in partition_spec(path, shape, rules, mesh) if a is not None)
+        total += math.prod(shape) * np.dtype(var.dtype).itemsize // split
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +109,31 @@ class StageNeeds:
         return self.plan.memory.kv_bytes(self.plan.pages_per_seq * self.plan.max_num_seqs)
 
 
+def stage_demand(
+    path: Path,
+    hf_config: Any,
+    arch: Architecture,
+    sc: StageConfig,
+    mesh: Mesh | PlannedMesh,
+    dtype: str | None,
+    **engine: Any,
+) -> tuple[dict[str, int], CachePlan | None]:
+    """One stage's memory per device of ``mesh`` from its abstract model (nothing read or
+    allocated): ``(fixed, plan)``, ``fixed`` its weights and largest step (AR) or largest solve
+    (generation), ``plan`` an AR stage's cache. ``engine``: :meth:`CachePlan.of`'s settings."""
+    part = arch.part(sc.name)
+    rules = part.shard_rules(hf_config, axis_size(mesh, "model"))  # refuses a split before tracing
+    model = nnx.eval_shape(part.make(hf_config, part_dtype(path, hf_config, part.dtype, dtype)))
+    fixed = {f"stage {sc.name!r} weights": device_weight_bytes(model, rules, mesh)}
+    plan = None
+    if sc.kind == "ar":
+        plan = CachePlan.of(model, mesh, **engine)
+        fixed[f"stage {sc.name!r} {STEP_ITEM}"] = plan.memory.step_bytes
+    else:
+        fixed |= solve_demand(sc, model)
+    return fixed, plan
+
+
 def stage_needs(
     path: str | Path,
     hf_config: Any,
@@ -83,16 +150,8 @@ def stage_needs(
     arch = architecture_of(hf_config)
     needs = []
     for sc in stages:
-        part = arch.part(sc.name)
-        model = nnx.eval_shape(part.make(hf_config, part_dtype(path, hf_config, part.dtype, dtype)))
         mesh = meshes[sc.name]
-        fixed = {f"stage {sc.name!r} weights": weight_bytes(model) // axis_size(mesh, "model")}
-        plan = None
-        if sc.kind == "ar":
-            plan = CachePlan.of(model, mesh, **engine)
-            fixed[f"stage {sc.name!r} {STEP_ITEM}"] = plan.memory.step_bytes
-        else:
-            fixed |= solve_demand(sc, model)
+        fixed, plan = stage_demand(path, hf_config, arch, sc, mesh, dtype, **engine)
         needs.append(StageNeeds(sc.name, fixed, plan, memory_pools(local_devices(mesh))))
     return needs
 

@@ -1,0 +1,268 @@
+"""Memory planning from ``config.json`` alone: what each device needs for a pipeline's stages.
+
+A plan tells, before any weight is downloaded, whether a checkpoint fits a GPU: per stage and per
+device, the bytes of its weights, of its largest step's temporaries (an AR stage) or largest
+solve (code2wav), and of its KV cache, for one sequence of ``max_model_len`` tokens and for the
+``max_num_seqs`` sequences a default cache would like. The figures are the start-up check's
+(:func:`omni_jax.stages.limits.stage_demand`: abstract models, nothing read or allocated), for
+meshes of accelerators this process need not have (:class:`~omni_jax.stages.limits.PlannedMesh`).
+
+Fitting a GPU: JAX takes ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of its memory (0.75 unless that is
+set). The stages on a device fit when their weights, largest steps and one sequence of cache per
+AR stage fit in that, which is what ``from_pretrained`` checks before loading; the default cache
+then takes :data:`CACHE_FRACTION` of what the weights leave, less the steps, which is how many
+sequences of ``max_model_len`` tokens can be served at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from omni_jax.engine.memory import GIB
+from omni_jax.models.registry import architecture_of
+from omni_jax.parallel.mesh import AXES, mesh_shape
+from omni_jax.stages.config import StageConfig, load_pipeline_config
+from omni_jax.stages.limits import PlannedMesh, engine_settings, part_dtype, stage_demand
+
+GPU_SIZES_GIB = (24, 40, 80)
+JAX_MEM_FRACTION = 0.75
+"""JAX's default share of an accelerator's memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``)."""
+CACHE_FRACTION = 0.9
+"""What a default KV cache takes of the memory left to it (``ARMemory.pages_that_fit``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """One stage's bytes on each of its devices."""
+
+    name: str
+    kind: str
+    dtype: str
+    mesh: dict[str, int]
+    devices: tuple[int, ...]  # indices into the devices of the machine the plan is for
+    weights: int
+    step: int  # largest step's temporaries (AR) or largest solve (generation), estimates
+    sequence_kv: int  # one sequence of max_model_len tokens (0: no KV cache)
+    full_kv: int  # max_num_seqs such sequences (what a default cache would like)
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """Everything the stages placed on one device need there."""
+
+    device: int
+    stages: tuple[str, ...]
+    weights: int
+    steps: int
+    sequence_kv: int
+    full_kv: int
+    max_num_seqs: int
+
+    @property
+    def least(self) -> int:
+        """Weights, steps and one sequence of cache: what ``from_pretrained`` refuses to go below."""
+        return self.weights + self.steps + self.sequence_kv
+
+    def sequences(self, usable: int) -> int:
+        """Sequences of ``max_model_len`` a device with ``usable`` bytes serves at once (at most
+        ``max_num_seqs``; 0 when it cannot hold the stages at all)."""
+        if self.least > usable:
+            return 0
+        if self.sequence_kv == 0:
+            return self.max_num_seqs
+        room = CACHE_FRACTION * (usable - self.weights) - self.steps
+        return max(1, min(self.max_num_seqs, int(room // self.sequence_kv)))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of a pipeline (see the module docstring); :meth:`table` prints it."""
+
+    path: Path
+    architecture: str
+    stages: tuple[StagePlan, ...]
+    devices: tuple[DevicePlan, ...]
+    max_model_len: int | None  # of the AR stages (None without one)
+    max_num_seqs: int
+    mem_fraction: float
+
+    @property
+    def weights(self) -> int:
+        """Every stage's weights over all its devices (the checkpoint as loaded, replicas included)."""
+        return sum(s.weights * len(s.devices) for s in self.stages)
+
+    def usable(self, capacity: int) -> int:
+        return int(capacity * self.mem_fraction)
+
+    def fits(self, capacity: int) -> bool:
+        """Whether every device, of ``capacity`` bytes, holds its stages with one sequence of cache."""
+        return all(d.least <= self.usable(capacity) for d in self.devices)
+
+    def sequences(self, capacity: int) -> int:
+        """Sequences served at once on devices of ``capacity`` bytes (the fewest of any device)."""
+        return min(d.sequences(self.usable(capacity)) for d in self.devices)
+
+    def table(self, gpu_sizes_gib: tuple[int, ...] = GPU_SIZES_GIB) -> str:
+        g = size_text
+        length = f"max_model_len {self.max_model_len}, " if self.max_model_len else ""
+        lines = [
+            f"{self.architecture} ({self.path / 'config.json'}): {length}max_num_seqs {self.max_num_seqs}; "
+            f"weights {g(self.weights)} on all devices",
+            "",
+            f"per stage, on each of its devices (KV all: {self.max_num_seqs} sequences, a default cache):",
+            row(STAGE_COLUMNS, *STAGE_HEADER),
+        ]
+        for s in self.stages:
+            mesh = ",".join(f"{a}={s.mesh[a]}" for a in AXES)
+            devices = ",".join(map(str, s.devices))
+            kv = (g(s.sequence_kv), g(s.full_kv)) if s.sequence_kv else ("-", "-")
+            lines.append(row(STAGE_COLUMNS, s.name, devices, mesh, s.dtype, g(s.weights), g(s.step), *kv))
+        header = ("device", "stages", "weights", "steps", "KV 1 seq", "least", "with KV all")
+        lines += ["", "per device (least: weights, steps and one sequence):", row(DEVICE_COLUMNS, *header)]
+        for d in self.devices:
+            full = d.weights + d.steps + d.full_kv
+            cells = (g(d.weights), g(d.steps), g(d.sequence_kv), g(d.least), g(full))
+            lines.append(row(DEVICE_COLUMNS, str(d.device), ",".join(d.stages), *cells))
+        lines += ["", f"GPUs (JAX uses {self.mem_fraction:.0%} of one: XLA_PYTHON_CLIENT_MEM_FRACTION):"]
+        for size in gpu_sizes_gib:
+            capacity = size * GIB
+            if self.fits(capacity):
+                n = self.sequences(capacity)
+                what = f"fits, {n} sequence{'s' if n > 1 else ''} at once" if self.max_model_len else "fits"
+            else:
+                worst = max(self.devices, key=lambda d: d.least)
+                has = g(self.usable(capacity))
+                what = f"does not fit: device {worst.device} needs {g(worst.least)}, JAX has {has}"
+            lines.append(f"  {size:>3} GiB: {what}")
+        return "\n".join(lines)
+
+
+def size_text(n: int) -> str:
+    """Bytes in GiB, or MiB / KiB below a tenth of the unit above (tiny test models)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
+        if n >= scale // 10:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB"
+
+
+STAGE_HEADER = ("stage", "devices", "mesh", "dtype", "weights", "largest step", "KV 1 seq", "KV all")
+STAGE_COLUMNS = (9, 8, 15, 9, 10, 13, 10, 10)
+DEVICE_COLUMNS = (7, 24, 10, 10, 10, 10, 11)
+
+
+def row(widths: tuple[int, ...], *cells: str) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+
+def _layout(sc: StageConfig, default: dict[str, int]) -> tuple[dict[str, int], tuple[int, ...]]:
+    """A stage's mesh and device indices as :func:`~omni_jax.parallel.placement.stage_meshes`
+    lays it out: its YAML ``mesh``, or its ``devices`` all over ``model``, or the default."""
+    if sc.mesh is not None:
+        shape = mesh_shape(sc.mesh)
+    elif sc.devices is not None:
+        shape = mesh_shape({"model": len(sc.devices)})
+    else:
+        shape = default
+    size = shape["data"] * shape["model"]
+    devices = tuple(sc.devices) if sc.devices is not None else tuple(range(size))
+    if len(devices) != size:
+        raise ValueError(
+            f"stage {sc.name!r}: the mesh {shape} needs {size} devices, its list has {len(devices)}"
+        )
+    return shape, devices
+
+
+def plan_memory(
+    path: str | Path,
+    stages: list[str] | None = None,
+    dtype: str | None = None,
+    mesh: dict[str, int] | None = None,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+    page_size: int | None = None,
+    *,
+    max_num_batched_tokens: int | None = None,
+    stage_config: str | Path | None = None,
+    platform: str = "gpu",
+) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``from_pretrained(path, ...)`` with the same arguments, from
+    ``path/config.json`` alone, for devices of ``platform`` (the step estimates depend on it).
+
+    Raises ``ValueError`` for what ``from_pretrained`` would refuse before loading (an unknown
+    stage, a mesh the model cannot be split by, ``max_model_len`` over the model's).
+    """
+    from omni_jax.pipeline import _check_sizes, _check_stage_names, _dtype_name  # from_pretrained's checks
+    from omni_jax.weights import load_hf_config
+
+    dtype = _dtype_name(dtype)
+    _check_stage_names(stages)
+    _check_sizes(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=page_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    path = Path(path)
+    hf_config = load_hf_config(path)
+    arch = architecture_of(hf_config)
+    config = load_pipeline_config(stage_config or arch.stage_yaml).select(stages)
+    engine = engine_settings(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=page_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    default = mesh_shape(mesh)
+    plans, lengths = [], []
+    for sc in config.stages:
+        shape, devices = _layout(sc, default)
+        fixed, cache = stage_demand(path, hf_config, arch, sc, PlannedMesh(shape, platform), dtype, **engine)
+        weights = fixed.pop(f"stage {sc.name!r} weights")
+        sequence_kv = full_kv = 0
+        if cache is not None:
+            lengths.append(cache.max_model_len)
+            sequence_kv = cache.memory.kv_bytes(cache.pages_per_seq)
+            full_kv = cache.memory.kv_bytes(cache.pages_per_seq * cache.max_num_seqs)
+        stage_dtype = part_dtype(path, hf_config, arch.part(sc.name).dtype, dtype)
+        plans.append(
+            StagePlan(
+                sc.name,
+                sc.kind,
+                stage_dtype,
+                shape,
+                devices,
+                weights,
+                sum(fixed.values()),
+                sequence_kv,
+                full_kv,
+            )
+        )
+    return MemoryPlan(
+        path=path,
+        architecture=arch.name,
+        stages=tuple(plans),
+        devices=_per_device(plans, engine["max_num_seqs"]),
+        max_model_len=max(lengths) if lengths else None,
+        max_num_seqs=engine["max_num_seqs"],
+        mem_fraction=float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION)),
+    )
+
+
+def _per_device(plans: list[StagePlan], max_num_seqs: int) -> tuple[DevicePlan, ...]:
+    out = []
+    for device in sorted({d for s in plans for d in s.devices}):
+        here = [s for s in plans if device in s.devices]
+        out.append(
+            DevicePlan(
+                device=device,
+                stages=tuple(s.name for s in here),
+                weights=sum(s.weights for s in here),
+                steps=sum(s.step for s in here),
+                sequence_kv=sum(s.sequence_kv for s in here),
+                full_kv=sum(s.full_kv for s in here),
+                max_num_seqs=max_num_seqs,
+            )
+        )
+    return tuple(out)

@@ -1,0 +1,257 @@
+"""Memory planning from ``config.json`` alone (issue 19, point 2): ``plan_memory`` and ``omni-jax plan``.
+
+On the tiny checkpoints the plan is held to what loading allocates: the weights as placed and
+the KV cache as built (per device on a mesh: ``tests/multidevice/test_sharded_loading.py``). On
+a ``config.json`` with Qwen2.5-Omni-7B's shapes (written here from the public checkpoint's
+config, no weights), the weights are held to the parameters transformers instantiates for
+those shapes on torch's meta device (nothing allocated), the KV cache to a count by hand, and
+the GPU verdicts to those figures.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import pytest
+from flax import nnx
+
+from omni_jax import OmniJaxPipeline
+from omni_jax.cli import main as cli_main
+from omni_jax.engine.memory import GIB
+from omni_jax.planning import MemoryPlan, plan_memory
+from omni_jax.weights import convert, load_part
+
+OMNI_IDS = dict(
+    audio_token_index=151646,
+    image_token_index=151655,
+    video_token_index=151656,
+    audio_start_token_id=151647,
+    audio_end_token_id=151648,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+)
+MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
+
+
+def qwen2_5_omni_7b_config():  # noqa: ANN201 - a transformers config
+    """Qwen2.5-Omni-7B's ``config.json``: the public checkpoint's shapes and token ids; the
+    token2wav's are transformers' defaults, which are the 7B's."""
+    from transformers import Qwen2_5OmniConfig
+
+    thinker = dict(
+        text_config=dict(
+            hidden_size=3584,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            intermediate_size=18944,
+            vocab_size=152064,
+            max_position_embeddings=32768,
+            rope_parameters=MROPE,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+        audio_config=dict(
+            d_model=1280,
+            encoder_layers=32,
+            encoder_attention_heads=20,
+            encoder_ffn_dim=5120,
+            num_mel_bins=128,
+            output_dim=3584,
+            max_source_positions=1500,
+            n_window=100,
+        ),
+        vision_config=dict(
+            depth=32,
+            hidden_size=1280,
+            num_heads=16,
+            intermediate_size=3420,
+            out_hidden_size=3584,
+            patch_size=14,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31],
+        ),
+        user_token_id=872,
+        **OMNI_IDS,
+    )
+    talker = dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=18944,
+        vocab_size=8448,
+        embedding_size=3584,
+        max_position_embeddings=32768,
+        rope_parameters=MROPE,
+        rms_norm_eps=1e-6,
+        tts_text_pad_token_id=151859,
+        tts_text_start_token_id=151860,
+        tts_text_end_token_id=151861,
+        tts_codec_pad_token_id=8292,
+        tts_codec_start_token_id=8293,
+        tts_codec_end_token_id=8294,
+        tts_codec_mask_token_id=8296,
+        **OMNI_IDS,
+    )
+    cfg = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, enable_audio_output=True)
+    cfg.architectures = ["Qwen2_5OmniForConditionalGeneration"]
+    cfg.dtype = "bfloat16"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def omni_7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("omni7b")
+    qwen2_5_omni_7b_config().save_pretrained(path)
+    assert [p.name for p in path.iterdir()] == ["config.json"]
+    return path
+
+
+def param_bytes(model: nnx.Module) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_tiny_qwen2_plan_is_what_loading_allocates(qwen2_dir) -> None:
+    engine = dict(max_num_seqs=4, max_model_len=64, page_size=16)
+    (stage,) = plan_memory(qwen2_dir, **engine).stages
+    model, _ = load_part(qwen2_dir, "llm")
+    assert stage.weights == param_bytes(model)
+    pages = 4 * 64 // 16  # max_num_seqs full sequences: the cache the plan's "KV all" is
+    pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, num_pages=pages, **engine)
+    cache = pipe.stages[0].engine.runner.kv_cache
+    assert sum(k.nbytes + v.nbytes for k, v in cache) == stage.full_kv
+    one = OmniJaxPipeline.from_pretrained(qwen2_dir, num_pages=64 // 16, **engine)
+    assert sum(k.nbytes + v.nbytes for k, v in one.stages[0].engine.runner.kv_cache) == stage.sequence_kv
+
+
+def test_converted_checkpoint_is_planned_in_its_dtype(qwen2_dir, tmp_path) -> None:
+    dst = convert(qwen2_dir, tmp_path / "bf16", dtype="bfloat16", progress=False)
+    (f32,) = plan_memory(qwen2_dir).stages
+    (bf16,) = plan_memory(dst).stages
+    assert (f32.dtype, bf16.dtype) == ("float32", "bfloat16")
+    assert bf16.weights * 2 == f32.weights == param_bytes(load_part(qwen2_dir, "llm")[0])
+
+
+def test_tiny_omni_plan_weights_are_the_loaded_stages(omni_dir) -> None:
+    plan = plan_memory(omni_dir)
+    assert [s.name for s in plan.stages] == ["thinker", "talker", "code2wav"]
+    for stage in plan.stages:
+        assert stage.weights == param_bytes(load_part(omni_dir, stage.name)[0]), stage.name
+    (device,) = plan.devices  # every stage on the one device, added up there
+    assert device.weights == sum(s.weights for s in plan.stages)
+    assert device.least == sum(s.weights + s.step + s.sequence_kv for s in plan.stages)
+
+
+UNUSED = ("audio_tower.audio_bos_eos_token.weight",)
+"""The one parameter of transformers' model no stage serves (its forward never reads it either)."""
+
+
+def hf_parameter_bytes(cfg) -> dict[str, int]:  # noqa: ANN001
+    """Bytes per stage of the parameters transformers instantiates for ``cfg`` (on torch's meta
+    device: nothing allocated), less :data:`UNUSED`, in the dtype each stage is loaded in (the
+    token2wav in float32, as transformers runs it)."""
+    import torch
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Qwen2_5OmniForConditionalGeneration(cfg)
+    params = dict(model.named_parameters())
+    assert sum(1 for name in params if name.endswith(UNUSED)) == len(UNUSED)
+    out = {}
+    for stage, prefix, itemsize in (
+        ("thinker", "thinker.", 2),
+        ("talker", "talker.", 2),
+        ("code2wav", "token2wav.", 4),
+    ):
+        out[stage] = itemsize * sum(
+            p.numel() for name, p in params.items() if name.startswith(prefix) and not name.endswith(UNUSED)
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def plan_7b(omni_7b) -> MemoryPlan:
+    return plan_memory(omni_7b)
+
+
+def test_qwen2_5_omni_7b_from_config_alone(plan_7b) -> None:
+    plan = plan_7b
+    expected = hf_parameter_bytes(qwen2_5_omni_7b_config())
+    assert {s.name: s.weights for s in plan.stages} == expected
+    # The published checkpoint: 22.4 GB (bfloat16, the token2wav in float32).
+    assert abs(plan.weights - 22.4e9) < 0.05e9
+    thinker, talker, code2wav = plan.stages
+    assert (thinker.dtype, talker.dtype, code2wav.dtype) == ("bfloat16", "bfloat16", "float32")
+    # One sequence of max_model_len 4096 (the default: min(32768, 4096)) in pages of 16, plus the
+    # null page: 2 (K, V) x layers x KV heads x head_dim x 2 bytes per token.
+    assert plan.max_model_len == 4096
+    assert thinker.sequence_kv == (256 + 1) * 16 * 2 * 28 * 4 * 128 * 2
+    assert talker.sequence_kv == (256 + 1) * 16 * 2 * 24 * 4 * 128 * 2
+    assert thinker.full_kv == (64 * 256 + 1) * 16 * 2 * 28 * 4 * 128 * 2
+    assert code2wav.sequence_kv == 0 and code2wav.step > 0 and thinker.step > 0
+    (device,) = plan.devices
+    assert device.least == sum(s.weights + s.step + s.sequence_kv for s in plan.stages)
+    for gib in (24, 40, 80):
+        assert plan.fits(gib * GIB) == (device.least <= int(gib * GIB * plan.mem_fraction))
+    assert not plan.fits(24 * GIB) and plan.fits(80 * GIB)
+    table = plan.table()
+    assert re.search(
+        r"^ +24 GiB: does not fit: device 0 needs \d+\.\d\d GiB, JAX has 18\.00 GiB$", table, re.M
+    )
+    assert re.search(r"^ +80 GiB: fits, \d+ sequences? at once$", table, re.M)
+
+
+def test_qwen2_5_omni_7b_on_a_mesh(omni_7b, plan_7b) -> None:
+    whole = {s.name: s for s in plan_7b.stages}
+    split = plan_memory(omni_7b, stages=["thinker", "talker"], mesh={"model": 4})
+    assert [d.device for d in split.devices] == [0, 1, 2, 3]
+    for s in split.stages:
+        assert s.devices == (0, 1, 2, 3)
+        assert s.sequence_kv * 4 == whole[s.name].sequence_kv  # one of the 4 KV heads on each device
+        assert whole[s.name].weights / 4 <= s.weights < whole[s.name].weights / 2  # norms, encoders whole
+
+
+def test_jax_memory_fraction_is_read(omni_dir, monkeypatch) -> None:
+    assert plan_memory(omni_dir).mem_fraction == 0.75
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    plan = plan_memory(omni_dir)
+    assert plan.mem_fraction == 0.95 and plan.usable(80 * GIB) == int(0.95 * 80 * GIB)
+
+
+def test_plan_refuses_what_from_pretrained_would(omni_7b, omni_dir) -> None:
+    with pytest.raises(ValueError, match="does not divide the 28 attention heads"):
+        plan_memory(omni_7b, mesh={"model": 3})
+    with pytest.raises(ValueError, match=r"dtype='bf17' is not one of float32, bfloat16, float16"):
+        plan_memory(omni_7b, dtype="bf17")
+    with pytest.raises(ValueError, match=r"page_size=0 must be a positive integer"):
+        plan_memory(omni_7b, page_size=0)
+    with pytest.raises(
+        ValueError, match="max_model_len=4096 exceeds the model's max_position_embeddings=512"
+    ):
+        plan_memory(omni_dir, max_model_len=4096)
+
+
+def test_cli_prints_the_plan(omni_dir, capsys) -> None:
+    assert cli_main(["plan", str(omni_dir), "--mesh", "model=2", "--max-model-len", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "max_model_len 128, max_num_seqs 64" in out
+    assert re.search(r"^thinker +0,1 +data=1,model=2 +float32 ", out, re.M)
+    assert re.search(r"^code2wav +0,1 ", out, re.M)
+    assert re.search(r"^1 +thinker,talker,code2wav ", out, re.M)
+    for gib in (24, 40, 80):
+        assert re.search(rf"^ +{gib} GiB: fits, 64 sequences at once$", out, re.M)
+
+
+def test_cli_mistakes_are_one_line_and_exit_2(omni_dir, tmp_path, capsys) -> None:
+    assert cli_main(["plan", str(omni_dir), "--mesh", "model=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "does not divide" in err
+    assert cli_main(["plan", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {tmp_path / 'nothing'}: no such checkpoint directory\n"
