@@ -24,6 +24,7 @@ import numpy as np
 def tiny_omni_checkpoint(cache_dir: Path) -> Path:
     """The converted tiny checkpoint, built and converted once per builder version."""
     from omni_jax import testing
+    from omni_jax.models.hf_config import thinker_ids_unflagged
     from omni_jax.weights import convert
 
     recipe = hashlib.sha256(Path(testing.__file__).read_bytes()).hexdigest()[:12]
@@ -33,7 +34,8 @@ def tiny_omni_checkpoint(cache_dir: Path) -> Path:
         print(f"building a tiny random-weight Qwen2.5-Omni checkpoint in {hf_dir}")
         partial = hf_dir.with_name(hf_dir.name + ".partial")  # an interrupted build is never reused
         shutil.rmtree(partial, ignore_errors=True)
-        testing.build_tiny_qwen2_5_omni(partial, seed=0)
+        with thinker_ids_unflagged():  # the builder makes the config, which transformers checks
+            testing.build_tiny_qwen2_5_omni(partial, seed=0)
         partial.rename(hf_dir)
     if not (converted / "config.json").exists():
         print(f"converting it to {converted}")

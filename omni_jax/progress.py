@@ -45,9 +45,13 @@ class RequestsBar:
         self._bar.set_postfix_str(f"compiling XLA programs ({counter.compiles} compiled)")
 
     def _show_rate(self) -> None:
-        rate = f"tok_s={self._tokens / max(time.perf_counter() - self._t0, 1e-9):.1f}"
-        compiled = 0 if self._counter is None else self._counter.compiles
-        self._bar.set_postfix_str(rate + (f", compiled={compiled}" if compiled else ""))
+        """Output tokens per second once a request has finished, and the programs compiled."""
+        parts = []
+        if self._bar.n:
+            parts.append(f"tok_s={self._tokens / max(time.perf_counter() - self._t0, 1e-9):.1f}")
+        if self._counter is not None and self._counter.compiles:
+            parts.append(f"compiled={self._counter.compiles}")
+        self._bar.set_postfix_str(", ".join(parts))
 
     def step_done(self) -> None:
         if self._noting:
