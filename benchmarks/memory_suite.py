@@ -267,6 +267,11 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         peaks = {"imports": peak_rss(["imports"]), **measure_operations(path, Path(tmp), args.dtype, mesh)}
     for name, (peak, wall) in peaks.items():
         figures[name] = {"peak_rss_bytes": peak, "wall_s": wall, "within_bound": peak <= bound(nbytes)}
+    over = [
+        f"{name}: peak RSS {peaks[name][0] / GB:.2f} GB over the bound {bound(nbytes) / GB:.2f} GB"
+        for name in OPERATIONS
+        if peaks[name][0] > bound(nbytes)
+    ]
     return {
         "suite": "memory",
         "ours": figures,
@@ -277,6 +282,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         "compile": None,
         "mesh": mesh,
         "dtype": args.dtype,
+        "failures": over,
     }
 
 
