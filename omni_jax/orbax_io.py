@@ -64,10 +64,6 @@ class DeferredArray:
         return math.prod(self.shape)
 
     @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
@@ -99,7 +95,11 @@ class _Budget:
 
 
 def _handler(budget: int, written: Callable[[], None]) -> Any:
-    """Orbax's numpy handler, writing :class:`DeferredArray` leaves each when its turn comes."""
+    """Orbax's numpy handler, writing :class:`DeferredArray` leaves each when its turn comes.
+
+    The hook is the handler's ``_open_and_write`` (one leaf's TensorStore write), which Orbax
+    does not document: a change there fails every conversion test rather than silently copying.
+    """
     import orbax.checkpoint as ocp
 
     class DeferredHandler(ocp.type_handlers.NumpyHandler):
@@ -115,7 +115,7 @@ def _handler(budget: int, written: Callable[[], None]) -> Any:
     return DeferredHandler()
 
 
-def nest(flat: dict[FlaxPath, Any]) -> dict[str, Any]:
+def _nest(flat: dict[FlaxPath, Any]) -> dict[str, Any]:
     """``{path: leaf}`` as the nested dict Orbax stores (keys as strings)."""
     tree: dict[str, Any] = {}
     for path, value in flat.items():
@@ -138,7 +138,7 @@ def write_stage(stage_dir: Path, values: dict[FlaxPath, DeferredArray], progress
             (DeferredArray, _handler(budget, lambda: bar.update(1))),
             (jax.Array, ocp.type_handlers.ArrayHandler()),  # unused; Orbax warns without one
         )
-        tree = nest(values)
+        tree = _nest(values)
         save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
         checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry))
         checkpointer.save(stage_dir.absolute(), args=ocp.args.PyTreeSave(tree, save_args=save_args))

@@ -2,7 +2,8 @@
 
 A converted dir holds ``omni_jax.json`` (a manifest: architecture, dtype, stages, every
 parameter's shape), ``params/<stage>/`` (one Orbax OCDBT checkpoint per stage, so a
-pipeline that builds one stage reads one stage) and the HF side files (config, tokenizer,
+pipeline that builds one stage reads one stage; written and read a bounded amount at a time,
+:mod:`omni_jax.orbax_io`) and the HF side files (config, tokenizer,
 processor, generation config) copied verbatim, except those the architecture rewrites
 torch-free (Qwen2.5-Omni's ``spk_dict.pt`` becomes ``speakers.safetensors`` + ``speakers.json``).
 
