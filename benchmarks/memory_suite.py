@@ -2,8 +2,10 @@
 
 Conversion (``omni_jax.weights.convert``) and loading (``OmniJaxPipeline.from_pretrained``, of
 the converted dir and of the HF dir) each run in a fresh Python process, so each peak is that
-operation's alone: the child's peak resident set (``ru_maxrss`` from ``wait4``) covers the
-interpreter, the imports, the weights and every transient copy. The bound the loader promises
+operation's alone: the child's peak resident set (its own ``VmHWM``, which it reports as it
+exits) covers the interpreter, the imports, the weights and every transient copy. ``wait4``'s
+``ru_maxrss`` would not do: Linux carries it across ``exec`` from the process that forked the
+child, so a child of a large process (pytest after many tests) reports the parent's size. The bound the loader promises
 is ``BOUND_RATIO`` x the checkpoint's tensor bytes + ``BOUND_FIXED_BYTES``; the fixed part is
 what the interpreter, jax, transformers and torch cost before any weight is read, which a
 child that only imports them (``imports``) measures beside the others.
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -190,10 +191,25 @@ def checkpoint_bytes(path: Path) -> int:
 # -- measured children -----------------------------------------------------------------------
 
 
+def _own_peak_bytes() -> int:
+    """This process's peak resident set: ``VmHWM`` of ``/proc/self/status``, the high-water mark
+    of the memory map ``exec`` gave it (nothing of the parent's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
 def _child(argv: list[str]) -> None:
-    """Run in a fresh process: ``imports`` (the interpreter, jax, torch, transformers, orbax and
-    omni_jax, nothing done) | ``convert SRC DST [DTYPE]`` | ``load PATH [DTYPE [MESH]]``."""
-    what, rest = argv[0], argv[1:]
+    """Run in a fresh process: ``PEAK_FILE imports`` (the interpreter, jax, torch, transformers,
+    orbax and omni_jax, nothing done) | ``PEAK_FILE convert SRC DST [DTYPE]`` |
+    ``PEAK_FILE load PATH [DTYPE [MESH]]``; the peak resident bytes are written to PEAK_FILE."""
+    peak_file, what, rest = Path(argv[0]), argv[1], argv[2:]
+    _run_child(what, rest)
+    peak_file.write_text(str(_own_peak_bytes()))
+
+
+def _run_child(what: str, rest: list[str]) -> None:
     import jax
 
     from omni_jax import OmniJaxPipeline
@@ -223,19 +239,18 @@ def _child(argv: list[str]) -> None:
 
 def peak_rss(args: list[str], env: dict[str, str] | None = None) -> tuple[int, float]:
     """``(peak resident bytes, wall seconds)`` of ``python -m benchmarks.memory_suite child ARGS``,
-    from the kernel's accounting of that process alone (``wait4``'s ``ru_maxrss``)."""
-    cmd = [sys.executable, "-m", "benchmarks.memory_suite", "child", *args]
-    with tempfile.TemporaryFile() as log:
+    the peak as that process alone measured it (:func:`_own_peak_bytes`)."""
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as log:
+        peak_file = Path(tmp) / "peak"
+        cmd = [sys.executable, "-m", "benchmarks.memory_suite", "child", str(peak_file), *args]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
             log.seek(0)
             tail = log.read().decode(errors="replace")[-3000:]
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
-    return usage.ru_maxrss * 1024, wall
+        return int(peak_file.read_text()), wall
 
 
 def bound(nbytes: int) -> int:

@@ -131,12 +131,14 @@ def test_soak_suite(tmp_path: Path) -> None:
 
 
 def test_suite_choices() -> None:
-    """``--suite all`` runs every registered suite but the soak; one Suite line registers another."""
+    """``--suite all`` runs every registered suite but the soak and the memory suite (each its
+    own long run); one Suite line registers another."""
     from benchmarks.run import suites_for
 
-    assert list(SUITES) == ["ar", "code2wav", "e2e", "soak"]
+    assert list(SUITES) == ["ar", "code2wav", "e2e", "soak", "memory"]
     assert suites_for("all", "tiny") == ["ar", "code2wav", "e2e"]
     assert suites_for("soak", "tiny") == ["soak"]
+    assert suites_for("memory", "tiny") == ["memory"]
     with pytest.raises(SystemExit):
         parser().parse_args(["--suite", "nope"])
     with pytest.raises(SystemExit):
