@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from omni_jax.engine.compilation import enable_persistent_cache
+from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
 from omni_jax.models.hf_config import thinker_ids_unflagged
 from omni_jax.models.registry import architecture_of
 from omni_jax.outputs import OmniRequestOutput, StageOutput
@@ -104,9 +104,9 @@ class OmniJaxPipeline:
         ``~/.cache/omni_jax/xla`` or ``$OMNI_JAX_COMPILATION_CACHE``); ``False`` turns it off.
         """
         path = Path(path)
-        dtype = _dtype_name(dtype)
-        _check_stage_names(stages)
-        _check_sizes(
+        dtype = dtype_name(dtype)
+        check_stage_names(stages)
+        check_sizes(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             num_pages=num_pages,
@@ -390,41 +390,6 @@ class OmniJaxPipeline:
             if not any(s.config.final_output == "text" for s in self.stages):
                 # Without a text stage the request's tokens are the codes it was voiced from.
                 out.token_ids, out.finish_reason = list(result.token_ids), result.finish_reason
-
-
-def _dtype_name(dtype: Any) -> str | None:
-    """``dtype`` as one of :data:`~omni_jax.weights.DTYPES` (a name or a numpy/JAX dtype);
-    ``ValueError`` listing them for anything else."""
-    from omni_jax.weights import DTYPES
-
-    if dtype is None:
-        return None
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:  # not a dtype at all ("bf17")
-        name = None
-    if name not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    return name
-
-
-def _check_stage_names(stages: Any) -> None:
-    """``stages`` is ``None`` or a non-empty list of names (a bare string would be read letter
-    by letter)."""
-    if stages is None:
-        return
-    if not isinstance(stages, (list, tuple)) or not stages or not all(isinstance(s, str) for s in stages):
-        raise ValueError(f"stages must be a non-empty list of stage names, e.g. ['thinker'], got {stages!r}")
-
-
-def _check_sizes(**sizes: Any) -> None:
-    """Each engine size given is a positive integer (``None`` takes the default), so a 0 or a
-    negative is refused by name instead of falling back to a default or failing later."""
-    for name, value in sizes.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer (or None for the default)")
 
 
 def _load_tokenizer(path: Path) -> Any:

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from omni_jax.engine.memory import GIB
+from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
 from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.mesh import AXES, mesh_shape
 from omni_jax.stages.config import StageConfig, load_pipeline_config
@@ -193,12 +194,11 @@ def plan_memory(
     Raises ``ValueError`` for what ``from_pretrained`` would refuse before loading (an unknown
     stage, a mesh the model cannot be split by, ``max_model_len`` over the model's).
     """
-    from omni_jax.pipeline import _check_sizes, _check_stage_names, _dtype_name  # from_pretrained's checks
     from omni_jax.weights import load_hf_config
 
-    dtype = _dtype_name(dtype)
-    _check_stage_names(stages)
-    _check_sizes(
+    dtype = dtype_name(dtype)
+    check_stage_names(stages)
+    check_sizes(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         page_size=page_size,
