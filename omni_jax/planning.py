@@ -24,7 +24,8 @@ from omni_jax.engine.memory import GIB
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
 from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.mesh import AXES, mesh_shape
-from omni_jax.stages.config import StageConfig, load_pipeline_config
+from omni_jax.parallel.placement import StagePlacement, stage_layouts
+from omni_jax.stages.config import load_pipeline_config
 from omni_jax.stages.limits import PlannedMesh, engine_settings, part_dtype, stage_demand
 
 GPU_SIZES_GIB = (24, 40, 80)
@@ -157,24 +158,6 @@ def row(widths: tuple[int, ...], *cells: str) -> str:
     return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
 
-def _layout(sc: StageConfig, default: dict[str, int]) -> tuple[dict[str, int], tuple[int, ...]]:
-    """A stage's mesh and device indices as :func:`~omni_jax.parallel.placement.stage_meshes`
-    lays it out: its YAML ``mesh``, or its ``devices`` all over ``model``, or the default."""
-    if sc.mesh is not None:
-        shape = mesh_shape(sc.mesh)
-    elif sc.devices is not None:
-        shape = mesh_shape({"model": len(sc.devices)})
-    else:
-        shape = default
-    size = shape["data"] * shape["model"]
-    devices = tuple(sc.devices) if sc.devices is not None else tuple(range(size))
-    if len(devices) != size:
-        raise ValueError(
-            f"stage {sc.name!r}: the mesh {shape} needs {size} devices, its list has {len(devices)}"
-        )
-    return shape, devices
-
-
 def plan_memory(
     path: str | Path,
     stages: list[str] | None = None,
@@ -214,10 +197,14 @@ def plan_memory(
         page_size=page_size,
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    default = mesh_shape(mesh)
+    layouts = stage_layouts(
+        [StagePlacement(sc.name, sc.mesh, sc.devices) for sc in config.stages],
+        mesh_shape(mesh),
+        config.allow_shared_devices,
+    )
     plans, lengths = [], []
     for sc in config.stages:
-        shape, devices = _layout(sc, default)
+        shape, devices = layouts[sc.name].shape, layouts[sc.name].indices
         fixed, cache = stage_demand(path, hf_config, arch, sc, PlannedMesh(shape, platform), dtype, **engine)
         weights = fixed.pop(f"stage {sc.name!r} weights")
         sequence_kv = full_kv = 0

@@ -15,12 +15,16 @@ from pathlib import Path
 
 import jax
 import pytest
+import yaml
 from flax import nnx
 
+import omni_jax.stages
 from omni_jax import OmniJaxPipeline
 from omni_jax.cli import main as cli_main
 from omni_jax.engine.memory import GIB
+from omni_jax.parallel.placement import StagePlacement, stage_meshes
 from omni_jax.planning import MemoryPlan, plan_memory
+from omni_jax.stages.config import load_pipeline_config
 from omni_jax.weights import convert, load_part
 
 OMNI_IDS = dict(
@@ -215,6 +219,50 @@ def test_qwen2_5_omni_7b_on_a_mesh(omni_7b, plan_7b) -> None:
         assert s.devices == (0, 1, 2, 3)
         assert s.sequence_kv * 4 == whole[s.name].sequence_kv  # one of the 4 KV heads on each device
         assert whole[s.name].weights / 4 <= s.weights < whole[s.name].weights / 2  # norms, encoders whole
+
+
+def omni_stage_yaml(tmp_path: Path, layouts: dict[str, dict]) -> Path:
+    """The shipped Qwen2.5-Omni stage YAML with ``layouts`` (``mesh``/``devices`` per stage) added."""
+    raw = yaml.safe_load(Path(omni_jax.stages.__file__).with_name("qwen2_5_omni.yaml").read_text())
+    for stage in raw["stages"]:
+        stage.update(layouts.get(stage["name"], {}))
+    path = tmp_path / f"stages{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_plan_lays_stages_out_as_loading_does(omni_7b, tmp_path) -> None:
+    """A stage's ``devices`` all over ``model``, its own ``mesh`` over its list, the default for
+    the rest: one rule (``stage_layouts``) for the plan and for ``stage_meshes``, refusals included."""
+    cfg = omni_stage_yaml(
+        tmp_path, {"thinker": {"devices": [0, 1, 2, 3]}, "talker": {"mesh": {"model": 2}, "devices": [4, 5]}}
+    )
+    plan = plan_memory(omni_7b, stage_config=cfg)
+    assert {s.name: (s.mesh, s.devices) for s in plan.stages} == {
+        "thinker": ({"data": 1, "model": 4}, (0, 1, 2, 3)),
+        "talker": ({"data": 1, "model": 2}, (4, 5)),
+        "code2wav": ({"data": 1, "model": 1}, (0,)),
+    }
+    assert [(d.device, d.stages) for d in plan.devices][:2] == [
+        (0, ("thinker", "code2wav")),
+        (1, ("thinker",)),
+    ]
+    for layouts, message in (
+        (
+            {"thinker": {"devices": [0, 1]}, "talker": {"devices": [1, 2]}},
+            "stages 'thinker' and 'talker' both list device 1",
+        ),
+        (
+            {"talker": {"mesh": {"model": 2}, "devices": [0, 1, 2]}},
+            "stage 'talker': the mesh needs 2 devices but the device list has 3",
+        ),
+    ):
+        cfg = omni_stage_yaml(tmp_path, layouts)
+        placements = [StagePlacement(sc.name, sc.mesh, sc.devices) for sc in load_pipeline_config(cfg).stages]
+        with pytest.raises(ValueError, match=re.escape(message)):
+            plan_memory(omni_7b, stage_config=cfg)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            stage_meshes(placements)
 
 
 def test_jax_memory_fraction_is_read(omni_dir, monkeypatch) -> None:

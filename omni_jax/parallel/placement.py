@@ -26,38 +26,81 @@ class StagePlacement:
     devices: Sequence[int] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """Where a stage goes, in indices only: what a mesh is built from, or a plan reads."""
+
+    shape: dict[str, int]  # {"data": D, "model": M}
+    devices: tuple[int, ...] | None  # indices into jax.devices(); None: the first D * M
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """The device indices the stage lands on (the first ``data * model`` when none are listed)."""
+        return (
+            self.devices
+            if self.devices is not None
+            else tuple(range(self.shape["data"] * self.shape["model"]))
+        )
+
+
+def stage_layouts(
+    stages: Sequence[StagePlacement],
+    default: Mapping[str, int] | None = None,
+    allow_shared_devices: bool = False,
+) -> dict[str, StageLayout]:
+    """Each stage's layout, or ``ValueError`` naming the stage whose layout is impossible.
+
+    The one rule for how stages get meshes: a stage's ``mesh`` (over its ``devices`` if listed),
+    else its ``devices`` all over ``model``, else ``default``; explicit device lists of two stages
+    are disjoint unless ``allow_shared_devices``. It needs no devices, so
+    :func:`omni_jax.planning.plan_memory` lays out machines this process is not on with it, and
+    :func:`stage_meshes` builds the meshes of this one from it.
+    """
+    layouts: dict[str, StageLayout] = {}
+    owner: dict[int, str] = {}
+    for st in stages:
+        if st.mesh is not None:
+            wanted = st.mesh
+        elif st.devices is not None:
+            wanted = {"model": len(st.devices)}
+        else:
+            wanted = default
+        try:
+            shape = mesh_shape(wanted)
+        except ValueError as e:
+            raise ValueError(f"stage {st.name!r}: {e}") from None
+        devices = None if st.devices is None else tuple(st.devices)
+        size = shape["data"] * shape["model"]
+        if devices is not None and len(devices) != size:
+            raise ValueError(
+                f"stage {st.name!r}: the mesh needs {size} devices but the device list has {len(devices)}"
+            )
+        if devices is not None and not allow_shared_devices:
+            for d in devices:
+                if owner.setdefault(d, st.name) != st.name:
+                    raise ValueError(
+                        f"stages {owner[d]!r} and {st.name!r} both list device {d}; give them disjoint "
+                        "devices or set allow_shared_devices: true in the pipeline YAML"
+                    )
+        layouts[st.name] = StageLayout(shape, devices)
+    return layouts
+
+
 def stage_meshes(
     stages: Sequence[StagePlacement],
     default: Mapping[str, int] | None = None,
     allow_shared_devices: bool = False,
 ) -> dict[str, Mesh]:
-    """One mesh per stage, or ``ValueError`` naming the stage whose layout is impossible.
-
-    A stage with ``devices`` but no ``mesh`` splits them all over ``model``.
-    """
+    """One mesh per stage, laid out by :func:`stage_layouts`, or ``ValueError`` naming the stage
+    whose layout is impossible on this machine."""
     meshes: dict[str, Mesh] = {}
-    owner: dict[object, str] = {}
-    for st in stages:
-        if st.mesh is not None:
-            shape = st.mesh
-        elif st.devices is not None:
-            shape = {"data": 1, "model": len(st.devices)}
-        else:
-            shape = default
+    for name, layout in stage_layouts(stages, default, allow_shared_devices).items():
         try:
-            mesh = make_mesh(mesh_shape(shape), st.devices)
+            mesh = make_mesh(layout.shape, layout.devices)
         except ValueError as e:
-            raise ValueError(f"stage {st.name!r}: {e}") from None
-        if st.devices is not None and not allow_shared_devices:
-            for d in mesh.devices.flat:
-                if d in owner:
-                    raise ValueError(
-                        f"stages {owner[d]!r} and {st.name!r} both list device {d.id}; give them disjoint "
-                        "devices or set allow_shared_devices: true in the pipeline YAML"
-                    )
-                owner[d] = st.name
-        _check_spans_processes(st.name, mesh)
-        meshes[st.name] = mesh
+            raise ValueError(f"stage {name!r}: {e}") from None
+        _check_spans_processes(name, mesh)
+        meshes[name] = mesh
     return meshes
 
 
