@@ -19,8 +19,8 @@ import numpy as np
 
 from omni_jax.engine.compilation import enable_persistent_cache
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
-from omni_jax.models.hf_config import thinker_ids_unflagged
 from omni_jax.models.registry import architecture_of
+from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.parallel.distributed import initialize as initialize_distributed
 from omni_jax.parallel.distributed import is_main_process
@@ -167,7 +167,7 @@ class OmniJaxPipeline:
             )
         for upstream, stage in zip(built, built[1:], strict=False):
             stage.connect(upstream)
-        return cls(path, config, built, _load_tokenizer(path))
+        return cls(path, config, built, load_tokenizer(path))
 
     def chat_prompt(
         self,
@@ -185,7 +185,7 @@ class OmniJaxPipeline:
         ``mm_processor_kwargs`` (e.g. ``use_audio_in_video=True``, ``fps=2``) are passed on.
         """
         if self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer (and so no chat template)")
+            raise ValueError(f"{no_tokenizer(self.model_dir)}, and so no chat template")
         media: dict[str, list[Any]] = {}
         for message in messages:
             content = message.get("content")
@@ -225,7 +225,10 @@ class OmniJaxPipeline:
                     "'prompt_token_ids', not text"
                 )
             if self.tokenizer is None:
-                raise ValueError(f"request {index}: text prompt given but {self.model_dir} has no tokenizer")
+                raise ValueError(
+                    f"request {index}: a text prompt needs a tokenizer and {no_tokenizer(self.model_dir)}; "
+                    "give its token ids in 'prompt_token_ids'"
+                )
             return StageInput(list(self.tokenizer(prompt["prompt"])["input_ids"]), prompt)
         raise ValueError(f"request {index}: prompt dict needs 'prompt' or 'prompt_token_ids'")
 
@@ -390,12 +393,3 @@ class OmniJaxPipeline:
             if not any(s.config.final_output == "text" for s in self.stages):
                 # Without a text stage the request's tokens are the codes it was voiced from.
                 out.token_ids, out.finish_reason = list(result.token_ids), result.finish_reason
-
-
-def _load_tokenizer(path: Path) -> Any:
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    with thinker_ids_unflagged():  # AutoTokenizer builds the checkpoint's config
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from omni_jax.models.hf_config import thinker_ids_unflagged
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
 from omni_jax.models.qwen2_5_omni.rope_index import chunk_bounds
+from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
 
 SAMPLE_RATE = 16_000
 """The feature extractor's (and so every audio input's) sampling rate."""
@@ -364,7 +364,7 @@ class OmniProcessor:
     ) -> OmniProcessor:
         """Each part with transformers' own class from ``path`` (``preprocessor_config.json``);
         image and video pixels on ``pixels`` (default: :func:`default_pixel_backend`)."""
-        from transformers import AutoTokenizer, WhisperFeatureExtractor
+        from transformers import WhisperFeatureExtractor
 
         path = Path(path)
         pixels = pixels or default_pixel_backend()
@@ -383,8 +383,9 @@ class OmniProcessor:
         if not (path / "preprocessor_config.json").exists():
             raise ValueError(f"{path}: no preprocessor_config.json (the audio and image processors)")
         if tokenizer is None:
-            with thinker_ids_unflagged():  # AutoTokenizer builds the checkpoint's config
-                tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            tokenizer = load_tokenizer(path)
+        if tokenizer is None:
+            raise ValueError(f"{no_tokenizer(path)}; its processor (preprocessor_config.json) needs one")
         missing = [
             n for n in ("audio_token", "image_token", "video_token") if not getattr(tokenizer, n, None)
         ]
