@@ -54,3 +54,36 @@ class OmniRequestOutput:
             samples = np.round(np.clip(samples, -1.0, 1.0) * PCM16_SCALE).astype(np.int16)
         wavfile.write(str(path), self.sample_rate, samples)
         return Path(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageWarmup:
+    """One stage's part of :meth:`OmniJaxPipeline.warmup`.
+
+    programs: the programs its bucket set holds, every one compiled (or loaded from the
+    persistent compilation cache) by the warm-up; compiles: the XLA compilations counted
+    meanwhile (fewer than ``programs`` when the cache held some); seconds: its wall time.
+    """
+
+    programs: int
+    compiles: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What :meth:`OmniJaxPipeline.warmup` compiled, per stage in pipeline order."""
+
+    stages: dict[str, StageWarmup]
+
+    @property
+    def programs(self) -> int:
+        return sum(s.programs for s in self.stages.values())
+
+    @property
+    def compiles(self) -> int:
+        return sum(s.compiles for s in self.stages.values())
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages.values())

@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from omni_jax.engine.compilation import enable_persistent_cache
+from omni_jax.engine.compilation import CompileCounter, enable_persistent_cache
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
 from omni_jax.models.registry import architecture_of
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
-from omni_jax.outputs import OmniRequestOutput, StageOutput
+from omni_jax.outputs import OmniRequestOutput, StageOutput, StageWarmup, WarmupReport
 from omni_jax.parallel.distributed import initialize as initialize_distributed
 from omni_jax.parallel.distributed import is_main_process
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.profiling import scope
-from omni_jax.progress import RequestsBar
+from omni_jax.progress import RequestsBar, WarmupBar
 from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage, StageInput, StageResult
 from omni_jax.stages.code2wav import Code2WavStage
@@ -205,9 +206,19 @@ class OmniJaxPipeline:
             prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs)
         return prompt
 
-    def warmup(self) -> int:
-        """Compile every step shape the stages can produce ahead of traffic; returns how many."""
-        return sum(s.warmup() for s in self.stages)
+    def warmup(self, progress: bool = True) -> WarmupReport:
+        """Compile every program traffic can need, stage by stage, ahead of it: after this no
+        request mix compiles anything (DESIGN.md, compile once). ``progress``: a bar over the
+        stages with the XLA compilations so far."""
+        stages: dict[str, StageWarmup] = {}
+        with WarmupBar([s.config.name for s in self.stages], enabled=progress) as bar:
+            for stage in self.stages:
+                with CompileCounter() as counted:
+                    t0 = time.perf_counter()
+                    programs = stage.warmup()
+                stages[stage.config.name] = StageWarmup(programs, counted.compiles, time.perf_counter() - t0)
+                bar.stage_done()
+        return WarmupReport(stages)
 
     # -- input handling ---------------------------------------------------------------
     def _prompt_input(self, index: int, prompt: Prompt) -> StageInput:

@@ -1,5 +1,5 @@
-"""The requests bar of ``OmniJaxPipeline.run``: requests done, output tokens per second, and a
-note while XLA compiles.
+"""Progress bars: ``OmniJaxPipeline.run``'s requests (requests done, output tokens per second,
+and a note while XLA compiles) and ``OmniJaxPipeline.warmup``'s stages (XLA compilations so far).
 
 A run's first requests of each shape wait on XLA compilations, which can take far longer than
 the steps themselves, with nothing else moving on screen; the bar says so while it happens and
@@ -63,3 +63,35 @@ class RequestsBar:
         self._tokens = tokens
         self._bar.update(1)
         self._show_rate()
+
+
+class WarmupBar:
+    """``with WarmupBar(stage names, enabled) as bar``: :meth:`stage_done` after each stage's
+    warm-up; the bar names the stage compiling and counts XLA compilations as they finish (a
+    large stage's warm-up is minutes of compiling on a GPU, with nothing else on screen)."""
+
+    def __init__(self, names: list[str], enabled: bool):
+        self._names = names
+        self._bar = tqdm(total=len(names), desc="warm-up", unit="stage", disable=not enabled)
+        self._counter = CompileCounter(on_count=self._show) if enabled else None
+
+    def __enter__(self) -> WarmupBar:
+        self._bar.__enter__()
+        if self._counter is not None:
+            self._counter.__enter__()
+            self._show(self._counter)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(*exc)
+        self._bar.__exit__(*exc)
+
+    def _show(self, counter: CompileCounter) -> None:
+        stage = self._names[min(self._bar.n, len(self._names) - 1)] if self._names else ""
+        self._bar.set_postfix_str(f"{stage}: {counter.compiles} XLA programs compiled")
+
+    def stage_done(self) -> None:
+        self._bar.update(1)
+        if self._counter is not None:
+            self._show(self._counter)

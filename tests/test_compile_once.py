@@ -3,9 +3,33 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.compilation import CompileCounter
+from omni_jax.engine.sampling import MAX_LOGPROBS, SUPPRESS_WIDTH
+
+
+def mixed_params(rs: np.random.RandomState, n: int) -> list[SamplingParams]:
+    """Every sampler form in the same steps: greedy and sampled rows, penalties, log-probs of
+    several widths, ``min_tokens`` holding back stop ids, and none of these."""
+    out = []
+    for i, m in enumerate(rs.randint(1, 30, n)):
+        out.append(
+            SamplingParams(
+                temperature=float(i % 3 == 0),
+                seed=i,
+                top_k=5,
+                max_tokens=int(m),
+                ignore_eos=i % 4 != 1,
+                repetition_penalty=1.1 if i % 5 == 2 else 1.0,
+                presence_penalty=0.5 if i % 7 == 3 else 0.0,
+                logprobs=(None, 0, 3, MAX_LOGPROBS)[i % 4],
+                min_tokens=int(m) // 2 if i % 6 == 0 else 0,
+                stop_token_ids=[7, 9, 11] if i % 6 == 0 else None,
+            )
+        )
+    return out
 
 
 def test_long_ragged_workload_after_warmup_never_compiles(qwen2_dir) -> None:
@@ -13,28 +37,61 @@ def test_long_ragged_workload_after_warmup_never_compiles(qwen2_dir) -> None:
         qwen2_dir, max_num_seqs=4, page_size=8, max_model_len=128, max_num_batched_tokens=64
     )
     with CompileCounter() as warm:
-        shapes = pipe.warmup()
-    assert shapes > 1 and warm.traces >= shapes
+        report = pipe.warmup(progress=False)
+    runner = pipe.stages[0].engine.runner
+    assert report.programs == len(runner.step_shapes()) + 4 * len(runner.sequence_buckets()) + 1
+    assert report.compiles == warm.compiles >= report.programs and warm.traces >= report.programs
     rs = np.random.RandomState(11)
-    prompts = [
-        {"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=n)]} for n in rs.randint(1, 90, 40)
-    ]
-    params = [  # greedy and sampled requests, mixed in the same steps
-        SamplingParams(temperature=float(i % 3 == 0), seed=i, top_k=5, max_tokens=int(m), ignore_eos=True)
-        for i, m in enumerate(rs.randint(1, 30, 40))
-    ]
-    with CompileCounter() as steady:
-        outs = pipe.run(prompts, params, progress=False)
-    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
-    assert (steady.traces, steady.compiles) == (0, 0)
+    for _ in range(2):  # a second mix: the first may have left nothing that the second reuses
+        prompts = [
+            {"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=n)]} for n in rs.randint(1, 90, 40)
+        ]
+        params = mixed_params(rs, 40)
+        with CompileCounter() as steady:
+            outs = pipe.run(prompts, params, progress=False)
+        assert all(o.error is None for o in outs)
+        assert all(
+            len(o.token_ids) == p.max_tokens
+            for o, p in zip(outs, params, strict=True)
+            if p.ignore_eos and not p.stop_token_ids
+        )
+        assert (steady.traces, steady.compiles) == (0, 0)
+
+
+def test_default_engine_sizes_make_few_programs(qwen2_dir) -> None:
+    """A stage at vLLM's serving sizes (64 sequences, a 2048-token budget) holds 16 forward
+    programs (two sizes an octave up to 64 token rows, powers of two up to 2048; one table
+    width, as the kernels take any) and 6 sequence buckets of 4 sampler programs, plus the
+    scrub: 41 programs, where the product of row buckets, table widths, greedy/sampled and
+    hidden/no-hidden made 320. Counted from the bucket sets, nothing compiled."""
+    pipe = OmniJaxPipeline.from_pretrained(
+        qwen2_dir, max_num_seqs=64, page_size=16, max_model_len=512, max_num_batched_tokens=2048, num_pages=64
+    )
+    runner = pipe.stages[0].engine.runner
+    forward = [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048]
+    assert runner.step_shapes() == [(n, 32) for n in forward]
+    assert runner.sequence_buckets() == [2, 4, 8, 16, 32, 64]
+
+
+def test_too_many_held_back_stop_ids_are_refused(qwen2_dir) -> None:
+    """``min_tokens`` suppresses the stop ids in a fixed-width row (one program for all): a
+    request holding back more is refused before any work, naming it."""
+    pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=2, page_size=8, max_model_len=64)
+    many = list(range(3, 3 + SUPPRESS_WIDTH + 1))
+    with pytest.raises(ValueError, match=r"request 0: .*min_tokens=2 holds back \d+ stop ids"):
+        pipe.run({"prompt_token_ids": [1, 2]}, SamplingParams(min_tokens=2, stop_token_ids=many), False)
+    (out,) = pipe.run({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, stop_token_ids=many), False)
+    assert out.error is None
+    with pytest.raises(ValueError, match=rf"logprobs=21 must be in \[0, {MAX_LOGPROBS}\]"):
+        pipe.run({"prompt_token_ids": [1, 2]}, SamplingParams(logprobs=MAX_LOGPROBS + 1), False)
 
 
 def test_counter_sees_a_new_shape(qwen2_dir) -> None:
-    """The counter is not blind: an unseen shape (logprobs) is counted."""
-    pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=2, page_size=8, max_model_len=64)
-    pipe.run({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2), progress=False)
+    """The counter is not blind: a pipeline whose cache shape no other test uses (programs are
+    shared process-wide by shape) traces and compiles on its first request."""
+    pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=2, page_size=8, max_model_len=72)
     with CompileCounter() as c:
         pipe.run(
             {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, logprobs=2), False
         )
-    assert c.traces > 0
+    assert c.traces > 0 and c.compiles > 0

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from omni_jax import OmniJaxPipeline, SamplingParams
-from omni_jax.engine.sampling import first_argmax, pack_sampling, processed_logits, sample
+from omni_jax.engine.sampling import draw_tokens, first_argmax, pack_sampling, processed_logits
 
 V = 50
 ROWS = [
@@ -70,7 +70,6 @@ def test_processed_logits_match_transformers_per_row() -> None:
         [[]] * 6,
         batch=8,
         history_len=16,
-        suppress_len=4,
     )
     padded = np.concatenate([logits, np.zeros((2, V), np.float32)])
     got = np.asarray(jax.jit(processed_logits)(padded, st))[: len(ROWS)]
@@ -97,15 +96,13 @@ def test_all_greedy_step_picks_the_processed_argmax() -> None:
     ]
     histories = [list(rs.randint(0, V, size=8)) for _ in rows]
     suppress = [[int(np.argmax(logits[i]))] if i % 2 else [] for i in range(len(rows))]
-    st = pack_sampling(
-        rows, histories, [3] * 6, [0] * 6, [0] * 6, suppress, batch=6, history_len=8, suppress_len=4
-    )
-    tokens, _, _ = jax.jit(sample, static_argnums=2, static_argnames="greedy")(logits, st, None, greedy=True)
+    st = pack_sampling(rows, histories, [3] * 6, [0] * 6, [0] * 6, suppress, batch=6, history_len=8)
+    tokens = jax.jit(draw_tokens, static_argnames="greedy")(logits, st, greedy=True)
     want = np.argmax(np.asarray(jax.jit(processed_logits)(logits, st)), axis=-1)
     np.testing.assert_array_equal(np.asarray(tokens), want)
     assert all(int(tokens[i]) != suppress[i][0] for i in range(1, 6, 2))
     # the sampling program (a step with any sampled row) gives greedy rows the same choice
-    drawn, _, _ = jax.jit(sample, static_argnums=2, static_argnames="greedy")(logits, st, None, greedy=False)
+    drawn = jax.jit(draw_tokens, static_argnames="greedy")(logits, st, greedy=False)
     np.testing.assert_array_equal(np.asarray(drawn), want)
 
 
@@ -113,7 +110,7 @@ def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
     logits = np.zeros((1, 8), np.float32)
     p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
     history = [3, 3, 5, 1, 1, 1]  # prompt [3, 3], output [5, 1, 1, 1]
-    st = pack_sampling([p], [history], [2], [0], [0], [[]], batch=1, history_len=8, suppress_len=4)
+    st = pack_sampling([p], [history], [2], [0], [0], [[]], batch=1, history_len=8)
     got = np.asarray(processed_logits(logits, st))[0]
     want = np.zeros(8, np.float32)
     want[5] -= 0.5 + 0.25
@@ -126,10 +123,8 @@ def test_draws_follow_the_distribution() -> None:
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
     n = 4000
     p = SamplingParams(temperature=1.0)
-    st = pack_sampling([p] * n, [[]] * n, [0] * n, list(range(n)), [0] * n, [[]] * n, n, 1, 4)
-    toks, _, _ = jax.jit(sample, static_argnums=2, static_argnames="greedy")(
-        np.repeat(logits, n, 0), st, None, greedy=False
-    )
+    st = pack_sampling([p] * n, [[]] * n, [0] * n, list(range(n)), [0] * n, [[]] * n, n, 1)
+    toks = jax.jit(draw_tokens, static_argnames="greedy")(np.repeat(logits, n, 0), st, greedy=False)
     freq = np.bincount(np.asarray(toks), minlength=4) / n
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
 

@@ -75,11 +75,9 @@ class AREngine:
         self.scheduler.add(req)
         return req
 
-    def warmup(self, capture_hidden: bool = False) -> int:
-        """Compile every step bucket, also in the hidden-capturing form when a later stage reads it."""
-        budget = self.scheduler.cfg.max_num_batched_tokens
-        n = self.runner.warmup(budget)
-        return n + (self.runner.warmup(budget, return_hidden=True) if capture_hidden else 0)
+    def warmup(self) -> int:
+        """Compile every program a step can run (:meth:`ARRunner.warmup`); returns how many."""
+        return self.runner.warmup()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -102,7 +100,7 @@ class AREngine:
         rows = [row for _, row in step]
         kind = "decode" if all(len(r.token_ids) == 1 for r in rows) else "prefill"
         with scope(f"{self.name}/{kind}", rows=len(rows)):
-            result = self.runner.execute(rows, return_hidden=capture)
+            result = self.runner.execute(rows, capture_hidden=capture)
         with scope(f"{self.name}/update"):
             done += self.scheduler.update(step, result)
         if self.scheduler.to_scrub:  # a failed request's pages may hold NaN: zero them first

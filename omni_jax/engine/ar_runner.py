@@ -1,8 +1,19 @@
-"""Runs scheduled AR steps: packs rows into bucketed arrays, calls the one jitted step.
+"""Runs scheduled AR steps: packs rows into bucketed arrays, calls the jitted forward and sampler.
 
-The step is a pure function of ``(params, kv_cache, inputs, metadata, sampling tensors)``
-that donates the cache, so the cache is updated in place on device and the host only ever
-sees sampled tokens (and hidden states and input embeddings when a later stage asked for them).
+A step is two programs. The forward is a pure function of ``(params, kv_cache, inputs,
+metadata)`` that donates the cache, so the cache is updated in place on device, and returns
+each sequence's float32 logits (kept on device); the sampler draws from them. The host only
+ever sees sampled tokens (and log-probabilities, hidden states and input embeddings when a
+request or a later stage asked for them).
+
+Compile once: the programs are a small closed set, all compiled by :meth:`ARRunner.warmup`.
+The forward's shape is its token rows (:meth:`ARRunner.rows_bucket`; with the jnp attention
+path also its block-table width); everything else is a function of those: the sequences it
+computes logits for (:meth:`ARRunner.sequences`), and whether it returns hidden states (fixed
+per stage: whenever a later stage reads them, fetched only for the requests that need them).
+Splitting the sampler out makes its variants (greedy, sampled, with penalties, log-probs) a
+sum over sequence buckets instead of a product with the token-row buckets. Block tables are
+per sequence, ``[sequences, pages]``, expanded to the token rows on device.
 
 A step is flat: every scheduled token is a row of its own (``[tokens, 1]``), with its
 sequence's block table and its own causal horizon as context length, the layout vLLM calls
@@ -18,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -32,13 +43,18 @@ from omni_jax.engine.buckets import (
     MIN_ROWS,
     bucket,
     fine_bucket,
-    fine_bucket_sizes,
     max_sequence_rows,
     max_token_rows,
     round_up,
 )
 from omni_jax.engine.kv_cache import init_kv_cache
-from omni_jax.engine.sampling import SamplingParams, SamplingTensors, pack_sampling, sample
+from omni_jax.engine.sampling import (
+    SamplingParams,
+    SamplingTensors,
+    draw_tokens,
+    pack_sampling,
+    top_logprobs,
+)
 from omni_jax.models.attention import AttentionMetadata, Backend
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import put
@@ -149,37 +165,60 @@ class StepInputs(Protocol):
 class StepResult:
     tokens: np.ndarray  # [rows]
     finite: np.ndarray  # [rows] bool: the row's logits were all finite
-    logprob_ids: np.ndarray | None  # [rows, 1 + N], when some row asked for logprobs
-    logprobs: np.ndarray | None  # [rows, 1 + N]
+    logprob_ids: np.ndarray | None  # [rows, 1 + MAX_LOGPROBS], when some row asked for logprobs
+    logprobs: np.ndarray | None  # [rows, 1 + MAX_LOGPROBS]
     hidden: list[np.ndarray] | None  # per row [its tokens, D] final (normed) hidden states, when requested
     embeds: list[np.ndarray] | None  # per row [its tokens, D] the decoder's input embeddings, when requested
 
 
-def _step_fn(
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FlatStep:
+    """Where a flat step's token rows live in the paged cache, before expansion on device.
+
+    slots: ``[N, 1]`` the cache slot each token row writes (padding: the dropped slot).
+    tables: ``[S, P]`` each sequence's page ids (padding: the null page).
+    sequence: ``[N]`` which row of ``tables`` each token row reads.
+    context: ``[N]`` each token row's causal horizon; query: ``[N]`` 1 for real rows, 0 for padding.
+    """
+
+    slots: jax.Array
+    tables: jax.Array
+    sequence: jax.Array
+    context: jax.Array
+    query: jax.Array
+
+    def metadata(self) -> AttentionMetadata:
+        """The attention's per-token-row view: each row's sequence's table, gathered here on
+        device so the host sends one table per sequence rather than one per token."""
+        return AttentionMetadata(self.slots, self.tables[self.sequence], self.context, self.query)
+
+
+def _forward_fn(
     graphdef: nnx.GraphDef,
     treedef: Any,
     leaves: list[jax.Array],
     kv_cache: Any,
     tokens: jax.Array,
     positions: jax.Array,
-    md: AttentionMetadata,
+    step: FlatStep,
     logits_idx: jax.Array,
-    st: SamplingTensors,
     extra: Any,
     *,
-    greedy: bool,
-    num_logprobs: int | None,
     backend: Backend,
     return_hidden: bool,
 ) -> tuple[Any, ...]:
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     embeds = model.embed(tokens, extra)
-    hidden, kv_cache = model(embeds, positions, kv_cache, md, backend)
+    hidden, kv_cache = model(embeds, positions, kv_cache, step.metadata(), backend)
     last = hidden.reshape(-1, hidden.shape[-1])[logits_idx]  # each sequence's last token
     logits = model.logits(last)
     finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row
-    toks, ids, lps = sample(logits, st, num_logprobs, greedy=greedy)
-    return toks, finite, ids, lps, ((hidden, embeds) if return_hidden else None), kv_cache
+    return logits, finite, ((hidden, embeds) if return_hidden else None), kv_cache
+
+
+def _logprobs_fn(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return top_logprobs(logits, tokens)
 
 
 def _scrub_fn(kv_cache: Any, pages: jax.Array) -> Any:
@@ -189,7 +228,7 @@ def _scrub_fn(kv_cache: Any, pages: jax.Array) -> Any:
 
 
 class ARRunner:
-    """Owns the params, the KV cache arrays and the compiled step of one AR stage."""
+    """Owns the params, the KV cache arrays and the compiled programs of one AR stage."""
 
     def __init__(
         self,
@@ -197,6 +236,7 @@ class ARRunner:
         cache: CacheConfig,
         *,
         max_num_seqs: int,
+        max_num_batched_tokens: int,
         backend: Backend = "auto",
         position_shape: tuple[int, ...] = (),
         mesh: Mesh | None = None,
@@ -206,18 +246,20 @@ class ARRunner:
         be placed on it. The cache is split on KV heads over ``model`` (``cache.num_kv_heads``
         counts stored, possibly replicated, heads), step rows over ``data``."""
         self.graphdef, self.state = nnx.split(model)
-        # The step takes the state's leaves, its structure bound in: jit flattens its arguments
-        # on every call, and flattening the NNX state (a Python call per variable) was a third
-        # of a tiny talker step's dispatch (0.65 against 0.46 ms a step, measured).
+        # The programs take the state's leaves, its structure bound in: jit flattens its
+        # arguments on every call, and flattening the NNX state (a Python call per variable)
+        # was a third of a tiny talker step's dispatch.
         self._leaves, treedef = jax.tree.flatten(self.state)
         self.cache_cfg = cache
         self.max_num_seqs = max_num_seqs
         self.mesh = mesh
         self.data = axis_size(mesh, "data")
         self.max_rows = max_sequence_rows(max_num_seqs, self.data)
+        self.most_rows = max_token_rows(max_num_batched_tokens, self.max_rows, self.data)
         self.backend = backend
         self.position_shape = position_shape  # () for 1-D RoPE, (3,) for M-RoPE
         self.step_inputs = step_inputs  # None: the model embeds tokens alone
+        self.return_hidden = False  # set before warm-up when a later stage reads hidden states
         self.kv_cache = init_kv_cache(
             cache.num_layers,
             cache.num_kv_heads,
@@ -225,84 +267,109 @@ class ARRunner:
             cache.page_size,
             cache.head_dim,
             cache.dtype,
-            sharding=None if mesh is None else NamedSharding(mesh, P("model")),
+            # Committed where the params are: a jit keys its programs on whether arguments are
+            # committed, and the cache every step donates back is, so an uncommitted first cache
+            # would compile the first step's program twice.
+            sharding=(
+                jax.sharding.SingleDeviceSharding(next(iter(self._leaves[0].devices())))
+                if mesh is None
+                else NamedSharding(mesh, P("model"))
+            ),
         )
-        layout: dict[str, Any] = {}
+        fwd_layout: dict[str, Any] = {}
+        out_layout: dict[str, Any] = {}
         if mesh is not None:  # outputs replicated: every process reads the sampled tokens
             rep = NamedSharding(mesh, P())
-            layout["out_shardings"] = (rep, rep, rep, rep, rep, self.kv_cache[0][0].sharding)
-        self._step = jax.jit(
-            functools.partial(_step_fn, self.graphdef, treedef),
+            fwd_layout["out_shardings"] = (rep, rep, rep, self.kv_cache[0][0].sharding)
+            out_layout["out_shardings"] = rep
+        self._forward = jax.jit(
+            functools.partial(_forward_fn, self.graphdef, treedef),
             donate_argnames=("kv_cache",),
-            static_argnames=("greedy", "num_logprobs", "backend", "return_hidden"),
-            **layout,
+            static_argnames=("backend", "return_hidden"),
+            **fwd_layout,
         )
+        self._draw = jax.jit(draw_tokens, static_argnames=("greedy",), **out_layout)
+        self._logprobs = jax.jit(_logprobs_fn, **out_layout)
         self._scrub = jax.jit(_scrub_fn, donate_argnames=("kv_cache",))
 
     def scrub(self, pages: Sequence[int]) -> None:
-        """Zero ``pages`` (a failed request's) before the allocator hands them out again."""
-        if not pages:
-            return
-        ids = np.full((bucket(len(pages), 8),), self.cache_cfg.num_pages + 1, np.int32)
-        ids[: len(pages)] = pages
-        self.kv_cache = self._scrub(self.kv_cache, ids)
+        """Zero ``pages`` (a failed request's) before the allocator hands them out again, in
+        calls of one sequence's worth of pages (one program)."""
+        width = self.cache_cfg.pages_per_seq
+        for i in range(0, len(pages), width):
+            ids = np.full((width,), self.cache_cfg.num_pages + 1, np.int32)
+            chunk = pages[i : i + width]
+            ids[: len(chunk)] = chunk
+            self.kv_cache = self._scrub(self.kv_cache, ids)
 
     def rows_bucket(self, n: int) -> int:
-        """Token rows of a step with ``n`` tokens: a fine bucket (at most a third padding), at
-        least :data:`MIN_ROWS`, padded to a multiple of ``data`` so each data shard gets the
-        same number of rows."""
-        return round_up(fine_bucket(n, MIN_ROWS), self.data)
+        """Token rows of a step with ``n`` tokens, a multiple of ``data`` so each data shard
+        gets the same number of rows, at least :data:`MIN_ROWS`. Up to ``max_rows`` (decode
+        steps, and prompt steps of a few sequences) two sizes an octave, at most a third
+        padding; above, powers of two up to the budget's largest step: prompt steps that
+        long are mostly filled to the budget by chunked prefill, and each octave's second
+        size would cost another program."""
+        b = fine_bucket(n, MIN_ROWS) if n <= self.max_rows else bucket(n)
+        return min(round_up(b, self.data), self.most_rows)
 
     def sequences(self, rows: int) -> int:
-        """Sequence rows (logits and sampling) of a step of ``rows`` token rows: one per token
-        up to the most sequences a step can hold. A fixed function of the token rows, so it
-        adds no programs; a prompt step samples at most ``max_rows`` rows however long it is."""
-        return min(rows, self.max_rows)
+        """Sequence rows (logits and sampling) of a step of ``rows`` token rows: a power of two
+        (a multiple of ``data``) covering them, up to the most sequences a step can hold. A
+        fixed function of the token rows, so it adds no forward programs, and the sampler's
+        programs are one per power of two."""
+        return min(round_up(bucket(rows, MIN_ROWS), self.data), self.max_rows)
 
     def pages_bucket(self, max_pages: int) -> int:
-        """Block-table width of a call: only the pages its longest row needs (a power of two,
-        at least an eighth of the maximum to bound the number of programs).
-
-        The jnp path gathers every page in the table: a full-width table made attention a
-        third of the prompt compute on the AR benchmark (512-token tables for chunks of up to
-        192 tokens).
-        """
+        """Block-table width of a call: full width, except on the jnp attention path, which
+        gathers every page in the table and so takes only the pages its longest row needs (a
+        power of two, at least a quarter of the maximum to bound the number of programs). The
+        kernels (``auto`` picks one for these one-token rows on GPU and for float32 on CPU) read
+        only the pages under each row's context, whatever the width."""
         full = self.cache_cfg.pages_per_seq
-        return min(full, bucket(max_pages, max(1, full // 8)))
+        if self.backend != "jnp":
+            return full
+        return min(full, bucket(max_pages, max(1, full // 4)))
 
-    def step_shapes(self, max_num_batched_tokens: int) -> list[tuple[int, int]]:
-        """Every ``(token rows, pages)`` bucket a scheduler with this budget can produce: up to
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every ``(token rows, pages)`` forward shape the scheduler can produce: any step up to
         the budget's tokens (a prompt step) or ``max_rows`` (a decode step), any table width."""
         c = self.cache_cfg
         widths = sorted({self.pages_bucket(p) for p in range(1, c.pages_per_seq + 1)})
-        most = max_token_rows(max_num_batched_tokens, self.max_rows, self.data)
-        rows = {self.rows_bucket(n) for n in fine_bucket_sizes(MIN_ROWS, most)}
-        return sorted((n, p) for n in rows for p in widths)
+        rows = sorted({self.rows_bucket(n) for n in range(1, self.most_rows + 1)})
+        return [(n, p) for n in rows for p in widths]
 
-    def warmup(self, max_num_batched_tokens: int, return_hidden: bool = False) -> int:
-        """Compile the plain step (no penalty, no logprobs) for every bucket, in its greedy and
-        its sampling program; returns the number of programs. A step with penalties or logprobs
-        is another program, compiled when a bucket first meets one.
+    def sequence_buckets(self) -> list[int]:
+        """Every sequence-row count of a step (the sampler's shapes)."""
+        return sorted({self.sequences(n) for n, _ in self.step_shapes()})
+
+    def warmup(self) -> int:
+        """Compile every program: the forward for each :meth:`step_shapes`, and per
+        :meth:`sequence_buckets` the sampler's greedy, sampling and penalty forms and the
+        log-probabilities; then the scrub. Returns the number of programs.
 
         The inputs are all padding: every cache write lands on the dropped slot, so the
         cache is untouched.
         """
-        shapes = self.step_shapes(max_num_batched_tokens)
-        for n, p in shapes:
-            for greedy in (True, False):
-                args = self._pack([], n, p)
-                self._call(*args, greedy=greedy, num_logprobs=None, return_hidden=return_hidden)
-        return 2 * len(shapes)
+        logits_of: dict[int, jax.Array] = {}  # one forward's logits per sequence bucket
+        for n, p in self.step_shapes():
+            logits_of[self.sequences(n)] = self._run_forward(*self._pack([], n, p))[0]
+        for s, logits in sorted(logits_of.items()):
+            for greedy, history in ((True, False), (False, False), (False, True)):
+                tokens = self._run_draw(logits, self._sampling([], s, history), greedy)
+            self._run_logprobs(logits, tokens)
+        self.scrub([self.cache_cfg.num_pages + 1])
+        return len(self.step_shapes()) + 4 * len(logits_of) + 1
 
     def _pack(self, rows: Sequence[StepRow], n: int, p: int) -> tuple[Any, ...]:
-        """Host arrays of one flat step: ``rows``' tokens in order, padded to ``n`` token rows
-        with ``p``-page tables, and :meth:`sequences` sampling rows."""
+        """Host arrays of one flat step's forward: ``rows``' tokens in order, padded to ``n``
+        token rows, with :meth:`sequences` ``p``-page tables and logits rows."""
         c = self.cache_cfg
         s = self.sequences(n)
         tokens = np.zeros((n, 1), np.int32)
         positions = np.zeros((*self.position_shape, n, 1), np.int32)
         slots = np.full((n, 1), c.dropped_slot, np.int32)
-        tables = np.full((n, p), c.null_page, np.int32)
+        tables = np.full((s, p), c.null_page, np.int32)
+        sequence = np.zeros((n,), np.int32)
         ctx = np.zeros((n,), np.int32)
         qlen = np.zeros((n,), np.int32)
         last = np.zeros((s,), np.int32)
@@ -316,59 +383,69 @@ class ARRunner:
             pages = np.asarray(r.pages, np.int32)
             slots[seg, 0] = pages[idx // c.page_size] * c.page_size + idx % c.page_size
             used = -(-r.end // c.page_size)
-            tables[seg, :used] = pages[:used]
+            tables[i, :used] = pages[:used]
+            sequence[seg] = i
             ctx[seg] = idx + 1  # each token's causal horizon
             qlen[seg] = 1
             offset += m
             last[i] = offset - 1
-        needs_history = any(
-            r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
-            for r in rows
-        )
-        st = pack_sampling(
+        extra = None
+        if self.step_inputs is not None:
+            extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
+        return tokens, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, extra
+
+    def _sampling(self, rows: Sequence[StepRow], s: int, history: bool) -> SamplingTensors:
+        """The sampler's rows for ``rows``, padded to ``s``; ``history``: the penalty form,
+        with each row's ids up to ``max_model_len``."""
+        return pack_sampling(
             [r.params for r in rows],
-            [r.history if needs_history else [] for r in rows],
+            [r.history if history else [] for r in rows],
             [r.prompt_len for r in rows],
             [r.seed for r in rows],
             [r.draw_index for r in rows],
             [r.suppress for r in rows],
             batch=s,
-            history_len=c.max_model_len if needs_history else 1,
-            suppress_len=bucket(max([len(r.suppress) for r in rows], default=0), 4),
+            history_len=self.cache_cfg.max_model_len if history else 1,
         )
-        md = AttentionMetadata(slots, tables, ctx, qlen)
-        extra = None
-        if self.step_inputs is not None:
-            extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
-        return tokens, positions, md, last, st, extra
 
-    def _call(self, *args: Any, **static: Any) -> tuple[Any, ...]:
-        """One compiled step; ``static`` picks the program (``greedy``, ``num_logprobs``,
-        ``return_hidden``)."""
+    def _on_mesh(
+        self,
+        fn: Callable[..., Any],
+        placed: Sequence[Any],
+        host: Sequence[tuple[Any, int | None]],
+        **static: Any,
+    ) -> Any:
+        """``fn(*placed, *host, **static)``; on a mesh, each host array is put with its rows
+        (axis given beside it, ``None``: replicated) split over ``data``."""
         if self.mesh is None:
-            return self._run_step(args, static)
+            return fn(*placed, *(a for a, _ in host), **static)
         with jax.set_mesh(self.mesh):  # kernels that need the mesh (shard_map) read it here
-            return self._run_step(self._shard_rows(args), static)
+            args = [
+                put(a, NamedSharding(self.mesh, P() if axis is None else P(*[None] * axis, "data")))
+                for a, axis in host
+            ]
+            return fn(*placed, *args, **static)
 
-    def _run_step(self, args: Sequence[Any], static: dict[str, Any]) -> tuple[Any, ...]:
-        toks, finite, ids, lps, hidden, self.kv_cache = self._step(
-            self._leaves, self.kv_cache, *args, backend=self.backend, **static
+    def _run_forward(
+        self, tokens: Any, positions: Any, step: FlatStep, last: Any, extra: Any
+    ) -> tuple[jax.Array, jax.Array, Any]:
+        """The forward program: ``(logits [S, V], finite [S], (hidden, embeds) or None)``, all
+        on device; the cache is replaced by the donated result."""
+        host = [(tokens, 0), (positions, len(self.position_shape)), (step, 0), (last, 0), (extra, None)]
+        logits, finite, hidden, self.kv_cache = self._on_mesh(
+            self._forward,
+            [self._leaves, self.kv_cache],
+            host,
+            backend=self.backend,
+            return_hidden=self.return_hidden,
         )
-        return toks, finite, ids, lps, hidden
+        return logits, finite, hidden
 
-    def _shard_rows(self, args: Sequence[Any]) -> list[Any]:
-        """Put a step's host arrays on the mesh with their rows split over ``data``.
+    def _run_draw(self, logits: jax.Array, st: SamplingTensors, greedy: bool) -> jax.Array:
+        return self._on_mesh(self._draw, [logits], [(st, 0)], greedy=greedy)
 
-        ``tokens``, ``md``, ``logits_idx`` and the sampling tensors hold rows on axis 0, the
-        positions after their M-RoPE axes; any further input is replicated.
-        """
-        row_axes = (0, len(self.position_shape), 0, 0, 0)
-        placed = []
-        for i, a in enumerate(args):
-            axis = row_axes[i] if i < len(row_axes) else None
-            spec = P() if axis is None else P(*[None] * axis, "data")
-            placed.append(put(a, NamedSharding(self.mesh, spec)))
-        return placed
+    def _run_logprobs(self, logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self._on_mesh(self._logprobs, [logits, tokens], [])
 
     def embed_tokens(self, ids: Sequence[int]) -> np.ndarray:
         """``[len(ids), D]`` input embeddings of ``ids`` alone (no step inputs merged), for a
@@ -386,20 +463,29 @@ class ARRunner:
         ``{row index: message}`` of rows that failed."""
         return {} if self.step_inputs is None else self.step_inputs.prepare(rows)
 
-    def execute(self, rows: Sequence[StepRow], return_hidden: bool = False) -> StepResult:
-        """One scheduler step as one flat call; results in ``rows``' order."""
+    def execute(self, rows: Sequence[StepRow], capture_hidden: bool = False) -> StepResult:
+        """One scheduler step: the forward, then the sampler; results in ``rows``' order.
+        ``capture_hidden``: fetch the step's hidden states and input embeddings (the forward
+        returns them whenever :attr:`return_hidden`; they stay on device otherwise)."""
         n_rows = len(rows)
         lengths = [len(r.token_ids) for r in rows]
         n = self.rows_bucket(sum(lengths))
         p = self.pages_bucket(max(-(-r.end // self.cache_cfg.page_size) for r in rows))
-        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        toks, finite, ids, lps, hidden = self._call(
-            *self._pack(rows, n, p),
-            greedy=all(r.params.greedy for r in rows),
-            num_logprobs=(bucket(max(asked)) if max(asked) else 0) if asked else None,
-            return_hidden=return_hidden,
+        logits, finite, hidden = self._run_forward(*self._pack(rows, n, p))
+        penalised = any(
+            r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
+            for r in rows
         )
-        hidden, embeds = (None, None) if hidden is None else (self._per_row(h, lengths) for h in hidden)
+        st = self._sampling(rows, logits.shape[0], penalised)
+        toks = self._run_draw(logits, st, greedy=not penalised and all(r.params.greedy for r in rows))
+        ids = lps = None
+        if any(r.params.logprobs is not None for r in rows):
+            ids, lps = self._run_logprobs(logits, toks)
+        hidden, embeds = (
+            (self._per_row(h, lengths) for h in hidden)
+            if capture_hidden and hidden is not None
+            else (None, None)
+        )
         return StepResult(
             tokens=np.asarray(toks)[:n_rows],
             finite=np.asarray(finite)[:n_rows],

@@ -51,8 +51,8 @@ def fine_bucket(n: int, minimum: int = 1, steps: int = 2) -> int:
 
     ``steps`` (a power of two) sizes per octave: with 2, ``2^k`` or ``3 * 2^(k-1)``. For lengths
     where padding is paid in compute: with 2 steps at most a third is wasted instead of half,
-    for twice the number of programs; with 8 steps at most a ninth. Sizes below ``2 * steps``
-    stay powers of two.
+    for twice the number of programs; with 8 steps at most a ninth. Sizes up to ``steps`` stay
+    powers of two.
     """
     p = next_pow2(n, minimum)
     half = p // 2
@@ -68,6 +68,17 @@ def fine_bucket(n: int, minimum: int = 1, steps: int = 2) -> int:
 def fine_bucket_sizes(minimum: int, maximum: int) -> list[int]:
     sizes = sorted({fine_bucket(n, minimum) for n in range(minimum, maximum + 1)})
     return [s for s in sizes if s <= maximum]
+
+
+def ladder(minimum: int, maximum: int, steps: int = 2) -> tuple[int, ...]:
+    """Every size :func:`fine_bucket` (``steps`` sizes per octave) gives from ``minimum`` below
+    ``maximum``, then ``maximum`` itself: a closed set, ascending, in which the smallest size
+    ``>= n`` pads any ``n <= maximum``."""
+    sizes, size = [], fine_bucket(1, minimum, steps)
+    while size < maximum:
+        sizes.append(size)
+        size = fine_bucket(size + 1, minimum, steps)
+    return (*sizes, maximum)
 
 
 def padded_split(sizes: Sequence[int], rows: Callable[[int], int], overhead: float) -> list[tuple[int, int]]:

@@ -16,6 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+MAX_LOGPROBS = 20
+"""The most top log-probabilities a request may ask for (vLLM's ``max_logprobs`` default):
+every step that returns any computes this many, so one program serves every request."""
+
+SUPPRESS_WIDTH = 16
+"""Token ids one row may have suppressed in one step (its stop ids under ``min_tokens``, a
+stage's never-sampled ids): a fixed width, so suppression never makes a new program."""
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -56,7 +64,11 @@ class SamplingParams:
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 "must not exceed max_tokens",
             ),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be a non-negative integer"),
         ]
         for name, ok, why in checks:
@@ -181,34 +193,31 @@ def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return first_argmax(jnp.where(st.temperature[:, None] > 0, x + gumbel, x))
 
 
-def sample(
-    logits: jax.Array, st: SamplingTensors, num_logprobs: int | None, *, greedy: bool
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """Draw one token per row of float32 ``logits [B, V]``.
-
-    Returns ``(tokens [B], ids [B, 1 + N], logprobs [B, 1 + N])``: column 0 is the drawn
-    token, then the top-``N`` of the model's raw distribution (vLLM's default);
-    ``num_logprobs=None`` (no row asked) skips the log-softmax and returns ``None`` for both.
+def draw_tokens(logits: jax.Array, st: SamplingTensors, *, greedy: bool) -> jax.Array:
+    """One token per row of float32 ``logits [B, V]``: ``[B]`` int32.
 
     ``greedy`` (static: every row has temperature 0) takes the argmax after penalties and
     suppression and never sorts the vocabulary: truncation only drops tokens below the
-    largest, so it cannot change a greedy choice. It is a separate program, not a ``lax.cond``
-    on the rows: on XLA's CPU backend the mere presence of the sampling branch (sort, noise)
-    slowed the greedy path it skipped from 1.6 to 11 ms at 256 rows x 8192 ids (measured).
-    With the log-softmax no row had asked for, a 256-row decode step of the 40M Qwen2 took
-    163 ms where it now takes 149 (TPOT of the AR benchmark).
+    largest, so it cannot change a greedy choice. It is a program of its own, not a
+    ``lax.cond`` on the rows: on XLA's CPU backend the mere presence of the sampling branch
+    (sort, noise) slowed the greedy path it skipped. The sampling program serves
+    greedy rows exactly too (their processed logits keep every maximum and get no noise), so a
+    step mixing both, or any step with penalties, runs it.
     """
     if greedy:
-        tokens = first_argmax(_adjusted(logits, st)).astype(jnp.int32)
-    else:
-        tokens = _draw(logits, st).astype(jnp.int32)
-    if num_logprobs is None:
-        return tokens, None, None
+        return first_argmax(_adjusted(logits, st)).astype(jnp.int32)
+    return _draw(logits, st).astype(jnp.int32)
+
+
+def top_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(ids [B, 1 + K], logprobs [B, 1 + K])`` with ``K =`` :data:`MAX_LOGPROBS`: column 0 is
+    the drawn token, then the top ``K`` of the model's raw distribution (vLLM's default); the
+    host keeps each request's first ``1 + logprobs`` columns."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    top_lp, top_ids = jax.lax.top_k(raw_logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)
     ids = jnp.concatenate([tokens[:, None], top_ids.astype(jnp.int32)], axis=-1)
-    return tokens, ids, jnp.concatenate([token_lp, top_lp], axis=-1)
+    return ids, jnp.concatenate([token_lp, top_lp], axis=-1)
 
 
 def seed_words(seed: int) -> tuple[int, int]:
@@ -225,9 +234,9 @@ def pack_sampling(
     suppress: Sequence[Sequence[int]],
     batch: int,
     history_len: int,
-    suppress_len: int,
 ) -> SamplingTensors:
-    """Host-side numpy rows for :func:`sample`, padded to ``batch`` rows (bucketed)."""
+    """Host-side numpy rows for :func:`draw_tokens`, padded to ``batch`` rows (bucketed);
+    suppression :data:`SUPPRESS_WIDTH` wide."""
     n = len(params)
 
     def col(values: list[float], dtype: type, pad: float) -> np.ndarray:
@@ -236,8 +245,10 @@ def pack_sampling(
     hist = np.full((batch, history_len), -1, np.int32)
     for i, h in enumerate(histories):
         hist[i, : len(h)] = h
-    supp = np.full((batch, suppress_len), -1, np.int32)
+    supp = np.full((batch, SUPPRESS_WIDTH), -1, np.int32)
     for i, s in enumerate(suppress):
+        if len(s) > SUPPRESS_WIDTH:
+            raise ValueError(f"{len(s)} token ids to suppress in one row, at most {SUPPRESS_WIDTH}")
         supp[i, : len(s)] = s
     seed_rows = np.zeros((batch, 2), np.uint32)
     for i, s in enumerate(seeds):

@@ -17,7 +17,7 @@ from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARRunner, CacheConfig, StepInputs
 from omni_jax.engine.buckets import max_sequence_rows, max_token_rows
 from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, pool_key, refuse_unless_fits
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling import SUPPRESS_WIDTH, SamplingParams
 from omni_jax.engine.scheduler import PositionFn, text_positions
 from omni_jax.models.attention import chunk_bytes
 from omni_jax.parallel.mesh import axis_size
@@ -86,7 +86,6 @@ class ARStage:
         self.defaults = defaults
         self.frontend = frontend
         self.reads_hidden = frontend is not None and frontend.reads_hidden
-        self.keeps_hidden = False  # set by the pipeline when the next stage reads hidden states
         self._submitted: dict[str, float] = {}
 
     @classmethod
@@ -131,6 +130,7 @@ class ARStage:
             model,
             cache,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             backend=backend,
             mesh=mesh,
             position_shape=() if frontend is None else frontend.position_shape,
@@ -151,6 +151,16 @@ class ARStage:
         )
         defaults = sc.default_params(SamplingParams, overrides)
         return cls(sc, engine, model.spec.vocab_size, max_model_len, defaults, frontend)
+
+    @property
+    def keeps_hidden(self) -> bool:
+        """Whether the next stage reads this stage's hidden states: its forward then returns
+        them (one program set either way), fetched for the requests that need them."""
+        return self.engine.runner.return_hidden
+
+    @keeps_hidden.setter
+    def keeps_hidden(self, keep: bool) -> None:
+        self.engine.runner.return_hidden = keep
 
     def prepare(self, index: int, request: StageInput) -> StageInput:
         if self.frontend is None:
@@ -185,6 +195,23 @@ class ARStage:
                     f"max_model_len is {self.max_model_len} (at least one token must be generated)"
                 )
         check_params(self, index, params, self.vocab_size)
+        self._check_held_back(index, params)
+
+    def _check_held_back(self, index: int, params: SamplingParams) -> None:
+        """The ids a row may have suppressed at once (stop ids under ``min_tokens``, the
+        stage's never-sampled ids) fit the sampler's fixed width."""
+        if params.min_tokens == 0:
+            return
+        held = set(params.stop_token_ids or []) | set(
+            () if self.frontend is None else self.frontend.suppress_ids
+        )
+        if not params.ignore_eos:
+            held |= set(self.engine.eos_token_ids)
+        if len(held) > SUPPRESS_WIDTH:
+            raise ValueError(
+                f"request {index}: stage {self.config.name!r}: min_tokens={params.min_tokens} holds back "
+                f"{len(held)} stop ids (stop_token_ids and EOS); at most {SUPPRESS_WIDTH} can be held back"
+            )
 
     def submit(self, request_id: str, request: StageInput, params: SamplingParams) -> None:
         self._submitted[request_id] = time.perf_counter()
@@ -203,7 +230,7 @@ class ARStage:
     def warmup(self) -> int:
         """Every step bucket (:meth:`AREngine.warmup`), then the frontend's own programs (the
         thinker's encoders); returns how many programs."""
-        n = self.engine.warmup(capture_hidden=self.keeps_hidden)
+        n = self.engine.warmup()
         return n + (0 if self.frontend is None else self.frontend.warmup())
 
     def step(self) -> list[StageResult]:

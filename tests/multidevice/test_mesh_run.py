@@ -94,6 +94,25 @@ def test_sharded_steady_state_never_recompiles(gqa_dir, gqa_prompts, reference, 
     assert (c.traces, c.compiles) == (0, 0)
 
 
+def test_sharded_warmup_leaves_nothing_to_compile(gqa_dir, gqa_prompts) -> None:
+    """``warmup()`` on a 2 x 4 mesh compiles the programs that greedy, sampled, penalised and
+    log-prob steps then run with their rows split over ``data``: nothing compiles after it."""
+    pipe = OmniJaxPipeline.from_pretrained(
+        gqa_dir, mesh={"data": 2, "model": 4}, max_num_seqs=4, page_size=8, max_model_len=64
+    )
+    report = pipe.warmup(progress=False)
+    assert report.programs == report.stages["llm"].programs > 0
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4),
+        SamplingParams(temperature=0.7, seed=1, max_tokens=4, logprobs=2),
+        SamplingParams(temperature=0.7, seed=2, max_tokens=4, repetition_penalty=1.2),
+    ]
+    with CompileCounter() as c:
+        outs = pipe.run(gqa_prompts[:3], params, progress=False)
+    assert all(o.error is None for o in outs)
+    assert (c.traces, c.compiles) == (0, 0)
+
+
 def test_converted_checkpoint_restores_into_shards(gqa_dir, pipes, tmp_path) -> None:
     """Orbax restores each array straight into its target sharding, equal to the HF-loaded one."""
     dst = convert(gqa_dir, tmp_path / "converted", progress=False)
@@ -121,8 +140,12 @@ def test_hidden_states_come_back_whole(gqa_dir, pipes) -> None:
     runner = pipe_for(pipes, gqa_dir, 2, 4).stages[0].engine.runner
     single = pipe_for(pipes, gqa_dir, 1, 1).stages[0].engine.runner
     rows = _prompt_rows(runner, [[5, 6, 7], [8, 9, 10, 11, 12]])
-    got = runner.execute(rows, return_hidden=True)
-    want = single.execute(_prompt_rows(single, [[5, 6, 7], [8, 9, 10, 11, 12]]), return_hidden=True)
+    try:
+        runner.return_hidden = single.return_hidden = True  # as when a later stage reads them
+        got = runner.execute(rows, capture_hidden=True)
+        want = single.execute(_prompt_rows(single, [[5, 6, 7], [8, 9, 10, 11, 12]]), capture_hidden=True)
+    finally:
+        runner.return_hidden = single.return_hidden = False
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert [h.shape[0] for h in got.hidden] == [3, 5]  # each row's tokens, no padding
     assert [h.shape for h in got.hidden] == [h.shape for h in want.hidden]
