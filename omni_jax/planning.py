@@ -175,7 +175,8 @@ def plan_memory(
     ``path/config.json`` alone, for devices of ``platform`` (the step estimates depend on it).
 
     Raises ``ValueError`` for what ``from_pretrained`` would refuse before loading (an unknown
-    stage, a mesh the model cannot be split by, ``max_model_len`` over the model's).
+    stage, a mesh the model cannot be split by, overlapping device lists, ``max_model_len`` over
+    the model's).
     """
     from omni_jax.weights import load_hf_config
 
