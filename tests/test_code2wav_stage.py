@@ -2,9 +2,9 @@
 
 Codes + voice -> waveform against transformers' ``Qwen2_5OmniToken2WavModel`` (called as
 ``Qwen2_5OmniForConditionalGeneration.generate`` calls it), batching, seeded noise, validation,
-and torch-free serving of a converted checkpoint. All requests here fit one code bucket (16) and
-the voices one reference bucket, so the whole file compiles three programs (batch 1 with and
-without guidance, batch 4).
+and torch-free serving of a converted checkpoint. All requests here fit one code bucket (32) and
+the voices pad to one reference length, so the whole file compiles two solve programs (batch 1
+and batch 4; unguided requests run the guided program with a zero guidance factor).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_batch_equals_each_request_alone(pipes, monkeypatch: pytest.MonkeyPatch)
     batch = pipe.run(prompts, params, progress=False)
     for prompt, p, out in zip(prompts, params, batch, strict=True):
         assert out.metrics["code2wav"]["batch_size"] == 3
-        # Alone, the unguided request runs the program without the null half.
+        # Alone, the unguided request still runs the guided program, its null half weighed zero.
         alone = pipe.run(prompt, p, progress=False)[0]
         assert alone.audio.shape == out.audio.shape == (len(prompt["prompt_token_ids"]) * REPEATS * 60,)
         err = rel_err(out.audio, alone.audio)

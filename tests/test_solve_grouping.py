@@ -29,8 +29,8 @@ def make_runner(calls: list[list[int]], max_batch: int = 8) -> GenerationRunner:
         wave = np.zeros((codes.shape[0], 2 * codes.shape[1] * SAMPLES_PER_FRAME), np.float32)
         return wave, lengths * 2 * SAMPLES_PER_FRAME
 
-    geometry = SolveGeometry(repeats=2, mel_dim=4, max_codes=512, min_guidance=1e-5)
-    return GenerationRunner(solve, _NoWeights(), geometry, max_batch=max_batch)
+    geometry = SolveGeometry(repeats=2, mel_dim=4, speaker_dim=3, max_codes=512)
+    return GenerationRunner(solve, _NoWeights(), geometry, reference_frames=5, max_batch=max_batch)
 
 
 def request(name: str, num_codes: int) -> GenerationRequest:
@@ -68,13 +68,13 @@ def ids(groups: list[list[GenerationRequest]]) -> list[list[str]]:
 
 def test_groups_weigh_padding_against_solves(monkeypatch: pytest.MonkeyPatch) -> None:
     runner = make_runner([])
-    lengths = {"a": 100, "b": 20, "c": 100, "d": 20, "e": 100, "f": 30, "g": 100}
+    lengths = {"a": 100, "b": 20, "c": 100, "d": 20, "e": 100, "f": 40, "g": 100}
     waiting = [request(name, n) for name, n in lengths.items()]
-    # Cheap solves: shortest first, one code bucket (20, 32, 104 codes) each.
+    # Cheap solves: shortest first, one code bucket (32, 48, 128 codes) each.
     assert ids(runner.groups(waiting)) == [["b", "d"], ["f"], ["a", "c", "e", "g"]]
     monkeypatch.setattr(runner.cost, "overhead", lambda: 1000.0)  # dear solves: one for all
     assert ids(runner.groups(waiting)) == [["b", "d", "f", "a", "c", "e", "g"]]
-    # Three rows pad to four: with cheap solves, 2 + 1 rows of 104 codes beat 4.
+    # Three rows pad to four: with cheap solves, 2 + 1 rows of 128 codes beat 4.
     monkeypatch.setattr(runner.cost, "overhead", lambda: MIN_OVERHEAD)
     assert [len(g) for g in runner.groups(waiting[:1] + waiting[2:3] + waiting[4:5])] in ([1, 2], [2, 1])
 

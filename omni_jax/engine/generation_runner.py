@@ -1,13 +1,21 @@
 """The non-autoregressive execution path: codec tokens -> waveform in one jitted solve per batch.
 
 There is no KV cache, no logits and no sampler here: a request is its whole input, so a batch is
-padded once (batch size and reference-mel length to a power-of-two bucket, code length to one of
-eight sizes per octave, so steady-state serving never recompiles), solved by one compiled program,
-and split back into per-request waveforms trimmed to their valid samples. Requests waiting together
-are split into solves by length (:meth:`GenerationRunner.groups`), weighing the padding a shared
-solve pays in full against what one more solve costs on this device (:class:`SolveCost`, fitted
-to the runner's own timings), and each step runs one solve, the oldest request's, so results
-come back as soon as their own solve ends and later arrivals can still join the others.
+padded once to one of a closed set of shapes (:class:`SolveBuckets`), solved by that shape's
+compiled program, and split back into per-request waveforms trimmed to their valid samples.
+:meth:`GenerationRunner.warmup` compiles every program of the set, after which nothing compiles,
+whatever the traffic. Requests waiting together are split into solves by length
+(:meth:`GenerationRunner.groups`), weighing the padding a shared solve pays in full against what
+one more solve costs on this device (:class:`SolveCost`, fitted to the runner's own timings); the
+fit only chooses among the set's shapes, never makes one. Each step runs one solve, the oldest
+request's, so results come back as soon as their own solve ends and later arrivals can still
+join the others.
+
+Every solve runs classifier-free guidance (the conditional and the null input in one doubled
+batch). A request whose ``guidance_scale`` is below the model's threshold gets a zero guidance
+factor, so its result is its conditional velocity alone, the reference's unguided path. A solve
+of only such requests pays the null half's DiT work for nothing; they are the exception (the
+default scale guides), and one program per shape instead of two halves what warm-up compiles.
 
 On a stage mesh, a solve's rows are split over ``data`` (rows padded to a multiple of it), each
 device solving its own requests with the replicated weights: rows never interact, so XLA
@@ -20,6 +28,7 @@ gives the same waveform alone or in any batch.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import time
@@ -32,7 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from omni_jax.engine.buckets import bucket, fine_bucket, padded_split, round_up
+from omni_jax.engine.buckets import bucket, ladder, padded_split, round_up
 from omni_jax.engine.compilation import StaticGraph
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.engine.solve_cost import SolveCost
@@ -43,10 +52,22 @@ from omni_jax.profiling import scope
 
 Solve = Callable[..., tuple[jax.Array, jax.Array]]
 """``solve(graph, state, codes, code_lengths, speaker_embedding, reference_mel, reference_lengths,
-initial_noise, num_steps, guidance_scale, sway_coefficient, guided) -> (wave [B, S], valid samples
-[B])``, e.g. ``token2wav_compiled``; ``graph`` is the model's :class:`StaticGraph`; every array is
-batched and the knobs are ``[B]``; ``guided`` (static) is False when no request needs
-classifier-free guidance."""
+initial_noise, num_steps, guidance_scale, sway_coefficient) -> (wave [B, S], valid samples [B])``,
+e.g. ``token2wav_compiled``; ``graph`` is the model's :class:`StaticGraph`; every array is batched
+and the knobs are ``[B]``. It compiles once per input shape (a jitted function), so that calling
+it on padding compiles the program a real batch of that shape runs."""
+
+MIN_CODES = 32
+"""The shortest padded code length: shorter requests are a small share of a solve's work, and
+every size below it would be programs of its own."""
+
+CODE_STEPS = 2
+"""Padded code lengths per octave (:func:`~omni_jax.engine.buckets.ladder`): ``2^k`` and
+``3 * 2^(k-1)``. A solve's work (the DiT's block attention and the vocoder are linear in
+frames) grows with its padded length, so padding is paid on every solve, and programs only at
+warm-up. Two sizes an octave waste at most half a request's length (at most a third of the
+padded solve), against at most all of it for powers of two; four sizes would halve that again
+for twice the programs, while a solve of several requests already pads all but its longest."""
 
 
 @dataclasses.dataclass
@@ -74,13 +95,13 @@ class GenerationResult:
 
 @dataclasses.dataclass(frozen=True)
 class SolveGeometry:
-    """What padding needs to know of the model: mel frames per code, mel width, longest input."""
+    """What padding needs to know of the model: mel frames per code, mel width, speaker vector
+    width, longest input."""
 
     repeats: int
     mel_dim: int
+    speaker_dim: int
     max_codes: int
-    min_guidance: float
-    """Guidance scales below this mean no guidance (a solve of only such requests is cheaper)."""
 
 
 @dataclasses.dataclass
@@ -97,7 +118,6 @@ class PaddedBatch:
     guidance_scale: np.ndarray
     sway_coefficient: np.ndarray
     seeds: list[int | None]
-    guided: bool = True
 
     def arrays(self, mesh: Mesh | None = None) -> tuple[jax.Array, ...]:
         """The device arrays in :data:`Solve`'s argument order (after graphdef and state); on
@@ -109,6 +129,50 @@ class PaddedBatch:
         return tuple(put(getattr(self, name), rows) for name in fields)
 
 
+@dataclasses.dataclass(frozen=True)
+class SolveBuckets:
+    """The closed set of solve shapes: every batch pads to one ``(rows, codes)`` pair of it, and
+    :meth:`GenerationRunner.warmup` compiles each pair's program.
+
+    rows: a solve's request rows, powers of two up to ``max_batch`` (which caps the last), each
+    rounded up to a multiple of the mesh's ``data`` axis (every shard the same rows).
+    codes: padded code lengths, :data:`CODE_STEPS` per octave from :data:`MIN_CODES` up to the
+    stage's ``max_codes`` (the last size, on the ladder or not).
+    reference_frames: the one padded reference-mel length. A request's reference mel is its
+    voice's, fixed per voice; the speaker encoder reads it once per solve (not per ODE step),
+    so padding every voice to the longest costs little, and a length per voice would multiply
+    the programs by the voices.
+    """
+
+    rows: tuple[int, ...]
+    codes: tuple[int, ...]
+    reference_frames: int
+
+    @classmethod
+    def build(cls, max_batch: int, max_codes: int, reference_frames: int, data: int = 1) -> SolveBuckets:
+        rows = {round_up(bucket(n, 1, max_batch), data) for n in range(1, max_batch + 1)}
+        return cls(tuple(sorted(rows)), ladder(MIN_CODES, max_codes, CODE_STEPS), reference_frames)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every ``(rows, codes)`` of a solve: one compiled program each."""
+        return [(rows, codes) for rows in self.rows for codes in self.codes]
+
+    def rows_for(self, requests: int) -> int:
+        """Rows of a solve of ``requests`` requests."""
+        return _smallest(self.rows, requests, "requests")
+
+    def codes_for(self, num_codes: int) -> int:
+        """Padded code length of a solve whose longest request has ``num_codes`` codes."""
+        return _smallest(self.codes, num_codes, "codes")
+
+
+def _smallest(sizes: tuple[int, ...], n: int, what: str) -> int:
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"{n} {what} exceed the largest solve bucket ({sizes[-1]})")
+    return sizes[i]
+
+
 class GenerationRunner:
     """FIFO batches of at most ``max_batch`` requests through one compiled ``solve``."""
 
@@ -118,13 +182,13 @@ class GenerationRunner:
         model: nnx.Module,
         geometry: SolveGeometry,
         *,
+        reference_frames: int,
         max_batch: int = 8,
-        min_codes: int = 16,
-        min_reference: int = 16,
         mesh: Mesh | None = None,
     ):
-        """``mesh``: the stage's ``("data", "model")`` mesh, the model's weights already placed
-        on it (replicated); ``None`` on one device."""
+        """``reference_frames``: the longest reference mel a request may bring (every one pads
+        to it); ``mesh``: the stage's ``("data", "model")`` mesh, the model's weights already
+        placed on it (replicated); ``None`` on one device."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.solve = solve
@@ -132,10 +196,9 @@ class GenerationRunner:
         self.graph = StaticGraph(self.graphdef)
         self.geometry = geometry
         self.max_batch = max_batch
-        self.min_codes = min(min_codes, geometry.max_codes)
-        self.min_reference = min_reference
         self.mesh = mesh
         self.data = axis_size(mesh, "data")
+        self.buckets = SolveBuckets.build(max_batch, geometry.max_codes, reference_frames, self.data)
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self.cost = SolveCost(cap=float(max_batch * geometry.max_codes))
 
@@ -154,26 +217,19 @@ class GenerationRunner:
         self._waiting.extendleft(reversed([r for r in batch if id(r) not in chosen]))
         return self.run(group)
 
-    def code_bucket(self, num_codes: int) -> int:
-        """Padded code length of a solve whose longest request has ``num_codes`` codes."""
-        return min(fine_bucket(num_codes, self.min_codes, steps=8), self.geometry.max_codes)
-
-    def rows_bucket(self, n: int) -> int:
-        """Rows of a solve of ``n`` requests: a power of two, padded to a multiple of ``data``."""
-        return round_up(bucket(n, 1, self.max_batch), self.data)
-
     def groups(self, requests: list[GenerationRequest]) -> list[list[GenerationRequest]]:
         """``requests`` split into solves, shortest first, each request in one.
 
         Sorted by length, the requests are cut into contiguous groups that minimise the padded
-        code-rows (rows and codes to their buckets) plus :meth:`SolveCost.overhead` per solve
-        (:func:`~omni_jax.engine.buckets.padded_split`). With little overhead a
-        group holds one code bucket (or splits where its rows would pad to the next power of
-        two); the larger a solve's fixed cost, the more lengths share one.
+        code-rows (rows and codes to their :attr:`buckets`) plus :meth:`SolveCost.overhead` per
+        solve (:func:`~omni_jax.engine.buckets.padded_split`). With little overhead a group holds
+        one code bucket (or splits where its rows would pad to the next bucket); the larger a
+        solve's fixed cost, the more lengths share one. Whatever the fit, every group's shape is
+        one of the buckets'.
         """
         order = sorted(requests, key=lambda r: len(r.codes))
-        codes = [self.code_bucket(len(r.codes)) for r in order]
-        return [order[a:b] for a, b in padded_split(codes, self.rows_bucket, self.cost.overhead())]
+        codes = [self.buckets.codes_for(len(r.codes)) for r in order]
+        return [order[a:b] for a, b in padded_split(codes, self.buckets.rows_for, self.cost.overhead())]
 
     def initial_noise(self, request: GenerationRequest) -> tuple[np.ndarray, int | None]:
         """``(noise [len(codes) * repeats, mel_dim] float32, seed)``; the seed is None when given."""
@@ -184,29 +240,37 @@ class GenerationRunner:
         shape = (len(request.codes) * self.geometry.repeats, self.geometry.mel_dim)
         return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), seed
 
-    def pad(self, requests: list[GenerationRequest]) -> PaddedBatch:
-        """The solve's inputs for ``requests``: rows, codes and reference mels padded to buckets.
-
-        Padding rows get one code and one reference frame: no empty reductions, no NaNs.
-        """
-        if not 1 <= len(requests) <= self.max_batch:
-            raise ValueError(f"a batch holds 1 to {self.max_batch} requests, got {len(requests)}")
+    def padding(self, rows: int, codes: int) -> PaddedBatch:
+        """A solve of ``rows`` rows and ``codes`` codes with no request in it: every row one code,
+        one reference frame and one grid point (no ODE step), so no reduction is empty and
+        nothing is NaN."""
         g = self.geometry
-        rows = self.rows_bucket(len(requests))
-        codes_len = self.code_bucket(max(len(r.codes) for r in requests))
-        ref_len = bucket(max(len(r.reference_mel) for r in requests), self.min_reference)
-        speaker_dim = requests[0].speaker_embedding.shape[-1]
-        batch = PaddedBatch(
-            codes=np.zeros((rows, codes_len), np.int32),
+        return PaddedBatch(
+            codes=np.zeros((rows, codes), np.int32),
             code_lengths=np.ones(rows, np.int32),
-            speaker_embedding=np.zeros((rows, speaker_dim), np.float32),
-            reference_mel=np.zeros((rows, ref_len, g.mel_dim), np.float32),
+            speaker_embedding=np.zeros((rows, g.speaker_dim), np.float32),
+            reference_mel=np.zeros((rows, self.buckets.reference_frames, g.mel_dim), np.float32),
             reference_lengths=np.ones(rows, np.int32),
-            initial_noise=np.zeros((rows, codes_len * g.repeats, g.mel_dim), np.float32),
+            initial_noise=np.zeros((rows, codes * g.repeats, g.mel_dim), np.float32),
             num_steps=np.ones(rows, np.int32),
             guidance_scale=np.zeros(rows, np.float32),
             sway_coefficient=np.zeros(rows, np.float32),
             seeds=[],
+        )
+
+    def pad(self, requests: list[GenerationRequest]) -> PaddedBatch:
+        """The solve's inputs for ``requests``, padded to the smallest bucket that holds them."""
+        if not 1 <= len(requests) <= self.max_batch:
+            raise ValueError(f"a batch holds 1 to {self.max_batch} requests, got {len(requests)}")
+        most = self.buckets.reference_frames
+        for r in requests:
+            if len(r.reference_mel) > most:
+                raise ValueError(
+                    f"request {r.request_id!r}: reference mel of {len(r.reference_mel)} frames, "
+                    f"more than the {most} a solve holds"
+                )
+        batch = self.padding(
+            self.buckets.rows_for(len(requests)), self.buckets.codes_for(max(len(r.codes) for r in requests))
         )
         for i, r in enumerate(requests):
             n, m = len(r.codes), len(r.reference_mel)
@@ -221,8 +285,21 @@ class GenerationRunner:
             batch.num_steps[i] = r.params.num_steps
             batch.guidance_scale[i] = r.params.guidance_scale
             batch.sway_coefficient[i] = r.params.sway_coefficient
-        batch.guided = bool(np.any(batch.guidance_scale[: len(requests)] >= g.min_guidance))
         return batch
+
+    def warmup(self) -> int:
+        """Compile the program of every shape of :attr:`buckets`; returns how many there are.
+
+        Each is compiled by solving :meth:`padding` of its shape, placed as a real batch is
+        (jit's cache, which later calls hit, holds only programs compiled by calls), and it runs
+        no ODE step.
+        """
+        shapes = self.buckets.shapes()
+        for rows, codes in shapes:
+            with scope("code2wav/warmup", rows=rows, codes=codes):
+                wave, _ = self.solve(self.graph, self.state, *self.padding(rows, codes).arrays(self.mesh))
+                jax.block_until_ready(wave)
+        return len(shapes)
 
     def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """One padded solve for ``requests``.
@@ -238,7 +315,7 @@ class GenerationRunner:
             # Inputs to the device, one program (DiT solve then vocoder: device scopes
             # ``dit_solve`` / ``vocoder``), waveforms back to the host.
             with scope("code2wav/solve", rows=batch.codes.shape[0], codes=batch.codes.shape[1]):
-                wave, valid = self.solve(self.graph, self.state, *batch.arrays(self.mesh), batch.guided)
+                wave, valid = self.solve(self.graph, self.state, *batch.arrays(self.mesh))
                 wave, valid = fetch(wave), fetch(valid)
         except jax.errors.JaxRuntimeError as e:
             if len(requests) > 1:  # find the culprit: the others still complete
@@ -250,7 +327,7 @@ class GenerationRunner:
             ]
         dt = time.perf_counter() - t0
         rows, codes = batch.codes.shape
-        self.cost.record((rows, codes, batch.reference_mel.shape[1], batch.guided), rows * codes, dt)
+        self.cost.record((rows, codes), rows * codes, dt)
         with scope("code2wav/split", requests=len(requests)):
             results = []
             for i, r in enumerate(requests):

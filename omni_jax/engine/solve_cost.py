@@ -23,8 +23,9 @@ solves."""
 class SolveCost:
     """A running least-squares fit of solve seconds against padded code-rows.
 
-    Only a shape's second and later solves count: its first one includes compiling. A shape's
-    fastest time stands for it (timings on a shared host are only ever too slow).
+    Only a shape's second and later solves count: without warm-up its first one includes
+    compiling. A shape's fastest time stands for it (timings on a shared host are only ever too
+    slow).
     """
 
     def __init__(self, cap: float):

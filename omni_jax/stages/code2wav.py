@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.engine.generation_runner import GenerationRequest, GenerationRunner, SolveGeometry
 from omni_jax.models.qwen2_5_omni.speakers import Voices
-from omni_jax.models.qwen2_5_omni.token2wav import MIN_GUIDANCE, Token2Wav, token2wav_compiled
+from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
 from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
 from omni_jax.stages.config import StageConfig
 
@@ -90,18 +90,24 @@ class Code2WavStage:
     def build(cls, sc: StageConfig, model: Token2Wav, path: Path, mesh: Mesh | None = None) -> Code2WavStage:
         voices = Voices.load(path, sc.default_speaker)
         speakers = voices.speakers
+        widths = {name: len(s.cond) for name, s in speakers.items()}
+        if len(set(widths.values())) != 1:
+            raise ValueError(f"{path}: the voices' cond vectors differ in width: {widths}")
         dit = model.dit
         max_batch, max_codes = solve_limits(sc, model)
         geometry = SolveGeometry(
-            repeats=dit.repeats, mel_dim=dit.mel_dim, max_codes=max_codes, min_guidance=MIN_GUIDANCE
+            repeats=dit.repeats,
+            mel_dim=dit.mel_dim,
+            speaker_dim=next(iter(widths.values())),
+            max_codes=max_codes,
         )
-        # Every voice's reference mel pads to one bucket: one compile fewer per batch shape.
+        # The voices are the only reference mels a request brings: the solves' one length.
         runner = GenerationRunner(
             token2wav_compiled,
             model,
             geometry,
+            reference_frames=max(len(s.ref_mel) for s in speakers.values()),
             max_batch=max_batch,
-            min_reference=max(len(s.ref_mel) for s in speakers.values()),
             mesh=mesh,
         )
         codec_vocab_size = int(dit.codec_embed.num_embeddings)
@@ -168,9 +174,10 @@ class Code2WavStage:
         return self.runner.has_work()
 
     def warmup(self) -> int:
-        """Nothing ahead of traffic: one program per (batch, codes, reference) bucket, compiled on
-        first use, since the buckets a deployment sees depend on its talker's output lengths."""
-        return 0
+        """Compile every solve program, one per rows bucket up to ``max_batch`` and code length up
+        to ``max_codes`` (:class:`~omni_jax.engine.generation_runner.SolveBuckets`); returns how
+        many. After it no request mix compiles."""
+        return self.runner.warmup()
 
     def step(self) -> list[StageResult]:
         results = []

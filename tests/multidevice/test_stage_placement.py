@@ -12,6 +12,7 @@ from flax import nnx
 from parity import SPLIT_ROUNDING, rel_err
 
 from omni_jax import OmniJaxPipeline, Token2WavParams
+from omni_jax.engine.compilation import CompileCounter
 
 from .conftest import PIPE_KW, greedy
 
@@ -50,11 +51,14 @@ def test_llm_stage_on_devices_4_to_7(gqa_dir, gqa_prompts, reference, tmp_path) 
     assert greedy(placed, gqa_prompts) == reference
 
 
-def code2wav_on(omni_dir: Path, tmp_path: Path, devices: list[int], mesh: dict[str, int]) -> OmniJaxPipeline:
+def code2wav_on(
+    omni_dir: Path, tmp_path: Path, devices: list[int], mesh: dict[str, int], **engine: int
+) -> OmniJaxPipeline:
     src = yaml.safe_load((Path(__file__).parents[2] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
     for s in src["stages"]:
         if s["name"] == "code2wav":
             s["devices"], s["mesh"] = devices, mesh
+            s["engine"].update(engine)
     cfg = tmp_path / "omni.yaml"
     cfg.write_text(yaml.safe_dump(src))
     return OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
@@ -85,7 +89,7 @@ def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None
     request = GenerationRequest(
         "r",
         np.array([1, 2, 3]),
-        np.zeros(4, np.float32),
+        np.zeros(runner.geometry.speaker_dim, np.float32),
         np.zeros((2, runner.geometry.mel_dim), np.float32),
         params,
     )
@@ -100,6 +104,21 @@ def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None
     for g, w in zip(got, want, strict=True):
         assert g.error is None and g.audio.shape == w.audio.shape
         assert rel_err(g.audio, w.audio) < SPLIT_ROUNDING
+
+
+def test_code2wav_warmup_covers_its_mesh(omni_dir, tmp_path) -> None:
+    """Warm-up compiles each solve as a real batch is placed (rows split over ``data``): after
+    it, batches of any size and length compile nothing."""
+    placed = code2wav_on(omni_dir, tmp_path, [6, 7], {"data": 2}, max_batch=4, max_codes=48)
+    buckets = placed.stages[0].runner.buckets
+    assert (buckets.rows, buckets.codes) == ((2, 4), (32, 48))
+    assert placed.stages[0].warmup() == 4
+    params = Token2WavParams(num_steps=2, seed=0)
+    for lengths in ([1], [48, 3], [20, 33, 40], [5, 6, 7, 8, 9]):
+        with CompileCounter() as counted:
+            outs = placed.run([{"prompt_token_ids": [1] * n} for n in lengths], params, progress=False)
+        assert all(o.error is None for o in outs)
+        assert (counted.traces, counted.compiles) == (0, 0), lengths
 
 
 def test_overlapping_stage_devices_refused(omni_dir, tmp_path) -> None:
