@@ -33,10 +33,13 @@ TINY_LADDER = (32, 48, 64, 96, 128, 192, 256)
 NUM_EMBEDS, REPEATS, HOP = 64, 2, 60  # the tiny DiT's codec ids, mel frames per code, samples per frame
 
 
-def test_tiny_and_7b_bucket_sets() -> None:
-    """Rows powers of two to ``max_batch``, codes two an octave from 32 to ``max_codes``."""
-    tiny = SolveBuckets.build(max_batch=8, max_codes=256, reference_frames=37)
-    assert tiny.rows == (1, 2, 4, 8) and tiny.codes == TINY_LADDER and tiny.reference_frames == 37
+def test_tiny_and_7b_bucket_sets(omni_dir) -> None:
+    """Rows powers of two to ``max_batch``, codes two an octave from 32 to ``max_codes``, and the
+    longest voice's reference length."""
+    stage = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"]).stages[0]
+    tiny = stage.runner.buckets  # the shipped YAML's limits: max_batch 8, max_codes 256 (the DiT's)
+    longest = max(len(s.ref_mel) for s in stage.voices.speakers.values())
+    assert (tiny.rows, tiny.codes, tiny.reference_frames) == ((1, 2, 4, 8), TINY_LADDER, longest)
     assert len(tiny.shapes()) == 28
     big = SolveBuckets.build(max_batch=8, max_codes=4096, reference_frames=300)  # Qwen2.5-Omni-7B
     assert big.codes == (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)

@@ -13,9 +13,11 @@ join the others.
 
 Every solve runs classifier-free guidance (the conditional and the null input in one doubled
 batch). A request whose ``guidance_scale`` is below the model's threshold gets a zero guidance
-factor, so its result is its conditional velocity alone, the reference's unguided path. A solve
-of only such requests pays the null half's DiT work for nothing; they are the exception (the
-default scale guides), and one program per shape instead of two halves what warm-up compiles.
+factor, so its result is its conditional velocity alone, the reference's unguided path (equal to
+a program without the null half up to float32 rounding, not bitwise: the doubled batch's matmuls
+may round differently). A solve of only such requests pays the null half's DiT work for nothing;
+they are the exception (the default scale guides), and one program per shape instead of two
+halves what warm-up compiles.
 
 On a stage mesh, a solve's rows are split over ``data`` (rows padded to a multiple of it), each
 device solving its own requests with the replicated weights: rows never interact, so XLA
