@@ -1,10 +1,27 @@
-"""AR suite: our engine vs transformers ``generate`` on the same ragged greedy requests.
+"""AR suite: our engine vs transformers ``generate`` at its best, on the same ragged greedy requests.
 
-Both sides run the workload once to warm up (compilation, caches, allocator) and are
-measured on the second run, so compile time is reported on its own and excluded from the
-ratio. transformers gets left-padded batches of ``ref_batch``; our engine schedules all
-requests with continuous batching, which is the point of an engine. ``--profile`` traces our
-measured run (not the decode-step probes after it, nor the reference).
+Workload: ``--num-requests`` prompts of ``--min-prompt`` to ``--max-prompt`` random tokens, each
+asking for exactly ``--max-tokens`` greedy tokens (``min_tokens = max_tokens`` on our side,
+``min_new_tokens`` on the reference's: both hold EOS back, so a request whose greedy choice is EOS
+continues with the same next-best token on both sides).
+
+Ours: ``OmniJaxPipeline.run`` on every request at once (continuous batching, up to
+``--max-num-seqs`` running), after ``warmup()``, which compiles every program; one run of the
+workload warms the rest up (allocator, caches), the second is measured, and the suite fails if
+anything compiles after ``warmup()``. The reference is transformers as a careful user runs it:
+prompts sorted by length, cut into left-padded batches of each size in ``--ref-batches``
+(default 8, 16, 32, 64 and all of them; a size whose KV cache and activations would not fit in
+half the available memory is skipped and the reason recorded), each size run once to warm up and
+once measured. The ratio is ours against the fastest size; every size's figures are reported.
+
+Greedy agreement: our tokens against every size's, request by request, up to checked near-ties
+(:mod:`benchmarks.agreement`; the reference's scores at a first difference come from its model on
+that request's prefix alone). A disagreement fails the suite.
+
+Decode-step probes after the measured run: ``b`` copies of one prompt at batch 1, 8 and the
+workload's concurrency, their time per output token against the step's floor, the larger of the
+weights over the measured memory bandwidth and the step's matmul FLOPs over the measured matmul
+ceiling. ``--profile`` traces our measured run (not the probes, nor the reference).
 """
 
 from __future__ import annotations
@@ -15,10 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import CompileStats, compile_entry, measured_window
+from benchmarks import agreement
+from benchmarks.harness import backends, compile_entry, measured_window, warmed_up
 from benchmarks.models import count_params, decode_read_params
-from benchmarks.roofline import memory_bandwidth
+from benchmarks.roofline import matmul_flops, memory_bandwidth
 from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax.outputs import OmniRequestOutput
+
+PROBE_PROMPT = 32
+"""Prompt tokens of each decode-step probe request."""
+DEFAULT_MAX_NUM_SEQS = 32
+"""``--max-num-seqs`` when not given."""
 
 
 def make_requests(vocab: int, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -26,104 +50,188 @@ def make_requests(vocab: int, n: int, lo: int, hi: int, seed: int = 0) -> list[l
     return [[int(t) for t in rs.randint(3, vocab, size=int(m))] for m in rs.randint(lo, hi + 1, n)]
 
 
+def reference_batch_sizes(spec: list[int | str], n: int) -> list[int]:
+    """The sizes of ``spec`` (ints and ``"all"``) for ``n`` requests: each at most ``n``, ``"all"``
+    being ``n``, without repeats."""
+    return sorted({n if s == "all" else min(int(s), n) for s in spec})
+
+
+def _params(max_new: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_new, min_tokens=max_new)
+
+
+def _step_s(outs: list[OmniRequestOutput], max_new: int) -> float:
+    """The slowest request's time per output token after its first: a decode step at the batch."""
+    return max((o.metrics["llm"]["wall_s"] - o.metrics["llm"]["ttft_s"]) / (max_new - 1) for o in outs)
+
+
 def _ours(
-    path: Path,
-    prompts: list[list[int]],
-    max_new: int,
-    dtype: str | None,
-    profile: str | None,
-    mesh: dict[str, int] | None = None,
-    profile_python: bool = False,
-    max_num_seqs: int = 32,
-) -> dict:
+    path: Path, prompts: list[list[int]], args: Any, max_num_seqs: int
+) -> tuple[dict[str, Any], list[list[int]]]:
+    max_new = args.max_tokens
     pipe = OmniJaxPipeline.from_pretrained(
         path,
-        dtype=dtype,
-        mesh=mesh,
+        dtype=args.dtype,
+        mesh=args.mesh,
         max_num_seqs=max_num_seqs,
-        max_model_len=max(512, -(-(max(map(len, prompts)) + max_new) // 16) * 16),
-        max_num_batched_tokens=2048,
+        max_model_len=args.max_model_len or max(512, -(-(max(map(len, prompts)) + max_new) // 16) * 16),
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    # min_tokens as the reference's min_new_tokens: both keep EOS from being sampled, so a
-    # request whose greedy choice is EOS continues with the same next-best token on both sides.
-    # Not ignore_eos: as in vLLM, it makes EOS an ordinary token, which min_tokens then no
-    # longer holds back (so it would be emitted where generate had suppressed it).
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, min_tokens=max_new)
+    params = _params(max_new)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    with CompileStats() as stats:
+    concurrency = min(len(prompts), max_num_seqs)
+    with warmed_up(pipe) as warm:
         t0 = time.perf_counter()
         pipe.run(batch, params, progress=False)
-        warm_s = time.perf_counter() - t0
-    with measured_window(profile, "ar/measured run", profile_python, requests=len(batch)):
-        t0 = time.perf_counter()
-        outs = pipe.run(batch, params, progress=False)
-        wall = time.perf_counter() - t0
+        first_s = time.perf_counter() - t0
+        with measured_window(args.profile, "ar/measured run", args.profile_python, requests=len(batch)):
+            t0 = time.perf_counter()
+            outs = pipe.run(batch, params, progress=False)
+            wall = time.perf_counter() - t0
+        probe = {}
+        for b in sorted({1, min(8, concurrency), concurrency}):
+            probe[str(b)] = _step_s(
+                pipe.run([{"prompt_token_ids": prompts[0][:PROBE_PROMPT]}] * b, params, progress=False),
+                max_new,
+            )
     n_out = sum(len(o.token_ids) for o in outs)
-    ttft = [o.metrics["llm"]["ttft_s"] for o in outs]
-    tpot = [
-        (o.metrics["llm"]["wall_s"] - o.metrics["llm"]["ttft_s"]) / max(len(o.token_ids) - 1, 1) for o in outs
-    ]
-    step = {}
-    for b in (1, 8):
-        single = [{"prompt_token_ids": prompts[0][:32]}] * b
-        pipe.run(single, params, progress=False)
-        o = pipe.run(single, params, progress=False)
-        step[b] = max((x.metrics["llm"]["wall_s"] - x.metrics["llm"]["ttft_s"]) / (max_new - 1) for x in o)
-    return {
+    ours = {
         "engine": "omni_jax",
         "output_tokens": n_out,
         "wall_s": wall,
         "tokens_per_s": n_out / wall,
-        "ttft_s_mean": float(np.mean(ttft)),
-        "tpot_s_mean": float(np.mean(tpot)),
-        "decode_step_s": {str(k): v for k, v in step.items()},
-        "compile": compile_entry(warm_s, wall, stats),
-        "token_ids": [o.token_ids for o in outs],
+        "ttft_s_mean": float(np.mean([o.metrics["llm"]["ttft_s"] for o in outs])),
+        "tpot_s_mean": float(
+            np.mean(
+                [
+                    (o.metrics["llm"]["wall_s"] - o.metrics["llm"]["ttft_s"]) / max(len(o.token_ids) - 1, 1)
+                    for o in outs
+                ]
+            )
+        ),
+        "decode_step_s": probe,
+        "compile": warm.entry(first_s, wall),
+        "failures": warm.failures(),
+        "backends": backends(warm.probe),
     }
+    return ours, [o.token_ids for o in outs]
 
 
-def _reference(path: Path, prompts: list[list[int]], max_new: int, dtype: str | None, ref_batch: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
+def _available_bytes() -> int | None:
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        return None
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
 
-    torch_dtype = getattr(torch, dtype) if dtype else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).eval()
-    pad = model.generation_config.pad_token_id or 0
 
-    def run_all() -> list[list[int]]:
-        outs = []
-        for i in range(0, len(prompts), ref_batch):
-            chunk = prompts[i : i + ref_batch]
-            width = max(len(p) for p in chunk)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+def reference_bytes(cfg: Any, batch: int, length: int, itemsize: int) -> int:
+    """What ``generate`` holds for a batch beyond the weights: its KV cache at ``length`` tokens,
+    the prompt step's widest activations (MLP, attention scores) and the last rows' logits."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * length
+    act = length * (3 * cfg.intermediate_size + 4 * cfg.hidden_size) + cfg.num_attention_heads * length**2
+    return batch * ((kv + act) * itemsize + 4 * cfg.vocab_size)
+
+
+class Reference:
+    """transformers ``generate`` on prompts sorted by length, in left-padded batches."""
+
+    def __init__(self, path: Path, dtype: str | None, max_new: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype or "float32"))
+        self.model.eval()
+        self.pad = self.model.generation_config.pad_token_id or 0
+        eos = self.model.generation_config.eos_token_id
+        self.eos = {eos} if isinstance(eos, int) else set(eos or [])
+        self.max_new = max_new
+
+    def run(self, prompts: list[list[int]], batch: int) -> list[list[int]]:
+        """Every prompt's new tokens, in prompt order."""
+        torch = self.torch
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out: list[list[int]] = [[] for _ in prompts]
+        for start in range(0, len(order), batch):
+            chunk = order[start : start + batch]
+            width = max(len(prompts[i]) for i in chunk)
+            ids = torch.tensor([[self.pad] * (width - len(prompts[i])) + prompts[i] for i in chunk])
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chunk])
             with torch.no_grad():
-                out = model.generate(
+                seq = self.model.generate(
                     ids,
                     attention_mask=mask,
                     do_sample=False,
-                    max_new_tokens=max_new,
-                    min_new_tokens=max_new,
-                    pad_token_id=pad,
+                    max_new_tokens=self.max_new,
+                    min_new_tokens=self.max_new,
+                    pad_token_id=self.pad,
                 )
-            outs += out[:, width:].tolist()
-        return outs
+            for i, row in zip(chunk, seq[:, width:].tolist(), strict=True):
+                out[i] = row
+        return out
 
-    t0 = time.perf_counter()
-    run_all()
-    warm_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    outs = run_all()
-    wall = time.perf_counter() - t0
-    n_out = sum(len(o) for o in outs)
-    return {
-        "engine": f"transformers generate (batches of {ref_batch}, left-padded)",
-        "output_tokens": n_out,
-        "wall_s": wall,
-        "tokens_per_s": n_out / wall,
-        "compile": compile_entry(warm_s, wall),
-        "token_ids": outs,
+    def scores(self, prompt: list[int], prefix: list[int]) -> np.ndarray:
+        """What the greedy step after ``prefix`` chose from (EOS held back, as every step here)."""
+        return agreement.causal_lm_scores(self.model, prompt, prefix, self.eos)
+
+
+def _reference(
+    path: Path, prompts: list[list[int]], args: Any, ours_ids: list[list[int]]
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """``(figures, agreement per batch size, failures)``."""
+    from omni_jax.weights import load_hf_config
+
+    ref = Reference(path, args.dtype, args.max_tokens)
+    cfg = load_hf_config(path)
+    itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
+    available = _available_bytes()
+    length = max(map(len, prompts)) + args.max_tokens
+    bound = agreement.near_tie_bound(args.dtype)
+    by_batch: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    agree: dict[str, Any] = {}
+    failures: list[str] = []
+    for b in reference_batch_sizes(args.ref_batches, len(prompts)):
+        need = reference_bytes(cfg, b, length, itemsize)
+        if available is not None and need > available // 2:
+            skipped[str(b)] = (
+                f"needs ~{need / 2**30:.1f} GiB beyond the weights, {available / 2**30:.1f} available"
+            )
+            continue
+        t0 = time.perf_counter()
+        ref.run(prompts, b)
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ids = ref.run(prompts, b)
+        wall = time.perf_counter() - t0
+        n_out = sum(len(o) for o in ids)
+        by_batch[str(b)] = {
+            "wall_s": wall,
+            "output_tokens": n_out,
+            "tokens_per_s": n_out / wall,
+            "compile": compile_entry(first_s, wall),
+        }
+        result = agreement.compare(
+            ours_ids, ids, lambda i, k, ids=ids: ref.scores(prompts[i], ids[i][:k]), bound
+        )
+        agree[str(b)] = result.as_dict()
+        failures += result.failures(f"greedy tokens against batch {b}")
+    if not by_batch:
+        raise SystemExit(f"ar: no reference batch size fits in memory: {skipped}")
+    best = max(by_batch, key=lambda b: by_batch[b]["tokens_per_s"])
+    figures = {
+        "engine": "transformers generate, prompts sorted by length, left-padded batches",
+        "by_batch": by_batch,
+        "skipped": skipped,
+        "best_batch": int(best),
+        "tokens_per_s": by_batch[best]["tokens_per_s"],
+        "wall_s": by_batch[best]["wall_s"],
     }
+    return figures, agree, failures
 
 
 def run(path: Path, args: Any) -> dict:
@@ -131,81 +239,79 @@ def run(path: Path, args: Any) -> dict:
 
     cfg = load_hf_config(path)
     prompts = make_requests(cfg.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
-    ours = _ours(
-        path,
-        prompts,
-        args.max_tokens,
-        args.dtype,
-        args.profile,
-        args.mesh,
-        args.profile_python,
-        args.max_num_seqs,
-    )
-    bw = memory_bandwidth()
+    max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    ours, ours_ids = _ours(path, prompts, args, max_num_seqs)
+    bw, peak = memory_bandwidth(), matmul_flops(dtype=args.dtype or "float32")
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
-    weight_bytes = decode_read_params(path) * itemsize
-    floor = weight_bytes / bw
-    ours_ids = ours.pop("token_ids")
+    read = decode_read_params(path)
+    floors = {b: max(read * itemsize / bw, 2 * read * int(b) / peak) for b in ours["decode_step_s"]}
     result: dict[str, Any] = {
         "suite": "ar",
         "requests": len(prompts),
         "prompt_len_range": [args.min_prompt, args.max_prompt],
         "max_tokens": args.max_tokens,
-        "max_num_seqs": args.max_num_seqs,
+        "max_num_seqs": max_num_seqs,
         "dtype": args.dtype,
         "mesh": args.mesh,
         "params": count_params(path),
-        "ceilings": {"memory_bandwidth_GBps": bw / 1e9},
-        "decode_weight_bytes": weight_bytes,
-        "decode_floor_s": floor,
-        "roofline_fraction": {b: floor / s for b, s in ours["decode_step_s"].items()},
+        "ceilings": {"memory_bandwidth_GBps": bw / 1e9, "matmul_GFLOPs": peak / 1e9},
+        "decode_weight_bytes": read * itemsize,
+        "decode_floor_s": floors,
+        "roofline_fraction": {b: floors[b] / s for b, s in ours["decode_step_s"].items()},
+        "backends": ours.pop("backends"),
+        "failures": ours.pop("failures"),
+        "compile": {"ours": ours.pop("compile"), "reference": None},
         "ours": ours,
         "reference": None,
         "ratio": None,
     }
-    result["compile"] = {"ours": ours.pop("compile"), "reference": None}
     if args.reference:
-        ref = _reference(path, prompts, args.max_tokens, args.dtype, ref_batch=args.ref_batch)
-        ref_ids = ref.pop("token_ids")
-        result["compile"]["reference"] = ref.pop("compile")
+        ref, agree, failures = _reference(path, prompts, args, ours_ids)
         result["reference"] = ref
+        result["compile"]["reference"] = ref["by_batch"][str(ref["best_batch"])]["compile"]
         result["ratio"] = ours["tokens_per_s"] / ref["tokens_per_s"]
-        same = sum(a == b for a, b in zip(ours_ids, ref_ids, strict=True))
-        result["greedy_agreement"] = f"{same}/{len(prompts)} requests with identical tokens"
+        result["ratio_by_batch"] = {
+            b: ours["tokens_per_s"] / r["tokens_per_s"] for b, r in ref["by_batch"].items()
+        }
+        result["agreement"] = agree
+        result["failures"] += failures
     return result
 
 
 def table(result: dict[str, Any]) -> str:
     ours, ref = result["ours"], result["reference"]
-    comp = result["compile"]
-    rows = [
-        ("output tokens/s", f"{ours['tokens_per_s']:.1f}", f"{ref['tokens_per_s']:.1f}" if ref else "-"),
-        ("wall s (measured run)", f"{ours['wall_s']:.2f}", f"{ref['wall_s']:.2f}" if ref else "-"),
-        (
-            "first run s (incl. compile)",
-            f"{comp['ours']['first_run_s']:.2f}",
-            f"{comp['reference']['first_run_s']:.2f}" if ref else "-",
-        ),
-        (
-            "XLA compile s (programs)",
-            f"{comp['ours']['xla_compile_s']:.2f} ({comp['ours']['xla_compiles']})",
-            "-",
-        ),
-        ("TTFT s (mean)", f"{ours['ttft_s_mean']:.3f}", "-"),
-        ("TPOT s (mean)", f"{ours['tpot_s_mean']:.4f}", "-"),
+    comp = result["compile"]["ours"]
+    lo, hi = result["prompt_len_range"]
+    lines = [
+        f"{result['requests']} requests, prompts {lo}-{hi} tokens, {result['max_tokens']} new each, "
+        f"greedy; ours up to {result['max_num_seqs']} at once",
+        f"{'':<34} {'tokens/s':>10} {'wall s':>8} {'ratio':>7}  greedy agreement",
+        f"{'omni_jax':<34} {ours['tokens_per_s']:>10.1f} {ours['wall_s']:>8.2f} {'':>7}",
     ]
-    for b, s in ours["decode_step_s"].items():
-        frac = result["roofline_fraction"][b]
-        rows.append((f"decode step s, batch {b}", f"{s * 1e3:.2f} ms ({frac:.0%} of roofline)", "-"))
-    w = max(len(r[0]) for r in rows)
-    lines = [f"{'':<{w}}  {'omni_jax':>28}  {'reference':>12}"]
-    lines += [f"{a:<{w}}  {b:>28}  {c:>12}" for a, b, c in rows]
-    if result["ratio"] is not None:
+    if ref:
+        for b, r in ref["by_batch"].items():
+            name = f"transformers, sorted, batch {b}" + (" (best)" if int(b) == ref["best_batch"] else "")
+            lines.append(
+                f"{name:<34} {r['tokens_per_s']:>10.1f} {r['wall_s']:>8.2f} "
+                f"{result['ratio_by_batch'][b]:>6.2f}x  {result['agreement'][b]['summary']}"
+            )
+        for b, why in ref["skipped"].items():
+            lines.append(f"transformers batch {b}: skipped, {why}")
         lines.append(
-            f"ratio (ours / reference tokens/s): {result['ratio']:.2f}x; {result['greedy_agreement']}"
+            f"ratio against transformers at its best (batch {ref['best_batch']}): {result['ratio']:.2f}x"
         )
     lines.append(
-        f"decode floor (weights / measured {result['ceilings']['memory_bandwidth_GBps']:.1f} GB/s): "
-        f"{result['decode_floor_s'] * 1e3:.2f} ms"
+        f"TTFT mean {ours['ttft_s_mean']:.3f} s, TPOT mean {ours['tpot_s_mean'] * 1e3:.1f} ms; "
+        f"our warmup(): {comp['warmup_programs']} programs, {comp['warmup_s']:.1f} s "
+        f"(XLA compile {comp['xla_compile_s']:.1f} s); first run after it {comp['first_run_s']:.2f} s; "
+        f"compilations after warmup(): {comp['compiles_after_warmup']}; all excluded from the figures above"
     )
+    ceil = result["ceilings"]
+    for b, s in ours["decode_step_s"].items():
+        lines.append(
+            f"decode step, batch {b}: {s * 1e3:.2f} ms, {result['roofline_fraction'][b]:.0%} of its floor "
+            f"{result['decode_floor_s'][b] * 1e3:.2f} ms (max of weights / "
+            f"{ceil['memory_bandwidth_GBps']:.1f} GB/s and FLOPs / {ceil['matmul_GFLOPs']:.0f} GFLOP/s, "
+            "both measured)"
+        )
     return "\n".join(lines)

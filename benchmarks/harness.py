@@ -1,24 +1,34 @@
-"""What every suite shares: the result schema, compile accounting, the profiled window, versions.
+"""What every suite shares: the result schema, compile accounting, the profiled window, the
+machine's threads and the backends that ran, versions.
 
 A suite is a module with ``run(path, args) -> dict`` and ``table(result) -> str`` (see
 :data:`benchmarks.run.SUITES`). ``run`` returns the suite-specific fields plus those in
-:data:`SUITE_FIELDS`; :func:`benchmarks.run.main` adds :data:`HARNESS_FIELDS` and checks the lot
-with :func:`check_result` before printing and writing JSON.
+:data:`SUITE_FIELDS` (and, where it has them, ``failures`` and ``backends``: see
+:data:`OPTIONAL_FIELDS`); :func:`benchmarks.run.main` adds :data:`HARNESS_FIELDS` and checks the
+lot with :func:`check_result` before printing and writing JSON, and exits non-zero when a suite
+reports a failure.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import math
+import os
 import platform
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import jax
 from jax import monitoring
 
+from omni_jax import OmniJaxPipeline
+from omni_jax.engine.compilation import CompileCounter
+from omni_jax.kernels import cpu as cpu_kernels
+from omni_jax.outputs import WarmupReport
 from omni_jax.profiling import scope
 
 SUITE_FIELDS = ("suite", "ours", "reference", "ratio", "roofline_fraction", "ceilings", "compile")
@@ -30,7 +40,22 @@ the measured time's share of the ceiling-bound floor (None where no roofline app
 ``matmul_GFLOPs``); ``compile``: ``{"ours": ..., "reference": ...}`` from :func:`compile_entry`,
 first run (compilation and warm-up) against the steady run, kept out of every other figure."""
 
-HARNESS_FIELDS = ("model", "device", "versions", "command", "date_utc", "profile", "persistent_cache")
+HARNESS_FIELDS = (
+    "model",
+    "device",
+    "versions",
+    "command",
+    "date_utc",
+    "profile",
+    "persistent_cache",
+    "environment",
+)
+"""Added by :func:`benchmarks.run.main`; ``environment`` is :func:`environment`."""
+
+OPTIONAL_FIELDS = ("failures", "backends")
+"""``failures``: what makes the suite exit non-zero (greedy disagreement beyond a checked near-tie,
+a compilation after ``warmup()``, audio beyond the parity bound), one line each; ``backends``:
+:func:`backends`, for suites that run our pipeline."""
 
 
 def versions() -> dict[str, str]:
@@ -48,6 +73,110 @@ def versions() -> dict[str, str]:
 def device() -> str:
     d = jax.devices()[0]
     return f"{d.platform}: {getattr(d, 'device_kind', d)} x{jax.device_count()}"
+
+
+def cores() -> int:
+    """The cores this process may run on: XLA's CPU client sizes its intra-op thread pool by the
+    CPU affinity mask (``tsl::port::MaxParallelism``), so this is XLA's thread count too."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_threads() -> None:
+    """torch's intra-op threads to :func:`cores`, the number XLA uses, so neither side runs on
+    fewer cores than the other (torch's own default can differ: it reads OMP_NUM_THREADS)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(cores())
+
+
+def environment() -> dict[str, Any]:
+    """The machine as both sides saw it: cores, each side's threads, the 1-minute load average
+    (another busy process slows both sides, torch's waiting threads most), XLA's flags."""
+    threads: dict[str, Any] = {"xla_intra_op": cores()}
+    try:
+        import torch
+
+        threads.update(torch_intra_op=torch.get_num_threads(), torch_inter_op=torch.get_num_interop_threads())
+    except ImportError:
+        pass
+    return {
+        "cpu_count": os.cpu_count() or 0,
+        "cores": cores(),
+        "threads": threads,
+        "loadavg_1min": os.getloadavg()[0],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+class AttentionProbe:
+    """Which paged-attention paths our programs were traced with, while active: the C++ CPU
+    kernel (``cpu``), Pallas (``pallas``) or XLA's gather path (``jnp``), counted per traced call.
+
+    ``auto`` picks a path when a step is traced (``omni_jax.models.attention.paged_attention``),
+    so the probe is active over ``warmup()``, which traces every program the run executes.
+    """
+
+    PATHS = {"cpu": "_cpu_decode", "pallas": "_pallas_decode", "jnp": "_attention_jnp"}
+
+    def __init__(self) -> None:
+        self.traced = dict.fromkeys(self.PATHS, 0)
+        self._stack = contextlib.ExitStack()
+
+    def _counting(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.traced[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def __enter__(self) -> AttentionProbe:
+        from omni_jax.models import attention
+
+        for name, attr in self.PATHS.items():
+            self._stack.enter_context(
+                mock.patch.object(attention, attr, self._counting(name, getattr(attention, attr)))
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+
+def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
+    """The attention backend asked for and the paths it resolved to (``probe``), the CPU kernel's
+    switch and compiler, and the pixel backend the processor resizes images and videos with."""
+    from omni_jax.models.qwen2_5_omni.processor import default_pixel_backend
+
+    return {
+        "attention": attention,
+        "attention_traced": dict(probe.traced),
+        "cpu_kernel_ran": probe.traced["cpu"] > 0,
+        "cpu_kernels_switch": os.environ.get(cpu_kernels.ENV_SWITCH, "unset (on)"),
+        "cxx_compiler": cpu_kernels._compiler(),
+        "pixels": default_pixel_backend(),
+    }
+
+
+def describe(result: dict[str, Any]) -> str:
+    """The lines every suite's table ends with: threads, load, backends, versions."""
+    env, v = result["environment"], result["versions"]
+    threads = ", ".join(f"{k} {n}" for k, n in env["threads"].items())
+    lines = [
+        f"host: {result['device']}, {env['cores']} of {env['cpu_count']} cores; threads: {threads}; "
+        f"1-min load {env['loadavg_1min']:.1f} at the end"
+    ]
+    if "backends" in result:
+        b = result["backends"]
+        traced = ", ".join(f"{k} {n}" for k, n in b["attention_traced"].items() if n)
+        lines.append(
+            f"attention {b['attention']} traced as: {traced or 'none'} (CPU kernel ran: "
+            f"{b['cpu_kernel_ran']}; {cpu_kernels.ENV_SWITCH}={b['cpu_kernels_switch']}, compiler "
+            f"{b['cxx_compiler']}); pixels {b['pixels']}"
+        )
+    lines.append("versions: " + ", ".join(f"{k} {x}" for k, x in v.items()))
+    return "\n".join(lines)
 
 
 def now_utc() -> str:
@@ -120,6 +249,49 @@ def compile_entry(first_run_s: float, steady_run_s: float, stats: CompileStats |
             persistent_cache_hits=stats.cache_hits,
         )
     return out
+
+
+@dataclasses.dataclass
+class Warmup:
+    """Our side's start: ``OmniJaxPipeline.warmup()`` (its report, and what XLA did meanwhile),
+    the attention paths its programs were traced with, and a counter of every compilation after
+    it (``after``: active from the end of ``warmup()`` until the suite's last measured run)."""
+
+    report: WarmupReport
+    stats: CompileStats
+    probe: AttentionProbe
+    after: CompileCounter
+
+    def entry(self, first_run_s: float, steady_run_s: float) -> dict[str, Any]:
+        """``compile["ours"]``: ``warmup()`` (programs, seconds, per stage, XLA's compile and
+        trace seconds), then the workload's first run after it against the steady run, and the
+        compilations after ``warmup()``, which must be none."""
+        r = self.report
+        return compile_entry(first_run_s, steady_run_s, self.stats) | {
+            "warmup_programs": r.programs,
+            "warmup_s": r.seconds,
+            "warmup_stages": {
+                name: {"programs": s.programs, "seconds": s.seconds} for name, s in r.stages.items()
+            },
+            "compiles_after_warmup": self.after.compiles,
+        }
+
+    def failures(self) -> list[str]:
+        if not self.after.compiles:
+            return []
+        return [f"{self.after.compiles} XLA compilations after warmup() (none may happen)"]
+
+
+@contextlib.contextmanager
+def warmed_up(pipe: OmniJaxPipeline) -> Iterator[Warmup]:
+    """``with warmed_up(pipe) as w: <first run, measured runs>``: ``pipe.warmup()`` under compile
+    accounting, then every compilation counted until the block ends; the attention probe watches
+    both, so a program traced after ``warmup()`` (which must not happen) still counts."""
+    with AttentionProbe() as probe:
+        with CompileStats() as stats:
+            report = pipe.warmup()
+        with CompileCounter() as after:
+            yield Warmup(report, stats, probe, after)
 
 
 @contextlib.contextmanager

@@ -5,10 +5,11 @@ the converted dir and of the HF dir) each run in a fresh Python process, so each
 operation's alone: the child's peak resident set (its own ``VmHWM``, which it reports as it
 exits) covers the interpreter, the imports, the weights and every transient copy. ``wait4``'s
 ``ru_maxrss`` would not do: Linux carries it across ``exec`` from the process that forked the
-child, so a child of a large process (pytest after many tests) reports the parent's size. The bound the loader promises
-is ``BOUND_RATIO`` x the checkpoint's tensor bytes + ``BOUND_FIXED_BYTES``; the fixed part is
-what the interpreter, jax, transformers and torch cost before any weight is read, which a
-child that only imports them (``imports``) measures beside the others.
+child, so a child of a large process (pytest after many tests) reports the parent's size. The
+bound the loader promises is ``BOUND_RATIO`` x the checkpoint's tensor bytes +
+``BOUND_FIXED_BYTES``; the fixed part is what the interpreter, jax, transformers and torch cost
+before any weight is read, which a child that only imports them (``imports``) measures beside
+the others.
 
 The checkpoint: ``--model PATH`` (any Qwen2 HF dir), or one this module generates with random
 weights (``python -m benchmarks.memory_suite generate DIR --size 1.5b``): a ``Qwen2ForCausalLM``

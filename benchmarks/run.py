@@ -7,7 +7,10 @@ warms up (compile time reported on its own), measures ours and, with ``--referen
 transformers / PyTorch reference on the same requests in this process, prints a table and, with
 ``--json``, writes the result (a list of results for ``all``); the schema is in
 :mod:`benchmarks.harness`. ``--profile DIR`` writes a ``jax.profiler`` trace of each suite's
-measured window into ``DIR/<suite>``.
+measured window into ``DIR/<suite>``. torch runs on as many threads as XLA (the cores this
+process may use). The exit code is 1 when a suite reports a failure (our greedy tokens disagree
+with the reference's beyond a checked near-tie, something compiled after ``warmup()``, audio
+beyond the parity bound): each is printed on stderr after its table, and the JSON is written.
 """
 
 from __future__ import annotations
@@ -55,6 +58,19 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def parse_ref_batches(text: str) -> list[int | str]:
+    sizes: list[int | str] = []
+    for s in text.split(","):
+        s = s.strip()
+        if s == "all" or (s.isdigit() and int(s) >= 1):
+            sizes.append(s if s == "all" else int(s))
+        elif s:
+            raise argparse.ArgumentTypeError(f"{text!r}: positive batch sizes or 'all', e.g. 8,16,all")
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"{text!r}: positive batch sizes or 'all', e.g. 8,16,all")
+    return sizes
+
+
 def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1])
     p.add_argument("--suite", choices=[*SUITES, "all"], default="ar")
@@ -78,7 +94,7 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         "XLA_FLAGS=--xla_force_host_platform_device_count=8)",
     )
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "bench"))
-    ar = p.add_argument_group("ar suite (--num-requests, --max-tokens: e2e too)")
+    ar = p.add_argument_group("ar suite (--num-requests, --max-tokens and our engine's sizes: e2e too)")
     ar.add_argument(
         "--num-requests",
         type=int,
@@ -88,9 +104,26 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     ar.add_argument("--max-tokens", type=int, default=64, help="new (e2e: thinker) tokens per request (>= 2)")
     ar.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
     ar.add_argument("--max-prompt", type=int, default=192, help="longest prompt (tokens)")
-    ar.add_argument("--ref-batch", type=int, default=8, help="transformers generate batch (left-padded)")
     ar.add_argument(
-        "--max-num-seqs", type=int, default=32, help="our engine's concurrent sequences (ar suite)"
+        "--ref-batches",
+        type=parse_ref_batches,
+        default=parse_ref_batches("8,16,32,64,all"),
+        help="transformers generate batch sizes, prompts sorted by length (default 8,16,32,64,all)",
+    )
+    ar.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="our engine's concurrent sequences (ar: default 32; e2e: default the stage YAML's)",
+    )
+    ar.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="our engine's max_model_len (ar: the workload's longest, at least 512; e2e: the checkpoint's)",
+    )
+    ar.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="our engine's tokens per step (default 2048)"
     )
     c2w = p.add_argument_group("code2wav suite (--num-steps, --guidance-scale, --repeats: e2e too)")
     c2w.add_argument(
@@ -123,7 +156,7 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         "--soak-reference",
         type=int,
         default=200,
-        help="--reference runs the greedy ones of the first N",
+        help="--reference runs the first N, same caps, in transformers and again in ours for the ratio",
     )
     return p
 
@@ -153,7 +186,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
     from benchmarks.models import resolve_model
 
     command = " ".join(shlex.quote(a) for a in [*prog.split(), *argv])
+    harness.set_threads()
     results = []
+    failed = False
     for name in suites_for(args.suite, args.model):
         suite = SUITES[name]
         module = importlib.import_module(suite.module)
@@ -171,13 +206,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
             date_utc=harness.now_utc(),
             profile=suite_args.profile,
             persistent_cache=harness.persistent_cache(),
+            environment=harness.environment(),
         )
+        result.setdefault("failures", [])
         harness.check_result(result)
-        print(module.table(result), flush=True)
+        print(module.table(result), harness.describe(result), sep="\n", flush=True)
+        for failure in result["failures"]:
+            print(f"FAILED {name}: {failure}", file=sys.stderr, flush=True)
+        failed = failed or bool(result["failures"])
         results.append(result)
     if args.json:
         Path(args.json).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=1))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

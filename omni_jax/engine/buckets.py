@@ -65,11 +65,6 @@ def fine_bucket(n: int, minimum: int = 1, steps: int = 2) -> int:
     return p
 
 
-def fine_bucket_sizes(minimum: int, maximum: int) -> list[int]:
-    sizes = sorted({fine_bucket(n, minimum) for n in range(minimum, maximum + 1)})
-    return [s for s in sizes if s <= maximum]
-
-
 def ladder(minimum: int, maximum: int, steps: int = 2) -> tuple[int, ...]:
     """Every size :func:`fine_bucket` (``steps`` sizes per octave) gives from ``minimum`` below
     ``maximum``, then ``maximum`` itself: a closed set, ascending, in which the smallest size
