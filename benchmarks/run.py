@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+from omni_jax.cli_errors import OneLineParser
 from omni_jax.parallel.mesh import parse_mesh
 
 
@@ -72,7 +73,7 @@ def parse_ref_batches(text: str) -> list[int | str]:
 
 
 def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1])
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n", 1)[1])
     p.add_argument("--suite", choices=[*SUITES, "all"], default="ar")
     p.add_argument("--model", default="small", help="tiny | small | a checkpoint directory")
     p.add_argument("--reference", action="store_true", help="also run the PyTorch reference")

@@ -109,6 +109,10 @@ CASES = {
         ["bench", "--suite", "ar", "--model", "{t}/nope"],
         r"--model .*nope: not 'tiny', 'small'",
     ),
+    "bench flag": (
+        ["bench", "--suite", "ar", "--max-tokens", "x"],
+        r"omni-jax bench: argument --max-tokens: invalid int value: 'x'",
+    ),
 }
 
 
