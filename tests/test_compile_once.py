@@ -40,7 +40,7 @@ def test_long_ragged_workload_after_warmup_never_compiles(qwen2_dir) -> None:
         report = pipe.warmup(progress=False)
     runner = pipe.stages[0].engine.runner
     assert report.programs == len(runner.step_shapes()) + 4 * len(runner.sequence_buckets()) + 1
-    assert report.compiles == warm.compiles >= report.programs and warm.traces >= report.programs
+    assert report.compiles == warm.compiles  # fewer than programs when an earlier test compiled some
     rs = np.random.RandomState(11)
     for _ in range(2):  # a second mix: the first may have left nothing that the second reuses
         prompts = [
