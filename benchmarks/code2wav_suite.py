@@ -12,8 +12,10 @@ sum of those requests' times. It runs in float32 whatever ``--dtype`` is, as ``g
 calls ``token2wav.float()``).
 
 Ours runs the product path, ``OmniJaxPipeline.from_pretrained(path, stages=["code2wav"]).run``,
-after ``warmup()``: every XLA compilation after it is counted, and any fails the suite. Both sides
-then decode the whole workload once to warm up (each batch for ours, each request for the
+with the stage's engine sized to the workload (``max_batch`` the largest batch size,
+``max_codes`` ``--max-codes``: :func:`benchmarks.harness.sized_code2wav_config`), after
+``warmup()``: every XLA compilation after it is counted, and any fails the suite. Both sides then
+decode the whole workload once to warm up (each batch for ours, each request for the
 reference; reported apart as ``compile``), and the measured figures are the best of ``--repeats``
 rounds in which the two sides take turns, because this machine may be shared and its load moves
 under any single measurement; ``--profile`` traces our runs of the last round. Our solve time is
@@ -35,7 +37,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from benchmarks.harness import backends, compile_entry, measured_window, warmed_up
+from benchmarks.harness import backends, compile_entry, measured_window, sized_code2wav_config, warmed_up
 from benchmarks.roofline import matmul_flops
 from omni_jax import OmniJaxPipeline, Token2WavParams
 from omni_jax.profiling import scope
@@ -206,7 +208,10 @@ def run(path: Path, args: Any) -> dict[str, Any]:
     from omni_jax.weights import load_hf_config
 
     dit_cfg = load_hf_config(path).token2wav_config.dit_config
-    pipe = OmniJaxPipeline.from_pretrained(path, stages=["code2wav"], dtype=args.dtype, mesh=args.mesh)
+    config = sized_code2wav_config(Path(args.cache_dir), max(args.batch_sizes), args.max_codes)
+    pipe = OmniJaxPipeline.from_pretrained(
+        path, stages=["code2wav"], dtype=args.dtype, mesh=args.mesh, stage_config=config
+    )
     work = make_workload(dit_cfg, pipe.stages[0].default_speaker, args)
     n = len(work.codes)
     batches = {str(b): work.batch(b) for b in args.batch_sizes}

@@ -19,10 +19,12 @@ import os
 import platform
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import jax
+import yaml
 from jax import monitoring
 
 from omni_jax import OmniJaxPipeline
@@ -30,6 +32,7 @@ from omni_jax.engine.compilation import CompileCounter
 from omni_jax.kernels import cpu as cpu_kernels
 from omni_jax.outputs import WarmupReport
 from omni_jax.profiling import scope
+from omni_jax.stages.config import SHIPPED_DIR
 
 SUITE_FIELDS = ("suite", "ours", "reference", "ratio", "roofline_fraction", "ceilings", "compile")
 """``ours`` / ``reference``: measured figures, steady state (the reference is None without
@@ -336,3 +339,17 @@ def check_result(result: dict[str, Any]) -> None:
     bad = [p for p, v in _numbers(result, "result") if not math.isfinite(v)]
     if bad:
         raise ValueError(f"suite {result['suite']!r}: non-finite figures at {bad}")
+
+
+def sized_code2wav_config(workdir: Path, max_batch: int, max_codes: int) -> Path:
+    """The shipped Qwen2.5-Omni stage YAML with code2wav's ``engine`` sized to a suite's workload,
+    written under ``workdir``: what a serving user sets for their traffic. The shipped defaults
+    (8 requests of up to 4096 codes) make ``warmup()`` compile solves of 4096 codes and the
+    start-up memory check reserve for them, far past a benchmark's requests."""
+    raw = yaml.safe_load((SHIPPED_DIR / "qwen2_5_omni.yaml").read_text())
+    (code2wav,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
+    code2wav["engine"] = {**code2wav.get("engine", {}), "max_batch": max_batch, "max_codes": max_codes}
+    path = workdir / f"qwen2_5_omni-code2wav-{max_batch}x{max_codes}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path

@@ -10,7 +10,8 @@ import yaml
 
 from omni_jax.parallel.mesh import mesh_shape
 
-_HERE = Path(__file__).parent
+SHIPPED_DIR = Path(__file__).parent
+"""Where the shipped stage YAMLs (one per architecture) live."""
 P = TypeVar("P")
 
 
@@ -97,7 +98,7 @@ def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:
     """A shipped YAML by file name, or a user's own YAML by path."""
     path = Path(yaml_name_or_path)
     if not path.exists():
-        path = _HERE / str(yaml_name_or_path)
+        path = SHIPPED_DIR / str(yaml_name_or_path)
     raw = yaml.safe_load(path.read_text())
     stages = []
     for s in raw["stages"]:
