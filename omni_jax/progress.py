@@ -10,25 +10,22 @@ how many programs were compiled, counted by the engine's
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Self
 
 from tqdm.auto import tqdm
 
 from omni_jax.engine.compilation import CompileCounter
 
 
-class RequestsBar:
-    """``with RequestsBar(n, enabled) as bar``: :meth:`request_done` per finished request,
-    :meth:`step_done` after every stage step (the end of any compilation it waited on)."""
+class _CountingBar:
+    """A tqdm bar with a :class:`CompileCounter` active while it is open (none when disabled)."""
 
-    def __init__(self, total: int, enabled: bool):
-        self._bar = tqdm(total=total, desc="requests", unit="req", disable=not enabled)
-        self._counter = CompileCounter(on_count=self._compiling) if enabled else None
-        self._t0 = time.perf_counter()
-        self._tokens = 0
-        self._noting = False
+    def __init__(self, bar: tqdm, on_count: Callable[[CompileCounter], None], enabled: bool):
+        self._bar = bar
+        self._counter = CompileCounter(on_count=on_count) if enabled else None
 
-    def __enter__(self) -> RequestsBar:
+    def __enter__(self) -> Self:
         self._bar.__enter__()
         if self._counter is not None:
             self._counter.__enter__()
@@ -38,6 +35,18 @@ class RequestsBar:
         if self._counter is not None:
             self._counter.__exit__(*exc)
         self._bar.__exit__(*exc)
+
+
+class RequestsBar(_CountingBar):
+    """``with RequestsBar(n, enabled) as bar``: :meth:`request_done` per finished request,
+    :meth:`step_done` after every stage step (the end of any compilation it waited on)."""
+
+    def __init__(self, total: int, enabled: bool):
+        bar = tqdm(total=total, desc="requests", unit="req", disable=not enabled)
+        super().__init__(bar, self._compiling, enabled)
+        self._t0 = time.perf_counter()
+        self._tokens = 0
+        self._noting = False
 
     def _compiling(self, counter: CompileCounter) -> None:
         """A trace just ended (its program is being compiled) or a compilation just did."""
@@ -65,27 +74,17 @@ class RequestsBar:
         self._show_rate()
 
 
-class WarmupBar:
+class WarmupBar(_CountingBar):
     """``with WarmupBar(stage names, enabled) as bar``: :meth:`stage_done` after each stage's
     warm-up; the bar names the stage compiling and counts XLA compilations as they finish (a
     large stage's warm-up is minutes of compiling on a GPU, with nothing else on screen)."""
 
     def __init__(self, names: list[str], enabled: bool):
         self._names = names
-        self._bar = tqdm(total=len(names), desc="warm-up", unit="stage", disable=not enabled)
-        self._counter = CompileCounter(on_count=self._show) if enabled else None
-
-    def __enter__(self) -> WarmupBar:
-        self._bar.__enter__()
+        bar = tqdm(total=len(names), desc="warm-up", unit="stage", disable=not enabled)
+        super().__init__(bar, self._show, enabled)
         if self._counter is not None:
-            self._counter.__enter__()
             self._show(self._counter)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._counter is not None:
-            self._counter.__exit__(*exc)
-        self._bar.__exit__(*exc)
 
     def _show(self, counter: CompileCounter) -> None:
         stage = self._names[min(self._bar.n, len(self._names) - 1)] if self._names else ""

@@ -117,3 +117,17 @@ def test_save_wav_float32_on_request(tmp_path: Path) -> None:
         wave.open(str(path))
     with pytest.raises(ValueError, match="sample_format must be 'pcm16' or 'float32', got 'int8'"):
         output().save_wav(tmp_path / "x.wav", sample_format="int8")
+
+
+def test_warmup_bar_names_the_stage_and_counts_compilations(qwen2_dir, capsys) -> None:
+    # Engine sizes no other test uses, so this pipeline's programs are compiled here.
+    pipe = OmniJaxPipeline.from_pretrained(
+        qwen2_dir, max_model_len=48, max_num_seqs=3, max_num_batched_tokens=16
+    )
+    report = pipe.warmup()
+    states = capsys.readouterr().err.split("\r")
+    assert report.compiles > 0
+    assert any(f"llm: {report.compiles} XLA programs compiled" in s for s in states), states
+    assert "1/1" in states[-1]
+    pipe.warmup(progress=False)
+    assert capsys.readouterr().err == ""
