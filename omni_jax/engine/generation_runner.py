@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -126,7 +125,8 @@ class PaddedBatch:
         ``mesh``, rows (axis 0 of each) split over ``data``."""
         fields = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), np.ndarray)]
         if mesh is None:
-            return tuple(jnp.asarray(getattr(self, name)) for name in fields)
+            # device_put transfers alone; jnp.asarray compiles a copy program per shape and dtype.
+            return tuple(jax.device_put(getattr(self, name)) for name in fields)
         rows = NamedSharding(mesh, P("data"))
         return tuple(put(getattr(self, name), rows) for name in fields)
 
