@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from benchmarks.models import resolve_model
-    from omni_jax.engine.forward import full_forward
+    from omni_jax.full_forward import full_forward
     from omni_jax.weights import convert, load_part
 
     src = resolve_model(args.model, Path(args.cache_dir), "qwen2")

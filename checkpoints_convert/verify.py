@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from omni_jax.engine.forward import full_forward
+from omni_jax.full_forward import full_forward
 from omni_jax.models.hf_config import thinker_ids_unflagged
 from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index
 from omni_jax.models.qwen2_5_omni.speakers import TORCH_FILE, load_speakers

@@ -25,7 +25,7 @@ from flax import nnx
 
 from benchmarks import agreement
 from omni_jax import OmniJaxPipeline, SamplingParams
-from omni_jax.engine.forward import full_forward
+from omni_jax.full_forward import full_forward
 from omni_jax.weights import MANIFEST, convert, load_part
 
 BF16_ROUNDOFF = 2.0**-8

@@ -9,8 +9,8 @@ import torch
 from flax import nnx
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from omni_jax.engine.forward import full_forward
 from omni_jax.engine.kv_cache import init_kv_cache
+from omni_jax.full_forward import full_forward
 from omni_jax.models.attention import AttentionMetadata
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.qwen2 import CAUSAL_LM_RULES, Qwen2ForCausalLM, Qwen2Spec, causal_lm_ignore

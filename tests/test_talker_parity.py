@@ -23,8 +23,8 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniTalkerForConditionalGeneration as HFTalker,
 )
 
-from omni_jax.engine.forward import full_forward
 from omni_jax.engine.kv_cache import init_kv_cache
+from omni_jax.full_forward import full_forward
 from omni_jax.models.loading import abstract_params, build_model
 from omni_jax.models.param_map import format_path
 from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index, positions_for

@@ -21,8 +21,8 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniThinkerForConditionalGeneration as HFThinker,
 )
 
-from omni_jax.engine.forward import full_forward
 from omni_jax.engine.kv_cache import init_kv_cache
+from omni_jax.full_forward import full_forward
 from omni_jax.models.attention import AttentionMetadata
 from omni_jax.models.loading import build_model
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths, prepare_audio_batch

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from omni_jax.engine.forward import full_forward
+from omni_jax.full_forward import full_forward
 from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index
 from omni_jax.models.qwen2_5_omni.talker import TalkerEmbeds
 from omni_jax.parallel import make_mesh

@@ -1,7 +1,10 @@
-"""One-shot forward of a whole sequence through an AR model, outside the scheduler.
+"""One-shot forward of a whole sequence through an AR model, outside the engine.
 
-Conversion checks and parity tests need every position's logits for one prompt; this runs
-the same paged-cache model code the engine runs, with a cache sized for the prompt.
+Conversion checks (``checkpoints_convert verify``) and parity tests need every position's
+logits for one prompt. This runs the model code the engine runs, on a paged cache sized for
+the prompt, but as one ``[1, T]`` row through the jnp attention path rather than the engine's
+flat steps (:mod:`omni_jax.engine.ar_runner`), with no scheduler, buckets or sampler: a
+reference for the model alone, not the serving path.
 """
 
 from __future__ import annotations
