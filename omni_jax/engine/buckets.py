@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 MIN_ROWS = 2
 """Steps carry at least two rows. With one row and one token, XLA rewrites the cache scatter
-as a dynamic-update-slice and (CPU, measured) copies every layer's whole cache each step:
-batch-1 decode of a 40M model took 228 ms per step instead of 18 ms with two rows."""
+as a dynamic-update-slice and, on CPU, copies every layer's whole cache each step; with two
+rows it keeps the scatter, which writes the new slots in place."""
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -171,9 +171,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """``jnp.argmax(x, axis=-1)`` (the first of tied maxima) as a max and a masked min.
 
     XLA on CPU runs ``argmax`` as one reduction over (value, index) pairs that does not
-    vectorise: 5.0 ms for 256 rows of an 8192-token vocabulary, against 1.7 ms for these two
-    plain reductions (measured), on every step. A row holding NaN matches nowhere and gets the
-    last id (its non-finite logits end the request anyway).
+    vectorise, where these two plain reductions do, and it runs on every step. A row holding
+    NaN matches nowhere and gets the last id (its non-finite logits end the request anyway).
     """
     v = x.shape[-1]
     hit = x == x.max(axis=-1, keepdims=True)

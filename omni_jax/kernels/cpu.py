@@ -3,9 +3,9 @@ per machine, and registered as typed FFI targets (``jax.ffi``).
 
 Why build at run time: the kernels are compiled for the CPU they run on (``-march=native``)
 against the FFI headers of the installed jaxlib, the way ``torch.utils.cpp_extension.load``
-builds extensions, so a wheel of the package stays pure Python. A build takes a few seconds
-once per machine and jaxlib; ``OMNI_JAX_CPU_KERNELS=0`` turns the kernels off, and without a
-C++ compiler the engine warns once and keeps XLA's own (slower) path.
+builds extensions, so a wheel of the package stays pure Python. A build runs once per machine
+and jaxlib; ``OMNI_JAX_CPU_KERNELS=0`` turns the kernels off, and without a C++ compiler the
+engine warns once and keeps XLA's own (slower) path.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def paged_decode_target() -> str | None:
     if compiler is None:
         warnings.warn(
             "no C++ compiler found (set CXX or install g++): CPU decode attention falls back to "
-            f"XLA's gather path, about 3x slower. {ENV_SWITCH}=0 silences this.",
+            f"XLA's slower gather path. {ENV_SWITCH}=0 silences this.",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -1,14 +1,14 @@
 // Paged decode attention for XLA's CPU backend, as a typed FFI custom call.
 //
 // Why a kernel: the portable jnp path gathers every row's pages into a fresh buffer, then
-// reads that copy twice (scores, then values). XLA's CPU gather moves scattered 4 KB pages at
-// 7-8 GB/s, so a 256-row decode step of the benchmark's 40M Qwen2 spent ~6 ms a layer in
-// attention. This kernel reads each row's K and V pages in place, once, and does the softmax
+// reads that copy twice (scores, then values), and XLA's CPU gather of small scattered pages
+// is slow, so decode attention was bound by that copy. This kernel reads each row's K and V
+// pages in place, once, and does the softmax
 // in between, the same arithmetic as the jnp path in the same order (scores = (q . k) * scale,
 // max-subtracted exp, divide by the sum, then the weighted sum of V), so results agree to
 // float32 rounding.
 //
-// Layout (DESIGN, "Paged KV cache"): q [B, H, D]; k, v [KVH, pages, page_size, D]; tables
+// Layout (omni_jax/models/attention.py): q [B, H, D]; k, v [KVH, pages, page_size, D]; tables
 // [B, P]; context_lens [B]. Query head h reads KV head h / (H / KVH). Row b attends to its
 // keys [max(0, len - window), len); a row with no context (a padding row) gets zeros.
 //
@@ -75,8 +75,8 @@ inline float Sum(Vec v) {
 
 // Rows of one KV head in one row's pages, by position; a page one page ahead is prefetched,
 // because a KV page (4 KB at page_size 16, head_dim 64) ends where the hardware prefetcher
-// stops. The prefetch goes to L2 (locality 2, prefetcht1): a 256-row layer from memory on two
-// threads took 1.87 ms against 2.17 ms prefetching to L1, which holds fewer misses in flight.
+// stops. The prefetch goes to L2 (locality 2, prefetcht1) rather than L1, which holds fewer
+// misses in flight.
 struct Keys {
   const float* head;
   const int32_t* table;

@@ -3,10 +3,14 @@ CPU kernel for decode.
 
 The cache layout is per layer ``[kv_heads, num_pages, page_size, head_dim]`` for K and V,
 the layout ``jax.experimental.pallas.ops.gpu.paged_attention`` reads, so the decode hot path
-can hand the cache to that kernel untouched. A step is a padded ``[B, T]`` block of query
-tokens: row ``b`` holds ``query_lens[b]`` new tokens that end at ``context_lens[b]``, so the
-same function serves a fresh prefill, a continued (chunked or recomputed) prefill and a
-``T == 1`` decode.
+can hand the cache to that kernel untouched.
+
+Queries come as ``[B, T]`` rows: row ``b`` holds ``query_lens[b]`` new tokens that end at
+``context_lens[b]``. The engine's steps are flat (:mod:`omni_jax.engine.ar_runner`): every
+scheduled token is a row of its own (``T == 1``) with its sequence's block table and its own
+causal horizon, so prompt chunks and decode tokens alike go through the decode path and its
+kernels. Rows of several tokens (``T > 1``) serve the whole-sequence forward of conversion
+checks and parity tests (:func:`omni_jax.full_forward.full_forward`), which take the jnp path.
 """
 
 from __future__ import annotations
@@ -80,10 +84,9 @@ CPU_CHUNK_BYTES = 4 << 20
 """On CPU, what one chunk of rows of :func:`_attention_jnp` may gather and score at once.
 
 The jnp path materialises each row's keys and values (its whole block table) and its scores;
-for a whole step at once that outgrows the caches and every pass over it goes to memory. A
-32-row decode over 16 pages of 16 tokens gathers 8 MiB a layer; at 128 rows one layer took
-18 ms, against 6.6 ms in chunks of 8 rows (what this budget picks there) and 6.2 ms in chunks
-of 16, measured on this 2-core CPU."""
+for a whole step at once that outgrows the CPU's caches and every pass over it goes to memory
+(a 32-row decode over 16 pages of 16 tokens already gathers 8 MiB a layer), so rows go in
+chunks whose gathered K/V and scores stay within this budget."""
 
 
 ACCELERATOR_CHUNK_BYTES = 1 << 30
@@ -103,7 +106,7 @@ def _rows_per_chunk(b: int, t: int, h: int, kvh: int, keys: int, d: int, itemsiz
     """Rows per chunk of a ``[b, t]`` step: for decode-shaped steps (``t == 1``), the largest
     divisor of ``b`` whose gathered K/V and scores fit :func:`chunk_bytes`; otherwise all.
 
-    Prompt blocks (``t > 1``, the one-shot :func:`~omni_jax.engine.forward.full_forward`) stay
+    Prompt blocks (``t > 1``, the one-shot :func:`~omni_jax.full_forward.full_forward`) stay
     whole: for ``t > 1`` XLA's CPU products round differently at another row count, so a
     row's result would depend on its chunk (decode rows come out bit for bit the same; tests
     hold both).
@@ -135,8 +138,9 @@ def _attention_jnp(
     per-row computation, each chunk over only the pages its longest row needs.
 
     The step's table is as wide as its longest row, but a row's context can be far shorter
-    (prompts of 16 to 64 tokens growing by 128 in the benchmark with 256 rows): gathering every
-    row's full table read 2.3x the pages in use. So rows are sorted by context length, chunks
+    (short prompts beside long ones, or a prompt chunk's early tokens beside its late ones), and
+    gathering every row's full table would read many pages no row uses. So rows are sorted by
+    context length, chunks
     take consecutive sorted rows, and each chunk switches to the narrowest of
     :func:`_chunk_widths` that holds its longest row. Keys past a row's context weigh exactly
     zero at any width, so a row's result does not depend on its chunk (tested bit for bit).
@@ -198,7 +202,7 @@ def _attention_rows(
     scores = jnp.where(visible[:, None, None], scores.astype(jnp.float32), _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     # Contract into [b, k, g, t, d] and transpose after: asking the dot for the
-    # [b, t, k, g, d] layout directly made CPU XLA pick a path 12x slower (measured).
+    # [b, t, k, g, d] layout directly makes CPU XLA pick a much slower path.
     out = jnp.einsum("bkgtl,bkld->bkgtd", probs, v.astype(q.dtype))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
@@ -237,9 +241,8 @@ def _cpu_decode(
     sliding_window: int | None,
 ) -> jax.Array:
     """The C++ kernel (``omni_jax/kernels/paged_decode_cpu.cc``): each row's pages read in
-    place, once, where the jnp path gathers a copy and reads it twice. A 256-row decode layer
-    of the benchmark's 40M Qwen2 (8 heads over 2 KV heads, head_dim 64, ~100 keys a row) took
-    2.0 ms against 6.0 ms alone, and 2.3-2.6 ms inside the step, measured on this 2-core CPU."""
+    place, once, where the jnp path gathers a copy and reads it twice; decode attention on CPU
+    is bound by that memory traffic."""
     b, _, h, d = q.shape
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, h, d), q.dtype))(
         q[:, 0],

@@ -74,8 +74,7 @@ def last_frame(x: jax.Array, lengths: jax.Array) -> jax.Array:
     A one-hot product rather than a gather or a masked sum: XLA fuses a gather, and redoes it
     per element, into every tap of the filters that read the padded signal, and it runs the
     masked sum as a slow strided reduction whose result it broadcasts in memory; a dot is
-    computed once (the whole activation ran 4x faster on CPU, measured). Exact: one product
-    by 1, the rest by 0.
+    computed once. Exact: one product by 1, the rest by 0.
     """
     one_hot = (jnp.arange(x.shape[1])[None, :] == (lengths - 1)[:, None]).astype(x.dtype)
     return jnp.einsum("bt,btc->bc", one_hot, x, precision=jax.lax.Precision.HIGHEST)
@@ -147,8 +146,8 @@ _SIN_TAYLOR = tuple(np.float32((-1) ** n / math.factorial(2 * n + 1)) for n in r
 def sin_squared(u: jax.Array) -> jax.Array:
     """``sin(u) ** 2`` to about 2 float32 ulps, as plain multiply-adds that vectorise.
 
-    XLA on CPU evaluates ``sin`` one element at a time (15x slower than this), and the vocoder
-    takes ~10^8 of them per second of audio. ``sin^2`` has period pi, so ``u`` is reduced to
+    XLA on CPU evaluates ``sin`` one element at a time, not vectorised, and the vocoder takes
+    ~10^8 of them per second of audio. ``sin^2`` has period pi, so ``u`` is reduced to
     ``r`` in [-pi/2, pi/2] (pi split in three for an exact product) and ``sin r`` is its Taylor
     series to ``r^13``, whose truncation error at pi/2 is below one ulp.
     """

@@ -254,7 +254,7 @@ def block_attention(
     linearly in ``T`` (a window is at most 3 blocks of 24 frames against mels of hundreds of
     frames). Masked keys get exactly zero weight either way, so the result is the same up to
     summation order. Heads lead so that both products are plain batched matmuls for XLA's CPU
-    backend (frames-before-heads layouts ran 4x slower, measured).
+    backend, which runs frames-before-heads layouts much slower.
     """
     b, h, t, d = q.shape
     num_blocks = -(-t // block_size)

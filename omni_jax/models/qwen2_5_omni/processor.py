@@ -11,9 +11,9 @@ placeholder becomes its frames' and its audio track's tokens interleaved in 2-se
 Pixels follow the backend transformers itself would pick. With torchvision installed (what
 ``AutoProcessor`` then builds): its torchvision image processor and ``Qwen2VLVideoProcessor``.
 Without: ``Qwen2VLImageProcessorPil`` and :class:`VideoProcessor`, a numpy port of the video
-processor on PIL's bicubic filter. The two resamplers round differently (measured on random
-frames: one or two uint8 levels in under 1% of pixels), so matching transformers exactly means
-resampling the way it would in the same environment.
+processor on PIL's bicubic filter. The two resamplers round differently (a uint8 level or two
+on some pixels), so matching transformers exactly means resampling the way it would in the
+same environment.
 
 Expansion works on token ids rather than text: the placeholders are special tokens, so the
 tokenizer splits text at them and expanding before or after tokenizing gives the same ids.
