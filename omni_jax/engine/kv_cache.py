@@ -2,16 +2,14 @@
 
 Pages are handed out by the scheduler on demand and returned when a request finishes or is
 preempted; the device arrays never change shape, so allocation never recompiles anything.
+The scheduler asks only for pages it has seen free (it preempts newer requests to make room),
+so the allocator's errors are scheduler bugs, raised as ``RuntimeError`` and never handled.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-
-class OutOfPagesError(RuntimeError):
-    """No free page is left; the scheduler answers by preempting a request."""
 
 
 class PageAllocator:
@@ -29,13 +27,15 @@ class PageAllocator:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """``n`` free pages; ``RuntimeError`` when fewer are free (callers check :attr:`num_free`)."""
         if n > len(self._free):
-            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} free")
+            raise RuntimeError(f"asked for {n} pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
         self._used.update(pages)
         return pages
 
     def free(self, pages: list[int]) -> None:
+        """Return ``pages``; ``RuntimeError`` for a page that is not allocated (a double free)."""
         for p in pages:
             if p not in self._used:
                 raise RuntimeError(f"page {p} freed but not allocated")
@@ -44,6 +44,7 @@ class PageAllocator:
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens."""
     return -(-num_tokens // page_size)
 
 
@@ -66,9 +67,3 @@ def init_kv_cache(
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(num_layers)]
-
-
-def kv_cache_bytes(
-    num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype: jnp.dtype
-) -> int:
-    return 2 * num_layers * num_kv_heads * num_pages * page_size * head_dim * jnp.dtype(dtype).itemsize
