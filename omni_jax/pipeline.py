@@ -27,13 +27,13 @@ from omni_jax.parallel.distributed import initialize as initialize_distributed
 from omni_jax.parallel.distributed import is_main_process
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
+from omni_jax.preflight import cache_shares, check_memory_before_loading, engine_settings, stage_needs
 from omni_jax.profiling import scope
 from omni_jax.progress import RequestsBar, WarmupBar
 from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage, StageInput, StageResult
 from omni_jax.stages.code2wav import Code2WavStage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
-from omni_jax.stages.limits import cache_shares, check_memory_before_loading, engine_settings, stage_needs
 from omni_jax.weights import load_part
 
 Prompt = str | dict[str, Any]

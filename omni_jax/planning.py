@@ -4,8 +4,8 @@ A plan tells, before any weight is downloaded, whether a checkpoint fits a GPU: 
 device, the bytes of its weights, of its largest step's temporaries (an AR stage) or largest
 solve (code2wav), and of its KV cache, for one sequence of ``max_model_len`` tokens and for the
 ``max_num_seqs`` sequences a default cache would like. The figures are the start-up check's
-(:func:`omni_jax.stages.limits.stage_demand`: abstract models, nothing read or allocated), for
-meshes of accelerators this process need not have (:class:`~omni_jax.stages.limits.PlannedMesh`).
+(:func:`omni_jax.preflight.stage_demand`: abstract models, nothing read or allocated), for
+meshes of accelerators this process need not have (:class:`~omni_jax.preflight.PlannedMesh`).
 
 Fitting a GPU: JAX takes ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of its memory (0.75 unless that is
 set). The stages on a device fit when their weights, largest steps and one sequence of cache per
@@ -25,8 +25,8 @@ from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
 from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.mesh import AXES, mesh_shape
 from omni_jax.parallel.placement import StagePlacement, stage_layouts
+from omni_jax.preflight import PlannedMesh, engine_settings, part_dtype, stage_demand
 from omni_jax.stages.config import load_pipeline_config
-from omni_jax.stages.limits import PlannedMesh, engine_settings, part_dtype, stage_demand
 
 GPU_SIZES_GIB = (24, 40, 80)
 JAX_MEM_FRACTION = 0.75

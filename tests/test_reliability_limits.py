@@ -22,8 +22,8 @@ from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools
 from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, stage_meshes
+from omni_jax.preflight import cache_shares, check_memory_before_loading, stage_needs
 from omni_jax.stages.config import load_pipeline_config
-from omni_jax.stages.limits import cache_shares, check_memory_before_loading, stage_needs
 from omni_jax.weights import load_hf_config
 
 BYTES = r"\d+\.\d\d GiB \((\d+) bytes\)"

@@ -1,4 +1,4 @@
-"""Start-up limits across stages: refuse, before any weight is read, what the devices cannot hold.
+"""The start-up memory preflight: refuse, before any weight is read, what the devices cannot hold.
 
 Each stage's weights (from its abstract model, ``nnx.eval_shape``: nothing is allocated or read),
 an AR stage's KV cache and largest step (:class:`~omni_jax.stages.ar.CachePlan`) and a generation
