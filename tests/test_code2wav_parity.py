@@ -22,7 +22,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     kaiser_sinc_filter1d,
 )
 
-from omni_jax.engine.compilation import StaticGraph
+from omni_jax.jit import StaticGraph
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.param_map import conv_transpose1d_kernel
 from omni_jax.models.qwen2_5_omni.bigvgan import BIGVGAN_RULES, BigVGAN, kaiser_sinc_filter

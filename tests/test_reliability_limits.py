@@ -200,7 +200,7 @@ def test_solve_estimate_against_xla(omni_dir, rows, codes) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from omni_jax.engine.compilation import StaticGraph
+    from omni_jax.jit import StaticGraph
     from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
 
     hf_config = load_hf_config(omni_dir)

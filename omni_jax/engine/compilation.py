@@ -1,5 +1,5 @@
-"""XLA compilation: the persistent cache for warm starts, a counter that proves "compile once",
-and a cheap static handle for a module's graph."""
+"""XLA compilation: the persistent cache for warm starts and a counter that proves "compile once"
+(the static handle for a module's graph is :class:`omni_jax.jit.StaticGraph`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-from flax import nnx
 from jax import monitoring
 
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
@@ -78,27 +77,3 @@ class CompileCounter:
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             CompileCounter._active.remove(self)
-
-
-class StaticGraph:
-    """An NNX graphdef as a jit static argument, hashed once.
-
-    jit hashes its static arguments on every call, and a ``GraphDef`` recomputes its hash over
-    the whole module tree each time: 3.2 ms per call for the tiny Qwen2.5-Omni's token2wav
-    (measured), host time added to every solve. Equal graphdefs stay equal here, so runners of
-    the same model still share compiled programs.
-    """
-
-    __slots__ = ("_hash", "graphdef")
-
-    def __init__(self, graphdef: nnx.GraphDef):
-        self.graphdef = graphdef
-        self._hash = hash(graphdef)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, StaticGraph) and (
-            other.graphdef is self.graphdef or other.graphdef == self.graphdef
-        )

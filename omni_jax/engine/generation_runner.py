@@ -43,9 +43,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from omni_jax.engine.buckets import bucket, ladder, padded_split, round_up
-from omni_jax.engine.compilation import StaticGraph
 from omni_jax.engine.generation_params import Token2WavParams
 from omni_jax.engine.solve_cost import SolveCost
+from omni_jax.jit import StaticGraph
 from omni_jax.parallel.distributed import random_seed
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import fetch, put

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from omni_jax.engine.compilation import StaticGraph
+from omni_jax.jit import StaticGraph
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni.bigvgan import BIGVGAN_IGNORE, BIGVGAN_RULES, BigVGAN
 from omni_jax.models.qwen2_5_omni.dit import DIT_IGNORE, DIT_RULES, DiT
