@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from omni_jax.architectures import architecture_of
 from omni_jax.engine.compilation import CompileCounter, enable_persistent_cache
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
-from omni_jax.models.registry import architecture_of
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
 from omni_jax.outputs import OmniRequestOutput, StageOutput, StageWarmup, WarmupReport
 from omni_jax.parallel.distributed import initialize as initialize_distributed

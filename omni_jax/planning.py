@@ -20,9 +20,9 @@ import dataclasses
 import os
 from pathlib import Path
 
+from omni_jax.architectures import architecture_of
 from omni_jax.engine.memory import GIB
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
-from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.mesh import AXES, mesh_shape
 from omni_jax.parallel.placement import StagePlacement, stage_layouts
 from omni_jax.preflight import PlannedMesh, engine_settings, part_dtype, stage_demand

@@ -26,8 +26,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from omni_jax.architectures import Architecture, architecture_of
 from omni_jax.engine.memory import STEP_ITEM, available_bytes, format_bytes, memory_pools, pool_key
-from omni_jax.models.registry import Architecture, architecture_of
 from omni_jax.parallel.mesh import AXES, axis_size
 from omni_jax.parallel.rules import ShardRule, partition_spec
 from omni_jax.stages.ar import CachePlan, CacheShare, local_devices

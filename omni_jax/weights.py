@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from omni_jax.architectures import Architecture, ModelPart, architecture_of
 from omni_jax.models.hf_config import read_config
 from omni_jax.models.loading import abstract_params, merge_params
 from omni_jax.models.param_map import (
@@ -46,7 +47,6 @@ from omni_jax.models.param_map import (
     map_name,
     parse_path,
 )
-from omni_jax.models.registry import Architecture, ModelPart, architecture_of
 from omni_jax.orbax_io import DeferredArray, restore_stage, stored_arrays, write_stage
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import Layout, layout, put_cast

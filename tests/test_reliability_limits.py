@@ -17,9 +17,9 @@ import jax
 import pytest
 
 from omni_jax import OmniJaxPipeline
+from omni_jax.architectures import architecture_of
 from omni_jax.engine import memory
 from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools
-from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, stage_meshes
 from omni_jax.preflight import cache_shares, check_memory_before_loading, stage_needs

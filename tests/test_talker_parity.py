@@ -23,6 +23,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniTalkerForConditionalGeneration as HFTalker,
 )
 
+from omni_jax.architectures import architecture_of
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.full_forward import full_forward
 from omni_jax.models.loading import abstract_params, build_model
@@ -36,7 +37,6 @@ from omni_jax.models.qwen2_5_omni.talker import (
     talker_ignore,
     talker_partition_rules,
 )
-from omni_jax.models.registry import architecture_of
 from omni_jax.parallel.rules import partition_spec
 from omni_jax.safetensors_io import iter_checkpoint
 from omni_jax.weights import load_hf_config, load_part, read_manifest

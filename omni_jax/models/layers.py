@@ -1,4 +1,4 @@
-"""Shared decoder building blocks: RMSNorm, rotary embeddings, the SwiGLU MLP.
+"""Shared building blocks: RMSNorm, rotary embeddings, the SwiGLU MLP (decoders and encoders).
 
 Each block reproduces the transformers numerics it replaces (where the reference upcasts to
 float32, so do we), because parity with the reference is how correctness is judged.
@@ -32,10 +32,10 @@ class RMSNorm(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """``down(silu(gate(x)) * up(x))``: the Qwen2 MLP."""
+    """``down(silu(gate(x)) * up(x))``: the Qwen2 MLP (no biases) and the vision encoder's (biases)."""
 
-    def __init__(self, dim: int, hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        kw: dict[str, Any] = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    def __init__(self, dim: int, hidden: int, *, use_bias: bool = False, dtype: jnp.dtype, rngs: nnx.Rngs):
+        kw: dict[str, Any] = dict(use_bias=use_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.gate_proj = nnx.Linear(dim, hidden, **kw)
         self.up_proj = nnx.Linear(dim, hidden, **kw)
         self.down_proj = nnx.Linear(hidden, dim, **kw)
@@ -120,6 +120,8 @@ def rope_cos_sin(
 
 
 def rotate_half(x: jax.Array) -> jax.Array:
+    """``[-x2, x1]`` for ``x = [x1, x2]`` split in half on the last axis: the rotary's pairing of
+    channel ``i`` with ``i + D/2`` (HF's half-split layout)."""
     half = x.shape[-1] // 2
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 

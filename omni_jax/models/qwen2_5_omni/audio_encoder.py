@@ -65,12 +65,12 @@ class RowSplit:
         return [out[o : o + n] for o, n in zip(self.offsets, self.lengths, strict=True)]
 
 
-def block_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Softmax attention inside each block of ``[blocks, L, heads, D]`` over its first ``lengths`` keys.
+def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Softmax attention inside each chunk of ``[chunks, L, heads, D]`` over its first ``lengths`` keys.
 
-    Blocks stand for the reference's ``cu_seqlens`` segments, left-aligned so that a length
-    is the whole mask. All-padding blocks attend to their first slot, so they stay finite
-    (never NaN); no real row reads them.
+    Chunks stand for the reference's ``cu_seqlens`` segments, left-aligned so that a length
+    is the whole mask; no chunk sees another. All-padding chunks attend to their first slot, so
+    they stay finite (never NaN); no real row reads them.
     """
     lengths = jnp.maximum(lengths, 1).astype(jnp.int32)
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
@@ -220,7 +220,7 @@ class AudioAttention(nnx.Module):
         q = self.q_proj(x).reshape(heads)
         k = self.k_proj(x).reshape(heads)
         v = self.v_proj(x).reshape(heads)
-        return self.out_proj(block_attention(q, k, v, lengths).reshape(c, t, d))
+        return self.out_proj(chunk_attention(q, k, v, lengths).reshape(c, t, d))
 
 
 def _layer_norm(dim: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:

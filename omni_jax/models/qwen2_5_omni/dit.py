@@ -237,7 +237,7 @@ def _shift_blocks(a: jax.Array, offset: int, axis: int) -> jax.Array:
     return jnp.concatenate([kept, edge] if offset > 0 else [edge, kept], axis=axis)
 
 
-def block_attention(
+def block_window_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -309,7 +309,7 @@ class DiTAttention(nnx.Module):
         q = heads_first(self._rope_first_head(split(self.to_q(x)), cos, sin))
         k = heads_first(self._rope_first_head(split(self.to_k(x)), cos, sin))
         v = heads_first(split(self.to_v(x)))
-        out = block_attention(
+        out = block_window_attention(
             q, k, v, key_valid, self.block_size, self.look_backward_block, self.look_ahead_block
         )
         return self.to_out(heads_first(out).reshape(b, t, self.heads * self.head_dim))

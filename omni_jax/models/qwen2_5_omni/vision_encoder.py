@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omni_jax.models.layers import RMSNorm, SwiGLU, rotate_half
 from omni_jax.models.param_map import ParamRule, linear_kernel
 from omni_jax.models.qwen2_5_omni.audio_encoder import RowSplit, bucket_size
 from omni_jax.models.qwen2_5_omni.encoder_calls import plan_calls, size_ladder
@@ -315,23 +316,8 @@ def plan_vision_calls(
     return calls
 
 
-class RMSNorm(nnx.Module):
-    """``weight * x / rms(x)`` in float32, cast back before the scale (as the reference)."""
-
-    def __init__(self, dim: int, *, eps: float = 1e-6, dtype: jnp.dtype, rngs: nnx.Rngs):
-        del rngs
-        self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)
-
-
-def _rotate_half(x: jax.Array) -> jax.Array:
-    half = x.shape[-1] // 2
-    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+NORM_EPS = 1e-6
+"""The epsilon of the reference's vision RMSNorms (fixed there; the vision config has no field)."""
 
 
 def vision_rope(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -418,7 +404,7 @@ class VisionAttention(nnx.Module):
 
         def rotate(y: jax.Array) -> jax.Array:
             y32 = y.astype(jnp.float32)
-            return (y32 * cos + _rotate_half(y32) * sin).astype(y.dtype)
+            return (y32 * cos + rotate_half(y32) * sin).astype(y.dtype)
 
         q = rotate(self.q(x).reshape(heads))
         k = rotate(self.k(x).reshape(heads))
@@ -430,25 +416,12 @@ class VisionAttention(nnx.Module):
         return self.proj(out.reshape(n, d))
 
 
-class VisionMLP(nnx.Module):
-    """SwiGLU with biases."""
-
-    def __init__(self, spec: VisionEncoderSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        kw: dict[str, Any] = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.gate_proj = nnx.Linear(spec.hidden_size, spec.intermediate_size, **kw)
-        self.up_proj = nnx.Linear(spec.hidden_size, spec.intermediate_size, **kw)
-        self.down_proj = nnx.Linear(spec.intermediate_size, spec.hidden_size, **kw)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class VisionBlock(nnx.Module):
     def __init__(self, spec: VisionEncoderSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.norm1 = RMSNorm(spec.hidden_size, dtype=dtype, rngs=rngs)
-        self.norm2 = RMSNorm(spec.hidden_size, dtype=dtype, rngs=rngs)
+        self.norm1 = RMSNorm(spec.hidden_size, NORM_EPS, dtype=dtype, rngs=rngs)
+        self.norm2 = RMSNorm(spec.hidden_size, NORM_EPS, dtype=dtype, rngs=rngs)
         self.attn = VisionAttention(spec, dtype=dtype, rngs=rngs)
-        self.mlp = VisionMLP(spec, dtype=dtype, rngs=rngs)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, use_bias=True, dtype=dtype, rngs=rngs)
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment: jax.Array, band: int | None
@@ -463,7 +436,7 @@ class PatchMerger(nnx.Module):
     def __init__(self, spec: VisionEncoderSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         kw: dict[str, Any] = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
         merged = spec.hidden_size * spec.merge_unit
-        self.ln_q = RMSNorm(spec.hidden_size, dtype=dtype, rngs=rngs)
+        self.ln_q = RMSNorm(spec.hidden_size, NORM_EPS, dtype=dtype, rngs=rngs)
         self.fc1 = nnx.Linear(merged, merged, **kw)
         self.fc2 = nnx.Linear(merged, spec.out_hidden_size, **kw)
 

@@ -1,4 +1,9 @@
-"""Which model classes, parameter maps and stage graph serve each HF architecture."""
+"""The composition root: which model classes, parameter maps and stages serve each HF architecture.
+
+It sits above both ``models/`` and ``stages/`` (an AR part names the stage frontend it needs),
+so neither of those layers imports it: the pipeline, the planner, the weight loader and the
+converter look an architecture up here.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,10 @@ from omni_jax.models.qwen2_5_omni.thinker import (
 )
 from omni_jax.models.qwen2_5_omni.token2wav import TOKEN2WAV_IGNORE, TOKEN2WAV_RULES, Token2Wav
 from omni_jax.parallel.rules import PartitionRules, ShardRule
+from omni_jax.stages.ar import ARFrontend
+from omni_jax.stages.config import StageConfig
+from omni_jax.stages.talker import TalkerFrontend
+from omni_jax.stages.thinker import ThinkerFrontend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +64,7 @@ class ModelPart:
     ignore: Callable[[Any], tuple[str, ...]]
     dtype: str | None = None
     partition: PartitionRules | None = None
-    frontend: Callable[[Any, nnx.Module, Path, Any], Any] | None = None
+    frontend: Callable[[Any, nnx.Module, Path, StageConfig], ARFrontend[Any]] | None = None
 
     def shard_rules(self, hf_config: Any, model: int) -> tuple[ShardRule, ...]:
         """Rules for a ``model``-way split; ``ValueError`` when the part cannot be split so."""
@@ -153,15 +162,11 @@ def _talker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
     return lambda: Talker(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
 
 
-def _thinker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: Any) -> Any:
-    from omni_jax.stages.thinker import ThinkerFrontend  # stages build on models, not the reverse
-
+def _thinker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig) -> ARFrontend[Any]:
     return ThinkerFrontend.build(model, path)
 
 
-def _talker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: Any) -> Any:
-    from omni_jax.stages.talker import TalkerFrontend
-
+def _talker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig) -> ARFrontend[Any]:
     return TalkerFrontend.build(model, path, stage_config.default_speaker)
 
 
