@@ -9,8 +9,9 @@ from omni_jax.models.attention import AttentionMetadata
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    """Largest absolute difference relative to the reference's largest magnitude."""
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+    """Largest absolute difference relative to the reference's largest magnitude (``ours`` may be
+    a jax array)."""
+    return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
 
 
 SPLIT_ROUNDING = 2e-6

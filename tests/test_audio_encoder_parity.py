@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from parity import rel_err
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniAudioEncoderConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
 
@@ -49,10 +50,6 @@ def _reference_forward(model: Qwen2_5OmniAudioEncoder, feats: list[np.ndarray]) 
     return out.last_hidden_state.numpy()
 
 
-def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 @pytest.mark.parametrize("n_window", [4, 3])
 def test_audio_encoder_matches_reference_batched(n_window: int) -> None:
     ref = _reference(n_window)
@@ -82,21 +79,21 @@ def test_audio_encoder_matches_reference_batched(n_window: int) -> None:
     want = _reference_forward(ref, feats)
     assert rows.total == want.shape[0]
     np.testing.assert_array_equal(rows.lengths, [_reference_forward(ref, [f]).shape[0] for f in feats])
-    err = _rel_err(np.concatenate(per_request), want)
+    err = rel_err(np.concatenate(per_request), want)
     print(f"n_window={n_window}: batched rel err {err:.2e}")
     assert err < 1e-5, err
     for f, got in zip(feats, per_request, strict=True):
         alone = _reference_forward(ref, [f])
-        assert _rel_err(got, alone) < 1e-5
+        assert rel_err(got, alone) < 1e-5
         single, single_rows = prepare_audio_batch([f], spec, min_chunks=batch.chunk_lens.shape[0])
-        assert _rel_err(single_rows.split(np.asarray(encode(state, single)))[0], alone) < 1e-5
+        assert rel_err(single_rows.split(np.asarray(encode(state, single)))[0], alone) < 1e-5
 
     # a different batch in the same chunk bucket reuses the compiled function
     other = [rng.standard_normal((16, n)).astype(np.float32) for n in (chunk + 1, 3 * chunk - 1)]
     batch2, rows2 = prepare_audio_batch(other, spec, min_chunks=batch.chunk_lens.shape[0])
     out2 = rows2.split(np.asarray(encode(state, batch2)))
     for f, got in zip(other, out2, strict=True):
-        assert _rel_err(got, _reference_forward(ref, [f])) < 1e-5
+        assert rel_err(got, _reference_forward(ref, [f])) < 1e-5
     assert traces == 1
 
 
@@ -124,4 +121,4 @@ def test_clips_cut_into_calls_match_reference() -> None:
         assert batch.chunk_lens.shape == (call.size,)
         got += rows.split(np.asarray(encode(state, batch)))
     for f, rows in zip(feats, got, strict=True):
-        assert _rel_err(rows, _reference_forward(ref, [f])) < 1e-5
+        assert rel_err(rows, _reference_forward(ref, [f])) < 1e-5

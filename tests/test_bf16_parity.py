@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from parity import rel_err
 
 from benchmarks import agreement
 from omni_jax import OmniJaxPipeline, SamplingParams
@@ -31,10 +32,6 @@ from omni_jax.weights import MANIFEST, convert, load_part
 BF16_ROUNDOFF = 2.0**-8
 LOGIT_RTOL = agreement.LOGIT_RTOL["bfloat16"]
 NEW_TOKENS = 16
-
-
-def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def params_of(model) -> dict:  # noqa: ANN001

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from parity import rel_err
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
     Qwen2_5OmniBigVGANConfig,
     Qwen2_5OmniDiTConfig,
@@ -50,10 +51,6 @@ def split(model: nnx.Module) -> tuple[StaticGraph, nnx.State]:
     """``nnx.split`` with the graphdef as :func:`token2wav_compiled` takes it."""
     graphdef, state = nnx.split(model)
     return StaticGraph(graphdef), state
-
-
-def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")

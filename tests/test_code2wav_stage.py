@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from parity import rel_err
 
 from omni_jax import OmniJaxPipeline, Token2WavParams
 from omni_jax.models.qwen2_5_omni import speakers
@@ -22,10 +23,6 @@ from omni_jax.models.qwen2_5_omni.speakers import load_speakers
 from omni_jax.models.qwen2_5_omni.token2wav import token2wav_compiled
 
 REPEATS, MEL, NUM_EMBEDS, MAX_POSITIONS = 2, 8, 64, 512  # the tiny DiT (omni_jax.testing)
-
-
-def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def codes(seed: int, n: int) -> list[int]:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from parity import chunk_metadata, rel_err
 from transformers import Qwen2ForCausalLM as HFQwen2
 
 from omni_jax.engine.kv_cache import init_kv_cache
@@ -46,10 +47,6 @@ CONFIGS = {
     ),
     "sliding_window": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
 }
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def build_pair(name: str, seed: int = 0):
@@ -100,14 +97,8 @@ def test_chunked_prefill_and_decode_through_scattered_pages(name: str) -> None:
     chunks = [(0, 11), (11, 17)] + [(i, i + 1) for i in range(17, 30)]
     got_logits, got_hidden = [], []
     for s, e in chunks:
-        idx = np.arange(s, e)
-        md = AttentionMetadata(
-            slot_mapping=jnp.asarray(pages[idx // page_size] * page_size + idx % page_size)[None],
-            block_tables=jnp.asarray(pages)[None],
-            context_lens=jnp.array([e]),
-            query_lens=jnp.array([e - s]),
-        )
-        hidden, cache = ours(ours.embed(jnp.asarray(ids[s:e])[None]), jnp.asarray(idx)[None], cache, md)
+        md = chunk_metadata(pages, page_size, s, e)
+        hidden, cache = ours(ours.embed(jnp.asarray(ids[s:e])[None]), jnp.arange(s, e)[None], cache, md)
         got_logits.append(np.asarray(ours.logits(hidden))[0])
         got_hidden.append(np.asarray(hidden)[0])
     assert rel_err(np.concatenate(got_logits), ref_logits) < RTOL

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
+from parity import chunk_metadata, rel_err
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniThinkerConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniThinkerForConditionalGeneration as HFThinker,
@@ -23,18 +23,15 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.full_forward import full_forward
-from omni_jax.models.attention import AttentionMetadata
 from omni_jax.models.loading import build_model
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths, prepare_audio_batch
 from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index, positions_for
 from omni_jax.models.qwen2_5_omni.thinker import (
     THINKER_RULES,
     THINKER_RULES_IN_OMNI,
-    PlaceholderRows,
+    PromptMerge,
     Thinker,
     ThinkerSpec,
-    first_row,
-    merge_placeholders,
     thinker_ignore,
 )
 from omni_jax.models.qwen2_5_omni.vision_encoder import prepare_vision_batch
@@ -113,8 +110,32 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     return hf, ours, path
 
 
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
+Source = tuple[int, np.ndarray, int]
+"""``(placeholder id, encoder rows, the request's row offset in them)``."""
+
+
+def prompt_merge(
+    ids: list[int], start: int, end: int, prompt_len: int, sources: Sequence[Source], width: int
+) -> PromptMerge | None:
+    """The encoder rows of ``ids[start:end]`` packed for :meth:`Thinker.embed` as the thinker
+    stage packs a step (here one step row of ``end - start`` tokens): per placeholder kind, the
+    rows of the chunk's placeholders, which follow those that earlier chunks took."""
+    if not sources:
+        return None
+    stop = max(min(end, prompt_len), start)
+    merged = np.zeros((end - start, width), np.float32)
+    first, offset = [], 0
+    for token, rows, row_offset in sources:
+        done, n = row_offset + ids[:start].count(token), ids[start:stop].count(token)
+        first.append([offset])
+        merged[offset : offset + n] = rows[done : done + n]
+        offset += n
+    return PromptMerge(
+        jnp.asarray(merged),
+        jnp.asarray(first, jnp.int32),
+        jnp.array([stop - start], jnp.int32),
+        tuple(token for token, _, _ in sources),
+    )
 
 
 def run_chunks(
@@ -122,31 +143,22 @@ def run_chunks(
     ids: list[int],
     positions: np.ndarray,
     chunks: list[tuple[int, int]],
-    sources: Sequence[tuple[int, np.ndarray, int]] = (),
+    sources: Sequence[Source] = (),
+    prompt_len: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Logits and hidden states of ``ids`` run as ``chunks`` through scattered cache pages.
-
-    ``sources`` are ``(placeholder id, encoder rows, the request's row offset)``.
-    """
+    """Logits and hidden states of ``ids`` run as ``chunks`` through scattered cache pages, the
+    encoder rows of ``sources`` merged at the placeholders of the first ``prompt_len`` tokens."""
     spec = model.spec
     page_size, pages = 4, np.array([9, 2, 7, 0, 5, 11, 3, 1, 8, 6, 4, 10, 12, 13, 14, 15], np.int32)
     assert len(ids) <= page_size * len(pages)
     cache = init_kv_cache(spec.num_layers, spec.num_kv_heads, 16, page_size, spec.head_dim, jnp.float32)
     logits, hidden = [], []
+    prompt_len = len(ids) if prompt_len is None else prompt_len
     for s, e in chunks:
-        idx = np.arange(s, e)
-        md = AttentionMetadata(
-            slot_mapping=jnp.asarray(pages[idx // page_size] * page_size + idx % page_size)[None],
-            block_tables=jnp.asarray(pages)[None],
-            context_lens=jnp.array([e]),
-            query_lens=jnp.array([e - s]),
-        )
+        md = chunk_metadata(pages, page_size, s, e)
         tokens = jnp.asarray(ids[s:e])[None]
-        rows = [
-            PlaceholderRows(jnp.asarray(r), jnp.array([first_row(ids, s, tok, off)]), tok)
-            for tok, r, off in sources
-        ]
-        embeds = merge_placeholders(model.embed(tokens), tokens, rows)
+        merge = prompt_merge(ids, s, e, prompt_len, sources, spec.hidden_size)
+        embeds = model.embed(tokens, merge)
         h, cache = model(embeds, jnp.asarray(positions[:, s:e])[:, None], cache, md)
         logits.append(np.asarray(model.logits(h))[0])
         hidden.append(np.asarray(h)[0])
@@ -232,14 +244,13 @@ def test_audio_image_prompt_matches_transformers(pair: Pair) -> None:
 
     cut = 3 + 1 + n_audio // 2
     logits, hidden = run_chunks(
-        ours, ids, positions, decode_chunks([(0, cut), (cut, len(prompt))], len(ids)), sources
+        ours, ids, positions, decode_chunks([(0, cut), (cut, len(prompt))], len(ids)), sources, len(prompt)
     )
     assert rel_err(logits, ref_logits) < RTOL
     assert rel_err(hidden, ref_hidden) < RTOL
 
-    tokens = jnp.asarray(ids)[None]
-    rows = [PlaceholderRows(jnp.asarray(r), jnp.array([off]), tok) for tok, r, off in sources]
-    embeds = jax.jit(merge_placeholders)(ours.embed(tokens), tokens, rows)[0]
+    merge = prompt_merge(ids, 0, len(ids), len(prompt), sources, spec.text.hidden_size)
+    embeds = ours.embed(jnp.asarray(ids)[None], merge)[0]
     one_shot, _ = full_forward(ours, ids, page_size=8, positions=positions, embeds=embeds)
     assert rel_err(one_shot, ref_logits) < RTOL
 

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import torch
 from flax import nnx
+from parity import rel_err
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniVisionEncoderConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniVisionEncoder
 
@@ -50,10 +51,6 @@ def _reference_forward(
     return out.pooler_output.numpy()
 
 
-def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 def _patches(rng: np.random.Generator, grid: tuple[int, int, int], dim: int) -> np.ndarray:
     t, h, w = grid
     return rng.standard_normal((t * h * w, dim)).astype(np.float32)
@@ -81,15 +78,15 @@ def test_vision_encoder_matches_reference_batched() -> None:
     per_request = rows.split(np.asarray(encode(state, batch)))
 
     want = _reference_forward(ref, patches, grids)
-    err = _rel_err(np.concatenate(per_request), want)
+    err = rel_err(np.concatenate(per_request), want)
     print(f"batched rel err {err:.2e}")
     assert err < 1e-5, err
     for p, g, got in zip(patches, grids, per_request, strict=True):
         alone = _reference_forward(ref, [p], [g])
         assert got.shape == alone.shape
-        assert _rel_err(got, alone) < 1e-5
+        assert rel_err(got, alone) < 1e-5
         single, single_rows = prepare_vision_batch([p], [g], spec)
-        assert _rel_err(single_rows.split(np.asarray(encode(state, single)))[0], alone) < 1e-5
+        assert rel_err(single_rows.split(np.asarray(encode(state, single)))[0], alone) < 1e-5
     traces_before = traces
 
     # a different batch with the same bucket sizes reuses the compiled function
@@ -99,7 +96,7 @@ def test_vision_encoder_matches_reference_batched() -> None:
     assert jax.tree.map(np.shape, batch2) == jax.tree.map(np.shape, batch)
     out2 = rows2.split(np.asarray(encode(state, batch2)))
     for p, g, got in zip(patches2, grids2, out2, strict=True):
-        assert _rel_err(got, _reference_forward(ref, [p], [g])) < 1e-5
+        assert rel_err(got, _reference_forward(ref, [p], [g])) < 1e-5
     assert traces == traces_before
 
 
@@ -137,6 +134,6 @@ def test_calls_cut_by_the_plan_match_reference(monkeypatch) -> None:
         for p, got in zip(call.pieces, split.split(np.asarray(encode(state, batch))), strict=True):
             rows[p.item].append(got)
     for p, g, got in zip(patches, grids, rows, strict=True):
-        err = _rel_err(np.concatenate(got), _reference_forward(ref, [p], [g]))
+        err = rel_err(np.concatenate(got), _reference_forward(ref, [p], [g]))
         print(f"grid {g}: rel err {err:.2e}")
         assert err < 1e-5, (g, err)

@@ -5,8 +5,9 @@ frequency pair of a head is rotated by one of three position axes (time, row, co
 ``mrope_section`` assigns them, so positions come in as ``[3, B, T]``
 (:func:`~omni_jax.models.qwen2_5_omni.rope_index.get_rope_index` computes a prompt's). The
 interface is :class:`~omni_jax.models.qwen2.Qwen2ForCausalLM`'s, so the AR engine runs the
-thinker unchanged; multimodal prompts additionally replace placeholder-token embeddings by
-encoder rows with :func:`merge_placeholders` before the decoder call.
+thinker unchanged; for multimodal prompts :meth:`Thinker.embed` takes the step's encoder rows
+(a :class:`PromptMerge`) and puts them in place of the placeholder tokens' embeddings
+(:func:`merge_placeholders`) before the decoder call.
 """
 
 from __future__ import annotations
@@ -145,21 +146,15 @@ class Thinker(Qwen2ForCausalLM):
 class PlaceholderRows:
     """Encoder rows that replace one kind of placeholder token in a step.
 
-    rows: ``[N, D]`` an encoder's output for a batch (padding rows are never read).
+    rows: ``[N, D]`` encoder rows (padding rows are never read).
     first_row: ``[B]`` row of ``rows`` that step row ``b``'s first placeholder of this kind
-        takes: the request's offset in ``rows`` (its :class:`RowSplit` offset) plus the
-        placeholders of this kind in its earlier chunks (:func:`first_row`).
+        takes (:class:`PromptMerge` says where each step row's rows start).
     token_id: the placeholder token (audio, image or video id of the config).
     """
 
     rows: jax.Array
     first_row: jax.Array
     token_id: int = dataclasses.field(metadata=dict(static=True))
-
-
-def first_row(token_ids: Sequence[int], start: int, token_id: int, offset: int) -> int:
-    """Host side: ``first_row`` of a step that runs a request's tokens from ``start`` on."""
-    return offset + sum(1 for t in token_ids[:start] if t == token_id)
 
 
 def merge_placeholders(
