@@ -101,6 +101,9 @@ class ARMemory:
 
     @property
     def step_bytes(self) -> int:
+        """The largest step's temporaries: one chunk of token rows' gathered K/V and float32
+        scores (the jnp path, one layer at a time), every token row's activations, and the
+        step's float32 logits."""
         gathered = 2 * self.num_kv_heads * self.context * self.head_dim * self.itemsize
         per_row = gathered + self.num_heads * self.context * 4
         rows = min(self.max_token_rows, max(1, self.chunk_bytes // per_row))

@@ -1,4 +1,4 @@
-"""Meshes, partition rules, per-stage placement and multi-process start (see DESIGN.md, Sharding)."""
+"""Meshes, partition rules, per-stage placement and multi-process start (docs/ARCHITECTURE.md)."""
 
 from omni_jax.parallel.distributed import initialize, is_main_process
 from omni_jax.parallel.mesh import AXES, make_mesh, mesh_shape, parse_mesh
