@@ -126,19 +126,20 @@ def import_graph() -> dict[str, list[tuple[str, int]]]:
 
 def violations(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
     """Every module of a layer that imports, directly or through modules the rules allow it, one
-    it may not; each named with the chain of imports (``module:line``) that reaches it."""
+    it may not; each named once, with the shortest chain of imports (``module:line``) that reaches it."""
     found = []
     for start in sorted(graph):
-        seen = {start}
+        seen, reported = {start}, set()
         queue = collections.deque([(start, [start])])
         while queue:
             module, chain = queue.popleft()
             for imported, line in graph.get(module, []):
                 step = [*chain[:-1], f"{chain[-1]}:{line}", imported]
                 why = forbidden(start, imported)
-                if why is not None:
+                if why is not None and imported not in reported:
+                    reported.add(imported)
                     found.append(f"{' -> '.join(step)}: {why}")
-                elif imported not in seen:
+                elif why is None and imported not in seen:
                     seen.add(imported)
                     queue.append((imported, step))
     return found
