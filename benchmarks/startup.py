@@ -48,7 +48,7 @@ def stage_padding(stage: Any) -> dict[str, dict[str, float]]:
             "sequences": padding(runner.sequences, runner.max_num_seqs),
         }
     b = runner.buckets
-    return {"codes": padding(b.codes_for, b.codes[-1]), "rows": padding(b.rows_for, b.rows[-1])}
+    return {"codes": padding(b.length_for, b.lengths[-1]), "rows": padding(b.rows_for, b.rows[-1])}
 
 
 def _child(model: str, cache: str) -> None:

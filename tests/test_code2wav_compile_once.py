@@ -20,14 +20,10 @@ from flax import nnx
 
 from omni_jax import OmniJaxPipeline, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
-from omni_jax.engine.generation_runner import (
-    GenerationRequest,
-    GenerationRunner,
-    SolveBuckets,
-    SolveGeometry,
-)
+from omni_jax.engine.generation_runner import GenerationRunner, SolveBuckets
 from omni_jax.engine.solve_cost import MIN_OVERHEAD
 from omni_jax.models.qwen2_5_omni.token2wav import token2wav_compiled
+from omni_jax.stages.code2wav_batch import Code2WavRequest, SolveGeometry, code2wav_runner, code_buckets
 
 TINY_LADDER = (32, 48, 64, 96, 128, 192, 256)
 NUM_EMBEDS, REPEATS, HOP = 64, 2, 60  # the tiny DiT's codec ids, mel frames per code, samples per frame
@@ -39,10 +35,11 @@ def test_tiny_and_7b_bucket_sets(omni_dir) -> None:
     stage = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"]).stages[0]
     tiny = stage.runner.buckets  # the shipped YAML's limits: max_batch 8, max_codes 256 (the DiT's)
     longest = max(len(s.ref_mel) for s in stage.voices.speakers.values())
-    assert (tiny.rows, tiny.codes, tiny.reference_frames) == ((1, 2, 4, 8), TINY_LADDER, longest)
+    assert (tiny.rows, tiny.lengths) == ((1, 2, 4, 8), TINY_LADDER)
+    assert stage.runner.padder.reference_frames == longest
     assert len(tiny.shapes()) == 28
-    big = SolveBuckets.build(max_batch=8, max_codes=4096, reference_frames=300)  # Qwen2.5-Omni-7B
-    assert big.codes == (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+    big = SolveBuckets.build(max_batch=8, lengths=code_buckets(4096))  # Qwen2.5-Omni-7B
+    assert big.lengths == (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
     assert len(big.shapes()) == 60
 
 
@@ -56,16 +53,16 @@ def test_tiny_and_7b_bucket_sets(omni_dir) -> None:
     ],
 )
 def test_buckets_are_capped_and_closed(max_batch, max_codes, data, rows, codes) -> None:
-    b = SolveBuckets.build(max_batch, max_codes, reference_frames=8, data=data)
-    assert (b.rows, b.codes) == (rows, codes)
+    b = SolveBuckets.build(max_batch, code_buckets(max_codes), data=data)
+    assert (b.rows, b.lengths) == (rows, codes)
     for n in range(1, max_codes + 1):
-        c = b.codes_for(n)
-        assert c in b.codes and c >= n and all(s < n for s in b.codes if s < c)
+        c = b.length_for(n)
+        assert c in b.lengths and c >= n and all(s < n for s in b.lengths if s < c)
     for n in range(1, max_batch + 1):
         r = b.rows_for(n)
         assert r in b.rows and r >= n and r % data == 0
-    with pytest.raises(ValueError, match=f"{max_codes + 1} codes exceed the largest solve bucket"):
-        b.codes_for(max_codes + 1)
+    with pytest.raises(ValueError, match=f"a length of {max_codes + 1} exceeds the largest solve bucket"):
+        b.length_for(max_codes + 1)
 
 
 class _NoWeights(nnx.Module):
@@ -80,11 +77,11 @@ def stand_in_runner(max_batch: int = 8, max_codes: int = 256) -> GenerationRunne
         return np.zeros((codes.shape[0], codes.shape[1] * REPEATS * HOP), np.float32), frames * HOP
 
     geometry = SolveGeometry(repeats=REPEATS, mel_dim=4, speaker_dim=3, max_codes=max_codes)
-    return GenerationRunner(solve, _NoWeights(), geometry, reference_frames=5, max_batch=max_batch)
+    return code2wav_runner(solve, _NoWeights(), geometry, reference_frames=5, max_batch=max_batch)
 
 
-def request(name: str, num_codes: int, reference_frames: int = 5) -> GenerationRequest:
-    return GenerationRequest(
+def request(name: str, num_codes: int, reference_frames: int = 5) -> Code2WavRequest:
+    return Code2WavRequest.new(
         name,
         np.ones(num_codes, np.int32),
         np.zeros(3, np.float32),
@@ -139,7 +136,7 @@ def warmed(omni_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[OmniJaxP
 def test_warmup_compiles_every_bucket(warmed) -> None:
     pipe, programs, counted = warmed
     buckets = pipe.stages[0].runner.buckets
-    assert (buckets.rows, buckets.codes) == ((1, 2, 4), (32, 48, 64))
+    assert (buckets.rows, buckets.lengths) == ((1, 2, 4), (32, 48, 64))
     assert programs == len(buckets.shapes()) == 9
     assert token2wav_compiled._cache_size() == 9  # one solve program per shape, no more
     assert counted.compiles >= programs

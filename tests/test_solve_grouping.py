@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from omni_jax.engine.generation_params import Token2WavParams
-from omni_jax.engine.generation_runner import GenerationRequest, GenerationRunner, SolveGeometry
+from omni_jax.engine.generation_runner import GenerationRunner
 from omni_jax.engine.solve_cost import MIN_OVERHEAD, SolveCost
+from omni_jax.stages.code2wav_batch import Code2WavRequest, SolveGeometry, code2wav_runner
+from omni_jax.stages.code2wav_params import Token2WavParams
 
 SAMPLES_PER_FRAME = 3
 
@@ -30,11 +31,11 @@ def make_runner(calls: list[list[int]], max_batch: int = 8) -> GenerationRunner:
         return wave, lengths * 2 * SAMPLES_PER_FRAME
 
     geometry = SolveGeometry(repeats=2, mel_dim=4, speaker_dim=3, max_codes=512)
-    return GenerationRunner(solve, _NoWeights(), geometry, reference_frames=5, max_batch=max_batch)
+    return code2wav_runner(solve, _NoWeights(), geometry, reference_frames=5, max_batch=max_batch)
 
 
-def request(name: str, num_codes: int) -> GenerationRequest:
-    return GenerationRequest(
+def request(name: str, num_codes: int) -> Code2WavRequest:
+    return Code2WavRequest.new(
         name,
         np.ones(num_codes, np.int32),
         np.zeros(3, np.float32),
@@ -62,7 +63,7 @@ def test_fit_without_a_slope_groups_everything() -> None:
     assert cost.overhead() == 4096.0
 
 
-def ids(groups: list[list[GenerationRequest]]) -> list[list[str]]:
+def ids(groups: list[list[Code2WavRequest]]) -> list[list[str]]:
     return [[r.request_id for r in g] for g in groups]
 
 
@@ -88,7 +89,7 @@ def test_a_step_runs_the_oldest_requests_solve_and_keeps_the_rest_in_order(
         runner.add(request(name, n))
     first = runner.step()
     assert [r.request.request_id for r in first] == ["long", "long2"]
-    assert [len(r.waveform) for r in first] == [100 * 2 * SAMPLES_PER_FRAME] * 2
+    assert [len(r.output) for r in first] == [100 * 2 * SAMPLES_PER_FRAME] * 2
     assert [r.request_id for r in runner._waiting] == ["short", "short2"]
     runner.add(request("short3", 30))  # arrives in time to join the next solve (solves made dear)
     monkeypatch.setattr(runner.cost, "overhead", lambda: 1000.0)

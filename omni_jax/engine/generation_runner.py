@@ -1,31 +1,23 @@
-"""The non-autoregressive execution path: codec tokens -> waveform in one jitted solve per batch.
+"""The non-autoregressive execution path: a request in, its whole output out, in one jitted solve
+per batch.
 
 There is no KV cache, no logits and no sampler here: a request is its whole input, so a batch is
-padded once to one of a closed set of shapes (:class:`SolveBuckets`), solved by that shape's
-compiled program, and split back into per-request waveforms trimmed to their valid samples.
-:meth:`GenerationRunner.warmup` compiles every program of the set, after which nothing compiles,
-whatever the traffic. Requests waiting together are split into solves by length
+padded once to one of a closed set of shapes (:class:`SolveBuckets`: rows by a length), solved by
+that shape's compiled program, and split back into per-request outputs trimmed to their valid
+length. :meth:`GenerationRunner.warmup` compiles every program of the set, after which nothing
+compiles, whatever the traffic. Requests waiting together are split into solves by length
 (:meth:`GenerationRunner.groups`), weighing the padding a shared solve pays in full against what
-one more solve costs on this device (:class:`SolveCost`, fitted to the runner's own timings); the
-fit only chooses among the set's shapes, never makes one. Each step runs one solve, the oldest
-request's, so results come back as soon as their own solve ends and later arrivals can still
-join the others.
+one more solve costs on this device (:class:`~omni_jax.engine.solve_cost.SolveCost`, fitted to
+the runner's own timings); the fit only chooses among the set's shapes, never makes one. Each
+step runs one solve, the oldest request's, so results come back as soon as their own solve ends
+and later arrivals can still join the others.
 
-Every solve runs classifier-free guidance (the conditional and the null input in one doubled
-batch). A request whose ``guidance_scale`` is below the model's threshold gets a zero guidance
-factor, so its result is its conditional velocity alone, the reference's unguided path (equal to
-a program without the null half up to float32 rounding, not bitwise: the doubled batch's matmuls
-may round differently). A solve of only such requests pays the null half's DiT work for nothing;
-they are the exception (the default scale guides), and one program per shape instead of two
-halves what warm-up compiles.
+The runner knows no model and no stage: the stage supplies its requests' lengths and how they
+fill one padded batch of a given shape (a :class:`BatchPadder`), and the solve function.
 
 On a stage mesh, a solve's rows are split over ``data`` (rows padded to a multiple of it), each
 device solving its own requests with the replicated weights: rows never interact, so XLA
 partitions the whole program by rows.
-
-Randomness is batch-invariant: a request's initial noise comes from its own seed and its own
-length only (never from the bucket or its neighbours), so the same request with the same seed
-gives the same waveform alone or in any batch.
 """
 
 from __future__ import annotations
@@ -34,7 +26,8 @@ import bisect
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -42,87 +35,30 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from omni_jax.engine.buckets import bucket, ladder, padded_split, round_up
-from omni_jax.engine.generation_params import Token2WavParams
+from omni_jax.engine.buckets import bucket, padded_split, round_up
 from omni_jax.engine.solve_cost import SolveCost
 from omni_jax.jit import StaticGraph
-from omni_jax.parallel.distributed import random_seed
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import fetch, put
 from omni_jax.profiling import scope
 
 Solve = Callable[..., tuple[jax.Array, jax.Array]]
-"""``solve(graph, state, codes, code_lengths, speaker_embedding, reference_mel, reference_lengths,
-initial_noise, num_steps, guidance_scale, sway_coefficient) -> (wave [B, S], valid samples [B])``,
-e.g. ``token2wav_compiled``; ``graph`` is the model's :class:`StaticGraph`; every array is batched
-and the knobs are ``[B]``. It compiles once per input shape (a jitted function), so that calling
-it on padding compiles the program a real batch of that shape runs."""
-
-MIN_CODES = 32
-"""The shortest padded code length: shorter requests are a small share of a solve's work, and
-every size below it would be programs of its own."""
-
-CODE_STEPS = 2
-"""Padded code lengths per octave (:func:`~omni_jax.engine.buckets.ladder`): ``2^k`` and
-``3 * 2^(k-1)``. A solve's work (the DiT's block attention and the vocoder are linear in
-frames) grows with its padded length, so padding is paid on every solve, and programs only at
-warm-up. Two sizes an octave waste at most half a request's length (at most a third of the
-padded solve), against at most all of it for powers of two; four sizes would halve that again
-for twice the programs, while a solve of several requests already pads all but its longest."""
-
-
-@dataclasses.dataclass
-class GenerationRequest:
-    """One request's whole input: ``codes [T]``, ``speaker_embedding [D]``, ``reference_mel [R, M]``."""
-
-    request_id: str
-    codes: np.ndarray
-    speaker_embedding: np.ndarray
-    reference_mel: np.ndarray
-    params: Token2WavParams
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """``waveform`` (float32, trimmed) or ``error``; ``seed`` is the one the noise came from."""
-
-    request: GenerationRequest
-    waveform: np.ndarray | None
-    error: str | None
-    seed: int | None
-    batch_size: int
-    solve_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class SolveGeometry:
-    """What padding needs to know of the model: mel frames per code, mel width, speaker vector
-    width, longest input."""
-
-    repeats: int
-    mel_dim: int
-    speaker_dim: int
-    max_codes: int
+"""``solve(graph, state, *arrays) -> (outputs [B, S, ...], valid lengths [B])``, e.g.
+``token2wav_compiled``: ``graph`` is the model's :class:`~omni_jax.jit.StaticGraph`, ``arrays``
+a padded batch's (:meth:`PaddedBatch.arrays`), each with its rows on axis 0. It compiles once
+per input shape (a jitted function), so that calling it on padding compiles the program a real
+batch of that shape runs."""
 
 
 @dataclasses.dataclass
 class PaddedBatch:
-    """One solve's inputs, batched and padded (host arrays), and each request's noise seed."""
+    """A solve's inputs, batched and padded on the host: a stage subclasses it with its fields.
 
-    codes: np.ndarray
-    code_lengths: np.ndarray
-    speaker_embedding: np.ndarray
-    reference_mel: np.ndarray
-    reference_lengths: np.ndarray
-    initial_noise: np.ndarray
-    num_steps: np.ndarray
-    guidance_scale: np.ndarray
-    sway_coefficient: np.ndarray
-    seeds: list[int | None]
+    Every ``np.ndarray`` field, in declaration order, is one argument of the solve (after the
+    graph and the state), with the batch's rows on axis 0."""
 
     def arrays(self, mesh: Mesh | None = None) -> tuple[jax.Array, ...]:
-        """The device arrays in :data:`Solve`'s argument order (after graphdef and state); on
-        ``mesh``, rows (axis 0 of each) split over ``data``."""
+        """The device arrays in the solve's argument order; on ``mesh``, rows split over ``data``."""
         fields = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), np.ndarray)]
         if mesh is None:
             # device_put transfers alone; jnp.asarray compiles a copy program per shape and dtype.
@@ -131,86 +67,119 @@ class PaddedBatch:
         return tuple(put(getattr(self, name), rows) for name in fields)
 
 
+R = TypeVar("R")
+"""A stage's request: the runner only queues it and hands it to the padder."""
+B = TypeVar("B", bound=PaddedBatch)
+
+
+class BatchPadder(Protocol[R, B]):
+    """What a stage supplies to a :class:`GenerationRunner`: how long its requests are and how
+    they fill one padded batch.
+
+    ``output`` names one row of the solve's output in messages (``"waveform"``).
+    ``pad(requests, rows, length)`` is a batch of ``rows`` rows padded to ``length``, the first
+    ``len(requests)`` rows the requests' (the runner chose a bucket that holds them); with no
+    request it is a warm-up batch whose every row solves without error (no empty reduction, no
+    NaN). It raises ``ValueError`` naming the request when one does not fit the batch.
+    """
+
+    output: str
+
+    def length(self, request: R) -> int: ...
+
+    def pad(self, requests: Sequence[R], rows: int, length: int) -> B: ...
+
+
+@dataclasses.dataclass
+class GenerationResult(Generic[R]):
+    """One request's ``output`` (trimmed to its valid length) or ``error``; the size of the
+    solve it ran in and the solve's seconds."""
+
+    request: R
+    output: np.ndarray | None
+    error: str | None
+    batch_size: int
+    solve_s: float
+
+
 @dataclasses.dataclass(frozen=True)
 class SolveBuckets:
-    """The closed set of solve shapes: every batch pads to one ``(rows, codes)`` pair of it, and
+    """The closed set of solve shapes: every batch pads to one ``(rows, length)`` pair of it, and
     :meth:`GenerationRunner.warmup` compiles each pair's program.
 
     rows: a solve's request rows, powers of two up to ``max_batch`` (which caps the last), each
     rounded up to a multiple of the mesh's ``data`` axis (every shard the same rows).
-    codes: padded code lengths, :data:`CODE_STEPS` per octave from :data:`MIN_CODES` up to the
-    stage's ``max_codes`` (the last size, on the ladder or not).
-    reference_frames: the one padded reference-mel length. A request's reference mel is its
-    voice's, fixed per voice; the speaker encoder reads it once per solve (not per ODE step),
-    so padding every voice to the longest costs little, and a length per voice would multiply
-    the programs by the voices.
+    lengths: the padded lengths the stage asks for (e.g. a
+    :func:`~omni_jax.engine.buckets.ladder`), ascending; the last is the longest request.
     """
 
     rows: tuple[int, ...]
-    codes: tuple[int, ...]
-    reference_frames: int
+    lengths: tuple[int, ...]
 
     @classmethod
-    def build(cls, max_batch: int, max_codes: int, reference_frames: int, data: int = 1) -> SolveBuckets:
+    def build(cls, max_batch: int, lengths: Sequence[int], data: int = 1) -> SolveBuckets:
         rows = {round_up(bucket(n, 1, max_batch), data) for n in range(1, max_batch + 1)}
-        return cls(tuple(sorted(rows)), ladder(MIN_CODES, max_codes, CODE_STEPS), reference_frames)
+        return cls(tuple(sorted(rows)), tuple(lengths))
 
     def shapes(self) -> list[tuple[int, int]]:
-        """Every ``(rows, codes)`` of a solve: one compiled program each."""
-        return [(rows, codes) for rows in self.rows for codes in self.codes]
+        """Every ``(rows, length)`` of a solve: one compiled program each."""
+        return [(rows, length) for rows in self.rows for length in self.lengths]
 
     def rows_for(self, requests: int) -> int:
         """Rows of a solve of ``requests`` requests."""
-        return _smallest(self.rows, requests, "requests")
+        return _smallest(self.rows, requests, f"{requests} requests exceed")
 
-    def codes_for(self, num_codes: int) -> int:
-        """Padded code length of a solve whose longest request has ``num_codes`` codes."""
-        return _smallest(self.codes, num_codes, "codes")
+    def length_for(self, length: int) -> int:
+        """Padded length of a solve whose longest request is ``length`` long."""
+        return _smallest(self.lengths, length, f"a length of {length} exceeds")
 
 
-def _smallest(sizes: tuple[int, ...], n: int, what: str) -> int:
+def _smallest(sizes: tuple[int, ...], n: int, too_large: str) -> int:
     i = bisect.bisect_left(sizes, n)
     if i == len(sizes):
-        raise ValueError(f"{n} {what} exceed the largest solve bucket ({sizes[-1]})")
+        raise ValueError(f"{too_large} the largest solve bucket ({sizes[-1]})")
     return sizes[i]
 
 
-class GenerationRunner:
+class GenerationRunner(Generic[R, B]):
     """FIFO batches of at most ``max_batch`` requests through one compiled ``solve``."""
 
     def __init__(
         self,
         solve: Solve,
         model: nnx.Module,
-        geometry: SolveGeometry,
+        padder: BatchPadder[R, B],
         *,
-        reference_frames: int,
+        lengths: Sequence[int],
         max_batch: int = 8,
         mesh: Mesh | None = None,
+        name: str = "generation",
     ):
-        """``reference_frames``: the longest reference mel a request may bring (every one pads
-        to it); ``mesh``: the stage's ``("data", "model")`` mesh, the model's weights already
-        placed on it (replicated); ``None`` on one device."""
+        """``lengths``: the padded lengths a solve may have (:attr:`SolveBuckets.lengths`);
+        ``mesh``: the stage's ``("data", "model")`` mesh, the model's weights already placed on
+        it (replicated); ``None`` on one device. ``name`` (the stage's) prefixes the profiling
+        spans: ``<name>/warmup``, ``<name>/pad``, ``<name>/solve``, ``<name>/split``."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.solve = solve
         self.graphdef, self.state = nnx.split(model)
         self.graph = StaticGraph(self.graphdef)
-        self.geometry = geometry
+        self.padder = padder
         self.max_batch = max_batch
         self.mesh = mesh
+        self.name = name
         self.data = axis_size(mesh, "data")
-        self.buckets = SolveBuckets.build(max_batch, geometry.max_codes, reference_frames, self.data)
-        self._waiting: collections.deque[GenerationRequest] = collections.deque()
-        self.cost = SolveCost(cap=float(max_batch * geometry.max_codes))
+        self.buckets = SolveBuckets.build(max_batch, lengths, self.data)
+        self._waiting: collections.deque[R] = collections.deque()
+        self.cost = SolveCost(cap=float(max_batch * self.buckets.lengths[-1]))
 
-    def add(self, request: GenerationRequest) -> None:
+    def add(self, request: R) -> None:
         self._waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self._waiting)
 
-    def step(self) -> list[GenerationResult]:
+    def step(self) -> list[GenerationResult[R]]:
         """One solve: the group (:meth:`groups`) of the oldest waiting request, among the oldest
         ``max_batch``; the rest wait, in their order, for the next step."""
         batch = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
@@ -219,124 +188,76 @@ class GenerationRunner:
         self._waiting.extendleft(reversed([r for r in batch if id(r) not in chosen]))
         return self.run(group)
 
-    def groups(self, requests: list[GenerationRequest]) -> list[list[GenerationRequest]]:
+    def groups(self, requests: list[R]) -> list[list[R]]:
         """``requests`` split into solves, shortest first, each request in one.
 
         Sorted by length, the requests are cut into contiguous groups that minimise the padded
-        code-rows (rows and codes to their :attr:`buckets`) plus :meth:`SolveCost.overhead` per
-        solve (:func:`~omni_jax.engine.buckets.padded_split`). With little overhead a group holds
-        one code bucket (or splits where its rows would pad to the next bucket); the larger a
+        rows x length (both to their :attr:`buckets`) plus :meth:`SolveCost.overhead` per solve
+        (:func:`~omni_jax.engine.buckets.padded_split`). With little overhead a group holds one
+        length bucket (or splits where its rows would pad to the next bucket); the larger a
         solve's fixed cost, the more lengths share one. Whatever the fit, every group's shape is
         one of the buckets'.
         """
-        order = sorted(requests, key=lambda r: len(r.codes))
-        codes = [self.buckets.codes_for(len(r.codes)) for r in order]
-        return [order[a:b] for a, b in padded_split(codes, self.buckets.rows_for, self.cost.overhead())]
+        order = sorted(requests, key=self.padder.length)
+        lengths = [self.buckets.length_for(self.padder.length(r)) for r in order]
+        return [order[a:b] for a, b in padded_split(lengths, self.buckets.rows_for, self.cost.overhead())]
 
-    def initial_noise(self, request: GenerationRequest) -> tuple[np.ndarray, int | None]:
-        """``(noise [len(codes) * repeats, mel_dim] float32, seed)``; the seed is None when given."""
-        p = request.params
-        if p.initial_noise is not None:
-            return np.asarray(p.initial_noise, np.float32), None
-        seed = p.seed if p.seed is not None else random_seed()
-        shape = (len(request.codes) * self.geometry.repeats, self.geometry.mel_dim)
-        return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), seed
-
-    def padding(self, rows: int, codes: int) -> PaddedBatch:
-        """A solve of ``rows`` rows and ``codes`` codes with no request in it: every row one code,
-        one reference frame and one grid point (no ODE step), so no reduction is empty and
-        nothing is NaN."""
-        g = self.geometry
-        return PaddedBatch(
-            codes=np.zeros((rows, codes), np.int32),
-            code_lengths=np.ones(rows, np.int32),
-            speaker_embedding=np.zeros((rows, g.speaker_dim), np.float32),
-            reference_mel=np.zeros((rows, self.buckets.reference_frames, g.mel_dim), np.float32),
-            reference_lengths=np.ones(rows, np.int32),
-            initial_noise=np.zeros((rows, codes * g.repeats, g.mel_dim), np.float32),
-            num_steps=np.ones(rows, np.int32),
-            guidance_scale=np.zeros(rows, np.float32),
-            sway_coefficient=np.zeros(rows, np.float32),
-            seeds=[],
-        )
-
-    def pad(self, requests: list[GenerationRequest]) -> PaddedBatch:
-        """The solve's inputs for ``requests``, padded to the smallest bucket that holds them."""
+    def shape(self, requests: Sequence[R]) -> tuple[int, int]:
+        """``(rows, length)``: the smallest bucket that holds ``requests``."""
         if not 1 <= len(requests) <= self.max_batch:
             raise ValueError(f"a batch holds 1 to {self.max_batch} requests, got {len(requests)}")
-        most = self.buckets.reference_frames
-        for r in requests:
-            if len(r.reference_mel) > most:
-                raise ValueError(
-                    f"request {r.request_id!r}: reference mel of {len(r.reference_mel)} frames, "
-                    f"more than the {most} a solve holds"
-                )
-        batch = self.padding(
-            self.buckets.rows_for(len(requests)), self.buckets.codes_for(max(len(r.codes) for r in requests))
+        return self.buckets.rows_for(len(requests)), self.buckets.length_for(
+            max(self.padder.length(r) for r in requests)
         )
-        for i, r in enumerate(requests):
-            n, m = len(r.codes), len(r.reference_mel)
-            batch.codes[i, :n] = r.codes
-            batch.code_lengths[i] = n
-            batch.speaker_embedding[i] = r.speaker_embedding
-            batch.reference_mel[i, :m] = r.reference_mel
-            batch.reference_lengths[i] = m
-            start, seed = self.initial_noise(r)
-            batch.initial_noise[i, : len(start)] = start
-            batch.seeds.append(seed)
-            batch.num_steps[i] = r.params.num_steps
-            batch.guidance_scale[i] = r.params.guidance_scale
-            batch.sway_coefficient[i] = r.params.sway_coefficient
-        return batch
+
+    def pad(self, requests: Sequence[R]) -> B:
+        """The solve's inputs for ``requests``, padded to the smallest bucket that holds them."""
+        return self.padder.pad(requests, *self.shape(requests))
 
     def warmup(self) -> int:
         """Compile the program of every shape of :attr:`buckets`; returns how many there are.
 
-        Each is compiled by solving :meth:`padding` of its shape, placed as a real batch is
-        (jit's cache, which later calls hit, holds only programs compiled by calls), and it runs
-        no ODE step.
+        Each is compiled by solving the padder's batch of that shape with no request in it,
+        placed as a real batch is (jit's cache, which later calls hit, holds only programs
+        compiled by calls).
         """
         shapes = self.buckets.shapes()
-        for rows, codes in shapes:
-            with scope("code2wav/warmup", rows=rows, codes=codes):
-                wave, _ = self.solve(self.graph, self.state, *self.padding(rows, codes).arrays(self.mesh))
-                jax.block_until_ready(wave)
+        for rows, length in shapes:
+            with scope(f"{self.name}/warmup", rows=rows, length=length):
+                batch = self.padder.pad([], rows, length)
+                out, _ = self.solve(self.graph, self.state, *batch.arrays(self.mesh))
+                jax.block_until_ready(out)
         return len(shapes)
 
-    def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def run(self, requests: list[R]) -> list[GenerationResult[R]]:
         """One padded solve for ``requests``.
 
         A device failure is retried one request at a time, so only the failing ones end with its
         message (``error``) and the rest of the batch completes.
         """
-        with scope("code2wav/pad", requests=len(requests)):
-            batch = self.pad(requests)
-        seeds = batch.seeds
+        rows, length = self.shape(requests)
+        with scope(f"{self.name}/pad", requests=len(requests)):
+            batch = self.padder.pad(requests, rows, length)
         t0 = time.perf_counter()
         try:
-            # Inputs to the device, one program (DiT solve then vocoder: device scopes
-            # ``dit_solve`` / ``vocoder``), waveforms back to the host.
-            with scope("code2wav/solve", rows=batch.codes.shape[0], codes=batch.codes.shape[1]):
-                wave, valid = self.solve(self.graph, self.state, *batch.arrays(self.mesh))
-                wave, valid = fetch(wave), fetch(valid)
+            # Inputs to the device, one program, outputs back to the host.
+            with scope(f"{self.name}/solve", rows=rows, length=length):
+                out, valid = self.solve(self.graph, self.state, *batch.arrays(self.mesh))
+                out, valid = fetch(out), fetch(valid)
         except jax.errors.JaxRuntimeError as e:
             if len(requests) > 1:  # find the culprit: the others still complete
                 return [result for r in requests for result in self.run([r])]
-            return [
-                GenerationResult(
-                    requests[0], None, f"solve failed: {e}", seeds[0], 1, time.perf_counter() - t0
-                )
-            ]
+            return [GenerationResult(requests[0], None, f"solve failed: {e}", 1, time.perf_counter() - t0)]
         dt = time.perf_counter() - t0
-        rows, codes = batch.codes.shape
-        self.cost.record((rows, codes), rows * codes, dt)
-        with scope("code2wav/split", requests=len(requests)):
+        self.cost.record((rows, length), rows * length, dt)
+        with scope(f"{self.name}/split", requests=len(requests)):
             results = []
             for i, r in enumerate(requests):
-                w = wave[i, : valid[i]]
-                if np.isfinite(w).all():
-                    results.append(GenerationResult(r, w.copy(), None, seeds[i], len(requests), dt))
+                o = out[i, : valid[i]]
+                if np.isfinite(o).all():
+                    results.append(GenerationResult(r, o.copy(), None, len(requests), dt))
                 else:  # rows do not mix in the solve: only this request failed
-                    error = f"non-finite waveform ({int((~np.isfinite(w)).sum())} of {len(w)} samples)"
-                    results.append(GenerationResult(r, None, error, seeds[i], len(requests), dt))
+                    bad = int((~np.isfinite(o)).sum())
+                    error = f"non-finite {self.padder.output} ({bad} of {o.size} samples)"
+                    results.append(GenerationResult(r, None, error, len(requests), dt))
             return results

@@ -1,11 +1,11 @@
 """What one more solve costs, read off the solves a runner has already timed.
 
-A code2wav solve takes about ``a + b * padded code-rows`` seconds. How requests should be split
-into solves depends on ``a / b``: on this workplace's 2-core CPU the DiT is compute-bound and
-``a`` is near nothing, so requests of different lengths are best solved apart (padding is paid
-in full); on a GPU a solve of eight short requests costs little more than one, so ``a`` is most
-of a solve and they are best solved together. Rather than a constant tuned for one device, the
-runner fits ``a`` and ``b`` to its own timings and splits by the ratio.
+A generation runner's solve takes about ``a + b * padded rows x length`` seconds. How requests
+should be split into solves depends on ``a / b``: where a solve is compute-bound ``a`` is near
+nothing, so requests of different lengths are best solved apart (padding is paid in full);
+where a solve of eight short requests costs little more than one, ``a`` is most of a solve and
+they are best solved together. Rather than a constant tuned for one device, the runner fits
+``a`` and ``b`` to its own timings and splits by the ratio.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ SAMPLES = 64
 """Shapes kept for the fit (the most recently timed)."""
 
 MIN_OVERHEAD = 1.0
-"""A solve is never free: at least one code-row, so that splits which pad the same go to fewer
-solves."""
+"""A solve is never free: at least one cell (a row's length unit), so that splits which pad the
+same go to fewer solves."""
 
 
 class SolveCost:
-    """A running least-squares fit of solve seconds against padded code-rows.
+    """A running least-squares fit of solve seconds against padded rows x length (cells).
 
     Only a shape's second and later solves count: without warm-up its first one includes
     compiling. A shape's fastest time stands for it (timings on a shared host are only ever too
@@ -29,25 +29,25 @@ class SolveCost:
     """
 
     def __init__(self, cap: float):
-        """``cap``: the largest overhead to report, in code-rows (a whole batch of the longest
+        """``cap``: the largest overhead to report, in cells (a whole batch of the longest
         requests: past it every split is one solve anyway)."""
         self.cap = cap
         self._compiled: set[tuple[int, ...]] = set()
         self._best: dict[tuple[int, ...], tuple[int, float]] = {}
 
-    def record(self, shape: tuple[int, ...], code_rows: int, seconds: float) -> None:
-        """One solve of program ``shape`` over ``code_rows`` padded code-rows took ``seconds``."""
+    def record(self, shape: tuple[int, ...], cells: int, seconds: float) -> None:
+        """One solve of program ``shape`` over ``cells`` padded rows x length took ``seconds``."""
         if shape not in self._compiled:
             self._compiled.add(shape)
             return
-        best = self._best.pop(shape, (code_rows, seconds))
-        self._best[shape] = (code_rows, min(best[1], seconds))  # re-inserted: the most recent last
+        best = self._best.pop(shape, (cells, seconds))
+        self._best[shape] = (cells, min(best[1], seconds))  # re-inserted: the most recent last
         while len(self._best) > SAMPLES:
             self._best.pop(next(iter(self._best)))
 
     def overhead(self) -> float:
-        """``a / b``: one more solve's cost in padded code-rows, at least :data:`MIN_OVERHEAD`
-        (all it is until two sizes were timed: solves then follow the code buckets, as padding
+        """``a / b``: one more solve's cost in padded cells, at least :data:`MIN_OVERHEAD`
+        (all it is until two sizes were timed: solves then follow the length buckets, as padding
         costs in full); :attr:`cap` when a larger solve was not measurably slower."""
         rows = np.array([n for n, _ in self._best.values()], np.float64)
         if len(np.unique(rows)) < 2:

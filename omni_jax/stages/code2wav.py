@@ -1,7 +1,9 @@
 """Qwen2.5-Omni's code2wav stage: codec tokens + a voice -> 24 kHz waveform, batched.
 
 The stage owns what is particular to the model (voices, the codec vocabulary, the DiT's length
-limit, the sample rate); :class:`GenerationRunner` owns batching, padding and the solve.
+limit, the sample rate) and how its requests pad into one solve (:mod:`omni_jax.stages.code2wav_batch`);
+the engine's :class:`~omni_jax.engine.generation_runner.GenerationRunner` owns the queue, the
+grouping by length, the closed set of solve shapes, warm-up and the solve.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from omni_jax.engine.generation_params import Token2WavParams
-from omni_jax.engine.generation_runner import GenerationRequest, GenerationRunner, SolveGeometry
+from omni_jax.engine.generation_runner import GenerationRunner
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
 from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
+from omni_jax.stages.code2wav_batch import Code2WavBatch, Code2WavRequest, SolveGeometry, code2wav_runner
+from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.config import StageConfig
 
 SAMPLE_RATE = 24_000
@@ -70,13 +73,15 @@ class Code2WavStage:
     def __init__(
         self,
         config: StageConfig,
-        runner: GenerationRunner,
+        runner: GenerationRunner[Code2WavRequest, Code2WavBatch],
+        geometry: SolveGeometry,
         voices: Voices,
         codec_vocab_size: int,
         defaults: Token2WavParams,
     ):
         self.config = config
         self.runner = runner
+        self.geometry = geometry
         self.voices = voices
         self.codec_vocab_size = codec_vocab_size
         self.defaults = defaults
@@ -102,17 +107,18 @@ class Code2WavStage:
             max_codes=max_codes,
         )
         # The voices are the only reference mels a request brings: the solves' one length.
-        runner = GenerationRunner(
+        runner = code2wav_runner(
             token2wav_compiled,
             model,
             geometry,
             reference_frames=max(len(s.ref_mel) for s in speakers.values()),
             max_batch=max_batch,
             mesh=mesh,
+            name=sc.name,
         )
         codec_vocab_size = int(dit.codec_embed.num_embeddings)
         defaults = sc.default_params(Token2WavParams)
-        return cls(sc, runner, voices, codec_vocab_size, defaults)
+        return cls(sc, runner, geometry, voices, codec_vocab_size, defaults)
 
     def prepare(self, index: int, request: StageInput) -> StageInput:
         return no_multimodal(self, index, request)
@@ -141,7 +147,7 @@ class Code2WavStage:
         self.voices.pick(index, request.prompt)
         codes = request.token_ids
         check_ids(index, codes, self.codec_vocab_size, kind="codec")
-        geometry = self.runner.geometry
+        geometry = self.geometry
         if len(codes) > geometry.max_codes:
             raise ValueError(
                 f"request {index}: {len(codes)} codes exceed the limit of {geometry.max_codes} "
@@ -161,7 +167,7 @@ class Code2WavStage:
         speaker = self.voices.pick(0, request.prompt)
         self._submitted[request_id] = (time.perf_counter(), len(request.token_ids))
         self.runner.add(
-            GenerationRequest(
+            Code2WavRequest.new(
                 request_id,
                 np.asarray(request.token_ids, np.int32),
                 speaker.cond,
@@ -175,7 +181,7 @@ class Code2WavStage:
 
     def warmup(self) -> int:
         """Compile every solve program, one per rows bucket up to ``max_batch`` and code length up
-        to ``max_codes`` (:class:`~omni_jax.engine.generation_runner.SolveBuckets`); returns how
+        to ``max_codes`` (:func:`~omni_jax.stages.code2wav_batch.code_buckets`); returns how
         many. After it no request mix compiles."""
         return self.runner.warmup()
 
@@ -188,8 +194,8 @@ class Code2WavStage:
                 "solve_s": r.solve_s,
                 "batch_size": r.batch_size,
                 "num_codes": num_codes,
-                "num_samples": 0 if r.waveform is None else len(r.waveform),
-                "seed": r.seed,
+                "num_samples": 0 if r.output is None else len(r.output),
+                "seed": r.request.seed,
             }
             codes = r.request.codes.tolist()
             if r.error is not None:
@@ -201,7 +207,7 @@ class Code2WavStage:
                         codes,
                         "stop",
                         metrics,
-                        audio=r.waveform,
+                        audio=r.output,
                         sample_rate=self.sample_rate,
                     )
                 )

@@ -73,7 +73,7 @@ def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None
     (each device solves its own requests, rows padded to a multiple of it) and the DiT's
     blocks over ``model`` (q/k/v/ff-in/modulation columns, out/ff-out rows); every request's
     waveform is the one it gets on one device."""
-    from omni_jax.engine.generation_runner import GenerationRequest
+    from omni_jax.stages.code2wav_batch import Code2WavRequest
 
     placed = code2wav_on(omni_dir, tmp_path, devices, mesh)
     alone = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
@@ -86,11 +86,12 @@ def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None
     shard = block["attn"]["to_q"]["kernel"].addressable_shards[0].data.shape
     assert shard[1] * model == block["attn"]["to_q"]["kernel"].shape[1]
     params = Token2WavParams(num_steps=3, seed=0)
-    request = GenerationRequest(
+    geometry = placed.stages[0].geometry
+    request = Code2WavRequest.new(
         "r",
         np.array([1, 2, 3]),
-        np.zeros(runner.geometry.speaker_dim, np.float32),
-        np.zeros((2, runner.geometry.mel_dim), np.float32),
+        np.zeros(geometry.speaker_dim, np.float32),
+        np.zeros((2, geometry.mel_dim), np.float32),
         params,
     )
     batch = runner.pad([request])
@@ -111,7 +112,7 @@ def test_code2wav_warmup_covers_its_mesh(omni_dir, tmp_path) -> None:
     it, batches of any size and length compile nothing."""
     placed = code2wav_on(omni_dir, tmp_path, [6, 7], {"data": 2}, max_batch=4, max_codes=48)
     buckets = placed.stages[0].runner.buckets
-    assert (buckets.rows, buckets.codes) == ((2, 4), (32, 48))
+    assert (buckets.rows, buckets.lengths) == ((2, 4), (32, 48))
     assert placed.stages[0].warmup() == 4
     params = Token2WavParams(num_steps=2, seed=0)
     for lengths in ([1], [48, 3], [20, 33, 40], [5, 6, 7, 8, 9]):

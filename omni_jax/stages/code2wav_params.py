@@ -1,4 +1,5 @@
-"""``Token2WavParams``: how the code2wav stage solves its flow-matching ODE for a request."""
+"""``Token2WavParams``: how the code2wav stage solves its flow-matching ODE for a request (the
+stage's per-request parameters; re-exported as ``omni_jax.Token2WavParams``)."""
 
 from __future__ import annotations
 
