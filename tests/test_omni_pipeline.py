@@ -150,7 +150,9 @@ def params(start: np.ndarray | None) -> list[Any]:
     ]
 
 
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+def norm_rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """Relative error in the L2 norm (not :func:`parity.rel_err`'s largest difference): the
+    waveform's :data:`WAVE_RTOL` is stated in it."""
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
 
 
@@ -164,7 +166,7 @@ def check(out: Any, want: tuple[Any, ...], eos: int) -> None:
     assert out.stage_outputs["code2wav"].token_ids == codes
     assert out.sample_rate == 24_000 and out.audio.dtype == np.float32
     assert out.audio.shape == wave.shape
-    assert rel_err(out.audio, wave) < WAVE_RTOL
+    assert norm_rel_err(out.audio, wave) < WAVE_RTOL
 
 
 @pytest.mark.parametrize("case", ["text", "image_audio"])
