@@ -43,8 +43,8 @@ from omni_jax.parallel.rules import fetch, put
 from omni_jax.profiling import scope
 
 Solve = Callable[..., tuple[jax.Array, jax.Array]]
-"""``solve(graph, state, *arrays) -> (outputs [B, S, ...], valid lengths [B])``, e.g.
-``token2wav_compiled``: ``graph`` is the model's :class:`~omni_jax.jit.StaticGraph`, ``arrays``
+"""``solve(graph, state, *arrays) -> (outputs [B, S, ...], valid lengths [B])``, a model's jitted
+function: ``graph`` is the model's :class:`~omni_jax.jit.StaticGraph`, ``arrays``
 a padded batch's (:meth:`PaddedBatch.arrays`), each with its rows on axis 0. It compiles once
 per input shape (a jitted function), so that calling it on padding compiles the program a real
 batch of that shape runs."""
