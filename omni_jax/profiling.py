@@ -7,8 +7,8 @@ dispatch, waiting for a result, splitting outputs. Names are ``"<component>/<pha
 - ``stage/<stage>``: one stage's turn in the pipeline's loop (:mod:`omni_jax.pipeline`);
 - ``<stage>/schedule``, ``<stage>/prefill`` or ``<stage>/decode`` (a step with any prompt row
   is a prefill), ``<stage>/update``: an AR stage's engine step (``thinker/decode``, ...);
-- ``code2wav/warmup``, ``code2wav/pad``, ``code2wav/solve``, ``code2wav/split``: the code2wav
-  runner;
+- ``<stage>/warmup``, ``<stage>/pad``, ``<stage>/solve``, ``<stage>/split``: a generation
+  stage's runner (``code2wav/solve``, ...);
 - ``bench/<name>``: a benchmark's measured region (``benchmarks/``).
 
 Device-side names come from ``jax.named_scope`` inside the jitted model code (``dit_solve``,
