@@ -155,7 +155,7 @@ def measured(path: Path) -> list[str]:
     for i, items in enumerate(media):
         prompt = pipe.chat_prompt([{"role": "user", "content": [*items, {"type": "text", "text": "x"}]}])
         ids = list(pipe.tokenizer(prompt["prompt"])["input_ids"])
-        requests.append(frontend.prepare(i, StageInput(ids, prompt)).extra)
+        requests.append(frontend.prepare(i, StageInput(ids, prompt)).state)
     with CompileCounter() as counter:
         start = time.perf_counter()
         frontend.step_inputs.encode(requests)

@@ -62,6 +62,22 @@ def _token_ids(index: int, ids: Any) -> list[int]:
     raise ValueError(f"request {index}: prompt_token_ids must be a list of ints or a 1-D integer array")
 
 
+def connect_stages(stages: Sequence[Stage]) -> None:
+    """Wire the stage graph at build time, before warm-up: each stage meets the one that feeds
+    it (:meth:`Stage.connect`), and a stage whose successor reads hidden states
+    (:attr:`Stage.reads_hidden`) captures them (:attr:`ARStage.capture_hidden`: its forward
+    returns them, and the pipeline asks for them per request)."""
+    for upstream, stage in zip(stages, stages[1:], strict=False):
+        stage.connect(upstream)
+        if stage.reads_hidden:
+            if not isinstance(upstream, ARStage):
+                raise ValueError(
+                    f"stage {stage.config.name!r} reads hidden states, which {upstream.config.name!r} "
+                    "(not an AR stage) does not produce"
+                )
+            upstream.capture_hidden = True
+
+
 class OmniJaxPipeline:
     """Multi-stage inference over one checkpoint; see DESIGN.md's public contract."""
 
@@ -166,8 +182,7 @@ class OmniJaxPipeline:
                     **engine,
                 )
             )
-        for upstream, stage in zip(built, built[1:], strict=False):
-            stage.connect(upstream)
+        connect_stages(built)
         return cls(path, config, built, load_tokenizer(path))
 
     def chat_prompt(
@@ -303,7 +318,7 @@ class OmniJaxPipeline:
         by_id: dict[str, _Pending] = {}
         first = self.stages[0]
         for p, request in zip(pending, inputs, strict=True):
-            request.keep_hidden = self._next_reads_hidden(p, 0)
+            request.capture_hidden = self._capture_hidden(p, 0)
             first.submit(p.output.request_id, request, p.stage_params[0])
             by_id[p.output.request_id] = p
         tokens = 0
@@ -343,11 +358,13 @@ class OmniJaxPipeline:
         if request is None:
             self._end_empty(p, si + 1)
             return False
-        request.keep_hidden = self._next_reads_hidden(p, si + 1)
+        request.capture_hidden = self._capture_hidden(p, si + 1)
         nxt.submit(result.request_id, request, p.stage_params[si + 1])
         return True
 
-    def _next_reads_hidden(self, p: _Pending, si: int) -> bool:
+    def _capture_hidden(self, p: _Pending, si: int) -> bool:
+        """Whether stage ``si`` captures the request's hidden states: the next stage reads them
+        and the request goes on to it."""
         return si + 1 < len(self.stages) and self.stages[si + 1].reads_hidden and not self._done_after(p, si)
 
     def _end_empty(self, p: _Pending, si: int) -> None:

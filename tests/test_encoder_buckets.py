@@ -73,7 +73,7 @@ def frontend_of(pipe: OmniJaxPipeline) -> ThinkerFrontend:
 def prepared(pipe: OmniJaxPipeline, messages: list[dict[str, Any]], index: int = 0) -> ThinkerRequest:
     prompt = pipe.chat_prompt(messages)
     request = StageInput(list(pipe.tokenizer(prompt["prompt"])["input_ids"]), prompt)
-    return frontend_of(pipe).prepare(index, request).extra
+    return frontend_of(pipe).prepare(index, request).state
 
 
 def test_size_ladder_and_smallest_fit() -> None:

@@ -164,7 +164,7 @@ def test_nothing_lost_under_constant_preemption(pipe, hf_qwen2) -> None:
         ]
         assert not_ties == [], [(i, params[i], free[i], tokens[i]) for i in not_ties[:3]]
         # Bounded host state: nothing of the run is kept.
-        assert not scheduler.waiting and not scheduler.running and not scheduler.to_scrub
+        assert not scheduler.waiting and not scheduler.running
         assert scheduler.allocator.num_free == TIGHT_PAGES and not scheduler.allocator._used
         assert stage._submitted == {}
         assert live_requests() == 0

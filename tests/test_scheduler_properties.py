@@ -24,10 +24,10 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from omni_jax.engine.ar_runner import StepResult, StepRow
 from omni_jax.engine.kv_cache import PageAllocator, pages_needed
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import ARRequest, Scheduler, SchedulerConfig, Status
+from omni_jax.engine.step import StepResult, StepRow
 
 VOCAB = 12
 EOS = 1
@@ -217,7 +217,7 @@ def drive(
         if check_priority:
             check_preemptions(before, sched, step)
         check_pages(sched, alloc, reqs)
-        for r in sched.update(step, runner.execute(step)):
+        for r in sched.update(step, runner.execute(step)).finished:
             assert r.request_id not in finished, f"{r.request_id} finished twice"
             assert r.status is Status.FINISHED and r.pages == []
             finished[r.request_id] = r

@@ -1,28 +1,31 @@
-"""Runs scheduled AR steps: packs rows into bucketed arrays, calls the jitted forward and sampler.
+"""Runs scheduled AR steps: packs rows into bucketed host arrays, calls the jitted programs.
 
-A step is two programs. The forward is a pure function of ``(params, kv_cache, inputs,
-metadata)`` that donates the cache, so the cache is updated in place on device, and returns
-each sequence's float32 logits (kept on device); the sampler draws from them. The host only
-ever sees sampled tokens (and log-probabilities, hidden states and input embeddings when a
-request or a later stage asked for them).
+A step is a forward and a sampler program, and a log-probabilities program when a row asks
+for them. The forward is a pure function of ``(params, kv_cache, inputs, metadata)`` that
+donates the cache, so the cache is updated in place on device; it returns the logits of each
+sequence's last token (kept on device), whether each of them is finite, and, when the stage
+captures them (:attr:`ARRunner.capture_hidden`), every token's final hidden state and input
+embedding. The sampler draws from the logits. The host reads the sampled tokens and the
+finite flags, and log-probabilities, hidden states and input embeddings only for steps with a
+request that asked for them. What is particular to a model (rotary positions, the extra
+inputs its embedding merges) comes from the stage's :class:`~omni_jax.engine.step.StepInputs`.
 
 Compile once: the programs are a small closed set, all compiled by :meth:`ARRunner.warmup`.
 The forward's shape is its token rows (:meth:`ARRunner.rows_bucket`; with the jnp attention
 path also its block-table width); everything else is a function of those: the sequences it
 computes logits for (:meth:`ARRunner.sequences`), and whether it returns hidden states (fixed
-per stage: whenever a later stage reads them, fetched only for the requests that need them).
-Splitting the sampler out makes its variants (greedy, sampled, with penalties, log-probs) a
-sum over sequence buckets instead of a product with the token-row buckets. Block tables are
-per sequence, ``[sequences, pages]``, expanded to the token rows on device.
+per stage before warm-up: set by the pipeline when the next stage reads them). Splitting the
+sampler out makes its variants (greedy, sampled, with penalties, log-probs) a sum over
+sequence buckets instead of a product with the token-row buckets. Block tables are per
+sequence, ``[sequences, pages]``, expanded to the token rows on device.
 
 A step is flat: every scheduled token is a row of its own (``[tokens, 1]``), with its
 sequence's block table and its own causal horizon as context length, the layout vLLM calls
 flattened tokens. The matmuls, most of a step's compute, then see exactly the step's tokens,
-where a ``[rows, tokens]`` block pads every prompt chunk to the step's longest (28% of the
-prompt compute on the AR benchmark, after splitting steps into calls of similar lengths). A
-prompt chunk's tokens attend through the decode path, each to its own prefix; the step writes
-all its keys and values before any attention reads them, so a token sees the earlier tokens
-of its own chunk. Logits and sampling run for each sequence's last token only.
+where a ``[rows, tokens]`` block would pad every prompt chunk to the step's longest. A prompt
+chunk's tokens attend through the decode path, each to its own prefix; the step writes all
+its keys and values before any attention reads them, so a token sees the earlier tokens of
+its own chunk.
 """
 
 from __future__ import annotations
@@ -48,13 +51,8 @@ from omni_jax.engine.buckets import (
     round_up,
 )
 from omni_jax.engine.kv_cache import init_kv_cache
-from omni_jax.engine.sampling import (
-    SamplingParams,
-    SamplingTensors,
-    draw_tokens,
-    pack_sampling,
-    top_logprobs,
-)
+from omni_jax.engine.sampling import SamplingTensors, draw_tokens, pack_sampling, top_logprobs
+from omni_jax.engine.step import FlatStep, StepInputs, StepResult, StepRow, TokenInputs
 from omni_jax.models.attention import AttentionMetadata, Backend
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import put
@@ -101,99 +99,6 @@ class CacheConfig:
         return (self.num_pages + 1) * self.page_size
 
 
-@dataclasses.dataclass
-class StepRow:
-    """One sequence's share of a step: tokens ``[start, end)`` of its full id list."""
-
-    token_ids: Sequence[int]
-    positions: np.ndarray
-    pages: Sequence[int]
-    start: int
-    sample: bool
-    params: SamplingParams
-    seed: int
-    draw_index: int
-    history: Sequence[int]
-    prompt_len: int
-    suppress: Sequence[int]
-    extra: Any = None  # the request's model-specific inputs (:attr:`ARRequest.extra`), opaque here
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.token_ids)
-
-    def one_token_rows(self) -> list[StepRow]:
-        """The row as rows of one token each, in order (a flat step's layout); only the last
-        samples."""
-        m = len(self.token_ids)
-        if m == 1:
-            return [self]
-        return [
-            dataclasses.replace(
-                self,
-                token_ids=self.token_ids[j : j + 1],
-                positions=self.positions[..., j : j + 1],
-                start=self.start + j,
-                sample=self.sample and j == m - 1,
-            )
-            for j in range(m)
-        ]
-
-
-class StepInputs(Protocol):
-    """Model-specific inputs of a step's embedding, e.g. encoder rows a multimodal model merges.
-
-    ``pack`` runs on the host for every step (also for warm-up, with no rows) for a step of
-    ``batch`` rows of ``tokens`` tokens, and returns the pytree passed as ``extra`` to
-    ``model.embed(tokens, extra)``; its shapes must come from a few buckets, and a step whose
-    rows need nothing must get the same shapes every time, so decode never recompiles. The
-    runner's steps are flat: ``rows`` are one-token rows (:meth:`StepRow.one_token_rows`, a
-    prompt chunk's in order), ``batch`` the step's token rows and ``tokens`` 1.
-
-    ``prepare`` runs first, once per step, for work a row needs before packing that can fail
-    for one request alone (e.g. running encoders when a request is admitted); it returns
-    ``{row index: message}`` for the rows that failed, which the engine ends with
-    ``finish_reason="error"`` and leaves out of the step.
-    """
-
-    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]: ...
-
-    def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> Any: ...
-
-
-@dataclasses.dataclass
-class StepResult:
-    tokens: np.ndarray  # [rows]
-    finite: np.ndarray  # [rows] bool: the row's logits were all finite
-    logprob_ids: np.ndarray | None  # [rows, 1 + MAX_LOGPROBS], when some row asked for logprobs
-    logprobs: np.ndarray | None  # [rows, 1 + MAX_LOGPROBS]
-    hidden: list[np.ndarray] | None  # per row [its tokens, D] final (normed) hidden states, when requested
-    embeds: list[np.ndarray] | None  # per row [its tokens, D] the decoder's input embeddings, when requested
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class FlatStep:
-    """Where a flat step's token rows live in the paged cache, before expansion on device.
-
-    slots: ``[N, 1]`` the cache slot each token row writes (padding: the dropped slot).
-    tables: ``[S, P]`` each sequence's page ids (padding: the null page).
-    sequence: ``[N]`` which row of ``tables`` each token row reads.
-    context: ``[N]`` each token row's causal horizon; query: ``[N]`` 1 for real rows, 0 for padding.
-    """
-
-    slots: jax.Array
-    tables: jax.Array
-    sequence: jax.Array
-    context: jax.Array
-    query: jax.Array
-
-    def metadata(self) -> AttentionMetadata:
-        """The attention's per-token-row view: each row's sequence's table, gathered here on
-        device so the host sends one table per sequence rather than one per token."""
-        return AttentionMetadata(self.slots, self.tables[self.sequence], self.context, self.query)
-
-
 def _forward_fn(
     graphdef: nnx.GraphDef,
     treedef: Any,
@@ -206,7 +111,7 @@ def _forward_fn(
     extra: Any,
     *,
     backend: Backend,
-    return_hidden: bool,
+    capture_hidden: bool,
 ) -> tuple[Any, ...]:
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     embeds = model.embed(tokens, extra)
@@ -214,7 +119,7 @@ def _forward_fn(
     last = hidden.reshape(-1, hidden.shape[-1])[logits_idx]  # each sequence's last token
     logits = model.logits(last)
     finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row
-    return logits, finite, ((hidden, embeds) if return_hidden else None), kv_cache
+    return logits, finite, ((hidden, embeds) if capture_hidden else None), kv_cache
 
 
 def _logprobs_fn(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -238,17 +143,17 @@ class ARRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         backend: Backend = "auto",
-        position_shape: tuple[int, ...] = (),
         mesh: Mesh | None = None,
-        step_inputs: StepInputs | None = None,
+        step_inputs: StepInputs[Any] | None = None,
     ):
         """``mesh``: the stage's ``("data", "model")`` mesh; the model's parameters must already
         be placed on it. The cache is split on KV heads over ``model`` (``cache.num_kv_heads``
-        counts stored, possibly replicated, heads), step rows over ``data``."""
+        counts stored, possibly replicated, heads), step rows over ``data``. ``step_inputs``:
+        the stage's per-step inputs (default :class:`TokenInputs`: token ids alone, 1-D RoPE)."""
         self.graphdef, self.state = nnx.split(model)
         # The programs take the state's leaves, its structure bound in: jit flattens its
-        # arguments on every call, and flattening the NNX state (a Python call per variable)
-        # was a third of a tiny talker step's dispatch.
+        # arguments on every call, and flattening the NNX state costs a Python call per variable
+        # of every step's dispatch.
         self._leaves, treedef = jax.tree.flatten(self.state)
         self.cache_cfg = cache
         self.max_num_seqs = max_num_seqs
@@ -257,9 +162,11 @@ class ARRunner:
         self.max_rows = max_sequence_rows(max_num_seqs, self.data)
         self.most_rows = max_token_rows(max_num_batched_tokens, self.max_rows, self.data)
         self.backend = backend
-        self.position_shape = position_shape  # () for 1-D RoPE, (3,) for M-RoPE
-        self.step_inputs = step_inputs  # None: the model embeds tokens alone
-        self.return_hidden = False  # set before warm-up when a later stage reads hidden states
+        self.step_inputs: StepInputs[Any] = TokenInputs() if step_inputs is None else step_inputs
+        self.position_shape = self.step_inputs.position_shape
+        # Whether the forward returns hidden states and input embeddings: set by the pipeline at
+        # build time, before warm-up, when the next stage reads them (one program set either way).
+        self.capture_hidden = False
         self.kv_cache = init_kv_cache(
             cache.num_layers,
             cache.num_kv_heads,
@@ -285,7 +192,7 @@ class ARRunner:
         self._forward = jax.jit(
             functools.partial(_forward_fn, self.graphdef, treedef),
             donate_argnames=("kv_cache",),
-            static_argnames=("backend", "return_hidden"),
+            static_argnames=("backend", "capture_hidden"),
             **fwd_layout,
         )
         self._draw = jax.jit(draw_tokens, static_argnames=("greedy",), **out_layout)
@@ -389,9 +296,7 @@ class ARRunner:
             qlen[seg] = 1
             offset += m
             last[i] = offset - 1
-        extra = None
-        if self.step_inputs is not None:
-            extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
+        extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
         return tokens, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, extra
 
     def _sampling(self, rows: Sequence[StepRow], s: int, history: bool) -> SamplingTensors:
@@ -437,7 +342,7 @@ class ARRunner:
             [self._leaves, self.kv_cache],
             host,
             backend=self.backend,
-            return_hidden=self.return_hidden,
+            capture_hidden=self.capture_hidden,
         )
         return logits, finite, hidden
 
@@ -458,15 +363,11 @@ class ARRunner:
         with jax.set_mesh(self.mesh):
             return np.asarray(model.embed(tokens)[0])
 
-    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]:
-        """The step inputs' per-request work before a step (:meth:`StepInputs.prepare`):
-        ``{row index: message}`` of rows that failed."""
-        return {} if self.step_inputs is None else self.step_inputs.prepare(rows)
-
-    def execute(self, rows: Sequence[StepRow], capture_hidden: bool = False) -> StepResult:
+    def execute(self, rows: Sequence[StepRow[Any]]) -> StepResult:
         """One scheduler step: the forward, then the sampler; results in ``rows``' order.
-        ``capture_hidden``: fetch the step's hidden states and input embeddings (the forward
-        returns them whenever :attr:`return_hidden`; they stay on device otherwise)."""
+        The step's hidden states and input embeddings (returned by the forward whenever
+        :attr:`capture_hidden`) are fetched to the host when a row's request captures them, and
+        stay on device otherwise."""
         n_rows = len(rows)
         lengths = [len(r.token_ids) for r in rows]
         n = self.rows_bucket(sum(lengths))
@@ -483,7 +384,7 @@ class ARRunner:
             ids, lps = self._run_logprobs(logits, toks)
         hidden, embeds = (
             (self._per_row(h, lengths) for h in hidden)
-            if capture_hidden and hidden is not None
+            if hidden is not None and any(r.capture_hidden for r in rows)
             else (None, None)
         )
         return StepResult(

@@ -15,13 +15,13 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Generic
 
 import numpy as np
 
-from omni_jax.engine.ar_runner import StepResult, StepRow
 from omni_jax.engine.kv_cache import PageAllocator, pages_needed
 from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.step import S, StepResult, StepRow, text_positions
 
 
 class Status(enum.Enum):
@@ -31,8 +31,15 @@ class Status(enum.Enum):
 
 
 @dataclasses.dataclass
-class ARRequest:
-    """Host-side state of one request inside one AR stage."""
+class ARRequest(Generic[S]):
+    """Host-side state of one request inside one AR stage.
+
+    ``state``: the stage's own record of the request (e.g. its multimodal inputs and rotary
+    positions), typed by the stage and opaque here; it reaches the stage's step inputs on each
+    :class:`StepRow`. ``capture_hidden``: keep every computed token's final hidden state and
+    input embedding, for a later stage that reads them (set per request by the pipeline, through
+    the stage's input, when the request goes on to such a stage).
+    """
 
     request_id: str
     arrival: int
@@ -49,9 +56,9 @@ class ARRequest:
     error: str | None = None  # why it ended with finish_reason "error"
     num_preemptions: int = 0
     first_token_time: float | None = None  # perf_counter() when the first output token arrived
-    extra: Any = None  # model-specific inputs (multimodal features, M-RoPE positions), opaque here
+    state: S | None = None
     suppress_ids: tuple[int, ...] = ()  # never sampled (e.g. the talker's codec BOS)
-    capture_hidden: bool = False  # keep every computed token's hidden state and input embedding
+    capture_hidden: bool = False
     captured: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
 
     @property
@@ -79,13 +86,19 @@ class ARRequest:
         return ids
 
 
-PositionFn = Callable[[ARRequest, int, int], np.ndarray]
+PositionFn = Callable[[S | None, int, int], np.ndarray]
+"""A request's rotary positions of tokens ``[start, end)`` from its stage state
+(:meth:`~omni_jax.engine.step.StepInputs.positions`)."""
 
 
-def text_positions(req: ARRequest, start: int, end: int) -> np.ndarray:
-    """1-D RoPE: a token's position is its index in the sequence."""
-    del req
-    return np.arange(start, end, dtype=np.int32)
+@dataclasses.dataclass
+class StepUpdate(Generic[S]):
+    """What :meth:`Scheduler.update` decided for one step: the requests that finished in it,
+    and the pages of those that failed on non-finite logits, which may hold NaN and must be
+    zeroed before the allocator hands them out again."""
+
+    finished: list[ARRequest[S]]
+    scrub: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +122,6 @@ class Scheduler:
         self.waiting: deque[ARRequest] = deque()
         self.running: list[ARRequest] = []
         self.num_preemptions = 0
-        self.to_scrub: list[int] = []  # pages of failed requests, to zero before reuse
 
     # -- queue management -------------------------------------------------------------
     def add(self, req: ARRequest) -> None:
@@ -225,7 +237,7 @@ class Scheduler:
             suppress |= req.stop_ids()
         return StepRow(
             token_ids=ids[start:end],
-            positions=self.positions(req, start, end),
+            positions=self.positions(req.state, start, end),
             pages=req.pages,
             start=start,
             sample=sample,
@@ -235,12 +247,15 @@ class Scheduler:
             history=ids,
             prompt_len=len(req.prompt_ids),
             suppress=sorted(suppress),
-            extra=req.extra,
+            capture_hidden=req.capture_hidden,
+            state=req.state,
         )
 
-    def update(self, step: Sequence[tuple[ARRequest, StepRow]], result: StepResult) -> list[ARRequest]:
-        """Apply a step's sampled tokens; return the requests that finished."""
-        done = []
+    def update(self, step: Sequence[tuple[ARRequest[S], StepRow[S]]], result: StepResult) -> StepUpdate[S]:
+        """Apply a step's sampled tokens (and captured states); return what finished and what
+        must be scrubbed."""
+        done: list[ARRequest[S]] = []
+        scrub: list[int] = []
         for i, (req, row) in enumerate(step):
             req.num_computed = row.end
             if req.capture_hidden and result.hidden is not None and result.embeds is not None:
@@ -250,7 +265,7 @@ class Scheduler:
             if not row.sample:
                 continue
             if not result.finite[i]:
-                self.to_scrub += req.pages
+                scrub += req.pages
                 self.fail(req, f"non-finite logits at output token {len(req.output_ids)}")
                 done.append(req)
                 continue
@@ -266,7 +281,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
                 done.append(req)
-        return done
+        return StepUpdate(done, scrub)
 
     def _stop_reason(self, req: ARRequest, tok: int) -> str | None:
         if tok in req.stop_ids():  # stop ids were suppressed while under min_tokens

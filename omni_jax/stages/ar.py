@@ -6,7 +6,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -14,57 +14,69 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from omni_jax.engine.ar_engine import AREngine
-from omni_jax.engine.ar_runner import ARRunner, CacheConfig, StepInputs
+from omni_jax.engine.ar_runner import ARRunner, CacheConfig
 from omni_jax.engine.buckets import max_sequence_rows, max_token_rows
 from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, pool_key, refuse_unless_fits
 from omni_jax.engine.sampling import SUPPRESS_WIDTH, SamplingParams
-from omni_jax.engine.scheduler import PositionFn, text_positions
+from omni_jax.engine.step import S, StepInputs
 from omni_jax.models.attention import chunk_bytes
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import replicated_kv_heads
-from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
+from omni_jax.stages.base import (
+    HiddenHandoff,
+    PromptMedia,
+    Stage,
+    StageInput,
+    StageResult,
+    check_ids,
+    check_params,
+    no_multimodal,
+)
 from omni_jax.stages.config import StageConfig
 
 
-class ARFrontend(Protocol):
-    """What a model adds to the generic AR stage when token ids are not all it reads.
+class ARFrontend(Protocol[S]):
+    """What a model adds to the generic AR stage when token ids are not all it reads; ``S``
+    is its per-request state (:attr:`StageInput.state`), which only it and its step inputs read.
 
-    ``prepare`` turns a prompt (with its multimodal data) into the ids the model runs and
-    the request's ``extra`` (host side, before any work) when the stage reads the user's
-    prompt; ``accept`` does it from the previous stage's result when a stage feeds it (see
+    ``prepare`` turns a prompt (with its multimodal data) into the ids the model runs and the
+    request's state (host side, before any work) when the stage reads the user's prompt;
+    ``accept`` does it from the previous stage's result when a stage feeds it (see
     :meth:`~omni_jax.stages.base.Stage.accept`; ``connect`` hands it that stage once, and
-    ``reads_hidden`` says whether it needs that stage's hidden states); ``check_prompt``
-    checks what the user's prompt says for a later stage (e.g. its speaker) before any work.
-    ``positions`` are the rotary positions of a request's tokens ``[start, end)``
-    (``position_shape`` leading axes, e.g. ``(3,)`` for M-RoPE), also after a preemption;
-    ``step_inputs`` packs each step's extra embedding inputs for the runner; ``warmup``
-    compiles the frontend's own programs (e.g. encoders) and returns how many.
-    ``eos_token_ids``: the stage's stop tokens (``None``: the checkpoint's
+    ``reads_hidden`` says whether it reads that stage's hidden states); ``check_prompt`` checks
+    what the user's prompt says for a later stage (e.g. its speaker) before any work.
+    ``step_inputs`` supplies each step's rotary positions and extra embedding inputs to the
+    engine; ``warmup`` compiles the frontend's own programs (e.g. encoders) and returns how many.
+    ``describe`` says what a request's prompt expanded to, for messages (``""``: nothing to
+    add); ``media`` is the layout of its prompt's media, handed to a stage reading this one's
+    hidden states. ``eos_token_ids``: the stage's stop tokens (``None``: the checkpoint's
     ``generation_config.json``, which describes the first stage); ``suppress_ids``: tokens
     never sampled.
     """
 
-    position_shape: tuple[int, ...]
-    step_inputs: StepInputs | None
+    step_inputs: StepInputs[S]
     eos_token_ids: tuple[int, ...] | None
     suppress_ids: tuple[int, ...]
     reads_hidden: bool
 
-    def prepare(self, index: int, request: StageInput) -> StageInput: ...
+    def prepare(self, index: int, request: StageInput[S]) -> StageInput[S]: ...
 
     def warmup(self) -> int: ...
 
     def check_prompt(self, index: int, prompt: dict[str, Any]) -> None: ...
 
-    def connect(self, upstream: Any) -> None: ...
+    def connect(self, upstream: Stage) -> None: ...
 
-    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None: ...
+    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput[S] | None: ...
 
-    def positions(self, req: Any, start: int, end: int) -> Any: ...
+    def describe(self, state: S | None) -> str: ...
+
+    def media(self, state: S | None) -> PromptMedia: ...
 
 
-class ARStage:
-    """Token ids in, token ids out; ``engine`` schedules and runs the steps."""
+class ARStage(Generic[S]):
+    """Token ids in, token ids out; ``engine`` schedules and runs the steps. ``S``: the
+    frontend's per-request state (``None`` without a frontend)."""
 
     params_type = SamplingParams
     accepts_text = True
@@ -73,11 +85,11 @@ class ARStage:
     def __init__(
         self,
         config: StageConfig,
-        engine: AREngine,
+        engine: AREngine[S],
         vocab_size: int,
         max_model_len: int,
         defaults: SamplingParams,
-        frontend: ARFrontend | None = None,
+        frontend: ARFrontend[S] | None = None,
     ):
         self.config = config
         self.engine = engine
@@ -102,9 +114,9 @@ class ARStage:
         max_num_batched_tokens: int,
         backend: str,
         mesh: Mesh | None = None,
-        frontend: ARFrontend | None = None,
+        frontend: ARFrontend[Any] | None = None,
         share: CacheShare | None = None,
-    ) -> ARStage:
+    ) -> ARStage[Any]:
         """Size the KV cache for ``model`` and wire scheduler, runner and sampling defaults.
 
         ``mesh``: where the model's parameters were placed; the cache is split over its
@@ -133,45 +145,44 @@ class ARStage:
             max_num_batched_tokens=max_num_batched_tokens,
             backend=backend,
             mesh=mesh,
-            position_shape=() if frontend is None else frontend.position_shape,
             step_inputs=None if frontend is None else frontend.step_inputs,
         )
         if frontend is not None and frontend.eos_token_ids is not None:
             eos_ids, overrides = list(frontend.eos_token_ids), {}
         else:
             eos_ids, overrides = generation_defaults(path)
-        positions: PositionFn = text_positions if frontend is None else frontend.positions
-        engine = AREngine(
+        engine: AREngine[Any] = AREngine(
             runner,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=eos_ids,
-            positions=positions,
             name=sc.name,
         )
         defaults = sc.default_params(SamplingParams, overrides)
         return cls(sc, engine, model.spec.vocab_size, max_model_len, defaults, frontend)
 
     @property
-    def keeps_hidden(self) -> bool:
-        """Whether the next stage reads this stage's hidden states: its forward then returns
-        them (one program set either way), fetched for the requests that need them."""
-        return self.engine.runner.return_hidden
+    def capture_hidden(self) -> bool:
+        """Whether this stage captures hidden states for the next stage: set by the pipeline at
+        build time, before warm-up, when the next stage reads them. Its forward then returns them
+        (one program set either way), fetched for the requests that go on to that stage
+        (:attr:`StageInput.capture_hidden`)."""
+        return self.engine.runner.capture_hidden
 
-    @keeps_hidden.setter
-    def keeps_hidden(self, keep: bool) -> None:
-        self.engine.runner.return_hidden = keep
+    @capture_hidden.setter
+    def capture_hidden(self, capture: bool) -> None:
+        self.engine.runner.capture_hidden = capture
 
-    def prepare(self, index: int, request: StageInput) -> StageInput:
+    def prepare(self, index: int, request: StageInput[S]) -> StageInput[S]:
         if self.frontend is None:
             return no_multimodal(self, index, request)
         return self.frontend.prepare(index, request)
 
-    def connect(self, upstream: Any) -> None:
+    def connect(self, upstream: Stage) -> None:
         if self.frontend is not None:
             self.frontend.connect(upstream)
 
-    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
+    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput[S] | None:
         if self.frontend is not None:
             return self.frontend.accept(index, upstream, prompt)
         return StageInput(list(upstream.token_ids), prompt, upstream=upstream)
@@ -181,7 +192,7 @@ class ARStage:
         return self.engine.runner.embed_tokens(ids)
 
     def validate(
-        self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
+        self, index: int, request: StageInput[S] | None, params: Any, prompt: dict[str, Any] | None = None
     ) -> None:
         if prompt is not None and self.frontend is not None:
             self.frontend.check_prompt(index, prompt)
@@ -189,9 +200,9 @@ class ARStage:
             ids = request.token_ids
             check_ids(index, ids, self.vocab_size)
             if len(ids) >= self.max_model_len:
-                media = getattr(request.extra, "media_summary", "")  # e.g. a multimodal prompt's
+                about = "" if self.frontend is None else self.frontend.describe(request.state)
                 raise ValueError(
-                    f"request {index}: prompt has {len(ids)} tokens{f' ({media})' if media else ''}, "
+                    f"request {index}: prompt has {len(ids)} tokens{f' ({about})' if about else ''}, "
                     f"max_model_len is {self.max_model_len} (at least one token must be generated)"
                 )
         check_params(self, index, params, self.vocab_size)
@@ -213,15 +224,15 @@ class ARStage:
                 f"{len(held)} stop ids (stop_token_ids and EOS); at most {SUPPRESS_WIDTH} can be held back"
             )
 
-    def submit(self, request_id: str, request: StageInput, params: SamplingParams) -> None:
+    def submit(self, request_id: str, request: StageInput[S], params: SamplingParams) -> None:
         self._submitted[request_id] = time.perf_counter()
         self.engine.add_request(
             request_id,
             request.token_ids,
             params,
-            extra=request.extra,
+            request.state,
             suppress_ids=() if self.frontend is None else self.frontend.suppress_ids,
-            capture_hidden=request.keep_hidden,
+            capture_hidden=request.capture_hidden,
         )
 
     def has_work(self) -> bool:
@@ -250,9 +261,11 @@ class ARStage:
                 req.request_id, list(req.output_ids), req.finish_reason, metrics, logprobs, error=req.error
             )
             if req.capture_hidden and req.error is None:
-                result.prompt_token_ids = list(req.prompt_ids)
-                result.hidden_states, result.embeds = req.captured_states()
-                result.extra = req.extra
+                hidden, embeds = req.captured_states()
+                media = PromptMedia() if self.frontend is None else self.frontend.media(req.state)
+                result.handoff = HiddenHandoff(
+                    list(req.prompt_ids), list(req.output_ids), hidden, embeds, media
+                )
             results.append(result)
         return results
 

@@ -7,36 +7,70 @@ The pipeline only validates, submits, steps and asks whether work is left; how a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from omni_jax.stages.config import StageConfig
 
+S = TypeVar("S")
+
 
 @dataclasses.dataclass
-class StageInput:
+class StageInput(Generic[S]):
     """What a stage consumes for one request: token ids and the user's prompt dict (speaker,
-    multimodal data); ``upstream`` is the previous stage's result when a stage fed it;
-    ``extra`` is what the stage's :meth:`Stage.prepare` derived from the prompt (encoder
-    features, rotary positions)."""
+    multimodal data); ``upstream`` is the previous stage's result when a stage fed it.
+
+    ``state``: the stage's own record of the request, of the type its frontend declares
+    (what :meth:`Stage.prepare` derived from the prompt, e.g. encoder inputs and rotary
+    positions, or what :meth:`Stage.accept` derived from the previous stage's result).
+    ``capture_hidden``: keep the request's hidden states for the next stage, set by the
+    pipeline when the next stage reads them (:attr:`Stage.reads_hidden`) and the request goes on
+    to it.
+    """
 
     token_ids: list[int]
     prompt: dict[str, Any]
     upstream: StageResult | None = None
-    extra: Any = None
-    keep_hidden: bool = False  # a later stage reads this stage's hidden states for the request
+    state: S | None = None
+    capture_hidden: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptMedia:
+    """The layout of a prompt's media without their features: the ``(t, h, w)`` patch grid of
+    each image and video, each video's seconds per temporal grid step, each audio clip's mel
+    frames, and whether videos' audio is interleaved with their frames. What a later stage needs
+    to give the prompt the rotary positions the first stage gave it."""
+
+    image_grid_thw: tuple[tuple[int, int, int], ...] = ()
+    video_grid_thw: tuple[tuple[int, int, int], ...] = ()
+    video_second_per_grid: tuple[float, ...] = ()
+    audio_seqlens: tuple[int, ...] = ()
+    use_audio_in_video: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenHandoff:
+    """One request as an AR stage hands it to a next stage that reads its hidden states
+    (the thinker to the talker): kept only for requests that go on to such a stage.
+
+    ``hidden_states`` / ``embeds`` (``[N, D]``) are the final hidden state and input embedding
+    of each of the ``N = len(prompt_ids) + len(reply_ids) - 1`` computed tokens: the prompt's,
+    then the reply's but the last (never computed). ``media``: the layout of the prompt's media.
+    """
+
+    prompt_ids: list[int]
+    reply_ids: list[int]
+    hidden_states: np.ndarray
+    embeds: np.ndarray
+    media: PromptMedia = PromptMedia()
 
 
 @dataclasses.dataclass
 class StageResult:
     """One request finished by one stage; ``error`` is set when it failed at run time.
-
-    ``hidden_states`` / ``embeds`` (``[N, D]``: final hidden state and input embedding of each
-    of the ``N`` computed tokens, the prompt's then the generated ones but the last) and
-    ``extra`` (the stage's per-request inputs, e.g. multimodal grids) are kept only when the
-    next stage reads them (:attr:`StageInput.keep_hidden`).
-    """
+    ``handoff``: what the next stage reads beyond the tokens, when it reads hidden states."""
 
     request_id: str
     token_ids: list[int]
@@ -46,10 +80,7 @@ class StageResult:
     audio: np.ndarray | None = None
     sample_rate: int | None = None
     error: str | None = None
-    prompt_token_ids: list[int] | None = None
-    hidden_states: np.ndarray | None = None
-    embeds: np.ndarray | None = None
-    extra: Any = None
+    handoff: HiddenHandoff | None = None
 
 
 class Stage(Protocol):
@@ -66,7 +97,9 @@ class Stage(Protocol):
     sample_rate: int | None
     """Of the audio the stage produces (``None`` for token stages)."""
     reads_hidden: bool
-    """Whether this stage's input is the previous stage's hidden states (not only its tokens)."""
+    """Whether this stage reads the previous stage's hidden states (its result's
+    :class:`HiddenHandoff`), not only its tokens: the pipeline reads it at build time and makes
+    the previous stage capture them."""
 
     def validate(
         self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
@@ -75,7 +108,8 @@ class Stage(Protocol):
         will produce it (then only ``params`` and the user's ``prompt`` can be checked)."""
 
     def connect(self, upstream: Stage) -> None:
-        """Called once at build time with the stage that feeds this one."""
+        """Called once at build time with the stage that feeds this one; ``ValueError`` when it
+        cannot feed this one."""
 
     def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
         """The previous stage's result as this stage's input (vLLM-omni's stage input

@@ -16,8 +16,11 @@ multimodal placeholders' embeddings zeroed):
   BOS and ``g_0``, with the prompt's multimodal grids;
 - codec ``bos`` is never sampled, and codec ``eos`` or ``pad`` stops.
 
-A thinker that generated fewer than two tokens leaves nothing to voice: the request ends with
-empty audio (the reference has no reply stream to start from in that case).
+The thinker's side arrives as its result's :class:`~omni_jax.stages.base.HiddenHandoff`
+(prompt and reply ids, ``h`` as hidden states and input embeddings, the prompt's media
+layout); the speaker is the user's choice in the prompt. A thinker that generated fewer than
+two tokens leaves nothing to voice: the request ends with empty audio (the reference has no
+reply stream to start from in that case).
 """
 
 from __future__ import annotations
@@ -29,19 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from omni_jax.engine.ar_runner import StepRow
-from omni_jax.engine.scheduler import ARRequest
-from omni_jax.models.qwen2_5_omni.processor import OmniInputs
+from omni_jax.engine.step import StepRow
 from omni_jax.models.qwen2_5_omni.rope_index import media_rope_index, positions_for
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.talker import Talker, TalkerEmbeds
-from omni_jax.stages.base import StageInput, StageResult
-from omni_jax.stages.thinker import ThinkerRequest
+from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult
 
 
 @dataclasses.dataclass
 class TalkerRequest:
-    """One request's talker inputs, carried as its ``ARRequest.extra``.
+    """The talker's state of one request (its :attr:`StageInput.state`, opaque to the engine).
 
     ``table``: ``[P + G, E]`` the ``P = L + 2`` prompt embeddings, then the ``G`` reply rows;
     token ``p`` reads row ``min(p, P + G - 1)``. ``codec_from``: tokens from ``L`` on also add
@@ -54,22 +54,35 @@ class TalkerRequest:
     rope_delta: int
 
 
+def _state(state: TalkerRequest | None) -> TalkerRequest:
+    if state is None:
+        raise ValueError("a talker request has no TalkerRequest: TalkerFrontend.accept makes it")
+    return state
+
+
 class TalkerStepInputs:
-    """Packs each step's :class:`TalkerEmbeds` from its rows' tables (host side)."""
+    """The talker's :class:`~omni_jax.engine.step.StepInputs`: M-RoPE positions, and each
+    step's :class:`TalkerEmbeds` packed from its rows' tables (host side)."""
+
+    position_shape = (3,)
 
     def __init__(self, width: int, dtype: np.dtype):
         self.width = width
         self.dtype = dtype
 
-    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]:
+    def positions(self, state: TalkerRequest | None, start: int, end: int) -> np.ndarray:
+        t = _state(state)
+        return positions_for(t.positions, t.rope_delta, start, end)
+
+    def prepare(self, rows: Sequence[StepRow[TalkerRequest]]) -> dict[int, str]:
         """Nothing to do before packing: every row's table is on the host already."""
         return {}
 
-    def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> TalkerEmbeds:
+    def pack(self, rows: Sequence[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
         table = np.zeros((batch, tokens, self.width), self.dtype)
         add_codec = np.zeros((batch, tokens), bool)
         for i, row in enumerate(rows):
-            req: TalkerRequest = row.extra
+            req = _state(row.state)
             p = np.arange(row.start, row.end)
             table[i, : len(p)] = req.table[np.minimum(p, len(req.table) - 1)]
             add_codec[i, : len(p)] = p >= req.codec_from
@@ -79,7 +92,6 @@ class TalkerStepInputs:
 class TalkerFrontend:
     """The talker's :class:`~omni_jax.stages.ar.ARFrontend` (see the module docstring)."""
 
-    position_shape = (3,)
     reads_hidden = True
 
     def __init__(self, model: Talker, voices: Voices):
@@ -116,9 +128,9 @@ class TalkerFrontend:
             raise ValueError(f"request {index}: speaker {speaker.name!r} has no bos_token for the talker")
         return speaker.bos_token
 
-    def connect(self, upstream: Any) -> None:
+    def connect(self, upstream: Stage) -> None:
         """Keep the thinker's embeddings of the text tokens the talker reads (every voice's BOS,
-        text EOS and pad), and make it keep hidden states for the requests it hands on."""
+        text EOS and pad); ``ValueError`` when ``upstream`` is not an AR stage."""
         from omni_jax.stages.ar import ARStage  # the stage module imports frontends' protocol
 
         if not isinstance(upstream, ARStage):
@@ -133,24 +145,27 @@ class TalkerFrontend:
                 f"the talker's embedding_size {spec.embedding_size} differs from the thinker's width {width}"
             )
         self.text_embeds = dict(zip(ids, rows, strict=True))
-        upstream.keeps_hidden = True
 
-    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
+    def accept(
+        self, index: int, upstream: StageResult, prompt: dict[str, Any]
+    ) -> StageInput[TalkerRequest] | None:
+        """The thinker's :class:`~omni_jax.stages.base.HiddenHandoff` as the talker's prompt (see
+        the module docstring); ``None`` when the reply is too short to voice."""
         spec = self.spec
-        prompt_ids = upstream.prompt_token_ids
-        generated = upstream.token_ids
-        if prompt_ids is None or upstream.hidden_states is None or upstream.embeds is None:
+        handoff = upstream.handoff
+        if handoff is None:
             raise ValueError("the thinker kept no hidden states for this request")
+        prompt_ids, generated = handoff.prompt_ids, handoff.reply_ids
         if len(generated) < 2:
             return None
         n, g = len(prompt_ids), len(generated)
-        if len(upstream.hidden_states) != n + g - 1:
+        if len(handoff.hidden_states) != n + g - 1:
             raise ValueError(
-                f"the thinker kept {len(upstream.hidden_states)} hidden states, expected {n + g - 1}"
+                f"the thinker kept {len(handoff.hidden_states)} hidden states, expected {n + g - 1}"
             )
-        embeds = np.array(upstream.embeds, self.step_inputs.dtype)
+        embeds = np.array(handoff.embeds, self.step_inputs.dtype)
         embeds[:n][np.isin(prompt_ids, self.placeholders)] = 0  # the reference voices no media rows
-        states = (upstream.hidden_states + embeds).astype(self.step_inputs.dtype)
+        states = (handoff.hidden_states + embeds).astype(self.step_inputs.dtype)
         bos = self._bos(index, prompt)
         table = np.concatenate(
             [
@@ -162,15 +177,19 @@ class TalkerFrontend:
                 self.text_embeds[spec.text_pad][None],
             ]
         )
-        thinker = upstream.extra
-        inputs = thinker.inputs if isinstance(thinker, ThinkerRequest) else OmniInputs(list(prompt_ids))
         try:
-            positions, delta = media_rope_index(spec.rope_index, [*prompt_ids, bos, generated[0]], inputs)
+            positions, delta = media_rope_index(
+                spec.rope_index, [*prompt_ids, bos, generated[0]], handoff.media
+            )
         except (ValueError, IndexError) as e:
             raise ValueError(str(e) or "the thinker prompt's placeholders do not match its media") from None
         ids = [spec.codec_mask] * n + [spec.codec_pad, spec.codec_bos]
-        return StageInput(ids, prompt, upstream=upstream, extra=TalkerRequest(table, n, positions, delta))
+        return StageInput(ids, prompt, upstream=upstream, state=TalkerRequest(table, n, positions, delta))
 
-    def positions(self, req: ARRequest, start: int, end: int) -> np.ndarray:
-        t: TalkerRequest = req.extra
-        return positions_for(t.positions, t.rope_delta, start, end)
+    def describe(self, state: TalkerRequest | None) -> str:
+        """Nothing to add: the talker's prompt is codec ids, one per thinker prompt token."""
+        return ""
+
+    def media(self, state: TalkerRequest | None) -> PromptMedia:
+        """None: the talker's prompt holds no media of its own."""
+        return PromptMedia()

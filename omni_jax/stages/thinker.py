@@ -1,23 +1,28 @@
 """Qwen2.5-Omni's thinker served by the generic AR stage: what is particular to it lives here.
 
-The AR engine knows nothing of audio or images. This frontend gives it three things:
+The AR engine knows nothing of audio or images. This frontend gives it:
 
 - ``prepare``: a prompt's ``multi_modal_data`` through :class:`OmniProcessor` (features and
-  placeholder expansion) and its M-RoPE positions (:func:`get_rope_index`), before any work;
-  media an encoder cannot take in one call is refused there (:class:`EncoderBuckets`);
-- ``positions``: each step's ``[3, n]`` positions from the prompt's and ``rope_delta``
-  (:func:`positions_for`), right after a preemption too;
-- ``step_inputs``: per step, the encoder rows its prompt chunks need, packed as a
-  :class:`PromptMerge` for :meth:`Thinker.embed`, with one row a step token row, so it adds
-  no shape of its own to the AR step programs.
+  placeholder expansion) and its M-RoPE positions (:func:`get_rope_index`), before any work,
+  kept as the request's :class:`ThinkerRequest`; media an encoder cannot take in one call is
+  refused there (:class:`EncoderBuckets`);
+- ``step_inputs`` (:class:`ThinkerStepInputs`, the engine's
+  :class:`~omni_jax.engine.step.StepInputs`): each step's ``[3, n]`` positions from the
+  prompt's and ``rope_delta`` (:func:`positions_for`), right after a preemption too; the
+  encoders, run before a step for the requests it admits; and the encoder rows its prompt
+  chunks need, packed as a :class:`PromptMerge` for :meth:`Thinker.embed`, with one row a
+  step token row, so it adds no shape of its own to the AR step programs;
+- ``media``: the layout of the prompt's media (:class:`~omni_jax.stages.base.PromptMedia`),
+  which the talker reads to index its own prompt.
 
 Encoders run once per request when it is first scheduled (all requests scheduled in that step
 together, cut into as few encoder calls as their cost model picks), and their rows are kept on
-the host until the request's prefill is done. A request preempted after that is encoded again
-when it is recomputed, so rows are never held for requests that are only decoding (and decode
-steps run no encoder). When an encoder call fails (a device error, input the feature path
-cannot take), the requests of that step are encoded one at a time to find the culprit: only it
-ends, with ``finish_reason="error"``, and the others run on (:meth:`ThinkerStepInputs.prepare`).
+the host, in the request's :class:`ThinkerRequest`, until its first step past the prompt. A
+request preempted after that is encoded again when it is recomputed, so rows are not held for
+requests that are decoding (and decode steps run no encoder). When an encoder call fails (a
+device error, input the feature path cannot take), the requests of that step are encoded one
+at a time to find the culprit: only it ends, with ``finish_reason="error"``, and the others run
+on (:meth:`ThinkerStepInputs.prepare`).
 
 Every encoder call has a size from a fixed set (:class:`EncoderBuckets`): the audio encoder's
 chunk counts, powers of two up to what the feature extractor's longest clip needs; the vision
@@ -38,8 +43,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from omni_jax.engine.ar_runner import StepRow
-from omni_jax.engine.scheduler import ARRequest
+from omni_jax.engine.step import StepRow
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     AudioBatch,
     RowSplit,
@@ -58,7 +62,7 @@ from omni_jax.models.qwen2_5_omni.vision_encoder import (
     prepare_vision_batch,
     vision_token_buckets,
 )
-from omni_jax.stages.base import StageInput, StageResult
+from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult
 
 T = TypeVar("T")
 
@@ -135,11 +139,12 @@ class EncoderPrograms:
 
 @dataclasses.dataclass
 class ThinkerRequest:
-    """One request's thinker inputs, carried as its ``ARRequest.extra``.
+    """The thinker's state of one request (its :attr:`StageInput.state`, opaque to the engine).
 
     ``before[token][i]``: placeholders of that kind among the first ``i`` prompt tokens, so a
     chunk ``[start, end)`` needs rows ``before[start] : before[end]`` of that kind.
-    ``rows``: encoder rows per placeholder id, in placeholder order, while prefill needs them.
+    ``rows``: encoder rows per placeholder id, in placeholder order, while prompt chunks need
+    them (set and dropped by :meth:`ThinkerStepInputs.prepare`).
     """
 
     inputs: OmniInputs
@@ -160,15 +165,24 @@ class ThinkerRequest:
         return f"its media placeholders expanded to {', '.join(parts)} tokens" if parts else ""
 
 
-def _needs_rows(row: StepRow) -> bool:
+def _needs_rows(row: StepRow[ThinkerRequest]) -> bool:
     """The row's chunk holds prompt tokens of a request with media whose encoder rows are not
     on the host (first scheduled, or recomputed after a preemption); decode rows never do."""
-    req: ThinkerRequest | None = row.extra
+    req = row.state
     return req is not None and req.has_media and req.rows is None and row.start < row.prompt_len
 
 
+def _state(state: ThinkerRequest | None) -> ThinkerRequest:
+    if state is None:
+        raise ValueError("a thinker request has no ThinkerRequest: ThinkerFrontend.prepare makes it")
+    return state
+
+
 class ThinkerStepInputs:
-    """Runs the encoders at admission and packs each step's :class:`PromptMerge` (host side)."""
+    """The thinker's :class:`~omni_jax.engine.step.StepInputs`: M-RoPE positions, the encoders
+    at admission, and each step's :class:`PromptMerge` (host side)."""
+
+    position_shape = (3,)
 
     def __init__(self, model: Thinker, buckets: EncoderBuckets):
         spec = model.thinker_spec
@@ -241,18 +255,27 @@ class ThinkerStepInputs:
                 rows[p.item].append(piece_rows)
         return [np.concatenate(r) for r in rows]
 
-    def prepare(self, rows: Sequence[StepRow]) -> dict[int, str]:
-        """Encode the media of the step's newly scheduled requests together; returns
-        ``{row index: message}`` for the requests whose encoding failed.
+    def positions(self, state: ThinkerRequest | None, start: int, end: int) -> np.ndarray:
+        t = _state(state)
+        return positions_for(t.positions, t.rope_delta, start, end)
+
+    def prepare(self, rows: Sequence[StepRow[ThinkerRequest]]) -> dict[int, str]:
+        """The step's requests' encoder rows: those of requests now past their prompt are
+        dropped (only prompt chunks read them), then the media of the requests whose prompt
+        chunks need rows (newly scheduled, or recomputed after a preemption) are encoded
+        together; returns ``{row index: message}`` for the requests whose encoding failed.
 
         When the joint encoding fails, each request is encoded alone, so only the culprit fails
         (its error names the exception); the others keep their rows and run.
         """
+        for r in rows:
+            if r.state is not None and r.start >= r.prompt_len:
+                r.state.rows = None
         pending = [i for i, r in enumerate(rows) if _needs_rows(r)]
         if not pending:
             return {}
         try:
-            self.encode([rows[i].extra for i in pending])
+            self.encode([_state(rows[i].state) for i in pending])
             return {}
         except Exception as e:  # noqa: BLE001 - any fault ends only its request(s)
             if len(pending) == 1:
@@ -260,7 +283,7 @@ class ThinkerStepInputs:
         failed = {}
         for i in pending:
             try:
-                self.encode([rows[i].extra])
+                self.encode([_state(rows[i].state)])
             except Exception as e:  # noqa: BLE001 - as above
                 failed[i] = _encoder_error(e)
         return failed
@@ -274,22 +297,21 @@ class ThinkerStepInputs:
             self._vision.compile(self._vision_state, VisionBatch.shapes(self.spec.vision, tokens))
         return len(self._audio) + len(self._vision)
 
-    def pack(self, rows: Sequence[StepRow], batch: int, tokens: int) -> PromptMerge:
+    def pack(self, rows: Sequence[StepRow[ThinkerRequest]], batch: int, tokens: int) -> PromptMerge:
         """The rows this step's prompt chunks need, grouped by step row then kind, in
         ``batch * tokens`` rows, one a step token (a step never merges more), so that the merge
-        has no shape of its own beyond the step's (rows :meth:`prepare` did not encode, e.g. in a
-        direct ``ARRunner.execute``, are encoded here, and an encoder failure raises)."""
-        pending = {id(r.extra): r.extra for r in rows if _needs_rows(r)}  # a chunk's tokens share one
-        if pending:
-            self.encode(list(pending.values()))
+        has no shape of its own beyond the step's. Reads the rows :meth:`prepare` encoded;
+        changes nothing."""
         first = np.zeros((len(self.token_ids), batch), np.int32)
         limit = np.zeros((batch,), np.int32)
         merged = np.zeros((batch * tokens, self.width), self.dtype)
         offset = 0
         for i, row in enumerate(rows):
-            req: ThinkerRequest | None = row.extra
-            if req is None or req.rows is None:
+            req = row.state
+            if req is None or not req.has_media or row.start >= row.prompt_len:
                 continue
+            if req.rows is None:
+                raise RuntimeError("a prompt chunk with media has no encoder rows: prepare runs before pack")
             end = min(row.end, row.prompt_len)
             limit[i] = max(end - row.start, 0)
             for k, token in enumerate(self.token_ids):
@@ -297,8 +319,6 @@ class ThinkerStepInputs:
                 first[k, i] = offset
                 merged[offset : offset + b - a] = req.rows[token][a:b]
                 offset += b - a
-            if row.end >= row.prompt_len:
-                req.rows = None  # prefill done: a preempted request is encoded again
         return PromptMerge(merged, first, limit, self.token_ids)
 
 
@@ -322,7 +342,6 @@ def _encoder_error(e: Exception) -> str:
 class ThinkerFrontend:
     """The thinker's :class:`~omni_jax.stages.ar.ARFrontend` (see the module docstring)."""
 
-    position_shape = (3,)
     eos_token_ids = None  # the checkpoint's generation_config.json describes the thinker
     suppress_ids: tuple[int, ...] = ()
     reads_hidden = False
@@ -371,8 +390,8 @@ class ThinkerFrontend:
             raise ValueError(f"request {index}: {message}") from None
         ids = np.asarray(inputs.input_ids)
         before = {t: np.concatenate([[0], np.cumsum(ids == t)]) for t in self.step_inputs.token_ids}
-        extra = ThinkerRequest(inputs, positions, delta, before)
-        return dataclasses.replace(request, token_ids=list(inputs.input_ids), extra=extra)
+        state = ThinkerRequest(inputs, positions, delta, before)
+        return dataclasses.replace(request, token_ids=list(inputs.input_ids), state=state)
 
     def warmup(self) -> int:
         """Compile every encoder program ahead of traffic, from shapes (nothing runs); returns
@@ -387,12 +406,23 @@ class ThinkerFrontend:
     def check_prompt(self, index: int, prompt: dict[str, Any]) -> None:
         """Nothing beyond :meth:`prepare`: the thinker is the stage that reads the prompt."""
 
-    def connect(self, upstream: Any) -> None:
+    def connect(self, upstream: Stage) -> None:
         raise ValueError("the thinker reads the user's prompt; no stage can feed it")
 
     def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
         raise ValueError("the thinker reads the user's prompt; no stage can feed it")
 
-    def positions(self, req: ARRequest, start: int, end: int) -> np.ndarray:
-        t: ThinkerRequest = req.extra
-        return positions_for(t.positions, t.rope_delta, start, end)
+    def describe(self, state: ThinkerRequest | None) -> str:
+        """What the prompt's media expanded to (:attr:`ThinkerRequest.media_summary`)."""
+        return "" if state is None else state.media_summary
+
+    def media(self, state: ThinkerRequest | None) -> PromptMedia:
+        """The layout of the prompt's media, for the talker's rotary positions."""
+        inputs = _state(state).inputs
+        return PromptMedia(
+            image_grid_thw=tuple((int(t), int(h), int(w)) for t, h, w in inputs.image_grid_thw),
+            video_grid_thw=tuple((int(t), int(h), int(w)) for t, h, w in inputs.video_grid_thw),
+            video_second_per_grid=tuple(inputs.video_second_per_grid),
+            audio_seqlens=tuple(inputs.audio_seqlens),
+            use_audio_in_video=inputs.use_audio_in_video,
+        )

@@ -141,11 +141,11 @@ def test_hidden_states_come_back_whole(gqa_dir, pipes) -> None:
     single = pipe_for(pipes, gqa_dir, 1, 1).stages[0].engine.runner
     rows = _prompt_rows(runner, [[5, 6, 7], [8, 9, 10, 11, 12]])
     try:
-        runner.return_hidden = single.return_hidden = True  # as when a later stage reads them
-        got = runner.execute(rows, capture_hidden=True)
-        want = single.execute(_prompt_rows(single, [[5, 6, 7], [8, 9, 10, 11, 12]]), capture_hidden=True)
+        runner.capture_hidden = single.capture_hidden = True  # as when a later stage reads them
+        got = runner.execute(rows)
+        want = single.execute(_prompt_rows(single, [[5, 6, 7], [8, 9, 10, 11, 12]]))
     finally:
-        runner.return_hidden = single.return_hidden = False
+        runner.capture_hidden = single.capture_hidden = False
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert [h.shape[0] for h in got.hidden] == [3, 5]  # each row's tokens, no padding
     assert [h.shape for h in got.hidden] == [h.shape for h in want.hidden]
@@ -155,7 +155,7 @@ def test_hidden_states_come_back_whole(gqa_dir, pipes) -> None:
 
 def _prompt_rows(runner, prompts: list[list[int]]) -> list:  # noqa: ANN001
     """One prefill row per prompt, each on its own cache page."""
-    from omni_jax.engine.ar_runner import StepRow
+    from omni_jax.engine.step import StepRow
 
     return [
         StepRow(
@@ -170,6 +170,7 @@ def _prompt_rows(runner, prompts: list[list[int]]) -> list:  # noqa: ANN001
             history=p,
             prompt_len=len(p),
             suppress=[],
+            capture_hidden=True,
         )
         for i, p in enumerate(prompts)
     ]

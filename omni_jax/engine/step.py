@@ -1,0 +1,155 @@
+"""The records of one AR step and the one interface through which a stage supplies its inputs.
+
+The scheduler decides a step as :class:`StepRow` s, the runner executes them and returns a
+:class:`StepResult`. What is particular to a model (its rotary positions, the extra inputs its
+embedding merges, work a request needs before its first step) comes from the stage through
+:class:`StepInputs`, which the engine calls; the stage's per-request state ``S`` rides on
+each row, typed by the stage and opaque to the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+import jax
+import numpy as np
+
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.models.attention import AttentionMetadata
+
+S = TypeVar("S")
+S_contra = TypeVar("S_contra", contravariant=True)
+
+
+@dataclasses.dataclass
+class StepRow(Generic[S]):
+    """One sequence's share of a step: tokens ``[start, end)`` of its full id list.
+
+    ``capture_hidden``: the request keeps each computed token's hidden state and input
+    embedding. ``state``: the stage's record of the request (``None`` for a stage that keeps
+    none), for its :class:`StepInputs`.
+    """
+
+    token_ids: Sequence[int]
+    positions: np.ndarray
+    pages: Sequence[int]
+    start: int
+    sample: bool
+    params: SamplingParams
+    seed: int
+    draw_index: int
+    history: Sequence[int]
+    prompt_len: int
+    suppress: Sequence[int]
+    capture_hidden: bool = False
+    state: S | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    def one_token_rows(self) -> list[StepRow[S]]:
+        """The row as rows of one token each, in order (a flat step's layout); only the last
+        samples."""
+        m = len(self.token_ids)
+        if m == 1:
+            return [self]
+        return [
+            dataclasses.replace(
+                self,
+                token_ids=self.token_ids[j : j + 1],
+                positions=self.positions[..., j : j + 1],
+                start=self.start + j,
+                sample=self.sample and j == m - 1,
+            )
+            for j in range(m)
+        ]
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one executed step gives back to the host, in its rows' order."""
+
+    tokens: np.ndarray  # [rows]
+    finite: np.ndarray  # [rows] bool: the row's logits were all finite
+    logprob_ids: np.ndarray | None  # [rows, 1 + MAX_LOGPROBS], when some row asked for logprobs
+    logprobs: np.ndarray | None  # [rows, 1 + MAX_LOGPROBS]
+    hidden: list[np.ndarray] | None  # per row [its tokens, D] final (normed) hidden states, when captured
+    embeds: list[np.ndarray] | None  # per row [its tokens, D] the decoder's input embeddings, when captured
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FlatStep:
+    """Where a flat step's token rows live in the paged cache, before expansion on device.
+
+    slots: ``[N, 1]`` the cache slot each token row writes (padding: the dropped slot).
+    tables: ``[S, P]`` each sequence's page ids (padding: the null page).
+    sequence: ``[N]`` which row of ``tables`` each token row reads.
+    context: ``[N]`` each token row's causal horizon; query: ``[N]`` 1 for real rows, 0 for padding.
+    """
+
+    slots: jax.Array
+    tables: jax.Array
+    sequence: jax.Array
+    context: jax.Array
+    query: jax.Array
+
+    def metadata(self) -> AttentionMetadata:
+        """The attention's per-token-row view: each row's sequence's table, gathered here on
+        device so the host sends one table per sequence rather than one per token."""
+        return AttentionMetadata(self.slots, self.tables[self.sequence], self.context, self.query)
+
+
+class StepInputs(Protocol[S_contra]):
+    """What a stage supplies to each step of its engine: the model-specific part of a step.
+
+    ``position_shape``: the leading axes of a token's rotary position (``()`` for 1-D RoPE,
+    ``(3,)`` for M-RoPE). ``positions`` are those of a request's tokens ``[start, end)``, read
+    when the scheduler places a row (after a preemption too).
+
+    ``prepare`` runs once per step before it is packed, for work a row needs that can fail for
+    one request alone (e.g. running encoders when a request is admitted); it returns
+    ``{row index: message}`` for the rows that failed, which the engine ends with
+    ``finish_reason="error"`` and leaves out of the step. It is the one call that may change
+    the stage's request records (``state``); it changes nothing the engine owns.
+
+    ``pack`` turns a step of ``batch`` rows of ``tokens`` tokens into the pytree passed as
+    ``extra`` to ``model.embed(tokens, extra)``. It reads its rows and changes nothing. It runs
+    for every step (also for warm-up, with no rows); its shapes must come from a few buckets,
+    and a step whose rows need nothing must get the same shapes every time, so decode never
+    recompiles. The runner's steps are flat: ``rows`` are one-token rows
+    (:meth:`StepRow.one_token_rows`, a prompt chunk's in order), ``batch`` the step's token
+    rows and ``tokens`` 1.
+    """
+
+    position_shape: tuple[int, ...]
+
+    def positions(self, state: S_contra | None, start: int, end: int) -> np.ndarray: ...
+
+    def prepare(self, rows: Sequence[StepRow[S_contra]]) -> dict[int, str]: ...
+
+    def pack(self, rows: Sequence[StepRow[S_contra]], batch: int, tokens: int) -> Any: ...
+
+
+def text_positions(state: object, start: int, end: int) -> np.ndarray:
+    """1-D RoPE: a token's position is its index in the sequence."""
+    del state
+    return np.arange(start, end, dtype=np.int32)
+
+
+class TokenInputs:
+    """The step inputs of a model that embeds its token ids alone, with 1-D rotary positions."""
+
+    position_shape: tuple[int, ...] = ()
+
+    def positions(self, state: object, start: int, end: int) -> np.ndarray:
+        return text_positions(state, start, end)
+
+    def prepare(self, rows: Sequence[StepRow[Any]]) -> dict[int, str]:
+        return {}
+
+    def pack(self, rows: Sequence[StepRow[Any]], batch: int, tokens: int) -> None:
+        return None
