@@ -121,7 +121,6 @@ class Scheduler:
         self.positions = positions
         self.waiting: deque[ARRequest] = deque()
         self.running: list[ARRequest] = []
-        self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------------------
     def add(self, req: ARRequest) -> None:
@@ -159,13 +158,12 @@ class Scheduler:
         req.pages, req.num_computed = [], 0
         req.status = Status.WAITING
         req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _reserve(self, req: ARRequest, end: int, step: Sequence[tuple[ARRequest, StepRow]]) -> bool:
         """Give ``req`` pages up to token ``end``, preempting newer requests if needed (never
         one already in ``step``). The rows already placed are looked at only when pages run
-        short: reading them for every row made scheduling quadratic in the step's rows."""
+        short, not for every row (which would make scheduling quadratic in the step's rows)."""
         need = pages_needed(end, self.cfg.page_size) - len(req.pages)
         while need > self.allocator.num_free:
             placed = {id(r) for r, _ in step}
