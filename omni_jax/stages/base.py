@@ -128,6 +128,14 @@ class Stage(Protocol):
         """Compile ahead of traffic; returns how many programs were compiled."""
 
 
+def require_state(state: S | None, stage: str) -> S:
+    """A request's stage state, which its frontend's ``prepare`` or ``accept`` made; a request
+    without one never went through them (a bug, not bad input)."""
+    if state is None:
+        raise RuntimeError(f"a {stage} request has no state: its frontend's prepare or accept makes it")
+    return state
+
+
 def check_params(stage: Stage, index: int, params: Any, *args: Any) -> None:
     """Type, then values (``params.validate(*args)``), naming the request and the stage."""
     if not isinstance(params, stage.params_type):

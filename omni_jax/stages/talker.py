@@ -36,7 +36,7 @@ from omni_jax.engine.step import StepRow
 from omni_jax.models.qwen2_5_omni.rope_index import media_rope_index, positions_for
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.talker import Talker, TalkerEmbeds
-from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult
+from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult, require_state
 
 
 @dataclasses.dataclass
@@ -54,12 +54,6 @@ class TalkerRequest:
     rope_delta: int
 
 
-def _state(state: TalkerRequest | None) -> TalkerRequest:
-    if state is None:
-        raise ValueError("a talker request has no TalkerRequest: TalkerFrontend.accept makes it")
-    return state
-
-
 class TalkerStepInputs:
     """The talker's :class:`~omni_jax.engine.step.StepInputs`: M-RoPE positions, and each
     step's :class:`TalkerEmbeds` packed from its rows' tables (host side)."""
@@ -71,7 +65,7 @@ class TalkerStepInputs:
         self.dtype = dtype
 
     def positions(self, state: TalkerRequest | None, start: int, end: int) -> np.ndarray:
-        t = _state(state)
+        t = require_state(state, "talker")
         return positions_for(t.positions, t.rope_delta, start, end)
 
     def prepare(self, rows: Sequence[StepRow[TalkerRequest]]) -> dict[int, str]:
@@ -82,7 +76,7 @@ class TalkerStepInputs:
         table = np.zeros((batch, tokens, self.width), self.dtype)
         add_codec = np.zeros((batch, tokens), bool)
         for i, row in enumerate(rows):
-            req = _state(row.state)
+            req = require_state(row.state, "talker")
             p = np.arange(row.start, row.end)
             table[i, : len(p)] = req.table[np.minimum(p, len(req.table) - 1)]
             add_codec[i, : len(p)] = p >= req.codec_from

@@ -62,7 +62,7 @@ from omni_jax.models.qwen2_5_omni.vision_encoder import (
     prepare_vision_batch,
     vision_token_buckets,
 )
-from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult
+from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult, require_state
 
 T = TypeVar("T")
 
@@ -172,12 +172,6 @@ def _needs_rows(row: StepRow[ThinkerRequest]) -> bool:
     return req is not None and req.has_media and req.rows is None and row.start < row.prompt_len
 
 
-def _state(state: ThinkerRequest | None) -> ThinkerRequest:
-    if state is None:
-        raise ValueError("a thinker request has no ThinkerRequest: ThinkerFrontend.prepare makes it")
-    return state
-
-
 class ThinkerStepInputs:
     """The thinker's :class:`~omni_jax.engine.step.StepInputs`: M-RoPE positions, the encoders
     at admission, and each step's :class:`PromptMerge` (host side)."""
@@ -256,7 +250,7 @@ class ThinkerStepInputs:
         return [np.concatenate(r) for r in rows]
 
     def positions(self, state: ThinkerRequest | None, start: int, end: int) -> np.ndarray:
-        t = _state(state)
+        t = require_state(state, "thinker")
         return positions_for(t.positions, t.rope_delta, start, end)
 
     def prepare(self, rows: Sequence[StepRow[ThinkerRequest]]) -> dict[int, str]:
@@ -275,7 +269,7 @@ class ThinkerStepInputs:
         if not pending:
             return {}
         try:
-            self.encode([_state(rows[i].state) for i in pending])
+            self.encode([require_state(rows[i].state, "thinker") for i in pending])
             return {}
         except Exception as e:  # noqa: BLE001 - any fault ends only its request(s)
             if len(pending) == 1:
@@ -283,7 +277,7 @@ class ThinkerStepInputs:
         failed = {}
         for i in pending:
             try:
-                self.encode([_state(rows[i].state)])
+                self.encode([require_state(rows[i].state, "thinker")])
             except Exception as e:  # noqa: BLE001 - as above
                 failed[i] = _encoder_error(e)
         return failed
@@ -418,7 +412,7 @@ class ThinkerFrontend:
 
     def media(self, state: ThinkerRequest | None) -> PromptMedia:
         """The layout of the prompt's media, for the talker's rotary positions."""
-        inputs = _state(state).inputs
+        inputs = require_state(state, "thinker").inputs
         return PromptMedia(
             image_grid_thw=tuple((int(t), int(h), int(w)) for t, h, w in inputs.image_grid_thw),
             video_grid_thw=tuple((int(t), int(h), int(w)) for t, h, w in inputs.video_grid_thw),
