@@ -14,6 +14,7 @@ from omni_reference import frames, picture, tone
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.compilation import CompileCounter
+from omni_jax.engine.step import StepRow
 from omni_jax.models.qwen2_5_omni.encoder_calls import plan_calls, size_ladder, smallest_fit
 from omni_jax.stages.base import StageInput
 from omni_jax.stages.thinker import EncoderBuckets, ThinkerFrontend, ThinkerRequest
@@ -242,3 +243,41 @@ def test_whole_thinker_stage_compiles_nothing_after_warmup(omni_dir) -> None:
         outs = pipe.run(prompts, params, progress=False)
     assert all(o.error is None for o in outs)
     assert (counter.traces, counter.compiles) == (0, 0)
+
+
+def test_pack_reads_rows_and_prepare_drops_them_past_the_prompt(warm) -> None:
+    """Encoder rows live on the request's ThinkerRequest: ``prepare`` encodes them for a prompt
+    chunk, ``pack`` only reads them (a chunk ending the prompt leaves them in place), and the
+    request's first step past its prompt drops them."""
+    pipe, _, _ = warm
+    step_inputs = frontend_of(pipe).step_inputs
+    state = prepared(pipe, user(image(56, 84, 3)))
+    n = len(state.inputs.input_ids)
+
+    def row(start: int, end: int) -> StepRow[ThinkerRequest]:
+        ids = list(range(end))
+        return StepRow(
+            token_ids=ids[start:end],
+            positions=step_inputs.positions(state, start, end),
+            pages=[],
+            start=start,
+            sample=end == n,
+            params=SamplingParams(),
+            seed=0,
+            draw_index=0,
+            history=ids,
+            prompt_len=n,
+            suppress=[],
+            state=state,
+        )
+
+    prompt = row(0, n)
+    assert step_inputs.prepare([prompt]) == {} and state.rows is not None
+    rows = state.rows
+    merge = step_inputs.pack(prompt.one_token_rows(), n, 1)
+    assert state.rows is rows
+    assert int(np.asarray(merge.limit).sum()) == n
+    image_rows = rows[step_inputs.token_ids[1]]
+    assert len(image_rows) > 0
+    np.testing.assert_array_equal(np.asarray(merge.rows)[: len(image_rows)], image_rows)
+    assert step_inputs.prepare([row(n, n + 1)]) == {} and state.rows is None

@@ -169,6 +169,15 @@ def check(out: Any, want: tuple[Any, ...], eos: int) -> None:
     assert norm_rel_err(out.audio, wave) < WAVE_RTOL
 
 
+def test_the_stage_graph_sets_who_captures_hidden_states(pipe) -> None:
+    """The pipeline sets the flag at build time from the stage graph: the talker reads hidden
+    states, so the thinker (and its runner's forward) captures them; nothing reads the talker's."""
+    thinker, talker = pipe.stages[0], pipe.stages[1]
+    assert talker.reads_hidden and not thinker.reads_hidden
+    assert thinker.capture_hidden and thinker.engine.runner.capture_hidden
+    assert not talker.capture_hidden
+
+
 @pytest.mark.parametrize("case", ["text", "image_audio"])
 def test_matches_transformers_generate(pipe, cases, expected, case) -> None:
     eos = pipe.tokenizer.convert_tokens_to_ids("<|im_end|>")
