@@ -79,7 +79,7 @@ def connect_stages(stages: Sequence[Stage]) -> None:
 
 
 class OmniJaxPipeline:
-    """Multi-stage inference over one checkpoint; see DESIGN.md's public contract."""
+    """Multi-stage inference over one checkpoint (the public API; docs/ARCHITECTURE.md)."""
 
     _ids = itertools.count()
 
@@ -223,7 +223,7 @@ class OmniJaxPipeline:
 
     def warmup(self, progress: bool = True) -> WarmupReport:
         """Compile every program traffic can need, stage by stage, ahead of it: after this no
-        request mix compiles anything (DESIGN.md, compile once). ``progress``: a bar over the
+        request mix compiles anything (docs/ARCHITECTURE.md, "Compile once"). ``progress``: a bar over the
         stages with the XLA compilations so far."""
         stages: dict[str, StageWarmup] = {}
         with WarmupBar([s.config.name for s in self.stages], enabled=progress) as bar:

@@ -1,5 +1,5 @@
 """code2wav compiles once: ``warmup()`` compiles every solve program of a closed bucket set, and
-after it no request mix traces or compiles anything (DESIGN.md, "Compile once, run forever").
+after it no request mix traces or compiles anything (docs/ARCHITECTURE.md, "Compile once").
 
 The bucket set itself (rows, code ladder, one reference length) is checked without a model,
 and so is the grouping's promise: whatever the cost fit, every solve it makes has a shape of the

@@ -1,6 +1,6 @@
 """Conversion and loading stream: peak resident memory within a proportional bound (issue 19, 1).
 
-The promise (DESIGN.md): the peak resident memory of conversion and of ``from_pretrained`` stays
+The promise: the peak resident memory of conversion and of ``from_pretrained`` stays
 within 1.25 x the checkpoint's bytes plus a fixed allowance of 1.5 GB, the allowance being what
 a process costs before any weight is read (the interpreter, jax, torch, transformers, orbax).
 Here the fixed part is measured rather than assumed: each operation (conversion, and

@@ -280,7 +280,7 @@ def local_devices(mesh: Mesh | None) -> list[jax.Device]:
 @dataclasses.dataclass(frozen=True)
 class CacheShare:
     """What a default cache leaves to the stages built after it on the same memory
-    (:func:`omni_jax.stages.limits.cache_shares`): ``reserved`` bytes per memory pool
+    (:func:`omni_jax.preflight.cache_shares`): ``reserved`` bytes per memory pool
     (:func:`~omni_jax.engine.memory.pool_key`), then ``fraction`` of what the rest leaves next to
     this stage's step is this cache's."""
 
