@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omni_jax.engine.kv_cache import init_kv_cache, pages_needed
+from omni_jax.jit import exact_matmuls
 from omni_jax.models.attention import AttentionMetadata
 
 
@@ -48,5 +49,6 @@ def full_forward(  # noqa: ANN001
         positions = np.arange(t)
     if embeds is None:
         embeds = model.embed(jnp.asarray(token_ids, jnp.int32)[None])[0]
-    hidden, _ = model(embeds[None], jnp.asarray(positions, jnp.int32)[..., None, :], cache, md)
-    return np.asarray(model.logits(hidden)[0]), np.asarray(hidden[0])
+    with exact_matmuls(dtype):
+        hidden, _ = model(embeds[None], jnp.asarray(positions, jnp.int32)[..., None, :], cache, md)
+        return np.asarray(model.logits(hidden)[0]), np.asarray(hidden[0])

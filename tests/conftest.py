@@ -17,7 +17,13 @@ if "OMNI_JAX_KERNEL_CACHE" not in os.environ:
     os.environ["OMNI_JAX_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="omni_jax_kernels_")
     atexit.register(shutil.rmtree, os.environ["OMNI_JAX_KERNEL_CACHE"], ignore_errors=True)
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Float32 modules are held to float32 transformers: a module a test traces itself (outside the
+# engine's programs, which ask for it themselves: tests/test_precision.py) computes its float32
+# products in float32 too, not in XLA's TensorFloat-32 default on GPUs.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 from omni_jax.testing import build_tiny_qwen2, build_tiny_qwen2_5_omni  # noqa: E402
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from parity import KERNEL_ATOL
+from parity import KERNEL_ATOL, rel_err
 
 from omni_jax.models.attention import AttentionMetadata, paged_attention, write_kv
 
@@ -79,7 +79,7 @@ def test_decode_row_chunks_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> Non
     attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))
     whole = np.asarray(attend(q, k, v, md))
     per_row = 2 * 2 * 24 * 16 * 4 + 4 * 24 * 4  # K/V gathered + scores, as the chunker counts
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 4 * per_row)
+    monkeypatch.setattr(attention, "chunk_bytes", lambda platform: 4 * per_row)
     assert attention._rows_per_chunk(12, 1, 4, 2, 24, 16, 4) == 4
     assert attention._rows_per_chunk(12, 5, 4, 2, 24, 16, 4) == 12
     attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))  # traced anew
@@ -126,8 +126,72 @@ def test_decode_chunks_narrow_their_tables(monkeypatch: pytest.MonkeyPatch) -> N
     whole = np.asarray(attend(q, jnp.asarray(k), jnp.asarray(v), md(tables)))
     assert np.isfinite(whole).all()
     keys = pps * page_size
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 4 * (2 * kv_heads * keys * d * 4 + heads * keys * 4))
+    monkeypatch.setattr(
+        attention, "chunk_bytes", lambda platform: 4 * (2 * kv_heads * keys * d * 4 + heads * keys * 4)
+    )
     assert attention._rows_per_chunk(batch, 1, heads, kv_heads, keys, d, 4) == 4
     attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))  # traced anew
     got = np.asarray(attend(q, jnp.asarray(k), jnp.asarray(v), md(poisoned)))
     np.testing.assert_array_equal(got, whole)
+
+
+def _decode_case(
+    rng: np.random.RandomState,
+    lens: list[int],
+    pages_per_seq: int,
+    page_size: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+):
+    """A decode step over scattered pages: ``(q, k_pages, v_pages, metadata)`` in float32."""
+    batch = len(lens)
+    num_pages = batch * pages_per_seq + 3
+    k_pages = jnp.asarray(rng.randn(kv_heads, num_pages, page_size, d), jnp.float32)
+    v_pages = jnp.asarray(rng.randn(kv_heads, num_pages, page_size, d), jnp.float32)
+    tables = rng.permutation(num_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
+    md = AttentionMetadata(
+        slot_mapping=jnp.zeros((batch, 1), jnp.int32),
+        block_tables=jnp.asarray(tables, jnp.int32),
+        context_lens=jnp.asarray(lens, jnp.int32),
+        query_lens=jnp.ones((batch,), jnp.int32),
+    )
+    return jnp.asarray(rng.randn(batch, 1, heads, d), jnp.float32), k_pages, v_pages, md
+
+
+@pytest.mark.parametrize("pages_per_seq,page_size", [(13, 4), (33, 16), (1, 16)])
+def test_pallas_pads_tables_it_cannot_divide(pages_per_seq: int, page_size: int) -> None:
+    """Table widths with no divisor the kernel can use (odd page counts, as ``max_model_len``
+    gives: 8208 tokens are 513 pages of 16) are padded; the padding is never attended."""
+    rng = np.random.RandomState(1)
+    full = pages_per_seq * page_size
+    q, k_pages, v_pages, md = _decode_case(rng, [1, full // 2 + 1, full], pages_per_seq, page_size, 4, 2, 16)
+    ref = paged_attention(q, k_pages, v_pages, md, scale=0.25, backend="jnp")
+    got = paged_attention(q, k_pages, v_pages, md, scale=0.25, backend="pallas_interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=KERNEL_ATOL)
+
+
+BF16_KERNEL_RTOL = 1e-2
+"""The compiled Pallas kernel on bfloat16 against the jnp path in float32 on the same bfloat16
+values, by :func:`parity.rel_err`: the kernel rounds its probabilities and its output to
+bfloat16 (8 significant bits, 2**-8 = 3.9e-3 relative each), the reference rounds nothing."""
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas kernel runs on GPUs only")
+@pytest.mark.parametrize("page_size,pages_per_seq", [(16, 513), (16, 8), (4, 8)])
+def test_compiled_pallas_kernel_on_bfloat16(page_size: int, pages_per_seq: int) -> None:
+    """The compiled kernel (``auto``'s choice for bfloat16 decode on a GPU), at Qwen2.5-7B's head layout (28
+    query heads over 4 KV heads of 128), scattered pages and the odd table width a
+    ``max_model_len`` of 8208 gives."""
+    rng = np.random.RandomState(2)
+    full = pages_per_seq * page_size
+    lens = [1, 17, full // 3 + 5, full]
+    q, k_pages, v_pages, md = _decode_case(rng, lens, pages_per_seq, page_size, 28, 4, 128)
+    q, k_pages, v_pages = (x.astype(jnp.bfloat16) for x in (q, k_pages, v_pages))
+    scale = 128**-0.5
+    ref = paged_attention(
+        *(x.astype(jnp.float32) for x in (q, k_pages, v_pages)), md, scale=scale, backend="jnp"
+    )
+    got = paged_attention(q, k_pages, v_pages, md, scale=scale, backend="pallas")
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got.astype(jnp.float32), ref) < BF16_KERNEL_RTOL

@@ -17,6 +17,11 @@ from parity import KERNEL_ATOL
 from omni_jax.kernels import cpu
 from omni_jax.models.attention import AttentionMetadata, paged_attention
 
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="the C++ paged-attention kernel serves the CPU backend; accelerators decode with Pallas or jnp",
+)
+
 
 def _decode_step(
     rng: np.random.RandomState, lens: list[int], heads: int, kv_heads: int, d: int, page_size: int = 4

@@ -53,6 +53,7 @@ from omni_jax.engine.buckets import (
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.engine.sampling import SamplingTensors, draw_tokens, pack_sampling, top_logprobs
 from omni_jax.engine.step import FlatStep, StepInputs, StepResult, StepRow, TokenInputs
+from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.attention import AttentionMetadata, Backend
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import put
@@ -114,10 +115,11 @@ def _forward_fn(
     capture_hidden: bool,
 ) -> tuple[Any, ...]:
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    embeds = model.embed(tokens, extra)
-    hidden, kv_cache = model(embeds, positions, kv_cache, step.metadata(), backend)
-    last = hidden.reshape(-1, hidden.shape[-1])[logits_idx]  # each sequence's last token
-    logits = model.logits(last)
+    with exact_matmuls(compute_dtype(leaves)):
+        embeds = model.embed(tokens, extra)
+        hidden, kv_cache = model(embeds, positions, kv_cache, step.metadata(), backend)
+        last = hidden.reshape(-1, hidden.shape[-1])[logits_idx]  # each sequence's last token
+        logits = model.logits(last)
     finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row
     return logits, finite, ((hidden, embeds) if capture_hidden else None), kv_cache
 

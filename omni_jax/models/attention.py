@@ -207,24 +207,42 @@ def _attention_rows(
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
+PALLAS_PAGES_PER_BLOCK = 8
+"""Pages the Pallas kernel loads per compute block (its own default), unless more are needed to
+reach :data:`PALLAS_MIN_BLOCK_KEYS` keys."""
+PALLAS_MIN_BLOCK_KEYS = 16
+"""Keys one Pallas compute block must hold at least: Triton's dot takes no dimension under 16."""
+PALLAS_MAX_SPLITS = 16
+"""Most partitions the kernel cuts a sequence's pages into (its ``k_splits``), run in parallel."""
+
+
+def pallas_geometry(pages: int, page_size: int) -> tuple[int, int, int]:
+    """``(k_splits, pages_per_compute_block, table width)`` for a block table of ``pages``
+    columns: the kernel needs the width to be a multiple of ``k_splits`` and each partition a
+    multiple of the compute block, so the table is padded to the next such width (a page count
+    like 513 has no usable divisor). Padded columns are never attended: the kernel stops at each
+    row's length."""
+    per_block = max(-(-PALLAS_MIN_BLOCK_KEYS // page_size), min(PALLAS_PAGES_PER_BLOCK, pages))
+    blocks = -(-pages // per_block)
+    k_splits = min(PALLAS_MAX_SPLITS, blocks)
+    return k_splits, per_block, -(-blocks // k_splits) * k_splits * per_block
+
+
 def _pallas_decode(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata, scale: float, interpret: bool
 ) -> jax.Array:
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-    p = md.block_tables.shape[1]
-    k_splits = min(16, p)
-    while p % k_splits:
-        k_splits //= 2
-    per_split = p // k_splits
+    pages = md.block_tables.shape[1]
+    k_splits, per_block, width = pallas_geometry(pages, k_pages.shape[2])
     out = paged_attention(
         q[:, 0] * jnp.asarray(scale, q.dtype),  # the kernel does not scale q
         k_pages,
         v_pages,
-        md.block_tables,
+        jnp.pad(md.block_tables, ((0, 0), (0, width - pages))),
         md.context_lens,
         k_splits=k_splits,
-        pages_per_compute_block=min(8, per_split),
+        pages_per_compute_block=per_block,
         interpret=interpret,
     )
     return out[:, None]
@@ -298,15 +316,16 @@ def paged_attention(
 ) -> jax.Array:
     """Attention of ``q [B, T, H, D]`` over the paged cache (which already holds this step).
 
-    ``auto`` takes a kernel for ``T == 1`` decode (Pallas on GPU; on CPU the C++ kernel,
-    for float32 with ``head_dim % 16 == 0``, when it could be built) and the jnp gather path
-    otherwise; ``pallas_interpret`` runs the Pallas kernel on any backend so tests can hold it
+    ``auto`` takes a kernel for ``T == 1`` decode (Pallas on GPU for narrower dtypes than
+    float32: its Triton dots compute float32 in TensorFloat-32, short of float32 parity; on CPU
+    the C++ kernel, for float32 with ``head_dim % 16 == 0``, when it could be built) and the
+    jnp gather path otherwise; ``pallas_interpret`` runs the Pallas kernel on any backend so tests can hold it
     to the jnp path without a GPU.
     """
     decode = q.shape[1] == 1
     cpu_kernel = decode and jax.default_backend() == "cpu" and _cpu_kernel_fits(q, k_pages, v_pages)
     if backend == "auto":
-        if decode and sliding_window is None and jax.default_backend() == "gpu":
+        if decode and sliding_window is None and jax.default_backend() == "gpu" and q.dtype != jnp.float32:
             backend = "pallas"
         elif cpu_kernel and paged_decode_target():
             backend = "cpu"

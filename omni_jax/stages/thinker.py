@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from omni_jax.engine.step import StepRow
+from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     AudioBatch,
     RowSplit,
@@ -120,7 +121,11 @@ class EncoderPrograms:
     :meth:`compile` (warm-up, from shapes alone) or at a shape's first call, then reused."""
 
     def __init__(self, graphdef: nnx.GraphDef):
-        self._jit = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+        def encode(state: nnx.State, batch: Any) -> jax.Array:
+            with exact_matmuls(compute_dtype(state)):
+                return nnx.merge(graphdef, state)(batch)
+
+        self._jit = jax.jit(encode)
         self._compiled: dict[tuple[Any, ...], jax.stages.Compiled] = {}
 
     def compile(self, state: nnx.State, batch: Any) -> jax.stages.Compiled:

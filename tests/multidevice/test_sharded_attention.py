@@ -67,7 +67,9 @@ def test_decode_row_chunks_on_a_data_mesh(monkeypatch: pytest.MonkeyPatch) -> No
     want = np.asarray(attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), md))
 
     keys = pps * page_size
-    monkeypatch.setattr(attention, "CPU_CHUNK_BYTES", 2 * (2 * kv_heads * keys * d * 4 + heads * keys * 4))
+    monkeypatch.setattr(
+        attention, "chunk_bytes", lambda platform: 2 * (2 * kv_heads * keys * d * 4 + heads * keys * 4)
+    )
     assert attention._rows_per_chunk(batch, 1, heads, kv_heads, keys, d, 4) == 2
     mesh = make_mesh({"data": 2, "model": 2})
     kv_sh = NamedSharding(mesh, P("model"))

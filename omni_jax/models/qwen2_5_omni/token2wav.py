@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from omni_jax.jit import StaticGraph
+from omni_jax.jit import StaticGraph, compute_dtype, exact_matmuls
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni.bigvgan import BIGVGAN_IGNORE, BIGVGAN_RULES, BigVGAN
 from omni_jax.models.qwen2_5_omni.dit import DIT_IGNORE, DIT_RULES, DiT
@@ -229,16 +229,17 @@ def token2wav_compiled(
     Compiles once per input shape (bucket the batch, code and reference lengths) and ``guided``;
     the step parameters are traced, so new values never recompile.
     """
-    return token2wav(
-        nnx.merge(graph.graphdef, state),
-        codes,
-        code_lengths,
-        speaker_embedding,
-        reference_mel,
-        reference_lengths,
-        initial_noise,
-        num_steps,
-        guidance_scale,
-        sway_coefficient,
-        guided,
-    )
+    with exact_matmuls(compute_dtype(state)):
+        return token2wav(
+            nnx.merge(graph.graphdef, state),
+            codes,
+            code_lengths,
+            speaker_embedding,
+            reference_mel,
+            reference_lengths,
+            initial_noise,
+            num_steps,
+            guidance_scale,
+            sway_coefficient,
+            guided,
+        )
