@@ -237,3 +237,35 @@ def test_omni_jax_bench_passes_through(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("benchmarks.run.main", lambda argv, prog: seen.update(argv=argv, prog=prog) or 0)
     assert cli.main(["bench", "--suite", "code2wav", "--model", "tiny"]) == 0
     assert seen == {"argv": ["--suite", "code2wav", "--model", "tiny"], "prog": "omni-jax bench"}
+
+
+def test_shaped_suite_on_small_widths(tmp_path: Path) -> None:
+    """The real-width suite's whole path (checkpoint written as sharded safetensors, loaded by
+    ``from_pretrained``, decode and prompt probes, transformers in its own process) at widths this
+    CPU runs in seconds; on a GPU it runs Qwen2.5-7B's (benchmarks/gpu.sh)."""
+    from benchmarks import shaped_suite
+
+    small = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    out = tmp_path / "shaped.json"
+    argv = ["--json", str(out), "--checkpoint", str(tmp_path / "ckpt"), "--layers", "2", "--config"]
+    argv += [json.dumps(small), "--batches", "1,4", "--prefill", "40", "--max-tokens", "4", "--reference"]
+    assert shaped_suite.main(argv) == 0
+    result = json.loads(out.read_text())
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) and result["config"]["hidden_size"] == 64
+    for b in ("1", "4"):
+        d = result["ours"]["decode"][b]
+        assert 0 < d["floor_s"] < d["step_s"] and d["tokens_per_s"] > 0
+        assert result["reference"]["by_batch"][b]["tokens_per_s"] > 0 and result["ratio_by_batch"][b] > 0
+    assert result["ours"]["prefill"]["40"]["ttft_s"] > 0
+    assert result["ours"]["backends"]["attention_traced"]
+    with pytest.raises(SystemExit, match="other widths"):
+        shaped_suite.main([*argv[:6], "--config", json.dumps(small | {"hidden_size": 128})])
