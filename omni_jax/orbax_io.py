@@ -100,11 +100,21 @@ def _handler(budget: int, written: Callable[[], None]) -> Any:
     The hook is the handler's ``_open_and_write`` (one leaf's TensorStore write), which Orbax
     does not document: a change there fails every conversion test rather than silently copying.
     """
+    import inspect
+
     import orbax.checkpoint as ocp
+
+    # Orbax 0.12.5 and newer take ``deepcopy_host_arrays``: its copy of each value before the
+    # write guards against arrays changed while written, and these are made here, for the write
+    # alone, so there is nothing to copy. Older Orbax always deep-copies, which here copies only
+    # each DeferredArray's reader, shape and dtype (a function copies by reference), not an array.
+    no_copy: dict[str, bool] = {}
+    if "deepcopy_host_arrays" in inspect.signature(ocp.type_handlers.NumpyHandler).parameters:
+        no_copy["deepcopy_host_arrays"] = False
 
     class DeferredHandler(ocp.type_handlers.NumpyHandler):
         def __init__(self) -> None:
-            super().__init__(deepcopy_host_arrays=False)  # the arrays are made here, for the write alone
+            super().__init__(**no_copy)
             self._budget = _Budget(budget)
 
         async def _open_and_write(self, value: DeferredArray, tspec: dict[str, Any], ts_context: Any) -> None:

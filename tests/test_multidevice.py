@@ -1,4 +1,5 @@
-"""Runs ``tests/multidevice`` in a subprocess with eight emulated CPU devices.
+"""Runs ``tests/multidevice`` in a subprocess with eight emulated CPU devices (on the CPU
+platform even where this run is on a GPU).
 
 JAX fixes the device count when its backend starts, and this process must keep its single
 device for the rest of the suite, so those tests get a fresh interpreter (one for the whole
@@ -18,7 +19,11 @@ HERE = Path(__file__).parent
 def test_multidevice_suite() -> None:
     from multidevice.conftest import XLA_FLAG
 
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAG}".strip()}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAG}".strip(),
+        "JAX_PLATFORMS": "cpu",  # the emulated devices are CPU ones, whatever platform this run is on
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "multidevice")],
         env=env,

@@ -9,13 +9,19 @@ import numpy as np
 import pytest
 import torch
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniThinkerConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniPreTrainedModelForConditionalGeneration as RefBase,
 )
-from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
-    Qwen2_5OmniProcessor,
-    _get_feat_extract_output_lengths,
-)
+from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+
+try:  # the processor's own count of an audio clip's tokens (newer transformers)
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import _get_feat_extract_output_lengths
+except ImportError:  # transformers 5.17 counts inline there, as its audio encoder's method does
+
+    def _get_feat_extract_output_lengths(input_lengths):
+        return Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths(None, input_lengths)[1]
+
 
 from omni_jax.models.qwen2_5_omni.rope_index import RopeIndexSpec, get_rope_index, positions_for
 
@@ -61,26 +67,48 @@ def audio(frames: int) -> list[int]:
 
 
 def video_with_audio(grid: tuple[int, int, int], seconds: float, frames: int) -> list[int]:
-    """The processor's own interleaving of a video's and its audio track's placeholders."""
-    chars = {"s": AS, "e": AE, "v": CFG.video_token_id, "a": CFG.audio_token_id}
+    """The processor's own interleaving of a video's and its audio track's placeholders: its
+    ``replace_video_with_audio_token``, or in transformers 5.17, which has no such method, the
+    same code inside ``replace_multimodal_special_tokens`` (which also writes the vision start and end)."""
+    chars = {"S": VS, "E": VE, "s": AS, "e": AE, "v": CFG.video_token_id, "a": CFG.audio_token_id}
     owner = types.SimpleNamespace(
+        image_processor=types.SimpleNamespace(merge_size=MERGE),
         video_processor=types.SimpleNamespace(merge_size=MERGE),
+        vision_bos_token="S",
+        vision_eos_token="E",
         audio_bos_token="s",
         audio_eos_token="e",
+        image_token="i",
         video_token="v",
         audio_token="a",
     )
     owner.get_chunked_index = functools.partial(Qwen2_5OmniProcessor.get_chunked_index, owner)
-    layout = Qwen2_5OmniProcessor.replace_video_with_audio_token(
-        owner,
-        {"video_grid_thw": np.array([grid]), "video_second_per_grid": [seconds]},
-        0,
-        {"num_audio_tokens": [int(_get_feat_extract_output_lengths(frames))]},
-        0,
-        position_id_per_seconds=CFG.position_id_per_seconds,
-        seconds_per_chunk=CFG.seconds_per_chunk,
+    num_audio = int(_get_feat_extract_output_lengths(frames))
+    chunks = dict(
+        position_id_per_seconds=CFG.position_id_per_seconds, seconds_per_chunk=CFG.seconds_per_chunk
     )
-    return [VS] + [chars[c] for c in layout] + [VE]
+    if hasattr(Qwen2_5OmniProcessor, "replace_video_with_audio_token"):
+        layout = Qwen2_5OmniProcessor.replace_video_with_audio_token(
+            owner,
+            {"video_grid_thw": np.array([grid]), "video_second_per_grid": [seconds]},
+            0,
+            {"num_audio_tokens": [num_audio]},
+            0,
+            **chunks,
+        )
+        layout = "S" + layout + "E"
+    else:
+        (layout,) = Qwen2_5OmniProcessor.replace_multimodal_special_tokens(
+            owner,
+            ["SvE"],
+            audio_lengths=iter([num_audio]),
+            image_grid_thw=iter([]),
+            video_grid_thw=iter([np.array(grid)]),
+            video_second_per_grid=iter([seconds]),
+            use_audio_in_video=True,
+            **chunks,
+        )
+    return [chars[c] for c in layout]
 
 
 CASES = {

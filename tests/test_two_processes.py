@@ -36,6 +36,7 @@ def run_two(model_dir: Path, spec: dict, tmp_path: Path) -> tuple[dict, dict]:
         env = {
             **os.environ,
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_PLATFORMS": "cpu",  # the worker's own default, which an inherited platform would override
             "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
             "JAX_NUM_PROCESSES": "2",
             "JAX_PROCESS_ID": str(pid),

@@ -415,8 +415,13 @@ class OmniProcessor:
     def images(self, images: Sequence[Any]) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
         """Per image ``(patches [h*w, patch_dim], grid (1, h, w))`` from the image processor, for
         RGB PIL images and ``[H, W, 3]`` arrays (what :meth:`process` checks them into): the
-        layout is given, never guessed from the shape."""
-        out = self.image_processor(list(images), return_tensors="np", input_data_format="channels_last")
+        layout is given, never guessed from the shape.
+
+        A PIL image goes in as its ``[H, W, 3]`` array (the same pixels): transformers 5.17's
+        torchvision backend makes a PIL image channels-first itself and then still applies the
+        ``channels_last`` it is given, scrambling it; both backends read arrays as told."""
+        arrays = [np.array(image) if not isinstance(image, np.ndarray) else image for image in images]
+        out = self.image_processor(arrays, return_tensors="np", input_data_format="channels_last")
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"]]
         bounds = np.cumsum([0] + [int(np.prod(g)) for g in grids])
         pixels = np.asarray(out["pixel_values"], np.float32)
