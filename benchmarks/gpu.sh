@@ -4,7 +4,8 @@
 # the GPU. Each part has its own time limit and writes its log and results under $OUT as it goes,
 # so a part cut short still reports what it measured.
 # Usage, from the repository root: OUT=/some/dir bash benchmarks/gpu.sh; SHAPED_S and TESTS_S
-# bound the two parts (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's.
+# bound the two parts (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's,
+# REFERENCE= (empty) leaves transformers out.
 set -u
 OUT=${OUT:-/tmp/omni_jax_gpu}
 SHAPED_S=${SHAPED_S:-300}
@@ -20,7 +21,7 @@ jax.devices(), flax.__version__, transformers.__version__, torch.__version__)"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
   || echo "editable install failed (PYTHONPATH still holds the tree): see install.log"
 echo "== shaped suite (limit ${SHAPED_S}s)"
-timeout -s INT "$SHAPED_S" python3 -m benchmarks.shaped_suite --reference --json "$OUT/shaped.json" \
+timeout -s INT "$SHAPED_S" python3 -m benchmarks.shaped_suite ${REFERENCE---reference} --json "$OUT/shaped.json" \
   --batches "${BATCHES:-1,64,8,256}" --prefill "${PREFILL:-512,2048,8192}" >"$OUT/shaped.log" 2>&1
 echo "shaped suite exit $?"
 grep -E "^(ours|transformers)" "$OUT/shaped.log"

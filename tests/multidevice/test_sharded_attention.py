@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from parity import KERNEL_ATOL
+from parity import KERNEL_ATOL, SPLIT_ROUNDING
 
 from omni_jax.models.attention import AttentionMetadata, paged_attention
 from omni_jax.parallel import make_mesh, put
@@ -41,8 +41,13 @@ def test_decode_kernels_under_shard_map_match_jnp() -> None:
     q_s = put(q, NamedSharding(mesh, P("data", None, "model", None)))
     md_s = put(md, NamedSharding(mesh, P("data")))
     with jax.set_mesh(mesh):
-        # the kernels as their unsharded tests hold them; the sharded jnp path exactly
-        for backend, atol in (("pallas_interpret", KERNEL_ATOL), ("cpu", KERNEL_ATOL), ("jnp", 0)):
+        # the kernels as their unsharded tests hold them; the sharded jnp path within a split's
+        # rounding (exact on jax 0.10; jax 0.11's XLA fuses the split program otherwise: 1.8e-7)
+        for backend, atol in (
+            ("pallas_interpret", KERNEL_ATOL),
+            ("cpu", KERNEL_ATOL),
+            ("jnp", SPLIT_ROUNDING),
+        ):
             got = jax.jit(functools.partial(attend, backend=backend))(q_s, k_s, v_s, md_s)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=atol)
 
