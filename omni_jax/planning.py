@@ -210,9 +210,9 @@ def plan_memory(
         weights = fixed.pop(f"stage {sc.name!r} weights")
         sequence_kv = full_kv = 0
         if cache is not None:
-            lengths.append(cache.max_model_len)
-            sequence_kv = cache.memory.kv_bytes(cache.pages_per_seq)
-            full_kv = cache.memory.kv_bytes(cache.pages_per_seq * cache.max_num_seqs)
+            lengths.append(cache.geometry.max_model_len)
+            sequence_kv = cache.memory.kv_bytes(cache.geometry.pages_per_seq)
+            full_kv = cache.memory.kv_bytes(cache.geometry.pages_per_seq * cache.max_num_seqs)
         stage_dtype = part_dtype(path, hf_config, arch.part(sc.name).dtype, dtype)
         plans.append(
             StagePlan(

@@ -98,7 +98,8 @@ class StageNeeds:
         """Everything per device, a default cache (``num_pages`` None) counted at one sequence."""
         if self.plan is None:
             return self.fixed
-        kv, kv_bytes = self.plan.memory.kv_item(self.plan.pages_per_seq if num_pages is None else num_pages)
+        pages = self.plan.geometry.pages_per_seq if num_pages is None else num_pages
+        kv, kv_bytes = self.plan.memory.kv_item(pages)
         return self.fixed | {f"stage {self.name!r} {kv}": kv_bytes}
 
     def wanted_cache(self) -> int:
@@ -106,7 +107,7 @@ class StageNeeds:
         0 for a stage without one."""
         if self.plan is None:
             return 0
-        return self.plan.memory.kv_bytes(self.plan.pages_per_seq * self.plan.max_num_seqs)
+        return self.plan.memory.kv_bytes(self.plan.geometry.pages_per_seq * self.plan.max_num_seqs)
 
 
 def stage_demand(

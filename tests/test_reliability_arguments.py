@@ -52,6 +52,6 @@ def test_dtype_objects_and_defaults_still_load(qwen2_dir) -> None:
     pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, dtype=jnp.float32, max_model_len=64, page_size=8)
     runner = pipe.stages[0].engine.runner
     assert runner.max_num_seqs == 64  # the default
-    assert runner.cache_cfg.page_size == 8 and runner.cache_cfg.max_model_len == 64
+    assert runner.geometry.page_size == 8 and runner.geometry.max_model_len == 64
     out = pipe.run("hello", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), progress=False)
     assert len(out[0].token_ids) == 2

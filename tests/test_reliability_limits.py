@@ -63,7 +63,7 @@ def test_default_cache_sized_to_what_is_left(qwen2_dir, monkeypatch) -> None:
     full = OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
     assert full.stages[0].engine.runner.cache_cfg.num_pages == 8 * 256 // 16
     plan = plan_of(full, kw)
-    small = int((plan.step_bytes + 64 * plan.page_bytes) / 0.9)  # room for the step and 63 pages
+    small = int((plan.step_bytes + 64 * plan.cache.page_bytes) / 0.9)  # room for the step and 63 pages
     monkeypatch.setattr(memory, "host_available_bytes", lambda: small)
     pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
     fit = plan.pages_that_fit(small)
@@ -246,12 +246,13 @@ def test_default_caches_leave_room_for_later_stages(omni_dir, monkeypatch) -> No
 
     # Enough for about 1000 thinker pages in its half of what the reservation and step leave.
     mem = thinker.plan.memory
-    available = shares["thinker"].reserved["host"] + int((mem.step_bytes + 2 * 1000 * mem.page_bytes) / 0.9)
+    room = mem.step_bytes + 2 * 1000 * mem.cache.page_bytes
+    available = shares["thinker"].reserved["host"] + int(room / 0.9)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: available)
     (device,) = jax.devices()
     pages = thinker.plan.num_pages(None, [device], "thinker", shares["thinker"])
     alone = thinker.plan.num_pages(None, [device], "thinker")  # as if nothing came after it
-    assert thinker.plan.pages_per_seq < pages < alone
+    assert thinker.plan.geometry.pages_per_seq < pages < alone
     assert abs(pages - 1000) <= 2
     left = available - shares["thinker"].reserved["host"]
     assert pages == thinker.plan.memory.pages_that_fit(left, share=shares["thinker"].fraction)

@@ -24,7 +24,7 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from omni_jax.engine.kv_cache import PageAllocator, pages_needed
+from omni_jax.engine.kv_cache import CacheGeometry, PageAllocator, pages_needed
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import ARRequest, Scheduler, SchedulerConfig, Status
 from omni_jax.engine.step import StepResult, StepRow
@@ -41,6 +41,31 @@ class Spec:
     seed: int
     eos_at: int | None  # the draw index at which the fake model emits EOS (None: never)
     arrive_step: int
+
+
+def scheduler_config(
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    page_size: int,
+    max_prefill_chunk: int,
+) -> SchedulerConfig:
+    """A scheduler's limits over a cache of ``page_size``-token pages and ``max_model_len``-token
+    sequences (its layers and heads, which the scheduler never reads, one of each)."""
+    return SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_prefill_chunk=max_prefill_chunk,
+        cache=CacheGeometry(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            dtype=np.float32,
+            page_size=page_size,
+            max_model_len=max_model_len,
+        ),
+    )
 
 
 def fake_token(seed: int, context: list[int], draw: int, eos_at: int | None, suppress: set[int]) -> int:
@@ -112,7 +137,7 @@ def check_pages(sched: Scheduler, alloc: PageAllocator, reqs: list[ARRequest]) -
     held: list[int] = []
     for r in sched.running:
         assert r.status is Status.RUNNING
-        assert len(r.pages) >= pages_needed(r.num_computed, sched.cfg.page_size)
+        assert len(r.pages) >= pages_needed(r.num_computed, sched.cfg.cache.page_size)
         held += r.pages
     assert len(held) == len(set(held)), f"a page is held by two running requests: {sorted(held)}"
     for r in reqs:
@@ -181,7 +206,7 @@ def drive(
     alloc = PageAllocator(num_pages)
     sched = Scheduler(cfg, alloc)
     by_id = {f"r{i}": s for i, s in enumerate(specs)}
-    runner = FakeRunner(num_pages, cfg.page_size, by_id)
+    runner = FakeRunner(num_pages, cfg.cache.page_size, by_id)
     reqs = [
         ARRequest(f"r{i}", i, list(s.prompt), s.params, s.seed, eos_token_ids=(EOS,))
         for i, s in enumerate(specs)
@@ -190,7 +215,7 @@ def drive(
     submitted = 0
     # Without preemption a request needs at most max_model_len steps; a run that samples no
     # token beyond any request's high-water mark for this long goes round in circles.
-    stall_limit = 2 * len(specs) * cfg.max_model_len + 50
+    stall_limit = 2 * len(specs) * cfg.cache.max_model_len + 50
     high_water, last_progress = [0] * len(reqs), 0
     clock = 0
     for clock in range(10**6):
@@ -240,7 +265,7 @@ def workloads(draw: st.DrawFn, with_aborts: bool = False, chunked: bool = False)
     page_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     max_model_len = draw(st.integers(4, 96))
     budget = draw(st.sampled_from([16, 32, 64]))
-    cfg = SchedulerConfig(
+    cfg = scheduler_config(
         max_num_seqs=draw(st.integers(1, 8)),
         max_model_len=max_model_len,
         max_num_batched_tokens=budget,
@@ -281,7 +306,7 @@ def test_every_request_ends_as_if_run_alone(workload) -> None:
     cfg, num_pages, specs, _ = workload
     reqs, _, finished = drive(cfg, num_pages, specs)
     for req, spec in zip(reqs, specs, strict=True):
-        want, reason = alone(spec, cfg.max_model_len)
+        want, reason = alone(spec, cfg.cache.max_model_len)
         assert req.output_ids == want, req.request_id
         assert req.finish_reason == reason
         assert req.prompt_ids == list(spec.prompt)
@@ -295,7 +320,7 @@ def test_aborts_free_their_pages_and_leave_the_others_untouched(workload) -> Non
     cfg, num_pages, specs, aborts = workload
     reqs, _, _ = drive(cfg, num_pages, specs, aborts)
     for req, spec in zip(reqs, specs, strict=True):
-        want, reason = alone(spec, cfg.max_model_len)
+        want, reason = alone(spec, cfg.cache.max_model_len)
         if req.finish_reason == "abort":
             assert want[: len(req.output_ids)] == req.output_ids
         else:
@@ -307,7 +332,7 @@ def test_aborts_free_their_pages_and_leave_the_others_untouched(workload) -> Non
 def test_one_sequence_of_pages_still_finishes_everyone(max_num_seqs, lengths, max_tokens) -> None:
     """The smallest legal budget (one max_model_len sequence): requests run nearly one at a
     time, preempting each other, and all finish with exactly the tokens their params imply."""
-    cfg = SchedulerConfig(
+    cfg = scheduler_config(
         max_num_seqs=max_num_seqs,
         max_model_len=64,
         max_num_batched_tokens=32,
@@ -329,14 +354,14 @@ def tiny(n: int) -> list[Spec]:
 
 
 def test_a_newer_request_never_preempts_an_older_one() -> None:
-    cfg = SchedulerConfig(
+    cfg = scheduler_config(
         max_num_seqs=3, max_model_len=5, max_num_batched_tokens=16, page_size=1, max_prefill_chunk=16
     )
     drive(cfg, 5, tiny(3), check_priority=True)
 
 
 def test_small_prefill_chunks_do_not_livelock() -> None:
-    cfg = SchedulerConfig(
+    cfg = scheduler_config(
         max_num_seqs=4, max_model_len=4, max_num_batched_tokens=32, page_size=1, max_prefill_chunk=2
     )
     drive(cfg, 4, tiny(4))
@@ -350,4 +375,4 @@ def test_chunked_prefill_keeps_priority_and_finishes(workload) -> None:
     cfg, num_pages, specs, _ = workload
     reqs, _, _ = drive(cfg, num_pages, specs, check_priority=True)
     for req, spec in zip(reqs, specs, strict=True):
-        assert (req.output_ids, req.finish_reason) == alone(spec, cfg.max_model_len)
+        assert (req.output_ids, req.finish_reason) == alone(spec, cfg.cache.max_model_len)

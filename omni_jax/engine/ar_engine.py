@@ -34,7 +34,6 @@ class AREngine(Generic[S]):
         """``name`` (the stage's) prefixes the engine's profiler spans: ``<name>/schedule``,
         ``<name>/prefill`` or ``<name>/decode`` (a step with any prompt row is a prefill),
         ``<name>/update``."""
-        c = runner.cache_cfg
         self.name = name
         self.runner = runner
         self.inputs = runner.step_inputs
@@ -42,12 +41,11 @@ class AREngine(Generic[S]):
         self.scheduler: Scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
-                max_model_len=c.max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens,
-                page_size=c.page_size,
                 max_prefill_chunk=max_num_batched_tokens,
+                cache=runner.cache_cfg.geometry,
             ),
-            PageAllocator(c.num_pages),
+            PageAllocator(runner.cache_cfg.num_pages),
             self.inputs.positions,
         )
         self._arrivals = 0

@@ -30,7 +30,6 @@ its own chunk.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -50,7 +49,7 @@ from omni_jax.engine.buckets import (
     max_token_rows,
     round_up,
 )
-from omni_jax.engine.kv_cache import init_kv_cache
+from omni_jax.engine.kv_cache import CacheConfig, init_kv_cache, pages_needed
 from omni_jax.engine.sampling import SamplingTensors, draw_tokens, pack_sampling, top_logprobs
 from omni_jax.engine.step import FlatStep, StepInputs, StepResult, StepRow, TokenInputs
 from omni_jax.jit import compute_dtype, exact_matmuls
@@ -60,7 +59,17 @@ from omni_jax.parallel.rules import put
 
 
 class ARModel(Protocol):
-    """What the engine needs of an AR model; nothing here is model-specific."""
+    """What the engine needs of an AR model; nothing here is model-specific.
+
+    ``embed``, ``__call__`` and ``logits`` are a step's forward. The rest sizes the stage before
+    anything is allocated (an abstract model, ``nnx.eval_shape``, answers them too):
+    ``kv_cache_shape`` is ``(layers, kv_heads, head_dim)`` of the paged cache;
+    ``num_query_heads`` the attention heads a query has (the cache may store KV heads
+    replicated up to them); ``vocab_size`` the width of ``logits``; ``max_positions`` the
+    longest sequence its positions reach; ``activation_width(model)`` how many float32 values
+    one token row of a step holds at once on one device when a ``model`` mesh axis of that size
+    splits the model (a dense MLP and an MoE one differ; the memory planner reads it).
+    """
 
     def embed(self, tokens: jax.Array, extra: Any = None) -> jax.Array: ...
 
@@ -70,34 +79,15 @@ class ARModel(Protocol):
 
     def logits(self, hidden: jax.Array) -> jax.Array: ...
 
+    def kv_cache_shape(self) -> tuple[int, int, int]: ...
 
-@dataclasses.dataclass(frozen=True)
-class CacheConfig:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_pages: int
-    page_size: int
-    dtype: Any
-    max_model_len: int
+    def num_query_heads(self) -> int: ...
 
-    @property
-    def pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
+    def vocab_size(self) -> int: ...
 
-    @property
-    def null_page(self) -> int:
-        """A page past the allocator's, never written: unused block-table entries point here.
+    def max_positions(self) -> int: ...
 
-        Attention weighs keys past a row's context by exactly zero, but ``0 * NaN`` is NaN, so
-        those entries must read finite values whatever another request left in its pages.
-        """
-        return self.num_pages
-
-    @property
-    def dropped_slot(self) -> int:
-        """A slot index past the whole cache: writes there are dropped (padding tokens)."""
-        return (self.num_pages + 1) * self.page_size
+    def activation_width(self, model: int) -> int: ...
 
 
 def _forward_fn(
@@ -149,15 +139,17 @@ class ARRunner:
         step_inputs: StepInputs[Any] | None = None,
     ):
         """``mesh``: the stage's ``("data", "model")`` mesh; the model's parameters must already
-        be placed on it. The cache is split on KV heads over ``model`` (``cache.num_kv_heads``
-        counts stored, possibly replicated, heads), step rows over ``data``. ``step_inputs``:
-        the stage's per-step inputs (default :class:`TokenInputs`: token ids alone, 1-D RoPE)."""
+        be placed on it. The cache is split on KV heads over ``model`` (its geometry's
+        ``num_kv_heads`` counts stored, possibly replicated, heads), step rows over ``data``.
+        ``step_inputs``: the stage's per-step inputs (default :class:`TokenInputs`: token ids
+        alone, 1-D RoPE)."""
         self.graphdef, self.state = nnx.split(model)
         # The programs take the state's leaves, its structure bound in: jit flattens its
         # arguments on every call, and flattening the NNX state costs a Python call per variable
         # of every step's dispatch.
         self._leaves, treedef = jax.tree.flatten(self.state)
         self.cache_cfg = cache
+        self.geometry = g = cache.geometry
         self.max_num_seqs = max_num_seqs
         self.mesh = mesh
         self.data = axis_size(mesh, "data")
@@ -170,12 +162,12 @@ class ARRunner:
         # build time, before warm-up, when the next stage reads them (one program set either way).
         self.capture_hidden = False
         self.kv_cache = init_kv_cache(
-            cache.num_layers,
-            cache.num_kv_heads,
+            g.num_layers,
+            g.num_kv_heads,
             cache.num_pages + 1,  # + the null page
-            cache.page_size,
-            cache.head_dim,
-            cache.dtype,
+            g.page_size,
+            g.head_dim,
+            g.dtype,
             # Committed where the params are: a jit keys its programs on whether arguments are
             # committed, and the cache every step donates back is, so an uncommitted first cache
             # would compile the first step's program twice.
@@ -204,7 +196,7 @@ class ARRunner:
     def scrub(self, pages: Sequence[int]) -> None:
         """Zero ``pages`` (a failed request's) before the allocator hands them out again, in
         calls of one sequence's worth of pages (one program)."""
-        width = self.cache_cfg.pages_per_seq
+        width = self.geometry.pages_per_seq
         for i in range(0, len(pages), width):
             ids = np.full((width,), self.cache_cfg.num_pages + 1, np.int32)
             chunk = pages[i : i + width]
@@ -234,7 +226,7 @@ class ARRunner:
         power of two, at least a quarter of the maximum to bound the number of programs). The
         kernels (``auto`` picks one for these one-token rows on GPU and for float32 on CPU) read
         only the pages under each row's context, whatever the width."""
-        full = self.cache_cfg.pages_per_seq
+        full = self.geometry.pages_per_seq
         if self.backend != "jnp":
             return full
         return min(full, bucket(max_pages, max(1, full // 4)))
@@ -242,8 +234,7 @@ class ARRunner:
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every ``(token rows, pages)`` forward shape the scheduler can produce: any step up to
         the budget's tokens (a prompt step) or ``max_rows`` (a decode step), any table width."""
-        c = self.cache_cfg
-        widths = sorted({self.pages_bucket(p) for p in range(1, c.pages_per_seq + 1)})
+        widths = sorted({self.pages_bucket(p) for p in range(1, self.geometry.pages_per_seq + 1)})
         rows = sorted({self.rows_bucket(n) for n in range(1, self.most_rows + 1)})
         return [(n, p) for n in rows for p in widths]
 
@@ -272,7 +263,7 @@ class ARRunner:
     def _pack(self, rows: Sequence[StepRow], n: int, p: int) -> tuple[Any, ...]:
         """Host arrays of one flat step's forward: ``rows``' tokens in order, padded to ``n``
         token rows, with :meth:`sequences` ``p``-page tables and logits rows."""
-        c = self.cache_cfg
+        c, page_size = self.cache_cfg, self.geometry.page_size
         s = self.sequences(n)
         tokens = np.zeros((n, 1), np.int32)
         positions = np.zeros((*self.position_shape, n, 1), np.int32)
@@ -290,8 +281,8 @@ class ARRunner:
             positions[..., seg, 0] = r.positions
             idx = np.arange(r.start, r.end)
             pages = np.asarray(r.pages, np.int32)
-            slots[seg, 0] = pages[idx // c.page_size] * c.page_size + idx % c.page_size
-            used = -(-r.end // c.page_size)
+            slots[seg, 0] = pages[idx // page_size] * page_size + idx % page_size
+            used = pages_needed(r.end, page_size)
             tables[i, :used] = pages[:used]
             sequence[seg] = i
             ctx[seg] = idx + 1  # each token's causal horizon
@@ -312,7 +303,7 @@ class ARRunner:
             [r.draw_index for r in rows],
             [r.suppress for r in rows],
             batch=s,
-            history_len=self.cache_cfg.max_model_len if history else 1,
+            history_len=self.geometry.max_model_len if history else 1,
         )
 
     def _on_mesh(
@@ -373,7 +364,7 @@ class ARRunner:
         n_rows = len(rows)
         lengths = [len(r.token_ids) for r in rows]
         n = self.rows_bucket(sum(lengths))
-        p = self.pages_bucket(max(-(-r.end // self.cache_cfg.page_size) for r in rows))
+        p = self.pages_bucket(max(pages_needed(r.end, self.geometry.page_size) for r in rows))
         logits, finite, hidden = self._run_forward(*self._pack(rows, n, p))
         penalised = any(
             r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty

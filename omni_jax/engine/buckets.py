@@ -18,9 +18,14 @@ as a dynamic-update-slice and, on CPU, copies every layer's whole cache each ste
 rows it keeps the scatter, which writes the new slots in place."""
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up (``b > 0``)."""
+    return -(-a // b)
+
+
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is ``>= n``."""
-    return -(-n // multiple) * multiple
+    return ceil_div(n, multiple) * multiple
 
 
 def max_sequence_rows(max_num_seqs: int, data: int = 1) -> int:

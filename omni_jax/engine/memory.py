@@ -3,11 +3,11 @@
 A KV cache or a step that cannot fit must be refused when the pipeline is built, with the
 numbers, not found by an out-of-memory error in the middle of a run. What an AR stage holds
 besides its weights is known before anything is allocated (:class:`ARMemory`): the paged
-cache (``2 x layers x kv_heads x pages x page_size x head_dim`` elements) and the temporaries
-of its largest step, estimated from the jnp attention path: steps are flat (every token a row
-of its own, :mod:`omni_jax.engine.ar_runner`), and that path gathers each row's K and V pages
-and scores them in chunks of rows (one layer at a time), plus each token row's activations
-(the MLP's gate and up outputs beside the residual stream) and the step's float32 logits.
+cache (its :class:`~omni_jax.engine.kv_cache.CacheGeometry`'s pages) and the temporaries of
+its largest step, estimated from the jnp attention path: steps are flat (every token a row of
+its own, :mod:`omni_jax.engine.ar_runner`), and that path gathers each row's K and V pages and
+scores them in chunks of rows (one layer at a time), plus each token row's activations (as
+wide as the model says, ``activation_width``) and the step's float32 logits.
 
 What a device has left: ``bytes_limit - bytes_in_use`` from ``memory_stats()`` on accelerators;
 CPU devices report no statistics and allocate from host memory, so they count against the
@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+
+from omni_jax.engine.kv_cache import CacheGeometry
 
 GIB = 1 << 30
 
@@ -78,42 +80,34 @@ class ARMemory:
     """One AR stage's allocations besides its weights, per device (heads split over ``model``,
     rows over ``data``); see the module docstring for what the step estimate counts."""
 
-    num_layers: int
+    cache: CacheGeometry  # one device's part of the stage's cache (CacheGeometry.shard)
     num_heads: int  # query heads on one device
-    num_kv_heads: int  # stored KV heads on one device
-    head_dim: int
     vocab_size: int
-    itemsize: int  # of the cache and activations
-    page_size: int
-    context: int  # tokens a row's block table reaches: pages_per_seq * page_size
     max_rows: int  # sequences (logits rows) of the largest step on one device
     max_token_rows: int  # token rows of the largest step on one device
     chunk_bytes: int  # what the jnp path gathers and scores at once (attention.chunk_bytes)
     activation_width: int  # float32 values a token row holds at once on one device (see step_bytes)
 
-    @property
-    def page_bytes(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim * self.itemsize
-
     def kv_bytes(self, num_pages: int) -> int:
         """The cache with ``num_pages`` pages (plus the never-written null page)."""
-        return (num_pages + 1) * self.page_bytes
+        return (num_pages + 1) * self.cache.page_bytes
 
     @property
     def step_bytes(self) -> int:
         """The largest step's temporaries: one chunk of token rows' gathered K/V and float32
         scores (the jnp path, one layer at a time), every token row's activations, and the
         step's float32 logits."""
-        gathered = 2 * self.num_kv_heads * self.context * self.head_dim * self.itemsize
-        per_row = gathered + self.num_heads * self.context * 4
+        context = self.cache.table_tokens
+        per_row = context * self.cache.token_bytes + self.num_heads * context * 4
         rows = min(self.max_token_rows, max(1, self.chunk_bytes // per_row))
         activations = self.max_token_rows * self.activation_width * 4
         return rows * per_row + activations + self.max_rows * self.vocab_size * 4
 
     def kv_item(self, num_pages: int) -> tuple[str, int]:
         """The cache as one line of a refusal: ``(what, bytes)``."""
+        c = self.cache
         return (
-            f"KV cache ({num_pages} pages of {self.page_size} tokens, {self.page_bytes} bytes each)",
+            f"KV cache ({num_pages} pages of {c.page_size} tokens, {c.page_bytes} bytes each)",
             self.kv_bytes(num_pages),
         )
 
@@ -124,7 +118,7 @@ class ARMemory:
     def pages_that_fit(self, available: int, memory_fraction: float = 0.9, share: float = 1.0) -> int:
         """Pages a cache can have within ``memory_fraction`` of ``available`` bytes next to the
         step, taking ``share`` of the room the step leaves (other stages' caches take the rest)."""
-        return int((available * memory_fraction - self.step_bytes) * share // self.page_bytes) - 1
+        return int((available * memory_fraction - self.step_bytes) * share // self.cache.page_bytes) - 1
 
 
 def refuse_unless_fits(

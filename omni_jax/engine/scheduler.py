@@ -19,7 +19,7 @@ from typing import Generic
 
 import numpy as np
 
-from omni_jax.engine.kv_cache import PageAllocator, pages_needed
+from omni_jax.engine.kv_cache import CacheGeometry, PageAllocator, pages_needed
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.step import S, StepResult, StepRow, text_positions
 
@@ -103,11 +103,13 @@ class StepUpdate(Generic[S]):
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
+    """A step's limits (sequences, tokens, tokens of one prompt chunk) over the stage's cache,
+    whose page size pages requests and whose ``max_model_len`` ends them."""
+
     max_num_seqs: int
-    max_model_len: int
     max_num_batched_tokens: int
-    page_size: int
     max_prefill_chunk: int
+    cache: CacheGeometry
 
 
 class Scheduler:
@@ -164,7 +166,7 @@ class Scheduler:
         """Give ``req`` pages up to token ``end``, preempting newer requests if needed (never
         one already in ``step``). The rows already placed are looked at only when pages run
         short, not for every row (which would make scheduling quadratic in the step's rows)."""
-        need = pages_needed(end, self.cfg.page_size) - len(req.pages)
+        need = pages_needed(end, self.cfg.cache.page_size) - len(req.pages)
         while need > self.allocator.num_free:
             placed = {id(r) for r, _ in step}
             victims = [r for r in self.running if r.arrival > req.arrival and id(r) not in placed]
@@ -202,7 +204,7 @@ class Scheduler:
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
             chunk = min(req.remaining, cfg.max_prefill_chunk, budget)
-            need = pages_needed(chunk, cfg.page_size)
+            need = pages_needed(chunk, cfg.cache.page_size)
             if need > spare:
                 break
             plan.append((req, chunk))
@@ -224,7 +226,7 @@ class Scheduler:
 
     def _growth(self, req: ARRequest, chunk: int) -> int:
         """Pages ``req`` lacks for its next ``chunk`` tokens."""
-        return max(0, pages_needed(req.num_computed + chunk, self.cfg.page_size) - len(req.pages))
+        return max(0, pages_needed(req.num_computed + chunk, self.cfg.cache.page_size) - len(req.pages))
 
     def _row(self, req: ARRequest, chunk: int) -> StepRow:
         start, end = req.num_computed, req.num_computed + chunk
@@ -286,6 +288,6 @@ class Scheduler:
             return "stop"
         if req.params.max_tokens is not None and len(req.output_ids) >= req.params.max_tokens:
             return "length"
-        if req.num_tokens >= self.cfg.max_model_len:
+        if req.num_tokens >= self.cfg.cache.max_model_len:
             return "length"
         return None

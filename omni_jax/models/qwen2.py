@@ -199,6 +199,25 @@ class Qwen2ForCausalLM(nnx.Module):
         """``(layers, kv_heads, head_dim)`` the engine sizes the paged cache with."""
         return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
 
+    def num_query_heads(self) -> int:
+        """Attention heads of a query (a multiple of the KV heads)."""
+        return self.spec.num_heads
+
+    def vocab_size(self) -> int:
+        """Width of :meth:`logits`."""
+        return self.spec.vocab_size
+
+    def max_positions(self) -> int:
+        """The longest sequence the rotary positions are made for (``max_position_embeddings``)."""
+        return self.spec.max_position_embeddings
+
+    def activation_width(self, model: int) -> int:
+        """Float32 values one token row of a step holds at once on one device, when a ``model``
+        mesh axis of that size splits the layers (the engine's memory estimate): the SwiGLU's
+        gate and up outputs, split over ``model``, beside three vectors of the residual
+        stream's width, whole on every device."""
+        return 2 * self.spec.intermediate_size // model + 3 * self.spec.hidden_size
+
     def __call__(
         self,
         embeds: jax.Array,

@@ -14,8 +14,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from omni_jax.engine.ar_engine import AREngine
-from omni_jax.engine.ar_runner import ARRunner, CacheConfig
+from omni_jax.engine.ar_runner import ARModel, ARRunner
 from omni_jax.engine.buckets import max_sequence_rows, max_token_rows
+from omni_jax.engine.kv_cache import CacheConfig, CacheGeometry
 from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, pool_key, refuse_unless_fits
 from omni_jax.engine.sampling import SUPPRESS_WIDTH, SamplingParams
 from omni_jax.engine.step import S, StepInputs
@@ -133,14 +134,10 @@ class ARStage(Generic[S]):
             page_size=page_size,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        max_model_len = plan.max_model_len
         num_pages = plan.num_pages(num_pages, local_devices(mesh), sc.name, share)
-        cache = CacheConfig(
-            plan.num_layers, plan.num_kv_heads, plan.head_dim, num_pages, page_size, plan.dtype, max_model_len
-        )
         runner = ARRunner(
             model,
-            cache,
+            CacheConfig(plan.geometry, num_pages),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             backend=backend,
@@ -159,7 +156,7 @@ class ARStage(Generic[S]):
             name=sc.name,
         )
         defaults = sc.default_params(SamplingParams, overrides)
-        return cls(sc, engine, model.spec.vocab_size, max_model_len, defaults, frontend)
+        return cls(sc, engine, model.vocab_size(), plan.geometry.max_model_len, defaults, frontend)
 
     @property
     def capture_hidden(self) -> bool:
@@ -294,27 +291,18 @@ class CacheShare:
 
 @dataclasses.dataclass(frozen=True)
 class CachePlan:
-    """An AR stage's KV cache geometry and memory (:class:`ARMemory`) before anything is
-    allocated: from a loaded model or an abstract one (``nnx.eval_shape``), so start-up can
-    refuse a cache or batch the devices cannot hold before loading weights."""
+    """An AR stage's KV cache geometry and memory (:class:`ARMemory`, per device) before
+    anything is allocated: from a loaded model or an abstract one (``nnx.eval_shape``), so
+    start-up can refuse a cache or batch the devices cannot hold before loading weights."""
 
-    num_layers: int
-    num_kv_heads: int  # stored (replicated when the model axis exceeds the model's)
-    head_dim: int
-    dtype: Any
-    max_model_len: int
-    page_size: int
+    geometry: CacheGeometry  # the whole cache (heads stored as the mesh needs them)
     max_num_seqs: int
     memory: ARMemory
-
-    @property
-    def pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
 
     @classmethod
     def of(
         cls,
-        model: Any,
+        model: ARModel,
         mesh: Mesh | None,
         *,
         max_num_seqs: int,
@@ -323,37 +311,31 @@ class CachePlan:
         max_num_batched_tokens: int,
     ) -> CachePlan:
         layers, kv_heads, head_dim = model.kv_cache_shape()
-        spec = model.spec
         tp, data = axis_size(mesh, "model"), axis_size(mesh, "data")
-        kv_heads = replicated_kv_heads(kv_heads, spec.num_heads, tp)
-        spec_max = spec.max_position_embeddings
-        max_model_len = max_model_len or min(spec_max, 4096)
-        if max_model_len > spec_max:
+        kv_heads = replicated_kv_heads(kv_heads, model.num_query_heads(), tp)
+        longest = model.max_positions()
+        max_model_len = max_model_len or min(longest, 4096)
+        if max_model_len > longest:
             raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={spec_max}"
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={longest}"
             )
         if max_num_batched_tokens & (max_num_batched_tokens - 1) or max_num_batched_tokens < 16:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be a power of two >= 16")
         if max_num_seqs < 1 or page_size < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and page_size={page_size} must be >= 1")
         dtype = jnp.dtype(jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype)
-        pages_per_seq = -(-max_model_len // page_size)
+        geometry = CacheGeometry(layers, kv_heads, head_dim, dtype, page_size, max_model_len)
         max_rows = max_sequence_rows(max_num_seqs, data)
         memory = ARMemory(
-            num_layers=layers,
-            num_heads=spec.num_heads // tp,
-            num_kv_heads=kv_heads // tp,
-            head_dim=head_dim,
-            vocab_size=spec.vocab_size,
-            itemsize=dtype.itemsize,
-            page_size=page_size,
-            context=pages_per_seq * page_size,
+            cache=geometry.shard(tp),
+            num_heads=model.num_query_heads() // tp,
+            vocab_size=model.vocab_size(),
             max_rows=max_rows // data,
             max_token_rows=max_token_rows(max_num_batched_tokens, max_rows, data) // data,
             chunk_bytes=chunk_bytes(jax.default_backend() if mesh is None else mesh.devices.flat[0].platform),
-            activation_width=2 * spec.intermediate_size // tp + 3 * spec.hidden_size,
+            activation_width=model.activation_width(tp),
         )
-        return cls(layers, kv_heads, head_dim, dtype, max_model_len, page_size, max_num_seqs, memory)
+        return cls(geometry, max_num_seqs, memory)
 
     def num_pages(
         self, num_pages: int | None, devices: list[jax.Device], name: str, share: CacheShare | None = None
@@ -362,7 +344,8 @@ class CachePlan:
         sequences capped by what ``devices`` have left, less what ``share`` leaves to later
         stages (at least one sequence); ``ValueError`` with the numbers when the cache and the
         largest step cannot fit."""
-        per_seq = self.pages_per_seq
+        g = self.geometry
+        per_seq = g.pages_per_seq
         if num_pages is None:
             share = share or CacheShare()
             fit = min(
@@ -372,8 +355,8 @@ class CachePlan:
             num_pages = max(per_seq, min(per_seq * self.max_num_seqs, fit))
         if num_pages < per_seq:
             raise ValueError(
-                f"num_pages={num_pages} x page_size={self.page_size} cannot hold one sequence of "
-                f"max_model_len={self.max_model_len}"
+                f"num_pages={num_pages} x page_size={g.page_size} cannot hold one sequence of "
+                f"max_model_len={g.max_model_len}"
             )
         refuse_unless_fits(
             f"stage {name!r} (KV cache and largest step)",
@@ -387,9 +370,10 @@ class CachePlan:
         fit = min(
             self.memory.pages_that_fit(available_bytes(d)[0] // c, 1.0) for d, c in memory_pools(devices)
         )
+        g = self.geometry
         return (
-            f"at most {max(fit, 0)} pages fit next to that step ({self.pages_per_seq} hold one sequence of "
-            f"max_model_len={self.max_model_len}); lower num_pages, max_model_len, max_num_seqs or "
+            f"at most {max(fit, 0)} pages fit next to that step ({g.pages_per_seq} hold one sequence of "
+            f"max_model_len={g.max_model_len}); lower num_pages, max_model_len, max_num_seqs or "
             "max_num_batched_tokens"
         )
 

@@ -10,7 +10,8 @@ a position reads, and whether it adds its codec embedding at all, is the stage's
 
 The decoder, its paged KV cache and its rotary are the thinker's
 (:class:`~omni_jax.models.qwen2_5_omni.thinker.ThinkerTextModel`); the interface is the
-engine's AR model (``embed``, ``__call__``, ``logits``, ``kv_cache_shape``, ``spec``).
+engine's AR model (``embed``, ``__call__``, ``logits``, and the Qwen2 LM's sizes: ``kv_cache_shape``,
+``num_query_heads``, ``vocab_size``, ``max_positions``, ``activation_width``).
 """
 
 from __future__ import annotations
@@ -101,9 +102,10 @@ class TalkerEmbeds:
 class Talker(Qwen2ForCausalLM):
     """``Qwen2_5OmniTalkerForConditionalGeneration``: codec embedding, projection, M-RoPE decoder, codec head.
 
-    ``__call__`` and ``kv_cache_shape`` are the Qwen2 LM's over the thinker's M-RoPE decoder
-    (positions ``[3, B, T]``, or ``[B, T]`` for the same on every axis); ``self.spec`` is the
-    decoder's :class:`~omni_jax.models.qwen2.Qwen2Spec`, ``self.talker_spec`` the rest.
+    ``__call__`` and the sizes the engine plans with (``kv_cache_shape``, ``activation_width``,
+    ...) are the Qwen2 LM's over the thinker's M-RoPE decoder (positions ``[3, B, T]``, or
+    ``[B, T]`` for the same on every axis), ``vocab_size`` the codec vocabulary's; ``self.spec``
+    is the decoder's :class:`~omni_jax.models.qwen2.Qwen2Spec`, ``self.talker_spec`` the rest.
     """
 
     def __init__(self, spec: TalkerSpec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):

@@ -110,10 +110,11 @@ class ThinkerTextModel(Qwen2Model):
 class Thinker(Qwen2ForCausalLM):
     """``Qwen2_5OmniThinkerForConditionalGeneration``: M-RoPE decoder, LM head, audio and vision towers.
 
-    ``embed``, ``__call__``, ``logits`` and ``kv_cache_shape`` are the Qwen2 LM's (so
-    ``self.spec`` is the text spec they read); the constructor is its own because the decoder
-    is the M-RoPE one. The towers are called separately (their batches are packed on the
-    host) and their rows merged with :func:`merge_placeholders`.
+    ``embed``, ``__call__``, ``logits`` and the sizes the engine plans with (``kv_cache_shape``,
+    ``activation_width``, ...) are the Qwen2 LM's (so ``self.spec`` is the text spec they
+    read); the constructor is its own because the decoder is the M-RoPE one. The towers are
+    called separately (their batches are packed on the host) and their rows merged with
+    :func:`merge_placeholders`.
     """
 
     def __init__(self, spec: ThinkerSpec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
