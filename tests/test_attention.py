@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -81,23 +82,24 @@ def assert_same_rows(got: np.ndarray, want: np.ndarray) -> None:
         np.testing.assert_allclose(got, want, rtol=0, atol=KERNEL_ATOL)
 
 
-def test_decode_row_chunks_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The jnp path runs a large decode step in chunks of rows; each row's result must be the one
-    the whole step gives at once (:func:`assert_same_rows`). Prompt steps (``t > 1``) are never chunked."""
+def test_decode_row_chunks_change_no_bit() -> None:
+    """The jnp path runs a large decode step in chunks of rows (``AttentionMetadata.chunk_bytes``);
+    each row's result must be the one the whole step gives at once (:func:`assert_same_rows`).
+    Prompt steps (``t > 1``) are never chunked, nor is a step without a budget."""
     from omni_jax.models import attention
 
     q, k, v, md = _ragged_step(np.random.RandomState(2), 12, 1)
     attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))
     whole = np.asarray(attend(q, k, v, md))
     per_row = 2 * 2 * 24 * 16 * 4 + 4 * 24 * 4  # K/V gathered + scores, as the chunker counts
-    monkeypatch.setattr(attention, "chunk_bytes", lambda platform: 4 * per_row)
-    assert attention._rows_per_chunk(12, 1, 4, 2, 24, 16, 4) == 4
-    assert attention._rows_per_chunk(12, 5, 4, 2, 24, 16, 4) == 12
-    attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))  # traced anew
-    assert_same_rows(np.asarray(attend(q, k, v, md)), whole)
+    assert attention._rows_per_chunk(12, 1, 4, 2, 24, 16, 4, 4 * per_row) == 4
+    assert attention._rows_per_chunk(12, 5, 4, 2, 24, 16, 4, 4 * per_row) == 12
+    assert attention._rows_per_chunk(12, 1, 4, 2, 24, 16, 4, None) == 12
+    chunked = dataclasses.replace(md, chunk_bytes=4 * per_row)  # static: a program of its own
+    assert_same_rows(np.asarray(attend(q, k, v, chunked)), whole)
 
 
-def test_decode_chunks_narrow_their_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_chunks_narrow_their_tables() -> None:
     """Decode chunks take length-sorted rows and read only the pages their longest row needs.
 
     Rows in shuffled order whose sorted chunks of 4 need 1, 2, 4 and 8 of 8 pages: every table
@@ -125,24 +127,22 @@ def test_decode_chunks_narrow_their_tables(monkeypatch: pytest.MonkeyPatch) -> N
     lens_in_order = np.empty_like(lens)
     lens_in_order[shuffle] = lens
 
-    def md(block_tables: np.ndarray) -> AttentionMetadata:
+    def md(block_tables: np.ndarray, chunk_bytes: int | None = None) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=jnp.zeros((batch, 1), jnp.int32),
             block_tables=jnp.asarray(block_tables),
             context_lens=jnp.asarray(lens_in_order),
             query_lens=jnp.ones((batch,), jnp.int32),
+            chunk_bytes=chunk_bytes,
         )
 
     attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))
     whole = np.asarray(attend(q, jnp.asarray(k), jnp.asarray(v), md(tables)))
     assert np.isfinite(whole).all()
     keys = pps * page_size
-    monkeypatch.setattr(
-        attention, "chunk_bytes", lambda platform: 4 * (2 * kv_heads * keys * d * 4 + heads * keys * 4)
-    )
-    assert attention._rows_per_chunk(batch, 1, heads, kv_heads, keys, d, 4) == 4
-    attend = jax.jit(lambda *a: paged_attention(*a, scale=0.25, backend="jnp"))  # traced anew
-    got = np.asarray(attend(q, jnp.asarray(k), jnp.asarray(v), md(poisoned)))
+    budget = 4 * (2 * kv_heads * keys * d * 4 + heads * keys * 4)
+    assert attention._rows_per_chunk(batch, 1, heads, kv_heads, keys, d, 4, budget) == 4
+    got = np.asarray(attend(q, jnp.asarray(k), jnp.asarray(v), md(poisoned, budget)))
     assert_same_rows(got, whole)
 
 

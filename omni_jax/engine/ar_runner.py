@@ -102,12 +102,13 @@ def _forward_fn(
     extra: Any,
     *,
     backend: Backend,
+    chunk_bytes: int | None,
     capture_hidden: bool,
 ) -> tuple[Any, ...]:
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     with exact_matmuls(compute_dtype(leaves)):
         embeds = model.embed(tokens, extra)
-        hidden, kv_cache = model(embeds, positions, kv_cache, step.metadata(), backend)
+        hidden, kv_cache = model(embeds, positions, kv_cache, step.metadata(chunk_bytes), backend)
         last = hidden.reshape(-1, hidden.shape[-1])[logits_idx]  # each sequence's last token
         logits = model.logits(last)
     finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row
@@ -135,14 +136,18 @@ class ARRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         backend: Backend = "auto",
+        chunk_bytes: int | None = None,
         mesh: Mesh | None = None,
         step_inputs: StepInputs[Any] | None = None,
     ):
         """``mesh``: the stage's ``("data", "model")`` mesh; the model's parameters must already
         be placed on it. The cache is split on KV heads over ``model`` (its geometry's
         ``num_kv_heads`` counts stored, possibly replicated, heads), step rows over ``data``.
-        ``step_inputs``: the stage's per-step inputs (default :class:`TokenInputs`: token ids
-        alone, 1-D RoPE)."""
+        ``chunk_bytes``: what one chunk of decode rows of the jnp attention path may gather and
+        score (:attr:`AttentionMetadata.chunk_bytes`; the stage passes its platform's,
+        :func:`~omni_jax.models.attention.chunk_bytes`, which its memory plan counts; ``None``:
+        the whole step at once). ``step_inputs``: the stage's per-step inputs (default
+        :class:`TokenInputs`: token ids alone, 1-D RoPE)."""
         self.graphdef, self.state = nnx.split(model)
         # The programs take the state's leaves, its structure bound in: jit flattens its
         # arguments on every call, and flattening the NNX state costs a Python call per variable
@@ -156,6 +161,7 @@ class ARRunner:
         self.max_rows = max_sequence_rows(max_num_seqs, self.data)
         self.most_rows = max_token_rows(max_num_batched_tokens, self.max_rows, self.data)
         self.backend = backend
+        self.chunk_bytes = chunk_bytes
         self.step_inputs: StepInputs[Any] = TokenInputs() if step_inputs is None else step_inputs
         self.position_shape = self.step_inputs.position_shape
         # Whether the forward returns hidden states and input embeddings: set by the pipeline at
@@ -186,7 +192,7 @@ class ARRunner:
         self._forward = jax.jit(
             functools.partial(_forward_fn, self.graphdef, treedef),
             donate_argnames=("kv_cache",),
-            static_argnames=("backend", "capture_hidden"),
+            static_argnames=("backend", "chunk_bytes", "capture_hidden"),
             **fwd_layout,
         )
         self._draw = jax.jit(draw_tokens, static_argnames=("greedy",), **out_layout)
@@ -335,6 +341,7 @@ class ARRunner:
             [self._leaves, self.kv_cache],
             host,
             backend=self.backend,
+            chunk_bytes=self.chunk_bytes,
             capture_hidden=self.capture_hidden,
         )
         return logits, finite, hidden

@@ -97,10 +97,12 @@ class FlatStep:
     context: jax.Array
     query: jax.Array
 
-    def metadata(self) -> AttentionMetadata:
+    def metadata(self, chunk_bytes: int | None = None) -> AttentionMetadata:
         """The attention's per-token-row view: each row's sequence's table, gathered here on
-        device so the host sends one table per sequence rather than one per token."""
-        return AttentionMetadata(self.slots, self.tables[self.sequence], self.context, self.query)
+        device so the host sends one table per sequence rather than one per token.
+        ``chunk_bytes``: the jnp path's budget per chunk of rows (:class:`AttentionMetadata`)."""
+        tables = self.tables[self.sequence]
+        return AttentionMetadata(self.slots, tables, self.context, self.query, chunk_bytes)
 
 
 class StepInputs(Protocol[S_contra]):

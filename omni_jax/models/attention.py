@@ -42,12 +42,16 @@ class AttentionMetadata:
     block_tables: ``[B, P]`` page ids of each sequence, in order.
     context_lens: ``[B]`` tokens in the cache for each sequence once this step is written.
     query_lens: ``[B]`` real (non-padding) tokens of each row in this step.
+    chunk_bytes: static, not traced: what one chunk of decode rows of the jnp path may gather
+        and score (:func:`_rows_per_chunk`); the engine gives its platform's
+        (:func:`chunk_bytes`) when it builds a stage. ``None``: every row at once.
     """
 
     slot_mapping: jax.Array
     block_tables: jax.Array
     context_lens: jax.Array
     query_lens: jax.Array
+    chunk_bytes: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def query_positions(self, num_tokens: int) -> jax.Array:
         """``[B, T]`` cache index of each query token (its causal horizon)."""
@@ -98,23 +102,27 @@ row, and 2048 of them over 4096-token tables would gather 8 GiB at once."""
 
 
 def chunk_bytes(platform: str) -> int:
-    """What one chunk of decode rows of the jnp path may gather and score on ``platform``."""
+    """What one chunk of decode rows of the jnp path may gather and score on ``platform``: the
+    budget a stage picks for its devices when it is built (:attr:`AttentionMetadata.chunk_bytes`)."""
     return CPU_CHUNK_BYTES if platform == "cpu" else ACCELERATOR_CHUNK_BYTES
 
 
-def _rows_per_chunk(b: int, t: int, h: int, kvh: int, keys: int, d: int, itemsize: int) -> int:
+def _rows_per_chunk(
+    b: int, t: int, h: int, kvh: int, keys: int, d: int, itemsize: int, budget: int | None
+) -> int:
     """Rows per chunk of a ``[b, t]`` step: for decode-shaped steps (``t == 1``), the largest
-    divisor of ``b`` whose gathered K/V and scores fit :func:`chunk_bytes`; otherwise all.
+    divisor of ``b`` whose gathered K/V and scores fit ``budget`` bytes; otherwise (or without a
+    budget) all.
 
     Prompt blocks (``t > 1``, the one-shot :func:`~omni_jax.full_forward.full_forward`) stay
     whole: for ``t > 1`` XLA's CPU products round differently at another row count, so a
     row's result would depend on its chunk (decode rows come out bit for bit the same; tests
     hold both).
     """
-    if t > 1:
+    if t > 1 or budget is None:
         return b
     per_row = 2 * kvh * keys * d * itemsize + h * keys * 4
-    fit = max(1, chunk_bytes(jax.default_backend()) // per_row)
+    fit = max(1, budget // per_row)
     return max(c for c in range(1, min(fit, b) + 1) if b % c == 0)
 
 
@@ -151,7 +159,7 @@ def _attention_jnp(
     b, t, h, d = q.shape
     kvh, _, page_size, _ = k_pages.shape
     pages = md.block_tables.shape[1]
-    c = _rows_per_chunk(b, t, h, kvh, pages * page_size, d, k_pages.dtype.itemsize)
+    c = _rows_per_chunk(b, t, h, kvh, pages * page_size, d, k_pages.dtype.itemsize, md.chunk_bytes)
     if c == b:
         return _attention_rows(q, k_pages, v_pages, md, scale, sliding_window)
     order = jnp.argsort(md.context_lens)

@@ -141,6 +141,7 @@ class ARStage(Generic[S]):
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             backend=backend,
+            chunk_bytes=plan.memory.chunk_bytes,
             mesh=mesh,
             step_inputs=None if frontend is None else frontend.step_inputs,
         )

@@ -3,13 +3,13 @@ through ``shard_map`` and match the unsharded jnp path, over a cache of replicat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from parity import KERNEL_ATOL, SPLIT_ROUNDING
@@ -52,7 +52,7 @@ def test_decode_kernels_under_shard_map_match_jnp() -> None:
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=atol)
 
 
-def test_decode_row_chunks_on_a_data_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_row_chunks_on_a_data_mesh() -> None:
     """Decode rows split over ``data`` and run in chunks (a map over rows) give the unsharded,
     unchunked result bit for bit."""
     from omni_jax.models import attention
@@ -72,10 +72,9 @@ def test_decode_row_chunks_on_a_data_mesh(monkeypatch: pytest.MonkeyPatch) -> No
     want = np.asarray(attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), md))
 
     keys = pps * page_size
-    monkeypatch.setattr(
-        attention, "chunk_bytes", lambda platform: 2 * (2 * kv_heads * keys * d * 4 + heads * keys * 4)
-    )
-    assert attention._rows_per_chunk(batch, 1, heads, kv_heads, keys, d, 4) == 2
+    budget = 2 * (2 * kv_heads * keys * d * 4 + heads * keys * 4)
+    assert attention._rows_per_chunk(batch, 1, heads, kv_heads, keys, d, 4, budget) == 2
+    md = dataclasses.replace(md, chunk_bytes=budget)
     mesh = make_mesh({"data": 2, "model": 2})
     kv_sh = NamedSharding(mesh, P("model"))
     with jax.set_mesh(mesh):
