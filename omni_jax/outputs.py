@@ -1,4 +1,5 @@
-"""What ``OmniJaxPipeline.run`` returns for each prompt (the public contract)."""
+"""What ``OmniJaxPipeline.run`` returns for each prompt, and what
+``AsyncOmniJaxPipeline.generate`` yields as a request advances (the public contract)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ class StageOutput:
 
 @dataclasses.dataclass
 class OmniRequestOutput:
+    """One request's output.
+
+    ``OmniJaxPipeline.run`` returns it whole, once the request is done (``finished``).
+    ``AsyncOmniJaxPipeline.generate`` yields it as updates: each one carries what is new since
+    the previous one in the ``*_delta`` fields (``text_delta`` and ``token_ids_delta``: the text
+    stage's new tokens and the text they complete; ``audio_delta``: new samples, for now the
+    whole waveform when the audio stage finishes). Only the last update (``finished``, with its
+    ``finish_reason``) fills the other fields, with the whole output as ``run`` returns it; the
+    deltas of all updates add up to its ``token_ids``, ``text`` and ``audio``.
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -35,6 +47,10 @@ class OmniRequestOutput:
     stage_outputs: dict[str, StageOutput] = dataclasses.field(default_factory=dict)
     metrics: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     logprobs: list[dict[int, float]] | None = None
+    text_delta: str = ""
+    token_ids_delta: list[int] = dataclasses.field(default_factory=list)
+    audio_delta: np.ndarray | None = None
+    finished: bool = False
 
     def save_wav(self, path: str | Path, sample_format: Literal["pcm16", "float32"] = "pcm16") -> Path:
         """Write :attr:`audio` as a mono WAV at :attr:`sample_rate`; returns the path.

@@ -1,65 +1,39 @@
 """``OmniJaxPipeline``: load the stages a checkpoint needs, run prompts through them.
 
-The loop advances every stage each iteration, and a request moves on the moment its
-stage finishes it, so different requests can be in different stages at once. Everything
-about a prompt is checked before any work starts, so a bad prompt costs nothing and leaves
-the pipeline usable. A stage is AR (:class:`ARStage`) or generation (:class:`Code2WavStage`);
-the loop sees only the :class:`Stage` interface.
+Everything about a prompt is checked before any work starts (:mod:`omni_jax.intake`), so a bad
+prompt costs nothing and leaves the pipeline usable. The stages are then driven by the engine
+core (:class:`~omni_jax.engine_core.EngineCore`), which advances every stage each iteration and
+moves a request on the moment its stage finishes it, so different requests can be in different
+stages at once. A stage is AR (:class:`ARStage`) or generation (:class:`Code2WavStage`); the
+core sees only the :class:`Stage` interface.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from omni_jax.architectures import architecture_of
 from omni_jax.engine.compilation import CompileCounter, enable_persistent_cache
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
+from omni_jax.engine_core import EngineCore
+from omni_jax.intake import Intake, Prompt
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
-from omni_jax.outputs import OmniRequestOutput, StageOutput, StageWarmup, WarmupReport
+from omni_jax.outputs import OmniRequestOutput, StageWarmup, WarmupReport
 from omni_jax.parallel.distributed import initialize as initialize_distributed
 from omni_jax.parallel.distributed import is_main_process
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.preflight import cache_shares, check_memory_before_loading, engine_settings, stage_needs
-from omni_jax.profiling import scope
 from omni_jax.progress import RequestsBar, WarmupBar
 from omni_jax.stages.ar import ARStage
-from omni_jax.stages.base import Stage, StageInput, StageResult
+from omni_jax.stages.base import Stage
 from omni_jax.stages.code2wav import Code2WavStage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
 from omni_jax.weights import load_part
-
-Prompt = str | dict[str, Any]
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A request on its way through the stage graph."""
-
-    index: int
-    output: OmniRequestOutput
-    stage_params: list[Any]
-    prompt: dict[str, Any]
-
-
-def _token_ids(index: int, ids: Any) -> list[int]:
-    """A list/tuple of ints or a 1-D integer array (numpy ints too: ids often come from
-    tokenizers or arrays) as Python ints; anything else (floats, bools, nesting) is refused."""
-    if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
-        return [int(t) for t in ids]
-    integral = (int, np.integer)
-    if isinstance(ids, (list, tuple)) and all(
-        isinstance(t, integral) and not isinstance(t, bool) for t in ids
-    ):
-        return [int(t) for t in ids]
-    raise ValueError(f"request {index}: prompt_token_ids must be a list of ints or a 1-D integer array")
 
 
 def connect_stages(stages: Sequence[Stage]) -> None:
@@ -88,6 +62,8 @@ class OmniJaxPipeline:
         self.config = config
         self.stages = stages
         self.tokenizer = tokenizer
+        self.intake = Intake(stages, tokenizer, model_dir)
+        self.core = EngineCore(stages, tokenizer)
 
     @classmethod
     def from_pretrained(
@@ -235,60 +211,6 @@ class OmniJaxPipeline:
                 bar.stage_done()
         return WarmupReport(stages)
 
-    # -- input handling ---------------------------------------------------------------
-    def _prompt_input(self, index: int, prompt: Prompt) -> StageInput:
-        if isinstance(prompt, str):
-            prompt = {"prompt": prompt}
-        if not isinstance(prompt, dict):
-            raise ValueError(f"request {index}: a prompt is a str or a dict, got {type(prompt).__name__}")
-        if "prompt_token_ids" in prompt:
-            return StageInput(_token_ids(index, prompt["prompt_token_ids"]), prompt)
-        if "prompt" in prompt:
-            first = self.stages[0]
-            if not first.accepts_text:
-                raise ValueError(
-                    f"request {index}: the {first.config.name!r} stage takes token ids in "
-                    "'prompt_token_ids', not text"
-                )
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"request {index}: a text prompt needs a tokenizer and {no_tokenizer(self.model_dir)}; "
-                    "give its token ids in 'prompt_token_ids'"
-                )
-            return StageInput(list(self.tokenizer(prompt["prompt"])["input_ids"]), prompt)
-        raise ValueError(f"request {index}: prompt dict needs 'prompt' or 'prompt_token_ids'")
-
-    def _stage_params(self, sampling_params_list: Any, n: int) -> list[list[Any]]:
-        """Per stage, per request params, following the contract's conventions."""
-        stages = self.stages
-        if sampling_params_list is None:
-            per_stage: list[Any] = [None] * len(stages)
-        elif len(stages) == 1:
-            per_stage = [sampling_params_list]
-        else:
-            if not isinstance(sampling_params_list, (list, tuple)) or len(sampling_params_list) != len(
-                stages
-            ):
-                raise ValueError(
-                    f"sampling_params_list needs one entry per stage {[s.config.name for s in stages]}"
-                )
-            per_stage = list(sampling_params_list)
-        out = []
-        for stage, entry in zip(stages, per_stage, strict=True):
-            if entry is None:
-                out.append([dataclasses.replace(stage.defaults) for _ in range(n)])
-            elif isinstance(entry, stage.params_type):
-                out.append([entry] * n)
-            elif isinstance(entry, (list, tuple)) and len(entry) == n:
-                out.append(list(entry))
-            else:
-                raise ValueError(
-                    f"stage {stage.config.name!r}: sampling params must be one {stage.params_type.__name__} "
-                    f"or a list of {n} (one per prompt)"
-                )
-        return out
-
-    # -- running ----------------------------------------------------------------------
     def run(
         self, prompts: Prompt | Sequence[Prompt], sampling_params_list: Any = None, progress: bool = True
     ) -> list[OmniRequestOutput]:
@@ -300,124 +222,13 @@ class OmniJaxPipeline:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = self._stage_params(sampling_params_list, len(prompts))
-        pending, inputs = [], []
-        for i, prompt in enumerate(prompts):
-            request = self.stages[0].prepare(i, self._prompt_input(i, prompt))
-            self._check_modalities(i, request.prompt)
-            per_request = [p[i] for p in params]
-            for si, stage in enumerate(self.stages):
-                stage.validate(i, request if si == 0 else None, per_request[si], request.prompt)
-            out = OmniRequestOutput(request_id=str(next(self._ids)), prompt_token_ids=request.token_ids)
-            pending.append(_Pending(i, out, per_request, request.prompt))
-            inputs.append(request)
-        self._drive(pending, inputs, progress)
-        return [p.output for p in pending] if is_main_process() else []
-
-    def _drive(self, pending: list[_Pending], inputs: list[StageInput], progress: bool) -> None:
-        by_id: dict[str, _Pending] = {}
-        first = self.stages[0]
-        for p, request in zip(pending, inputs, strict=True):
-            request.capture_hidden = self._capture_hidden(p, 0)
-            first.submit(p.output.request_id, request, p.stage_params[0])
-            by_id[p.output.request_id] = p
-        tokens = 0
-        with RequestsBar(len(pending), enabled=progress) as bar:
-            while any(s.has_work() for s in self.stages):
-                for si, stage in enumerate(self.stages):
-                    if not stage.has_work():
-                        continue
-                    with scope(f"stage/{stage.config.name}"):
-                        finished = stage.step()
-                    bar.step_done()
-                    for result in finished:
-                        p = by_id[result.request_id]
-                        self._stage_done(p, si, result)
-                        if stage.config.kind == "ar":
-                            tokens += len(result.token_ids)
-                        if not self._hand_on(p, si, result):
-                            bar.request_done(tokens)
-
-    def _hand_on(self, p: _Pending, si: int, result: StageResult) -> bool:
-        """Submit a request stage ``si`` finished to the next stage; False when it is done.
-
-        The next stage's input processor may find nothing to do (the request ends with empty
-        output, e.g. no audio when the talker stopped before its first code) or input it
-        cannot take (the request alone ends with ``finish_reason="error"``).
-        """
-        if si == len(self.stages) - 1 or result.error is not None or self._done_after(p, si):
-            return False
-        nxt = self.stages[si + 1]
-        try:
-            request = nxt.accept(p.index, result, p.prompt)
-            if request is not None:
-                nxt.validate(p.index, request, p.stage_params[si + 1])
-        except ValueError as e:
-            p.output.finish_reason, p.output.error = "error", f"stage {nxt.config.name!r}: {e}"
-            return False
-        if request is None:
-            self._end_empty(p, si + 1)
-            return False
-        request.capture_hidden = self._capture_hidden(p, si + 1)
-        nxt.submit(result.request_id, request, p.stage_params[si + 1])
-        return True
-
-    def _capture_hidden(self, p: _Pending, si: int) -> bool:
-        """Whether stage ``si`` captures the request's hidden states: the next stage reads them
-        and the request goes on to it."""
-        return si + 1 < len(self.stages) and self.stages[si + 1].reads_hidden and not self._done_after(p, si)
-
-    def _end_empty(self, p: _Pending, si: int) -> None:
-        """Stages ``si`` on had nothing to do: their outputs are empty (audio of zero samples)."""
-        for stage in self.stages[si:]:
-            p.output.stage_outputs[stage.config.name] = StageOutput(token_ids=[], finish_reason="stop")
-            if stage.config.final_output == "audio":
-                p.output.audio = np.zeros((0,), np.float32)
-                p.output.sample_rate = stage.sample_rate
-
-    def _check_modalities(self, index: int, prompt: dict[str, Any]) -> None:
-        """``modalities`` lists outputs the built stages can produce (``"text"``, ``"audio"``)."""
-        wanted = prompt.get("modalities")
-        if wanted is None:
-            return
-        produced = {s.config.final_output for s in self.stages}
-        if not isinstance(wanted, (list, tuple)) or not wanted or not set(wanted) <= {"text", "audio"}:
-            raise ValueError(
-                f"request {index}: modalities must be a non-empty list of 'text'/'audio', got {wanted!r}"
-            )
-        missing = sorted(set(wanted) - produced)
-        if missing:
-            raise ValueError(
-                f"request {index}: modalities {missing} not produced by the built stages "
-                f"{[s.config.name for s in self.stages]}"
-            )
-
-    def _done_after(self, p: _Pending, stage_index: int) -> bool:
-        """``modalities=["text"]``: the request ends with the stage that produces its text."""
-        wanted = p.prompt.get("modalities")
-        produces_text = self.stages[stage_index].config.final_output == "text"
-        return wanted is not None and "audio" not in wanted and produces_text
-
-    def _stage_done(self, p: _Pending, stage_index: int, result: StageResult) -> None:
-        stage = self.stages[stage_index]
-        out = p.output
-        out.stage_outputs[stage.config.name] = StageOutput(
-            token_ids=list(result.token_ids),
-            finish_reason=result.finish_reason,
-            logprobs=result.logprobs or None,
-        )
-        out.metrics[stage.config.name] = result.metrics
-        if result.error is not None:
-            out.finish_reason, out.error = "error", f"stage {stage.config.name!r}: {result.error}"
-            return
-        if stage.config.final_output == "text":
-            out.token_ids = list(result.token_ids)
-            out.finish_reason = result.finish_reason
-            out.logprobs = result.logprobs
-            if self.tokenizer is not None:
-                out.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        elif stage.config.final_output == "audio":
-            out.audio, out.sample_rate = result.audio, result.sample_rate
-            if not any(s.config.final_output == "text" for s in self.stages):
-                # Without a text stage the request's tokens are the codes it was voiced from.
-                out.token_ids, out.finish_reason = list(result.token_ids), result.finish_reason
+        ids = [str(next(self._ids)) for _ in prompts]
+        admitted = self.intake.admit(prompts, sampling_params_list, ids)
+        outputs = [self.core.add(a) for a in admitted]
+        with RequestsBar(len(outputs), enabled=progress) as bar:
+            while self.core.has_work():
+                for update in self.core.step():
+                    if update.finished:
+                        bar.request_done(self.core.generated_tokens)
+                bar.step_done()
+        return outputs if is_main_process() else []

@@ -91,6 +91,11 @@ class AREngine(Generic[S]):
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def abort(self, request_id: str) -> bool:
+        """End the request (``finish_reason="abort"``) wherever it is queued or running; its
+        pages go back to the allocator at once. False when the engine does not hold it."""
+        return self.scheduler.abort(request_id) is not None
+
     def step(self) -> list[ARRequest[S]]:
         """Run one step; return the requests that finished in it."""
         with scope(f"{self.name}/schedule"):

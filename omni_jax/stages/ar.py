@@ -19,6 +19,7 @@ from omni_jax.engine.buckets import max_sequence_rows, max_token_rows
 from omni_jax.engine.kv_cache import CacheConfig, CacheGeometry
 from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, pool_key, refuse_unless_fits
 from omni_jax.engine.sampling import SUPPRESS_WIDTH, SamplingParams
+from omni_jax.engine.scheduler import ARRequest
 from omni_jax.engine.step import S, StepInputs
 from omni_jax.models.attention import chunk_bytes
 from omni_jax.parallel.mesh import axis_size
@@ -29,6 +30,7 @@ from omni_jax.stages.base import (
     Stage,
     StageInput,
     StageResult,
+    StageStep,
     check_ids,
     check_params,
     no_multimodal,
@@ -99,7 +101,7 @@ class ARStage(Generic[S]):
         self.defaults = defaults
         self.frontend = frontend
         self.reads_hidden = frontend is not None and frontend.reads_hidden
-        self._submitted: dict[str, float] = {}
+        self._submitted: dict[str, _Submitted[S]] = {}
 
     @classmethod
     def build(
@@ -223,8 +225,8 @@ class ARStage(Generic[S]):
             )
 
     def submit(self, request_id: str, request: StageInput[S], params: SamplingParams) -> None:
-        self._submitted[request_id] = time.perf_counter()
-        self.engine.add_request(
+        started = time.perf_counter()
+        req = self.engine.add_request(
             request_id,
             request.token_ids,
             params,
@@ -232,6 +234,13 @@ class ARStage(Generic[S]):
             suppress_ids=() if self.frontend is None else self.frontend.suppress_ids,
             capture_hidden=request.capture_hidden,
         )
+        self._submitted[request_id] = _Submitted(req, started)
+
+    def abort(self, request_id: str) -> bool:
+        """End the request in the engine, which frees its KV pages at once."""
+        if self._submitted.pop(request_id, None) is None:
+            return False
+        return self.engine.abort(request_id)
 
     def has_work(self) -> bool:
         return self.engine.has_work()
@@ -242,11 +251,18 @@ class ARStage(Generic[S]):
         n = self.engine.warmup()
         return n + (0 if self.frontend is None else self.frontend.warmup())
 
-    def step(self) -> list[StageResult]:
+    def step(self) -> StageStep:
+        """One engine step: the tokens each request sampled in it, and the requests it finished."""
+        finished = self.engine.step()
+        new_tokens = {}
+        for request_id, submitted in self._submitted.items():
+            if len(submitted.request.output_ids) > submitted.reported:
+                new_tokens[request_id] = submitted.request.output_ids[submitted.reported :]
+                submitted.reported = len(submitted.request.output_ids)
         results = []
-        for req in self.engine.step():
+        for req in finished:
             now = time.perf_counter()
-            started = self._submitted.pop(req.request_id)
+            started = self._submitted.pop(req.request_id).started
             metrics = {
                 "wall_s": now - started,
                 "num_prompt_tokens": len(req.prompt_ids),
@@ -265,7 +281,17 @@ class ARStage(Generic[S]):
                     list(req.prompt_ids), list(req.output_ids), hidden, embeds, media
                 )
             results.append(result)
-        return results
+        return StageStep(results, new_tokens)
+
+
+@dataclasses.dataclass
+class _Submitted(Generic[S]):
+    """A request the stage holds: the engine's record of it, when it was submitted, and how many
+    of its output tokens :meth:`ARStage.step` has reported."""
+
+    request: ARRequest[S]
+    started: float
+    reported: int = 0
 
 
 def local_devices(mesh: Mesh | None) -> list[jax.Device]:

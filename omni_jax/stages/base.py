@@ -1,7 +1,8 @@
 """The one small interface the pipeline drives every stage through, AR or generation.
 
-The pipeline only validates, submits, steps and asks whether work is left; how a stage batches
-(continuous batching over a paged KV cache, or one padded solve) stays inside the stage.
+The engine core (:mod:`omni_jax.engine_core`) only validates, submits, steps, aborts and asks
+whether work is left; how a stage batches (continuous batching over a paged KV cache, or one
+padded solve) stays inside the stage.
 """
 
 from __future__ import annotations
@@ -83,6 +84,17 @@ class StageResult:
     handoff: HiddenHandoff | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class StageStep:
+    """What one :meth:`Stage.step` did: the requests it finished, and the tokens each of its
+    requests gained in it (``new_tokens``: request id -> token ids, finished requests' last ones
+    included; empty for a stage that makes no tokens one by one). A request's new tokens over
+    all its steps are its result's ``token_ids``, in order."""
+
+    finished: list[StageResult]
+    new_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+
 class Stage(Protocol):
     config: StageConfig
     params_type: type
@@ -119,8 +131,12 @@ class Stage(Protocol):
 
     def submit(self, request_id: str, request: StageInput, params: Any) -> None: ...
 
-    def step(self) -> list[StageResult]:
-        """Advance; return the requests that finished."""
+    def step(self) -> StageStep:
+        """Advance every request the stage holds by one step (one AR step, or one solve)."""
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request from the stage at once, whatever it was doing, and free what it held
+        (an AR stage's KV pages); False when the stage does not hold it."""
 
     def has_work(self) -> bool: ...
 

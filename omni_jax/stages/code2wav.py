@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from omni_jax.engine.generation_runner import GenerationRunner
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
-from omni_jax.stages.base import StageInput, StageResult, check_ids, check_params, no_multimodal
+from omni_jax.stages.base import StageInput, StageResult, StageStep, check_ids, check_params, no_multimodal
 from omni_jax.stages.code2wav_batch import Code2WavBatch, Code2WavRequest, SolveGeometry, code2wav_runner
 from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.config import StageConfig
@@ -176,6 +176,14 @@ class Code2WavStage:
             )
         )
 
+    def abort(self, request_id: str) -> bool:
+        """Drop the request from the solve queue (aborts come between steps, so a request is
+        never inside a running solve)."""
+        if self._submitted.pop(request_id, None) is None:
+            return False
+        self.runner.remove(lambda r: r.request_id == request_id)
+        return True
+
     def has_work(self) -> bool:
         return self.runner.has_work()
 
@@ -185,7 +193,8 @@ class Code2WavStage:
         many. After it no request mix compiles."""
         return self.runner.warmup()
 
-    def step(self) -> list[StageResult]:
+    def step(self) -> StageStep:
+        """One solve; its requests finish together, with their whole waveforms."""
         results = []
         for r in self.runner.step():
             started, num_codes = self._submitted.pop(r.request.request_id)
@@ -211,4 +220,4 @@ class Code2WavStage:
                         sample_rate=self.sample_rate,
                     )
                 )
-        return results
+        return StageStep(results)

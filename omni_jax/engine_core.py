@@ -1,0 +1,236 @@
+"""The engine core: requests through the stage graph, one step at a time.
+
+``OmniJaxPipeline.run`` and ``AsyncOmniJaxPipeline`` both drive the stages through it, so there
+is one loop: :meth:`EngineCore.add` queues an admitted request (:mod:`omni_jax.intake`) on the
+first stage, :meth:`EngineCore.step` advances every stage with work once, and a request a stage
+finishes moves on to the next stage at once, so different requests are in different stages at
+the same time and a request added between steps joins the running batch at the next one.
+:meth:`EngineCore.abort` takes a request out of whichever stage holds it.
+
+Each step returns typed per-request updates (:class:`~omni_jax.outputs.OmniRequestOutput`): for
+a streamed request the text stage's new tokens and text as they come and the audio when it is
+made, and for every request that ended its whole output, ``finished``. The core holds no thread
+and no clock: its caller decides when to step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from omni_jax.intake import Admission
+from omni_jax.outputs import OmniRequestOutput, StageOutput
+from omni_jax.profiling import scope
+from omni_jax.stages.base import Stage, StageResult
+from omni_jax.text_stream import TextStream
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A request on its way through the stage graph: the stage holding it, its output so far,
+    and when streamed, the text stage's tokens delivered so far."""
+
+    admission: Admission
+    output: OmniRequestOutput
+    stage: int = 0
+    stream: bool = False
+    reply: list[int] = dataclasses.field(default_factory=list)
+    text: TextStream | None = None
+
+
+class EngineCore:
+    """Steps a built stage graph (``stages``, first to last) for the requests added to it."""
+
+    def __init__(self, stages: Sequence[Stage], tokenizer: Any):
+        self.stages = list(stages)
+        self.tokenizer = tokenizer
+        self.text_stage = next((i for i, s in enumerate(stages) if s.config.final_output == "text"), None)
+        self.generated_tokens = 0
+        """AR tokens of the stage results so far (every AR stage's, the talker's codes too)."""
+        self._flights: dict[str, _Flight] = {}
+        self._updates: dict[str, OmniRequestOutput] = {}  # this step's, by request
+
+    def has_work(self) -> bool:
+        return any(s.has_work() for s in self.stages)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests in the stage graph, oldest first."""
+        return list(self._flights)
+
+    def add(self, admission: Admission, stream: bool = False) -> OmniRequestOutput:
+        """Queue an admitted request on the first stage; returns its output record, which the core
+        fills as stages finish it. ``stream``: report its new text tokens and audio every step
+        (:meth:`step`). ``ValueError`` when a request of that id is in the graph."""
+        request_id = admission.request_id
+        if request_id in self._flights:
+            raise ValueError(f"request id {request_id!r} is already in use by a running request")
+        out = OmniRequestOutput(request_id=request_id, prompt_token_ids=admission.input.token_ids)
+        flight = _Flight(admission, out, stream=stream)
+        if stream and self.tokenizer is not None:
+            flight.text = TextStream(self.tokenizer)
+        admission.input.capture_hidden = self._capture_hidden(flight, 0)
+        self.stages[0].submit(request_id, admission.input, admission.stage_params[0])
+        self._flights[request_id] = flight
+        return out
+
+    def step(self) -> list[OmniRequestOutput]:
+        """Step every stage that has work once, in stage order, and hand each request a stage
+        finished on to the next stage. Returns this step's updates: one per streamed request
+        with new text tokens or audio (only its deltas), and each request that ended (its whole
+        output, ``finished``, with the step's deltas)."""
+        for si, stage in enumerate(self.stages):
+            if not stage.has_work():
+                continue
+            with scope(f"stage/{stage.config.name}"):
+                done = stage.step()
+            if si == self.text_stage:
+                for request_id, ids in done.new_tokens.items():
+                    self._stream_tokens(self._flights[request_id], ids)
+            for result in done.finished:
+                flight = self._flights[result.request_id]
+                self._stage_done(flight, si, result)
+                if stage.config.kind == "ar":
+                    self.generated_tokens += len(result.token_ids)
+                if not self._hand_on(flight, si, result):
+                    self._updates[result.request_id] = self._end(flight)
+        updates, self._updates = list(self._updates.values()), {}
+        return updates
+
+    def abort(self, request_id: str, error: str | None = None) -> OmniRequestOutput | None:
+        """Take the request out of the stage that holds it, which frees what it held at once
+        (an AR stage's KV pages); returns its output, ``finished`` with ``finish_reason``
+        ``"abort"`` (``"error"`` with ``error`` when a fault ends it), holding what was streamed
+        of its text. ``None`` when no such request is in the graph."""
+        flight = self._flights.get(request_id)
+        if flight is None:
+            return None
+        self.stages[flight.stage].abort(request_id)
+        out = flight.output
+        out.finish_reason, out.error = ("abort", None) if error is None else ("error", error)
+        if flight.stream and self.text_stage is not None and flight.stage <= self.text_stage:
+            out.token_ids = list(flight.reply)
+            if flight.text is not None:
+                out.text = self.tokenizer.decode(flight.reply, skip_special_tokens=True)
+                self._update(flight).text_delta += flight.text.finish(out.text)
+        return self._end(flight)
+
+    def fail(self, error: str) -> list[OmniRequestOutput]:
+        """After a step that raised: the updates it had gathered (requests it ended before the
+        fault included), then every request in flight ended with ``finish_reason="error"``."""
+        ended = [self.abort(request_id, error) for request_id in self.request_ids]
+        updates, self._updates = list(self._updates.values()), {}
+        return updates + [out for out in ended if out is not None]
+
+    # -- one request ------------------------------------------------------------------
+    def _update(self, flight: _Flight) -> OmniRequestOutput:
+        """The update carrying a streamed request's deltas this step, made on first use."""
+        out = flight.output
+        update = self._updates.get(out.request_id)
+        if update is None:
+            update = self._updates[out.request_id] = OmniRequestOutput(out.request_id, out.prompt_token_ids)
+        return update
+
+    def _stream_tokens(self, flight: _Flight, ids: list[int]) -> None:
+        if not flight.stream:
+            return
+        flight.reply += ids
+        update = self._update(flight)
+        update.token_ids_delta += ids
+        if flight.text is not None:
+            update.text_delta += flight.text.update(flight.reply)
+
+    def _end(self, flight: _Flight) -> OmniRequestOutput:
+        """The request is done: its last update, the whole output with the deltas this step
+        gathered for it."""
+        out = flight.output
+        del self._flights[out.request_id]
+        update = self._updates.pop(out.request_id, None)
+        if update is not None:
+            out.text_delta, out.token_ids_delta = update.text_delta, update.token_ids_delta
+            out.audio_delta = update.audio_delta
+        out.finished = True
+        return out
+
+    def _hand_on(self, flight: _Flight, si: int, result: StageResult) -> bool:
+        """Submit a request stage ``si`` finished to the next stage; False when it is done.
+
+        The next stage's input processor may find nothing to do (the request ends with empty
+        output, e.g. no audio when the talker stopped before its first code) or input it
+        cannot take (the request alone ends with ``finish_reason="error"``).
+        """
+        if si == len(self.stages) - 1 or result.error is not None or self._done_after(flight, si):
+            return False
+        nxt = self.stages[si + 1]
+        admission = flight.admission
+        try:
+            request = nxt.accept(admission.index, result, admission.prompt)
+            if request is not None:
+                nxt.validate(admission.index, request, admission.stage_params[si + 1])
+        except ValueError as e:
+            flight.output.finish_reason, flight.output.error = "error", f"stage {nxt.config.name!r}: {e}"
+            return False
+        if request is None:
+            self._end_empty(flight, si + 1)
+            return False
+        request.capture_hidden = self._capture_hidden(flight, si + 1)
+        nxt.submit(result.request_id, request, admission.stage_params[si + 1])
+        flight.stage = si + 1
+        return True
+
+    def _capture_hidden(self, flight: _Flight, si: int) -> bool:
+        """Whether stage ``si`` captures the request's hidden states: the next stage reads them
+        and the request goes on to it."""
+        return (
+            si + 1 < len(self.stages)
+            and self.stages[si + 1].reads_hidden
+            and not self._done_after(flight, si)
+        )
+
+    def _end_empty(self, flight: _Flight, si: int) -> None:
+        """Stages ``si`` on had nothing to do: their outputs are empty (audio of zero samples)."""
+        out = flight.output
+        for stage in self.stages[si:]:
+            out.stage_outputs[stage.config.name] = StageOutput(token_ids=[], finish_reason="stop")
+            if stage.config.final_output == "audio":
+                out.audio = np.zeros((0,), np.float32)
+                out.sample_rate = stage.sample_rate
+
+    def _done_after(self, flight: _Flight, stage_index: int) -> bool:
+        """``modalities=["text"]``: the request ends with the stage that produces its text."""
+        wanted = flight.admission.prompt.get("modalities")
+        produces_text = self.stages[stage_index].config.final_output == "text"
+        return wanted is not None and "audio" not in wanted and produces_text
+
+    def _stage_done(self, flight: _Flight, stage_index: int, result: StageResult) -> None:
+        stage = self.stages[stage_index]
+        out = flight.output
+        out.stage_outputs[stage.config.name] = StageOutput(
+            token_ids=list(result.token_ids),
+            finish_reason=result.finish_reason,
+            logprobs=result.logprobs or None,
+        )
+        out.metrics[stage.config.name] = result.metrics
+        if result.error is not None:
+            out.finish_reason, out.error = "error", f"stage {stage.config.name!r}: {result.error}"
+            return
+        if stage.config.final_output == "text":
+            out.token_ids = list(result.token_ids)
+            out.finish_reason = result.finish_reason
+            out.logprobs = result.logprobs
+            if self.tokenizer is not None:
+                out.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            if flight.text is not None and out.text is not None:
+                self._update(flight).text_delta += flight.text.finish(out.text)
+        elif stage.config.final_output == "audio":
+            out.audio, out.sample_rate = result.audio, result.sample_rate
+            if flight.stream:
+                self._update(flight).audio_delta = result.audio
+            if self.text_stage is None:
+                # Without a text stage the request's tokens are the codes it was voiced from.
+                out.token_ids, out.finish_reason = list(result.token_ids), result.finish_reason
+                if flight.stream:
+                    self._update(flight).token_ids_delta = list(result.token_ids)

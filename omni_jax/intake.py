@@ -1,0 +1,150 @@
+"""Turning user prompts and sampling params into validated requests, before any work.
+
+Both :meth:`OmniJaxPipeline.run` and :meth:`AsyncOmniJaxPipeline.generate` admit requests here:
+every prompt is tokenized and prepared by the first stage, and every stage checks its params and
+what the prompt asks of it, so bad input raises ``ValueError`` naming the request index before
+anything is queued, and leaves the stages untouched. Admission only reads the stages (host work:
+tokenizing, media processing), so it may run off the thread that steps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omni_jax.engine.sampling import SamplingParams
+from omni_jax.models.tokenizer import no_tokenizer
+from omni_jax.stages.base import Stage, StageInput
+from omni_jax.stages.code2wav_params import Token2WavParams
+
+Prompt = str | dict[str, Any]
+StageParams = SamplingParams | Token2WavParams
+"""One stage's params for one request (:attr:`Stage.params_type`)."""
+
+
+@dataclasses.dataclass
+class Admission:
+    """A request that passed every check: the first stage's input and one params object per
+    stage. ``index`` is the request's place in its call (what error messages name)."""
+
+    index: int
+    request_id: str
+    input: StageInput
+    stage_params: list[StageParams]
+
+    @property
+    def prompt(self) -> dict[str, Any]:
+        """The user's prompt dict (speaker, modalities, media)."""
+        return self.input.prompt
+
+
+class Intake:
+    """Admits requests for a built stage graph (``stages``, first to last)."""
+
+    def __init__(self, stages: Sequence[Stage], tokenizer: Any, model_dir: Path):
+        self.stages = list(stages)
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+
+    def admit(
+        self, prompts: Sequence[Prompt], sampling_params_list: Any, request_ids: Sequence[str]
+    ) -> list[Admission]:
+        """Every prompt checked and prepared, or ``ValueError`` naming the first bad one (its
+        index in ``prompts``); ``sampling_params_list`` follows the contract's conventions (one
+        entry per stage, each one params object or one per prompt; ``None``: the defaults)."""
+        params = self._stage_params(sampling_params_list, len(prompts))
+        admitted = []
+        for i, (prompt, request_id) in enumerate(zip(prompts, request_ids, strict=True)):
+            request = self.stages[0].prepare(i, self._prompt_input(i, prompt))
+            self._check_modalities(i, request.prompt)
+            per_request = [p[i] for p in params]
+            for si, stage in enumerate(self.stages):
+                stage.validate(i, request if si == 0 else None, per_request[si], request.prompt)
+            admitted.append(Admission(i, request_id, request, per_request))
+        return admitted
+
+    def _prompt_input(self, index: int, prompt: Prompt) -> StageInput:
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if not isinstance(prompt, dict):
+            raise ValueError(f"request {index}: a prompt is a str or a dict, got {type(prompt).__name__}")
+        if "prompt_token_ids" in prompt:
+            return StageInput(_token_ids(index, prompt["prompt_token_ids"]), prompt)
+        if "prompt" in prompt:
+            first = self.stages[0]
+            if not first.accepts_text:
+                raise ValueError(
+                    f"request {index}: the {first.config.name!r} stage takes token ids in "
+                    "'prompt_token_ids', not text"
+                )
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"request {index}: a text prompt needs a tokenizer and {no_tokenizer(self.model_dir)}; "
+                    "give its token ids in 'prompt_token_ids'"
+                )
+            return StageInput(list(self.tokenizer(prompt["prompt"])["input_ids"]), prompt)
+        raise ValueError(f"request {index}: prompt dict needs 'prompt' or 'prompt_token_ids'")
+
+    def _stage_params(self, sampling_params_list: Any, n: int) -> list[list[StageParams]]:
+        """Per stage, per request params, following the contract's conventions."""
+        stages = self.stages
+        if sampling_params_list is None:
+            per_stage: list[Any] = [None] * len(stages)
+        elif len(stages) == 1:
+            per_stage = [sampling_params_list]
+        else:
+            if not isinstance(sampling_params_list, (list, tuple)) or len(sampling_params_list) != len(
+                stages
+            ):
+                raise ValueError(
+                    f"sampling_params_list needs one entry per stage {[s.config.name for s in stages]}"
+                )
+            per_stage = list(sampling_params_list)
+        out = []
+        for stage, entry in zip(stages, per_stage, strict=True):
+            if entry is None:
+                out.append([dataclasses.replace(stage.defaults) for _ in range(n)])
+            elif isinstance(entry, stage.params_type):
+                out.append([entry] * n)
+            elif isinstance(entry, (list, tuple)) and len(entry) == n:
+                out.append(list(entry))
+            else:
+                raise ValueError(
+                    f"stage {stage.config.name!r}: sampling params must be one {stage.params_type.__name__} "
+                    f"or a list of {n} (one per prompt)"
+                )
+        return out
+
+    def _check_modalities(self, index: int, prompt: dict[str, Any]) -> None:
+        """``modalities`` lists outputs the built stages can produce (``"text"``, ``"audio"``)."""
+        wanted = prompt.get("modalities")
+        if wanted is None:
+            return
+        produced = {s.config.final_output for s in self.stages}
+        if not isinstance(wanted, (list, tuple)) or not wanted or not set(wanted) <= {"text", "audio"}:
+            raise ValueError(
+                f"request {index}: modalities must be a non-empty list of 'text'/'audio', got {wanted!r}"
+            )
+        missing = sorted(set(wanted) - produced)
+        if missing:
+            raise ValueError(
+                f"request {index}: modalities {missing} not produced by the built stages "
+                f"{[s.config.name for s in self.stages]}"
+            )
+
+
+def _token_ids(index: int, ids: Any) -> list[int]:
+    """A list/tuple of ints or a 1-D integer array (numpy ints too: ids often come from
+    tokenizers or arrays) as Python ints; anything else (floats, bools, nesting) is refused."""
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
+        return [int(t) for t in ids]
+    integral = (int, np.integer)
+    if isinstance(ids, (list, tuple)) and all(
+        isinstance(t, integral) and not isinstance(t, bool) for t in ids
+    ):
+        return [int(t) for t in ids]
+    raise ValueError(f"request {index}: prompt_token_ids must be a list of ints or a 1-D integer array")

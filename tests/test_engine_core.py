@@ -1,0 +1,92 @@
+"""``EngineCore`` stepped by hand (no thread): what each step reports, and abort from an AR stage
+(its KV pages back at once) and from the code2wav queue."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pipe(qwen2_dir) -> OmniJaxPipeline:
+    return OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=4, page_size=8, max_model_len=256)
+
+
+def prompt(n: int, seed: int) -> dict[str, list[int]]:
+    return {"prompt_token_ids": [int(t) for t in np.random.RandomState(seed).randint(3, 200, size=n)]}
+
+
+def test_streamed_requests_report_each_step_others_only_their_end(pipe) -> None:
+    core = pipe.core
+    streamed, whole = pipe.intake.admit([prompt(9, 0), prompt(9, 0)], greedy(6), ["s", "w"])
+    core.add(streamed, stream=True)
+    core.add(whole)
+    steps = []
+    while core.has_work():
+        steps.append({u.request_id: u for u in core.step()})
+    assert [sorted(s) for s in steps] == [["s"]] * 5 + [["s", "w"]]
+    last_s, last_w = steps[-1]["s"], steps[-1]["w"]
+    assert last_s.finished and last_w.finished and not any(s["s"].finished for s in steps[:-1])
+    assert [s["s"].token_ids_delta for s in steps] == [[t] for t in last_w.token_ids]
+    assert last_s.token_ids == last_w.token_ids and last_w.token_ids_delta == []
+
+
+def test_abort_frees_the_requests_pages_at_once(pipe) -> None:
+    core = pipe.core
+    scheduler = pipe.stages[0].engine.scheduler
+    doomed, other = pipe.intake.admit([prompt(40, 1), prompt(17, 2)], greedy(30), ["doomed", "other"])
+    core.add(doomed, stream=True)
+    core.add(other, stream=True)
+    streamed = []
+    for _ in range(4):
+        streamed += [t for u in core.step() if u.request_id == "doomed" for t in u.token_ids_delta]
+    (held,) = [len(r.pages) for r in scheduler.running if r.request_id == "doomed"]
+    free = scheduler.allocator.num_free
+    out = core.abort("doomed")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert held > 0 and scheduler.allocator.num_free == free + held
+    assert out.token_ids == streamed and len(streamed) == 4  # one token a step, the first with the prompts
+    assert "doomed" not in core.request_ids and core.abort("doomed") is None
+    rest = []
+    while core.has_work():
+        rest += core.step()
+    assert {u.request_id for u in rest} == {"other"}
+    assert rest[-1].token_ids == pipe.run(prompt(17, 2), greedy(30), progress=False)[0].token_ids
+    assert scheduler.allocator.num_free == scheduler.allocator.num_pages
+
+
+def test_ids_in_use_are_refused(pipe) -> None:
+    core = pipe.core
+    first, again = pipe.intake.admit([prompt(5, 3), prompt(5, 4)], greedy(2), ["same", "same"])
+    core.add(first)
+    with pytest.raises(ValueError, match="request id 'same' is already in use"):
+        core.add(again)
+    while core.has_work():
+        core.step()
+    assert not pipe.stages[0].has_work()
+
+
+def test_abort_drops_a_request_from_the_code2wav_queue(omni_dir) -> None:
+    pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
+    core = pipe.core
+    params = Token2WavParams(num_steps=2, seed=0)
+    codes = {"prompt_token_ids": [1, 2, 3, 4, 5]}
+    kept, dropped = pipe.intake.admit([codes, dict(codes, speaker="Ethan")], params, ["kept", "dropped"])
+    core.add(kept, stream=True)
+    core.add(dropped, stream=True)
+    out = core.abort("dropped")
+    assert out is not None and out.finish_reason == "abort" and out.audio is None
+    updates = []
+    while core.has_work():
+        updates += core.step()
+    (last,) = updates
+    assert last.request_id == "kept" and last.finished and last.metrics["code2wav"]["batch_size"] == 1
+    np.testing.assert_array_equal(last.audio_delta, last.audio)
+    assert last.token_ids_delta == last.token_ids == codes["prompt_token_ids"]
+    np.testing.assert_array_equal(last.audio, pipe.run(codes, params, progress=False)[0].audio)
