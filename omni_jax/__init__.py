@@ -1,9 +1,17 @@
 """omni_jax: a JAX/Flax inference engine for multi-stage omni models."""
 
+from omni_jax.async_pipeline import AsyncOmniJaxPipeline
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.pipeline import OmniJaxPipeline
 from omni_jax.stages.code2wav_params import Token2WavParams
 
-__all__ = ["OmniJaxPipeline", "OmniRequestOutput", "SamplingParams", "StageOutput", "Token2WavParams"]
+__all__ = [
+    "AsyncOmniJaxPipeline",
+    "OmniJaxPipeline",
+    "OmniRequestOutput",
+    "SamplingParams",
+    "StageOutput",
+    "Token2WavParams",
+]
 __version__ = "0.1.0"

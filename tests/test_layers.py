@@ -1,7 +1,8 @@
 """The layers hold: every import under ``omni_jax/`` is read (with ``ast``, imports inside functions
 included, relative ones resolved) and checked against the layering of docs/ARCHITECTURE.md.
 
-From the top: the pipeline and the composition root (:mod:`omni_jax.architectures`, which says
+From the top: the pipeline with what drives its stages (the engine core, its thread, request
+intake, the async pipeline) and the composition root (:mod:`omni_jax.architectures`, which says
 which architecture builds which stages), then ``stages/``, then ``engine/``, then ``models/``.
 A layer never imports one above it:
 
@@ -30,7 +31,14 @@ import pytest
 PACKAGE = "omni_jax"
 SOURCE = Path(__file__).resolve().parents[1] / PACKAGE
 
-TOP = ("omni_jax.pipeline", "omni_jax.architectures")
+TOP = (
+    "omni_jax.pipeline",
+    "omni_jax.async_pipeline",
+    "omni_jax.engine_core",
+    "omni_jax.engine_thread",
+    "omni_jax.intake",
+    "omni_jax.architectures",
+)
 GENERIC_MODEL_MODULES = ("attention", "layers", "param_map", "loading")
 """Modules under ``omni_jax/models/`` that are no model family: the engine may import them."""
 

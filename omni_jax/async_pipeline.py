@@ -1,0 +1,122 @@
+"""``AsyncOmniJaxPipeline``: requests arriving at any time, their output streamed to asyncio.
+
+One engine thread (:class:`~omni_jax.engine_thread.EngineThread`) steps the same engine core
+``OmniJaxPipeline.run`` uses; callers on an asyncio loop never wait on it. A request is admitted
+(tokenized, prepared, validated: :mod:`omni_jax.intake`) on a worker thread of its own, so a bad
+one raises ``ValueError`` before anything is queued and a large one does not stall the loop;
+then it joins the running batch at the engine's next step, and its updates come back through
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Self
+
+import jax
+
+from omni_jax.engine_thread import EngineThread
+from omni_jax.intake import Prompt
+from omni_jax.outputs import OmniRequestOutput, WarmupReport
+from omni_jax.pipeline import OmniJaxPipeline
+
+
+class AsyncOmniJaxPipeline:
+    """An :class:`OmniJaxPipeline` served to asyncio callers (the public API).
+
+    ``async with AsyncOmniJaxPipeline.from_pretrained(path) as pipe:`` (or :meth:`close`) stops
+    the engine thread at the end, ending the requests still running. ``pipeline`` is the wrapped
+    pipeline, for what does not touch the stages (its tokenizer, :meth:`OmniJaxPipeline.chat_prompt`);
+    its ``run`` must not be called while this one serves.
+    """
+
+    def __init__(self, pipeline: OmniJaxPipeline):
+        if jax.process_count() > 1:
+            raise ValueError(
+                "AsyncOmniJaxPipeline serves from one process: requests arrive in one process only, "
+                "while a multi-process pipeline steps every process through the same schedule"
+            )
+        self.pipeline = pipeline
+        self._engine = EngineThread(pipeline.core)
+        self._intake = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-jax-intake")
+        self._ids = itertools.count()
+        self._live: set[str] = set()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *args: Any, **kwargs: Any) -> AsyncOmniJaxPipeline:
+        """Build with :meth:`OmniJaxPipeline.from_pretrained`'s arguments, and start the engine."""
+        return cls(OmniJaxPipeline.from_pretrained(path, *args, **kwargs))
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread runs and takes requests."""
+        return self._engine.alive
+
+    async def warmup(self) -> WarmupReport:
+        """:meth:`OmniJaxPipeline.warmup` on the engine thread, between steps."""
+        return await asyncio.wrap_future(self._engine.call(lambda: self.pipeline.warmup(progress=False)))
+
+    async def generate(
+        self, prompt: Prompt, sampling_params_list: Any = None, request_id: str | None = None
+    ) -> AsyncIterator[OmniRequestOutput]:
+        """Updates of one request as it runs (see :class:`OmniRequestOutput`), the last one
+        ``finished``. ``prompt`` and ``sampling_params_list`` are as for one prompt of
+        :meth:`OmniJaxPipeline.run`, and refused the same way (``ValueError`` naming request 0);
+        ``request_id``: unique among the requests running (default: one is made). Closing the
+        generator or cancelling its consumer before the last update aborts the request.
+        ``RuntimeError`` once the pipeline is closed."""
+        if not self.running:
+            raise RuntimeError("the engine is closed")
+        request_id = self._claim(request_id)
+        try:
+            loop = asyncio.get_running_loop()
+            (admission,) = await loop.run_in_executor(
+                self._intake, self.pipeline.intake.admit, [prompt], sampling_params_list, [request_id]
+            )
+            updates: asyncio.Queue[OmniRequestOutput] = asyncio.Queue()
+
+            def sink(out: OmniRequestOutput) -> None:
+                loop.call_soon_threadsafe(updates.put_nowait, out)
+
+            finished = False
+            try:
+                await asyncio.wrap_future(self._engine.add(admission, sink))
+                while not finished:
+                    out = await updates.get()
+                    finished = out.finished
+                    yield out
+            finally:
+                if not finished:
+                    self._engine.abort(request_id)
+        finally:
+            self._live.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Take the request out of whichever stage holds it, freeing its KV pages or its place in
+        the solve queue; its ``generate`` ends with ``finish_reason="abort"``. Nothing happens for
+        a request that is not running."""
+        await asyncio.wrap_future(self._engine.abort(request_id))
+
+    def close(self) -> None:
+        """End the running requests (``finish_reason="abort"``) and stop the engine thread."""
+        self._engine.close()
+        self._intake.shutdown(wait=True, cancel_futures=True)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.close)
+
+    def _claim(self, request_id: str | None) -> str:
+        """``request_id``, or a fresh one, reserved for one ``generate``."""
+        if request_id is None:
+            request_id = next(i for i in map(str, self._ids) if i not in self._live)
+        elif not isinstance(request_id, str) or request_id in self._live:
+            raise ValueError(f"request_id must be a str not in use by a running request, got {request_id!r}")
+        self._live.add(request_id)
+        return request_id
