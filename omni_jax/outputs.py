@@ -33,7 +33,10 @@ class OmniRequestOutput:
     stage's new tokens and the text they complete; ``audio_delta``: new samples, for now the
     whole waveform when the audio stage finishes). Only the last update (``finished``, with its
     ``finish_reason``) fills the other fields, with the whole output as ``run`` returns it; the
-    deltas of all updates add up to its ``token_ids``, ``text`` and ``audio``.
+    deltas of all updates add up to its ``token_ids``, ``text`` and ``audio``. Except when a
+    stage fails it (``finish_reason="error"`` with the stage's message): its last update is what
+    ``run`` gives a failed request, without the tokens it streamed before the fault. An abort,
+    or a fault outside the stages, keeps what was streamed.
     """
 
     request_id: str
