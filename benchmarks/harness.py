@@ -183,7 +183,7 @@ def describe(result: dict[str, Any]) -> str:
 
 
 def now_utc() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def persistent_cache() -> str | None:
