@@ -1,6 +1,6 @@
 """omni_jax: a JAX/Flax inference engine for multi-stage omni models."""
 
-from omni_jax.async_pipeline import AsyncOmniJaxPipeline
+from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.pipeline import OmniJaxPipeline
@@ -10,6 +10,7 @@ __all__ = [
     "AsyncOmniJaxPipeline",
     "OmniJaxPipeline",
     "OmniRequestOutput",
+    "QueueFullError",
     "SamplingParams",
     "StageOutput",
     "Token2WavParams",

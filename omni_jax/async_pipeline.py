@@ -19,10 +19,15 @@ from typing import Any, Self
 
 import jax
 
+from omni_jax.engine_core import EngineStats
 from omni_jax.engine_thread import EngineThread
 from omni_jax.intake import Prompt
 from omni_jax.outputs import OmniRequestOutput, WarmupReport
 from omni_jax.pipeline import OmniJaxPipeline
+
+
+class QueueFullError(RuntimeError):
+    """``generate`` refused a request: ``max_waiting`` requests already wait (a server's 429)."""
 
 
 class AsyncOmniJaxPipeline:
@@ -32,9 +37,15 @@ class AsyncOmniJaxPipeline:
     the engine thread at the end, ending the requests still running. ``pipeline`` is the wrapped
     pipeline, for what does not touch the stages (its tokenizer, :meth:`OmniJaxPipeline.chat_prompt`);
     its ``run`` must not be called while this one serves.
+
+    ``max_waiting``: at most this many requests wait for the first stage (being admitted, or
+    queued for a place in its batch); ``generate`` refuses more with :class:`QueueFullError`
+    before taking anything in. ``None``: no bound.
     """
 
-    def __init__(self, pipeline: OmniJaxPipeline):
+    def __init__(self, pipeline: OmniJaxPipeline, max_waiting: int | None = None):
+        if max_waiting is not None and (isinstance(max_waiting, bool) or max_waiting < 0):
+            raise ValueError(f"max_waiting={max_waiting!r} must be an int >= 0 or None")
         if jax.process_count() > 1:
             raise ValueError(
                 "AsyncOmniJaxPipeline serves from one process: requests arrive in one process only, "
@@ -45,11 +56,25 @@ class AsyncOmniJaxPipeline:
         self._intake = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-jax-intake")
         self._ids = itertools.count()
         self._live: set[str] = set()
+        self._admitting = 0
+        self.max_waiting = max_waiting
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *args: Any, **kwargs: Any) -> AsyncOmniJaxPipeline:
+    def from_pretrained(
+        cls, path: str | Path, *args: Any, max_waiting: int | None = None, **kwargs: Any
+    ) -> AsyncOmniJaxPipeline:
         """Build with :meth:`OmniJaxPipeline.from_pretrained`'s arguments, and start the engine."""
-        return cls(OmniJaxPipeline.from_pretrained(path, *args, **kwargs))
+        return cls(OmniJaxPipeline.from_pretrained(path, *args, **kwargs), max_waiting=max_waiting)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's stats after its latest step (requests per stage, free KV pages)."""
+        return self._engine.stats
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for the first stage: being admitted, or queued for its batch."""
+        return self._admitting + self._engine.stats.waiting
 
     @property
     def running(self) -> bool:
@@ -68,10 +93,15 @@ class AsyncOmniJaxPipeline:
         :meth:`OmniJaxPipeline.run`, and refused the same way (``ValueError`` naming request 0);
         ``request_id``: unique among the requests running (default: one is made). Closing the
         generator or cancelling its consumer before the last update aborts the request.
-        ``RuntimeError`` once the pipeline is closed."""
+        ``RuntimeError`` once the pipeline is closed; :class:`QueueFullError` when
+        ``max_waiting`` requests wait already (both before anything is taken in)."""
         if not self.running:
             raise RuntimeError("the engine is closed")
+        if self.max_waiting is not None and self.waiting >= self.max_waiting:
+            raise QueueFullError(f"{self.waiting} requests wait already (max_waiting={self.max_waiting})")
         request_id = self._claim(request_id)
+        self._admitting += 1
+        admitting = True
         try:
             loop = asyncio.get_running_loop()
             (admission,) = await loop.run_in_executor(
@@ -85,6 +115,8 @@ class AsyncOmniJaxPipeline:
             finished = False
             try:
                 await asyncio.wrap_future(self._engine.add(admission, sink))
+                self._admitting -= 1  # the engine's stats count it from here
+                admitting = False
                 while not finished:
                     out = await updates.get()
                     finished = out.finished
@@ -94,6 +126,8 @@ class AsyncOmniJaxPipeline:
                     self._engine.abort(request_id)
         finally:
             self._live.discard(request_id)
+            if admitting:
+                self._admitting -= 1
 
     async def abort(self, request_id: str) -> None:
         """Take the request out of whichever stage holds it, freeing its KV pages or its place in

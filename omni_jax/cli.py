@@ -1,4 +1,4 @@
-"""``omni-jax``: run, convert, plan, demo and bench from the command line."""
+"""``omni-jax``: run, serve, convert, plan, demo and bench from the command line."""
 
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = [a for a in argv[1:] if a != "--debug"]
         return run_command(_bench, argparse.Namespace(rest=rest, debug=len(rest) < len(argv) - 1))
     from checkpoints_convert import cli as convert_cli
+    from omni_jax.serve import cli as serve_cli
 
     p = OneLineParser(prog="omni-jax")
     sub = p.add_subparsers(dest="command", required=True)
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--max-num-seqs", type=int, default=None)
     pl.add_argument("--page-size", type=int, default=None)
     pl.set_defaults(fn=_plan)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, speech)")
+    serve_cli.add_arguments(s)
+    s.set_defaults(fn=serve_cli.run)
     d = sub.add_parser("demo", help="build a tiny model locally and run it end to end")
     d.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "demo"))
     d.add_argument("--output-dir", default="omni_jax_demo_output")

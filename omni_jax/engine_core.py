@@ -24,7 +24,7 @@ import numpy as np
 from omni_jax.intake import Admission
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.profiling import scope
-from omni_jax.stages.base import Stage, StageResult
+from omni_jax.stages.base import Stage, StageLoad, StageResult
 from omni_jax.text_stream import TextStream
 
 
@@ -41,6 +41,22 @@ class _Flight:
     text: TextStream | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """The core between two steps: requests in the stage graph, each stage's load (by stage
+    name, in stage order) and the AR tokens generated so far. What serving reports and bounds
+    its queue by."""
+
+    requests: int
+    stages: dict[str, StageLoad]
+    generated_tokens: int
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued at the first stage for a place in its batch."""
+        return next(iter(self.stages.values())).waiting
+
+
 class EngineCore:
     """Steps a built stage graph (``stages``, first to last) for the requests added to it."""
 
@@ -55,6 +71,13 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return any(s.has_work() for s in self.stages)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            requests=len(self._flights),
+            stages={s.config.name: s.load() for s in self.stages},
+            generated_tokens=self.generated_tokens,
+        )
 
     @property
     def request_ids(self) -> list[str]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
-from omni_jax.engine_core import EngineCore
+from omni_jax.engine_core import EngineCore, EngineStats
 from omni_jax.intake import Admission
 from omni_jax.outputs import OmniRequestOutput
 
@@ -54,6 +54,9 @@ class EngineThread:
         self._inbox: queue.SimpleQueue[_Command[Any] | None] = queue.SimpleQueue()  # None: stop
         self._sinks: dict[str, Sink] = {}
         self._closed = False
+        self.stats: EngineStats = core.stats()
+        """The core's stats after the latest step or command (read from any thread: the engine
+        thread replaces the whole record, never changes one)."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -79,13 +82,19 @@ class EngineThread:
         def add() -> None:
             self.core.add(admission, stream=True)
             self._sinks[admission.request_id] = sink
+            self.stats = self.core.stats()  # before the caller learns it is queued
 
         return self.call(add)
 
     def abort(self, request_id: str) -> Future[None]:
         """Take the request out of the stage that holds it; its sink gets its last update
         (``finish_reason="abort"``). Nothing happens for a request not in flight."""
-        return self.call(lambda: self._deliver(self._ended([request_id])))
+
+        def abort() -> None:
+            self._deliver(self._ended([request_id]))
+            self.stats = self.core.stats()
+
+        return self.call(abort)
 
     def close(self) -> None:
         """End every request in flight (``finish_reason="abort"``) and stop the thread; commands
@@ -135,6 +144,7 @@ class EngineThread:
         except Exception as e:  # noqa: BLE001 - a fault no stage contained ends what is in flight, not the server
             log.exception("engine step failed; ending the requests in flight")
             updates = self.core.fail(f"engine step failed: {e!r}")
+        self.stats = self.core.stats()
         self._deliver(updates)
 
     def _ended(self, request_ids: Iterable[str]) -> list[OmniRequestOutput]:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-PCM16_SCALE = 32767
-"""Full scale of 16-bit PCM: [-1, 1] maps to [-32767, 32767] (symmetric, as libsndfile writes)."""
+from omni_jax.audio_io import SampleFormat, write_wav
 
 
 @dataclasses.dataclass
@@ -55,7 +54,7 @@ class OmniRequestOutput:
     audio_delta: np.ndarray | None = None
     finished: bool = False
 
-    def save_wav(self, path: str | Path, sample_format: Literal["pcm16", "float32"] = "pcm16") -> Path:
+    def save_wav(self, path: str | Path, sample_format: SampleFormat = "pcm16") -> Path:
         """Write :attr:`audio` as a mono WAV at :attr:`sample_rate`; returns the path.
 
         ``"pcm16"`` (the default): 16-bit integer PCM, what Python's ``wave``, browsers and
@@ -64,14 +63,7 @@ class OmniRequestOutput:
         """
         if self.audio is None or self.sample_rate is None:
             raise ValueError(f"request {self.request_id} has no audio")
-        if sample_format not in ("pcm16", "float32"):
-            raise ValueError(f"sample_format must be 'pcm16' or 'float32', got {sample_format!r}")
-        from scipy.io import wavfile  # a dependency of jax
-
-        samples = np.asarray(self.audio, np.float32)
-        if sample_format == "pcm16":
-            samples = np.round(np.clip(samples, -1.0, 1.0) * PCM16_SCALE).astype(np.int16)
-        wavfile.write(str(path), self.sample_rate, samples)
+        write_wav(path, self.audio, self.sample_rate, sample_format)
         return Path(path)
 
 

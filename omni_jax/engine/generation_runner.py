@@ -179,6 +179,10 @@ class GenerationRunner(Generic[R, B]):
     def has_work(self) -> bool:
         return bool(self._waiting)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
     def remove(self, match: Callable[[R], bool]) -> None:
         """Drop the waiting requests ``match`` selects (the stage knows its requests' ids)."""
         self._waiting = collections.deque(r for r in self._waiting if not match(r))

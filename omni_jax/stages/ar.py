@@ -29,6 +29,7 @@ from omni_jax.stages.base import (
     PromptMedia,
     Stage,
     StageInput,
+    StageLoad,
     StageResult,
     StageStep,
     check_ids,
@@ -244,6 +245,15 @@ class ARStage(Generic[S]):
 
     def has_work(self) -> bool:
         return self.engine.has_work()
+
+    def load(self) -> StageLoad:
+        scheduler = self.engine.scheduler
+        return StageLoad(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            free_pages=scheduler.allocator.num_free,
+            num_pages=scheduler.allocator.num_pages,
+        )
 
     def warmup(self) -> int:
         """Every step bucket (:meth:`AREngine.warmup`), then the frontend's own programs (the

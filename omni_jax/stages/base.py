@@ -95,6 +95,18 @@ class StageStep:
     new_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class StageLoad:
+    """What a stage holds now: requests ``running`` (in its batch: an AR stage's scheduled
+    sequences) and ``waiting`` (queued for a place in it), and for a stage with a paged KV cache
+    its ``free_pages`` of ``num_pages``. Read by serving (queue bounds, metrics)."""
+
+    running: int
+    waiting: int
+    free_pages: int | None = None
+    num_pages: int | None = None
+
+
 class Stage(Protocol):
     config: StageConfig
     params_type: type
@@ -139,6 +151,9 @@ class Stage(Protocol):
         (an AR stage's KV pages); False when the stage does not hold it."""
 
     def has_work(self) -> bool: ...
+
+    def load(self) -> StageLoad:
+        """The requests it holds now, and its free KV pages where it has a cache."""
 
     def warmup(self) -> int:
         """Compile ahead of traffic; returns how many programs were compiled."""

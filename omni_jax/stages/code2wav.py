@@ -19,7 +19,15 @@ from jax.sharding import Mesh
 from omni_jax.engine.generation_runner import GenerationRunner
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
-from omni_jax.stages.base import StageInput, StageResult, StageStep, check_ids, check_params, no_multimodal
+from omni_jax.stages.base import (
+    StageInput,
+    StageLoad,
+    StageResult,
+    StageStep,
+    check_ids,
+    check_params,
+    no_multimodal,
+)
 from omni_jax.stages.code2wav_batch import Code2WavBatch, Code2WavRequest, SolveGeometry, code2wav_runner
 from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.config import StageConfig
@@ -186,6 +194,10 @@ class Code2WavStage:
 
     def has_work(self) -> bool:
         return self.runner.has_work()
+
+    def load(self) -> StageLoad:
+        """Its requests all wait: a solve runs inside one step."""
+        return StageLoad(running=0, waiting=self.runner.num_waiting)
 
     def warmup(self) -> int:
         """Compile every solve program, one per rows bucket up to ``max_batch`` and code length up

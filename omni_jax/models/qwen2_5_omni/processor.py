@@ -22,6 +22,7 @@ tokenizer splits text at them and expanding before or after tokenizing gives the
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from omni_jax.audio_io import read_wav
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
 from omni_jax.models.qwen2_5_omni.rope_index import chunk_bounds
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
@@ -163,38 +165,17 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def read_audio(index: int, path: str | Path) -> np.ndarray:
-    """A WAV file as float32 mono at 16 kHz (``scipy.io.wavfile``; other formats are refused).
-
-    Integer PCM is scaled to [-1, 1), channels are averaged, and another rate is resampled
-    with ``scipy.signal.resample_poly`` (not bit-equal to librosa's resampler, which the
-    reference's ``load_audio`` uses).
-    """
-    from scipy.io import wavfile
-    from scipy.signal import resample_poly
-
+    """A WAV file as float32 mono at 16 kHz (:func:`omni_jax.audio_io.read_wav`; other formats
+    are refused)."""
     path = Path(path)
     if path.suffix.lower() != ".wav":
         raise _fail(index, f"audio file {str(path)!r}: only .wav files can be read; pass a float array")
     if not path.exists():
         raise _fail(index, f"audio file {str(path)!r} does not exist")
     try:
-        rate, data = wavfile.read(path)
-    except (ValueError, OSError, EOFError) as e:  # truncated or not a WAV at all
-        raise _fail(index, f"audio file {str(path)!r} is not a readable WAV file: {e}") from None
-    if data.dtype == np.uint8:
-        audio = (data.astype(np.float32) - 128) / 128
-    elif np.issubdtype(data.dtype, np.integer):
-        audio = data.astype(np.float32) / float(np.iinfo(data.dtype).max + 1)
-    else:
-        audio = data.astype(np.float32)
-    if audio.ndim == 2:
-        audio = audio.mean(axis=1)
-    if audio.size == 0:
-        raise _fail(index, f"audio file {str(path)!r} holds no samples")
-    if rate != SAMPLE_RATE:
-        g = np.gcd(rate, SAMPLE_RATE)
-        audio = resample_poly(audio, SAMPLE_RATE // g, rate // g).astype(np.float32)
-    return audio
+        return read_wav(path, SAMPLE_RATE)
+    except ValueError as e:
+        raise _fail(index, f"audio file {str(path)!r} {e}") from None
 
 
 def _describe(item: Any) -> str:
@@ -209,15 +190,22 @@ def _check_finite(index: int, kind: str, array: np.ndarray) -> None:
 
 
 def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.ndarray:
-    """A 1-D real float array (or a .wav path), not empty, finite, at most ``max_samples`` long."""
+    """A 1-D real float array (or a .wav path, or a WAV file's bytes), not empty, finite, at most
+    ``max_samples`` long."""
     if isinstance(item, (str, Path)):
         audio = read_audio(index, item)
+    elif isinstance(item, bytes):
+        try:
+            audio = read_wav(io.BytesIO(item), SAMPLE_RATE)
+        except ValueError as e:
+            raise _fail(index, f"audio (WAV bytes) {e}") from None
     elif isinstance(item, np.ndarray) and item.ndim == 1 and np.issubdtype(item.dtype, np.floating):
         audio = item
     else:
         raise _fail(
             index,
-            f"audio must be a 1-D float array at {SAMPLE_RATE} Hz or a .wav path, got {_describe(item)}",
+            f"audio must be a 1-D float array at {SAMPLE_RATE} Hz, a .wav path or WAV bytes, "
+            f"got {_describe(item)}",
         )
     if audio.size == 0:
         raise _fail(index, "audio is empty")

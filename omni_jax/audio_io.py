@@ -1,0 +1,76 @@
+"""WAV in and out: what a user's audio file becomes, and what a waveform becomes as bytes.
+
+One place for both directions, so the CLI's ``--audio`` files, the server's base64 ``input_audio``,
+``OmniRequestOutput.save_wav`` and the server's ``audio.data`` decode and encode alike.
+``scipy.io.wavfile`` (a dependency of jax) reads and writes; nothing here knows a model.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+import numpy as np
+
+PCM16_SCALE = 32767
+"""Full scale of 16-bit PCM: [-1, 1] maps to [-32767, 32767] (symmetric, as libsndfile writes)."""
+
+SampleFormat = Literal["pcm16", "float32"]
+
+
+def read_wav(source: str | Path | BinaryIO, rate: int) -> np.ndarray:
+    """A WAV file (a path or an open binary file) as float32 mono at ``rate`` Hz.
+
+    Integer PCM is scaled to [-1, 1), channels are averaged, and another rate is resampled with
+    ``scipy.signal.resample_poly`` (not bit-equal to librosa's resampler, which transformers'
+    ``load_audio`` uses). ``ValueError`` for what is not a readable WAV or holds no samples, its
+    message a predicate (``"holds no samples"``) for the caller to put after the input's name.
+    """
+    from scipy.io import wavfile
+    from scipy.signal import resample_poly
+
+    try:
+        source_rate, data = wavfile.read(source)
+    except (ValueError, OSError, EOFError) as e:  # truncated or not a WAV at all
+        raise ValueError(f"is not a readable WAV file: {e}") from None
+    if data.dtype == np.uint8:
+        audio = (data.astype(np.float32) - 128) / 128
+    elif np.issubdtype(data.dtype, np.integer):
+        audio = data.astype(np.float32) / float(np.iinfo(data.dtype).max + 1)
+    else:
+        audio = data.astype(np.float32)
+    if audio.ndim == 2:
+        audio = audio.mean(axis=1)
+    if audio.size == 0:
+        raise ValueError("holds no samples")
+    if source_rate != rate:
+        g = np.gcd(source_rate, rate)
+        audio = resample_poly(audio, rate // g, source_rate // g).astype(np.float32)
+    return audio
+
+
+def pcm16(samples: np.ndarray) -> np.ndarray:
+    """Float samples as 16-bit PCM: clipped to [-1, 1] and rounded."""
+    return np.round(np.clip(np.asarray(samples, np.float32), -1.0, 1.0) * PCM16_SCALE).astype(np.int16)
+
+
+def write_wav(
+    target: str | Path | BinaryIO, samples: np.ndarray, rate: int, sample_format: SampleFormat
+) -> None:
+    """A mono WAV of ``samples`` at ``rate`` Hz: ``"pcm16"`` (16-bit integer PCM, what Python's
+    ``wave``, browsers and most players read) or ``"float32"`` (the samples as they are, IEEE
+    float WAV, which ``wave`` and some players cannot open)."""
+    from scipy.io import wavfile
+
+    if sample_format not in ("pcm16", "float32"):
+        raise ValueError(f"sample_format must be 'pcm16' or 'float32', got {sample_format!r}")
+    data = pcm16(samples) if sample_format == "pcm16" else np.asarray(samples, np.float32)
+    wavfile.write(str(target) if isinstance(target, (str, Path)) else target, rate, data)
+
+
+def wav_bytes(samples: np.ndarray, rate: int, sample_format: SampleFormat = "pcm16") -> bytes:
+    """:func:`write_wav` into memory: a whole WAV file's bytes."""
+    buffer = io.BytesIO()
+    write_wav(buffer, samples, rate, sample_format)
+    return buffer.getvalue()

@@ -1,0 +1,11 @@
+"""``omni-jax serve``: an OpenAI-compatible HTTP server over :class:`~omni_jax.AsyncOmniJaxPipeline`.
+
+``protocol`` (the request schema), ``media`` (data and file URLs as prompt items), ``convert``
+(a request as a prompt and per-stage params), ``stop`` (stop strings), ``reply`` (one request's
+pieces and end), ``responses`` (OpenAI's response JSON and SSE), ``metrics`` (Prometheus),
+``app`` (the FastAPI routes) and ``cli`` (the command). Needs the ``serve`` extra (FastAPI,
+uvicorn, prometheus-client); importing this package alone does not.
+"""
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+"""A request body's largest size (413 beyond): room for a few base64 images and a minute of audio."""

@@ -1,0 +1,383 @@
+"""The OpenAI-compatible HTTP server over an :class:`AsyncOmniJaxPipeline` (FastAPI).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` and ``GET /metrics``. A request is checked in this order, and refused with
+OpenAI's error JSON at the first problem: API key (401), warm (503), body size (413), schema (400,
+naming the field), model name (404), what the server cannot serve (400), queue (429), then the
+stages' own admission (400, with their message). Only then does a response start, so a streamed
+reply's 200 means the request is running. A client that disconnects aborts its request (its KV
+pages and solve slot are freed at once); a fault in one request ends it alone, with a 500 (or an
+``error`` event in its stream), and the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
+from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, responses
+from omni_jax.serve.metrics import ServeMetrics
+from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, invalid_request_message
+from omni_jax.serve.reply import End, Piece, reply
+
+log = logging.getLogger("omni_jax.serve")
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    """``model_name``: what clients put in ``model``; ``api_key``: required as a bearer token on
+    ``/v1`` routes when set; ``allowed_media``: the folder ``file://`` media URLs may be read
+    from (``None``: none); ``warmup``: compile every program before ``/health`` turns 200."""
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_media: Path | None = None
+    warmup: bool = True
+
+
+class HTTPError(Exception):
+    """A refusal: the status and the message of its OpenAI error JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the request's body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Server:
+    """The app's state: the pipeline, its settings and metrics, and whether it is warm."""
+
+    def __init__(self, pipe: AsyncOmniJaxPipeline, settings: ServeSettings):
+        self.pipe = pipe
+        self.settings = settings
+        self.metrics = ServeMetrics(lambda: pipe.stats, lambda: pipe.waiting)
+        self.ready = not settings.warmup
+        self.warmup_error: str | None = None
+        self.created = int(time.time())
+
+    async def warm(self) -> None:
+        try:
+            report = await self.pipe.warmup()
+        except Exception as e:  # noqa: BLE001 - the server stays up, unhealthy, and says why
+            log.exception("warm-up failed; /health stays 503")
+            self.warmup_error = f"warm-up failed: {e!r}"
+            return
+        per_stage = ", ".join(
+            f"{n}: {s.programs} programs in {s.seconds:.1f} s" for n, s in report.stages.items()
+        )
+        log.info(
+            "warm-up compiled %d programs (%d XLA compilations): %s",
+            report.programs,
+            report.compiles,
+            per_stage,
+        )
+        self.ready = True
+
+    # -- checks, in order ---------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise HTTPError(401, "a valid API key is required: send 'Authorization: Bearer <key>'")
+
+    def require_ready(self) -> None:
+        if not self.pipe.running:
+            raise HTTPError(503, "the engine has stopped")
+        if not self.ready:
+            raise HTTPError(503, self.warmup_error or "the server is warming up (compiling); retry shortly")
+
+    async def body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_large = HTTPError(413, f"the request body is larger than the server's limit of {limit} bytes")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse(self, schema: type[M], body: bytes) -> M:
+        try:
+            parsed = schema.model_validate_json(body)
+        except ValidationError as e:
+            message, param = invalid_request_message(e)
+            raise HTTPError(400, message, param) from None
+        if parsed.model != self.settings.model_name:  # type: ignore[attr-defined]
+            raise HTTPError(404, f"the model {parsed.model!r} does not exist here", "model")  # type: ignore[attr-defined]
+        return parsed
+
+    async def start(
+        self, request: Request, serve: convert.ServeRequest, request_id: str
+    ) -> tuple[AsyncIterator[Piece | End], Piece | End] | None:
+        """The request's reply and its first event, once admitted; ``None`` when the client left."""
+        events = reply(self.pipe, serve, request_id, self.metrics, time.perf_counter())
+        try:
+            first = await self.unless_disconnected(request, anext(events))
+        except QueueFullError as e:
+            raise HTTPError(429, f"the server's queue is full ({e}); retry later") from None
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        if first is None:
+            await events.aclose()
+            return None
+        return events, first
+
+    async def unless_disconnected(self, request: Request, work: Awaitable[T]) -> T | None:
+        """``await work``, or cancel it and return ``None`` if the client disconnects first."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        log.info("client disconnected; its request was aborted")
+        return None
+
+
+async def _gather(events: AsyncIterator[Piece | End], first: Piece | End) -> tuple[str, list[Piece], End]:
+    """Every piece of a reply: its text, its audio pieces and its end."""
+    text, audio = [], []
+    event = first
+    while not isinstance(event, End):
+        text.append(event.text)
+        if event.audio is not None:
+            audio.append(event)
+        event = await anext(events)
+    return "".join(text), audio, event
+
+
+def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
+    """The server's app; its lifespan warms the pipeline up (``/health`` is 503 until then) and
+    closes it at shutdown."""
+    server = _Server(pipe, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        warming = asyncio.create_task(server.warm()) if settings.warmup else None
+        try:
+            yield
+        finally:
+            if warming is not None:
+                warming.cancel()
+            await asyncio.to_thread(pipe.close)
+
+    app = FastAPI(title="omni-jax", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(HTTPError)
+    async def refused(_: Request, e: HTTPError) -> JSONResponse:
+        server.metrics.refused.labels(str(e.status)).inc()
+        return JSONResponse(responses.error_json(e.status, e.message, e.param), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def failed(_: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        server.metrics.refused.labels("500").inc()
+        return JSONResponse(responses.error_json(500, f"internal error: {e!r}"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if pipe.running and server.ready:
+            return JSONResponse({"status": "ok"})
+        reason = "engine stopped" if not pipe.running else (server.warmup_error or "warming up")
+        return JSONResponse({"status": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        server.authorize(request)
+        card = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "omni-jax",
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        server.authorize(request)
+        server.require_ready()
+        parsed = server.parse(ChatCompletionRequest, await server.body(request))
+        try:
+            serve = await asyncio.to_thread(
+                convert.chat_request, pipe.pipeline, parsed, settings.allowed_media
+            )
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        started = await server.start(request, serve, request_id)
+        if started is None:
+            return Response(status_code=499)
+        events, first = started
+        created = int(time.time())
+        if serve.stream:
+            return StreamingResponse(
+                _chat_stream(events, first, serve, request_id, settings.model_name, created),
+                media_type="text/event-stream",
+            )
+        gathered = await server.unless_disconnected(request, _gather(events, first))
+        if gathered is None:
+            return Response(status_code=499)
+        text, audio, end = gathered
+        if end.finish_reason == "error":
+            raise HTTPError(500, f"the request failed: {end.error}")
+        audio_json = None
+        if serve.audio_format is not None and audio:
+            samples = np.concatenate([p.audio for p in audio])
+            data = responses.audio_data(samples, audio[0].sample_rate, serve.audio_format)
+            audio_json = responses.audio_json(f"audio-{request_id}", data, text)
+        body = responses.chat_completion(
+            request_id, settings.model_name, created, text, end.finish_reason, end.usage.json(), audio_json
+        )
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        server.authorize(request)
+        server.require_ready()
+        parsed = server.parse(CompletionRequest, await server.body(request))
+        try:
+            serve = convert.completion_request(pipe.pipeline, parsed)
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        started = await server.start(request, serve, request_id)
+        if started is None:
+            return Response(status_code=499)
+        events, first = started
+        created = int(time.time())
+        if serve.stream:
+            return StreamingResponse(
+                _completion_stream(events, first, serve, request_id, settings.model_name, created),
+                media_type="text/event-stream",
+            )
+        gathered = await server.unless_disconnected(request, _gather(events, first))
+        if gathered is None:
+            return Response(status_code=499)
+        text, _, end = gathered
+        if end.finish_reason == "error":
+            raise HTTPError(500, f"the request failed: {end.error}")
+        body = responses.completion(
+            request_id, settings.model_name, created, text, end.finish_reason, end.usage.json()
+        )
+        return JSONResponse(body)
+
+    return app
+
+
+async def _chat_stream(
+    events: AsyncIterator[Piece | End],
+    first: Piece | End,
+    serve: convert.ServeRequest,
+    request_id: str,
+    model: str,
+    created: int,
+) -> AsyncIterator[bytes]:
+    """SSE ``chat.completion.chunk``s: the role, ``delta.content`` as text comes,
+    ``delta.audio`` as audio comes, the finish reason, the usage if asked, ``[DONE]``. Closed
+    early (the client gone), it aborts the request."""
+
+    def chunk(delta: dict[str, Any] | None, **kw: Any) -> bytes:
+        return responses.sse(responses.chat_chunk(request_id, model, created, delta, **kw))
+
+    audio_id = f"audio-{request_id}"
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        event = first
+        while not isinstance(event, End):
+            if event.text:
+                yield chunk({"content": event.text})
+            if event.audio is not None and serve.audio_format is not None:
+                data = responses.audio_data(event.audio, event.sample_rate, serve.audio_format)
+                yield chunk({"audio": responses.audio_json(audio_id, data, "")})
+            event = await anext(events)
+        yield _end_events(event, chunk({}, finish_reason=event.finish_reason))
+        if serve.include_usage and event.finish_reason != "error":
+            yield chunk(None, usage=event.usage.json())
+        yield responses.sse("[DONE]")
+    finally:
+        await events.aclose()
+
+
+async def _completion_stream(
+    events: AsyncIterator[Piece | End],
+    first: Piece | End,
+    serve: convert.ServeRequest,
+    request_id: str,
+    model: str,
+    created: int,
+) -> AsyncIterator[bytes]:
+    """SSE ``text_completion`` chunks: text as it comes, the finish reason, usage, ``[DONE]``."""
+
+    def chunk(text: str, finish_reason: str | None = None, usage: dict[str, int] | None = None) -> bytes:
+        return responses.sse(
+            responses.completion(request_id, model, created, text, finish_reason, usage, chunk=True)
+        )
+
+    try:
+        event = first
+        while not isinstance(event, End):
+            if event.text:
+                yield chunk(event.text)
+            event = await anext(events)
+        yield _end_events(event, chunk("", event.finish_reason))
+        if serve.include_usage and event.finish_reason != "error":
+            yield responses.sse(
+                {
+                    **responses.completion(request_id, model, created, "", None, event.usage.json()),
+                    "choices": [],
+                }
+            )
+        yield responses.sse("[DONE]")
+    finally:
+        await events.aclose()
+
+
+def _end_events(end: End, finish_chunk: bytes) -> bytes:
+    """The stream's end: the chunk with the finish reason, or an ``error`` event when a stage
+    failed the request (vLLM's convention: the status was sent with the first chunk)."""
+    if end.finish_reason == "error":
+        return responses.sse(responses.error_json(500, f"the request failed: {end.error}"))
+    return finish_chunk

@@ -1,0 +1,169 @@
+"""An OpenAI request as the pipeline's prompt and per-stage params (:class:`ServeRequest`).
+
+The request's sampling fields go to the stage that writes the reply text (the first one with
+text output); the other stages keep their YAML defaults, seeded by ``seed`` when one is given, so
+a seeded request says (and speaks) the same every time, as ``omni-jax run --seed`` does.
+``modalities`` defaults to ``["text", "audio"]`` when the request has an ``audio`` object and to
+``["text"]`` otherwise (OpenAI's convention); ``audio.voice`` is the prompt's ``speaker``. What
+the stages refuse (an unknown voice, a prompt too long, a bad value) is refused by admission with
+the stages' own messages; what only the server can tell is refused here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from omni_jax.intake import StageParams
+from omni_jax.pipeline import OmniJaxPipeline
+from omni_jax.serve import media
+from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, Message
+
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+)
+"""The request fields that are :class:`~omni_jax.SamplingParams` fields of the same name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeRequest:
+    """What one HTTP request asks of the pipeline: ``prompt`` and ``sampling_params_list`` as
+    :meth:`AsyncOmniJaxPipeline.generate` takes them, the stop strings the server cuts the text
+    at, and the audio format asked for (``None``: no audio)."""
+
+    prompt: dict[str, Any]
+    sampling_params_list: list[StageParams] | StageParams
+    stop: tuple[str, ...]
+    audio_format: Literal["wav", "pcm16"] | None
+    stream: bool
+    include_usage: bool
+
+
+def _stop(value: str | list[str] | None) -> tuple[str, ...]:
+    stops = (value,) if isinstance(value, str) else tuple(value or ())
+    if any(not s for s in stops):
+        raise ValueError("stop: stop strings must not be empty")
+    return stops
+
+
+def _stage_params(pipeline: OmniJaxPipeline, request: ChatCompletionRequest | CompletionRequest) -> Any:
+    """One params object per built stage (one alone for a one-stage pipeline)."""
+    text_stage = next((i for i, s in enumerate(pipeline.stages) if s.config.final_output == "text"), None)
+    if text_stage is None:
+        raise ValueError(
+            f"this server's stages {[s.config.name for s in pipeline.stages]} write no text: "
+            "it serves no chat or completion requests"
+        )
+    given = {name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None}
+    max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    if max_tokens is not None:
+        given["max_tokens"] = max_tokens
+    params = []
+    for i, stage in enumerate(pipeline.stages):
+        p = dataclasses.replace(stage.defaults)
+        if i == text_stage:
+            p = dataclasses.replace(p, **given)
+        elif request.seed is not None:
+            p = dataclasses.replace(p, seed=request.seed)
+        params.append(p)
+    return params[0] if len(params) == 1 else params
+
+
+def _common(request: ChatCompletionRequest | CompletionRequest) -> None:
+    if request.n != 1:
+        raise ValueError(f"n: only n=1 is served, got {request.n}")
+
+
+def _content(where: str, message: Message, allowed: Path | None) -> str | list[dict[str, Any]]:
+    """A message's content as :meth:`OmniJaxPipeline.chat_prompt` reads it: text parts alone are
+    joined into one string (what text-only chat templates expect)."""
+    if isinstance(message.content, str):
+        return message.content
+    items: list[dict[str, Any]] = []
+    for i, part in enumerate(message.content):
+        at = f"{where}.content.{i}"
+        if part.type == "text":
+            items.append({"type": "text", "text": part.text})
+        elif part.type == "image_url":
+            items.append(
+                {"type": "image", "image": media.image(f"{at}.image_url", part.image_url.url, allowed)}
+            )
+        elif part.type == "input_audio":
+            items.append(
+                {"type": "audio", "audio": media.audio(f"{at}.input_audio.data", part.input_audio.data)}
+            )
+        else:
+            items.append(
+                {"type": "video", "video": media.video(f"{at}.video_url", part.video_url.url, allowed)}
+            )
+    if all(item["type"] == "text" for item in items):
+        return "".join(item["text"] for item in items)
+    return items
+
+
+def chat_request(
+    pipeline: OmniJaxPipeline, request: ChatCompletionRequest, allowed_media: Path | None
+) -> ServeRequest:
+    """``ValueError`` naming the field for what the server cannot serve."""
+    _common(request)
+    messages = [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": _content(f"messages.{i}", m, allowed_media),
+        }
+        for i, m in enumerate(request.messages)
+    ]
+    modalities = request.modalities or (["text", "audio"] if request.audio is not None else ["text"])
+    wants_audio = "audio" in modalities
+    stop = _stop(request.stop)
+    if stop and wants_audio:
+        raise ValueError("stop: stop strings are served for text output only (modalities ['text'])")
+    params = _stage_params(pipeline, request)
+    prompt = pipeline.chat_prompt(messages)
+    if any(s.config.final_output == "audio" for s in pipeline.stages) or wants_audio:
+        prompt["modalities"] = list(modalities)
+    if wants_audio and request.audio is not None:
+        prompt["speaker"] = request.audio.voice
+    return ServeRequest(
+        prompt=prompt,
+        sampling_params_list=params,
+        stop=stop,
+        audio_format=(request.audio.format if request.audio is not None else "wav") if wants_audio else None,
+        stream=request.stream,
+        include_usage=request.stream_options is not None and request.stream_options.include_usage,
+    )
+
+
+def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) -> ServeRequest:
+    """A completion is text only, whatever stages follow the text stage."""
+    _common(request)
+    value = request.prompt
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) != 1:
+            raise ValueError(f"prompt: one prompt per request is served, got {len(value)}")
+        value = value[0]
+    if isinstance(value, str):
+        prompt: dict[str, Any] = {"prompt": value}
+    else:
+        prompt = {"prompt_token_ids": list(value)}
+    if any(s.config.final_output == "audio" for s in pipeline.stages):
+        prompt["modalities"] = ["text"]
+    return ServeRequest(
+        prompt=prompt,
+        sampling_params_list=_stage_params(pipeline, request),
+        stop=_stop(request.stop),
+        audio_format=None,
+        stream=request.stream,
+        include_usage=request.stream_options is not None and request.stream_options.include_usage,
+    )

@@ -1,0 +1,82 @@
+"""Media in a chat request: data URLs (base64) and, where allowed, local files, as prompt items.
+
+The server fetches nothing over the network: an image or video is a ``data:`` URL, or a
+``file://`` URL under the folder ``--allowed-local-media-path`` names (refused without it, and
+for any path that resolves outside it); audio is base64 WAV (``input_audio``). Each decoder
+returns what :meth:`OmniJaxPipeline.chat_prompt` takes (a PIL image, WAV bytes, a frame array)
+or raises ``ValueError`` naming the content part, so a bad item is a 400 before any work.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+
+
+def _base64(where: str, data: str) -> bytes:
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{where}: not valid base64 ({e})") from None
+    if not raw:
+        raise ValueError(f"{where}: empty")
+    return raw
+
+
+def _url_bytes(where: str, url: str, allowed: Path | None) -> bytes:
+    """The bytes a data URL holds, or a file URL's file under ``allowed``."""
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise ValueError(f"{where}: a data URL must be 'data:<type>;base64,<data>'")
+        return _base64(where, payload)
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        raise ValueError(
+            f"{where}: only data: URLs (and file: URLs under --allowed-local-media-path) are read; "
+            "the server fetches nothing over the network"
+        )
+    if allowed is None:
+        raise ValueError(
+            f"{where}: file: URLs are refused unless the server names --allowed-local-media-path"
+        )
+    path = Path(unquote(parsed.path)).resolve()
+    if not path.is_relative_to(allowed):
+        raise ValueError(f"{where}: {path} is outside the allowed media folder {allowed}")
+    if not path.is_file():
+        raise ValueError(f"{where}: no such file {path}")
+    return path.read_bytes()
+
+
+def image(where: str, url: str, allowed: Path | None) -> object:
+    """A PIL image, RGB, from an image URL."""
+    from PIL import Image, UnidentifiedImageError
+
+    raw = _url_bytes(where, url, allowed)
+    try:
+        img = Image.open(io.BytesIO(raw))
+        img.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise ValueError(f"{where}: not a readable image ({e})") from None
+    return img.convert("RGB")
+
+
+def audio(where: str, data: str) -> bytes:
+    """The WAV file an ``input_audio`` carries (the stage decodes and resamples it)."""
+    return _base64(where, data)
+
+
+def video(where: str, url: str, allowed: Path | None) -> np.ndarray:
+    """Decoded frames ``[frames, H, W, 3]`` from a URL of a ``.npy`` array (no video decoder is a
+    dependency: decode real video files to frames first)."""
+    raw = _url_bytes(where, url, allowed)
+    try:
+        frames = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{where}: not a readable .npy array of frames ({e})") from None
+    return frames

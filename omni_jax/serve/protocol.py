@@ -1,0 +1,116 @@
+"""The OpenAI request schema the server reads (pydantic), and how a refusal reads.
+
+Requests are parsed into these records before anything else happens, so a field of the wrong type
+or value is a 400 naming it (:func:`invalid_request_message`). Fields OpenAI defines that the server
+does not serve (``tools``, ``logprobs``, ...) and unknown fields are refused by name rather than
+ignored, as OpenAI's own API does; the sampling fields vLLM adds (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are served.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(_Strict):
+    data: str = Field(description="base64 of a WAV file")
+    format: Literal["wav"]
+
+
+class AudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class VideoURL(_Strict):
+    url: str = Field(description="a data URL (or an allowed file URL) of a .npy array [frames, H, W, 3]")
+
+
+class VideoPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class AudioOutput(_Strict):
+    voice: str
+    format: Literal["wav", "pcm16"] = "wav"
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The sampling fields both endpoints take; ``None``: the stage's default (its YAML)."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
+    audio: AudioOutput | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+def invalid_request_message(error: ValidationError) -> tuple[str, str | None]:
+    """The first problem pydantic found as ``(message, param)``: the field's dotted path and what
+    is wrong with it, e.g. ``("messages.0.content: Input should be a valid string", ...)``."""
+    first = error.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    if first["type"] == "extra_forbidden":
+        return f"unsupported field {param!r}", param
+    if first["type"] in ("json_invalid", "model_type") and param is None:
+        return f"the body is not a JSON object: {first['msg']}", None
+    return (f"{param}: {first['msg']}" if param else first["msg"]), param

@@ -1,0 +1,90 @@
+"""One served request's reply as it is produced: text pieces, audio pieces, then its end.
+
+Both the streaming and the whole-response paths read a request through :func:`reply`, so stop
+strings, usage, finish reasons and the metrics are worked out once. The first event comes with
+the request's first update, after admission: a request the stages refuse raises ``ValueError``
+(``QueueFullError`` when the queue is full) before it, while the HTTP status can still say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from omni_jax.async_pipeline import AsyncOmniJaxPipeline
+from omni_jax.serve.convert import ServeRequest
+from omni_jax.serve.metrics import ServeMetrics
+from omni_jax.serve.stop import StopText
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def json(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """New output: reply text and/or audio samples (``sample_rate`` set with ``audio``)."""
+
+    text: str = ""
+    audio: np.ndarray | None = None
+    sample_rate: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class End:
+    """The request ended: ``finish_reason`` is ``"stop"``, ``"length"``, or ``"error"`` with
+    ``error`` (a stage failed it: the client gets the message, the server goes on)."""
+
+    finish_reason: str
+    usage: Usage
+    error: str | None = None
+
+
+async def reply(
+    pipe: AsyncOmniJaxPipeline, request: ServeRequest, request_id: str, metrics: ServeMetrics, arrival: float
+) -> AsyncIterator[Piece | End]:
+    """The request's pieces, then one :class:`End`. Closing the iterator early (a client gone)
+    aborts the request in the engine. ``arrival``: ``time.perf_counter()`` when it came."""
+    stop = StopText(request.stop)
+    updates = pipe.generate(request.prompt, request.sampling_params_list, request_id=request_id)
+    first_text = first_audio = True
+    tokens = 0
+    try:
+        async for out in updates:
+            tokens += len(out.token_ids_delta)
+            text = stop.feed(out.text_delta)
+            if out.finished and not stop.hit:
+                text += stop.flush()
+            if text and first_text:
+                metrics.ttft.observe(time.perf_counter() - arrival)
+                first_text = False
+            audio = out.audio_delta if out.audio_delta is not None and out.audio_delta.size else None
+            if audio is not None:
+                if first_audio:
+                    metrics.ttfa.observe(time.perf_counter() - arrival)
+                    first_audio = False
+                metrics.audio_seconds.inc(audio.size / out.sample_rate)
+            yield Piece(text, audio, out.sample_rate if audio is not None else None)
+            if stop.hit or out.finished:
+                reason = "stop" if stop.hit else (out.finish_reason or "stop")
+                usage = Usage(len(out.prompt_token_ids), tokens)
+                metrics.requests.labels(reason).inc()
+                metrics.prompt_tokens.inc(usage.prompt_tokens)
+                metrics.generation_tokens.inc(usage.completion_tokens)
+                metrics.e2e.observe(time.perf_counter() - arrival)
+                yield End(reason, usage, out.error if reason == "error" else None)
+                return
+    finally:
+        await updates.aclose()  # before the last update: aborts the request

@@ -1,0 +1,132 @@
+"""OpenAI's response JSON: chat completions, completions, their stream chunks, audio, errors.
+
+Audio goes out as OpenAI's ``audio`` object (``id``, base64 ``data``, ``transcript``,
+``expires_at``) in the format asked: ``"wav"``, a whole WAV file (in a stream, each chunk is a
+WAV file of its own, playable alone), or ``"pcm16"``, raw little-endian 16-bit samples at the
+stage's rate (24 kHz for Qwen2.5-Omni), which concatenate.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any, Literal
+
+import numpy as np
+
+from omni_jax.audio_io import pcm16, wav_bytes
+
+AUDIO_EXPIRY_S = 3600
+"""``expires_at`` is an hour on: the server keeps no audio (nothing can be referred to later),
+but OpenAI clients read the field."""
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+def error_json(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "error"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def audio_data(samples: np.ndarray, rate: int, fmt: Literal["wav", "pcm16"]) -> str:
+    raw = wav_bytes(samples, rate) if fmt == "wav" else pcm16(samples).astype("<i2").tobytes()
+    return base64.b64encode(raw).decode("ascii")
+
+
+def audio_json(audio_id: str, data: str, transcript: str) -> dict[str, Any]:
+    return {
+        "id": audio_id,
+        "data": data,
+        "transcript": transcript,
+        "expires_at": int(time.time()) + AUDIO_EXPIRY_S,
+    }
+
+
+def chat_completion(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    usage: dict[str, int],
+    audio: dict[str, Any] | None,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if audio is not None:
+        message["audio"] = audio
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage,
+    }
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    usage: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None``: the usage chunk (no choices)."""
+    choices = (
+        []
+        if delta is None
+        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    )
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def completion(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    usage: dict[str, int] | None,
+    chunk: bool = False,
+) -> dict[str, Any]:
+    """A ``text_completion`` (also each of its stream's chunks, which OpenAI names the same)."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+    }
+    if usage is not None or not chunk:
+        body["usage"] = usage
+    return body
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` (or ``data: [DONE]``) and a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
