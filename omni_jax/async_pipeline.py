@@ -39,13 +39,16 @@ class AsyncOmniJaxPipeline:
     its ``run`` must not be called while this one serves.
 
     ``max_waiting``: at most this many requests wait for the first stage (being admitted, or
-    queued for a place in its batch); ``generate`` refuses more with :class:`QueueFullError`
-    before taking anything in. ``None``: no bound.
+    queued for a place in its batch; a new request waits at least while it is admitted, so the
+    bound is 1 or more); ``generate`` refuses more with :class:`QueueFullError` before taking
+    anything in. ``None``: no bound.
     """
 
     def __init__(self, pipeline: OmniJaxPipeline, max_waiting: int | None = None):
-        if max_waiting is not None and (isinstance(max_waiting, bool) or max_waiting < 0):
-            raise ValueError(f"max_waiting={max_waiting!r} must be an int >= 0 or None")
+        if max_waiting is not None and (
+            isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1
+        ):
+            raise ValueError(f"max_waiting={max_waiting!r} must be a positive int or None")
         if jax.process_count() > 1:
             raise ValueError(
                 "AsyncOmniJaxPipeline serves from one process: requests arrive in one process only, "

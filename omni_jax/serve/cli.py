@@ -22,13 +22,6 @@ def _positive(value: str) -> int:
     return n
 
 
-def _non_negative(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return n
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="an HF checkpoint dir or a checkpoints_convert dir")
     p.add_argument("--host", default="127.0.0.1")
@@ -39,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument(
         "--max-queue",
-        type=_non_negative,
+        type=_positive,
         default=None,
         help="at most N requests wait for the first stage; more get 429 (default: no bound)",
     )
