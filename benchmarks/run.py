@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+from benchmarks.load_generator import parse_rates
 from omni_jax.cli_errors import OneLineParser
 from omni_jax.parallel.mesh import parse_mesh
 
@@ -35,11 +36,21 @@ from omni_jax.parallel.mesh import parse_mesh
 class Suite:
     """``module`` has ``run(path, args) -> dict`` and ``table(result) -> str``; ``model_type`` is
     the checkpoint kind it runs (the key of :data:`benchmarks.models.BUILDERS` for tiny / small);
-    ``in_all``: whether ``--suite all`` runs it (the soak is asked for by name)."""
+    ``in_all``: whether ``--suite all`` runs it (the soak is asked for by name); ``also``: other
+    ``model_type``s it runs from a checkpoint PATH."""
 
     module: str
     model_type: str
     in_all: bool = True
+    also: tuple[str, ...] = ()
+
+    def kind(self, model: str) -> str:
+        """The ``model_type`` to resolve ``--model`` as: ``also``'s one when PATH is of it."""
+        from benchmarks.models import model_type
+
+        if self.also and (Path(model) / "config.json").exists() and model_type(Path(model)) in self.also:
+            return model_type(Path(model))
+        return self.model_type
 
 
 SUITES: dict[str, Suite] = {
@@ -48,6 +59,7 @@ SUITES: dict[str, Suite] = {
     "e2e": Suite("benchmarks.e2e_suite", "qwen2_5_omni"),
     "soak": Suite("benchmarks.soak_suite", "qwen2", in_all=False),
     "memory": Suite("benchmarks.memory_suite", "qwen2", in_all=False),
+    "serve": Suite("benchmarks.serve_suite", "qwen2", in_all=False, also=("qwen2_5_omni",)),
 }
 """The registered suites, in the order ``--suite all`` runs them; a new one is one line here."""
 
@@ -159,6 +171,11 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         default=200,
         help="--reference runs the first N, same caps, in transformers and again in ours for the ratio",
     )
+    serve = p.add_argument_group("serve suite (--num-requests: 32 by default; prompts, --max-tokens as ar)")
+    serve.add_argument("--rates", type=parse_rates, default=None, help="req/s (default: searched)")
+    serve.add_argument(
+        "--rate-multiples", type=parse_rates, default=[1.0, 2.0, 5.0, 10.0], help="ours at searched rate x M"
+    )
     return p
 
 
@@ -197,7 +214,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
         suite_args.profile = str(Path(args.profile) / name) if args.profile else None
         if suite_args.num_requests is None:
             suite_args.num_requests = getattr(module, "DEFAULT_NUM_REQUESTS", 32)
-        path = resolve_model(args.model, Path(args.cache_dir), suite.model_type)
+        path = resolve_model(args.model, Path(args.cache_dir), suite.kind(args.model))
         result: dict[str, Any] = module.run(path, suite_args)
         result.update(
             model=args.model,

@@ -176,6 +176,50 @@ def test_soak_suite(tmp_path: Path) -> None:
     assert result["ratio"] == pytest.approx(ours["same_requests"]["tokens_per_s"] / ref["tokens_per_s"])
 
 
+def test_serve_suite(tmp_path: Path) -> None:
+    """Three streamed chat requests at one Poisson rate against a live ``omni-jax serve`` and the
+    transformers reference server (each a subprocess, one after the other): the schema, every
+    figure present and sane, our server compiling nothing after its warm-up, and our replies
+    identical to the reference's, request by request, in every run."""
+    argv = "--suite serve --model tiny --num-requests 3 --rates 4 --max-tokens 4 --min-prompt 4"
+    result = run_suite(
+        tmp_path, argv + " --max-prompt 8 --max-num-seqs 2 --max-model-len 48 --max-num-batched-tokens 32"
+    )
+    for key in (*harness.SUITE_FIELDS, *harness.HARNESS_FIELDS):
+        assert key in result, key
+    assert result["suite"] == "serve" and result["model"] == "tiny" and result["failures"] == []
+    assert result["command"].startswith("python -m benchmarks.run --suite serve --model tiny")
+    assert result["requests"] == 3 and result["speech"] is False and result["rates_given"] == [4.0]
+    ours, ref = result["ours"], result["reference"]
+    assert [r["label"] for r in ref["runs"]] == ["unloaded", "4/s"]
+    assert [r["label"] for r in ours["runs"]] == ["unloaded", "burst", "4/s"]
+    for run in (*ref["runs"], *ours["runs"]):
+        assert run["completed"] == 3 and run["failed"] == 0 and run["output_tokens"] == 3 * 4
+        assert run["requests_per_s"] > 0 and run["output_tokens_per_s"] > 0
+        for key in ("ttft_s", "tpot_s", "e2e_s"):
+            s = run[key]
+            assert 0 < s["p50"] <= s["p90"] <= s["p99"], key
+        assert run["ttfa_s"] is None and run["audio_s"] == 0
+        assert all(r["status"] == "ok" and r["output_tokens"] == 4 for r in run["records"])
+        assert run["agreement"] == "3/3 identical"
+    assert ref["doubling_rate"] == 4.0 and ref["unloaded_p50_s"] > 0
+    below = ours["runs"][-1]["e2e_s"]["p50"] < ref["p50_at_doubling_s"]
+    assert result["ratio"] == (1.0 if below else 0.0)
+    c = result["compile"]["ours"]
+    assert c["warmup_programs"] > 0 and c["warmup_xla_compiles"] > 0 and c["compiles_after_warmup"] == 0
+    assert c["ready_s"] > 0 and result["compile"]["reference"]["ready_s"] > 0
+
+
+def test_poisson_arrivals() -> None:
+    """Seeded exponential gaps, the same draw at every rate (scaled by it); all at once at inf."""
+    from benchmarks.load_generator import poisson_arrivals
+
+    one, two = poisson_arrivals(200, 1.0), poisson_arrivals(200, 2.0)
+    assert one[0] == 0.0 and np.all(np.diff(one) > 0) and np.allclose(np.array(one) / 2, two)
+    assert 0.8 < np.mean(np.diff(one)) < 1.2
+    assert poisson_arrivals(3, math.inf) == [0.0, 0.0, 0.0]
+
+
 def test_agreement_accepts_only_checked_near_ties() -> None:
     """Equal to the last token; a difference passes only where the reference's scores for its
     token and ours are within the bound; a side that stopped early is a difference."""
@@ -219,7 +263,7 @@ def test_suite_choices() -> None:
     suite); one Suite line registers another."""
     from benchmarks.run import suites_for
 
-    assert list(SUITES) == ["ar", "code2wav", "e2e", "soak", "memory"]
+    assert list(SUITES) == ["ar", "code2wav", "e2e", "soak", "memory", "serve"]
     assert suites_for("all", "tiny") == ["ar", "code2wav", "e2e"]
     assert suites_for("soak", "tiny") == ["soak"]
     assert parser().parse_args(["--ref-batches", "16,all,8"]).ref_batches == [16, "all", 8]
