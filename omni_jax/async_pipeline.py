@@ -19,6 +19,7 @@ from typing import Any, Self
 
 import jax
 
+from omni_jax.engine.compilation import CompileCounter
 from omni_jax.engine_core import EngineStats
 from omni_jax.engine_thread import EngineThread
 from omni_jax.intake import Prompt
@@ -61,6 +62,7 @@ class AsyncOmniJaxPipeline:
         self._live: set[str] = set()
         self._admitting = 0
         self.max_waiting = max_waiting
+        self._compiles = CompileCounter().__enter__()  # until close(): what serving compiled
 
     @classmethod
     def from_pretrained(
@@ -73,6 +75,12 @@ class AsyncOmniJaxPipeline:
     def stats(self) -> EngineStats:
         """The engine's stats after its latest step (requests per stage, free KV pages)."""
         return self._engine.stats
+
+    @property
+    def xla_compilations(self) -> int:
+        """XLA compilations in this process since the pipeline started serving (warm-up's
+        included): after :meth:`warmup` it must stay put, whatever the traffic."""
+        return self._compiles.compiles
 
     @property
     def waiting(self) -> int:
@@ -142,6 +150,7 @@ class AsyncOmniJaxPipeline:
         """End the running requests (``finish_reason="abort"``) and stop the engine thread."""
         self._engine.close()
         self._intake.shutdown(wait=True, cancel_futures=True)
+        self._compiles.__exit__(None, None, None)
 
     async def __aenter__(self) -> Self:
         return self

@@ -167,6 +167,44 @@ def test_the_walk_sees_the_package() -> None:
     assert any(m == "omni_jax.models.attention" for m, _ in graph["omni_jax.engine.ar_runner"])
 
 
+SERVE_BANNED = ("omni_jax.stages", "omni_jax.engine", "omni_jax.models", "omni_jax.architectures")
+
+
+def serve_violations(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """``omni_jax/serve/`` (the HTTP server) reaches the library through the top layer only, never
+    a stage, engine, model or the composition root directly; and only the command line
+    (``omni_jax.cli``) imports it, so its dependencies (FastAPI, uvicorn) stay an extra."""
+    found = []
+    for module, edges in sorted(graph.items()):
+        for imported, line in edges:
+            if _under(module, "omni_jax.serve") and any(_under(imported, b) for b in SERVE_BANNED):
+                found.append(f"{module}:{line} -> {imported}: serve/ goes through the top layer")
+            elif _under(imported, "omni_jax.serve") and not (
+                _under(module, "omni_jax.serve") or module == "omni_jax.cli"
+            ):
+                found.append(f"{module}:{line} -> {imported}: only the command line imports serve/")
+    return found
+
+
+def test_serve_sits_on_the_top_layer() -> None:
+    found = serve_violations(import_graph())
+    assert not found, "serve/ layering violations:\n" + "\n".join(found)
+    graph = import_graph()
+    assert any(_under(m, "omni_jax.async_pipeline") for m, _ in graph["omni_jax.serve.app"])
+
+
+def test_serve_violations_are_named() -> None:
+    graph = {
+        "omni_jax.serve.app": [("omni_jax.stages.base", 3), ("omni_jax.async_pipeline", 4)],
+        "omni_jax.pipeline": [("omni_jax.serve.app", 7)],
+        "omni_jax.cli": [("omni_jax.serve.cli", 9)],
+    }
+    assert serve_violations(graph) == [
+        "omni_jax.pipeline:7 -> omni_jax.serve.app: only the command line imports serve/",
+        "omni_jax.serve.app:3 -> omni_jax.stages.base: serve/ goes through the top layer",
+    ]
+
+
 SYNTHETIC = {
     "omni_jax.models.fake": ("from omni_jax.engine.compilation import CompileCounter\n", False),
     "omni_jax.models.lazy": ("def f():\n    from ..stages import base\n    return base\n", False),

@@ -75,7 +75,7 @@ class _Server:
     def __init__(self, pipe: AsyncOmniJaxPipeline, settings: ServeSettings):
         self.pipe = pipe
         self.settings = settings
-        self.metrics = ServeMetrics(lambda: pipe.stats, lambda: pipe.waiting)
+        self.metrics = ServeMetrics(lambda: pipe.stats, lambda: pipe.waiting, lambda: pipe.xla_compilations)
         self.ready = not settings.warmup
         self.warmup_error: str | None = None
         self.created = int(time.time())

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from omni_jax.engine_core import EngineStats
@@ -23,9 +23,12 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
 class _EngineLoad(Collector):
     """Gauges read from the engine's latest stats at scrape time."""
 
-    def __init__(self, stats: Callable[[], EngineStats], waiting: Callable[[], int]):
+    def __init__(
+        self, stats: Callable[[], EngineStats], waiting: Callable[[], int], compilations: Callable[[], int]
+    ):
         self._stats = stats
         self._waiting = waiting
+        self._compilations = compilations
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -54,12 +57,19 @@ class _EngineLoad(Collector):
             "Requests waiting for the first stage (admission and its queue): what --max-queue bounds",
             value=self._waiting(),
         )
+        yield CounterMetricFamily(
+            "omni_jax:xla_compilations",
+            "XLA compilations since the server started, warm-up's included: flat after warm-up",
+            value=self._compilations(),
+        )
 
 
 class ServeMetrics:
     """The server's metrics; :meth:`render` is the ``/metrics`` body."""
 
-    def __init__(self, stats: Callable[[], EngineStats], waiting: Callable[[], int]):
+    def __init__(
+        self, stats: Callable[[], EngineStats], waiting: Callable[[], int], compilations: Callable[[], int]
+    ):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -93,7 +103,7 @@ class ServeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        r.register(_EngineLoad(stats, waiting))
+        r.register(_EngineLoad(stats, waiting, compilations))
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
