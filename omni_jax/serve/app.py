@@ -19,7 +19,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,6 +38,10 @@ log = logging.getLogger("omni_jax.serve")
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+
+CLIENT_GONE = 499
+"""The status logged for a request whose client disconnected first (nginx's convention; the
+client reads nothing)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +141,23 @@ class _Server:
             raise HTTPError(404, f"the model {parsed.model!r} does not exist here", "model")  # type: ignore[attr-defined]
         return parsed
 
-    async def start(
-        self, request: Request, serve: convert.ServeRequest, request_id: str
-    ) -> tuple[AsyncIterator[Piece | End], Piece | End] | None:
-        """The request's reply and its first event, once admitted; ``None`` when the client left."""
+    async def admit(self, request: Request, schema: type[M]) -> M:
+        """The checks before a request is converted: key, warm, body size, schema, model."""
+        self.authorize(request)
+        self.require_ready()
+        return self.parse(schema, await self.body(request))
+
+    async def respond(
+        self,
+        request: Request,
+        serve: convert.ServeRequest,
+        request_id: str,
+        stream: Callable[[AsyncIterator[Piece | End], Piece | End], AsyncIterator[bytes]],
+        whole: Callable[[str, list[Piece], End], dict[str, Any]],
+    ) -> Response:
+        """Run the request: its queue and admission checks, then an SSE response from
+        ``stream(events, first)`` or the JSON ``whole(text, audio pieces, end)``. A client gone
+        before the end gets nothing (499 in the log); a request a stage failed is a 500."""
         events = reply(self.pipe, serve, request_id, self.metrics, time.perf_counter())
         try:
             first = await self.unless_disconnected(request, anext(events))
@@ -150,8 +167,16 @@ class _Server:
             raise HTTPError(400, str(e)) from None
         if first is None:
             await events.aclose()
-            return None
-        return events, first
+            return Response(status_code=CLIENT_GONE)
+        if serve.stream:
+            return StreamingResponse(stream(events, first), media_type="text/event-stream")
+        gathered = await self.unless_disconnected(request, _gather(events, first))
+        if gathered is None:
+            return Response(status_code=CLIENT_GONE)
+        text, audio, end = gathered
+        if end.finish_reason == "error":
+            raise HTTPError(500, f"the request failed: {end.error}")
+        return JSONResponse(whole(text, audio, end))
 
     async def unless_disconnected(self, request: Request, work: Awaitable[T]) -> T | None:
         """``await work``, or cancel it and return ``None`` if the client disconnects first."""
@@ -168,6 +193,16 @@ class _Server:
             await task
         log.info("client disconnected; its request was aborted")
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """What every chunk of one streamed reply repeats, and what the request asked."""
+
+    serve: convert.ServeRequest
+    request_id: str
+    model: str
+    created: int
 
 
 async def _gather(events: AsyncIterator[Piece | End], first: Piece | End) -> tuple[str, list[Piece], End]:
@@ -237,92 +272,71 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        server.authorize(request)
-        server.require_ready()
-        parsed = server.parse(ChatCompletionRequest, await server.body(request))
+        parsed = await server.admit(request, ChatCompletionRequest)
         try:
             serve = await asyncio.to_thread(
                 convert.chat_request, pipe.pipeline, parsed, settings.allowed_media
             )
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        started = await server.start(request, serve, request_id)
-        if started is None:
-            return Response(status_code=499)
-        events, first = started
-        created = int(time.time())
-        if serve.stream:
-            return StreamingResponse(
-                _chat_stream(events, first, serve, request_id, settings.model_name, created),
-                media_type="text/event-stream",
+        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def whole(text: str, audio: list[Piece], end: End) -> dict[str, Any]:
+            audio_json = None
+            if serve.audio_format is not None and audio:
+                samples = np.concatenate([p.audio for p in audio])
+                data = responses.audio_data(samples, audio[0].sample_rate, serve.audio_format)
+                audio_json = responses.audio_json(f"audio-{request_id}", data, text)
+            return responses.chat_completion(
+                request_id,
+                settings.model_name,
+                created,
+                text,
+                end.finish_reason,
+                end.usage.json(),
+                audio_json,
             )
-        gathered = await server.unless_disconnected(request, _gather(events, first))
-        if gathered is None:
-            return Response(status_code=499)
-        text, audio, end = gathered
-        if end.finish_reason == "error":
-            raise HTTPError(500, f"the request failed: {end.error}")
-        audio_json = None
-        if serve.audio_format is not None and audio:
-            samples = np.concatenate([p.audio for p in audio])
-            data = responses.audio_data(samples, audio[0].sample_rate, serve.audio_format)
-            audio_json = responses.audio_json(f"audio-{request_id}", data, text)
-        body = responses.chat_completion(
-            request_id, settings.model_name, created, text, end.finish_reason, end.usage.json(), audio_json
-        )
-        return JSONResponse(body)
+
+        def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
+            return _chat_stream(events, first, _Head(serve, request_id, settings.model_name, created))
+
+        return await server.respond(request, serve, request_id, stream, whole)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        server.authorize(request)
-        server.require_ready()
-        parsed = server.parse(CompletionRequest, await server.body(request))
+        parsed = await server.admit(request, CompletionRequest)
         try:
             serve = convert.completion_request(pipe.pipeline, parsed)
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        started = await server.start(request, serve, request_id)
-        if started is None:
-            return Response(status_code=499)
-        events, first = started
-        created = int(time.time())
-        if serve.stream:
-            return StreamingResponse(
-                _completion_stream(events, first, serve, request_id, settings.model_name, created),
-                media_type="text/event-stream",
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def whole(text: str, audio: list[Piece], end: End) -> dict[str, Any]:
+            return responses.completion(
+                request_id, settings.model_name, created, text, end.finish_reason, end.usage.json()
             )
-        gathered = await server.unless_disconnected(request, _gather(events, first))
-        if gathered is None:
-            return Response(status_code=499)
-        text, _, end = gathered
-        if end.finish_reason == "error":
-            raise HTTPError(500, f"the request failed: {end.error}")
-        body = responses.completion(
-            request_id, settings.model_name, created, text, end.finish_reason, end.usage.json()
-        )
-        return JSONResponse(body)
+
+        def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
+            return _completion_stream(events, first, _Head(serve, request_id, settings.model_name, created))
+
+        return await server.respond(request, serve, request_id, stream, whole)
 
     return app
 
 
 async def _chat_stream(
-    events: AsyncIterator[Piece | End],
-    first: Piece | End,
-    serve: convert.ServeRequest,
-    request_id: str,
-    model: str,
-    created: int,
+    events: AsyncIterator[Piece | End], first: Piece | End, head: _Head
 ) -> AsyncIterator[bytes]:
     """SSE ``chat.completion.chunk``s: the role, ``delta.content`` as text comes,
     ``delta.audio`` as audio comes, the finish reason, the usage if asked, ``[DONE]``. Closed
     early (the client gone), it aborts the request."""
 
-    def chunk(delta: dict[str, Any] | None, **kw: Any) -> bytes:
-        return responses.sse(responses.chat_chunk(request_id, model, created, delta, **kw))
+    serve = head.serve
 
-    audio_id = f"audio-{request_id}"
+    def chunk(delta: dict[str, Any] | None, **kw: Any) -> bytes:
+        return responses.sse(responses.chat_chunk(head.request_id, head.model, head.created, delta, **kw))
+
+    audio_id = f"audio-{head.request_id}"
     try:
         yield chunk({"role": "assistant", "content": ""})
         event = first
@@ -342,18 +356,15 @@ async def _chat_stream(
 
 
 async def _completion_stream(
-    events: AsyncIterator[Piece | End],
-    first: Piece | End,
-    serve: convert.ServeRequest,
-    request_id: str,
-    model: str,
-    created: int,
+    events: AsyncIterator[Piece | End], first: Piece | End, head: _Head
 ) -> AsyncIterator[bytes]:
     """SSE ``text_completion`` chunks: text as it comes, the finish reason, usage, ``[DONE]``."""
 
     def chunk(text: str, finish_reason: str | None = None, usage: dict[str, int] | None = None) -> bytes:
         return responses.sse(
-            responses.completion(request_id, model, created, text, finish_reason, usage, chunk=True)
+            responses.completion(
+                head.request_id, head.model, head.created, text, finish_reason, usage, chunk=True
+            )
         )
 
     try:
@@ -363,13 +374,11 @@ async def _completion_stream(
                 yield chunk(event.text)
             event = await anext(events)
         yield _end_events(event, chunk("", event.finish_reason))
-        if serve.include_usage and event.finish_reason != "error":
-            yield responses.sse(
-                {
-                    **responses.completion(request_id, model, created, "", None, event.usage.json()),
-                    "choices": [],
-                }
+        if head.serve.include_usage and event.finish_reason != "error":
+            usage = responses.completion(
+                head.request_id, head.model, head.created, "", None, event.usage.json()
             )
+            yield responses.sse({**usage, "choices": []})
         yield responses.sse("[DONE]")
     finally:
         await events.aclose()
