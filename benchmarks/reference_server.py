@@ -4,8 +4,9 @@
 [--talker-max-tokens N --num-steps S --guidance-scale G]``: what a user has without omni_jax, a
 FastAPI + uvicorn server with OpenAI's chat-completions request and response JSON and the same
 SSE framing as ``omni-jax serve`` (a role chunk when the first token is out, ``delta.content``
-chunks, ``delta.audio`` chunks, the finish chunk, the usage chunk, ``[DONE]``), and ``/health``
-(200 once the model is loaded).
+chunks, ``delta.audio`` chunks, the finish chunk, the usage chunk, ``[DONE]``; errors, events and
+WAV encoded by ours, :mod:`omni_jax.serve.responses`), and ``/health`` (200 once the model is
+loaded).
 
 The model is loaded as transformers loads it (float32 unless ``--dtype``): ``Qwen2ForCausalLM``
 for a ``qwen2`` checkpoint, ``Qwen2_5OmniForConditionalGeneration`` for a ``qwen2_5_omni`` one.
@@ -29,15 +30,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import concurrent.futures
 import contextlib
-import io
 import json
 import os
 import time
 import uuid
-import wave
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +44,8 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omni_jax.serve.responses import audio_data, error_json, sse
 
 SAMPLE_RATE = 24_000
 """Qwen2.5-Omni's token2wav output rate."""
@@ -87,26 +87,6 @@ class ChatRequest(_Strict):
     stream_options: StreamOptions | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOutput | None = None
-
-
-def error_json(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-def wav_base64(samples: np.ndarray, rate: int) -> str:
-    """A mono 16-bit PCM WAV file of ``samples``, base64 (OpenAI's ``"wav"`` audio format)."""
-    pcm = np.round(np.clip(np.asarray(samples, np.float32), -1.0, 1.0) * 32767).astype("<i2")
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class _Tokens:
@@ -360,7 +340,7 @@ def build_app(engine: Engine, model_name: str, default_max: int = 64) -> FastAPI
                     text.append(deltas.finish())
             message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
             if audio:
-                data = wav_base64(np.concatenate(audio), SAMPLE_RATE)
+                data = audio_data(np.concatenate(audio), SAMPLE_RATE, "wav")
                 message["audio"] = {"id": f"audio-{rid}", "data": data, "transcript": message["content"]}
             body = {
                 "id": rid,
@@ -383,7 +363,7 @@ def build_app(engine: Engine, model_name: str, default_max: int = 64) -> FastAPI
                 elif event[0] == "audio":
                     audio = {
                         "id": f"audio-{rid}",
-                        "data": wav_base64(event[1], SAMPLE_RATE),
+                        "data": audio_data(event[1], SAMPLE_RATE, "wav"),
                         "transcript": "",
                     }
                     yield sse(chunk({"audio": audio}))
