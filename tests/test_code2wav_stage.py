@@ -153,6 +153,14 @@ BAD_REQUESTS = [
     (TWO, Token2WavParams(num_steps=0), "stage 'code2wav': num_steps=0"),
     (TWO, Token2WavParams(guidance_scale=float("nan")), "stage 'code2wav': guidance_scale=nan"),
     (TWO, Token2WavParams(seed=-3), "stage 'code2wav': seed=-3"),
+    (TWO, Token2WavParams(chunk_codes=12), "stage 'code2wav': chunk_codes=12 needs stream=True"),
+    (TWO, Token2WavParams(stream=True, chunk_codes=0), "stage 'code2wav': chunk_codes=0 must be"),
+    (
+        TWO,
+        Token2WavParams(stream=True, initial_noise=noise(0, 2)),
+        "stage 'code2wav': initial_noise cannot be given with stream=True",
+    ),
+    (TWO, Token2WavParams(stream=True), r"stage 'code2wav' does not stream yet \(stream=True\)"),
     (TWO, {"num_steps": 3}, "stage 'code2wav' needs Token2WavParams"),
     ({"prompt": "hello"}, None, "the 'code2wav' stage takes token ids in 'prompt_token_ids'"),
 ]

@@ -148,6 +148,8 @@ class Code2WavStage:
         self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
     ) -> None:
         check_params(self, index, params)
+        if params.stream:
+            raise ValueError(f"request {index}: stage {self.config.name!r} does not stream yet (stream=True)")
         if prompt is not None:
             self.voices.pick(index, prompt)
         if request is None:

@@ -11,13 +11,20 @@ import numpy as np
 
 @dataclasses.dataclass
 class Token2WavParams:
-    """Solver settings; ``initial_noise [mel_frames, mel_dim]`` replaces the random start."""
+    """Solver settings; ``initial_noise [mel_frames, mel_dim]`` replaces the random start.
+
+    ``stream``: decode in chunks as the codes arrive (``chunk_codes`` new codes each, default
+    the stage's) instead of once the request's codes are all there; a streamed request's noise
+    comes from its seed, since its length is unknown when its first chunk is solved.
+    """
 
     num_steps: int = 10
     guidance_scale: float = 0.5
     sway_coefficient: float = -1.0
     seed: int | None = None
     initial_noise: np.ndarray | None = None
+    stream: bool = False
+    chunk_codes: int | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field (shape checks need the codes)."""
@@ -37,3 +44,12 @@ class Token2WavParams:
                 )
             if not np.all(np.isfinite(noise)):
                 raise ValueError("initial_noise contains non-finite values")
+        if not isinstance(self.stream, bool):
+            raise ValueError(f"stream={self.stream!r} must be True or False")
+        if self.stream and self.initial_noise is not None:
+            raise ValueError("initial_noise cannot be given with stream=True: give a seed")
+        if self.chunk_codes is not None:
+            if not self.stream:
+                raise ValueError(f"chunk_codes={self.chunk_codes!r} needs stream=True")
+            if not isinstance(self.chunk_codes, int) or self.chunk_codes < 1:
+                raise ValueError(f"chunk_codes={self.chunk_codes!r} must be an integer >= 1")

@@ -1,0 +1,433 @@
+"""Streamed (chunked) code2wav against the chunked reference built from transformers' own modules.
+
+The reference (:func:`hf_stream`) is Qwen's streaming loop (vLLM fork ``process_chunk`` and
+``process_chunk_for_50hz``) written with ``Qwen2_5OmniToken2WavDiTModel.sample`` and the BigVGAN
+of transformers, its ``torch.randn`` replaced by the slice of the request's noise at the chunk's
+window; it does not use our planner. Chunked output only approximates the offline one, so
+offline is the reference only where one chunk covers the request. Tiny random-weight models,
+float32, the tolerance of ``test_code2wav_parity.py``; relative error is
+``max|ours - ref| / max|ref|``. Qwen's constants (chunk 72, past 48, future 24, overlap 20
+frames) are multiples of the tiny DiT's block of 4.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from unittest import mock
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from parity import rel_err
+from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
+    Qwen2_5OmniBigVGANConfig,
+    Qwen2_5OmniDiTConfig,
+    Qwen2_5OmniToken2WavConfig,
+)
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
+
+from omni_jax.engine.compilation import CompileCounter
+from omni_jax.jit import StaticGraph
+from omni_jax.models.loading import build_model, torch_state_items
+from omni_jax.models.qwen2_5_omni.chunk_plan import ChunkKind, ChunkPlanner
+from omni_jax.models.qwen2_5_omni.token2wav import (
+    TOKEN2WAV_IGNORE,
+    TOKEN2WAV_RULES,
+    Token2Wav,
+    token2wav_compiled,
+)
+from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
+from omni_jax.stages.code2wav_params import Token2WavParams
+from omni_jax.stages.code2wav_stream import ChunkedDecoder, ChunkOutput, NoiseRows
+from omni_jax.testing import TINY_BIGVGAN_CONFIG, TINY_DIT_CONFIG, randomize_weights
+
+NUM_EMBEDS = TINY_DIT_CONFIG["num_embeds"]
+MEL = TINY_DIT_CONFIG["mel_dim"]
+SPK = TINY_DIT_CONFIG["enc_emb_dim"]
+REPEATS = TINY_DIT_CONFIG["repeats"]
+HOP = math.prod(TINY_BIGVGAN_CONFIG["upsample_rates"])
+REF_FRAMES = 19
+C, P, F, V = 72, 48, 24, 20
+
+PLANNER = ChunkPlanner(repeats=REPEATS, block_size=4, look_backward_blocks=2, look_ahead_blocks=1, hop=HOP)
+"""The tiny DiT's constants (block 4, look-back layers 0 and 2, look-ahead layer 1) at Qwen's sizes."""
+
+COUNTS = (10, 48, 49, 84, 150)
+"""Code counts: little (10; 48 at its upper edge), first + final (49: final keeps 26 frames; 84:
+96, the upper edge), first + two middles + final (150)."""
+
+KNOBS = {
+    10: dict(num_steps=4, guidance_scale=0.5, sway_coefficient=-1.0),
+    48: dict(num_steps=3, guidance_scale=-0.5, sway_coefficient=0.0),
+    49: dict(num_steps=4, guidance_scale=1.5, sway_coefficient=-0.5),
+    84: dict(num_steps=5, guidance_scale=0.5, sway_coefficient=-1.0),
+    150: dict(num_steps=4, guidance_scale=0.5, sway_coefficient=-1.0),
+}
+"""Per-request step knobs (48: below the guidance threshold, the reference's unguided path)."""
+
+
+@pytest.fixture(scope="module")
+def reference() -> Qwen2_5OmniToken2WavModel:
+    torch.manual_seed(0)
+    config = Qwen2_5OmniToken2WavConfig(
+        dit_config=Qwen2_5OmniDiTConfig(**TINY_DIT_CONFIG).to_dict(),
+        bigvgan_config=Qwen2_5OmniBigVGANConfig(**TINY_BIGVGAN_CONFIG).to_dict(),
+    )
+    model = Qwen2_5OmniToken2WavModel(config).float().eval()
+    randomize_weights(model.code2wav_dit_model, 1.0)
+    # Halved so the vocoder's output stays mostly inside its [-1, 1] clamp, which would hide errors.
+    randomize_weights(model.code2wav_bigvgan_model, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ours(reference: Qwen2_5OmniToken2WavModel) -> Token2Wav:
+    return build_model(
+        lambda: Token2Wav(reference.config, rngs=nnx.Rngs(0)),
+        torch_state_items(reference),
+        TOKEN2WAV_RULES,
+        ignore=TOKEN2WAV_IGNORE,
+    )
+
+
+def decoder(model: Token2Wav, max_batch: int = 8, planner: ChunkPlanner = PLANNER) -> ChunkedDecoder:
+    return ChunkedDecoder(
+        token2wav_chunk_compiled,
+        model,
+        planner,
+        mel_dim=MEL,
+        speaker_dim=SPK,
+        reference_frames=REF_FRAMES,
+        max_batch=max_batch,
+    )
+
+
+def make_request(n: int) -> dict:
+    """Codes, voice and seed of the request of ``n`` codes, and the noise its seed draws."""
+    rng = np.random.default_rng(n)
+    seed = 1000 + n
+    return dict(
+        codes=rng.integers(0, NUM_EMBEDS + 1, n).astype(np.int64),
+        speaker=rng.standard_normal(SPK).astype(np.float32),
+        ref_mel=(rng.standard_normal((REF_FRAMES - n % 7, MEL)) - 2).astype(np.float32),
+        seed=seed,
+        noise=np.random.default_rng(seed).standard_normal((n * REPEATS, MEL), dtype=np.float32),
+    )
+
+
+def hf_stream(
+    t2w: Qwen2_5OmniToken2WavModel,
+    req: dict,
+    num_steps: int,
+    guidance_scale: float,
+    sway_coefficient: float,
+    chunk: int = C,
+) -> list[np.ndarray]:
+    """Qwen's streaming loop on transformers' modules: the emitted pieces, in order."""
+    hop = math.prod(t2w.config.bigvgan_config.upsample_rates)
+    codes, noise = torch.from_numpy(req["codes"])[None], req["noise"]
+    cond, ref_mel = torch.from_numpy(req["speaker"])[None], torch.from_numpy(req["ref_mel"])[None]
+    n = REPEATS * codes.shape[1]
+    n_iter = 1 if n <= chunk + F else math.ceil((n - F) / chunk)
+    out, prev = [], None
+    for p in range(n_iter):
+        final = p == n_iter - 1
+        start = 0 if n_iter == 1 else max(p * chunk - P, 0)
+        end = n if final else (p + 1) * chunk + F
+        window = torch.from_numpy(noise[start:end][None].copy())
+        with mock.patch.object(torch, "randn", lambda *a, window=window, **k: window), torch.no_grad():
+            mel = t2w.code2wav_dit_model.sample(
+                cond,
+                ref_mel,
+                codes[:, start // REPEATS : end // REPEATS],
+                num_steps,
+                guidance_scale,
+                sway_coefficient,
+            )
+            lo = p * chunk - start
+            keep = mel[..., lo:] if final else mel[..., lo : lo + chunk]  # [1, mel, K]
+            voc_in = keep if p == 0 else torch.cat([prev[..., -2 * V :], keep], -1)
+            wav = t2w.code2wav_bigvgan_model(voc_in).numpy()
+        out.append(wav[(0 if p == 0 else V * hop) : (len(wav) if final else len(wav) - V * hop)])
+        prev = keep
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(reference: Qwen2_5OmniToken2WavModel) -> dict[int, list[np.ndarray]]:
+    return {n: hf_stream(reference, make_request(n), **KNOBS[n]) for n in COUNTS}
+
+
+def stream(
+    dec: ChunkedDecoder, counts: dict[int, Token2WavParams], rounds: list[dict[int, int]]
+) -> tuple[dict[int, list[ChunkOutput]], list[set[ChunkKind]]]:
+    """Decode requests whose codes arrive in ``rounds`` (each: request -> codes it has by then;
+    all of them means finished), one step after each round that leaves a chunk ready, then the
+    rest: each request's outputs in order, and each step's chunk kinds."""
+    requests = {n: make_request(n) for n in counts}
+    for n, params in counts.items():
+        dec.add(str(n), requests[n]["speaker"], requests[n]["ref_mel"], params)
+    sent = {n: 0 for n in counts}
+    outputs: dict[int, list[ChunkOutput]] = {n: [] for n in counts}
+    kinds = []
+
+    def step() -> None:
+        chunks = dec.step()
+        kinds.append({o.chunk.kind for o in chunks})
+        for o in chunks:
+            outputs[int(o.request_id)].append(o)
+
+    for arrived in rounds:
+        for n, upto in arrived.items():
+            dec.extend(str(n), requests[n]["codes"][sent[n] : upto].tolist(), finished=upto == n)
+            sent[n] = upto
+        if dec.has_work():
+            step()
+    while dec.has_work():
+        step()
+    assert sent == {n: n for n in counts} and not dec.ready()
+    return outputs, kinds
+
+
+def trickle(counts: Sequence[int], increment: int) -> list[dict[int, int]]:
+    """Rounds in which every request gets ``increment`` more codes (request ``i`` starts with
+    ``i + 1``), so their chunks become ready at different steps and pile up."""
+    rounds, have = [], dict.fromkeys(counts, 0)
+    while any(have[n] < n for n in counts):
+        before = dict(have)
+        for i, n in enumerate(counts):
+            have[n] = min(n, have[n] + (i + 1 if have[n] == 0 else increment))
+        rounds.append({n: have[n] for n in counts if have[n] > before[n]})
+    return rounds
+
+
+def check_pieces(outputs: list[ChunkOutput], want: list[np.ndarray], n: int) -> None:
+    """The pieces have the reference's lengths, follow each other, end the request, and match."""
+    assert [len(o.audio) for o in outputs] == [len(w) for w in want]
+    assert [o.chunk.offset for o in outputs] == list(np.cumsum([0] + [len(w) for w in want[:-1]]))
+    assert sum(len(w) for w in want) == n * REPEATS * HOP
+    assert [o.last for o in outputs] == [False] * (len(want) - 1) + [True]
+    for o, w in zip(outputs, want, strict=True):
+        assert np.mean(np.abs(w) >= 1.0) < 0.05, "test model saturates the clamp"
+        err = rel_err(o.audio, w)
+        assert err < 1e-5, (n, o.chunk.index, o.chunk.kind, err)
+
+
+def params(n: int, knobs: dict | None = None, **extra) -> Token2WavParams:
+    """The streamed params of the request of ``n`` codes (its seed; its knobs unless given)."""
+    return Token2WavParams(stream=True, seed=make_request(n)["seed"], **(knobs or KNOBS[n]), **extra)
+
+
+# --- the planner ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n,kinds,windows,final_keep",
+    [
+        (1, "L", [(0, 2)], 2),
+        (10, "L", [(0, 20)], 20),
+        (48, "L", [(0, 96)], 96),
+        (49, "FE", [(0, 96), (24, 98)], 26),
+        (84, "FE", [(0, 96), (24, 168)], 96),
+        (85, "FME", [(0, 96), (24, 168), (96, 170)], 26),
+        (150, "FMME", [(0, 96), (24, 168), (96, 240), (168, 300)], 84),
+    ],
+)
+def test_split_at_the_boundaries(n, kinds, windows, final_keep) -> None:
+    """Little iff N <= C + F frames; else ceil((N - F) / C) chunks, the final keeping (F, C + F]."""
+    letter = {ChunkKind.LITTLE: "L", ChunkKind.FIRST: "F", ChunkKind.MIDDLE: "M", ChunkKind.FINAL: "E"}
+    chunks = PLANNER.split(n)
+    assert "".join(letter[c.kind] for c in chunks) == kinds
+    assert [(c.start, c.end) for c in chunks] == windows
+    assert chunks[-1].keep_len == final_keep
+    assert PLANNER.num_chunks(n) == len(chunks)
+    for c in chunks:
+        assert c.keep_lo == c.index * C - c.start
+        assert c.prefix_len == (0 if c.index == 0 else 2 * V)
+
+
+def test_chunks_run_once_known_not_last() -> None:
+    """Chunk p runs past (p + 1) C + F frames (one code after the reference would) or at the end."""
+    assert PLANNER.ready(48, finished=False) == []
+    assert [c.kind for c in PLANNER.ready(49, finished=False)] == [ChunkKind.FIRST]
+    assert PLANNER.ready(84, finished=False, done=1) == []
+    assert [c.kind for c in PLANNER.ready(85, finished=False, done=1)] == [ChunkKind.MIDDLE]
+    assert [c.kind for c in PLANNER.ready(84, finished=True, done=1)] == [ChunkKind.FINAL]
+    assert [c.kind for c in PLANNER.ready(150, finished=False)] == [
+        ChunkKind.FIRST,
+        ChunkKind.MIDDLE,
+        ChunkKind.MIDDLE,
+    ]
+    with pytest.raises(ValueError, match="a finished request needs at least one code"):
+        PLANNER.ready(0, finished=True)
+
+
+@pytest.mark.parametrize("chunk", [40, 48, 72])
+def test_split_depends_only_on_the_count(chunk: int) -> None:
+    """Codes arriving in any increments give the chunks of the final count; emitted pieces tile
+    the request's N * hop samples in order, and every window and vocoder input fits the bucket."""
+    planner = ChunkPlanner(2, 4, 2, 1, HOP, chunk=chunk)
+    rng = np.random.default_rng(chunk)
+    for n in range(1, 260):
+        split = planner.split(n)
+        for _ in range(3):
+            got, have = [], 0
+            while have < n:
+                have = min(n, have + int(rng.integers(1, 40)))
+                got += planner.ready(have, finished=have == n and bool(rng.integers(2)), done=len(got))
+            got += planner.ready(n, finished=True, done=len(got))
+            assert got == split, n
+        assert [c.offset for c in split] == list(np.cumsum([0] + [c.emitted for c in split[:-1]]))
+        assert split[-1].offset + split[-1].emitted == n * REPEATS * HOP
+        for c in split:
+            assert c.start % 4 == 0 and c.window <= planner.window_frames
+            assert c.keep_lo + c.keep_len <= c.window and c.vocoded <= planner.vocoder_frames
+            if c.kind in (ChunkKind.LITTLE, ChunkKind.FINAL):
+                assert c.keep_lo + c.keep_len == c.window
+            assert 0 <= c.emit_lo < c.emit_hi <= c.vocoded * HOP
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(chunk=70), r"chunk=70 must be a multiple of the DiT's block_size \(4\)"),
+        (dict(past=46), r"past=46 must be a multiple of the DiT's block_size \(4\)"),
+        (dict(future=26), r"future=26 must be a multiple of the DiT's block_size \(4\)"),
+        (dict(repeats=5), r"chunk=72 must be a multiple of the mel frames per code \(repeats\) \(5\)"),
+        (dict(chunk=36), "chunk=36 must be at least 2 \\* overlap=40"),
+        (dict(past=4), "past=4 must cover the 2 look-backward layers' reach of 8 frames"),
+        (dict(future=0), "future=0 must cover the 1 look-ahead layers' reach of 4 frames"),
+        (dict(chunk=0), "chunk=0 must be >= 1"),
+        (dict(overlap=-1), "overlap=-1 must be >= 0"),
+    ],
+)
+def test_constants_are_validated(kwargs, match) -> None:
+    base = dict(repeats=2, block_size=4, look_backward_blocks=2, look_ahead_blocks=1, hop=HOP)
+    with pytest.raises(ValueError, match=match):
+        ChunkPlanner(**{**base, **kwargs})
+
+
+def test_planner_of_the_model(ours: Token2Wav) -> None:
+    assert ChunkPlanner.for_model(ours) == PLANNER
+    assert ChunkPlanner.for_model(ours, chunk=48).chunk == 48
+    qwen = ChunkPlanner(repeats=2, block_size=24, look_backward_blocks=2, look_ahead_blocks=1, hop=240)
+    assert (qwen.window_frames, qwen.keep_frames, qwen.vocoder_frames) == (144, 96, 136)
+
+
+def test_noise_rows_are_the_offline_draw() -> None:
+    """Windows drawn as they come are the rows of one draw of the whole request."""
+    whole = np.random.default_rng(5).standard_normal((300, MEL), dtype=np.float32)
+    rows = NoiseRows.of(5, MEL)
+    for c in PLANNER.split(150):
+        np.testing.assert_array_equal(rows.window(c.start, c.end), whole[c.start : c.end])
+    assert rows.first == 168  # rows behind the last window were dropped
+    with pytest.raises(ValueError, match="noise rows from 0 were dropped"):
+        rows.window(0, 4)
+
+
+# --- against the reference -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_alone_matches_reference(ours, expected, n: int) -> None:
+    outputs, _ = stream(decoder(ours), {n: params(n)}, trickle([n], 5))
+    check_pieces(outputs[n], expected[n], n)
+
+
+def test_batched_matches_reference(ours, reference, expected) -> None:
+    """All requests in one decoder, every chunk kind in one solve, and a request with a smaller
+    chunk (24 codes, 48 frames: the fork's served default) riding along."""
+    counts = {n: params(n) for n in COUNTS}
+    small, knobs = 151, KNOBS[150]
+    counts[small] = params(small, knobs, chunk_codes=24)
+    rounds = [
+        {150: 60, 49: 49, small: 40},
+        {10: 10, 84: 84, 150: 100, small: 90},
+        {48: 48, 150: 150, small: small},
+    ]
+    outputs, kinds = stream(decoder(ours), counts, rounds)
+    assert kinds[:3] == [
+        {ChunkKind.FIRST},
+        {ChunkKind.LITTLE, ChunkKind.FIRST, ChunkKind.MIDDLE, ChunkKind.FINAL},
+        {ChunkKind.LITTLE, ChunkKind.MIDDLE, ChunkKind.FINAL},
+    ]
+    for n in COUNTS:
+        check_pieces(outputs[n], expected[n], n)
+    want = hf_stream(reference, make_request(small), **knobs, chunk=48)
+    assert len(want) == 6
+    check_pieces(outputs[small], want, small)
+
+
+@pytest.mark.parametrize("n", [10, 48])
+def test_little_equals_offline(ours, expected, n: int) -> None:
+    """One chunk covers the request: the offline solve with the same (seeded) noise (both
+    requests padded to one offline shape, 48 codes)."""
+    req, knobs = make_request(n), KNOBS[n]
+    pad = lambda a, rows: np.concatenate([a, np.zeros((rows - len(a), *a.shape[1:]), a.dtype)])[None]
+    graph, state = nnx.split(ours)
+    wave, lengths = token2wav_compiled(
+        StaticGraph(graph),
+        state,
+        codes=jnp.asarray(pad(req["codes"].astype(np.int32), 48)),
+        code_lengths=jnp.asarray([n], jnp.int32),
+        speaker_embedding=jnp.asarray(req["speaker"][None]),
+        reference_mel=jnp.asarray(pad(req["ref_mel"], REF_FRAMES)),
+        reference_lengths=jnp.asarray([len(req["ref_mel"])], jnp.int32),
+        initial_noise=jnp.asarray(pad(req["noise"], 48 * REPEATS)),
+        **{k: jnp.asarray([v]) for k, v in knobs.items()},
+    )
+    offline = np.asarray(wave[0, : int(lengths[0])])
+    (streamed,) = stream(decoder(ours), {n: params(n)}, trickle([n], 3))[0][n]
+    assert streamed.chunk.kind == ChunkKind.LITTLE
+    err = rel_err(streamed.audio, offline)
+    assert err < 1e-5, err
+    assert rel_err(expected[n][0], offline) < 1e-5  # the reference's little chunk is its offline solve
+
+
+def test_decoder_refuses_what_it_cannot_stream(ours) -> None:
+    dec = decoder(ours)
+    voice = (np.zeros(SPK, np.float32), np.zeros((4, MEL), np.float32))
+    with pytest.raises(ValueError, match="chunk_codes=40 exceeds the stage's chunk of 36 codes"):
+        dec.add("a", *voice, Token2WavParams(stream=True, chunk_codes=40))
+    with pytest.raises(ValueError, match="chunk_codes=10: chunk=20 must be at least 2 \\* overlap=40"):
+        dec.add("a", *voice, Token2WavParams(stream=True, chunk_codes=10))
+    with pytest.raises(ValueError, match="chunk_codes=25: chunk=50 must be a multiple"):
+        dec.add("a", *voice, Token2WavParams(stream=True, chunk_codes=25))
+    with pytest.raises(ValueError, match="reference mel of 20 frames, more than the 19"):
+        dec.add("a", voice[0], np.zeros((20, MEL), np.float32), Token2WavParams(stream=True))
+    with pytest.raises(ValueError, match="draws its noise from a seed"):
+        dec.add("a", *voice, Token2WavParams(initial_noise=np.zeros((2, MEL), np.float32)))
+    dec.add("a", *voice, Token2WavParams(stream=True, seed=1))
+    with pytest.raises(ValueError, match="'a' is already streaming"):
+        dec.add("a", *voice, Token2WavParams(stream=True))
+    with pytest.raises(ValueError, match="'a' finished without a code"):
+        dec.extend("a", [], finished=True)
+    assert dec.remove("a") and not dec.remove("a")
+
+
+def test_nothing_compiles_after_warmup(ours) -> None:
+    """``warmup`` compiles one program per row count; mixes of chunk kinds, chunk sizes, knobs
+    and batch sizes then compile nothing."""
+    token2wav_chunk_compiled.clear_cache()
+    dec = decoder(ours, max_batch=2)
+    with CompileCounter() as counted:
+        programs = dec.warmup()
+    assert programs == len(dec.buckets.rows) == 2 and counted.compiles >= 2
+    assert token2wav_chunk_compiled._cache_size() == 2
+    mixes = [
+        {10: params(10)},
+        {49: params(49), 84: params(84, chunk_codes=20)},
+        {n: params(n) for n in COUNTS},
+        {150: params(150, chunk_codes=24), 48: params(48), 85: Token2WavParams(stream=True, num_steps=2)},
+    ]
+    for mix in mixes:
+        with CompileCounter() as counted:
+            outputs, _ = stream(dec, mix, trickle(list(mix), 11))
+        assert (counted.traces, counted.compiles) == (0, 0), sorted(mix)
+        for n in mix:
+            assert sum(len(o.audio) for o in outputs[n]) == n * REPEATS * HOP
+            assert all(np.isfinite(o.audio).all() for o in outputs[n])
+    assert token2wav_chunk_compiled._cache_size() == 2
