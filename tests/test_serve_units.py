@@ -1,0 +1,338 @@
+"""The pieces of ``omni-jax serve`` that need no server and no model: stop strings, how a refused
+request body reads, media URLs, WAV in and out, and the ``pcm16`` audio format.
+
+``tests/test_serve.py`` drives the same code through a running server; here each piece is held to
+what it must do on inputs chosen to break it (a stop string split across deltas, ``..`` out of the
+media folder, a byte order), fast enough to run on every change.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from pydantic import ValidationError
+from scipy.io import wavfile
+
+from omni_jax.audio_io import PCM16_SCALE, pcm16, read_wav, wav_bytes
+from omni_jax.serve import media
+from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, invalid_request_message
+from omni_jax.serve.responses import audio_data
+from omni_jax.serve.stop import StopText
+
+# -- stop strings -----------------------------------------------------------------------------
+
+
+def stream(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
+    """What the server sends for ``deltas`` (as :func:`omni_jax.serve.reply.reply` drives
+    ``StopText``: ``flush`` after the last delta unless a stop string ended the text)."""
+    stop = StopText(stops)
+    sent = "".join(stop.feed(d) for d in deltas)
+    if not stop.hit:
+        sent += stop.flush()
+    return sent, stop.hit
+
+
+def test_a_stop_string_split_across_deltas_is_cut_with_the_text_before_it_kept() -> None:
+    stop = StopText(["STOP"])
+    assert stop.feed("hello wo") == "hello"  # the last len("STOP") - 1 characters wait
+    assert stop.feed("rld ST") == " world"  # " ST" could be the start of "STOP"
+    assert not stop.hit
+    assert stop.feed("OP and more") == " "
+    assert stop.hit
+    assert stop.feed("after the stop") == "" and stop.flush() == ""
+
+
+def test_a_stop_string_arriving_one_character_at_a_time() -> None:
+    assert stream(["</s>"], list("abc</s>def")) == ("abc", True)
+    assert stream(["</s>"], list("abc</sdef")) == ("abc</sdef", False)
+
+
+def test_the_earliest_stop_string_wins_whatever_its_place_in_the_list() -> None:
+    assert stream(["zz", "b"], ["a", "bz", "z"]) == ("a", True)
+    assert stream(["b", "zz"], ["azz", "b"]) == ("a", True)
+    # a longer stop string starting earlier beats a shorter one completed first
+    assert stream(["abcd", "c"], ["xab", "cd"]) == ("x", True)
+    # ... but a stop string completed in an earlier delta ends the text there (the reply stops)
+    assert stream(["bc", "abcd"], ["xab", "c", "d"]) == ("xa", True)
+
+
+def test_the_held_tail_is_flushed_when_no_stop_string_comes() -> None:
+    stop = StopText(["xyz"])
+    assert stop.feed("abcxy") == "abc"
+    assert stop.flush() == "xy" and not stop.hit
+    assert stop.flush() == ""
+
+
+def test_no_stop_strings_pass_everything_at_once() -> None:
+    stop = StopText([])
+    assert [stop.feed(d) for d in ["a", "bc", ""]] == ["a", "bc", ""]
+    assert stop.flush() == "" and not stop.hit
+
+
+def first_stop(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
+    """The reference: the text so far is searched whole after each delta, and cut at the earliest
+    start of the stop strings in it, as soon as one is complete."""
+    text = ""
+    for delta in deltas:
+        text += delta
+        found = [text.find(s) for s in stops if s in text]
+        if found:
+            return text[: min(found)], True
+    return text, False
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+)
+def test_any_split_sends_the_text_up_to_the_first_complete_stop_string(
+    text: str, stops: list[str], cuts: list[int]
+) -> None:
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert stream(stops, deltas) == first_stop(stops, deltas)
+
+
+# -- refusals of a request body ---------------------------------------------------------------
+
+CHAT = '{"model": "m", "messages": [{"role": "user", "content": "hi"}]%s}'
+
+
+def refusal(schema: type, body: str) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as e:
+        schema.model_validate_json(body)
+    return invalid_request_message(e.value)
+
+
+def test_a_field_of_the_wrong_type_is_named_by_its_path() -> None:
+    message, param = refusal(ChatCompletionRequest, CHAT % ', "max_tokens": "many"')
+    assert param == "max_tokens" and message.startswith("max_tokens: ") and "integer" in message
+    message, param = refusal(ChatCompletionRequest, CHAT % ', "temperature": 7')
+    assert param == "temperature" and "less than or equal to 2" in message
+    body = '{"model": "m", "messages": [{"role": "robot", "content": "hi"}]}'
+    message, param = refusal(ChatCompletionRequest, body)
+    assert param == "messages.0.role" and message.startswith("messages.0.role: ")
+    body = CHAT % ', "audio": {"voice": "Ethan", "format": "mp3"}'
+    assert refusal(ChatCompletionRequest, body)[1] == "audio.format"
+
+
+UNION_FIELDS = [
+    (
+        ChatCompletionRequest,
+        '{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 3}]}]}',
+        "messages.0.content.0.image_url",
+    ),
+    (
+        ChatCompletionRequest,
+        '{"model": "m", "messages": [{"role": "user", "content": 5}]}',
+        "messages.0.content",
+    ),
+    (CompletionRequest, '{"model": "m", "prompt": {"text": "hi"}}', "prompt"),
+]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a field typed as a union (content, prompt) is named by pydantic's first union member "
+    "('messages.0.content.str: Input should be a valid string'), not by where the problem is",
+)
+@pytest.mark.parametrize(
+    "schema,body,path", UNION_FIELDS, ids=["image part", "content number", "prompt object"]
+)
+def test_a_wrong_value_inside_a_union_field_is_named_by_its_own_path(
+    schema: type, body: str, path: str
+) -> None:
+    message, param = refusal(schema, body)
+    assert param is not None and param.startswith(path) and message.startswith(f"{param}: ")
+    assert "str" not in param.split(".") and "[" not in param  # no pydantic union member labels
+
+
+def test_an_unknown_field_is_refused_by_name() -> None:
+    assert refusal(ChatCompletionRequest, CHAT % ', "frobnicate": 1') == (
+        "unsupported field 'frobnicate'",
+        "frobnicate",
+    )
+    # a field OpenAI defines but the server does not serve is refused too, not ignored
+    assert refusal(ChatCompletionRequest, CHAT % ', "tools": []')[0] == "unsupported field 'tools'"
+    body = '{"model": "m", "messages": [{"role": "user", "content": "hi", "colour": "red"}]}'
+    assert refusal(ChatCompletionRequest, body) == (
+        "unsupported field 'messages.0.colour'",
+        "messages.0.colour",
+    )
+
+
+@pytest.mark.parametrize("body", ['{"model": "m", "messages": [', "", "not json", "[1, 2]", '"text"'])
+def test_a_body_that_is_not_a_json_object_says_so(body: str) -> None:
+    message, param = refusal(ChatCompletionRequest, body)
+    assert message.startswith("the body is not a JSON object: ") and param is None
+
+
+def test_a_missing_field_is_named() -> None:
+    message, param = refusal(ChatCompletionRequest, '{"model": "m"}')
+    assert param == "messages" and message.startswith("messages: ") and "required" in message.lower()
+
+
+# -- media URLs -------------------------------------------------------------------------------
+
+
+def png_bytes(pixels: np.ndarray, mode: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, mode=mode).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(kind: str, raw: bytes) -> str:
+    return f"data:{kind};base64,{base64.b64encode(raw).decode()}"
+
+
+PIXELS = np.random.default_rng(0).integers(0, 256, (5, 7, 4), dtype=np.uint8)
+
+
+def test_a_png_data_url_becomes_an_rgb_image() -> None:
+    img = media.image(
+        "messages.0.content.1.image_url", data_url("image/png", png_bytes(PIXELS, "RGBA")), None
+    )
+    assert img.mode == "RGB" and img.size == (7, 5)
+    np.testing.assert_array_equal(np.asarray(img), PIXELS[..., :3])
+    gray = media.image("x", data_url("image/png", png_bytes(PIXELS[..., 0], "L")), None)
+    np.testing.assert_array_equal(np.asarray(gray), np.repeat(PIXELS[..., :1], 3, axis=2))
+
+
+@pytest.mark.parametrize(
+    "url,problem",
+    [
+        ("data:image/png;base64,iVBOR!!w0KGgo", "not valid base64"),
+        ("data:image/png;base64,", "empty"),
+        ("data:image/png,iVBORw0KGgo=", "a data URL must be 'data:<type>;base64,<data>'"),
+        (data_url("image/png", b"not an image at all"), "not a readable image"),
+    ],
+)
+def test_a_bad_image_data_url_is_refused_naming_the_part(url: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=r"^messages\.0\.content\.1\.image_url: ") as e:
+        media.image("messages.0.content.1.image_url", url, None)
+    assert problem in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://example.com/cat.png", "https://example.com/cat.png", "ftp://x/y.png"]
+)
+def test_network_urls_are_refused(url: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="fetches nothing over the network"):
+        media.image("img", url, tmp_path)
+
+
+def test_file_urls_are_read_only_inside_the_allowed_folder(tmp_path: Path) -> None:
+    allowed, outside, sibling = tmp_path / "allowed", tmp_path / "secret", tmp_path / "allowed-not"
+    (allowed / "sub").mkdir(parents=True)
+    outside.mkdir()
+    sibling.mkdir()
+    raw = png_bytes(PIXELS[..., :3], "RGB")
+    (allowed / "sub" / "cat.png").write_bytes(raw)
+    (outside / "key.png").write_bytes(raw)
+    (sibling / "key.png").write_bytes(raw)
+    (allowed / "link.png").symlink_to(outside / "key.png")
+    inside = f"file://{allowed}/sub/cat.png"
+
+    with pytest.raises(ValueError, match="refused unless the server names --allowed-local-media-path"):
+        media.image("img", inside, None)
+    np.testing.assert_array_equal(np.asarray(media.image("img", inside, allowed.resolve())), PIXELS[..., :3])
+    for escape in [
+        f"file://{outside}/key.png",
+        f"file://{allowed}/../secret/key.png",
+        f"file://{allowed}/sub/../../secret/key.png",
+        f"file://{allowed}/%2E%2E/secret/key.png",  # percent-encoded ..
+        f"file://{allowed}/link.png",  # a symlink out of the folder
+        f"file://{sibling}/key.png",  # a folder whose name starts with the allowed one's
+    ]:
+        with pytest.raises(ValueError, match="outside the allowed media folder"):
+            media.image("img", escape, allowed.resolve())
+    with pytest.raises(ValueError, match="no such file"):
+        media.image("img", f"file://{allowed}/sub/dog.png", allowed.resolve())
+
+
+def test_a_npy_video_data_url_becomes_its_frames() -> None:
+    frames = np.random.default_rng(1).integers(0, 256, (3, 4, 6, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    np.save(buffer, frames)
+    got = media.video(
+        "messages.0.content.0.video_url", data_url("application/octet-stream", buffer.getvalue()), None
+    )
+    assert got.dtype == frames.dtype
+    np.testing.assert_array_equal(got, frames)
+    with pytest.raises(ValueError, match=r"^messages\.0\.content\.0\.video_url: not a readable \.npy"):
+        media.video("messages.0.content.0.video_url", data_url("video/mp4", b"\x00\x00\x00 ftypisom"), None)
+
+
+def test_input_audio_is_the_wav_file_it_carries() -> None:
+    raw = wav_bytes(np.linspace(-1, 1, 50, dtype=np.float32), 16_000)
+    assert media.audio("a", base64.b64encode(raw).decode()) == raw
+    with pytest.raises(ValueError, match=r"^messages\.0\.content\.2\.input_audio\.data: not valid base64"):
+        media.audio("messages.0.content.2.input_audio.data", "UklGR@@@")
+
+
+# -- WAV in and out ---------------------------------------------------------------------------
+
+
+def test_a_wav_round_trip_is_pcm16_quantisation() -> None:
+    rng = np.random.default_rng(2)
+    samples = np.concatenate([rng.uniform(-1.2, 1.2, 997), [1.0, -1.0, 0.5, 1.5, -3.0]]).astype(np.float32)
+    raw = wav_bytes(samples, 24_000)
+    rate, data = wavfile.read(io.BytesIO(raw))
+    assert rate == 24_000 and data.dtype == np.int16
+    np.testing.assert_array_equal(data, pcm16(samples))
+    assert pcm16(np.float32([1.0, -1.0, 2.0, -2.0])).tolist() == [PCM16_SCALE, -PCM16_SCALE] * 2
+    back = read_wav(io.BytesIO(raw), 24_000)
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back, pcm16(samples).astype(np.float32) / 32768)
+    # written at 32767 full scale, read at 32768 (libsndfile's convention): within two steps
+    np.testing.assert_allclose(back, np.clip(samples, -1, 1), rtol=0, atol=2.0 / PCM16_SCALE)
+    # float32 WAVs keep the samples as they are
+    np.testing.assert_array_equal(
+        read_wav(io.BytesIO(wav_bytes(samples, 24_000, "float32")), 24_000), samples
+    )
+
+
+@pytest.mark.parametrize("rate,factor", [(16_000, 2), (24_000, 3)])
+def test_audio_at_8khz_is_resampled_to_the_rate_asked(rate: int, factor: int) -> None:
+    seconds, freq = 0.5, 440.0
+    t = np.arange(int(8_000 * seconds)) / 8_000
+    raw = wav_bytes((0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32), 8_000)
+    audio = read_wav(io.BytesIO(raw), rate)
+    assert audio.dtype == np.float32 and audio.shape == (t.size * factor,)
+    spectrum = np.abs(np.fft.rfft(audio))
+    assert np.fft.rfftfreq(audio.size, 1 / rate)[spectrum.argmax()] == pytest.approx(freq, abs=2.0)
+
+
+def test_a_stereo_wav_is_averaged_and_an_empty_one_refused() -> None:
+    buffer = io.BytesIO()
+    wavfile.write(buffer, 16_000, np.array([[1000, 3000], [-2000, 0]], np.int16))
+    np.testing.assert_array_equal(
+        read_wav(io.BytesIO(buffer.getvalue()), 16_000), np.float32([2000, -1000]) / 32768
+    )
+    empty = io.BytesIO()
+    wavfile.write(empty, 16_000, np.zeros(0, np.int16))
+    with pytest.raises(ValueError, match="holds no samples"):
+        read_wav(io.BytesIO(empty.getvalue()), 16_000)
+    with pytest.raises(ValueError, match="is not a readable WAV file"):
+        read_wav(io.BytesIO(b"RIFF...."), 16_000)
+
+
+def test_pcm16_audio_data_is_little_endian_int16_samples() -> None:
+    samples = np.float32([0.5, -0.5, 1.0, -1.0, 0.0, 0.25, 3.0])
+    raw = base64.b64decode(audio_data(samples, 24_000, "pcm16"))
+    assert len(raw) == 2 * samples.size
+    np.testing.assert_array_equal(np.frombuffer(raw, "<i2"), pcm16(samples))
+    assert raw[:2] == int(pcm16(samples)[0]).to_bytes(2, "little", signed=True) == bytes([0x00, 0x40])
+    # "wav" is a whole WAV file of the same samples
+    rate, data = wavfile.read(io.BytesIO(base64.b64decode(audio_data(samples, 24_000, "wav"))))
+    assert rate == 24_000
+    np.testing.assert_array_equal(data, pcm16(samples))
