@@ -914,11 +914,6 @@ def test_the_seed_decides_the_spoken_audio(omni) -> None:
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a spoken reply whose talker stops at once (no codes: run() gives an empty waveform) "
-    "comes back without message.audio, which OpenAI clients read",
-)
 def test_a_reply_with_no_codes_still_carries_its_empty_audio(omni) -> None:
     ref = omni_ref(omni, STORY, "Chelsie", seed=2, max_tokens=12)
     assert ref.stage_outputs["talker"].token_ids == [OMNI_CODEC["tts_codec_end_token_id"]]

@@ -140,11 +140,6 @@ UNION_FIELDS = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a field typed as a union (content, prompt) is named by pydantic's first union member "
-    "('messages.0.content.str: Input should be a valid string'), not by where the problem is",
-)
 @pytest.mark.parametrize(
     "schema,body,path", UNION_FIELDS, ids=["image part", "content number", "prompt object"]
 )

@@ -283,9 +283,10 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
 
         def whole(text: str, audio: list[Piece], end: End) -> dict[str, Any]:
             audio_json = None
-            if serve.audio_format is not None and audio:
-                samples = np.concatenate([p.audio for p in audio])
-                data = responses.audio_data(samples, audio[0].sample_rate, serve.audio_format)
+            if serve.audio_format is not None and end.sample_rate is not None:
+                # A talker that stopped at once leaves zero samples: still an audio object.
+                samples = np.concatenate([p.audio for p in audio]) if audio else np.zeros(0, np.float32)
+                data = responses.audio_data(samples, end.sample_rate, serve.audio_format)
                 audio_json = responses.audio_json(f"audio-{request_id}", data, text)
             return responses.chat_completion(
                 request_id,

@@ -9,6 +9,7 @@ ignored, as OpenAI's own API does; the sampling fields vLLM adds (``top_k``, ``m
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -104,13 +105,27 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
+UNION_MEMBER = re.compile(r"\[|^(str|int|float|bool|bytes|none)$")
+"""A location part that names a union's member (``str``, ``list[int]``, ``tagged-union[...]``),
+which pydantic puts in an error's location: not a field of the request."""
+
+
+def _path(loc: tuple[int | str, ...]) -> str | None:
+    return ".".join(str(p) for p in loc if isinstance(p, int) or not UNION_MEMBER.search(p)) or None
+
+
 def invalid_request_message(error: ValidationError) -> tuple[str, str | None]:
-    """The first problem pydantic found as ``(message, param)``: the field's dotted path and what
-    is wrong with it, e.g. ``("messages.0.content: Input should be a valid string", ...)``."""
-    first = error.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    """The problem pydantic found as ``(message, param)``: the field's dotted path and what is
+    wrong with it, e.g. ``("messages.0.role: Input should be 'system', ...", "messages.0.role")``.
+    A field that takes several types (``content``, ``prompt``) fails once per type: the deepest
+    location is where the problem is, and a value no type takes gets every type's complaint."""
+    errors = error.errors()
+    param = max((_path(e["loc"]) for e in errors), key=lambda p: len(p or ""))
+    first = next(e for e in errors if _path(e["loc"]) == param)
     if first["type"] == "extra_forbidden":
         return f"unsupported field {param!r}", param
     if first["type"] in ("json_invalid", "model_type") and param is None:
         return f"the body is not a JSON object: {first['msg']}", None
-    return (f"{param}: {first['msg']}" if param else first["msg"]), param
+    complaints = list(dict.fromkeys(e["msg"] for e in errors if _path(e["loc"]) == param))
+    text = "; or ".join(complaints)
+    return (f"{param}: {text}" if param else text), param

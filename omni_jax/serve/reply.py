@@ -50,6 +50,8 @@ class End:
     finish_reason: str
     usage: Usage
     error: str | None = None
+    sample_rate: int | None = None
+    """Of the request's audio, when a stage made audio for it (a reply may have zero samples)."""
 
 
 async def reply(
@@ -84,7 +86,7 @@ async def reply(
                 metrics.prompt_tokens.inc(usage.prompt_tokens)
                 metrics.generation_tokens.inc(usage.completion_tokens)
                 metrics.e2e.observe(time.perf_counter() - arrival)
-                yield End(reason, usage, out.error if reason == "error" else None)
+                yield End(reason, usage, out.error if reason == "error" else None, out.sample_rate)
                 return
     finally:
         await updates.aclose()  # before the last update: aborts the request
