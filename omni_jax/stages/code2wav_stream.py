@@ -50,24 +50,22 @@ class NoiseRows:
     window (window starts never decrease)."""
 
     generator: np.random.Generator
-    mel_dim: int
+    rows: np.ndarray
     first: int = 0
-    rows: np.ndarray | None = None
 
     @classmethod
     def of(cls, seed: int, mel_dim: int) -> NoiseRows:
-        return cls(np.random.default_rng(seed), mel_dim)
+        return cls(np.random.default_rng(seed), np.zeros((0, mel_dim), np.float32))
 
     def window(self, start: int, end: int) -> np.ndarray:
         """Rows ``[start, end)`` ``[end - start, mel_dim]``; rows before ``start`` are dropped."""
-        rows = self.rows if self.rows is not None else np.zeros((0, self.mel_dim), np.float32)
-        have = self.first + len(rows)
-        if end > have:
-            more = self.generator.standard_normal((end - have, self.mel_dim), dtype=np.float32)
-            rows = np.concatenate([rows, more])
         if start < self.first:
             raise ValueError(f"noise rows from {start} were dropped (kept from {self.first})")
-        self.rows, self.first = rows[start - self.first :], start
+        have = self.first + len(self.rows)
+        if end > have:
+            more = self.generator.standard_normal((end - have, self.rows.shape[1]), dtype=np.float32)
+            self.rows = np.concatenate([self.rows, more])
+        self.rows, self.first = self.rows[start - self.first :], start
         return self.rows[: end - start]
 
 
@@ -209,10 +207,10 @@ class ChunkedDecoder:
         request = self._requests[request_id]
         if request.finished:
             raise ValueError(f"request {request_id!r} has already finished")
+        if finished and not request.codes and len(codes) == 0:
+            raise ValueError(f"request {request_id!r} finished without a code to voice")
         request.codes.extend(int(c) for c in codes)
         request.finished = finished
-        if finished and not request.codes:
-            raise ValueError(f"request {request_id!r} finished without a code to voice")
 
     def remove(self, request_id: str) -> bool:
         """Forget a request (aborted); ``False`` when it is not streaming."""
