@@ -63,6 +63,7 @@ class AsyncOmniJaxPipeline:
         self._admitting = 0
         self.max_waiting = max_waiting
         self._compiles = CompileCounter().__enter__()  # until close(): what serving compiled
+        self._counting = True
 
     @classmethod
     def from_pretrained(
@@ -150,7 +151,9 @@ class AsyncOmniJaxPipeline:
         """End the running requests (``finish_reason="abort"``) and stop the engine thread."""
         self._engine.close()
         self._intake.shutdown(wait=True, cancel_futures=True)
-        self._compiles.__exit__(None, None, None)
+        if self._counting:  # close() may come twice (explicitly, then leaving ``async with``)
+            self._counting = False
+            self._compiles.__exit__(None, None, None)
 
     async def __aenter__(self) -> Self:
         return self
