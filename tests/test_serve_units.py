@@ -288,8 +288,9 @@ def test_a_wav_round_trip_is_pcm16_quantisation() -> None:
     back = read_wav(io.BytesIO(raw), 24_000)
     assert back.dtype == np.float32
     np.testing.assert_array_equal(back, pcm16(samples).astype(np.float32) / 32768)
-    # written at 32767 full scale, read at 32768 (libsndfile's convention): within two steps
-    np.testing.assert_allclose(back, np.clip(samples, -1, 1), rtol=0, atol=2.0 / PCM16_SCALE)
+    # written at 32767 full scale, read at 32768 (libsndfile's convention): round(c * 32767) / 32768
+    # - c = (e - c) / 32768 with |e| <= 1/2 the rounding and |c| <= 1, so at most 1.5 / 32768
+    np.testing.assert_allclose(back, np.clip(samples, -1, 1), rtol=0, atol=1.5 / 32768)
     # float32 WAVs keep the samples as they are
     np.testing.assert_array_equal(
         read_wav(io.BytesIO(wav_bytes(samples, 24_000, "float32")), 24_000), samples
