@@ -18,10 +18,11 @@ rows and :class:`RowSplit` says which rows are whose.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +64,31 @@ class RowSplit:
     def split(self, out: Any) -> list[Any]:
         """Each request's rows of ``out`` (numpy or jax array), in request order."""
         return [out[o : o + n] for o, n in zip(self.offsets, self.lengths, strict=True)]
+
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+"""An encoder layer's attention over ``q, k, v [..., heads, D]``: which keys each query sees is
+the caller's (chunks here, windows in Qwen3-Omni's encoder)."""
+
+
+class AudioLayerSpec(Protocol):
+    """What :class:`AudioEncoderLayer` reads of a spec (this family's and Qwen3-Omni's)."""
+
+    @property
+    def d_model(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def ffn_dim(self) -> int: ...
+
+
+class ChunkedAudioSpec(Protocol):
+    """What the call planning reads of a spec: the mel frames of a chunk."""
+
+    @property
+    def chunk_frames(self) -> int: ...
 
 
 def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -134,18 +160,18 @@ class AudioBatch:
         )
 
 
-def audio_chunks(frames: int, spec: AudioEncoderSpec) -> int:
+def audio_chunks(frames: int, spec: ChunkedAudioSpec) -> int:
     """Chunks of ``2 * n_window`` mel frames a clip of ``frames`` frames takes."""
     return -(-frames // spec.chunk_frames)
 
 
-def audio_chunk_buckets(largest_clip: int, spec: AudioEncoderSpec) -> tuple[int, ...]:
+def audio_chunk_buckets(largest_clip: int, spec: ChunkedAudioSpec) -> tuple[int, ...]:
     """The call sizes (chunks) of the audio encoder: powers of two up to the first that holds a
     clip of ``largest_clip`` mel frames."""
     return size_ladder(1, audio_chunks(largest_clip, spec))
 
 
-def plan_audio_calls(frames: Sequence[int], spec: AudioEncoderSpec, buckets: Sequence[int]) -> list[CallPlan]:
+def plan_audio_calls(frames: Sequence[int], spec: ChunkedAudioSpec, buckets: Sequence[int]) -> list[CallPlan]:
     """Cut clips of ``frames`` mel frames (in order, each whole) into calls of ``buckets`` chunk
     counts at the least padded chunks, one more call costing as much as the smallest bucket (the
     encoder's work is linear in the chunk count: attention stays inside a chunk). A clip larger
@@ -205,44 +231,44 @@ def sinusoid_positions(length: int, channels: int, max_timescale: float = 10000.
 
 
 class AudioAttention(nnx.Module):
-    def __init__(self, spec: AudioEncoderSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    """Whisper self-attention; ``key_bias``: whether ``k_proj`` has a bias (Qwen3-Omni's does)."""
+
+    def __init__(self, spec: AudioLayerSpec, *, key_bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
         d = spec.d_model
         kw: dict[str, Any] = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.num_heads = spec.num_heads
         self.q_proj = nnx.Linear(d, d, **kw)
-        self.k_proj = nnx.Linear(d, d, use_bias=False, **kw)
+        self.k_proj = nnx.Linear(d, d, use_bias=key_bias, **kw)
         self.v_proj = nnx.Linear(d, d, **kw)
         self.out_proj = nnx.Linear(d, d, **kw)
 
-    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
-        c, t, d = x.shape
-        heads = (c, t, self.num_heads, d // self.num_heads)
+    def __call__(self, x: jax.Array, attend: Attend) -> jax.Array:
+        d = x.shape[-1]
+        heads = (*x.shape[:-1], self.num_heads, d // self.num_heads)
         q = self.q_proj(x).reshape(heads)
         k = self.k_proj(x).reshape(heads)
         v = self.v_proj(x).reshape(heads)
-        return self.out_proj(chunk_attention(q, k, v, lengths).reshape(c, t, d))
+        return self.out_proj(attend(q, k, v).reshape(x.shape))
 
 
-def _layer_norm(dim: int, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    """torch ``nn.LayerNorm`` numerics: eps 1e-5 and the two-pass variance."""
-    return nnx.LayerNorm(
-        dim, epsilon=1e-5, use_fast_variance=False, dtype=dtype, param_dtype=dtype, rngs=rngs
-    )
+def torch_layer_norm(dim: int, dtype: jnp.dtype, rngs: nnx.Rngs, eps: float = 1e-5) -> nnx.LayerNorm:
+    """torch ``nn.LayerNorm`` numerics: its epsilon (default 1e-5) and the two-pass variance."""
+    return nnx.LayerNorm(dim, epsilon=eps, use_fast_variance=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class AudioEncoderLayer(nnx.Module):
     """Pre-norm Whisper encoder layer with exact (erf) GELU."""
 
-    def __init__(self, spec: AudioEncoderSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, spec: AudioLayerSpec, *, key_bias: bool = False, dtype: jnp.dtype, rngs: nnx.Rngs):
         d = spec.d_model
-        self.self_attn = AudioAttention(spec, dtype=dtype, rngs=rngs)
-        self.self_attn_layer_norm = _layer_norm(d, dtype, rngs)
+        self.self_attn = AudioAttention(spec, key_bias=key_bias, dtype=dtype, rngs=rngs)
+        self.self_attn_layer_norm = torch_layer_norm(d, dtype, rngs)
         self.fc1 = nnx.Linear(d, spec.ffn_dim, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.fc2 = nnx.Linear(spec.ffn_dim, d, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.final_layer_norm = _layer_norm(d, dtype, rngs)
+        self.final_layer_norm = torch_layer_norm(d, dtype, rngs)
 
-    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), lengths)
+    def __call__(self, x: jax.Array, attend: Attend) -> jax.Array:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), attend)
         return x + self.fc2(jax.nn.gelu(self.fc1(self.final_layer_norm(x)), approximate=False))
 
 
@@ -258,7 +284,7 @@ class AudioEncoder(nnx.Module):
         self.layers = nnx.List(
             [AudioEncoderLayer(spec, dtype=dtype, rngs=rngs) for _ in range(spec.num_layers)]
         )
-        self.ln_post = _layer_norm(d, dtype, rngs)
+        self.ln_post = torch_layer_norm(d, dtype, rngs)
         self.proj = nnx.Linear(d, spec.output_dim, **kw)
 
     def __call__(self, batch: AudioBatch) -> jax.Array:
@@ -270,9 +296,9 @@ class AudioEncoder(nnx.Module):
         x = jax.nn.gelu(self.conv1(x), approximate=False) * frame_valid[..., None].astype(x.dtype)
         x = jax.nn.gelu(self.conv2(x), approximate=False)
         x = x + jnp.asarray(sinusoid_positions(n, spec.d_model), x.dtype)
-        tokens = (batch.chunk_lens - 1) // 2 + 1
+        attend = functools.partial(chunk_attention, lengths=(batch.chunk_lens - 1) // 2 + 1)
         for layer in self.layers:
-            x = layer(x, tokens)
+            x = layer(x, attend)
         flat = x.reshape(-1, spec.d_model)
         pooled = (flat[batch.pool_pairs[:, 0]] + flat[batch.pool_pairs[:, 1]]) / 2
         return self.proj(self.ln_post(pooled))

@@ -1,0 +1,173 @@
+"""The JAX audio encoder equals transformers' ``Qwen3OmniMoeAudioEncoder`` on ragged batches."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from parity import rel_err
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+
+from omni_jax.models.loading import build_model, torch_state_items
+from omni_jax.models.qwen2_5_omni.audio_encoder import audio_chunk_buckets, plan_audio_calls
+from omni_jax.models.qwen3_omni.audio_encoder import (
+    AUDIO_IGNORE,
+    AUDIO_RULES,
+    AudioBatch,
+    AudioEncoder,
+    AudioEncoderSpec,
+    audio_output_rows,
+    prepare_audio_batch,
+    reference_chunk_pad,
+)
+from omni_jax.testing import randomize_weights
+
+MEL = 16
+CHUNK = 100
+"""Frames of a chunk: n_window must be 50 (transformers counts 13 tokens a chunk)."""
+
+TOLERANCE = 1e-5
+
+
+def _config(**overrides: int) -> Qwen3OmniMoeAudioEncoderConfig:
+    fields = dict(
+        num_mel_bins=MEL,
+        encoder_layers=2,
+        encoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        d_model=32,
+        n_window=CHUNK // 2,
+        n_window_infer=2 * CHUNK,  # windows of two chunks
+        output_dim=24,
+        max_source_positions=64,
+        downsample_hidden_size=8,
+    )
+    cfg = Qwen3OmniMoeAudioEncoderConfig(**{**fields, **overrides})
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reference() -> Qwen3OmniMoeAudioEncoder:
+    torch.manual_seed(0)
+    model = Qwen3OmniMoeAudioEncoder(_config()).eval()
+    randomize_weights(model, 1.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def encoder(reference: Qwen3OmniMoeAudioEncoder) -> tuple[AudioEncoderSpec, nnx.GraphDef, nnx.State]:
+    spec = AudioEncoderSpec.from_hf(reference.config)
+    model = build_model(
+        lambda: AudioEncoder(spec, rngs=nnx.Rngs(0)),
+        torch_state_items(reference),
+        AUDIO_RULES,
+        ignore=AUDIO_IGNORE,
+    )
+    graphdef, state = nnx.split(model)
+    return spec, graphdef, state
+
+
+def _reference_forward(model: Qwen3OmniMoeAudioEncoder, feats: list[np.ndarray]) -> np.ndarray:
+    """The call ``Qwen3OmniMoeThinkerModel.get_audio_features`` makes: audios concatenated."""
+    lens = torch.tensor([f.shape[1] for f in feats])
+    with torch.no_grad():
+        out = model(torch.from_numpy(np.concatenate(feats, axis=1)), feature_lens=lens)
+    return out.last_hidden_state.numpy()
+
+
+def _features(rng: np.random.Generator, lengths: list[int]) -> list[np.ndarray]:
+    return [rng.standard_normal((MEL, n)).astype(np.float32) for n in lengths]
+
+
+def test_audio_encoder_matches_reference_batched(reference, encoder) -> None:
+    """One call over clips of five chunks (three windows, a tail), a chunk and a tail, exactly
+    two chunks, and less than a chunk equals the reference's call over them, and each clip's
+    rows, given its own padding, equal the reference's for it alone, in this call and alone."""
+    spec, graphdef, state = encoder
+    traces = 0
+
+    def forward(state: nnx.State, batch: AudioBatch) -> jax.Array:
+        nonlocal traces
+        traces += 1
+        return nnx.merge(graphdef, state)(batch)
+
+    encode = jax.jit(forward)
+    rng = np.random.default_rng(0)
+    lengths = [5 * CHUNK + 37, CHUNK + 30, 2 * CHUNK, 60]
+    feats = _features(rng, lengths)
+
+    batch, rows = prepare_audio_batch(feats, spec)
+    assert batch.features.shape[0] == 16  # 10 chunks in the power-of-two bucket
+    per_clip = rows.split(np.asarray(encode(state, batch)))
+    want = _reference_forward(reference, feats)
+    assert rows.total == want.shape[0]
+    err = rel_err(np.concatenate(per_clip), want)
+    print(f"batched rel err {err:.2e} (max |ref| {np.abs(want).max():.2f})")
+    assert err < TOLERANCE, err
+
+    alone = [_reference_forward(reference, [f]) for f in feats]
+    assert list(rows.lengths) == [len(a) for a in alone] == [audio_output_rows(n, spec) for n in lengths]
+    pads = [reference_chunk_pad([n], spec) for n in lengths]
+    mixed, mixed_rows = prepare_audio_batch(feats, spec, pad_frames=pads)
+    for f, pad, got, ref in zip(
+        feats, pads, mixed_rows.split(np.asarray(encode(state, mixed))), alone, strict=True
+    ):
+        assert rel_err(got, ref) < TOLERANCE
+        single, single_rows = prepare_audio_batch([f], spec, min_chunks=16, pad_frames=[pad])
+        assert rel_err(single_rows.split(np.asarray(encode(state, single)))[0], ref) < TOLERANCE
+    assert traces == 1
+
+
+def test_short_clips_keep_the_reference_padding(reference, encoder) -> None:
+    """Clips all shorter than a chunk: the reference pads them to the longest, and its last tokens
+    show it; the default padding reproduces the call, a per-clip one each clip alone."""
+    spec, graphdef, state = encoder
+    encode = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+    feats = _features(np.random.default_rng(1), [60, 37])
+    batch, rows = prepare_audio_batch(feats, spec)
+    assert list(batch.chunk_pads[:2]) == [60, 60]
+    want = _reference_forward(reference, feats)
+    err = rel_err(np.concatenate(rows.split(np.asarray(encode(state, batch)))), want)
+    print(f"short clips rel err {err:.2e}")
+    assert err < TOLERANCE, err
+
+    short, short_rows = prepare_audio_batch(feats[1:], spec, pad_frames=[37])
+    got = short_rows.split(np.asarray(encode(state, short)))[0]
+    alone = _reference_forward(reference, feats[1:])
+    assert rel_err(got, alone) < TOLERANCE
+    assert rel_err(got, want[len(rows.split(want)[0]) :]) > 100 * TOLERANCE  # the padding matters
+
+
+def test_clips_cut_into_calls_match_reference(reference, encoder) -> None:
+    """Clips cut into calls by the shared planner: each clip's rows equal the reference's for it
+    alone."""
+    spec, graphdef, state = encoder
+    encode = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+    lengths = [3 * CHUNK + 1, 5, CHUNK, 4 * CHUNK, 2 * CHUNK - 1]  # 4, 1, 1, 4, 2 chunks
+    feats = _features(np.random.default_rng(2), lengths)
+    buckets = audio_chunk_buckets(4 * CHUNK, spec)
+    assert buckets == (1, 2, 4)
+    calls = plan_audio_calls(lengths, spec, buckets)
+    assert [(c.start, c.stop, c.size) for c in calls] == [(0, 1, 4), (1, 3, 2), (3, 4, 4), (4, 5, 2)]
+    got = []
+    for call in calls:
+        clips = feats[call.start : call.stop]
+        pads = [reference_chunk_pad([f.shape[1]], spec) for f in clips]
+        batch, rows = prepare_audio_batch(clips, spec, min_chunks=call.size, pad_frames=pads)
+        assert batch.features.shape[0] == call.size
+        got += rows.split(np.asarray(encode(state, batch)))
+    for f, rows in zip(feats, got, strict=True):
+        err = rel_err(rows, _reference_forward(reference, [f]))
+        print(f"{f.shape[1]} frames: rel err {err:.2e}")
+        assert err < TOLERANCE, (f.shape, err)
+
+
+def test_spec_refuses_what_the_reference_miscounts() -> None:
+    with pytest.raises(ValueError, match="transformers counts 13"):
+        AudioEncoderSpec.from_hf(_config(n_window=4))
+    with pytest.raises(ValueError, match="at least a chunk"):
+        AudioEncoderSpec.from_hf(_config(n_window_infer=CHUNK - 1))
