@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omni_jax.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from omni_jax.models.qwen2_5_omni.audio_encoder import torch_layer_norm
 from omni_jax.models.qwen2_5_omni.bigvgan import SnakeBeta
 
 
@@ -238,9 +239,8 @@ class ConvNeXtBlock(nnx.Module):
 
     def __init__(self, dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.dwconv = CausalConv(dim, dim, 7, groups=dim, dtype=dtype, rngs=rngs)
+        self.norm = torch_layer_norm(dim, dtype, rngs, eps=1e-6)
         kw: dict[str, Any] = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
-        # torch's LayerNorm: eps 1e-6 here, and the two-pass variance.
-        self.norm = nnx.LayerNorm(dim, epsilon=1e-6, use_fast_variance=False, **kw)
         self.pwconv1 = nnx.Linear(dim, 4 * dim, **kw)
         self.pwconv2 = nnx.Linear(4 * dim, dim, **kw)
         self.gamma = nnx.Param(jnp.ones((dim,), dtype))
