@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -184,14 +184,15 @@ def _frame_windows(grid_h: int, grid_w: int, spec: VisionEncoderSpec) -> list[np
     return out
 
 
-def _frame_positions(grid_h: int, grid_w: int, m: int) -> np.ndarray:
+def frame_positions(grid_h: int, grid_w: int, m: int) -> np.ndarray:
     """``[h * w, 2]`` (row, column) of each patch in merge-block-major order."""
     rows, cols = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
     grid = np.stack([rows, cols], axis=-1).reshape(grid_h // m, m, grid_w // m, m, 2)
     return grid.transpose(0, 2, 1, 3, 4).reshape(-1, 2)
 
 
-def _check_grid(i: int, thw: Sequence[int], m: int) -> tuple[int, int, int]:
+def check_grid(i: int, thw: Sequence[int], m: int) -> tuple[int, int, int]:
+    """``(t, h, w)`` of vision input ``i``, checked: at least a frame, whole merge units."""
     t, h, w = (int(v) for v in thw)
     if t < 1 or h < m or w < m or h % m or w % m:
         raise ValueError(
@@ -226,7 +227,7 @@ def prepare_vision_batch(
     counts: list[int] = []
     start = num_windows = 0
     for i, (x, thw) in enumerate(zip(patches, grid_thw, strict=True)):
-        t, h, w = _check_grid(i, thw, m)
+        t, h, w = check_grid(i, thw, m)
         if x.shape != (t * h * w, spec.patch_dim):
             raise ValueError(
                 f"vision input {i}: patches shape {x.shape}, expected {(t * h * w, spec.patch_dim)}"
@@ -235,7 +236,7 @@ def prepare_vision_batch(
         perm = np.concatenate(frame_windows)
         local_rows = np.argsort(perm[::unit] // unit)
         lengths = [len(win) for win in frame_windows]
-        frame_pos = _frame_positions(h, w, m)[perm]
+        frame_pos = frame_positions(h, w, m)[perm]
         for f in range(t):
             offset = start + f * h * w
             order.append(offset + perm)
@@ -294,11 +295,17 @@ class VisionCall:
     pieces: tuple[VisionPiece, ...]
 
 
+class CallCost(Protocol):
+    """What :func:`plan_vision_calls` reads of a spec (this family's and Qwen3-Omni's)."""
+
+    def call_flops(self, tokens: int) -> int: ...
+
+
 def plan_vision_calls(
-    grid_thw: Sequence[tuple[int, int, int]], spec: VisionEncoderSpec, buckets: Sequence[int]
+    grid_thw: Sequence[tuple[int, int, int]], spec: CallCost, buckets: Sequence[int]
 ) -> list[VisionCall]:
     """Cut items (their frames in order) into calls of ``buckets`` sizes at the least cost
-    (:meth:`VisionEncoderSpec.call_flops` of each call's size, plus that of the smallest size
+    (``spec.call_flops`` of each call's size, plus that of the smallest size
     for each call, what one more call is taken to cost). A frame larger than the largest
     bucket raises ``ValueError``; callers refuse such inputs at validation."""
     frames = [(i, f, h * w) for i, (t, h, w) in enumerate(grid_thw) for f in range(t)]
@@ -332,6 +339,13 @@ def vision_rope(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
     freqs = freqs.reshape(positions.shape[0], half)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_vision_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x [N, heads, D]`` by per-token ``cos/sin [N, D]`` in float32 and cast back, as the
+    reference does whatever the model's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * cos[:, None, :] + rotate_half(x32) * sin[:, None, :]).astype(x.dtype)
 
 
 def query_tile(tokens: int, heads: int) -> int:
@@ -400,14 +414,8 @@ class VisionAttention(nnx.Module):
         :func:`banded_attention`; ``band=None``: frames, see :func:`segment_attention`)."""
         n, d = x.shape
         heads = (n, self.num_heads, d // self.num_heads)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-
-        def rotate(y: jax.Array) -> jax.Array:
-            y32 = y.astype(jnp.float32)
-            return (y32 * cos + rotate_half(y32) * sin).astype(y.dtype)
-
-        q = rotate(self.q(x).reshape(heads))
-        k = rotate(self.k(x).reshape(heads))
+        q = apply_vision_rope(self.q(x).reshape(heads), cos, sin)
+        k = apply_vision_rope(self.k(x).reshape(heads), cos, sin)
         v = self.v(x).reshape(heads)
         if band is None:
             out = segment_attention(q, k, v, segment)
