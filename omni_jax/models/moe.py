@@ -1,0 +1,268 @@
+"""Sparse mixture-of-experts MLP (Qwen3-Omni's thinker and talker), as one batched computation.
+
+Routing is transformers' ``Qwen3OmniMoe*TextTopKRouter``: float32 softmax over the router
+logits, top-k, optionally renormalised over the k chosen (``norm_topk_prob``), cast back to the
+activations' dtype. The talker's block adds a shared SwiGLU expert scaled by a sigmoid gate
+(:attr:`MoESpec.shared_expert_size`).
+
+How the experts run: the ``N * k`` (token, expert) assignments are sorted by expert, so each
+expert's rows are contiguous, and each projection is one grouped matmul over all experts,
+``jax.lax.ragged_dot(rows [N*k, D], weights [E, D, I], rows per expert [E])``. There is no
+loop over experts, no capacity (no token is ever dropped, whatever the routing) and no
+scatter-add: the rows go back to (token, slot) order by a permutation and each token sums its
+k weighted outputs in a fixed order, so results are deterministic. Every row is multiplied by
+its own expert's weights only, so float32 results are the reference's up to summation order.
+
+Why a grouped matmul: it is the one formulation whose cost is the chosen experts' work and
+whose memory is the activations' (a per-token gather of expert weights reads ``N * k`` weight
+matrices; computing every expert for every token costs ``E / k`` times the FLOPs). How fast it
+runs is the backend's lowering of ``ragged_dot``: a grouped GEMM on TPUs (the ragged-dot
+instruction) and on GPUs with JAX's Pallas Triton lowering
+(``jax_ragged_dot_use_gpu_pallas_triton_lowering``) or an XLA with a grouped-GEMM ragged dot;
+otherwise, as on CPUs, XLA expands it into an exact masked dense product over all experts
+(``E`` times the FLOPs, ``E * N * k * D`` temporary values). The numbers are the same either way.
+
+Experts are stored stacked, ``gate_proj``/``up_proj`` ``[E, D, I]`` and ``down_proj``
+``[E, I, D]``, so a mesh axis can split the experts (first axis) or their intermediate width.
+Checkpoints on disk hold one tensor per expert (``mlp.experts.{e}.gate_proj.weight``), while
+transformers' modules hold them fused (``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]``);
+:func:`stack_expert_readers` turns either into one stacked tensor per projection, read
+lazily (:class:`StackedExperts`), which :data:`EXPERT_RULES` then map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from omni_jax.models.layers import SwiGLU
+from omni_jax.models.param_map import ParamMismatchError, ParamRule, linear_kernel
+from omni_jax.safetensors_io import TensorReader
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """The parts of an HF MoE text config the sparse block needs, hashable for jit.
+
+    shared_expert_size: intermediate width of the always-on shared expert (the talker's
+        ``shared_expert_intermediate_size``); 0 for none (the thinker).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    shared_expert_size: int = 0
+
+    @classmethod
+    def from_hf(cls, cfg: Any, *, shared_expert: bool = False) -> MoESpec:
+        """From a ``Qwen3OmniMoeTextConfig`` (``shared_expert=False``) or a talker text config
+        (``shared_expert=True``, which reads ``shared_expert_intermediate_size``)."""
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported MoE activation {act!r} (supported: silu)")
+        if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+            raise ValueError(f"num_experts_per_tok {cfg.num_experts_per_tok} not in 1..{cfg.num_experts}")
+        return cls(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.moe_intermediate_size,
+            num_experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            norm_topk_prob=bool(cfg.norm_topk_prob),
+            shared_expert_size=cfg.shared_expert_intermediate_size if shared_expert else 0,
+        )
+
+
+def route(
+    logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
+    """``(weights [N, k] in dtype, experts [N, k] int32)`` from router ``logits [N, E]``, as the
+    reference: softmax in float32, top-k of the probabilities (descending), renormalised over
+    the k when ``norm_topk_prob``, then cast to ``dtype``."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(dtype), experts.astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+    """``E`` SwiGLU experts, stacked: ``down(silu(x @ gate[e]) * (x @ up[e]))`` for each row's ``e``."""
+
+    def __init__(self, spec: MoESpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        e, d, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        init = nnx.initializers.variance_scaling(
+            1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+        )
+        self.gate_proj = nnx.Param(init(rngs.params(), (e, d, i), dtype))
+        self.up_proj = nnx.Param(init(rngs.params(), (e, d, i), dtype))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, i, d), dtype))
+
+    def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+        """``sum_j weights[n, j] * expert_{experts[n, j]}(x[n])`` for ``x [N, D]``, ``experts``
+        and ``weights`` ``[N, k]``: one grouped matmul per projection (see the module doc)."""
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+        sizes = jnp.bincount(flat, length=self.gate_proj.shape[0]).astype(jnp.int32)
+        rows = x[order // k]
+        gate = jax.lax.ragged_dot(rows, self.gate_proj[...], sizes)
+        up = jax.lax.ragged_dot(rows, self.up_proj[...], sizes)
+        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], sizes)
+        out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back to (token, slot)
+        return jnp.sum(out.reshape(n, k, -1) * weights[..., None], axis=1)
+
+
+class SparseMoeBlock(nnx.Module):
+    """``Qwen3OmniMoeThinkerTextSparseMoeBlock``, or with a shared expert the talker's
+    ``Qwen3OmniMoeTalkerTextSparseMoeBlock``: router (``gate``), routed ``experts``, and
+    ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    def __init__(self, spec: MoESpec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        kw: dict[str, Any] = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.spec = spec
+        self.gate = nnx.Linear(spec.hidden_size, spec.num_experts, **kw)
+        self.experts = Experts(spec, dtype=dtype, rngs=rngs)
+        if spec.shared_expert_size:
+            self.shared_expert = SwiGLU(spec.hidden_size, spec.shared_expert_size, dtype=dtype, rngs=rngs)
+            self.shared_expert_gate = nnx.Linear(spec.hidden_size, 1, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x [..., D]`` -> ``[..., D]``; every row is routed (padding rows too: harmless)."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = route(self.gate(flat), self.spec.top_k, self.spec.norm_topk_prob, x.dtype)
+        out = self.experts(flat, experts, weights)
+        if self.spec.shared_expert_size:
+            out = out + jax.nn.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(x.shape)
+
+
+def expert_kernel(x: np.ndarray | StackedExperts) -> np.ndarray | StackedExperts:
+    """Stacked torch ``[E, out, in]`` -> ``[E, in, out]`` (a view; lazy for :class:`StackedExperts`)."""
+    return x.swapaxes(-1, -2)
+
+
+EXPERT_RULES: tuple[ParamRule, ...] = (
+    ParamRule(r"gate\.weight", "gate.kernel", linear_kernel),
+    ParamRule(r"experts\.(?P<proj>gate|up|down)_proj", r"experts.\g<proj>_proj", expert_kernel),
+    ParamRule(
+        r"shared_expert\.(?P<proj>gate|up|down)_proj\.weight",
+        r"shared_expert.\g<proj>_proj.kernel",
+        linear_kernel,
+    ),
+    ParamRule(r"shared_expert_gate\.weight", "shared_expert_gate.kernel", linear_kernel),
+)
+"""Names under an HF sparse block (``...mlp.``) -> :class:`SparseMoeBlock` paths, the experts'
+as :func:`stack_expert_readers` gives them (one stacked tensor per projection). Groups are
+named, so a decoder can put the rules under a pattern with groups of its own (the layer)."""
+
+
+class StackedExperts:
+    """``[E, *shape]``: expert ``e`` is ``per_expert(readers[e]())``, read only when a slice needs it.
+
+    What :func:`stack_expert_readers` gives for a checkpoint's per-expert tensors: a parameter
+    placed on a mesh reads only the experts of each device's shard
+    (:func:`omni_jax.parallel.rules.put_cast` slices it), and the stack is never copied whole
+    except into its final array. ``per_expert`` is a view (see :meth:`swapaxes`).
+    """
+
+    def __init__(
+        self,
+        readers: Sequence[TensorReader],
+        name: str,
+        per_expert: Callable[[np.ndarray], np.ndarray] = lambda w: w,
+    ):
+        self.readers, self.name, self.per_expert = tuple(readers), name, per_expert
+        first = per_expert(self.readers[0]())  # maps expert 0; reads no bytes
+        self.shape: tuple[int, ...] = (len(self.readers), *first.shape)
+        self.dtype: np.dtype = first.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def swapaxes(self, a: int, b: int) -> StackedExperts:
+        """The stack with two per-expert axes swapped (negative axes, as :func:`expert_kernel` uses)."""
+        if a >= 0 or b >= 0:
+            raise ValueError("StackedExperts.swapaxes takes per-expert axes, counted from the end")
+        per = self.per_expert
+        return StackedExperts(self.readers, self.name, lambda w: np.swapaxes(per(w), a, b))
+
+    def expert(self, e: int) -> np.ndarray:
+        """Expert ``e`` (a view of its tensor), checked against expert 0's shape."""
+        w = self.per_expert(self.readers[e]())
+        if w.shape != self.shape[1:]:
+            raise ParamMismatchError(
+                f"expert {e} of {self.name!r} has shape {w.shape}, expert 0 has {self.shape[1:]}"
+            )
+        return w
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        first, rest = index[0], index[1:]
+        return np.stack([self.expert(e)[rest] for e in range(*first.indices(self.shape[0]))])
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        del copy  # the stack is always a new array
+        whole = self[(slice(None),)]
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+
+_PER_EXPERT = re.compile(r"((?:.*\.)?experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED_GATE_UP = re.compile(r"((?:.*\.)?experts)\.gate_up_proj")
+
+
+def stack_expert_readers(
+    tensors: Iterable[tuple[str, TensorReader]],
+) -> Iterator[tuple[str, TensorReader]]:
+    """The tensors of a checkpoint with its experts' stacked, one tensor per projection.
+
+    ``<p>.experts.{e}.{gate,up,down}_proj.weight`` (``[out, in]`` each, as checkpoints store
+    them) become ``<p>.experts.{gate,up,down}_proj`` ``[E, out, in]`` (:class:`StackedExperts`),
+    given once the stream ends (a layer's experts may span files). transformers' in-memory
+    fused ``<p>.experts.gate_up_proj [E, 2I, D]`` is split into the same two names (views);
+    its ``<p>.experts.down_proj`` already has its stacked name and layout. Other tensors pass
+    through as they come. A missing or repeated expert raises :class:`ParamMismatchError`.
+    """
+    groups: dict[str, dict[int, TensorReader]] = {}
+    for name, read in tensors:
+        per_expert = _PER_EXPERT.fullmatch(name)
+        fused = _FUSED_GATE_UP.fullmatch(name)
+        if per_expert:
+            stacked = f"{per_expert[1]}.{per_expert[3]}_proj"
+            group = groups.setdefault(stacked, {})
+            if int(per_expert[2]) in group:
+                raise ParamMismatchError(f"tensor {name!r} appears a second time")
+            group[int(per_expert[2])] = read
+        elif fused:
+            yield f"{fused[1]}.gate_proj", lambda read=read: _half(read(), 0)
+            yield f"{fused[1]}.up_proj", lambda read=read: _half(read(), 1)
+        else:
+            yield name, read
+    for stacked, group in groups.items():
+        missing = sorted(set(range(max(group) + 1)) - group.keys())
+        if missing:
+            raise ParamMismatchError(f"{stacked!r}: the checkpoint lacks experts {missing}")
+        readers = [group[e] for e in range(len(group))]
+        yield stacked, lambda readers=readers, stacked=stacked: StackedExperts(readers, stacked)
+
+
+def stack_expert_arrays(tensors: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, Any]]:
+    """:func:`stack_expert_readers` for ``(name, array)`` pairs (what
+    :func:`omni_jax.models.loading.build_model` takes); stacked experts stay lazy."""
+    readers = ((name, lambda array=array: array) for name, array in tensors)
+    return ((name, read()) for name, read in stack_expert_readers(readers))
+
+
+def _half(gate_up: np.ndarray, which: int) -> np.ndarray:
+    """Gate (0) or up (1) half of a fused ``[E, 2I, D]`` tensor, as the reference chunks it."""
+    i = gate_up.shape[1] // 2
+    return gate_up[:, which * i : (which + 1) * i]

@@ -1,0 +1,327 @@
+"""Qwen3-Omni thinker's text decoder (``Qwen3OmniMoeThinkerTextModel`` + ``lm_head``) over the paged KV cache.
+
+What differs from Qwen2 (:mod:`omni_jax.models.qwen2`, whose spec, interface and
+attention backend this reuses):
+
+- attention RMS-normalises each query and key head (``q_norm``/``k_norm``, over ``head_dim``)
+  before the rotary; ``attention_bias`` covers ``o_proj`` too;
+- the MLP of a layer is the sparse MoE block (:mod:`omni_jax.models.moe`) unless the layer is
+  in ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid, where it is a dense SwiGLU;
+- M-RoPE is *interleaved*: frequency pair ``i`` of a head follows the row position when
+  ``i % 3 == 1`` and ``i < 3 * mrope_section[1]``, the column position when ``i % 3 == 2`` and
+  ``i < 3 * mrope_section[2]``, the time position otherwise (Qwen2.5-Omni's is in blocks);
+- DeepStack: visual features from the vision encoder's intermediate layers are added to the
+  outputs of the first decoder layers at the visual tokens' positions. They are an explicit
+  input of the forward (:class:`Deepstack`), not something the decoder finds itself.
+
+The interface is :class:`~omni_jax.models.qwen2.Qwen2ForCausalLM`'s (``embed``, ``logits``,
+``kv_cache_shape``, ...), with ``deepstack`` as an extra keyword of ``__call__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from omni_jax.models.attention import AttentionMetadata, Backend, paged_attention, write_kv
+from omni_jax.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from omni_jax.models.moe import EXPERT_RULES, MoESpec, SparseMoeBlock
+from omni_jax.models.param_map import ParamRule, linear_kernel, prefixed
+from omni_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, Qwen2Spec, partition_rules
+from omni_jax.parallel.rules import ShardRule
+
+DEFAULT_MROPE_SECTION = (24, 20, 20)
+"""The reference's fallback when ``rope_parameters`` names no ``mrope_section``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3OmniTextSpec(Qwen2Spec):
+    """A ``Qwen3OmniMoeTextConfig``: Qwen2's fields plus the MoE's, hashable for jit.
+
+    moe: the sparse block's sizes (shared by every sparse layer).
+    sparse_layers: per layer, whether its MLP is the sparse block (else a dense SwiGLU of
+        ``intermediate_size``).
+    """
+
+    moe: MoESpec | None = None
+    sparse_layers: tuple[bool, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: Any, *, tie_word_embeddings: bool = False) -> Qwen3OmniTextSpec:
+        """From the thinker's ``text_config``; the head is tied when the thinker config says so
+        (``Qwen3OmniMoeThinkerConfig.tie_word_embeddings``, false for the released models)."""
+        base = Qwen2Spec.from_hf(cfg)
+        sparse = tuple(
+            i not in cfg.mlp_only_layers and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0
+            for i in range(cfg.num_hidden_layers)
+        )
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Qwen2Spec)}
+        spec = cls(
+            **{
+                **fields,
+                "tie_word_embeddings": tie_word_embeddings,
+                "sliding_windows": (None,) * cfg.num_hidden_layers,  # the reference never slides
+                "attention_bias": bool(cfg.attention_bias),
+            },
+            moe=MoESpec.from_hf(cfg) if any(sparse) else None,
+            sparse_layers=sparse,
+        )
+        mrope_axes(spec)
+        return spec
+
+
+def mrope_axes(spec: Qwen2Spec) -> np.ndarray:
+    """``[head_dim]`` position axis (0 time, 1 row, 2 column) each rotary channel follows.
+
+    The reference's ``recomposition_frequencies``: frequency ``i`` takes axis 1 at
+    ``i = 1, 4, ...`` below ``3 * section[1]``, axis 2 at ``i = 2, 5, ...`` below
+    ``3 * section[2]``, axis 0 elsewhere; the second half of the head repeats the first.
+    """
+    section = tuple(dict(spec.rope_parameters).get("mrope_section", DEFAULT_MROPE_SECTION))
+    half = spec.head_dim // 2
+    i = np.arange(half)
+    axes = np.zeros(half, np.int64)
+    if len(section) == 3:
+        axes[(i % 3 == 1) & (i < 3 * section[1])] = 1
+        axes[(i % 3 == 2) & (i < 3 * section[2])] = 2
+    if len(section) != 3 or tuple(np.bincount(axes, minlength=3)) != section:
+        raise ValueError(f"mrope_section {section} does not interleave into head_dim / 2 = {half} pairs")
+    return np.concatenate([axes, axes])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Deepstack:
+    """DeepStack features of a step: ``rows[l]`` is added to decoder layer ``l``'s output.
+
+    rows: ``[L, N, D]`` for the first ``L`` layers (``L`` = the vision encoder's
+        ``deepstack_visual_indexes``, at most the decoder's layers); padding rows never read.
+    index: ``[B, T]`` int32, the row of ``rows`` each token takes, ``-1`` for none (text,
+        audio, padding). A visual token's row is its place among the prompt's image and video
+        tokens, counted as for their main embeddings (the reference adds the ``k``-th
+        visual position's features to the ``k``-th visual token).
+    """
+
+    rows: jax.Array
+    index: jax.Array
+
+    def add(self, x: jax.Array, layer: int) -> jax.Array:
+        """``x [B, T, D]`` with layer ``layer``'s features added at the visual tokens."""
+        rows = jnp.take(self.rows[layer], self.index, axis=0, mode="clip").astype(x.dtype)
+        return jnp.where((self.index >= 0)[..., None], x + rows, x)
+
+
+class Qwen3OmniAttention(nnx.Module):
+    """``Qwen3OmniMoeThinkerTextAttention``: GQA with per-head q/k RMSNorm, on the paged cache."""
+
+    def __init__(self, spec: Qwen2Spec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, h, kvh, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        kw: dict[str, Any] = dict(use_bias=spec.attention_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(d, h * hd, **kw)
+        self.k_proj = nnx.Linear(d, kvh * hd, **kw)
+        self.v_proj = nnx.Linear(d, kvh * hd, **kw)
+        self.o_proj = nnx.Linear(h * hd, d, **kw)
+        self.q_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.k_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        cache: tuple[jax.Array, jax.Array],
+        md: AttentionMetadata,
+        backend: Backend,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages, v_pages = write_kv(*cache, k, v, md.slot_mapping)
+        out = paged_attention(q, k_pages, v_pages, md, scale=self.head_dim**-0.5, backend=backend)
+        return self.o_proj(out.reshape(b, t, -1)), (k_pages, v_pages)
+
+
+class Qwen3OmniLayer(nnx.Module):
+    """``Qwen3OmniMoeThinkerTextDecoderLayer``: pre-norm attention, then the sparse or dense MLP."""
+
+    def __init__(self, spec: Qwen3OmniTextSpec, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        self.self_attn = Qwen3OmniAttention(spec, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+        if spec.sparse_layers[layer]:
+            self.mlp: SparseMoeBlock | SwiGLU = SparseMoeBlock(spec.moe, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(d, spec.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, cache, md, backend):  # noqa: ANN001 - as Qwen3OmniAttention
+        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, md, backend)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Qwen3OmniTextModel(nnx.Module):
+    """Embedding, decoder layers, final norm: ``Qwen3OmniMoeThinkerTextModel``."""
+
+    def __init__(self, spec: Qwen3OmniTextSpec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.spec = spec
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(
+            spec.vocab_size, spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.layers = nnx.List(
+            [Qwen3OmniLayer(spec, i, dtype=dtype, rngs=rngs) for i in range(spec.num_layers)]
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
+
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos/sin ``[B, T, head_dim]`` for ``positions [3, B, T]`` (or ``[B, T]``, the same on
+        every axis): each axis's plain rotary, channel ``c`` taken from axis ``mrope_axes[c]``.
+        The frequencies are trace-time constants, never parameters."""
+        spec = self.spec
+        if positions.ndim == 2:
+            positions = jnp.broadcast_to(positions, (3, *positions.shape))
+        inv_freq, scaling = rope_inv_freq(
+            dict(spec.rope_parameters), spec.head_dim, spec.max_position_embeddings
+        )
+        cos, sin = rope_cos_sin(positions, inv_freq, scaling, self.dtype)  # [3, B, T, head_dim]
+        axes, channel = mrope_axes(spec), np.arange(spec.head_dim)
+        return jnp.moveaxis(cos[axes, :, :, channel], 0, -1), jnp.moveaxis(sin[axes, :, :, channel], 0, -1)
+
+    def __call__(
+        self,
+        embeds: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        backend: Backend = "auto",
+        deepstack: Deepstack | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Final normed hidden states ``[B, T, D]`` and the updated cache."""
+        if deepstack is not None and deepstack.rows.shape[0] > self.spec.num_layers:
+            raise ValueError(f"{deepstack.rows.shape[0]} DeepStack layers for {self.spec.num_layers} layers")
+        cos, sin = self.rope(positions)
+        x = embeds
+        new_cache: KVCache = []
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
+            x, cache = layer(x, cos, sin, cache, md, backend)
+            if deepstack is not None and i < deepstack.rows.shape[0]:
+                x = deepstack.add(x, i)
+            new_cache.append(cache)
+        return self.norm(x), new_cache
+
+
+class Qwen3OmniTextLM(Qwen2ForCausalLM):
+    """The thinker's text decoder and LM head (``model`` and ``lm_head`` of
+    ``Qwen3OmniMoeThinkerForConditionalGeneration``), with the AR engine's model interface.
+
+    ``embed``, ``logits`` and the cache/vocabulary sizes are the Qwen2 LM's; the constructor
+    builds this decoder, ``__call__`` takes :class:`Deepstack` features, and
+    :meth:`activation_width` counts the experts' rows.
+    """
+
+    def __init__(self, spec: Qwen3OmniTextSpec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.spec = spec
+        self.model = Qwen3OmniTextModel(spec, dtype=dtype, rngs=rngs)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nnx.Linear(
+                spec.hidden_size, spec.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+            )
+
+    def activation_width(self, model: int) -> int:
+        """Float32 values one token row of a step holds at once on one device, when a ``model``
+        mesh axis of that size splits the MLPs' intermediate width: the widest MLP (a dense
+        layer's gate and up outputs; a sparse layer's router logits and, for each of its ``k``
+        experts, the gathered input row, its gate and up outputs and its output row) beside
+        three residual-width vectors.
+
+        Where ``ragged_dot`` is expanded into a dense product (CPUs), a sparse layer briefly
+        holds ``E`` masked copies of each expert row too; that is not counted here."""
+        spec = self.spec
+        widths = [2 * spec.intermediate_size // model] if not all(spec.sparse_layers) else []
+        if spec.moe is not None:
+            moe = spec.moe
+            widths.append(
+                moe.num_experts + moe.top_k * (2 * moe.intermediate_size // model + 2 * moe.hidden_size)
+            )
+        return max(widths) + 3 * spec.hidden_size
+
+    def __call__(
+        self,
+        embeds: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        backend: Backend = "auto",
+        deepstack: Deepstack | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        return self.model(embeds, positions, kv_cache, md, backend, deepstack)
+
+
+TEXT_DECODER_RULES: tuple[ParamRule, ...] = (
+    ParamRule(r"embed_tokens\.weight", "embed_tokens.embedding"),
+    ParamRule(r"norm\.weight", "norm.weight"),
+    ParamRule(r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight"),
+    ParamRule(
+        r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight",
+        r"layers.\1.self_attn.\2_proj.kernel",
+        linear_kernel,
+    ),
+    ParamRule(r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
+    ParamRule(r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"layers.\1.self_attn.\2_norm.weight"),
+    ParamRule(
+        r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.kernel", linear_kernel
+    ),
+    *(
+        ParamRule(r"layers\.(\d+)\.mlp\." + r.hf, r"layers.\1.mlp." + r.flax, r.transform)
+        for r in EXPERT_RULES
+    ),
+)
+"""HF ``Qwen3OmniMoeThinkerTextModel`` names (no prefix) -> :class:`Qwen3OmniTextModel` paths,
+the experts' stacked by :func:`omni_jax.models.moe.stack_expert_readers` first."""
+
+TEXT_LM_RULES: tuple[ParamRule, ...] = (
+    *prefixed("model.", "model", TEXT_DECODER_RULES),
+    ParamRule(r"lm_head\.weight", "lm_head.kernel", linear_kernel),
+)
+"""Checkpoint names of ``Qwen3OmniMoeThinkerForConditionalGeneration``'s decoder and head
+(``model.*``, ``lm_head.*``; transformers calls the decoder ``model.language_model`` in
+memory) -> :class:`Qwen3OmniTextLM` paths. Inside a full ``Qwen3OmniMoeForConditionalGeneration``
+checkpoint the same names carry a ``thinker.`` prefix (``prefixed("thinker.", "", ...)``)."""
+
+
+def text_lm_ignore(spec: Qwen3OmniTextSpec, prefix: str = "") -> tuple[str, ...]:
+    """Thinker checkpoint names the text LM drops: the audio and vision towers (other modules'),
+    rotary buffers, and a tied head. ``prefix``: ``"thinker."`` inside a full Omni checkpoint."""
+    p = re.escape(prefix)
+    ignore = [p + r"audio_tower\..*", p + r"visual\..*", p + r".*rotary_emb\.inv_freq"]
+    if spec.tie_word_embeddings:
+        ignore.append(p + r"lm_head\.weight")
+    return tuple(ignore)
+
+
+def text_lm_partition_rules(spec: Qwen3OmniTextSpec, model: int) -> tuple[ShardRule, ...]:
+    """Tensor-parallel layout of :class:`Qwen3OmniTextLM` over ``model``: Qwen2's (attention by
+    heads, dense MLPs by intermediate width, embedding and head by vocabulary), plus
+
+    - ``o_proj``'s bias, when the config has one, whole (it is added after the all-reduce);
+    - the experts split like a dense MLP, along their intermediate width: ``gate``/``up``
+      ``[E, D, I]`` by columns, ``down`` ``[E, I, D]`` by rows, so each device runs every
+      expert's slice and the block needs one all-reduce, like a dense MLP. The router and the
+      q/k norms (over one head's width) are whole on every device.
+    """
+    layer = r"model\.layers\.\d+\."
+    return (
+        *partition_rules(spec, model),
+        ShardRule(layer + r"mlp\.experts\.(gate|up)_proj", (None, None, "model")),
+        ShardRule(layer + r"mlp\.experts\.down_proj", (None, "model", None)),
+    )

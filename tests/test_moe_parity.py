@@ -1,0 +1,165 @@
+"""Flax sparse MoE block vs transformers' Qwen3-Omni thinker and talker blocks, float32.
+
+Weights are drawn far from HF's init so routing is decided by the signal: every expert is
+chosen by some token, tokens disagree on their experts, and the top-k margins are far above
+float32 noise (a flipped choice would show as an error of order 1, not 1e-7).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from parity import rel_err
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerTextConfig,
+    Qwen3OmniMoeTextConfig,
+)
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerTextSparseMoeBlock,
+    Qwen3OmniMoeThinkerTextSparseMoeBlock,
+)
+
+from omni_jax.models.loading import build_model, torch_state_items
+from omni_jax.models.moe import EXPERT_RULES, MoESpec, SparseMoeBlock, route, stack_expert_arrays
+from omni_jax.models.param_map import ParamMismatchError
+from omni_jax.testing import randomize_weights
+
+RTOL = 1e-6  # float32; only the order of the k weighted sums differs from the reference
+D, EXPERTS, TOP_K, MOE_I = 48, 8, 3, 40
+
+
+def thinker_config(norm_topk_prob: bool) -> Qwen3OmniMoeTextConfig:
+    cfg = Qwen3OmniMoeTextConfig(
+        hidden_size=D,
+        moe_intermediate_size=MOE_I,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=norm_topk_prob,
+    )
+    cfg._experts_implementation = "eager"  # the reference's loop over experts
+    return cfg
+
+
+def talker_config() -> Qwen3OmniMoeTalkerTextConfig:
+    cfg = Qwen3OmniMoeTalkerTextConfig(
+        hidden_size=D,
+        moe_intermediate_size=MOE_I,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        shared_expert_intermediate_size=56,
+    )
+    cfg._experts_implementation = "eager"
+    return cfg
+
+
+def randomize_moe(block: torch.nn.Module, seed: int) -> None:
+    """Every weight ~ 1/sqrt(fan_in) (experts too: their fan-in is the last axis, where
+    ``randomize_weights`` would take a whole ``[out, in]`` slice), router logits of order 3."""
+    torch.manual_seed(seed)
+    randomize_weights(block, 1.0)
+    with torch.no_grad():
+        for p in (block.experts.gate_up_proj, block.experts.down_proj):
+            p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
+        block.gate.weight.mul_(3.0)
+
+
+Case = tuple[torch.nn.Module, MoESpec]
+
+
+def make_case(name: str, seed: int = 0) -> Case:
+    if name == "talker_shared":
+        cfg = talker_config()
+        hf, spec = Qwen3OmniMoeTalkerTextSparseMoeBlock(cfg), MoESpec.from_hf(cfg, shared_expert=True)
+        assert not spec.norm_topk_prob and spec.shared_expert_size == 56
+    else:
+        cfg = thinker_config(norm_topk_prob=name == "thinker_norm_topk")
+        hf, spec = Qwen3OmniMoeThinkerTextSparseMoeBlock(cfg), MoESpec.from_hf(cfg)
+    randomize_moe(hf, seed)
+    return hf.eval(), spec
+
+
+def load(spec: MoESpec, tensors) -> SparseMoeBlock:  # noqa: ANN001 - (name, array) pairs
+    return build_model(
+        lambda: SparseMoeBlock(spec, rngs=nnx.Rngs(0)), stack_expert_arrays(tensors), EXPERT_RULES
+    )
+
+
+def per_expert_names(hf: torch.nn.Module):  # noqa: ANN201 - (name, array) pairs
+    """The block's tensors as checkpoints store them: one ``[out, in]`` tensor per expert and
+    projection (what ``save_pretrained`` writes), in a scrambled order."""
+    items = []
+    for name, array in torch_state_items(hf):
+        if name == "experts.gate_up_proj":
+            i = array.shape[1] // 2
+            for e in range(array.shape[0]):
+                items += [
+                    (f"experts.{e}.gate_proj.weight", array[e, :i]),
+                    (f"experts.{e}.up_proj.weight", array[e, i:]),
+                ]
+        elif name == "experts.down_proj":
+            items += [(f"experts.{e}.down_proj.weight", array[e]) for e in range(array.shape[0])]
+        else:
+            items.append((name, array))
+    order = np.random.RandomState(0).permutation(len(items))
+    return [items[i] for i in order]
+
+
+def reference(hf: torch.nn.Module, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.from_numpy(x)).numpy()
+
+
+@pytest.mark.parametrize("name", ["thinker_norm_topk", "thinker_raw_topk", "talker_shared"])
+def test_block_matches_transformers(name: str) -> None:
+    """A ragged-looking ``[B, T, D]`` batch through the block, eager and jitted, from either
+    expert layout (transformers' fused in-memory tensors, checkpoints' per-expert ones)."""
+    hf, spec = make_case(name)
+    x = np.random.default_rng(1).standard_normal((3, 37, D)).astype(np.float32)
+    want = reference(hf, x)
+
+    fused = load(spec, torch_state_items(hf))
+    got = fused(jnp.asarray(x))
+    assert rel_err(got, want) < RTOL
+    graphdef, state = nnx.split(load(spec, per_expert_names(hf)))
+    jitted = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v))(state, jnp.asarray(x))
+    assert rel_err(jitted, want) < RTOL
+
+
+def test_routing_is_not_trivial() -> None:
+    """The parity above is meaningful: every expert gets tokens, tokens' choices differ, and the
+    k-th and (k+1)-th probabilities are far apart compared with float32 rounding."""
+    hf, spec = make_case("thinker_norm_topk")
+    block = load(spec, torch_state_items(hf))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((111, D)).astype(np.float32))
+    logits = block.gate(x)
+    _, experts = route(logits, spec.top_k, spec.norm_topk_prob, x.dtype)
+    chosen = np.asarray(experts)
+    assert set(chosen.ravel()) == set(range(EXPERTS))
+    assert len({tuple(sorted(row)) for row in chosen}) > 10
+    probs = np.sort(np.asarray(jax.nn.softmax(logits, axis=-1)), axis=-1)[:, ::-1]
+    assert np.median(probs[:, TOP_K - 1] - probs[:, TOP_K]) > 1e-3
+
+
+def test_route_matches_the_reference_router() -> None:
+    """Weights and experts of :func:`route` are the reference router's, with and without
+    renormalisation over the chosen k."""
+    for name in ("thinker_norm_topk", "thinker_raw_topk"):
+        hf, spec = make_case(name)
+        x = np.random.default_rng(2).standard_normal((29, D)).astype(np.float32)
+        with torch.no_grad():
+            _, ref_weights, ref_experts = hf.gate(torch.from_numpy(x))
+        logits = jnp.asarray(x) @ jnp.asarray(hf.gate.weight.detach().numpy().T)
+        weights, experts = route(logits, spec.top_k, spec.norm_topk_prob, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(experts), ref_experts.numpy())
+        assert rel_err(weights, ref_weights.numpy()) < RTOL
+
+
+def test_missing_expert_is_refused() -> None:
+    hf, spec = make_case("thinker_raw_topk")
+    tensors = [(n, a) for n, a in per_expert_names(hf) if n != "experts.5.up_proj.weight"]
+    with pytest.raises(ParamMismatchError, match=r"'experts.up_proj': the checkpoint lacks experts \[5\]"):
+        load(spec, tensors)
