@@ -41,9 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from omni_jax.models.layers import SwiGLU
 from omni_jax.models.param_map import ParamMismatchError, ParamRule, linear_kernel
+from omni_jax.parallel.rules import ShardRule
 from omni_jax.safetensors_io import TensorReader
 
 
@@ -108,17 +110,74 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
         """``sum_j weights[n, j] * expert_{experts[n, j]}(x[n])`` for ``x [N, D]``, ``experts``
-        and ``weights`` ``[N, k]``: one grouped matmul per projection (see the module doc)."""
-        n, k = experts.shape
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
-        sizes = jnp.bincount(flat, length=self.gate_proj.shape[0]).astype(jnp.int32)
-        rows = x[order // k]
-        gate = jax.lax.ragged_dot(rows, self.gate_proj[...], sizes)
-        up = jax.lax.ragged_dot(rows, self.up_proj[...], sizes)
-        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], sizes)
-        out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back to (token, slot)
-        return jnp.sum(out.reshape(n, k, -1) * weights[..., None], axis=1)
+        and ``weights`` ``[N, k]``: one grouped matmul per projection (see the module doc).
+
+        Under a mesh (``jax.set_mesh``) whose ``model`` axis splits the experts
+        (:func:`experts_split`, as :func:`expert_partition_rules` lays them out), each device
+        runs its own experts on its ``data`` share of the rows, and one all-reduce over
+        ``model`` adds the devices' parts: expert parallelism, with no all-to-all because every
+        device of a ``model`` group already holds the rows.
+        """
+        mesh = jax.sharding.get_abstract_mesh()
+        model = 1 if mesh.empty else dict(mesh.shape).get("model", 1)
+        params = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        if not experts_split(params[0].shape[0], model):
+            return grouped_experts(x, experts, weights, *params)
+        data = dict(mesh.shape).get("data", 1)
+        rows = P("data") if x.shape[0] % data == 0 else P()
+        return jax.shard_map(
+            _local_experts,
+            in_specs=(rows, rows, rows, P("model"), P("model"), P("model")),
+            out_specs=rows,
+            check_vma=False,
+        )(x, experts, weights, *params)
+
+
+def experts_split(num_experts: int, model: int) -> bool:
+    """Whether a ``model`` mesh axis of this size splits the experts themselves (whole experts
+    per device); otherwise it splits every expert's intermediate width."""
+    return model > 1 and num_experts % model == 0
+
+
+def grouped_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    keep: jax.Array | None = None,
+) -> jax.Array:
+    """:meth:`Experts.__call__` on stacked ``gate``/``up`` ``[E, D, I]``, ``down`` ``[E, I, D]``.
+
+    An ``experts`` id of ``E`` or more names no expert here: its rows sort last, outside every
+    group; ``keep [N, k]`` (false for those) zeroes their outputs, whatever the backend leaves
+    in rows no group covers.
+    """
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # ids >= E are dropped
+    rows = x[order // k]
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    out = jax.lax.ragged_dot(h, down, sizes)
+    out = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(n, k, -1)  # (token, slot)
+    out = out * weights[..., None]
+    if keep is not None:
+        out = jnp.where(keep[..., None], out, 0)
+    return jnp.sum(out, axis=1)
+
+
+def _local_experts(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
+    """One device's part under :func:`jax.shard_map`: its experts' outputs (the others' slots
+    zero), summed over the ``model`` axis."""
+    per_device = gate.shape[0]
+    local = experts - jax.lax.axis_index("model") * per_device
+    mine = (local >= 0) & (local < per_device)
+    out = grouped_experts(x, jnp.where(mine, local, per_device), weights, gate, up, down, keep=mine)
+    return jax.lax.psum(out, "model")
 
 
 class SparseMoeBlock(nnx.Module):
@@ -163,6 +222,30 @@ EXPERT_RULES: tuple[ParamRule, ...] = (
 """Names under an HF sparse block (``...mlp.``) -> :class:`SparseMoeBlock` paths, the experts'
 as :func:`stack_expert_readers` gives them (one stacked tensor per projection). Groups are
 named, so a decoder can put the rules under a pattern with groups of its own (the layer)."""
+
+
+def expert_partition_rules(prefix: str, spec: MoESpec, model: int) -> tuple[ShardRule, ...]:
+    """How a ``model`` mesh axis splits the sparse blocks whose paths match ``prefix`` (a regex
+    ending in the block's dot): whole experts per device when :func:`experts_split` (the layout
+    :meth:`Experts.__call__` runs in parallel), else each expert's intermediate width, as a
+    dense MLP (gate/up by columns, down by rows; XLA partitions the grouped matmuls). Either way
+    the block ends in one all-reduce. The router stays whole; a shared expert splits as a
+    dense MLP."""
+    if experts_split(spec.num_experts, model):
+        experts = (
+            ShardRule(prefix + r"experts\.(gate|up)_proj", ("model", None, None)),
+            ShardRule(prefix + r"experts\.down_proj", ("model", None, None)),
+        )
+    else:
+        experts = (
+            ShardRule(prefix + r"experts\.(gate|up)_proj", (None, None, "model")),
+            ShardRule(prefix + r"experts\.down_proj", (None, "model", None)),
+        )
+    return (
+        *experts,
+        ShardRule(prefix + r"shared_expert\.(gate|up)_proj\.kernel", (None, "model")),
+        ShardRule(prefix + r"shared_expert\.down_proj\.kernel", ("model", None)),
+    )
 
 
 class StackedExperts:

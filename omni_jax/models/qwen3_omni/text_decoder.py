@@ -31,7 +31,7 @@ from flax import nnx
 
 from omni_jax.models.attention import AttentionMetadata, Backend, paged_attention, write_kv
 from omni_jax.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
-from omni_jax.models.moe import EXPERT_RULES, MoESpec, SparseMoeBlock
+from omni_jax.models.moe import EXPERT_RULES, MoESpec, SparseMoeBlock, expert_partition_rules
 from omni_jax.models.param_map import ParamRule, linear_kernel, prefixed
 from omni_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, Qwen2Spec, partition_rules
 from omni_jax.parallel.rules import ShardRule
@@ -311,17 +311,13 @@ def text_lm_ignore(spec: Qwen3OmniTextSpec, prefix: str = "") -> tuple[str, ...]
 
 def text_lm_partition_rules(spec: Qwen3OmniTextSpec, model: int) -> tuple[ShardRule, ...]:
     """Tensor-parallel layout of :class:`Qwen3OmniTextLM` over ``model``: Qwen2's (attention by
-    heads, dense MLPs by intermediate width, embedding and head by vocabulary), plus
-
-    - ``o_proj``'s bias, when the config has one, whole (it is added after the all-reduce);
-    - the experts split like a dense MLP, along their intermediate width: ``gate``/``up``
-      ``[E, D, I]`` by columns, ``down`` ``[E, I, D]`` by rows, so each device runs every
-      expert's slice and the block needs one all-reduce, like a dense MLP. The router and the
-      q/k norms (over one head's width) are whole on every device.
+    heads, dense MLPs by intermediate width, embedding and head by vocabulary; ``o_proj``'s
+    bias, when the config has one, whole: it is added after the all-reduce), and the sparse
+    blocks' experts split whole over ``model`` when it divides their number, else by width
+    (:func:`omni_jax.models.moe.expert_partition_rules`). Routers and the q/k norms (one
+    head's width) are whole on every device.
     """
-    layer = r"model\.layers\.\d+\."
-    return (
-        *partition_rules(spec, model),
-        ShardRule(layer + r"mlp\.experts\.(gate|up)_proj", (None, None, "model")),
-        ShardRule(layer + r"mlp\.experts\.down_proj", (None, "model", None)),
-    )
+    rules = partition_rules(spec, model)
+    if spec.moe is None:
+        return rules
+    return (*rules, *expert_partition_rules(r"model\.layers\.\d+\.mlp\.", spec.moe, model))
