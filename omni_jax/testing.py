@@ -231,18 +231,26 @@ between its modality's start and end tokens (content items ``{"type": "audio" | 
 "video" | "text", ...}``), which the processor expands."""
 
 
-def write_omni_processor_files(path: str | Path) -> None:
+def write_omni_processor_files(
+    path: str | Path, processor_class: str = "Qwen2_5OmniProcessor", **image_settings: Any
+) -> None:
     """``preprocessor_config.json`` as the hub ships it for Qwen2.5-Omni: one file holding the
     ``WhisperFeatureExtractor`` and ``Qwen2VLImageProcessor`` settings (each class reads its own
-    keys), with a 30 s audio window instead of the hub's 300 s to keep tests fast."""
+    keys), with a 30 s audio window instead of the hub's 300 s to keep tests fast.
+
+    Qwen3-Omni ships the same file for its own ``processor_class``, with ``image_settings``
+    (``Qwen2VLImageProcessor`` arguments: its 16-pixel patches, pixel bounds and normalisation)
+    replacing Qwen2.5-Omni's."""
     from transformers import WhisperFeatureExtractor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     audio = WhisperFeatureExtractor(
         feature_size=128, sampling_rate=16000, chunk_length=30, return_attention_mask=True
     )
-    image = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16384)
-    merged = {**audio.to_dict(), **image.to_dict(), "processor_class": "Qwen2_5OmniProcessor"}
+    image = Qwen2VLImageProcessorPil(
+        **{"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 16384, **image_settings}
+    )
+    merged = {**audio.to_dict(), **image.to_dict(), "processor_class": processor_class}
     merged.pop("mel_filters", None)
     (Path(path) / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True))
 
@@ -426,7 +434,10 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides:
 
 
 def reference_omni_processor(
-    path: str | Path, video_processor: Any = None, image_processor: Any = None
+    path: str | Path,
+    video_processor: Any = None,
+    image_processor: Any = None,
+    processor_class: type | None = None,
 ) -> Any:
     """transformers' ``Qwen2_5OmniProcessor`` from a checkpoint's own parts, for references.
 
@@ -435,7 +446,8 @@ def reference_omni_processor(
     assembled as the constructor would assemble it, with ``video_processor`` in that slot
     (``None``: prompts without video) and ``image_processor`` (default: ``AutoImageProcessor``'s);
     ``__call__`` is transformers' code either way. Tests and the e2e benchmark prepare the
-    reference's inputs with it.
+    reference's inputs with it. ``processor_class`` (default ``Qwen2_5OmniProcessor``) assembles
+    another composite whose constructor sets the same attributes: ``Qwen3OmniMoeProcessor``.
     """
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
@@ -443,7 +455,8 @@ def reference_omni_processor(
 
     if is_torchvision_available() and video_processor is None and image_processor is None:
         return AutoProcessor.from_pretrained(path)
-    proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
+    processor_class = processor_class or Qwen2_5OmniProcessor
+    proc = processor_class.__new__(processor_class)
     tokenizer = AutoTokenizer.from_pretrained(path)
     proc.tokenizer = tokenizer
     proc.feature_extractor = AutoFeatureExtractor.from_pretrained(path)
