@@ -7,8 +7,13 @@ finishes moves on to the next stage at once, so different requests are in differ
 the same time and a request added between steps joins the running batch at the next one.
 :meth:`EngineCore.abort` takes a request out of whichever stage holds it.
 
+A stage that takes streamed input (a :class:`~omni_jax.stages.base.FedStage`, e.g. code2wav for
+a request with ``Token2WavParams(stream=True)``) holds the request at the same time as the stage
+before it: it is opened when that stage takes the request and fed its new tokens after every
+step, so the two stages work on the request together.
+
 Each step returns typed per-request updates (:class:`~omni_jax.outputs.OmniRequestOutput`): for
-a streamed request the text stage's new tokens and text as they come and the audio when it is
+a streamed request the text stage's new tokens and text as they come and the audio as it is
 made, and for every request that ended its whole output, ``finished``. The core holds no thread
 and no clock: its caller decides when to step.
 """
@@ -17,21 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from omni_jax.intake import Admission
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.profiling import scope
-from omni_jax.stages.base import Stage, StageLoad, StageResult
+from omni_jax.stages.base import FedStage, Stage, StageInput, StageLoad, StageResult
 from omni_jax.text_stream import TextStream
 
 
 @dataclasses.dataclass
 class _Flight:
     """A request on its way through the stage graph: the stage holding it, its output so far,
-    and when streamed, the text stage's tokens delivered so far."""
+    and when streamed, the text stage's tokens delivered so far. ``fed``: the later stage that
+    also holds it, fed its tokens as ``stage`` makes them."""
 
     admission: Admission
     output: OmniRequestOutput
@@ -39,6 +45,7 @@ class _Flight:
     stream: bool = False
     reply: list[int] = dataclasses.field(default_factory=list)
     text: TextStream | None = None
+    fed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +102,7 @@ class EngineCore:
         flight = _Flight(admission, out, stream=stream)
         if stream and self.tokenizer is not None:
             flight.text = TextStream(self.tokenizer)
-        admission.input.capture_hidden = self._capture_hidden(flight, 0)
-        self.stages[0].submit(request_id, admission.input, admission.stage_params[0])
+        self._submit(flight, 0, admission.input)
         self._flights[request_id] = flight
         return out
 
@@ -113,12 +119,19 @@ class EngineCore:
             if si == self.text_stage:
                 for request_id, ids in done.new_tokens.items():
                     self._stream_tokens(self._flights[request_id], ids)
+            finished = {result.request_id for result in done.finished}
+            for request_id, ids in done.new_tokens.items():
+                flight = self._flights[request_id]
+                if flight.fed == si + 1 and request_id not in finished:
+                    self._feed(flight, ids)
+            for request_id, samples in done.new_audio.items():
+                self._stream_audio(self._flights[request_id], samples, stage.sample_rate)
             for result in done.finished:
                 flight = self._flights[result.request_id]
                 self._stage_done(flight, si, result)
                 if stage.config.kind == "ar":
                     self.generated_tokens += len(result.token_ids)
-                if not self._hand_on(flight, si, result):
+                if not self._hand_on(flight, si, result, done.new_tokens.get(result.request_id, [])):
                     self._updates[result.request_id] = self._end(flight)
         updates, self._updates = list(self._updates.values()), {}
         return updates
@@ -166,10 +179,33 @@ class EngineCore:
         if flight.text is not None:
             update.text_delta += flight.text.update(flight.reply)
 
+    def _stream_audio(self, flight: _Flight, samples: np.ndarray, sample_rate: int | None) -> None:
+        if not flight.stream:
+            return
+        update = self._update(flight)
+        previous = update.audio_delta
+        update.audio_delta = samples if previous is None else np.concatenate([previous, samples])
+        update.sample_rate = sample_rate
+
+    def _feed(self, flight: _Flight, ids: list[int]) -> None:
+        """Hand a fed stage the request's new tokens; when it cannot take them, the request ends
+        with its message (``finish_reason="error"``) and both stages drop it."""
+        stage = cast(FedStage, self.stages[cast(int, flight.fed)])
+        admission = flight.admission
+        try:
+            stage.feed(admission.index, admission.request_id, ids, None)
+        except ValueError as e:
+            self._updates[admission.request_id] = self.abort(
+                admission.request_id, f"stage {stage.config.name!r}: {e}"
+            )
+
     def _end(self, flight: _Flight) -> OmniRequestOutput:
         """The request is done: its last update, the whole output with the deltas this step
-        gathered for it."""
+        gathered for it. A fed stage still holding it (the stage before it failed or was
+        aborted) drops it."""
         out = flight.output
+        if flight.fed is not None and flight.stage < flight.fed:
+            self.stages[flight.fed].abort(out.request_id)
         del self._flights[out.request_id]
         update = self._updates.pop(out.request_id, None)
         if update is not None:
@@ -178,8 +214,10 @@ class EngineCore:
         out.finished = True
         return out
 
-    def _hand_on(self, flight: _Flight, si: int, result: StageResult) -> bool:
-        """Submit a request stage ``si`` finished to the next stage; False when it is done.
+    def _hand_on(self, flight: _Flight, si: int, result: StageResult, last_ids: list[int]) -> bool:
+        """Submit a request stage ``si`` finished to the next stage (or, when the next stage is
+        fed, feed it ``last_ids``, the tokens of the step that finished it, with the result);
+        False when it is done.
 
         The next stage's input processor may find nothing to do (the request ends with empty
         output, e.g. no audio when the talker stopped before its first code) or input it
@@ -190,19 +228,41 @@ class EngineCore:
         nxt = self.stages[si + 1]
         admission = flight.admission
         try:
-            request = nxt.accept(admission.index, result, admission.prompt)
-            if request is not None:
-                nxt.validate(admission.index, request, admission.stage_params[si + 1])
+            if flight.fed == si + 1:
+                request = None
+                more = cast(FedStage, nxt).feed(admission.index, result.request_id, last_ids, result)
+            else:
+                request = nxt.accept(admission.index, result, admission.prompt)
+                if request is not None:
+                    nxt.validate(admission.index, request, admission.stage_params[si + 1])
+                more = request is not None
         except ValueError as e:
             flight.output.finish_reason, flight.output.error = "error", f"stage {nxt.config.name!r}: {e}"
             return False
-        if request is None:
+        if not more:
+            flight.stage = si + 1  # a fed stage has dropped it already
             self._end_empty(flight, si + 1)
             return False
-        request.capture_hidden = self._capture_hidden(flight, si + 1)
-        nxt.submit(result.request_id, request, admission.stage_params[si + 1])
-        flight.stage = si + 1
+        if request is None:
+            flight.stage = si + 1
+        else:
+            self._submit(flight, si + 1, request)
         return True
+
+    def _submit(self, flight: _Flight, si: int, request: StageInput) -> None:
+        """Submit the request to stage ``si``, and open it on the next stage when that one takes
+        it fed (:class:`~omni_jax.stages.base.FedStage`) with the request's params."""
+        admission = flight.admission
+        request.capture_hidden = self._capture_hidden(flight, si)
+        self.stages[si].submit(admission.request_id, request, admission.stage_params[si])
+        flight.stage = si
+        nxt = si + 1
+        if nxt == len(self.stages) or self._done_after(flight, si):
+            return
+        stage = self.stages[nxt]
+        if isinstance(stage, FedStage) and stage.streams(admission.stage_params[nxt]):
+            stage.open(admission.request_id, admission.prompt, admission.stage_params[nxt])
+            flight.fed = nxt
 
     def _capture_hidden(self, flight: _Flight, si: int) -> bool:
         """Whether stage ``si`` captures the request's hidden states: the next stage reads them
@@ -250,8 +310,6 @@ class EngineCore:
                 self._update(flight).text_delta += flight.text.finish(out.text)
         elif stage.config.final_output == "audio":
             out.audio, out.sample_rate = result.audio, result.sample_rate
-            if flight.stream:
-                self._update(flight).audio_delta = result.audio
             if self.text_stage is None:
                 # Without a text stage the request's tokens are the codes it was voiced from.
                 out.token_ids, out.finish_reason = list(result.token_ids), result.finish_reason

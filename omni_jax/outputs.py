@@ -29,8 +29,9 @@ class OmniRequestOutput:
     ``OmniJaxPipeline.run`` returns it whole, once the request is done (``finished``).
     ``AsyncOmniJaxPipeline.generate`` yields it as updates: each one carries what is new since
     the previous one in the ``*_delta`` fields (``text_delta`` and ``token_ids_delta``: the text
-    stage's new tokens and the text they complete; ``audio_delta``: new samples, for now the
-    whole waveform when the audio stage finishes). Only the last update (``finished``, with its
+    stage's new tokens and the text they complete; ``audio_delta``: new samples, chunk by chunk
+    when the request's code2wav streams (``Token2WavParams(stream=True)``), else the whole
+    waveform when the audio stage finishes). Only the last update (``finished``, with its
     ``finish_reason``) fills the other fields, with the whole output as ``run`` returns it; the
     deltas of all updates add up to its ``token_ids``, ``text`` and ``audio``. Except when a
     stage fails it (``finish_reason="error"`` with the stage's message): its last update is what

@@ -1,4 +1,5 @@
-"""Reference-side helpers shared by the Qwen2.5-Omni end-to-end tests: media and the processor.
+"""Reference-side helpers shared by the Qwen2.5-Omni end-to-end tests: media, the processor, and
+streamed code2wav (:func:`chunked_reference`).
 
 transformers' composite ``Qwen2_5OmniProcessor`` prepares the reference's inputs from the same
 raw arrays our pipeline gets. With torchvision installed it is ``AutoProcessor``'s own; without
@@ -8,11 +9,15 @@ assembles it from the PIL parts, our numpy frame path standing in for the video 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
+import torch
 
+from omni_jax.models.qwen2_5_omni.chunk_plan import ChunkPlanner
 from omni_jax.models.qwen2_5_omni.processor import VideoProcessor
 from omni_jax.testing import reference_omni_processor
 
@@ -91,3 +96,51 @@ def reference_inputs(proc: Any, prompt: dict[str, Any]) -> Any:
         videos=data.get("video"),
         **call,
     )
+
+
+def chunked_reference(
+    t2w: Any,
+    codes: np.ndarray,
+    speaker: np.ndarray,
+    ref_mel: np.ndarray,
+    noise: np.ndarray,
+    num_steps: int,
+    guidance_scale: float,
+    sway_coefficient: float,
+    sizes: ChunkPlanner,
+) -> list[np.ndarray]:
+    """Qwen's streaming loop (vLLM fork ``process_chunk`` / ``process_chunk_for_50hz``) on
+    transformers' ``Qwen2_5OmniToken2WavModel`` ``t2w``: its DiT's ``sample`` on each chunk's
+    window, ``torch.randn`` replaced by the window's rows of ``noise`` (``[codes * repeats, mel]``),
+    then its BigVGAN with the previous chunk's last ``2 * overlap`` kept frames before the kept
+    ones. Returns the emitted pieces, in order. Only ``sizes``' chunk, past, future and overlap
+    are read (never its windows): the loop is written out here."""
+    chunk, past, future, overlap = sizes.chunk, sizes.past, sizes.future, sizes.overlap
+    repeats = t2w.config.dit_config.repeats
+    hop = math.prod(t2w.config.bigvgan_config.upsample_rates)
+    codes_t = torch.from_numpy(np.asarray(codes, np.int64))[None]
+    cond, ref = torch.from_numpy(speaker)[None], torch.from_numpy(ref_mel)[None]
+    n = repeats * codes_t.shape[1]
+    n_iter = 1 if n <= chunk + future else math.ceil((n - future) / chunk)
+    out, prev = [], None
+    for p in range(n_iter):
+        final = p == n_iter - 1
+        start = 0 if n_iter == 1 else max(p * chunk - past, 0)
+        end = n if final else (p + 1) * chunk + future
+        window = torch.from_numpy(noise[start:end][None].copy())
+        with mock.patch.object(torch, "randn", lambda *a, window=window, **k: window), torch.no_grad():
+            mel = t2w.code2wav_dit_model.sample(
+                cond,
+                ref,
+                codes_t[:, start // repeats : end // repeats],
+                num_steps,
+                guidance_scale,
+                sway_coefficient,
+            )
+            lo = p * chunk - start
+            keep = mel[..., lo:] if final else mel[..., lo : lo + chunk]  # [1, mel, K]
+            voc_in = keep if p == 0 else torch.cat([prev[..., -2 * overlap :], keep], -1)
+            wav = t2w.code2wav_bigvgan_model(voc_in).numpy()
+        out.append(wav[(0 if p == 0 else overlap * hop) : (len(wav) if final else len(wav) - overlap * hop)])
+        prev = keep
+    return out

@@ -4,8 +4,9 @@ after it no request mix traces or compiles anything (docs/ARCHITECTURE.md, "Comp
 The bucket set itself (rows, code ladder, one reference length) is checked without a model,
 and so is the grouping's promise: whatever the cost fit, every solve it makes has a shape of the
 set. The end-to-end check runs the tiny Qwen2.5-Omni's code2wav stage with a smaller solve limit
-(``max_batch`` 4, ``max_codes`` 64: nine programs) so that its warm-up stays short; the full
-tiny limits give 28 programs, Qwen2.5-Omni-7B's 60 (checked on the bucket set).
+(``max_batch`` 4, ``max_codes`` 64: nine offline programs, and three streamed chunk programs,
+one per row count) so that its warm-up stays short; the full tiny limits give 28 offline
+programs, Qwen2.5-Omni-7B's 60 (checked on the bucket set).
 """
 
 from __future__ import annotations
@@ -137,8 +138,9 @@ def test_warmup_compiles_every_bucket(warmed) -> None:
     pipe, programs, counted = warmed
     buckets = pipe.stages[0].runner.buckets
     assert (buckets.rows, buckets.lengths) == ((1, 2, 4), (32, 48, 64))
-    assert programs == len(buckets.shapes()) == 9
-    assert token2wav_compiled._cache_size() == 9  # one solve program per shape, no more
+    # one offline solve program per shape, and one streamed chunk program per row count
+    assert programs == len(buckets.shapes()) + len(pipe.stages[0].decoder.buckets.rows) == 9 + 3
+    assert token2wav_compiled._cache_size() == 9
     assert counted.compiles >= programs
 
 
@@ -178,6 +180,18 @@ def mixes() -> list[tuple[str, list[dict], list[Token2WavParams]]]:
         out.append((f"mixed {trial}", prompts, params))
     unguided = [{"prompt_token_ids": codes(n, n)} for n in (5, 40, 64)]
     out.append(("unguided", unguided, [Token2WavParams(num_steps=2, guidance_scale=0.0, seed=3)] * 3))
+    streamed = [{"prompt_token_ids": codes(n, n)} for n in (5, 40, 64, 100, 12, 33)]
+    chunked = [
+        Token2WavParams(
+            stream=True,
+            num_steps=1 + i % 2,
+            guidance_scale=(0.5, 0.0)[i % 2],
+            seed=i,
+            chunk_codes=(None, 24)[i // 3],  # the stage's 36, or a smaller chunk
+        )
+        for i in range(len(streamed))
+    ]
+    out.append(("streamed and offline", streamed + unguided, chunked + [Token2WavParams(seed=4)] * 3))
     return out
 
 

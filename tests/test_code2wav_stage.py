@@ -160,7 +160,16 @@ BAD_REQUESTS = [
         Token2WavParams(stream=True, initial_noise=noise(0, 2)),
         "stage 'code2wav': initial_noise cannot be given with stream=True",
     ),
-    (TWO, Token2WavParams(stream=True), r"stage 'code2wav' does not stream yet \(stream=True\)"),
+    (
+        TWO,
+        Token2WavParams(stream=True, chunk_codes=37),
+        "stage 'code2wav': chunk_codes=37 exceeds the stage's chunk of 36 codes",
+    ),
+    (
+        TWO,
+        Token2WavParams(stream=True, chunk_codes=5),
+        "stage 'code2wav': chunk_codes=5: chunk=10 must be a multiple of the DiT's block_size",
+    ),
     (TWO, {"num_steps": 3}, "stage 'code2wav' needs Token2WavParams"),
     ({"prompt": "hello"}, None, "the 'code2wav' stage takes token ids in 'prompt_token_ids'"),
 ]

@@ -1,12 +1,12 @@
 """Streamed (chunked) code2wav against the chunked reference built from transformers' own modules.
 
-The reference (:func:`hf_stream`) is Qwen's streaming loop (vLLM fork ``process_chunk`` and
-``process_chunk_for_50hz``) written with ``Qwen2_5OmniToken2WavDiTModel.sample`` and the BigVGAN
-of transformers, its ``torch.randn`` replaced by the slice of the request's noise at the chunk's
-window; it does not use our planner. Chunked output only approximates the offline one, so
-offline is the reference only where one chunk covers the request. Tiny random-weight models,
-float32, the tolerance of ``test_code2wav_parity.py``; relative error is
-``max|ours - ref| / max|ref|``.
+The reference (:func:`omni_reference.chunked_reference`) is Qwen's streaming loop (vLLM fork
+``process_chunk`` and ``process_chunk_for_50hz``) written with
+``Qwen2_5OmniToken2WavDiTModel.sample`` and the BigVGAN of transformers, its ``torch.randn``
+replaced by the slice of the request's noise at the chunk's window; it does not use our planner.
+Chunked output only approximates the offline one, so offline is the reference only where one
+chunk covers the request. Tiny random-weight models, float32, the tolerance of
+``test_code2wav_parity.py``; relative error is ``max|ours - ref| / max|ref|``.
 
 The tiny model streams with Qwen's constants scaled to its block of 4 frames (Qwen's is 24):
 chunk 3 blocks, past 2, future 1, and an overlap of 4 frames. At Qwen's own sizes (72, 48, 24,
@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
+from omni_reference import chunked_reference
 from parity import rel_err
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
     Qwen2_5OmniBigVGANConfig,
@@ -151,34 +151,18 @@ def hf_stream(
     sway_coefficient: float,
     chunk: int = C,
 ) -> list[np.ndarray]:
-    """Qwen's streaming loop on transformers' modules: the emitted pieces, in order."""
-    hop = math.prod(t2w.config.bigvgan_config.upsample_rates)
-    codes, noise = torch.from_numpy(req["codes"])[None], req["noise"]
-    cond, ref_mel = torch.from_numpy(req["speaker"])[None], torch.from_numpy(req["ref_mel"])[None]
-    n = REPEATS * codes.shape[1]
-    n_iter = 1 if n <= chunk + F else math.ceil((n - F) / chunk)
-    out, prev = [], None
-    for p in range(n_iter):
-        final = p == n_iter - 1
-        start = 0 if n_iter == 1 else max(p * chunk - P, 0)
-        end = n if final else (p + 1) * chunk + F
-        window = torch.from_numpy(noise[start:end][None].copy())
-        with mock.patch.object(torch, "randn", lambda *a, window=window, **k: window), torch.no_grad():
-            mel = t2w.code2wav_dit_model.sample(
-                cond,
-                ref_mel,
-                codes[:, start // REPEATS : end // REPEATS],
-                num_steps,
-                guidance_scale,
-                sway_coefficient,
-            )
-            lo = p * chunk - start
-            keep = mel[..., lo:] if final else mel[..., lo : lo + chunk]  # [1, mel, K]
-            voc_in = keep if p == 0 else torch.cat([prev[..., -2 * V :], keep], -1)
-            wav = t2w.code2wav_bigvgan_model(voc_in).numpy()
-        out.append(wav[(0 if p == 0 else V * hop) : (len(wav) if final else len(wav) - V * hop)])
-        prev = keep
-    return out
+    """The reference's pieces for one of :func:`make_request`'s requests, at the scaled sizes."""
+    return chunked_reference(
+        t2w,
+        req["codes"],
+        req["speaker"],
+        req["ref_mel"],
+        req["noise"],
+        num_steps,
+        guidance_scale,
+        sway_coefficient,
+        dataclasses.replace(PLANNER, chunk=chunk),
+    )
 
 
 @pytest.fixture(scope="module")

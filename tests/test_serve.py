@@ -52,7 +52,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from scipy.io import wavfile
 
-from omni_jax import OmniJaxPipeline, OmniRequestOutput
+from omni_jax import OmniJaxPipeline, OmniRequestOutput, Token2WavParams
 from omni_jax.audio_io import pcm16, read_wav, wav_bytes
 from omni_jax.testing import OMNI_CODEC, build_tiny_qwen2
 
@@ -227,13 +227,18 @@ def queue(request, qwen_dir, qwen, tmp_path_factory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def omni_yaml(tmp_path_factory) -> Path:
-    """The architecture's stage YAML with short talker replies and one small code2wav program."""
+    """The architecture's stage YAML with short talker replies and small code2wav programs."""
     config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
     thinker, talker, code2wav = config["stages"]
     assert (thinker["name"], talker["name"], code2wav["name"]) == ("thinker", "talker", "code2wav")
     talker["default_sampling"]["max_tokens"] = 32
     code2wav["default_sampling"]["num_steps"] = 2
-    code2wav["engine"] = {"max_batch": 1, "max_codes": 32}
+    # Streamed replies decode in chunks of 6 codes, so most of the talker's replies take several.
+    code2wav["engine"] = {
+        "max_batch": 1,
+        "max_codes": 32,
+        "stream": {"chunk_codes": 6, "past_codes": 4, "future_codes": 2, "overlap_frames": 4},
+    }
     path = tmp_path_factory.mktemp("omni_yaml") / "stages.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -255,16 +260,20 @@ def chat_body(model: str, text: str, **fields: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": text}], **fields}
 
 
-def stage_params(pipe: OmniJaxPipeline, seed: int | None = None, **text_fields: Any) -> Any:
+def stage_params(
+    pipe: OmniJaxPipeline, seed: int | None = None, stream: bool = False, **text_fields: Any
+) -> Any:
     """What convert.py builds: the text stage's defaults under the request's fields, the later
-    stages' defaults with ``seed``."""
+    stages' defaults with ``seed``; for a streamed reply (``stream``), its audio decoded in
+    chunks as it comes."""
     params = [
         dataclasses.replace(
             pipe.stages[0].defaults, **text_fields, **({} if seed is None else {"seed": seed})
         )
     ]
     for stage in pipe.stages[1:]:
-        params.append(dataclasses.replace(stage.defaults, **({} if seed is None else {"seed": seed})))
+        p = dataclasses.replace(stage.defaults, **({} if seed is None else {"seed": seed}))
+        params.append(dataclasses.replace(p, stream=True) if stream and isinstance(p, Token2WavParams) else p)
     return params[0] if len(params) == 1 else params
 
 
@@ -827,14 +836,16 @@ def omni_ref(
     voice: str | None,
     seed: int,
     max_tokens: int,
+    stream: bool = False,
     **fields: Any,
 ) -> OmniRequestOutput:
-    """run() for an Omni request: speaking in ``voice``, or text only when it is ``None``."""
+    """run() for an Omni request: speaking in ``voice``, or text only when it is ``None``;
+    ``stream``: as the server runs a streamed reply."""
     prompt = served.ref.chat_prompt(messages)
     prompt["modalities"] = ["text"] if voice is None else ["text", "audio"]
     if voice is not None:
         prompt["speaker"] = voice
-    params = stage_params(served.ref, seed, temperature=0.0, max_tokens=max_tokens, **fields)
+    params = stage_params(served.ref, seed, stream, temperature=0.0, max_tokens=max_tokens, **fields)
     out = run_one(served.ref, prompt, params)
     assert (out.audio is not None) == (voice is not None)
     return out
@@ -891,12 +902,20 @@ def test_text_and_audio_equal_run(omni, fmt) -> None:
         len(ref.token_ids),
     )
 
+    # Streamed, the audio is decoded chunk by chunk as the talker speaks: run()'s with stream=True.
+    streamed = omni_ref(omni, STORY, "Ethan", seed=11, max_tokens=12, stream=True)
+    assert streamed.stage_outputs["talker"].token_ids == ref.stage_outputs["talker"].token_ids
     chunks = list(client.chat.completions.create(stream=True, **omni_request(STORY, "Ethan", fmt, 11, 12)))
     deltas = [c.choices[0].delta for c in chunks]
     assert "".join(d.content or "" for d in deltas) == ref.text
     pieces = [decode_audio(d.audio.data, fmt) for d in deltas if d.audio is not None]
-    assert pieces and all(d.content is None for d in deltas if d.audio is not None)
-    np.testing.assert_array_equal(np.concatenate(pieces), want)
+    assert len(pieces) == streamed.metrics["code2wav"]["chunks"] > 1
+    assert all(d.content is None for d in deltas if d.audio is not None)
+    if fmt == "pcm16":
+        np.testing.assert_array_equal(np.concatenate(pieces), pcm16(streamed.audio))
+    else:  # each piece a WAV of its own samples
+        for piece, lo in zip(pieces, np.cumsum([0] + [len(p) for p in pieces[:-1]]), strict=True):
+            np.testing.assert_array_equal(piece, pcm16(streamed.audio[lo : lo + len(piece)]))
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
 
 
@@ -1039,7 +1058,7 @@ def test_32_concurrent_streams_all_complete_unmixed(omni) -> None:
             if voice is not None:
                 prompt["speaker"] = voice
             prompts.append(prompt)
-            params.append(stage_params(omni.ref, seed, temperature=0.0, max_tokens=n, ignore_eos=True))
+            params.append(stage_params(omni.ref, seed, True, temperature=0.0, max_tokens=n, ignore_eos=True))
         return omni.ref.run(prompts, [list(stage) for stage in zip(*params, strict=True)], progress=False)
 
     results, refs = alongside(lambda: asyncio.run(asyncio.wait_for(all_at_once(), 300)), references)

@@ -4,7 +4,9 @@ The request's sampling fields go to the stage that writes the reply text (the fi
 text output); the other stages keep their YAML defaults, seeded by ``seed`` when one is given, so
 a seeded request says (and speaks) the same every time, as ``omni-jax run --seed`` does.
 ``modalities`` defaults to ``["text", "audio"]`` when the request has an ``audio`` object and to
-``["text"]`` otherwise (OpenAI's convention); ``audio.voice`` is the prompt's ``speaker``. What
+``["text"]`` otherwise (OpenAI's convention); ``audio.voice`` is the prompt's ``speaker``. A
+streamed reply's audio is decoded in chunks as the talker speaks (``Token2WavParams(stream=True)``),
+so its first audio comes before the talker has finished. What
 the stages refuse (an unknown voice, a prompt too long, a bad value) is refused by admission with
 the stages' own messages; what only the server can tell is refused here.
 """
@@ -19,6 +21,7 @@ from omni_jax.intake import StageParams
 from omni_jax.pipeline import OmniJaxPipeline
 from omni_jax.serve import media
 from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, Message
+from omni_jax.stages.code2wav_params import Token2WavParams
 
 SAMPLING_FIELDS = (
     "temperature",
@@ -76,6 +79,8 @@ def _stage_params(pipeline: OmniJaxPipeline, request: ChatCompletionRequest | Co
             p = dataclasses.replace(p, **given)
         elif request.seed is not None:
             p = dataclasses.replace(p, seed=request.seed)
+        if request.stream and isinstance(p, Token2WavParams):
+            p = dataclasses.replace(p, stream=True)  # audio streamed as it is decoded
         params.append(p)
     return params[0] if len(params) == 1 else params
 

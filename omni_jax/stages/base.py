@@ -8,7 +8,7 @@ padded solve) stays inside the stage.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -89,10 +89,13 @@ class StageStep:
     """What one :meth:`Stage.step` did: the requests it finished, and the tokens each of its
     requests gained in it (``new_tokens``: request id -> token ids, finished requests' last ones
     included; empty for a stage that makes no tokens one by one). A request's new tokens over
-    all its steps are its result's ``token_ids``, in order."""
+    all its steps are its result's ``token_ids``, in order. ``new_audio``, of a stage that makes
+    audio: request id -> the samples it made in this step (a chunk of a streamed request, or a
+    whole waveform); over all steps they are its result's ``audio``, in order."""
 
     finished: list[StageResult]
     new_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    new_audio: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +160,29 @@ class Stage(Protocol):
 
     def warmup(self) -> int:
         """Compile ahead of traffic; returns how many programs were compiled."""
+
+
+@runtime_checkable
+class FedStage(Stage, Protocol):
+    """A stage that can take a request while the previous stage still makes its tokens
+    (streamed input: code2wav voicing the talker's codes chunk by chunk).
+
+    For a request whose params it :meth:`streams`, the engine core calls :meth:`open` when the
+    previous stage takes the request, then :meth:`feed` after each of that stage's steps with
+    the request's new tokens, and a last time with its result when it finishes, instead of
+    :meth:`Stage.accept` and :meth:`Stage.submit` on the finished result."""
+
+    def streams(self, params: Any) -> bool:
+        """Whether a request with ``params`` (validated) is fed to this stage as it is made."""
+
+    def open(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
+        """Take the request, before any of its tokens; its params and prompt were validated."""
+
+    def feed(self, index: int, request_id: str, tokens: list[int], upstream: StageResult | None) -> bool:
+        """The request's new tokens from the previous stage; ``upstream``: its result when these
+        were its last. Returns False when the request ended with nothing for this stage to do
+        (it is then dropped, as :meth:`Stage.accept` returning ``None``). ``ValueError`` naming
+        request ``index`` when the tokens cannot feed this stage."""
 
 
 def require_state(state: S | None, stage: str) -> S:

@@ -20,6 +20,7 @@ frames only, and the rows of a whole request are exactly the offline solve's
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -95,12 +96,17 @@ class StreamRequest:
 @dataclasses.dataclass
 class ChunkOutput:
     """A chunk's emitted audio (samples ``[chunk.offset, chunk.offset + len(audio))`` of its
-    request's waveform); ``last`` when the request has no more."""
+    request's waveform); ``last`` when the request has no more. ``error``: the chunk's solve
+    failed (``audio`` is then empty and the request is forgotten: it has no more). The solve's
+    seconds and requests: ``solve_s``, ``batch_size``."""
 
     request_id: str
     chunk: Chunk
     audio: np.ndarray
     last: bool
+    solve_s: float = 0.0
+    batch_size: int = 1
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -177,18 +183,10 @@ class ChunkedDecoder:
             )
         if params.initial_noise is not None:
             raise ValueError(f"request {request_id!r}: a streamed request draws its noise from a seed")
-        planner = self.planner
-        if params.chunk_codes is not None:
-            frames = params.chunk_codes * planner.repeats
-            if frames > planner.chunk:
-                raise ValueError(
-                    f"request {request_id!r}: chunk_codes={params.chunk_codes} exceeds the stage's "
-                    f"chunk of {planner.chunk // planner.repeats} codes"
-                )
-            try:
-                planner = dataclasses.replace(planner, chunk=frames)
-            except ValueError as e:
-                raise ValueError(f"request {request_id!r}: chunk_codes={params.chunk_codes}: {e}") from None
+        try:
+            planner = self.plan(params)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         seed = params.seed if params.seed is not None else random_seed()
         request = StreamRequest(
             request_id,
@@ -201,6 +199,29 @@ class ChunkedDecoder:
         )
         self._requests[request_id] = request
         return request
+
+    def plan(self, params: Token2WavParams) -> ChunkPlanner:
+        """The planner of a request with ``params``: the stage's, its chunk ``chunk_codes`` when
+        given. ``ValueError`` when ``chunk_codes`` exceeds the stage's chunk or breaks the
+        algorithm (not a multiple of the DiT block in codes, shorter than two overlaps)."""
+        planner = self.planner
+        if params.chunk_codes is None:
+            return planner
+        frames = params.chunk_codes * planner.repeats
+        if frames > planner.chunk:
+            raise ValueError(
+                f"chunk_codes={params.chunk_codes} exceeds the stage's chunk of "
+                f"{planner.chunk // planner.repeats} codes"
+            )
+        try:
+            return dataclasses.replace(planner, chunk=frames)
+        except ValueError as e:
+            raise ValueError(f"chunk_codes={params.chunk_codes}: {e}") from None
+
+    @property
+    def num_streaming(self) -> int:
+        """Requests added and not yet done: waiting for codes or with a chunk ready."""
+        return len(self._requests)
 
     def extend(self, request_id: str, codes: Sequence[int], finished: bool = False) -> None:
         """Append ``codes`` to the request's; ``finished``: they were its last."""
@@ -228,24 +249,52 @@ class ChunkedDecoder:
         """One solve: the next chunk of each of the oldest ``max_batch`` requests that have one
         ready; a finished request is forgotten after its last chunk."""
         ready = self.ready()[: self.max_batch]
-        if not ready:
-            return []
+        return self.run(ready) if ready else []
+
+    def run(self, ready: Sequence[tuple[StreamRequest, Chunk]]) -> list[ChunkOutput]:
+        """One padded solve of ``ready`` chunks, each request advanced by its chunk.
+
+        As in :meth:`~omni_jax.engine.generation_runner.GenerationRunner.run`, a device failure
+        is retried one request at a time and a row with non-finite audio fails alone: a failed
+        request gets an ``error`` output and is forgotten, the others go on.
+        """
         batch = self.pad(ready, self.buckets.rows_for(len(ready)))
-        wave, _, tail = self.solve(
-            self.graph, self.state, *batch.arrays(self.mesh), keep_frames=self.planner.keep_frames
-        )
-        wave, tail = fetch(wave), fetch(tail)
+        t0 = time.perf_counter()
+        try:
+            wave, _, tail = self.solve(
+                self.graph, self.state, *batch.arrays(self.mesh), keep_frames=self.planner.keep_frames
+            )
+            wave, tail = fetch(wave), fetch(tail)
+        except jax.errors.JaxRuntimeError as e:
+            if len(ready) > 1:
+                return [out for pair in ready for out in self.run([pair])]
+            return [self._fail(*ready[0], f"solve failed: {e}", time.perf_counter() - t0, 1)]
+        dt = time.perf_counter() - t0
         outputs = []
         for i, (request, chunk) in enumerate(ready):
+            audio = wave[i, chunk.emit_lo : chunk.emit_hi]
+            if not np.isfinite(audio).all():
+                bad = int((~np.isfinite(audio)).sum())
+                outputs.append(
+                    self._fail(
+                        request, chunk, f"non-finite waveform ({bad} of {audio.size} samples)", dt, len(ready)
+                    )
+                )
+                continue
             request.done += 1
             request.tail = tail[i].copy()
             last = chunk.kind in (ChunkKind.LITTLE, ChunkKind.FINAL)
             if last:
                 del self._requests[request.request_id]
-            outputs.append(
-                ChunkOutput(request.request_id, chunk, wave[i, chunk.emit_lo : chunk.emit_hi].copy(), last)
-            )
+            outputs.append(ChunkOutput(request.request_id, chunk, audio.copy(), last, dt, len(ready)))
         return outputs
+
+    def _fail(
+        self, request: StreamRequest, chunk: Chunk, error: str, solve_s: float, rows: int
+    ) -> ChunkOutput:
+        del self._requests[request.request_id]
+        empty = np.zeros(0, np.float32)
+        return ChunkOutput(request.request_id, chunk, empty, True, solve_s, rows, error)
 
     def pad(self, ready: Sequence[tuple[StreamRequest, Chunk]], rows: int) -> ChunkBatch:
         """``ready`` chunks in the first rows of a ``rows``-row solve; a row with no chunk solves

@@ -1,0 +1,270 @@
+"""Streamed speech through the pipeline: code2wav decodes the talker's codes chunk by chunk.
+
+``Token2WavParams(stream=True)`` on the tiny Qwen2.5-Omni, against the chunked reference built from
+transformers' own token2wav modules (:func:`omni_reference.chunked_reference`), at the streaming
+sizes of ``tests/test_code2wav_stream.py`` (chunk 6 codes, past 4, future 2, overlap 4 frames),
+set through the stage YAML's ``engine.stream``. The code2wav stage alone (codes in), then the
+whole pipeline, where the talker's codes are fed to code2wav as they are made: the first audio
+comes while the talker still speaks, an abort or bad codes end the request in both stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from omni_reference import chunked_reference
+from parity import rel_err
+
+from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams, Token2WavParams
+from omni_jax.engine.compilation import CompileCounter
+from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
+
+REPEATS, MEL, NUM_EMBEDS = 2, 8, 64  # the tiny DiT (omni_jax.testing)
+STREAM = {"chunk_codes": 6, "past_codes": 4, "future_codes": 2, "overlap_frames": 4}
+THINKER = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def codes(seed: int, n: int) -> list[int]:
+    return [int(c) for c in np.random.default_rng(seed).integers(0, NUM_EMBEDS + 1, n)]
+
+
+def seed_noise(seed: int, n: int) -> np.ndarray:
+    """The noise a streamed request of ``n`` codes draws from its seed (the offline draw)."""
+    return np.random.default_rng(seed).standard_normal((n * REPEATS, MEL), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def stream_yaml(tmp_path_factory) -> Path:
+    """The architecture's stage YAML at the test's streaming sizes, with small offline solves."""
+    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
+    code2wav = config["stages"][2]
+    assert code2wav["name"] == "code2wav"
+    code2wav["engine"] = {"max_batch": 4, "max_codes": 32, "stream": STREAM}
+    path = tmp_path_factory.mktemp("stream_yaml") / "stages.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def voicer(omni_dir, stream_yaml) -> OmniJaxPipeline:
+    return OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=stream_yaml)
+
+
+@pytest.fixture(scope="module")
+def pipe(omni_dir, stream_yaml) -> OmniJaxPipeline:
+    return OmniJaxPipeline.from_pretrained(omni_dir, stage_config=stream_yaml, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def reference(omni_dir):
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    return Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_dir, dtype=torch.float32).eval()
+
+
+def expected(reference, pipe: OmniJaxPipeline, code_ids: list[int], speaker: str, params: Token2WavParams):
+    """The chunked reference's whole waveform for one streamed request, at the stage's sizes
+    (with the request's ``chunk_codes`` when it sets one)."""
+    voice = reference.speaker_map[speaker]
+    stage = pipe.stages[-1]
+    sizes = stage.decoder.plan(params)
+    pieces = chunked_reference(
+        reference.token2wav,
+        np.asarray(code_ids),
+        voice["cond"].float().numpy().reshape(-1),
+        voice["ref_mel"].float().numpy().reshape(-1, MEL),
+        seed_noise(params.seed, len(code_ids)),
+        params.num_steps,
+        params.guidance_scale,
+        params.sway_coefficient,
+        sizes,
+    )
+    return np.concatenate(pieces), len(pieces)
+
+
+def spoken(pipe: OmniJaxPipeline, text: str, speaker: str) -> dict:
+    return dict(pipe.chat_prompt([{"role": "user", "content": text}]), speaker=speaker)
+
+
+# --- the code2wav stage alone ------------------------------------------------------------------
+
+
+def test_stage_streams_like_the_chunked_reference(voicer, reference) -> None:
+    """Four requests of different lengths and voices streamed in one run (their chunks batched),
+    one of them with a smaller ``chunk_codes``: each equals the reference alone."""
+    cases = [
+        (5, "Chelsie", Token2WavParams(stream=True, seed=1, num_steps=3)),
+        (9, "Ethan", Token2WavParams(stream=True, seed=2, num_steps=4, guidance_scale=1.5)),
+        (23, "Chelsie", Token2WavParams(stream=True, seed=3, num_steps=3, sway_coefficient=-0.5)),
+        (40, "Ethan", Token2WavParams(stream=True, seed=4, num_steps=2, chunk_codes=4)),
+    ]
+    prompts = [{"prompt_token_ids": codes(n, n), "speaker": s} for n, s, _ in cases]
+    outs = voicer.run(prompts, [p for _, _, p in cases], progress=False)
+    for out, (n, speaker, params) in zip(outs, cases, strict=True):
+        want, chunks = expected(reference, voicer, codes(n, n), speaker, params)
+        assert out.finish_reason == "stop" and out.sample_rate == 24_000
+        assert out.audio.shape == want.shape
+        err = rel_err(out.audio, want)
+        assert err < 1e-5, (n, err)
+        metrics = out.metrics["code2wav"]
+        assert metrics["chunks"] == chunks and metrics["num_codes"] == n and metrics["seed"] == params.seed
+    assert [out.metrics["code2wav"]["chunks"] for out in outs] == [1, 2, 4, 10]
+
+
+def test_one_chunk_streamed_equals_offline(voicer) -> None:
+    """A request one chunk covers (``chunk + future`` codes at most) is the offline solve."""
+    prompt = {"prompt_token_ids": codes(7, 8), "speaker": "Ethan"}
+    offline, streamed = (
+        voicer.run(prompt, Token2WavParams(stream=stream, seed=5, num_steps=3), progress=False)[0]
+        for stream in (False, True)
+    )
+    assert streamed.metrics["code2wav"]["chunks"] == 1
+    err = rel_err(streamed.audio, offline.audio)
+    assert err < 1e-5, err
+
+
+def test_streamed_requests_have_no_code_limit(voicer) -> None:
+    """``max_codes`` bounds the offline solve (32 here); a streamed request's windows are fixed."""
+    prompt = {"prompt_token_ids": codes(3, 33)}
+    with pytest.raises(ValueError, match="request 0: 33 codes exceed the limit of 32"):
+        voicer.run(prompt, Token2WavParams(num_steps=2), progress=False)
+    (out,) = voicer.run(prompt, Token2WavParams(stream=True, num_steps=2), progress=False)
+    hop = voicer.stages[0].decoder.planner.hop
+    assert out.finish_reason == "stop" and out.audio.size == 33 * REPEATS * hop
+
+
+def test_nothing_compiles_after_the_stage_warmup(omni_dir, tmp_path) -> None:
+    """The stage's warm-up compiles the chunk program of each row count beside the offline ones;
+    streamed and offline requests then compile nothing."""
+    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
+    config["stages"][2]["engine"] = {"max_batch": 2, "max_codes": 8, "stream": STREAM}
+    path = tmp_path / "stages.yaml"
+    path.write_text(yaml.safe_dump(config))
+    small = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=path)
+    stage = small.stages[0]
+    token2wav_chunk_compiled.clear_cache()
+    report = small.warmup(progress=False)
+    offline = len(stage.runner.buckets.shapes())
+    assert report.programs == offline + len(stage.decoder.buckets.rows) == offline + 2
+    prompts = [{"prompt_token_ids": codes(n, n)} for n in (3, 8, 20, 31)]
+    params = [
+        Token2WavParams(stream=True, seed=1, num_steps=2),
+        Token2WavParams(seed=2, num_steps=3),
+        Token2WavParams(stream=True, seed=3, chunk_codes=4),
+        Token2WavParams(stream=True, seed=4, guidance_scale=0.0),
+    ]
+    with CompileCounter() as counted:
+        outs = small.run(prompts, params, progress=False)
+    assert [o.finish_reason for o in outs] == ["stop"] * 4
+    assert (counted.traces, counted.compiles) == (0, 0)
+
+
+# --- the pipeline: the talker's codes fed to code2wav as they come --------------------------------
+
+
+def test_first_audio_comes_while_the_talker_speaks(pipe, reference) -> None:
+    """Driven step by step: the first audio update comes while the talker still holds the
+    request; the pieces add up to the whole waveform, which is the chunked reference's for the
+    talker's codes, and ``run()`` with the same params makes the same audio."""
+    talker = pipe.stages[1]
+    params = [
+        THINKER,
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        Token2WavParams(stream=True, seed=9, num_steps=3),
+    ]
+    prompt = spoken(pipe, "tell me a story", "Ethan")  # its 30 codes are all in the codec's range
+    (admission,) = pipe.intake.admit([prompt], params, ["streamed"])
+    pipe.core.add(admission, stream=True)
+    updates: list[OmniRequestOutput] = []
+    talking_at_first_audio = None
+    while pipe.core.has_work():
+        for update in pipe.core.step():
+            updates.append(update)
+            if update.audio_delta is not None and talking_at_first_audio is None:
+                talking_at_first_audio = talker.load().running
+    assert talking_at_first_audio == 1
+    last = updates[-1]
+    assert last.finished and last.finish_reason == "length"
+    pieces = [u.audio_delta for u in updates if u.audio_delta is not None]
+    assert all(u.sample_rate == 24_000 for u in updates if u.audio_delta is not None)
+    talker_codes = last.stage_outputs["talker"].token_ids
+    assert len(talker_codes) == 30  # ignore_eos: no stop token to cut
+    want, chunks = expected(reference, pipe, talker_codes, "Ethan", params[2])
+    assert len(pieces) == chunks == 5
+    np.testing.assert_array_equal(np.concatenate(pieces), last.audio)
+    err = rel_err(last.audio, want)
+    assert err < 1e-5, err
+    (again,) = pipe.run(prompt, params, progress=False)
+    assert again.stage_outputs["talker"].token_ids == talker_codes
+    np.testing.assert_array_equal(again.audio, last.audio)
+
+
+def test_generate_streams_audio_chunks(pipe) -> None:
+    """``generate()``: the audio comes in several updates, after the text; they add up to the
+    whole waveform of the last one, which ``run()`` also gives."""
+    params = [
+        THINKER,
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        Token2WavParams(stream=True, seed=4, num_steps=2),
+    ]
+    prompt = spoken(pipe, "tell me a story", "Ethan")
+    (ref,) = pipe.run(prompt, params, progress=False)
+    assert ref.finish_reason == "length", ref.error
+
+    async def collect() -> list[OmniRequestOutput]:
+        async with AsyncOmniJaxPipeline(pipe) as served:
+            return [out async for out in served.generate(prompt, params)]
+
+    updates = asyncio.run(collect())
+    pieces = [u.audio_delta for u in updates if u.audio_delta is not None]
+    assert len(pieces) == ref.metrics["code2wav"]["chunks"] == 3
+    first_audio = next(i for i, u in enumerate(updates) if u.audio_delta is not None)
+    assert "".join(u.text_delta for u in updates[:first_audio]) == ref.text
+    np.testing.assert_array_equal(np.concatenate(pieces), ref.audio)
+    np.testing.assert_array_equal(updates[-1].audio, ref.audio)
+
+
+def test_abort_mid_stream_frees_both_stages(pipe) -> None:
+    """An abort after the first audio drops the request from the talker (its KV pages back) and
+    from code2wav (no chunk of it left)."""
+    talker, code2wav = pipe.stages[1], pipe.stages[2]
+    params = [
+        THINKER,
+        SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+        Token2WavParams(stream=True, seed=1, num_steps=2),
+    ]
+    (admission,) = pipe.intake.admit([spoken(pipe, "tell me a story", "Ethan")], params, ["aborted"])
+    pipe.core.add(admission, stream=True)
+    while not any(u.audio_delta is not None for u in pipe.core.step()):
+        pass
+    assert talker.load().running == 1 and code2wav.load().running == 1
+    out = pipe.core.abort("aborted")
+    assert out is not None and out.finish_reason == "abort" and out.finished
+    pages = talker.engine.scheduler.allocator
+    assert pages.num_free == pages.num_pages
+    assert (code2wav.load().running, code2wav.load().waiting) == (0, 0)
+    assert not pipe.core.has_work()
+
+
+def test_codes_the_voice_cannot_take_end_only_that_request(pipe, monkeypatch) -> None:
+    """Codes outside code2wav's vocabulary, fed mid-stream, end that request with the stage's
+    message (and free the talker); the request beside it finishes."""
+    monkeypatch.setattr(pipe.stages[2], "codec_vocab_size", 0)
+    params = [
+        THINKER,
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        Token2WavParams(stream=True, seed=1, num_steps=2),
+    ]
+    prompts = [spoken(pipe, "hello there", "Ethan"), dict(spoken(pipe, "hi", "Ethan"), modalities=["text"])]
+    bad, good = pipe.run(prompts, params, progress=False)
+    assert bad.finish_reason == "error"
+    assert bad.error.startswith("stage 'code2wav': request 0: codec id ")
+    assert "outside the vocabulary [0, 0)" in bad.error
+    assert good.finish_reason == "length" and good.audio is None
+    pages = pipe.stages[1].engine.scheduler.allocator
+    assert pages.num_free == pages.num_pages and not pipe.core.has_work()
