@@ -22,6 +22,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -368,6 +369,40 @@ def test_batched_matches_reference(ours, reference, expected) -> None:
     want = hf_stream(reference, make_request(SMALL), **KNOBS[SMALL], chunk=8)
     assert len(want) == 10
     check_pieces(outputs[SMALL], want, SMALL)
+
+
+@pytest.mark.parametrize("fault", ["device error", "non-finite"])
+def test_a_failed_chunk_ends_only_its_request(ours, expected, fault: str) -> None:
+    """A device error in a batched chunk solve is retried one request at a time, and a row with
+    non-finite audio fails alone: the culprit (request 15) gets one ``error`` output and is
+    forgotten; the request beside it goes on to equal the reference."""
+    dec = decoder(ours)
+    solve = dec.solve
+    voice = make_request(15)["speaker"]
+
+    def faulty(graph, state, codes, code_lengths, speaker_embedding, *rest, **kw):
+        rows = [i for i, v in enumerate(np.asarray(speaker_embedding)) if np.array_equal(v, voice)]
+        if fault == "device error" and rows:
+            raise jax.errors.JaxRuntimeError("device fault")
+        wave, valid, tail = solve(graph, state, codes, code_lengths, speaker_embedding, *rest, **kw)
+        return (wave.at[rows[0]].set(jnp.nan) if rows else wave), valid, tail
+
+    dec.solve = faulty
+    for n in (15, 9):
+        req = make_request(n)
+        dec.add(str(n), req["speaker"], req["ref_mel"], params(n))
+        dec.extend(str(n), req["codes"].tolist(), finished=True)
+    outputs: dict[str, list[ChunkOutput]] = {"15": [], "9": []}
+    while dec.has_work():
+        for out in dec.step():
+            outputs[out.request_id].append(out)
+    (failed,) = outputs["15"]
+    assert failed.last and failed.audio.size == 0 and failed.chunk.index == 0
+    assert failed.error.startswith(
+        "solve failed: device fault" if fault == "device error" else "non-finite waveform ("
+    )
+    assert dec.num_streaming == 0
+    check_pieces(outputs["9"], expected[9], 9)
 
 
 def test_chunking_shows_in_the_test_model(reference, expected) -> None:
