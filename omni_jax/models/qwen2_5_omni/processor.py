@@ -418,6 +418,10 @@ class OmniProcessor:
     def video_tokens(self, grid: tuple[int, int, int]) -> int:
         return int(np.prod(grid)) // self.video_processor.merge_size**2
 
+    def audio_tokens(self, frames: int) -> int:
+        """Placeholder tokens of an audio clip of ``frames`` mel frames (the encoder's output rows)."""
+        return audio_output_lengths(frames)[1]
+
     def interleaved(self, grid: tuple[int, int, int], second_per_grid: float, audio_tokens: int) -> list[int]:
         """A video's placeholder with its audio track: ``audio_bos``, then per 2-second chunk the
         chunk's video tokens and audio tokens, then ``audio_eos`` (the reference's
@@ -530,7 +534,8 @@ class OmniProcessor:
                 raise _fail(index, f"placeholder {token} at position {i} must follow {start}")
 
     def _expand(self, ids: list[int], inputs: OmniInputs) -> list[int]:
-        audio_tokens = [audio_output_lengths(n)[1] for n in inputs.audio_seqlens]
+        """Each placeholder replaced by its item's tokens (:meth:`audio_tokens` a clip)."""
+        audio_tokens = [self.audio_tokens(n) for n in inputs.audio_seqlens]
         merge_unit = self.image_processor.merge_size**2
         image_tokens = iter(int(np.prod(g)) // merge_unit for g in inputs.image_grid_thw)
         videos = iter(range(len(inputs.video_grid_thw)))

@@ -121,26 +121,6 @@ class Qwen3OmniProcessor(OmniProcessor):
             fps=DEFAULT_VIDEO_FPS if fps is None else fps,
         )
 
-    def _expand(self, ids: list[int], inputs: OmniInputs) -> list[int]:
-        """Each placeholder replaced by its item's tokens (Qwen3-Omni's audio counts)."""
-        audio_tokens = [audio_token_count(n, AUDIO_N_WINDOW) for n in inputs.audio_seqlens]
-        merge_unit = self.image_processor.merge_size**2
-        image_tokens = iter(int(np.prod(g)) // merge_unit for g in inputs.image_grid_thw)
-        videos = iter(range(len(inputs.video_grid_thw)))
-        audios = iter(audio_tokens)
-        out: list[int] = []
-        for t in ids:
-            if t == self.audio_id:
-                out += [self.audio_id] * next(audios)
-            elif t == self.image_id:
-                out += [self.image_id] * next(image_tokens)
-            elif t == self.video_id:
-                v = next(videos)
-                grid = inputs.video_grid_thw[v]
-                if inputs.use_audio_in_video:
-                    out += self.interleaved(grid, inputs.video_second_per_grid[v], audio_tokens[v])
-                else:
-                    out += [self.video_id] * self.video_tokens(grid)
-            else:
-                out.append(t)
-        return out
+    def audio_tokens(self, frames: int) -> int:
+        """Placeholder tokens of an audio clip: Qwen3-Omni's count (13 a 100-frame chunk)."""
+        return audio_token_count(frames, AUDIO_N_WINDOW)
