@@ -15,7 +15,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.qwen2_5_omni import vision_encoder as qwen2_5_vision
 from omni_jax.models.qwen2_5_omni.audio_encoder import RowSplit
-from omni_jax.models.qwen2_5_omni.vision_encoder import plan_vision_calls
+from omni_jax.models.qwen2_5_omni.vision_encoder import plan_vision_calls, vision_token_buckets
 from omni_jax.models.qwen3_omni.vision_encoder import (
     VISION_IGNORE,
     VISION_RULES,
@@ -23,7 +23,6 @@ from omni_jax.models.qwen3_omni.vision_encoder import (
     VisionEncoder,
     VisionEncoderSpec,
     prepare_vision_batch,
-    vision_token_buckets,
 )
 from omni_jax.testing import randomize_weights
 

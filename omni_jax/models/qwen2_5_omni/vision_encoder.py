@@ -115,6 +115,11 @@ class VisionEncoderSpec:
         window starting or ending in a tile lies within that tile and its two neighbours."""
         return bucket_size(self.window_tokens)
 
+    @property
+    def token_unit(self) -> int:
+        """Tokens of the smallest call, and the step of the call sizes: the band tile."""
+        return self.band_tile
+
     def token_flops(self) -> int:
         """Multiply-adds x 2 per token of everything but attention scores (patch embedding,
         every layer's projections and MLP, the merger's share)."""
@@ -191,20 +196,46 @@ def frame_positions(grid_h: int, grid_w: int, m: int) -> np.ndarray:
     return grid.transpose(0, 2, 1, 3, 4).reshape(-1, 2)
 
 
-def check_grid(i: int, thw: Sequence[int], m: int) -> tuple[int, int, int]:
-    """``(t, h, w)`` of vision input ``i``, checked: at least a frame, whole merge units."""
+class CallUnit(Protocol):
+    """What the call sizing reads of a spec (this family's and Qwen3-Omni's)."""
+
+    @property
+    def token_unit(self) -> int: ...
+
+    @property
+    def spatial_merge_size(self) -> int: ...
+
+    @property
+    def patch_dim(self) -> int: ...
+
+
+def check_vision_input(i: int, x: np.ndarray, thw: Sequence[int], spec: CallUnit) -> tuple[int, int, int]:
+    """``(t, h, w)`` of vision input ``i`` (``x`` its patches), checked: at least a frame, whole
+    merge units, one row of ``patch_dim`` a patch."""
+    m = spec.spatial_merge_size
     t, h, w = (int(v) for v in thw)
     if t < 1 or h < m or w < m or h % m or w % m:
         raise ValueError(
             f"vision input {i}: grid_thw {tuple(thw)} must have t >= 1 and h, w multiples of {m}"
         )
+    if x.shape != (t * h * w, spec.patch_dim):
+        raise ValueError(f"vision input {i}: patches shape {x.shape}, expected {(t * h * w, spec.patch_dim)}")
     return t, h, w
 
 
-def default_tokens(total: int, spec: VisionEncoderSpec) -> int:
-    """The call size for ``total`` tokens when the caller names none: the band tile times a
-    power of two."""
-    return bucket_size(-(-max(total, 1) // spec.band_tile)) * spec.band_tile
+def default_tokens(total: int, spec: CallUnit) -> int:
+    """The call size for ``total`` tokens when the caller names none: the spec's token unit
+    times a power of two."""
+    return bucket_size(-(-max(total, 1) // spec.token_unit)) * spec.token_unit
+
+
+def call_tokens(total: int, tokens: int | None, spec: CallUnit, multiple: int) -> int:
+    """The size of a call holding ``total`` tokens: ``tokens``, checked to hold them and to be a
+    multiple of ``multiple``, or :func:`default_tokens` when None."""
+    n = default_tokens(total, spec) if tokens is None else tokens
+    if n < total or n % multiple:
+        raise ValueError(f"a call of {n} tokens cannot hold {total} (it must be a multiple of {multiple})")
+    return n
 
 
 def prepare_vision_batch(
@@ -227,11 +258,7 @@ def prepare_vision_batch(
     counts: list[int] = []
     start = num_windows = 0
     for i, (x, thw) in enumerate(zip(patches, grid_thw, strict=True)):
-        t, h, w = check_grid(i, thw, m)
-        if x.shape != (t * h * w, spec.patch_dim):
-            raise ValueError(
-                f"vision input {i}: patches shape {x.shape}, expected {(t * h * w, spec.patch_dim)}"
-            )
+        t, h, w = check_vision_input(i, x, thw, spec)
         frame_windows = _frame_windows(h, w, spec)
         perm = np.concatenate(frame_windows)
         local_rows = np.argsort(perm[::unit] // unit)
@@ -246,11 +273,7 @@ def prepare_vision_batch(
             num_windows += len(lengths)
         counts.append(t * h * w)
         start += t * h * w
-    n = default_tokens(start, spec) if tokens is None else tokens
-    if n < start or n % spec.band_tile:
-        raise ValueError(
-            f"a call of {n} tokens cannot hold {start} (it must be a multiple of {spec.band_tile})"
-        )
+    n = call_tokens(start, tokens, spec, spec.band_tile)
     flat = np.zeros((n, spec.patch_dim), np.float32)
     pos = np.zeros((n, 2), np.int32)
     window_ids = np.full((n,), -1, np.int32)
@@ -272,10 +295,11 @@ the smallest sizes a lone frame's call is at most a third padding (half with one
 the programs."""
 
 
-def vision_token_buckets(spec: VisionEncoderSpec, largest_frame: int) -> tuple[int, ...]:
-    """The call sizes (tokens) of the vision encoder: from one band tile up to the first size
-    that holds a frame of ``largest_frame`` patches, :data:`PER_OCTAVE` sizes a doubling."""
-    return size_ladder(spec.band_tile, max(largest_frame, 1), PER_OCTAVE)
+def vision_token_buckets(spec: CallUnit, largest_frame: int) -> tuple[int, ...]:
+    """The call sizes (tokens) of the vision encoder: from one token unit (this family's band
+    tile) up to the first size that holds a frame of ``largest_frame`` patches,
+    :data:`PER_OCTAVE` sizes a doubling."""
+    return size_ladder(spec.token_unit, max(largest_frame, 1), PER_OCTAVE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,11 +10,13 @@ those rows are what the thinker adds to its first decoder layers' hidden states 
 positions.
 
 The call layout is Qwen2.5-Omni's full-attention path: a call of ``N`` tokens (its only free
-dimension, a size of :func:`vision_token_buckets`) holds frames one after another, each token
-tagged with its frame; every layer is :func:`segment_attention` masked to the frame. The rotary
-(same axial 2-D form as Qwen2.5-VL) and the call planning (``plan_vision_calls``, by this spec's
-:meth:`VisionEncoderSpec.call_flops`) are Qwen2.5-Omni's. The position table's taps and weights
-come from the host (:func:`position_taps`), computed as the reference computes them.
+dimension, a size of Qwen2.5-Omni's ``vision_token_buckets`` from this spec's
+:attr:`VisionEncoderSpec.token_unit`) holds frames one after another, each token tagged with
+its frame; every layer is :func:`segment_attention` masked to the frame. The rotary (same
+axial 2-D form as Qwen2.5-VL), the input checks and call sizes, and the call planning
+(``plan_vision_calls``, by this spec's :meth:`VisionEncoderSpec.call_flops`) are
+Qwen2.5-Omni's. The position table's taps and weights come from the host
+(:func:`position_taps`), computed as the reference computes them.
 
 ``prepare_vision_batch`` builds a call's :class:`VisionBatch`; ``VisionEncoder(batch)`` returns
 ``(rows, deepstack)``: ``[N // merge_unit, out_hidden_size]`` rows in input order and one such
@@ -35,11 +37,10 @@ from flax import nnx
 
 from omni_jax.models.param_map import ParamRule, linear_kernel
 from omni_jax.models.qwen2_5_omni.audio_encoder import RowSplit, bucket_size, torch_layer_norm
-from omni_jax.models.qwen2_5_omni.encoder_calls import size_ladder
 from omni_jax.models.qwen2_5_omni.vision_encoder import (
-    PER_OCTAVE,
     apply_vision_rope,
-    check_grid,
+    call_tokens,
+    check_vision_input,
     frame_positions,
     patch_embed_kernel,
     segment_attention,
@@ -192,19 +193,6 @@ class VisionBatch:
         )
 
 
-def default_tokens(total: int, spec: VisionEncoderSpec) -> int:
-    """The call size for ``total`` tokens when the caller names none: the token unit times a
-    power of two."""
-    return bucket_size(-(-max(total, 1) // spec.token_unit)) * spec.token_unit
-
-
-def vision_token_buckets(spec: VisionEncoderSpec, largest_frame: int) -> tuple[int, ...]:
-    """The call sizes (tokens) of the vision encoder: from :attr:`VisionEncoderSpec.token_unit`
-    up to the first size that holds a frame of ``largest_frame`` patches, Qwen2.5-Omni's
-    ``PER_OCTAVE`` sizes a doubling."""
-    return size_ladder(spec.token_unit, max(largest_frame, 1), PER_OCTAVE)
-
-
 def prepare_vision_batch(
     patches: Sequence[np.ndarray],
     grid_thw: Sequence[tuple[int, int, int]],
@@ -213,8 +201,9 @@ def prepare_vision_batch(
     tokens: int | None = None,
 ) -> tuple[VisionBatch, RowSplit]:
     """Pack images/videos (``patches[i]`` is ``[t*h*w, patch_dim]`` for ``grid_thw[i]``) into one
-    call of ``tokens`` tokens (a multiple of the merge unit; default :func:`default_tokens`) on
-    the host. The returned :class:`RowSplit` says which output rows are whose.
+    call of ``tokens`` tokens (a multiple of the merge unit; default Qwen2.5-Omni's
+    ``default_tokens``: the token unit times a power of two) on the host. The returned
+    :class:`RowSplit` says which output rows are whose.
     """
     m = spec.spatial_merge_size
     positions: list[np.ndarray] = []
@@ -223,11 +212,7 @@ def prepare_vision_batch(
     frame_sizes: list[int] = []
     counts: list[int] = []
     for i, (x, thw) in enumerate(zip(patches, grid_thw, strict=True)):
-        t, h, w = check_grid(i, thw, m)
-        if x.shape != (t * h * w, spec.patch_dim):
-            raise ValueError(
-                f"vision input {i}: patches shape {x.shape}, expected {(t * h * w, spec.patch_dim)}"
-            )
+        t, h, w = check_vision_input(i, x, thw, spec)
         frame_taps, frame_weights = position_taps(h, w, spec)
         positions += [frame_positions(h, w, m)] * t
         taps += [frame_taps] * t
@@ -235,11 +220,7 @@ def prepare_vision_batch(
         frame_sizes += [h * w] * t
         counts.append(t * h * w)
     total = sum(counts)
-    n = default_tokens(total, spec) if tokens is None else tokens
-    if n < total or n % spec.merge_unit:
-        raise ValueError(
-            f"a call of {n} tokens cannot hold {total} (it must be a multiple of {spec.merge_unit})"
-        )
+    n = call_tokens(total, tokens, spec, spec.merge_unit)
     flat = np.zeros((n, spec.patch_dim), np.float32)
     pos = np.zeros((n, 2), np.int32)
     frame_ids = np.full((n,), -1, np.int32)
