@@ -15,6 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from omni_jax.models import qwen2
 from omni_jax.models.param_map import ParamRule, prefixed
@@ -37,9 +38,22 @@ from omni_jax.models.qwen2_5_omni.thinker import (
 from omni_jax.models.qwen2_5_omni.token2wav import TOKEN2WAV_IGNORE, TOKEN2WAV_RULES, Token2Wav
 from omni_jax.parallel.rules import PartitionRules, ShardRule
 from omni_jax.stages.ar import ARFrontend
+from omni_jax.stages.base import Stage
+from omni_jax.stages.code2wav import Code2WavStage, solve_demand
 from omni_jax.stages.config import StageConfig
 from omni_jax.stages.talker import TalkerFrontend
 from omni_jax.stages.thinker import ThinkerFrontend
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationStage:
+    """How a generation (non-AR) part becomes its stage: ``build(stage_config, model, path,
+    mesh)`` makes the stage from the loaded model (``mesh``: the stage's, ``None`` on one device);
+    ``demand(stage_config, model)`` is its largest solve's temporaries (``{what: bytes}``, read
+    by the start-up memory check from the abstract model)."""
+
+    build: Callable[[StageConfig, Any, Path, Mesh | None], Stage]
+    demand: Callable[[StageConfig, Any], dict[str, int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +69,8 @@ class ModelPart:
     ``frontend(hf_config, model, path, stage_config)``, for an AR part that needs more than
     token ids (a multimodal processor, M-RoPE positions, encoder rows merged into its
     embeddings, another stage's hidden states), builds the stage's
-    :class:`~omni_jax.stages.ar.ARFrontend`.
+    :class:`~omni_jax.stages.ar.ARFrontend`. ``generation``, for a part the stage YAML runs as a
+    generation stage, builds that stage (:class:`GenerationStage`).
     """
 
     stage: str
@@ -65,6 +80,15 @@ class ModelPart:
     dtype: str | None = None
     partition: PartitionRules | None = None
     frontend: Callable[[Any, nnx.Module, Path, StageConfig], ARFrontend[Any]] | None = None
+    generation: GenerationStage | None = None
+
+    def generation_stage(self) -> GenerationStage:
+        """How this part runs as a generation stage; ``ValueError`` when it cannot."""
+        if self.generation is None:
+            raise ValueError(
+                f"stage {self.stage!r} is an AR part: the stage YAML cannot make it kind 'generation'"
+            )
+        return self.generation
 
     def shard_rules(self, hf_config: Any, model: int) -> tuple[ShardRule, ...]:
         """Rules for a ``model``-way split; ``ValueError`` when the part cannot be split so."""
@@ -199,6 +223,7 @@ _QWEN2_5_OMNI = Architecture(
             ignore=lambda cfg: tuple(r"token2wav\." + p for p in TOKEN2WAV_IGNORE),
             partition=lambda cfg, model: dit_partition_rules(cfg.token2wav_config.dit_config, model),
             dtype="float32",
+            generation=GenerationStage(build=Code2WavStage.build, demand=solve_demand),
         ),
     ),
     side_files=((speakers.TORCH_FILE, speakers.convert_speakers),),
@@ -212,6 +237,7 @@ _QWEN2_5_OMNI = Architecture(
         ),
     ),
 )
+
 
 ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(

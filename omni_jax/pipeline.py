@@ -4,7 +4,8 @@ Everything about a prompt is checked before any work starts (:mod:`omni_jax.inta
 prompt costs nothing and leaves the pipeline usable. The stages are then driven by the engine
 core (:class:`~omni_jax.engine_core.EngineCore`), which advances every stage each iteration and
 moves a request on the moment its stage finishes it, so different requests can be in different
-stages at once. A stage is AR (:class:`ARStage`) or generation (:class:`Code2WavStage`); the
+stages at once. A stage is AR (:class:`ARStage`) or generation (built by its architecture's
+:class:`~omni_jax.architectures.GenerationStage`, e.g. Qwen2.5-Omni's ``Code2WavStage``); the
 core sees only the :class:`Stage` interface.
 """
 
@@ -31,7 +32,6 @@ from omni_jax.preflight import cache_shares, check_memory_before_loading, engine
 from omni_jax.progress import RequestsBar, WarmupBar
 from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage
-from omni_jax.stages.code2wav import Code2WavStage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
 from omni_jax.weights import load_part
 
@@ -140,10 +140,10 @@ class OmniJaxPipeline:
         for sc in config.stages:
             stage_mesh = sharded_or_none(meshes[sc.name])
             model, _ = load_part(path, sc.name, dtype=dtype, mesh=stage_mesh, progress=progress)
-            if sc.kind == "generation":
-                built.append(Code2WavStage.build(sc, model, path, stage_mesh))
-                continue
             part = arch.part(sc.name)
+            if sc.kind == "generation":
+                built.append(part.generation_stage().build(sc, model, path, stage_mesh))
+                continue
             frontend = None if part.frontend is None else part.frontend(hf_config, model, path, sc)
             built.append(
                 ARStage.build(

@@ -2,7 +2,7 @@
 
 Each stage's weights (from its abstract model, ``nnx.eval_shape``: nothing is allocated or read),
 an AR stage's KV cache and largest step (:class:`~omni_jax.stages.ar.CachePlan`) and a generation
-stage's largest solve (:func:`~omni_jax.stages.code2wav.solve_demand`) are added up per memory
+stage's largest solve (:attr:`~omni_jax.architectures.GenerationStage.demand`) are added up per memory
 pool (each accelerator, or the host for CPU devices) over the devices each stage is placed on,
 and compared with what the pool has left. Without ``num_pages`` the cache is sized later to what
 is left (at least one sequence), so only one sequence's pages count here. Weights are counted
@@ -31,7 +31,6 @@ from omni_jax.engine.memory import STEP_ITEM, available_bytes, format_bytes, mem
 from omni_jax.parallel.mesh import AXES, axis_size
 from omni_jax.parallel.rules import ShardRule, partition_spec
 from omni_jax.stages.ar import CachePlan, CacheShare, local_devices
-from omni_jax.stages.code2wav import solve_demand
 from omni_jax.stages.config import StageConfig
 
 ENGINE_DEFAULTS = {"max_num_seqs": 64, "page_size": 16, "max_num_batched_tokens": 2048}
@@ -131,7 +130,7 @@ def stage_demand(
         plan = CachePlan.of(model, mesh, **engine)
         fixed[f"stage {sc.name!r} {STEP_ITEM}"] = plan.memory.step_bytes
     else:
-        fixed |= solve_demand(sc, model)
+        fixed |= part.generation_stage().demand(sc, model)
     return fixed, plan
 
 

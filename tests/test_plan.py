@@ -265,6 +265,14 @@ def test_plan_lays_stages_out_as_loading_does(omni_7b, tmp_path) -> None:
             stage_meshes(placements)
 
 
+def test_an_ar_part_cannot_run_as_a_generation_stage(omni_7b, tmp_path) -> None:
+    """Which stage class a ``kind: generation`` stage gets is its part's (``GenerationStage``):
+    a YAML making the thinker one is refused by name, in the plan as in ``from_pretrained``."""
+    cfg = omni_stage_yaml(tmp_path, {"thinker": {"kind": "generation"}})
+    with pytest.raises(ValueError, match="stage 'thinker' is an AR part: the stage YAML cannot make it"):
+        plan_memory(omni_7b, stage_config=cfg)
+
+
 def test_jax_memory_fraction_is_read(omni_dir, monkeypatch) -> None:
     assert plan_memory(omni_dir).mem_fraction == 0.75
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
