@@ -36,11 +36,15 @@ from omni_jax.models.qwen2_5_omni.thinker import (
     thinker_partition_rules,
 )
 from omni_jax.models.qwen2_5_omni.token2wav import TOKEN2WAV_IGNORE, TOKEN2WAV_RULES, Token2Wav
+from omni_jax.models.qwen3_omni.code2wav import CODE2WAV_IGNORE, CODE2WAV_RULES, Code2Wav
+from omni_jax.models.qwen3_omni.code2wav_layers import Code2WavSpec
 from omni_jax.parallel.rules import PartitionRules, ShardRule
 from omni_jax.stages.ar import ARFrontend
 from omni_jax.stages.base import Stage
 from omni_jax.stages.code2wav import Code2WavStage, solve_demand
 from omni_jax.stages.config import StageConfig
+from omni_jax.stages.qwen3_code2wav import Qwen3Code2WavStage
+from omni_jax.stages.qwen3_code2wav import solve_demand as qwen3_code2wav_demand
 from omni_jax.stages.talker import TalkerFrontend
 from omni_jax.stages.thinker import ThinkerFrontend
 
@@ -239,6 +243,26 @@ _QWEN2_5_OMNI = Architecture(
 )
 
 
+def _qwen3_code2wav_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
+    spec = Code2WavSpec.from_hf(cfg.code2wav_config)
+    return lambda: Code2Wav(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+
+
+_QWEN3_OMNI = Architecture(
+    name="Qwen3OmniMoeForConditionalGeneration",
+    stage_yaml="qwen3_omni.yaml",
+    parts=(
+        ModelPart(
+            stage="code2wav",
+            make=_qwen3_code2wav_make,
+            rules=lambda cfg: prefixed("code2wav.", "", CODE2WAV_RULES),
+            ignore=lambda cfg: tuple(r"code2wav\." + p for p in CODE2WAV_IGNORE),
+            generation=GenerationStage(build=Qwen3Code2WavStage.build, demand=qwen3_code2wav_demand),
+        ),
+    ),
+    unserved=(("thinker", "thinker."), ("talker", "talker.")),
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture(
         name="Qwen2ForCausalLM",
@@ -256,6 +280,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     _QWEN2_5_OMNI.name: _QWEN2_5_OMNI,
     # The name early hub releases of Qwen2.5-Omni carry in config.json.
     "Qwen2_5OmniModel": _QWEN2_5_OMNI,
+    _QWEN3_OMNI.name: _QWEN3_OMNI,
 }
 
 

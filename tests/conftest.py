@@ -54,3 +54,12 @@ def omni_converted_dir(omni_dir, tmp_path_factory: pytest.TempPathFactory):
     from omni_jax.weights import convert
 
     return convert(omni_dir, tmp_path_factory.mktemp("omni_conv") / "conv", progress=False)
+
+
+@pytest.fixture(scope="session")
+def qwen3_omni_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Qwen3-Omni HF checkpoint (MoE thinker, talker with code predictor, code2wav) with
+    tokenizer and processor files (:func:`omni_jax.testing_qwen3_omni.build_tiny_qwen3_omni`)."""
+    from omni_jax.testing_qwen3_omni import build_tiny_qwen3_omni
+
+    return build_tiny_qwen3_omni(tmp_path_factory.mktemp("qwen3_omni") / "hf", seed=0)

@@ -1,0 +1,422 @@
+"""Qwen3-Omni's code2wav stage: codec frames -> 24 kHz waveform, whole or streamed, batched.
+
+Qwen3-Omni's talker makes one codec frame per step: ``num_quantizers`` codes, its first codebook
+and the code predictor's others. A request's codes are those frames flattened frame-major (frame
+``t``'s codes consecutive), as prompt ids when the stage is first and as the talker's tokens when
+it feeds the stage. The model (:class:`~omni_jax.models.qwen3_omni.code2wav.Code2Wav`) is a
+causal ConvNet with no noise and no voice: the speaker was chosen by the talker.
+
+Offline requests (the default) are decoded whole by the engine's
+:class:`~omni_jax.engine.generation_runner.GenerationRunner` over a closed set of ``(rows,
+frames)`` shapes, one ``code2wav_compiled`` program each. A request with
+``Token2WavParams(stream=True)`` is decoded chunk by chunk
+(:class:`~omni_jax.stages.qwen3_code2wav_stream.FrameDecoder`); after the talker the stage is a
+:class:`~omni_jax.stages.base.FedStage`, taking the talker's frames as they are made, so its first
+audio comes a frame or a few after the talker's first frame.
+
+The params are the public :class:`~omni_jax.stages.code2wav_params.Token2WavParams`, so callers
+and the server treat both families alike: ``stream`` and ``chunk_codes`` (here counted in code
+frames) apply; the flow-matching fields (``num_steps``, ``guidance_scale``,
+``sway_coefficient``, ``seed``, ``initial_noise``) are Qwen2.5-Omni's DiT's and are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from omni_jax.engine.buckets import ladder
+from omni_jax.engine.generation_runner import GenerationRunner, PaddedBatch
+from omni_jax.models.qwen3_omni.code2wav import Code2Wav, code2wav_chunk_compiled, code2wav_compiled
+from omni_jax.models.qwen3_omni.code2wav_layers import Code2WavSpec
+from omni_jax.stages.base import (
+    StageInput,
+    StageLoad,
+    StageResult,
+    StageStep,
+    check_ids,
+    check_params,
+    no_multimodal,
+)
+from omni_jax.stages.code2wav_params import Token2WavParams
+from omni_jax.stages.config import StageConfig
+from omni_jax.stages.qwen3_code2wav_stream import FrameChunk, FrameDecoder, FrameStream, StreamPlan
+
+SAMPLE_RATE = 24_000
+"""Qwen3-Omni's code2wav output rate (not recorded in the checkpoint's config)."""
+
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_FRAMES = 300
+"""Frames per offline request when the stage YAML sets no ``max_frames``: 24 s at the released
+model's 12.5 frames per second, the longest window transformers' ``generate`` decodes at once
+(its ``chunked_decode`` chunk), so an offline request's audio is ``generate``'s. A whole decode's
+temporaries grow with its frames (:func:`solve_bytes`: about 7.5 GB for 8 such requests of the
+released model); longer replies stream, whose windows have a fixed size."""
+
+MIN_FRAMES = 16
+"""The shortest padded frame count: shorter requests are a small share of a solve's work, and
+every size below it would be programs of its own."""
+
+FRAME_STEPS = 2
+"""Padded frame counts per octave (:func:`~omni_jax.engine.buckets.ladder`), as Qwen2.5-Omni's
+code buckets: a decode's work is linear in its frames, so two sizes an octave waste at most a
+third of a padded solve for twice the programs of powers of two."""
+
+STREAM_KEYS = {"chunk_frames": 25, "first_chunk_frames": 1, "left_context_frames": 25}
+"""The stage YAML's ``engine.stream`` keys and their defaults, vLLM-omni's for Qwen3-Omni
+(``talker2code2wav_async_chunk`` in ``vllm_omni/model_executor/stage_input_processors/qwen3_omni.py``:
+``codec_chunk_frames`` 25 new frames per chunk, 2 s at 12.5 frames per second, after
+``codec_left_context_frames`` 25; its ``initial_codec_chunk_frames`` makes the first chunk
+smaller, 1 frame in the configuration where the talker voices the first frame itself,
+``first_frame_decoder.py``): audio from the first frame, as the model is built for."""
+
+
+def frame_buckets(max_frames: int) -> tuple[int, ...]:
+    """The padded frame counts of offline solves: :data:`FRAME_STEPS` per octave from
+    :data:`MIN_FRAMES` up to ``max_frames`` (the last size, on the ladder or not)."""
+    return ladder(MIN_FRAMES, max_frames, FRAME_STEPS)
+
+
+def solve_limits(sc: StageConfig, spec: Code2WavSpec) -> tuple[int, int]:
+    """``(max_batch, max_frames)`` of the stage: its engine options, frames capped by the
+    transformer's ``max_position_embeddings``."""
+    max_batch = int(sc.engine.get("max_batch", DEFAULT_MAX_BATCH))
+    max_frames = min(int(sc.engine.get("max_frames", DEFAULT_MAX_FRAMES)), spec.max_position_embeddings)
+    if max_batch < 1 or max_frames < 1:
+        raise ValueError(f"stage {sc.name!r}: max_batch={max_batch} and max_frames={max_frames} must be >= 1")
+    return max_batch, max_frames
+
+
+def stream_plan(sc: StageConfig) -> StreamPlan:
+    """The streamed decoding constants: :data:`STREAM_KEYS`, or those the stage YAML's
+    ``engine.stream`` sets (e.g. ``{chunk_frames: 12}``; a request's ``chunk_codes`` may only be
+    smaller)."""
+    given = dict(sc.engine.get("stream") or {})
+    unknown = set(given) - set(STREAM_KEYS)
+    if unknown:
+        raise ValueError(
+            f"stage {sc.name!r}: unknown engine.stream keys {sorted(unknown)} (known: {sorted(STREAM_KEYS)})"
+        )
+    values = {k: int(v) for k, v in {**STREAM_KEYS, **given}.items()}
+    try:
+        return StreamPlan(values["chunk_frames"], values["first_chunk_frames"], values["left_context_frames"])
+    except ValueError as e:
+        raise ValueError(f"stage {sc.name!r}: engine.stream: {e}") from None
+
+
+def solve_bytes(spec: Code2WavSpec, rows: int, frames: int) -> int:
+    """Estimated temporaries of one decode of ``rows`` x ``frames`` (float32), for the start-up
+    memory check.
+
+    Per frame: the transformer's hidden buffers, MLP intermediate and window of scores; the
+    upsampling ConvNeXt blocks (hidden width, 4x in their MLP) at each rate; then the decoder's
+    widest stage (channels x samples per frame), held a few times over through its residual
+    units' activations and sums. Per pair of frames: the attention's scores and probabilities,
+    which ``jax.nn.dot_product_attention`` materializes whole (masked to the window, not cut to
+    it). Against XLA's own accounting (``compiled.memory_analysis().temp_size_in_bytes``, CPU) it
+    is 1.1x to 2.3x, from the tiny test model to the released model's config.
+    """
+    d = spec.hidden_size
+    per_frame = 8 * d + 2 * spec.intermediate_size + spec.num_heads * (spec.sliding_window or 1)
+    upsample, rate = 0, 1
+    for r in spec.upsampling_ratios:
+        rate *= r
+        upsample = max(upsample, 6 * d * rate)
+    widest = spec.decoder_dim * rate
+    for i, r in enumerate(spec.upsample_rates):
+        rate *= r
+        widest = max(widest, spec.decoder_dim // 2 ** (i + 1) * rate)
+    per_frame += upsample + 4 * widest + 2 * spec.num_heads * frames
+    return 4 * rows * frames * per_frame
+
+
+def solve_demand(sc: StageConfig, model: Code2Wav) -> dict[str, int]:
+    """The largest solve's temporaries (:func:`solve_bytes`, an estimate): ``max_batch`` rows of
+    the longer of ``max_frames`` and the streamed window."""
+    max_batch, max_frames = solve_limits(sc, model.spec)
+    frames = max(max_frames, stream_plan(sc).window_frames)
+    what = f"stage {sc.name!r} largest solve ({max_batch} requests of {frames} frames, estimate)"
+    return {what: solve_bytes(model.spec, max_batch, frames)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FramesRequest:
+    """One offline request: ``codes [num_quantizers, frames]``."""
+
+    request_id: str
+    codes: np.ndarray
+
+
+@dataclasses.dataclass
+class FramesBatch(PaddedBatch):
+    """One offline solve's inputs (host arrays), in ``code2wav_compiled``'s order."""
+
+    codes: np.ndarray
+    frames: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class FramesPadder:
+    """The :class:`~omni_jax.engine.generation_runner.BatchPadder` of Qwen3-Omni's code2wav: a
+    request's length is its frames; rows are right-padded (every stage of the model is causal,
+    so padding changes no valid sample)."""
+
+    num_quantizers: int
+    output = "waveform"
+
+    def length(self, request: FramesRequest) -> int:
+        return int(request.codes.shape[1])
+
+    def pad(self, requests: Sequence[FramesRequest], rows: int, length: int) -> FramesBatch:
+        """``requests`` in the first rows of a ``rows`` x ``length`` solve; a row with no request
+        decodes one frame of code 0, so no row is empty."""
+        batch = FramesBatch(
+            codes=np.zeros((rows, self.num_quantizers, length), np.int32),
+            frames=np.ones(rows, np.int32),
+        )
+        for i, r in enumerate(requests):
+            batch.codes[i, :, : r.codes.shape[1]] = r.codes
+            batch.frames[i] = r.codes.shape[1]
+        return batch
+
+
+@dataclasses.dataclass
+class _Streamed:
+    """A streamed request's progress in the stage: when it was opened, its first audio, its
+    frames, the audio emitted so far and the seconds of the solves it was in."""
+
+    opened: float
+    stream: FrameStream
+    pieces: list[np.ndarray] = dataclasses.field(default_factory=list)
+    first_audio_s: float | None = None
+    solve_s: float = 0.0
+
+
+class Qwen3Code2WavStage:
+    """Prompts (when first) are ``{"prompt_token_ids": codes}``: frames flattened frame-major,
+    each code in ``[0, codebook_size)``, a whole number of frames. An offline request holds at
+    most the engine option ``max_frames`` frames (default :data:`DEFAULT_MAX_FRAMES`, never more
+    than the transformer's ``max_position_embeddings``); a streamed one any number. A prompt's
+    ``"speaker"`` is not read: the voice is in the codes.
+
+    Fed by a talker (:meth:`feed`), the tokens are the same frame-major codes, the talker's stop
+    token already cut (that is the talker wiring's business): a step's tokens may end inside a
+    frame (the rest follows), the last ones must end on a whole frame.
+    """
+
+    params_type = Token2WavParams
+    accepts_text = False
+    reads_hidden = False
+    sample_rate = SAMPLE_RATE
+
+    def __init__(
+        self,
+        config: StageConfig,
+        runner: GenerationRunner[FramesRequest, FramesBatch],
+        decoder: FrameDecoder,
+        spec: Code2WavSpec,
+        max_frames: int,
+        defaults: Token2WavParams,
+    ):
+        self.config = config
+        self.runner = runner
+        self.decoder = decoder
+        self.spec = spec
+        self.max_frames = max_frames
+        self.defaults = defaults
+        self._submitted: dict[str, tuple[float, int]] = {}
+        self._streamed: dict[str, _Streamed] = {}
+
+    @classmethod
+    def build(
+        cls, sc: StageConfig, model: Code2Wav, path: Path, mesh: Mesh | None = None
+    ) -> Qwen3Code2WavStage:
+        """The stage over the loaded ``model`` (``path`` holds nothing more it needs)."""
+        spec = model.spec
+        max_batch, max_frames = solve_limits(sc, spec)
+        runner = GenerationRunner(
+            code2wav_compiled,
+            model,
+            FramesPadder(spec.num_quantizers),
+            lengths=frame_buckets(max_frames),
+            max_batch=max_batch,
+            mesh=mesh,
+            name=sc.name,
+        )
+        decoder = FrameDecoder(
+            code2wav_chunk_compiled,
+            model,
+            stream_plan(sc),
+            num_quantizers=spec.num_quantizers,
+            max_batch=max_batch,
+            mesh=mesh,
+        )
+        return cls(sc, runner, decoder, spec, max_frames, sc.default_params(Token2WavParams))
+
+    def prepare(self, index: int, request: StageInput) -> StageInput:
+        return no_multimodal(self, index, request)
+
+    def connect(self, upstream: Any) -> None:
+        """Reads only the upstream's tokens: nothing to take from it at build time."""
+
+    def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
+        """The talker's frames (its stop token cut by the talker wiring); ``None`` when it made
+        none, so there is nothing to voice."""
+        if not upstream.token_ids:
+            return None
+        return StageInput(list(upstream.token_ids), prompt, upstream=upstream)
+
+    def streams(self, params: Token2WavParams) -> bool:
+        return params.stream
+
+    def open(self, request_id: str, prompt: dict[str, Any], params: Token2WavParams) -> None:
+        stream = self.decoder.add(request_id, params.chunk_codes)
+        self._streamed[request_id] = _Streamed(time.perf_counter(), stream)
+
+    def feed(self, index: int, request_id: str, tokens: list[int], upstream: StageResult | None) -> bool:
+        """The talker's new codes (frame-major, no stop token), each checked against the
+        codebook, then queued for the request's chunks; ``upstream`` set: they were its last."""
+        if tokens:
+            check_ids(index, tokens, self.spec.codebook_size, kind="codec")
+        stream = self._streamed[request_id].stream
+        if upstream is not None and not stream.codes and not tokens:
+            self.abort(request_id)
+            return False
+        try:
+            self.decoder.extend(request_id, tokens, finished=upstream is not None)
+        except ValueError as e:
+            raise ValueError(f"request {index}: {e}") from None
+        return True
+
+    def validate(
+        self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
+    ) -> None:
+        check_params(self, index, params)
+        if params.stream:
+            try:
+                self.decoder.plan_for(params.chunk_codes)
+            except ValueError as e:
+                raise ValueError(f"request {index}: stage {self.config.name!r}: {e}") from None
+        if request is None:
+            return
+        codes = request.token_ids
+        check_ids(index, codes, self.spec.codebook_size, kind="codec")
+        q = self.spec.num_quantizers
+        if len(codes) % q:
+            raise ValueError(
+                f"request {index}: {len(codes)} codec ids are not whole frames of {q} codes "
+                "(frame-major: each frame's codes consecutive)"
+            )
+        frames = len(codes) // q
+        if frames > self.max_frames and not params.stream:
+            raise ValueError(
+                f"request {index}: {frames} frames exceed the limit of {self.max_frames} (engine option "
+                f"max_frames of stage {self.config.name!r}, at most the model's max_position_embeddings); "
+                "stream it (Token2WavParams(stream=True)) to decode it in chunks"
+            )
+
+    def submit(self, request_id: str, request: StageInput, params: Token2WavParams) -> None:
+        """Queue the request for an offline solve, or with ``stream=True`` decode its frames
+        (all there) chunk by chunk."""
+        if params.stream:
+            self.open(request_id, request.prompt, params)
+            self.decoder.extend(request_id, request.token_ids, finished=True)
+            return
+        frames = len(request.token_ids) // self.spec.num_quantizers
+        codes = np.asarray(request.token_ids, np.int32).reshape(frames, self.spec.num_quantizers).T
+        self._submitted[request_id] = (time.perf_counter(), frames)
+        self.runner.add(FramesRequest(request_id, np.ascontiguousarray(codes)))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request from the solve queue or the decoder (aborts come between steps, so a
+        request is never inside a running solve)."""
+        if self._streamed.pop(request_id, None) is not None:
+            return self.decoder.remove(request_id)
+        if self._submitted.pop(request_id, None) is None:
+            return False
+        self.runner.remove(lambda r: r.request_id == request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return self.runner.has_work() or self.decoder.has_work()
+
+    def load(self) -> StageLoad:
+        """Streamed requests run (they are decoded as their frames come); offline ones wait for
+        a solve, which runs inside one step."""
+        return StageLoad(running=self.decoder.num_streaming, waiting=self.runner.num_waiting)
+
+    def warmup(self) -> int:
+        """Compile every program: offline, one per rows bucket up to ``max_batch`` and frame
+        count of :func:`frame_buckets`; streamed, one per rows bucket. Returns how many. After it
+        no request mix compiles."""
+        return self.runner.warmup() + self.decoder.warmup()
+
+    def step(self) -> StageStep:
+        """One chunk solve of the streamed requests with a chunk ready, then one offline solve;
+        a streamed request's audio comes chunk by chunk, an offline one's whole."""
+        results: list[StageResult] = []
+        audio: dict[str, np.ndarray] = {}
+        if self.decoder.has_work():
+            for chunk in self.decoder.step():
+                if chunk.error is None and len(chunk.audio):
+                    audio[chunk.request_id] = chunk.audio
+                finished = self._chunk_done(chunk)
+                if finished is not None:
+                    results.append(finished)
+        if self.runner.has_work():
+            results += self._solve(audio)
+        return StageStep(results, new_audio=audio)
+
+    def _chunk_done(self, chunk: FrameChunk) -> StageResult | None:
+        """Record a streamed chunk; the request's result when it was its last."""
+        streamed = self._streamed[chunk.request_id]
+        now = time.perf_counter()
+        streamed.solve_s += chunk.solve_s
+        if streamed.first_audio_s is None and chunk.error is None and len(chunk.audio):
+            streamed.first_audio_s = now - streamed.opened
+        streamed.pieces.append(chunk.audio)
+        if not chunk.last:
+            return None
+        del self._streamed[chunk.request_id]
+        wave = np.concatenate(streamed.pieces)
+        codes = list(streamed.stream.codes)
+        metrics = {
+            "wall_s": now - streamed.opened,
+            "first_audio_s": streamed.first_audio_s,
+            "solve_s": streamed.solve_s,
+            "chunks": sum(1 for p in streamed.pieces if len(p)),
+            "num_frames": streamed.stream.frames,
+            "num_samples": len(wave),
+        }
+        if chunk.error is not None:
+            return StageResult(chunk.request_id, codes, "error", metrics, error=chunk.error)
+        return StageResult(chunk.request_id, codes, "stop", metrics, audio=wave, sample_rate=self.sample_rate)
+
+    def _solve(self, audio: dict[str, np.ndarray]) -> list[StageResult]:
+        """One offline solve; its requests finish together, with their whole waveforms."""
+        results = []
+        for r in self.runner.step():
+            request_id = r.request.request_id
+            started, frames = self._submitted.pop(request_id)
+            metrics = {
+                "wall_s": time.perf_counter() - started,
+                "solve_s": r.solve_s,
+                "batch_size": r.batch_size,
+                "num_frames": frames,
+                "num_samples": 0 if r.output is None else len(r.output),
+            }
+            codes = r.request.codes.T.reshape(-1).tolist()
+            if r.error is not None:
+                results.append(StageResult(request_id, codes, "error", metrics, error=r.error))
+                continue
+            audio[request_id] = r.output
+            results.append(
+                StageResult(request_id, codes, "stop", metrics, audio=r.output, sample_rate=self.sample_rate)
+            )
+        return results
