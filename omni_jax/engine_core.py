@@ -201,11 +201,13 @@ class EngineCore:
 
     def _end(self, flight: _Flight) -> OmniRequestOutput:
         """The request is done: its last update, the whole output with the deltas this step
-        gathered for it. A fed stage still holding it (the stage before it failed or was
-        aborted) drops it."""
+        gathered for it. While it was held by two stages (a fed one and the one feeding it),
+        whichever did not end it drops it: the fed stage when the one before failed or was
+        aborted, the feeding stage when the fed one failed."""
         out = flight.output
         if flight.fed is not None and flight.stage < flight.fed:
-            self.stages[flight.fed].abort(out.request_id)
+            for si in (flight.stage, flight.fed):
+                self.stages[si].abort(out.request_id)
         del self._flights[out.request_id]
         update = self._updates.pop(out.request_id, None)
         if update is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -266,5 +267,30 @@ def test_codes_the_voice_cannot_take_end_only_that_request(pipe, monkeypatch) ->
     assert bad.error.startswith("stage 'code2wav': request 0: codec id ")
     assert "outside the vocabulary [0, 0)" in bad.error
     assert good.finish_reason == "length" and good.audio is None
+    pages = pipe.stages[1].engine.scheduler.allocator
+    assert pages.num_free == pages.num_pages and not pipe.core.has_work()
+
+
+def test_a_failed_chunk_ends_the_request_in_the_talker_too(pipe, monkeypatch) -> None:
+    """code2wav fails a streamed request's chunk while the talker still speaks it: the request
+    ends with the stage's message, the talker drops it (its pages back) and the request beside
+    it, text only, finishes."""
+    decoder = pipe.stages[2].decoder
+    monkeypatch.setattr(
+        decoder, "solve", lambda *a, **k: (_ for _ in ()).throw(jax.errors.JaxRuntimeError("boom"))
+    )
+    params = [
+        THINKER,
+        SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+        Token2WavParams(stream=True, seed=1, num_steps=2),
+    ]
+    prompts = [
+        spoken(pipe, "tell me a story", "Ethan"),
+        dict(spoken(pipe, "hi", "Ethan"), modalities=["text"]),
+    ]
+    bad, good = pipe.run(prompts, params, progress=False)
+    assert bad.finish_reason == "error" and bad.error == "stage 'code2wav': solve failed: boom"
+    assert "talker" not in bad.stage_outputs  # the talker never finished it: it was dropped
+    assert good.finish_reason == "length"
     pages = pipe.stages[1].engine.scheduler.allocator
     assert pages.num_free == pages.num_pages and not pipe.core.has_work()
