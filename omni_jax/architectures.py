@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from omni_jax.models import qwen2
+from omni_jax.models.moe import stack_expert_readers
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni import speakers
 from omni_jax.models.qwen2_5_omni.dit import dit_partition_rules
@@ -36,9 +37,11 @@ from omni_jax.models.qwen2_5_omni.thinker import (
     thinker_partition_rules,
 )
 from omni_jax.models.qwen2_5_omni.token2wav import TOKEN2WAV_IGNORE, TOKEN2WAV_RULES, Token2Wav
+from omni_jax.models.qwen3_omni import thinker as qwen3_thinker
 from omni_jax.models.qwen3_omni.code2wav import CODE2WAV_IGNORE, CODE2WAV_RULES, Code2Wav
 from omni_jax.models.qwen3_omni.code2wav_layers import Code2WavSpec
 from omni_jax.parallel.rules import PartitionRules, ShardRule
+from omni_jax.safetensors_io import TensorReader
 from omni_jax.stages.ar import ARFrontend
 from omni_jax.stages.base import Stage
 from omni_jax.stages.code2wav import Code2WavStage, solve_demand
@@ -125,7 +128,10 @@ class Architecture:
     by name (never silently: every other tensor must belong to a served part), and asking for
     their stage is an error that says so. ``side_files``: ``(file name, converter)`` pairs run by
     the converter instead of copying the file. ``stage_files``: files some stages need (a
-    checkpoint without them serves only the other stages)."""
+    checkpoint without them serves only the other stages). ``restack``: a rewrite of the
+    checkpoint's ``(name, reader)`` stream before its names are matched to any part's rules
+    (Qwen3-Omni's checkpoints store one tensor per MoE expert; its parts take them stacked,
+    :func:`~omni_jax.models.moe.stack_expert_readers`)."""
 
     name: str
     stage_yaml: str
@@ -133,6 +139,7 @@ class Architecture:
     unserved: tuple[tuple[str, str], ...] = ()
     side_files: tuple[tuple[str, SideFileConverter], ...] = ()
     stage_files: tuple[StageFile, ...] = ()
+    restack: Callable[[Iterable[tuple[str, TensorReader]]], Iterator[tuple[str, TensorReader]]] | None = None
 
     def part(self, stage: str) -> ModelPart:
         for p in self.parts:
@@ -248,10 +255,28 @@ def _qwen3_code2wav_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
     return lambda: Code2Wav(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
 
 
+def _qwen3_thinker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
+    spec = qwen3_thinker.ThinkerSpec.from_hf(cfg.thinker_config)
+    return lambda: qwen3_thinker.Thinker(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+
+
 _QWEN3_OMNI = Architecture(
     name="Qwen3OmniMoeForConditionalGeneration",
     stage_yaml="qwen3_omni.yaml",
     parts=(
+        # No frontend yet: the thinker serves text prompts (its M-RoPE positions are then equal
+        # on every axis, which 1-D positions give); media inputs are refused by the stage.
+        ModelPart(
+            stage="thinker",
+            make=_qwen3_thinker_make,
+            rules=lambda cfg: qwen3_thinker.THINKER_RULES_IN_OMNI,
+            ignore=lambda cfg: qwen3_thinker.thinker_ignore(
+                qwen3_thinker.ThinkerSpec.from_hf(cfg.thinker_config), prefix="thinker."
+            ),
+            partition=lambda cfg, model: qwen3_thinker.thinker_partition_rules(
+                qwen3_thinker.ThinkerSpec.from_hf(cfg.thinker_config), model
+            ),
+        ),
         ModelPart(
             stage="code2wav",
             make=_qwen3_code2wav_make,
@@ -260,7 +285,8 @@ _QWEN3_OMNI = Architecture(
             generation=GenerationStage(build=Qwen3Code2WavStage.build, demand=qwen3_code2wav_demand),
         ),
     ),
-    unserved=(("thinker", "thinker."), ("talker", "talker.")),
+    unserved=(("talker", "talker."),),
+    restack=stack_expert_readers,
 )
 
 ARCHITECTURES: dict[str, Architecture] = {

@@ -148,19 +148,25 @@ def _part_tensors(
     dropped = [re.compile(x) for p in arch.parts if p is not part for x in p.ignore(cfg)]
     total = count_tensors(cursor.files)
     bar = tqdm(total=total, desc=f"loading {part.stage}", unit="tensor", disable=not progress)
-    with bar:
-        for f in cursor.files:
-            cursor.file = f
-            for name, read in tensor_readers(f):
-                bar.update(1)
-                if map_name(rules, name) is None and (
-                    arch.is_unserved_tensor(name)
-                    or map_name(others, name) is not None
-                    or any(d.fullmatch(name) for d in dropped)
-                ):
-                    continue
-                yield name, read
-        cursor.file = None
+
+    def stored() -> Iterator[tuple[str, TensorReader]]:
+        with bar:
+            for f in cursor.files:
+                cursor.file = f
+                for name, read in tensor_readers(f):
+                    bar.update(1)
+                    yield name, read
+            cursor.file = None
+
+    tensors = stored() if arch.restack is None else arch.restack(stored())
+    for name, read in tensors:
+        if map_name(rules, name) is None and (
+            arch.is_unserved_tensor(name)
+            or map_name(others, name) is not None
+            or any(d.fullmatch(name) for d in dropped)
+        ):
+            continue
+        yield name, read
 
 
 def load_part(
