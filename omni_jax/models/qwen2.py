@@ -8,7 +8,8 @@ later stages (the talker) can read them, and computes logits only where asked.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -72,15 +73,75 @@ def _freeze(v: Any) -> Any:
     return tuple(v) if isinstance(v, list) else v
 
 
-class Qwen2Attention(nnx.Module):
-    def __init__(self, spec: Qwen2Spec, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+class AttentionSpec(Protocol):
+    """What :class:`GQAProjections` reads of a spec (Qwen2's, Qwen3-Omni's code2wav's)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def rms_norm_eps(self) -> float: ...
+
+    @property
+    def attention_bias(self) -> bool: ...
+
+
+class GQAProjections(nnx.Module):
+    """The ``q/k/v/o_proj`` of grouped-query attention (``attention_bias`` on q, k, v; ``o_bias``
+    on o) and, with ``qk_norm``, the per-head RMSNorms ``q_norm``/``k_norm`` of Qwen3's
+    attention; what attends is the subclass's."""
+
+    def __init__(
+        self, spec: AttentionSpec, *, o_bias: bool, qk_norm: bool = False, dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
         d, h, kvh, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
         kw: dict[str, Any] = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.q_proj = nnx.Linear(d, h * hd, use_bias=spec.attention_bias, **kw)
         self.k_proj = nnx.Linear(d, kvh * hd, use_bias=spec.attention_bias, **kw)
         self.v_proj = nnx.Linear(d, kvh * hd, use_bias=spec.attention_bias, **kw)
-        self.o_proj = nnx.Linear(h * hd, d, use_bias=False, **kw)
+        self.o_proj = nnx.Linear(h * hd, d, use_bias=o_bias, **kw)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``q [B, T, heads, head_dim]``, ``k, v [B, T, kv_heads, head_dim]`` of ``x [B, T, D]``
+        (q and k normalised with ``qk_norm``), before any rotary."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+
+class Qwen2Attention(GQAProjections):
+    """GQA with the rotary on the paged cache; ``o_bias``, ``qk_norm``: see :class:`GQAProjections`
+    (Qwen2 has neither, Qwen3-Omni's decoders both)."""
+
+    def __init__(
+        self,
+        spec: Qwen2Spec,
+        layer: int,
+        *,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        super().__init__(spec, o_bias=o_bias, qk_norm=qk_norm, dtype=dtype, rngs=rngs)
         self.sliding_window = spec.sliding_windows[layer]
 
     def __call__(
@@ -93,9 +154,7 @@ class Qwen2Attention(nnx.Module):
         backend: Backend,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pages, v_pages = write_kv(*cache, k, v, md.slot_mapping)
         out = paged_attention(
@@ -129,7 +188,11 @@ class Qwen2Model(nnx.Module):
     ``embedding_size``: the token embedding's width when it is not the decoder's (the
     Qwen2.5-Omni talker embeds codec tokens at the thinker's width and projects the sum with
     the thinker's states down itself); the caller then maps embeddings to ``hidden_size``.
+    ``layer_class``: the decoder layer, built as ``layer_class(spec, i, dtype=, rngs=)``
+    (subclasses with other layers set it).
     """
+
+    layer_class: type[nnx.Module] = Qwen2Layer
 
     def __init__(
         self,
@@ -144,7 +207,9 @@ class Qwen2Model(nnx.Module):
         self.embed_tokens = nnx.Embed(
             spec.vocab_size, embedding_size or spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List([Qwen2Layer(spec, i, dtype=dtype, rngs=rngs) for i in range(spec.num_layers)])
+        self.layers = nnx.List(
+            [self.layer_class(spec, i, dtype=dtype, rngs=rngs) for i in range(spec.num_layers)]
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -166,23 +231,31 @@ class Qwen2Model(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,
         backend: Backend = "auto",
+        after_layer: Callable[[jax.Array, int], jax.Array] | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """Final normed hidden states ``[B, T, D]`` and the updated cache."""
+        """Final normed hidden states ``[B, T, D]`` and the updated cache. ``after_layer(x, i)``,
+        when given, maps layer ``i``'s output before the next layer reads it (Qwen3-Omni's
+        DeepStack)."""
         cos, sin = self.rope(positions)
         x = embeds
         new_cache: KVCache = []
-        for layer, cache in zip(self.layers, kv_cache, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
             x, cache = layer(x, cos, sin, cache, md, backend)
+            if after_layer is not None:
+                x = after_layer(x, i)
             new_cache.append(cache)
         return self.norm(x), new_cache
 
 
 class Qwen2ForCausalLM(nnx.Module):
-    """Decoder plus LM head (tied to the embedding when the config says so)."""
+    """Decoder plus LM head (tied to the embedding when the config says so); ``model_class``:
+    the decoder (subclasses with another one set it)."""
+
+    model_class: type[Qwen2Model] = Qwen2Model
 
     def __init__(self, spec: Qwen2Spec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.spec = spec
-        self.model = Qwen2Model(spec, dtype=dtype, rngs=rngs)
+        self.model = self.model_class(spec, dtype=dtype, rngs=rngs)
         if not spec.tie_word_embeddings:
             self.lm_head = nnx.Linear(
                 spec.hidden_size, spec.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs

@@ -94,17 +94,22 @@ class ThinkerTextModel(Qwen2Model):
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos/sin ``[B, T, head_dim]`` for ``positions [3, B, T]`` (or ``[B, T]``, the same on every axis).
 
-        Each axis's cos/sin come from the plain rotary; frequency ``i`` then takes the axis
-        its section assigns, which is the reference's split-and-recompose.
+        Each axis's cos/sin come from the plain rotary; channel ``c`` then takes the axis
+        :meth:`rope_axes` assigns it, which is the reference's split-and-recompose.
         """
         if positions.ndim == 2:
             positions = jnp.broadcast_to(positions, (3, *positions.shape))
         cos, sin = super().rope(positions)
-        section = mrope_section(self.spec)
-        half = np.repeat(np.arange(len(section)) % 3, section)
-        axis = np.concatenate([half, half])
+        axis = self.rope_axes()
         dim = np.arange(axis.size)
         return jnp.moveaxis(cos[axis, :, :, dim], 0, -1), jnp.moveaxis(sin[axis, :, :, dim], 0, -1)
+
+    def rope_axes(self) -> np.ndarray:
+        """``[head_dim]`` position axis (0 time, 1 row, 2 column) each rotary channel follows:
+        ``mrope_section``'s blocks, the second half of the head repeating the first."""
+        section = mrope_section(self.spec)
+        half = np.repeat(np.arange(len(section)) % 3, section)
+        return np.concatenate([half, half])
 
 
 class Thinker(Qwen2ForCausalLM):

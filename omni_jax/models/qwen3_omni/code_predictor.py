@@ -8,9 +8,10 @@ embedding of the first code. Codebook ``k >= 1`` is read by ``lm_head[k - 1]``; 
 back through ``codec_embedding[k - 1]``. The reference runs this as ``generate`` once per frame;
 here the whole frame is one program (:func:`predict_frame`): the two-token prefill, then a
 ``lax.fori_loop`` over the codebooks on a ``[kv_heads, B, G, head_dim]`` KV buffer per layer
-(the paged layout with one ``G``-slot page per row, so :class:`Qwen3OmniAttention` serves it
-unchanged). It also returns what the talker reads next: the sum of the frame's ``G`` codebook
-embeddings (the talker's for the first code, ``codec_embedding[k - 1]`` for code ``k``).
+(the paged layout with one ``G``-slot page per row, so the decoder's paged attention,
+:class:`~omni_jax.models.qwen2.Qwen2Attention`, serves it unchanged). It also returns what the
+talker reads next: the sum of the frame's ``G`` codebook embeddings (the talker's for the first
+code, ``codec_embedding[k - 1]`` for code ``k``).
 
 The per-codebook heads and embeddings are stacked into one parameter each (``[G - 1, D, V]``,
 ``[G - 1, V, D]``) so the loop indexes them by its counter; :func:`stack_codebook_readers`

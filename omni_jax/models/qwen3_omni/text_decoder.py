@@ -1,7 +1,7 @@
 """Qwen3-Omni thinker's text decoder (``Qwen3OmniMoeThinkerTextModel`` + ``lm_head``) over the paged KV cache.
 
-What differs from Qwen2 (:mod:`omni_jax.models.qwen2`, whose spec, interface and
-attention backend this reuses):
+What differs from Qwen2 (:mod:`omni_jax.models.qwen2`, whose spec, interface, attention and
+layer this reuses, and Qwen2.5-Omni's M-RoPE decoder, which this subclasses):
 
 - attention RMS-normalises each query and key head (``q_norm``/``k_norm``, over ``head_dim``)
   before the rotary; ``attention_bias`` covers ``o_proj`` too;
@@ -29,11 +29,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omni_jax.models.attention import AttentionMetadata, Backend, paged_attention, write_kv
-from omni_jax.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from omni_jax.models.attention import AttentionMetadata, Backend
+from omni_jax.models.layers import RMSNorm, SwiGLU
 from omni_jax.models.moe import EXPERT_RULES, MoESpec, SparseMoeBlock, expert_partition_rules
 from omni_jax.models.param_map import ParamRule, linear_kernel, prefixed
-from omni_jax.models.qwen2 import KVCache, Qwen2ForCausalLM, Qwen2Spec, partition_rules
+from omni_jax.models.qwen2 import (
+    KVCache,
+    Qwen2Attention,
+    Qwen2ForCausalLM,
+    Qwen2Layer,
+    Qwen2Spec,
+    partition_rules,
+)
+from omni_jax.models.qwen2_5_omni.thinker import ThinkerTextModel
 from omni_jax.parallel.rules import ShardRule
 
 DEFAULT_MROPE_SECTION = (24, 20, 20)
@@ -117,85 +125,32 @@ class Deepstack:
         return jnp.where((self.index >= 0)[..., None], x + rows, x)
 
 
-class Qwen3OmniAttention(nnx.Module):
-    """``Qwen3OmniMoeThinkerTextAttention``: GQA with per-head q/k RMSNorm, on the paged cache."""
-
-    def __init__(self, spec: Qwen2Spec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        d, h, kvh, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        kw: dict[str, Any] = dict(use_bias=spec.attention_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.q_proj = nnx.Linear(d, h * hd, **kw)
-        self.k_proj = nnx.Linear(d, kvh * hd, **kw)
-        self.v_proj = nnx.Linear(d, kvh * hd, **kw)
-        self.o_proj = nnx.Linear(h * hd, d, **kw)
-        self.q_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.k_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
-
-    def __call__(
-        self,
-        x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        cache: tuple[jax.Array, jax.Array],
-        md: AttentionMetadata,
-        backend: Backend,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pages, v_pages = write_kv(*cache, k, v, md.slot_mapping)
-        out = paged_attention(q, k_pages, v_pages, md, scale=self.head_dim**-0.5, backend=backend)
-        return self.o_proj(out.reshape(b, t, -1)), (k_pages, v_pages)
-
-
-class Qwen3OmniLayer(nnx.Module):
-    """``Qwen3OmniMoeThinkerTextDecoderLayer``: pre-norm attention, then the sparse or dense MLP."""
+class Qwen3OmniLayer(Qwen2Layer):
+    """``Qwen3OmniMoeThinkerTextDecoderLayer``: Qwen2's pre-norm layer with q/k-normed attention
+    (``o_proj`` biased as the q/k/v projections) and the sparse or dense MLP."""
 
     def __init__(self, spec: Qwen3OmniTextSpec, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         d, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
-        self.self_attn = Qwen3OmniAttention(spec, dtype=dtype, rngs=rngs)
+        self.self_attn = Qwen2Attention(
+            spec, layer, o_bias=spec.attention_bias, qk_norm=True, dtype=dtype, rngs=rngs
+        )
         self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
         if spec.sparse_layers[layer]:
             self.mlp: SparseMoeBlock | SwiGLU = SparseMoeBlock(spec.moe, dtype=dtype, rngs=rngs)
         else:
             self.mlp = SwiGLU(d, spec.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, cache, md, backend):  # noqa: ANN001 - as Qwen3OmniAttention
-        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, md, backend)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
+class Qwen3OmniTextModel(ThinkerTextModel):
+    """Embedding, decoder layers, final norm: ``Qwen3OmniMoeThinkerTextModel``. Qwen2.5-Omni's
+    M-RoPE decoder with :class:`Qwen3OmniLayer` layers, the rotary channels interleaved over
+    the axes (:func:`mrope_axes`), and :class:`Deepstack` features added after the first layers."""
 
-class Qwen3OmniTextModel(nnx.Module):
-    """Embedding, decoder layers, final norm: ``Qwen3OmniMoeThinkerTextModel``."""
+    layer_class = Qwen3OmniLayer
 
-    def __init__(self, spec: Qwen3OmniTextSpec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
-        self.spec = spec
-        self.dtype = dtype
-        self.embed_tokens = nnx.Embed(
-            spec.vocab_size, spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
-        )
-        self.layers = nnx.List(
-            [Qwen3OmniLayer(spec, i, dtype=dtype, rngs=rngs) for i in range(spec.num_layers)]
-        )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype, rngs=rngs)
-
-    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """cos/sin ``[B, T, head_dim]`` for ``positions [3, B, T]`` (or ``[B, T]``, the same on
-        every axis): each axis's plain rotary, channel ``c`` taken from axis ``mrope_axes[c]``.
-        The frequencies are trace-time constants, never parameters."""
-        spec = self.spec
-        if positions.ndim == 2:
-            positions = jnp.broadcast_to(positions, (3, *positions.shape))
-        inv_freq, scaling = rope_inv_freq(
-            dict(spec.rope_parameters), spec.head_dim, spec.max_position_embeddings
-        )
-        cos, sin = rope_cos_sin(positions, inv_freq, scaling, self.dtype)  # [3, B, T, head_dim]
-        axes, channel = mrope_axes(spec), np.arange(spec.head_dim)
-        return jnp.moveaxis(cos[axes, :, :, channel], 0, -1), jnp.moveaxis(sin[axes, :, :, channel], 0, -1)
+    def rope_axes(self) -> np.ndarray:
+        return mrope_axes(self.spec)
 
     def __call__(
         self,
@@ -207,35 +162,27 @@ class Qwen3OmniTextModel(nnx.Module):
         deepstack: Deepstack | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Final normed hidden states ``[B, T, D]`` and the updated cache."""
-        if deepstack is not None and deepstack.rows.shape[0] > self.spec.num_layers:
+        if deepstack is None:
+            return super().__call__(embeds, positions, kv_cache, md, backend)
+        if deepstack.rows.shape[0] > self.spec.num_layers:
             raise ValueError(f"{deepstack.rows.shape[0]} DeepStack layers for {self.spec.num_layers} layers")
-        cos, sin = self.rope(positions)
-        x = embeds
-        new_cache: KVCache = []
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
-            x, cache = layer(x, cos, sin, cache, md, backend)
-            if deepstack is not None and i < deepstack.rows.shape[0]:
-                x = deepstack.add(x, i)
-            new_cache.append(cache)
-        return self.norm(x), new_cache
+
+        def add(x: jax.Array, layer: int) -> jax.Array:
+            return deepstack.add(x, layer) if layer < deepstack.rows.shape[0] else x
+
+        return super().__call__(embeds, positions, kv_cache, md, backend, add)
 
 
 class Qwen3OmniTextLM(Qwen2ForCausalLM):
     """The thinker's text decoder and LM head (``model`` and ``lm_head`` of
     ``Qwen3OmniMoeThinkerForConditionalGeneration``), with the AR engine's model interface.
 
-    ``embed``, ``logits`` and the cache/vocabulary sizes are the Qwen2 LM's; the constructor
-    builds this decoder, ``__call__`` takes :class:`Deepstack` features, and
+    ``embed``, ``logits``, the constructor and the cache/vocabulary sizes are the Qwen2 LM's
+    (the decoder is :class:`Qwen3OmniTextModel`), ``__call__`` takes :class:`Deepstack` features, and
     :meth:`activation_width` counts the experts' rows.
     """
 
-    def __init__(self, spec: Qwen3OmniTextSpec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
-        self.spec = spec
-        self.model = Qwen3OmniTextModel(spec, dtype=dtype, rngs=rngs)
-        if not spec.tie_word_embeddings:
-            self.lm_head = nnx.Linear(
-                spec.hidden_size, spec.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
-            )
+    model_class = Qwen3OmniTextModel
 
     def activation_width(self, model: int) -> int:
         """Float32 values one token row of a step holds at once on one device, when a ``model``
