@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omni_jax.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from omni_jax.models.qwen2 import GQAProjections
 from omni_jax.models.qwen2_5_omni.audio_encoder import torch_layer_norm
 from omni_jax.models.qwen2_5_omni.bigvgan import SnakeBeta
 
@@ -107,24 +108,17 @@ def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: i
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local)
 
 
-class Code2WavAttention(nnx.Module):
+class Code2WavAttention(GQAProjections):
     """``Qwen3OmniMoeCode2WavAttention``: GQA with rotary positions over a sliding window."""
 
     def __init__(self, spec: Code2WavSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        d, h, kvh, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        kw: dict[str, Any] = dict(use_bias=spec.attention_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.q_proj = nnx.Linear(d, h * hd, **kw)
-        self.k_proj = nnx.Linear(d, kvh * hd, **kw)
-        self.v_proj = nnx.Linear(d, kvh * hd, **kw)
-        self.o_proj = nnx.Linear(h * hd, d, **kw)
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
+        super().__init__(spec, o_bias=spec.attention_bias, dtype=dtype, rngs=rngs)
         self.sliding_window = spec.sliding_window
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         b, t, _ = x.shape
-        q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(sliding_window_attention(q, k, v, self.sliding_window).reshape(b, t, -1))
 
 
