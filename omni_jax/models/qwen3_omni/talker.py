@@ -31,10 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from omni_jax.models.attention import AttentionMetadata, Backend
 from omni_jax.models.moe import MoESpec, stack_expert_readers
 from omni_jax.models.param_map import ParamRule, linear_kernel, prefixed
-from omni_jax.models.qwen2 import KVCache
 from omni_jax.models.qwen3_omni.code_predictor import (
     CODE_PREDICTOR_RULES,
     CodePredictor,
@@ -166,8 +164,9 @@ class Talker(Qwen3OmniTextLM):
     and the code predictor (``self.code_predictor``, run by
     :func:`~omni_jax.models.qwen3_omni.code_predictor.predict_frame` over its own split).
 
-    ``kv_cache_shape``, ``num_query_heads``, ``max_positions`` are the decoder's;
-    ``vocab_size`` is the codec vocabulary's.
+    ``__call__`` (no DeepStack: the talker takes none), ``kv_cache_shape``,
+    ``num_query_heads``, ``max_positions`` are the decoder's; ``vocab_size`` is the codec
+    vocabulary's. A step's last hidden row is what the code predictor reads.
     """
 
     def __init__(self, spec: TalkerSpec, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
@@ -192,19 +191,6 @@ class Talker(Qwen3OmniTextLM):
         if extra is None:
             return codec
         return jnp.where(extra.add_codec[..., None], codec, 0) + extra.rows.astype(codec.dtype)
-
-    def __call__(
-        self,
-        embeds: jax.Array,
-        positions: jax.Array,
-        kv_cache: KVCache,
-        md: AttentionMetadata,
-        backend: Backend = "auto",
-    ) -> tuple[jax.Array, KVCache]:
-        """Final normed hidden states ``[B, T, D]`` (positions ``[3, B, T]``, or ``[B, T]`` for
-        the same on every M-RoPE axis) and the updated cache; a step's last row is what the
-        code predictor reads."""
-        return self.model(embeds, positions, kv_cache, md, backend)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 first-codebook logits for ``hidden [..., D]``, the ids ``generate`` never
