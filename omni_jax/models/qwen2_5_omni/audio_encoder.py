@@ -180,6 +180,12 @@ def plan_audio_calls(frames: Sequence[int], spec: ChunkedAudioSpec, buckets: Seq
     return plan_calls(chunks, buckets, lambda size: size + buckets[0])
 
 
+def check_audio_features(i: int, feat: np.ndarray, num_mel_bins: int) -> None:
+    """Refuse audio ``i``'s features unless they are ``[num_mel_bins, frames >= 1]``."""
+    if feat.ndim != 2 or feat.shape[0] != num_mel_bins or feat.shape[1] < 1:
+        raise ValueError(f"audio {i}: expected features [{num_mel_bins}, frames >= 1], got {feat.shape}")
+
+
 def audio_output_lengths(frames: int) -> tuple[int, int]:
     """``(tokens after the conv front end, output rows)`` for an audio of ``frames`` mel frames."""
     after_cnn = (frames - 1) // 2 + 1
@@ -199,10 +205,7 @@ def prepare_audio_batch(
     pairs: list[np.ndarray] = []
     out_lens: list[int] = []
     for i, feat in enumerate(features):
-        if feat.ndim != 2 or feat.shape[0] != spec.num_mel_bins or feat.shape[1] < 1:
-            raise ValueError(
-                f"audio {i}: expected features [{spec.num_mel_bins}, frames >= 1], got {feat.shape}"
-            )
+        check_audio_features(i, feat, spec.num_mel_bins)
         first_chunk = len(pieces)
         pieces += [feat[:, s : s + frames_per_chunk].T for s in range(0, feat.shape[1], frames_per_chunk)]
         _, out_len = audio_output_lengths(feat.shape[1])
@@ -304,21 +307,30 @@ class AudioEncoder(nnx.Module):
         return self.proj(self.ln_post(pooled))
 
 
+def encoder_layer_rules(*, key_bias: bool) -> tuple[ParamRule, ...]:
+    """HF names -> paths of the :class:`AudioEncoderLayer` stack (``layers.*``) and ``ln_post``,
+    which this family's encoder and Qwen3-Omni's share; ``key_bias``: whether ``k_proj`` has one."""
+    biased = "q|k|v|out" if key_bias else "q|v|out"
+    return (
+        ParamRule(
+            r"layers\.(\d+)\.self_attn\.(q|k|v|out)_proj\.weight",
+            r"layers.\1.self_attn.\2_proj.kernel",
+            linear_kernel,
+        ),
+        ParamRule(rf"layers\.(\d+)\.self_attn\.({biased})_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
+        ParamRule(r"layers\.(\d+)\.(fc[12])\.weight", r"layers.\1.\2.kernel", linear_kernel),
+        ParamRule(r"layers\.(\d+)\.(fc[12])\.bias", r"layers.\1.\2.bias"),
+        ParamRule(r"layers\.(\d+)\.(self_attn_layer_norm|final_layer_norm)\.weight", r"layers.\1.\2.scale"),
+        ParamRule(r"layers\.(\d+)\.(self_attn_layer_norm|final_layer_norm)\.bias", r"layers.\1.\2.bias"),
+        ParamRule(r"ln_post\.weight", "ln_post.scale"),
+        ParamRule(r"ln_post\.bias", "ln_post.bias"),
+    )
+
+
 AUDIO_RULES: tuple[ParamRule, ...] = (
     ParamRule(r"conv([12])\.weight", r"conv\1.kernel", conv1d_kernel),
     ParamRule(r"conv([12])\.bias", r"conv\1.bias"),
-    ParamRule(
-        r"layers\.(\d+)\.self_attn\.(q|k|v|out)_proj\.weight",
-        r"layers.\1.self_attn.\2_proj.kernel",
-        linear_kernel,
-    ),
-    ParamRule(r"layers\.(\d+)\.self_attn\.(q|v|out)_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
-    ParamRule(r"layers\.(\d+)\.(fc[12])\.weight", r"layers.\1.\2.kernel", linear_kernel),
-    ParamRule(r"layers\.(\d+)\.(fc[12])\.bias", r"layers.\1.\2.bias"),
-    ParamRule(r"layers\.(\d+)\.(self_attn_layer_norm|final_layer_norm)\.weight", r"layers.\1.\2.scale"),
-    ParamRule(r"layers\.(\d+)\.(self_attn_layer_norm|final_layer_norm)\.bias", r"layers.\1.\2.bias"),
-    ParamRule(r"ln_post\.weight", "ln_post.scale"),
-    ParamRule(r"ln_post\.bias", "ln_post.bias"),
+    *encoder_layer_rules(key_bias=False),
     ParamRule(r"proj\.weight", "proj.kernel", linear_kernel),
     ParamRule(r"proj\.bias", "proj.bias"),
 )

@@ -45,6 +45,8 @@ from omni_jax.models.qwen2_5_omni.audio_encoder import (
     AudioEncoderLayer,
     RowSplit,
     bucket_size,
+    check_audio_features,
+    encoder_layer_rules,
     sinusoid_positions,
     torch_layer_norm,
 )
@@ -207,10 +209,7 @@ def prepare_audio_batch(
     out_lens: list[int] = []
     num_windows = 0
     for i, (feat, pad) in enumerate(zip(features, pad_frames, strict=True)):
-        if feat.ndim != 2 or feat.shape[0] != spec.num_mel_bins or feat.shape[1] < 1:
-            raise ValueError(
-                f"audio {i}: expected features [{spec.num_mel_bins}, frames >= 1], got {feat.shape}"
-            )
+        check_audio_features(i, feat, spec.num_mel_bins)
         if not min(feat.shape[1], frames_per_chunk) <= pad <= frames_per_chunk:
             raise ValueError(
                 f"audio {i}: its chunks cannot be padded to {pad} frames (its longest chunk has "
@@ -289,18 +288,7 @@ AUDIO_RULES: tuple[ParamRule, ...] = (
     ParamRule(r"conv2d([123])\.weight", r"conv2d\1.kernel", conv2d_kernel),
     ParamRule(r"conv2d([123])\.bias", r"conv2d\1.bias"),
     ParamRule(r"conv_out\.weight", "conv_out.kernel", linear_kernel),
-    ParamRule(
-        r"layers\.(\d+)\.self_attn\.(q|k|v|out)_proj\.weight",
-        r"layers.\1.self_attn.\2_proj.kernel",
-        linear_kernel,
-    ),
-    ParamRule(r"layers\.(\d+)\.self_attn\.(q|k|v|out)_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
-    ParamRule(r"layers\.(\d+)\.(fc[12])\.weight", r"layers.\1.\2.kernel", linear_kernel),
-    ParamRule(r"layers\.(\d+)\.(fc[12])\.bias", r"layers.\1.\2.bias"),
-    ParamRule(r"layers\.(\d+)\.(self_attn_layer_norm|final_layer_norm)\.weight", r"layers.\1.\2.scale"),
-    ParamRule(r"layers\.(\d+)\.(self_attn_layer_norm|final_layer_norm)\.bias", r"layers.\1.\2.bias"),
-    ParamRule(r"ln_post\.weight", "ln_post.scale"),
-    ParamRule(r"ln_post\.bias", "ln_post.bias"),
+    *encoder_layer_rules(key_bias=True),
     ParamRule(r"proj([12])\.weight", r"proj\1.kernel", linear_kernel),
     ParamRule(r"proj([12])\.bias", r"proj\1.bias"),
 )
