@@ -12,7 +12,7 @@ the positions the engine feeds equal the ones transformers computes. Decoding co
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,18 +55,35 @@ class RopeIndexSpec:
         return int(self.position_id_per_seconds * self.seconds_per_chunk)
 
 
-def _run(length: int, start: int) -> np.ndarray:
-    """``[3, length]`` positions ``start, start + 1, ...`` on every axis (text, audio, bos/eos)."""
-    return np.broadcast_to(np.arange(length, dtype=np.int64) + start, (3, length))
+def run_positions(length: int, start: Any, dtype: type = np.int64) -> np.ndarray:
+    """``[3, length]`` positions ``start, start + 1, ...`` on every axis (text, audio, bos/eos),
+    in ``dtype`` (Qwen3-Omni's are float32)."""
+    return np.broadcast_to(np.arange(length, dtype=dtype) + start, (3, length))
 
 
-def _vision_positions(start: int, t_index: np.ndarray, grid_h: int, grid_w: int, merge: int) -> np.ndarray:
-    """``[3, t * h * w]`` (time, row, column) of merged vision tokens, frame-major as the encoder emits."""
+def vision_positions(
+    start: Any, t_index: np.ndarray, grid_h: int, grid_w: int, merge: int, dtype: type = np.int64
+) -> np.ndarray:
+    """``[3, t * h * w]`` (time, row, column) of merged vision tokens, frame-major as the encoder
+    emits them, each axis plus ``start`` (the reference's ``get_llm_pos_ids_for_vision``), in
+    ``dtype``."""
     h, w = grid_h // merge, grid_w // merge
-    t_pos = np.repeat(t_index.astype(np.int64), h * w)
-    h_pos = np.tile(np.repeat(np.arange(h, dtype=np.int64), w), len(t_index))
-    w_pos = np.tile(np.arange(w, dtype=np.int64), len(t_index) * h)
+    t_pos = np.repeat(t_index.astype(dtype), h * w)
+    h_pos = np.tile(np.repeat(np.arange(h, dtype=dtype), w), len(t_index))
+    w_pos = np.tile(np.arange(w, dtype=dtype), len(t_index) * h)
     return np.stack([t_pos, h_pos, w_pos]) + start
+
+
+def checked_positions(blocks: Sequence[np.ndarray], tokens: int) -> np.ndarray:
+    """``[3, tokens]``: the position ``blocks`` one after another, refused unless they cover the
+    prompt's ``tokens`` exactly (its placeholders and multimodal inputs disagree)."""
+    positions = np.concatenate(blocks, axis=1)
+    if positions.shape[1] != tokens:
+        raise ValueError(
+            f"placeholders do not match the multimodal inputs: {positions.shape[1]} positions "
+            f"for {tokens} tokens"
+        )
+    return positions
 
 
 def _video_t_index(grid_t: int, second_per_grid: float, spec: RopeIndexSpec) -> np.ndarray:
@@ -105,7 +122,7 @@ def get_rope_index(
     """
     ids = [int(t) for t in input_ids]
     if not image_grid_thw and not video_grid_thw:
-        return _run(len(ids), 0).copy(), 0
+        return run_positions(len(ids), 0).copy(), 0
     images = [tuple(int(v) for v in g) for g in image_grid_thw or ()]
     videos = [tuple(int(v) for v in g) for g in video_grid_thw or ()]
     seconds = list(second_per_grid_ts or ())
@@ -126,7 +143,7 @@ def get_rope_index(
 
     def add_text(length: int) -> None:
         if length != 0:
-            blocks.append(_run(length, next_start()))
+            blocks.append(run_positions(length, next_start()))
 
     def find(token: int, remain: int, st: int) -> int:
         return ids.index(token, st) if remain > 0 and token in ids else len(ids) + 1
@@ -140,42 +157,42 @@ def get_rope_index(
         if first == ed_audio:
             text_len = first - st - 1
             add_text(text_len)
-            blocks.append(_run(1, next_start()))
+            blocks.append(run_positions(1, next_start()))
             audio_len = audio_output_lengths(int(audios[audio_idx]))[1]
-            blocks.append(_run(audio_len, next_start()))
-            blocks.append(_run(1, next_start()))
+            blocks.append(run_positions(audio_len, next_start()))
+            blocks.append(run_positions(1, next_start()))
             st += text_len + 1 + audio_len + 1
             audio_idx, remain_audios = audio_idx + 1, remain_audios - 1
         elif first == ed_image:
             text_len = first - st - 1
             add_text(text_len)
-            blocks.append(_run(1, next_start()))
+            blocks.append(run_positions(1, next_start()))
             t, h, w = images[image_idx]
             t_index = np.arange(t, dtype=np.int64) * spec.position_id_per_seconds
-            blocks.append(_vision_positions(next_start(), t_index, h, w, merge))
-            blocks.append(_run(1, next_start()))
+            blocks.append(vision_positions(next_start(), t_index, h, w, merge))
+            blocks.append(run_positions(1, next_start()))
             st += text_len + 1 + t * h * w // merge**2 + 1
             image_idx, remain_images = image_idx + 1, remain_images - 1
         elif not use_audio_in_video:
             text_len = first - st - 1
             add_text(text_len)
-            blocks.append(_run(1, next_start()))
+            blocks.append(run_positions(1, next_start()))
             t, h, w = videos[video_idx]
             t_index = _video_t_index(t, seconds[video_idx], spec)
-            blocks.append(_vision_positions(next_start(), t_index, h, w, merge))
-            blocks.append(_run(1, next_start()))
+            blocks.append(vision_positions(next_start(), t_index, h, w, merge))
+            blocks.append(run_positions(1, next_start()))
             st += text_len + 1 + t * h * w // merge**2 + 1
             video_idx, remain_videos = video_idx + 1, remain_videos - 1
         else:
             text_len = first - st - 2
             add_text(text_len)
-            bos = _run(1, next_start())
+            bos = run_positions(1, next_start())
             blocks += [bos, bos]
             origin = next_start()
             audio_len = audio_output_lengths(int(audios[audio_idx]))[1]
-            audio_pos = _run(audio_len, origin)
+            audio_pos = run_positions(audio_len, origin)
             t, h, w = videos[video_idx]
-            video_pos = _vision_positions(origin, _video_t_index(t, seconds[video_idx], spec), h, w, merge)
+            video_pos = vision_positions(origin, _video_t_index(t, seconds[video_idx], spec), h, w, merge)
             video_chunks = chunk_bounds(video_pos[0], spec.tokens_per_chunk, origin)
             audio_chunks = chunk_bounds(audio_pos[0], spec.tokens_per_chunk, origin)
             for j in range(max(len(video_chunks), len(audio_chunks))):
@@ -183,19 +200,14 @@ def get_rope_index(
                     blocks.append(video_pos[:, slice(*video_chunks[j])])
                 if j < len(audio_chunks):
                     blocks.append(audio_pos[:, slice(*audio_chunks[j])])
-            eos = _run(1, next_start())
+            eos = run_positions(1, next_start())
             blocks += [eos, eos]
             st += text_len + 2 + audio_len + t * h * w // merge**2 + 2
             audio_idx, video_idx = audio_idx + 1, video_idx + 1
             remain_audios, remain_videos = remain_audios - 1, remain_videos - 1
     if st < len(ids):
-        blocks.append(_run(len(ids) - st, next_start()))
-    positions = np.concatenate(blocks, axis=1)
-    if positions.shape[1] != len(ids):
-        raise ValueError(
-            f"placeholders do not match the multimodal inputs: {positions.shape[1]} positions "
-            f"for {len(ids)} tokens"
-        )
+        blocks.append(run_positions(len(ids) - st, next_start()))
+    positions = checked_positions(blocks, len(ids))
     return positions, int(positions.max()) + 1 - len(ids)
 
 
@@ -206,15 +218,18 @@ def positions_for(prompt_positions: np.ndarray, rope_delta: int, start: int, end
     is recomputed) sit at ``index + rope_delta`` on every axis, as in the reference decode.
     """
     p = prompt_positions.shape[1]
-    generated = _run(max(end - max(start, p), 0), max(start, p) + rope_delta)
+    generated = run_positions(max(end - max(start, p), 0), max(start, p) + rope_delta)
     return np.concatenate([prompt_positions[:, start : min(end, p)], generated], axis=1)
 
 
-def media_rope_index(spec: RopeIndexSpec, token_ids: list[int], media: Any) -> tuple[np.ndarray, int]:
-    """:func:`get_rope_index` of ``token_ids`` with the grids and audio lengths of ``media``, a
-    processed prompt (:class:`~omni_jax.models.qwen2_5_omni.processor.OmniInputs`): the thinker
-    indexes its prompt so, the talker its prompt followed by its own two tokens."""
-    return get_rope_index(
+def media_rope_index(
+    spec: Any, token_ids: list[int], media: Any, rope_index: Callable[..., Any] | None = None
+) -> Any:
+    """:func:`get_rope_index` (or ``rope_index``, another family's with its keywords, e.g.
+    Qwen3-Omni's) of ``token_ids`` with the grids and audio lengths of ``media``, a processed
+    prompt (:class:`~omni_jax.models.qwen2_5_omni.processor.OmniInputs`): the thinker indexes
+    its prompt so, the talker its prompt followed by its own two tokens."""
+    return (rope_index or get_rope_index)(
         spec,
         token_ids,
         image_grid_thw=media.image_grid_thw,

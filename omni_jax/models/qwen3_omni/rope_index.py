@@ -24,11 +24,14 @@ reproduced here exactly as transformers' ``get_rope_index`` computes it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from omni_jax.models.qwen2_5_omni import rope_index as qwen2_5_rope_index
+from omni_jax.models.qwen2_5_omni.rope_index import checked_positions, run_positions, vision_positions
 from omni_jax.models.qwen3_omni.audio_encoder import REFERENCE_CHUNK_TOKENS, conv_stack_length
 
 
@@ -69,21 +72,11 @@ def audio_token_count(frames: int, n_window: int) -> int:
     return full * REFERENCE_CHUNK_TOKENS + conv_stack_length(tail)
 
 
-def _run(length: int, start: np.float32) -> np.ndarray:
-    """``[3, length]`` float32 positions ``start, start + 1, ...`` on every axis."""
-    return np.broadcast_to(np.arange(length, dtype=np.float32) + start, (3, length))
+_run = functools.partial(run_positions, dtype=np.float32)
+"""Qwen2.5-Omni's runs of positions, in float32."""
 
-
-def _vision_positions(
-    start: np.float32, t_index: np.ndarray, grid_h: int, grid_w: int, merge: int
-) -> np.ndarray:
-    """``[3, t * h * w]`` float32 (time, row, column) of merged vision tokens, frame-major as the
-    encoder emits them, each axis plus ``start`` (the reference's ``get_llm_pos_ids_for_vision``)."""
-    h, w = grid_h // merge, grid_w // merge
-    t_pos = np.repeat(t_index.astype(np.float32), h * w)
-    h_pos = np.tile(np.repeat(np.arange(h, dtype=np.float32), w), len(t_index))
-    w_pos = np.tile(np.arange(w, dtype=np.float32), len(t_index) * h)
-    return np.stack([t_pos, h_pos, w_pos]) + start
+_vision_positions = functools.partial(vision_positions, dtype=np.float32)
+"""Qwen2.5-Omni's vision positions, in float32."""
 
 
 def _video_t_index(grid_t: int, second_per_grid: float, spec: RopeIndexSpec) -> np.ndarray:
@@ -133,7 +126,7 @@ def get_rope_index(
     """
     ids = [int(t) for t in input_ids]
     if not image_grid_thw and not video_grid_thw:
-        return np.broadcast_to(np.arange(len(ids), dtype=np.int64), (3, len(ids))).copy(), 0
+        return run_positions(len(ids), 0).copy(), 0
     images = [tuple(int(v) for v in g) for g in image_grid_thw or ()]
     videos = [tuple(int(v) for v in g) for g in video_grid_thw or ()]
     seconds = list(second_per_grid_ts or ())
@@ -198,12 +191,7 @@ def get_rope_index(
         blocks.append(_run(bracket, next_start()))
     if st < len(ids):
         blocks.append(_run(len(ids) - st, next_start()))
-    positions = np.concatenate(blocks, axis=1)
-    if positions.shape[1] != len(ids):
-        raise ValueError(
-            f"placeholders do not match the multimodal inputs: {positions.shape[1]} positions "
-            f"for {len(ids)} tokens"
-        )
+    positions = checked_positions(blocks, len(ids))
     delta = positions.max() + np.float32(1) - np.float32(len(ids))
     if np.array_equal(positions, np.round(positions)):
         return positions.astype(np.int64), int(delta)
@@ -212,13 +200,6 @@ def get_rope_index(
 
 def media_rope_index(spec: RopeIndexSpec, token_ids: list[int], media: Any) -> tuple[np.ndarray, int | float]:
     """:func:`get_rope_index` of ``token_ids`` with the grids and audio lengths of ``media``, a
-    processed prompt (:class:`~omni_jax.models.qwen2_5_omni.processor.OmniInputs`)."""
-    return get_rope_index(
-        spec,
-        token_ids,
-        image_grid_thw=media.image_grid_thw,
-        video_grid_thw=media.video_grid_thw,
-        second_per_grid_ts=media.video_second_per_grid,
-        audio_seqlens=media.audio_seqlens,
-        use_audio_in_video=media.use_audio_in_video,
-    )
+    processed prompt (:class:`~omni_jax.models.qwen2_5_omni.processor.OmniInputs`), as Qwen2.5-Omni's
+    reads them."""
+    return qwen2_5_rope_index.media_rope_index(spec, token_ids, media, get_rope_index)
