@@ -53,8 +53,27 @@ def mrope_section(spec: Qwen2Spec) -> tuple[int, ...]:
     return section
 
 
+class PlaceholderIds:
+    """The placeholder token ids of a thinker spec, read from its ``rope_index`` (a mixin of this
+    family's and Qwen3-Omni's :class:`ThinkerSpec`)."""
+
+    rope_index: Any  # the dataclass's field
+
+    @property
+    def audio_token_id(self) -> int:
+        return self.rope_index.audio_token_id
+
+    @property
+    def image_token_id(self) -> int:
+        return self.rope_index.image_token_id
+
+    @property
+    def video_token_id(self) -> int:
+        return self.rope_index.video_token_id
+
+
 @dataclasses.dataclass(frozen=True)
-class ThinkerSpec:
+class ThinkerSpec(PlaceholderIds):
     """The parts of a ``Qwen2_5OmniThinkerConfig`` the thinker needs, hashable for jit."""
 
     text: Qwen2Spec
@@ -74,18 +93,6 @@ class ThinkerSpec:
             vision=VisionEncoderSpec.from_hf(cfg.vision_config),
             rope_index=RopeIndexSpec.from_hf(cfg),
         )
-
-    @property
-    def audio_token_id(self) -> int:
-        return self.rope_index.audio_token_id
-
-    @property
-    def image_token_id(self) -> int:
-        return self.rope_index.image_token_id
-
-    @property
-    def video_token_id(self) -> int:
-        return self.rope_index.video_token_id
 
 
 class ThinkerTextModel(Qwen2Model):
@@ -141,10 +148,7 @@ class Thinker(Qwen2ForCausalLM):
     def embed(self, tokens: jax.Array, extra: PromptMerge | None = None) -> jax.Array:
         """Token embeddings with this step's encoder rows merged at their placeholders."""
         embeds = super().embed(tokens)
-        if extra is None:
-            return embeds
-        sources = [PlaceholderRows(extra.rows, extra.first_row[k], t) for k, t in enumerate(extra.token_ids)]
-        return merge_placeholders(embeds, tokens, sources, extra.limit)
+        return embeds if extra is None else merge_prompt(embeds, tokens, extra)
 
 
 @jax.tree_util.register_dataclass
@@ -179,15 +183,24 @@ def merge_placeholders(
     reference, whose decode steps merge nothing (it matters when a preempted request
     recomputes its prompt and output together).
     """
-    prompt = None if limit is None else jnp.arange(tokens.shape[1]) < limit[:, None]
     for src in sources:
-        mask = tokens == src.token_id
-        if prompt is not None:
-            mask &= prompt
-        index = src.first_row[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
+        index = placeholder_index(tokens, src.first_row, src.token_id, limit)
         rows = jnp.take(src.rows, index, axis=0, mode="clip").astype(embeds.dtype)
-        embeds = jnp.where(mask[..., None], rows, embeds)
+        embeds = jnp.where((index >= 0)[..., None], rows, embeds)
     return embeds
+
+
+def placeholder_index(
+    tokens: jax.Array, first_row: jax.Array, token_id: int, limit: jax.Array | None = None
+) -> jax.Array:
+    """``[B, T]`` row each placeholder ``token_id`` (among a step row's first ``limit`` tokens,
+    all without ``limit``) takes: ``first_row[b]`` (``>= 0``) plus the earlier such placeholders
+    of its row in the step; ``-1`` elsewhere (the gather index of :func:`merge_placeholders`)."""
+    mask = tokens == token_id
+    if limit is not None:
+        mask &= jnp.arange(tokens.shape[1]) < limit[:, None]
+    index = first_row[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
+    return jnp.where(mask, index, -1)
 
 
 @jax.tree_util.register_dataclass
@@ -205,6 +218,13 @@ class PromptMerge:
     first_row: jax.Array
     limit: jax.Array
     token_ids: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def merge_prompt(embeds: jax.Array, tokens: jax.Array, merge: PromptMerge) -> jax.Array:
+    """``embeds [B, T, D]`` with ``merge``'s rows at the step's placeholders, every kind
+    (:func:`merge_placeholders`)."""
+    sources = [PlaceholderRows(merge.rows, merge.first_row[k], t) for k, t in enumerate(merge.token_ids)]
+    return merge_placeholders(embeds, tokens, sources, merge.limit)
 
 
 THINKER_RULES: tuple[ParamRule, ...] = (

@@ -39,6 +39,7 @@ from omni_jax.models.qwen2 import (
     Qwen2ForCausalLM,
     Qwen2Layer,
     Qwen2Spec,
+    causal_lm_ignore,
     partition_rules,
 )
 from omni_jax.models.qwen2_5_omni.thinker import ThinkerTextModel
@@ -249,11 +250,8 @@ checkpoint the same names carry a ``thinker.`` prefix (``prefixed("thinker.", ""
 def text_lm_ignore(spec: Qwen3OmniTextSpec, prefix: str = "") -> tuple[str, ...]:
     """Thinker checkpoint names the text LM drops: the audio and vision towers (other modules'),
     rotary buffers, and a tied head. ``prefix``: ``"thinker."`` inside a full Omni checkpoint."""
-    p = re.escape(prefix)
-    ignore = [p + r"audio_tower\..*", p + r"visual\..*", p + r".*rotary_emb\.inv_freq"]
-    if spec.tie_word_embeddings:
-        ignore.append(p + r"lm_head\.weight")
-    return tuple(ignore)
+    own = (r"audio_tower\..*", r"visual\..*", *causal_lm_ignore(spec))
+    return tuple(re.escape(prefix) + p for p in own)
 
 
 def text_lm_partition_rules(spec: Qwen3OmniTextSpec, model: int) -> tuple[ShardRule, ...]:

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omni_jax.models.param_map import ParamRule, prefixed
-from omni_jax.models.qwen2_5_omni.thinker import PlaceholderRows, PromptMerge, merge_placeholders
+from omni_jax.models.qwen2 import causal_lm_ignore
+from omni_jax.models.qwen2_5_omni.thinker import PlaceholderIds, PromptMerge, merge_prompt, placeholder_index
 from omni_jax.models.qwen3_omni.audio_encoder import AUDIO_IGNORE, AUDIO_RULES, AudioEncoder, AudioEncoderSpec
 from omni_jax.models.qwen3_omni.rope_index import RopeIndexSpec
 from omni_jax.models.qwen3_omni.text_decoder import (
@@ -52,7 +53,7 @@ from omni_jax.parallel.rules import ShardRule
 
 
 @dataclasses.dataclass(frozen=True)
-class ThinkerSpec:
+class ThinkerSpec(PlaceholderIds):
     """The parts of a ``Qwen3OmniMoeThinkerConfig`` the thinker needs, hashable for jit."""
 
     text: Qwen3OmniTextSpec
@@ -88,18 +89,6 @@ class ThinkerSpec:
         return spec
 
     @property
-    def audio_token_id(self) -> int:
-        return self.rope_index.audio_token_id
-
-    @property
-    def image_token_id(self) -> int:
-        return self.rope_index.image_token_id
-
-    @property
-    def video_token_id(self) -> int:
-        return self.rope_index.video_token_id
-
-    @property
     def deepstack_layers(self) -> int:
         """Decoder layers that take DeepStack features (one per vision deepstack index)."""
         return len(self.vision.deepstack_visual_indexes)
@@ -122,15 +111,6 @@ class ThinkerMerge:
     deepstack: jax.Array
 
 
-def placeholder_index(tokens: jax.Array, first_row: jax.Array, token_id: int, limit: jax.Array) -> jax.Array:
-    """``[B, T]`` row each placeholder ``token_id`` among a step row's first ``limit`` tokens takes
-    (``first_row[b]`` plus the earlier such placeholders of its row in the step), ``-1`` elsewhere:
-    the gather index of :func:`~omni_jax.models.qwen2_5_omni.thinker.merge_placeholders`."""
-    mask = (tokens == token_id) & (jnp.arange(tokens.shape[1]) < limit[:, None])
-    index = first_row[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
-    return jnp.where(mask, index, -1)
-
-
 class Thinker(Qwen3OmniTextLM):
     """``Qwen3OmniMoeThinkerForConditionalGeneration``: the MoE decoder and LM head (``model``,
     ``lm_head``), the audio encoder (``audio_tower``) and the vision encoder (``visual``).
@@ -149,11 +129,7 @@ class Thinker(Qwen3OmniTextLM):
     def embed(self, tokens: jax.Array, extra: ThinkerMerge | None = None) -> jax.Array:
         """Token embeddings ``[B, T, D]`` with this step's encoder rows at their placeholders."""
         embeds = super().embed(tokens)
-        if extra is None:
-            return embeds
-        merge = extra.prompt
-        sources = [PlaceholderRows(merge.rows, merge.first_row[k], t) for k, t in enumerate(merge.token_ids)]
-        return merge_placeholders(embeds, tokens, sources, merge.limit)
+        return embeds if extra is None else merge_prompt(embeds, tokens, extra.prompt)
 
     def deepstack(self, tokens: jax.Array, extra: ThinkerMerge | None) -> Deepstack | None:
         """The step's DeepStack input for ``__call__``: each image and video placeholder among the
@@ -187,9 +163,7 @@ THINKER_RULES_IN_OMNI: tuple[ParamRule, ...] = prefixed("thinker.", "", THINKER_
 def thinker_ignore(spec: ThinkerSpec, prefix: str = "") -> tuple[str, ...]:
     """Checkpoint names the thinker drops: rotary buffers, a tied head, the encoders' unused
     tensors. ``prefix``: ``"thinker."`` inside a full Omni checkpoint."""
-    own = [r".*rotary_emb\.inv_freq"]
-    if spec.text.tie_word_embeddings:
-        own.append(r"lm_head\.weight")
+    own = [*causal_lm_ignore(spec.text)]
     own += [r"audio_tower\." + p for p in AUDIO_IGNORE] + [r"visual\." + p for p in VISION_IGNORE]
     return tuple(re.escape(prefix) + p for p in own)
 
