@@ -115,7 +115,7 @@ def build_tiny_qwen2(
     safetensors with ``model.safetensors.index.json``, as large hub checkpoints have.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     path = Path(path)
     tokenizer = build_tokenizer(seed=seed)
@@ -124,11 +124,35 @@ def build_tiny_qwen2(
     cfg = tiny_qwen2_config(vocab, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, **config_overrides)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, safe_serialization=True, **kw)
+    return save_checkpoint(path, model, tokenizer, **kw)
+
+
+def save_checkpoint(path: Path, model: Any, tokenizer: Any, **save_kw: Any) -> Path:
+    """Save ``model`` (safetensors; ``save_kw`` to ``save_pretrained``, e.g. ``max_shard_size``)
+    with a ``generation_config.json`` that stops on ``<|im_end|>`` and pads with the tokenizer's
+    pad token, and ``tokenizer`` beside it, as the hub ships a chat checkpoint; returns ``path``."""
+    from transformers import GenerationConfig
+
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(path, safe_serialization=True, **save_kw)
     tokenizer.save_pretrained(path)
     return path
+
+
+def keep_channel(layers: Any, channel: int) -> None:
+    """No decoder layer writes residual ``channel``: its rows of every ``o_proj`` and MLP, expert
+    and shared-expert ``down_proj`` are zeroed, so the channel keeps what the input put there."""
+    for layer in layers:
+        layer.self_attn.o_proj.weight[channel] = 0.0
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            mlp.experts.down_proj[:, channel] = 0.0
+            if hasattr(mlp, "shared_expert"):
+                mlp.shared_expert.down_proj.weight[channel] = 0.0
+        else:
+            mlp.down_proj.weight[channel] = 0.0
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -347,12 +371,12 @@ def speak_like_trained(talker: Any, num_embeds: int) -> None:
     the DiT's embedding, and greedy decoding may never stop. The codec head has no bias, so
     one is built from a constant residual channel, as trained networks build theirs: channel
     :data:`TALKER_CONSTANT_CHANNEL` of the projected input is its bias alone (its projection
-    row is zeroed, its bias 1), no layer writes to it (its rows of every ``o_proj`` and
-    ``down_proj`` are zeroed) and the final norm keeps it positive. The codec head then reads
-    that channel only for the specials: strongly negative for ids at or past ``num_embeds``
-    other than EOS and pad (logits about -20 to -60), slightly positive for EOS, so greedy
-    decoding typically stops within a few dozen codes. Deterministic (no random draws), so the
-    other sub-models' weights are what the seed gives either way.
+    row is zeroed, its bias 1), no layer writes to it (:func:`keep_channel`) and the final norm
+    keeps it positive. The codec head then reads that channel only for the specials: strongly
+    negative for ids at or past ``num_embeds`` other than EOS and pad (logits about -20 to -60),
+    slightly positive for EOS, so greedy decoding typically stops within a few dozen codes.
+    Deterministic (no random draws), so the other sub-models' weights are what the seed gives
+    either way.
     """
     import torch
 
@@ -361,9 +385,7 @@ def speak_like_trained(talker: Any, num_embeds: int) -> None:
     with torch.no_grad():
         talker.thinker_to_talker_proj.weight[d] = 0.0
         talker.thinker_to_talker_proj.bias[d] = 1.0
-        for layer in talker.model.layers:
-            layer.self_attn.o_proj.weight[d] = 0.0
-            layer.mlp.down_proj.weight[d] = 0.0
+        keep_channel(talker.model.layers, d)
         talker.model.norm.weight[d] = 1.0
         head = talker.codec_head.weight
         head[:, d] = 0.0
@@ -395,7 +417,7 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides:
     ``token2wav_config`` with the real model's widths, for benchmarks).
     """
     import torch
-    from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
+    from transformers import Qwen2_5OmniForConditionalGeneration
 
     path = Path(path)
     speaker_tokens = {name: f"<|spk_{name.lower()}|>" for name in OMNI_SPEAKERS}
@@ -416,10 +438,8 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides:
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     with torch.no_grad():  # a greedy reply ends within a few dozen tokens, as a trained one does
         model.thinker.lm_head.weight[eos] *= THINKER_EOS_SCALE
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(path, safe_serialization=True)
     tokenizer.chat_template = OMNI_CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
+    save_checkpoint(path, model, tokenizer)
     write_omni_processor_files(path)
     dit = cfg.token2wav_config.dit_config
     speakers = {}

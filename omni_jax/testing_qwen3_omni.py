@@ -14,7 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omni_jax.testing import build_tokenizer, randomize_weights, write_omni_processor_files
+from omni_jax.testing import (
+    build_tokenizer,
+    keep_channel,
+    randomize_weights,
+    save_checkpoint,
+    write_omni_processor_files,
+)
 
 QWEN3_OMNI_NAMED_TOKENS = {
     "audio_token": "<|audio_pad|>",
@@ -269,20 +275,6 @@ def init_talker_moe(talker: Any) -> None:
                 p.copy_(torch.randn(p.shape) * std)
 
 
-def keep_channel(layers: Any, channel: int) -> None:
-    """No decoder layer writes residual ``channel``: its rows of every ``o_proj`` and MLP, expert
-    and shared-expert ``down_proj`` are zeroed, so the channel keeps what the input put there."""
-    for layer in layers:
-        layer.self_attn.o_proj.weight[channel] = 0.0
-        mlp = layer.mlp
-        if hasattr(mlp, "experts"):
-            mlp.experts.down_proj[:, channel] = 0.0
-            if hasattr(mlp, "shared_expert"):
-                mlp.shared_expert.down_proj.weight[channel] = 0.0
-        else:
-            mlp.down_proj.weight[channel] = 0.0
-
-
 # How end_replies_at_punctuation and speak_until_text_ends wire their flags (see there).
 SENTENCE_END = (".", "!", "?")
 REPLY_END_CHANNEL = 1
@@ -391,7 +383,7 @@ def build_tiny_qwen3_omni(
     (:func:`speak_until_text_ends`). ``config_overrides`` go to :func:`tiny_qwen3_omni_config`.
     """
     import torch
-    from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
+    from transformers import Qwen3OmniMoeForConditionalGeneration
 
     path = Path(path)
     tokenizer = build_qwen3_omni_tokenizer(seed)
@@ -409,10 +401,7 @@ def build_tiny_qwen3_omni(
     init_talker_moe(model.talker)
     end_replies_at_punctuation(model, tokenizer)
     speak_until_text_ends(model)
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(path, max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(path)
+    save_checkpoint(path, model, tokenizer, max_shard_size=max_shard_size)
     write_omni_processor_files(path, processor_class="Qwen3OmniMoeProcessor", **QWEN3_OMNI_IMAGE_SETTINGS)
     return path
 
