@@ -422,13 +422,20 @@ class OmniProcessor:
         """Placeholder tokens of an audio clip of ``frames`` mel frames (the encoder's output rows)."""
         return audio_output_lengths(frames)[1]
 
+    def video_token_times(
+        self, grid: tuple[int, int, int], second_per_grid: float, per_second: float
+    ) -> np.ndarray:
+        """The time position of each of a video's tokens: its frame's start in seconds times
+        ``per_second`` (float64, as the reference's ``replace_video_with_audio_token``)."""
+        t, h, w = grid
+        m = self.video_processor.merge_size
+        return np.repeat(np.arange(t), (h // m) * (w // m)) * second_per_grid * per_second
+
     def interleaved(self, grid: tuple[int, int, int], second_per_grid: float, audio_tokens: int) -> list[int]:
         """A video's placeholder with its audio track: ``audio_bos``, then per 2-second chunk the
         chunk's video tokens and audio tokens, then ``audio_eos`` (the reference's
         ``replace_video_with_audio_token``; chunks by each token's time position)."""
-        t, h, w = grid
-        m = self.video_processor.merge_size
-        video_time = np.repeat(np.arange(t), (h // m) * (w // m)) * second_per_grid * POSITION_ID_PER_SECONDS
+        video_time = self.video_token_times(grid, second_per_grid, POSITION_ID_PER_SECONDS)
         per_chunk = int(POSITION_ID_PER_SECONDS * SECONDS_PER_CHUNK)
         video_chunks = chunk_bounds(video_time, per_chunk, 0)
         audio_chunks = chunk_bounds(np.arange(audio_tokens), per_chunk, 0)

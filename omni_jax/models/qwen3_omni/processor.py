@@ -94,9 +94,7 @@ class Qwen3OmniProcessor(OmniProcessor):
         """A video's placeholder with its audio track: ``audio_bos``, the video and audio tokens
         merged by time (a video token first on a tie), ``audio_eos`` (the reference's
         ``replace_video_with_audio_token``, in its float64 arithmetic)."""
-        t, h, w = grid
-        m = self.video_processor.merge_size
-        video_time = np.repeat(np.arange(t), (h // m) * (w // m)) * second_per_grid * POSITION_ID_PER_SECONDS
+        video_time = self.video_token_times(grid, second_per_grid, POSITION_ID_PER_SECONDS)
         times = np.concatenate([video_time, np.arange(audio_tokens)])
         is_audio = np.concatenate([np.zeros(video_time.size, bool), np.ones(audio_tokens, bool)])
         order = np.lexsort((is_audio, times))
