@@ -310,20 +310,29 @@ class Qwen2ForCausalLM(nnx.Module):
         return out.astype(jnp.float32)
 
 
-DECODER_RULES: tuple[ParamRule, ...] = (
-    ParamRule(r"embed_tokens\.weight", "embed_tokens.embedding"),
-    ParamRule(r"norm\.weight", "norm.weight"),
-    ParamRule(r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight"),
-    ParamRule(
-        r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight",
-        r"layers.\1.self_attn.\2_proj.kernel",
-        linear_kernel,
-    ),
-    ParamRule(r"layers\.(\d+)\.self_attn\.([qkv])_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
-    ParamRule(
-        r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.kernel", linear_kernel
-    ),
-)
+def decoder_rules(*, o_bias: bool = False) -> tuple[ParamRule, ...]:
+    """HF decoder names (no prefix) -> ``Qwen2Model`` paths; ``o_bias``: ``o_proj`` has a bias
+    beside q/k/v's (Qwen3-Omni's decoders, whose own rules add the q/k norms and experts)."""
+    biased = "qkvo" if o_bias else "qkv"
+    return (
+        ParamRule(r"embed_tokens\.weight", "embed_tokens.embedding"),
+        ParamRule(r"norm\.weight", "norm.weight"),
+        ParamRule(
+            r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight"
+        ),
+        ParamRule(
+            r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight",
+            r"layers.\1.self_attn.\2_proj.kernel",
+            linear_kernel,
+        ),
+        ParamRule(rf"layers\.(\d+)\.self_attn\.([{biased}])_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
+        ParamRule(
+            r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.kernel", linear_kernel
+        ),
+    )
+
+
+DECODER_RULES: tuple[ParamRule, ...] = decoder_rules()
 """HF ``Qwen2Model`` names (no prefix) -> ``Qwen2Model`` paths."""
 
 CAUSAL_LM_RULES: tuple[ParamRule, ...] = (

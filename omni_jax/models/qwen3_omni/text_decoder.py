@@ -40,6 +40,7 @@ from omni_jax.models.qwen2 import (
     Qwen2Layer,
     Qwen2Spec,
     causal_lm_ignore,
+    decoder_rules,
     partition_rules,
 )
 from omni_jax.models.qwen2_5_omni.thinker import ThinkerTextModel
@@ -216,19 +217,8 @@ class Qwen3OmniTextLM(Qwen2ForCausalLM):
 
 
 TEXT_DECODER_RULES: tuple[ParamRule, ...] = (
-    ParamRule(r"embed_tokens\.weight", "embed_tokens.embedding"),
-    ParamRule(r"norm\.weight", "norm.weight"),
-    ParamRule(r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight"),
-    ParamRule(
-        r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight",
-        r"layers.\1.self_attn.\2_proj.kernel",
-        linear_kernel,
-    ),
-    ParamRule(r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.bias", r"layers.\1.self_attn.\2_proj.bias"),
+    *decoder_rules(o_bias=True),
     ParamRule(r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"layers.\1.self_attn.\2_norm.weight"),
-    ParamRule(
-        r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.kernel", linear_kernel
-    ),
     *(
         ParamRule(r"layers\.(\d+)\.mlp\." + r.hf, r"layers.\1.mlp." + r.flax, r.transform)
         for r in EXPERT_RULES
