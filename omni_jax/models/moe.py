@@ -320,21 +320,37 @@ def stack_expert_readers(
         per_expert = _PER_EXPERT.fullmatch(name)
         fused = _FUSED_GATE_UP.fullmatch(name)
         if per_expert:
-            stacked = f"{per_expert[1]}.{per_expert[3]}_proj"
-            group = groups.setdefault(stacked, {})
-            if int(per_expert[2]) in group:
-                raise ParamMismatchError(f"tensor {name!r} appears a second time")
-            group[int(per_expert[2])] = read
+            collect_numbered(groups, f"{per_expert[1]}.{per_expert[3]}_proj", int(per_expert[2]), name, read)
         elif fused:
             yield f"{fused[1]}.gate_proj", lambda read=read: _half(read(), 0)
             yield f"{fused[1]}.up_proj", lambda read=read: _half(read(), 1)
         else:
             yield name, read
+    yield from stacked_groups(groups, "experts")
+
+
+def collect_numbered(
+    groups: dict[str, dict[int, TensorReader]], stacked: str, index: int, name: str, read: TensorReader
+) -> None:
+    """File tensor ``name`` (``read``) as number ``index`` of the stack ``stacked``; a number
+    given twice raises :class:`ParamMismatchError`."""
+    group = groups.setdefault(stacked, {})
+    if index in group:
+        raise ParamMismatchError(f"tensor {name!r} appears a second time")
+    group[index] = read
+
+
+def stacked_groups(
+    groups: dict[str, dict[int, TensorReader]], what: str
+) -> Iterator[tuple[str, TensorReader]]:
+    """Each stack of :func:`collect_numbered` as one lazily read tensor (:class:`StackedExperts`,
+    in number order); a gap in its numbers raises :class:`ParamMismatchError` naming the missing
+    ``what`` (experts, codebooks)."""
     for stacked, group in groups.items():
         missing = sorted(set(range(max(group) + 1)) - group.keys())
         if missing:
-            raise ParamMismatchError(f"{stacked!r}: the checkpoint lacks experts {missing}")
-        readers = [group[e] for e in range(len(group))]
+            raise ParamMismatchError(f"{stacked!r}: the checkpoint lacks {what} {missing}")
+        readers = [group[i] for i in range(len(group))]
         yield stacked, lambda readers=readers, stacked=stacked: StackedExperts(readers, stacked)
 
 

@@ -34,8 +34,8 @@ from flax import nnx
 from omni_jax.jit import StaticGraph, compute_dtype, exact_matmuls
 from omni_jax.models.attention import AttentionMetadata
 from omni_jax.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
-from omni_jax.models.moe import StackedExperts, expert_kernel
-from omni_jax.models.param_map import ParamMismatchError, ParamRule, prefixed
+from omni_jax.models.moe import collect_numbered, expert_kernel, stacked_groups
+from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2 import KVCache, Qwen2Spec
 from omni_jax.models.qwen3_omni.text_decoder import TEXT_DECODER_RULES, Qwen3OmniLayer, Qwen3OmniTextSpec
 from omni_jax.safetensors_io import TensorReader
@@ -268,17 +268,9 @@ def stack_codebook_readers(
         hit = _PER_CODEBOOK.fullmatch(name)
         if hit is None:
             yield name, read
-            continue
-        group = groups.setdefault(hit[1], {})
-        if int(hit[2]) in group:
-            raise ParamMismatchError(f"tensor {name!r} appears a second time")
-        group[int(hit[2])] = read
-    for stacked, group in groups.items():
-        missing = sorted(set(range(max(group) + 1)) - group.keys())
-        if missing:
-            raise ParamMismatchError(f"{stacked!r}: the checkpoint lacks codebooks {missing}")
-        readers = [group[k] for k in range(len(group))]
-        yield stacked, lambda readers=readers, stacked=stacked: StackedExperts(readers, stacked)
+        else:
+            collect_numbered(groups, hit[1], int(hit[2]), name, read)
+    yield from stacked_groups(groups, "codebooks")
 
 
 CODE_PREDICTOR_RULES: tuple[ParamRule, ...] = (
