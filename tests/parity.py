@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from omni_jax.models.attention import AttentionMetadata
 
@@ -39,3 +43,50 @@ def chunk_metadata(pages: np.ndarray, page_size: int, start: int, end: int) -> A
         context_lens=jnp.array([end]),
         query_lens=jnp.array([end - start]),
     )
+
+
+class CountedJit:
+    """``jax.jit`` of a split module's call on one input, ``nnx.merge(graphdef, state)(x)``, that
+    counts its traces (``traces``): another input of the same shapes must compile nothing."""
+
+    def __init__(self, graphdef: nnx.GraphDef) -> None:
+        self.traces = 0
+
+        def forward(state: nnx.State, x: Any) -> Any:
+            self.traces += 1
+            return nnx.merge(graphdef, state)(x)
+
+        self._jitted = jax.jit(forward)
+
+    def __call__(self, state: nnx.State, x: Any) -> Any:
+        return self._jitted(state, x)
+
+
+def random_tokens(n: int, seed: int, high: int = 1000) -> list[int]:
+    """``n`` text token ids below ``high``, drawn from ``RandomState(seed)``."""
+    return np.random.RandomState(seed).randint(0, high, size=n).tolist()
+
+
+def random_patches(rng: np.random.Generator, grid: tuple[int, int, int], dim: int) -> np.ndarray:
+    """``[t * h * w, dim]`` standard-normal float32 patches of a vision input of ``grid``."""
+    t, h, w = grid
+    return rng.standard_normal((t * h * w, dim)).astype(np.float32)
+
+
+def randomize_moe_block(block: Any) -> None:
+    """An HF sparse MoE block's experts ~ 1/sqrt(fan_in) (their fan-in is the last axis, where
+    :func:`omni_jax.testing.randomize_weights` would take a whole ``[out, in]`` slice) and its
+    router scaled to logits of order 3, so routing is decided by the signal. Torch's global RNG."""
+    import torch
+
+    with torch.no_grad():
+        for p in (block.experts.gate_up_proj, block.experts.down_proj):
+            p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
+        block.gate.weight.mul_(3.0)
+
+
+def randomize_moe_layers(layers: Any) -> None:
+    """:func:`randomize_moe_block` on the MLP of every decoder layer that has experts, in order."""
+    for layer in layers:
+        if hasattr(layer.mlp, "experts"):
+            randomize_moe_block(layer.mlp)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import rel_err
+from parity import CountedJit, rel_err
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniAudioEncoderConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
 
@@ -15,7 +14,6 @@ from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     AUDIO_IGNORE,
     AUDIO_RULES,
-    AudioBatch,
     AudioEncoder,
     AudioEncoderSpec,
     audio_chunk_buckets,
@@ -58,14 +56,7 @@ def test_audio_encoder_matches_reference_batched(n_window: int) -> None:
         lambda: AudioEncoder(spec, rngs=nnx.Rngs(0)), torch_state_items(ref), AUDIO_RULES, ignore=AUDIO_IGNORE
     )
     graphdef, state = nnx.split(model)
-    traces = 0
-
-    def forward(state: nnx.State, batch: AudioBatch) -> jax.Array:
-        nonlocal traces
-        traces += 1
-        return nnx.merge(graphdef, state)(batch)
-
-    encode = jax.jit(forward)
+    encode = CountedJit(graphdef)
     rng = np.random.default_rng(0)
     chunk = 2 * n_window
     # longer than two chunks with a tail, shorter than a chunk, exactly two chunks
@@ -94,7 +85,7 @@ def test_audio_encoder_matches_reference_batched(n_window: int) -> None:
     out2 = rows2.split(np.asarray(encode(state, batch2)))
     for f, got in zip(other, out2, strict=True):
         assert rel_err(got, _reference_forward(ref, [f])) < 1e-5
-    assert traces == 1
+    assert encode.traces == 1
 
 
 def test_clips_cut_into_calls_match_reference() -> None:
@@ -106,7 +97,7 @@ def test_clips_cut_into_calls_match_reference() -> None:
         lambda: AudioEncoder(spec, rngs=nnx.Rngs(0)), torch_state_items(ref), AUDIO_RULES, ignore=AUDIO_IGNORE
     )
     graphdef, state = nnx.split(model)
-    encode = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+    encode = CountedJit(graphdef)
     rng = np.random.default_rng(1)
     chunk = spec.chunk_frames
     lengths = [3 * chunk + 1, 5, chunk, 4 * chunk, 2 * chunk - 1]  # 4, 1, 1, 4, 2 chunks

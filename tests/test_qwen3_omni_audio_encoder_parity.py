@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import rel_err
+from parity import CountedJit, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
 
@@ -16,7 +15,6 @@ from omni_jax.models.qwen2_5_omni.audio_encoder import audio_chunk_buckets, plan
 from omni_jax.models.qwen3_omni.audio_encoder import (
     AUDIO_IGNORE,
     AUDIO_RULES,
-    AudioBatch,
     AudioEncoder,
     AudioEncoderSpec,
     audio_output_rows,
@@ -88,14 +86,7 @@ def test_audio_encoder_matches_reference_batched(reference, encoder) -> None:
     two chunks, and less than a chunk equals the reference's call over them, and each clip's
     rows, given its own padding, equal the reference's for it alone, in this call and alone."""
     spec, graphdef, state = encoder
-    traces = 0
-
-    def forward(state: nnx.State, batch: AudioBatch) -> jax.Array:
-        nonlocal traces
-        traces += 1
-        return nnx.merge(graphdef, state)(batch)
-
-    encode = jax.jit(forward)
+    encode = CountedJit(graphdef)
     rng = np.random.default_rng(0)
     lengths = [5 * CHUNK + 37, CHUNK + 30, 2 * CHUNK, 60]
     feats = _features(rng, lengths)
@@ -119,14 +110,14 @@ def test_audio_encoder_matches_reference_batched(reference, encoder) -> None:
         assert rel_err(got, ref) < TOLERANCE
         single, single_rows = prepare_audio_batch([f], spec, min_chunks=16, pad_frames=[pad])
         assert rel_err(single_rows.split(np.asarray(encode(state, single)))[0], ref) < TOLERANCE
-    assert traces == 1
+    assert encode.traces == 1
 
 
 def test_short_clips_keep_the_reference_padding(reference, encoder) -> None:
     """Clips all shorter than a chunk: the reference pads them to the longest, and its last tokens
     show it; the default padding reproduces the call, a per-clip one each clip alone."""
     spec, graphdef, state = encoder
-    encode = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+    encode = CountedJit(graphdef)
     feats = _features(np.random.default_rng(1), [60, 37])
     batch, rows = prepare_audio_batch(feats, spec)
     assert list(batch.chunk_pads[:2]) == [60, 60]
@@ -146,7 +137,7 @@ def test_clips_cut_into_calls_match_reference(reference, encoder) -> None:
     """Clips cut into calls by the shared planner: each clip's rows equal the reference's for it
     alone."""
     spec, graphdef, state = encoder
-    encode = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+    encode = CountedJit(graphdef)
     lengths = [3 * CHUNK + 1, 5, CHUNK, 4 * CHUNK, 2 * CHUNK - 1]  # 4, 1, 1, 4, 2 chunks
     feats = _features(np.random.default_rng(2), lengths)
     buckets = audio_chunk_buckets(4 * CHUNK, spec)

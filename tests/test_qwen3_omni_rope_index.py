@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from parity import random_tokens as text
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoePreTrainedModelForConditionalGeneration as RefBase,
@@ -31,6 +32,7 @@ from omni_jax.models.qwen3_omni.rope_index import (
     media_rope_index,
 )
 from omni_jax.testing import build_tokenizer
+from omni_jax.testing_qwen3_omni import QWEN3_OMNI_NAMED_TOKENS
 
 VS, VE = 151652, 151653  # vision start / end, as in the released config
 CFG = Qwen3OmniMoeThinkerConfig(vision_start_token_id=VS, position_id_per_seconds=13)
@@ -56,10 +58,6 @@ def reference(ids: list[int], **kw: object) -> tuple[np.ndarray, torch.Tensor]:
         second_per_grids=torch.tensor(kw["second_per_grid_ts"]) if "second_per_grid_ts" in kw else None,
     )
     return pos[:, 0].numpy(), delta[0, 0]
-
-
-def text(n: int, seed: int) -> list[int]:
-    return np.random.RandomState(seed).randint(0, 1000, size=n).tolist()
 
 
 def image(grid: tuple[int, int, int]) -> list[int]:
@@ -200,16 +198,6 @@ def test_placeholder_mismatch_is_refused() -> None:
 
 # -- the processor's placeholders -------------------------------------------------------------
 
-NAMED_TOKENS = {
-    "audio_token": "<|audio_pad|>",
-    "audio_bos_token": "<|audio_start|>",
-    "audio_eos_token": "<|audio_end|>",
-    "vision_bos_token": "<|vision_start|>",
-    "vision_eos_token": "<|vision_end|>",
-    "image_token": "<|image_pad|>",
-    "video_token": "<|video_pad|>",
-}
-
 
 @pytest.fixture(scope="module")
 def processor() -> Qwen3OmniProcessor:
@@ -219,7 +207,7 @@ def processor() -> Qwen3OmniProcessor:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen3OmniProcessor(
-        build_tokenizer(named_special=NAMED_TOKENS),
+        build_tokenizer(named_special=QWEN3_OMNI_NAMED_TOKENS),
         WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, chunk_length=30),
         Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, min_pixels=32 * 32, max_pixels=32 * 32 * 16),
         VideoProcessor(
@@ -279,7 +267,8 @@ def test_processed_video_with_audio_positions_match_reference(processor: Qwen3Om
     picture = (rng.random((40, 70, 3)) * 255).astype(np.uint8)
     track = rng.standard_normal(16_000 * 5).astype(np.float32) * 0.1
     vision_bos, vision_eos = (
-        p.tokenizer.convert_tokens_to_ids(NAMED_TOKENS[k]) for k in ("vision_bos_token", "vision_eos_token")
+        p.tokenizer.convert_tokens_to_ids(QWEN3_OMNI_NAMED_TOKENS[k])
+        for k in ("vision_bos_token", "vision_eos_token")
     )
     ids = [300, vision_bos, p.video_id, vision_eos, 301, vision_bos, p.image_id, vision_eos, 302]
     out = p.process(0, ids, {"video": video, "image": picture, "audio": track}, use_audio_in_video=True)

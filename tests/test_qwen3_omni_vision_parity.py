@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import rel_err
+from parity import CountedJit, random_patches, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeVisionEncoderConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
 
@@ -19,7 +19,6 @@ from omni_jax.models.qwen2_5_omni.vision_encoder import plan_vision_calls, visio
 from omni_jax.models.qwen3_omni.vision_encoder import (
     VISION_IGNORE,
     VISION_RULES,
-    VisionBatch,
     VisionEncoder,
     VisionEncoderSpec,
     prepare_vision_batch,
@@ -93,27 +92,15 @@ def _err(got: Features, want: Features) -> float:
     return max(rel_err(g, w) for g, w in zip(got, want, strict=True))
 
 
-def _patches(rng: np.random.Generator, grid: tuple[int, int, int], dim: int) -> np.ndarray:
-    t, h, w = grid
-    return rng.standard_normal((t * h * w, dim)).astype(np.float32)
-
-
 def test_vision_encoder_matches_reference_batched(reference, encoder) -> None:
     """Two images of different grids and a video in one call equal the reference's call over
     them, and each item alone; another batch of the same call size compiles nothing."""
     spec, graphdef, state = encoder
-    traces = 0
-
-    def forward(state: nnx.State, batch: VisionBatch) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        nonlocal traces
-        traces += 1
-        return nnx.merge(graphdef, state)(batch)
-
-    encode = jax.jit(forward)
+    encode = CountedJit(graphdef)
     rng = np.random.default_rng(0)
     # an image larger than the 5x5 position grid, one smaller, a 2-frame video
     grids = [(1, 6, 8), (1, 4, 2), (2, 4, 6)]
-    patches = [_patches(rng, g, spec.patch_dim) for g in grids]
+    patches = [random_patches(rng, g, spec.patch_dim) for g in grids]
 
     batch, split = prepare_vision_batch(patches, grids, spec)
     assert batch.patches.shape[0] == 128
@@ -128,12 +115,12 @@ def test_vision_encoder_matches_reference_batched(reference, encoder) -> None:
         assert _err(_per_item(_ours(encode(state, single)), single_split)[0], alone) < TOLERANCE
 
     grids2 = [(1, 8, 8), (3, 2, 4), (1, 6, 6)]
-    patches2 = [_patches(rng, g, spec.patch_dim) for g in grids2]
+    patches2 = [random_patches(rng, g, spec.patch_dim) for g in grids2]
     batch2, split2 = prepare_vision_batch(patches2, grids2, spec)
     assert jax.tree.map(np.shape, batch2) == jax.tree.map(np.shape, batch)
     for p, g, item in zip(patches2, grids2, _per_item(_ours(encode(state, batch2)), split2), strict=True):
         assert _err(item, _reference_forward(reference, [p], [g])) < TOLERANCE
-    assert traces == 1
+    assert encode.traces == 1
 
 
 def test_calls_cut_by_the_plan_match_reference(reference, encoder, monkeypatch) -> None:
@@ -142,10 +129,10 @@ def test_calls_cut_by_the_plan_match_reference(reference, encoder, monkeypatch) 
     tiles: each item's rows equal the reference's for it alone."""
     spec, graphdef, state = encoder
     monkeypatch.setattr(qwen2_5_vision, "SCORE_ELEMENTS", 16 * 64 * spec.num_heads)  # 16-query tiles
-    encode = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+    encode = CountedJit(graphdef)
     rng = np.random.default_rng(1)
     grids = [(3, 6, 10), (1, 2, 2), (1, 10, 4), (2, 4, 4)]
-    patches = [_patches(rng, g, spec.patch_dim) for g in grids]
+    patches = [random_patches(rng, g, spec.patch_dim) for g in grids]
     buckets = vision_token_buckets(spec, 60)
     assert buckets == (64,)
     calls = plan_vision_calls(grids, spec, buckets)

@@ -8,6 +8,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from parity import random_tokens as text
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniThinkerConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
@@ -48,10 +49,6 @@ def reference(ids: list[int], **kw: object) -> tuple[np.ndarray, int]:
         **tensors,
     )
     return pos[:, 0].numpy(), int(delta[0, 0])
-
-
-def text(n: int, seed: int) -> list[int]:
-    return np.random.RandomState(seed).randint(0, 1000, size=n).tolist()
 
 
 def image(grid: tuple[int, int, int]) -> list[int]:

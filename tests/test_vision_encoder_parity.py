@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import torch
 from flax import nnx
-from parity import rel_err
+from parity import CountedJit, random_patches, rel_err
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniVisionEncoderConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniVisionEncoder
 
@@ -14,7 +14,6 @@ from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.qwen2_5_omni import vision_encoder
 from omni_jax.models.qwen2_5_omni.vision_encoder import (
     VISION_RULES,
-    VisionBatch,
     VisionEncoder,
     VisionEncoderSpec,
     plan_vision_calls,
@@ -51,28 +50,16 @@ def _reference_forward(
     return out.pooler_output.numpy()
 
 
-def _patches(rng: np.random.Generator, grid: tuple[int, int, int], dim: int) -> np.ndarray:
-    t, h, w = grid
-    return rng.standard_normal((t * h * w, dim)).astype(np.float32)
-
-
 def test_vision_encoder_matches_reference_batched() -> None:
     ref = _reference()
     spec = VisionEncoderSpec.from_hf(ref.config)
     model = build_model(lambda: VisionEncoder(spec, rngs=nnx.Rngs(0)), torch_state_items(ref), VISION_RULES)
     graphdef, state = nnx.split(model)
-    traces = 0
-
-    def forward(state: nnx.State, batch: VisionBatch) -> jax.Array:
-        nonlocal traces
-        traces += 1
-        return nnx.merge(graphdef, state)(batch)
-
-    encode = jax.jit(forward)
+    encode = CountedJit(graphdef)
     rng = np.random.default_rng(0)
     # an image whose merged grid (3x4) is cut by the 2x2 windows, and a 2-frame video (2x3)
     grids = [(1, 6, 8), (2, 4, 6)]
-    patches = [_patches(rng, g, spec.patch_dim) for g in grids]
+    patches = [random_patches(rng, g, spec.patch_dim) for g in grids]
 
     batch, rows = prepare_vision_batch(patches, grids, spec)
     per_request = rows.split(np.asarray(encode(state, batch)))
@@ -87,17 +74,17 @@ def test_vision_encoder_matches_reference_batched() -> None:
         assert rel_err(got, alone) < 1e-5
         single, single_rows = prepare_vision_batch([p], [g], spec)
         assert rel_err(single_rows.split(np.asarray(encode(state, single)))[0], alone) < 1e-5
-    traces_before = traces
+    traces_before = encode.traces
 
     # a different batch with the same bucket sizes reuses the compiled function
     grids2 = [(1, 8, 8), (2, 4, 4)]
-    patches2 = [_patches(rng, g, spec.patch_dim) for g in grids2]
+    patches2 = [random_patches(rng, g, spec.patch_dim) for g in grids2]
     batch2, rows2 = prepare_vision_batch(patches2, grids2, spec)
     assert jax.tree.map(np.shape, batch2) == jax.tree.map(np.shape, batch)
     out2 = rows2.split(np.asarray(encode(state, batch2)))
     for p, g, got in zip(patches2, grids2, out2, strict=True):
         assert rel_err(got, _reference_forward(ref, [p], [g])) < 1e-5
-    assert traces == traces_before
+    assert encode.traces == traces_before
 
 
 def test_calls_cut_by_the_plan_match_reference(monkeypatch) -> None:
@@ -110,12 +97,12 @@ def test_calls_cut_by_the_plan_match_reference(monkeypatch) -> None:
     model = build_model(lambda: VisionEncoder(spec, rngs=nnx.Rngs(0)), torch_state_items(ref), VISION_RULES)
     graphdef, state = nnx.split(model)
     monkeypatch.setattr(vision_encoder, "SCORE_ELEMENTS", 2 * 16 * spec.num_heads)  # 1 or 2 queries a tile
-    encode = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+    encode = CountedJit(graphdef)
     rng = np.random.default_rng(1)
     # a 3-frame video of 6x10 (windows cut at the right edge), a 2x2 image (one unit), a
     # 10x4 image, a 2-frame 4x4 video
     grids = [(3, 6, 10), (1, 2, 2), (1, 10, 4), (2, 4, 4)]
-    patches = [_patches(rng, g, spec.patch_dim) for g in grids]
+    patches = [random_patches(rng, g, spec.patch_dim) for g in grids]
     buckets = vision_token_buckets(spec, 64)
     assert buckets == (16, 32, 48, 64)
     calls = plan_vision_calls(grids, spec, buckets)
