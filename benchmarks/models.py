@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from omni_jax.testing import build_tiny_qwen2, build_tiny_qwen2_5_omni
+from omni_jax.testing import TINY_BIGVGAN_CONFIG, TINY_DIT_CONFIG, build_tiny_qwen2, build_tiny_qwen2_5_omni
 
 # ~40M parameters: Qwen2.5-0.5B's head layout at a width and depth this CPU runs in minutes.
 SMALL = dict(
@@ -32,6 +32,31 @@ SMALL_TOKEN2WAV = dict(
 4 DiT layers instead of 22, one looking ahead and two looking back as in the real stack, so the
 reference decodes a batch on this CPU in minutes. Thinker and talker stay tiny."""
 
+LONG_REPLY_POSITIONS = 2048
+"""``max_position_embeddings`` of the talker's decoder and of the DiT in the checkpoints of the
+streamed-speech suite (:mod:`benchmarks.stream_suite`): the tiny builder's 512 hold a talker prompt
+and its codes in 512 positions and an offline code2wav request in 256 codes (5 s at Qwen2.5-Omni's
+50 codes per second); 2048 holds replies of up to 1024 codes (20 s) offline. Only the positions
+change: no weight depends on them (both use rotary positions), so the weights are the seed's."""
+
+
+def build_long_replies(path: Path, token2wav_config: dict | None = None) -> Path:
+    """The ``tiny`` Qwen2.5-Omni (with ``token2wav_config``: ``small``'s) with the talker's and the
+    DiT's positions at :data:`LONG_REPLY_POSITIONS`. The DiT's is set through ``token2wav_config``;
+    the talker's in ``config.json`` after the build (its sub-config is the builder's own), which
+    draws the same weights: a position count shapes no parameter."""
+    t2w = token2wav_config or dict(dit_config=TINY_DIT_CONFIG, bigvgan_config=TINY_BIGVGAN_CONFIG)
+    dit = dict(t2w.get("dit_config", {}), max_position_embeddings=LONG_REPLY_POSITIONS)
+    build_tiny_qwen2_5_omni(path, seed=0, token2wav_config=dict(t2w, dit_config=dit))
+    config = json.loads((path / "config.json").read_text())
+    config["talker_config"]["max_position_embeddings"] = LONG_REPLY_POSITIONS
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+LONG_REPLIES = "qwen2_5_omni_long_replies"
+"""The :data:`BUILDERS` key of :func:`build_long_replies`' checkpoints."""
+
 BUILDERS: dict[str, dict[str, tuple[str, Callable[[Path], Path]]]] = {
     "qwen2": {
         "tiny": ("bench-tiny-qwen2", lambda p: build_tiny_qwen2(p, seed=0)),
@@ -44,11 +69,16 @@ BUILDERS: dict[str, dict[str, tuple[str, Callable[[Path], Path]]]] = {
             lambda p: build_tiny_qwen2_5_omni(p, seed=0, token2wav_config=SMALL_TOKEN2WAV),
         ),
     },
+    LONG_REPLIES: {  # model_type qwen2_5_omni (benchmarks.run.Suite.builds)
+        "tiny": ("bench-tiny-long-qwen2_5_omni", build_long_replies),
+        "small": ("bench-small-long-qwen2_5_omni", lambda p: build_long_replies(p, SMALL_TOKEN2WAV)),
+    },
 }
-"""``BUILDERS[model_type][name]``: the locally built checkpoints, by the ``model_type`` a suite runs."""
+"""``BUILDERS[key][name]``: the locally built checkpoints, by the ``model_type`` a suite runs (or
+the key a suite names in ``benchmarks.run.Suite.builds``: a variant of that model_type)."""
 
 
-def builder_version() -> str:
+def builder_version(kind: str = "") -> str:
     """A digest of what the local checkpoints are built from (the builders in
     :mod:`omni_jax.testing` and the configs here), part of their cache directory's name, so a
     checkpoint built by an older builder (e.g. before the tiny talker learnt to stop) is never
@@ -56,6 +86,8 @@ def builder_version() -> str:
     import omni_jax.testing
 
     text = inspect.getsource(omni_jax.testing) + repr(SMALL) + repr(SMALL_TOKEN2WAV)
+    if kind == LONG_REPLIES:  # the other checkpoints' digests stay as they were
+        text += inspect.getsource(build_long_replies) + repr(LONG_REPLY_POSITIONS)
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -69,7 +101,7 @@ def resolve_model(name: str, cache_dir: Path, kind: str = "qwen2") -> Path:
     directory ``name``."""
     if name in BUILDERS[kind]:
         dirname, build = BUILDERS[kind][name]
-        path = cache_dir / f"{dirname}-{builder_version()}"
+        path = cache_dir / f"{dirname}-{builder_version(kind)}"
         if not (path / "config.json").exists():
             partial = path.with_name(path.name + ".partial")  # an interrupted build is never reused
             shutil.rmtree(partial, ignore_errors=True)

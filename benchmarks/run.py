@@ -1,5 +1,6 @@
 """``python -m benchmarks.run --suite {ar,code2wav,e2e,soak,all} --model {tiny,small,PATH} [--reference]
-[--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]`` (also ``omni-jax bench ...``).
+[--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]`` (also ``omni-jax bench ...``);
+``--suite e2e --stream``: streamed speech against offline decoding (:mod:`benchmarks.stream_suite`).
 
 ``tiny`` and ``small`` name a locally built checkpoint per suite (:mod:`benchmarks.models`);
 ``all`` runs every registered suite but the soak (with a PATH, those whose ``model_type`` it is). Each suite
@@ -37,17 +38,23 @@ class Suite:
     """``module`` has ``run(path, args) -> dict`` and ``table(result) -> str``; ``model_type`` is
     the checkpoint kind it runs (the key of :data:`benchmarks.models.BUILDERS` for tiny / small);
     ``in_all``: whether ``--suite all`` runs it (the soak is asked for by name); ``also``: other
-    ``model_type``s it runs from a checkpoint PATH."""
+    ``model_type``s it runs from a checkpoint PATH; ``builds``: the key of
+    :data:`benchmarks.models.BUILDERS` its tiny / small are built by, when not ``model_type``'s
+    (a variant of that model_type)."""
 
     module: str
     model_type: str
     in_all: bool = True
     also: tuple[str, ...] = ()
+    builds: str | None = None
 
     def kind(self, model: str) -> str:
-        """The ``model_type`` to resolve ``--model`` as: ``also``'s one when PATH is of it."""
+        """The ``model_type`` to resolve ``--model`` as: ``also``'s one when PATH is of it
+        (``builds`` for tiny / small when set)."""
         from benchmarks.models import model_type
 
+        if self.builds and model in ("tiny", "small"):
+            return self.builds
         if self.also and (Path(model) / "config.json").exists() and model_type(Path(model)) in self.also:
             return model_type(Path(model))
         return self.model_type
@@ -60,8 +67,12 @@ SUITES: dict[str, Suite] = {
     "soak": Suite("benchmarks.soak_suite", "qwen2", in_all=False),
     "memory": Suite("benchmarks.memory_suite", "qwen2", in_all=False),
     "serve": Suite("benchmarks.serve_suite", "qwen2", in_all=False, also=("qwen2_5_omni",)),
+    "e2e_stream": Suite(
+        "benchmarks.stream_suite", "qwen2_5_omni", in_all=False, builds="qwen2_5_omni_long_replies"
+    ),
 }
-"""The registered suites, in the order ``--suite all`` runs them; a new one is one line here."""
+"""The registered suites, in the order ``--suite all`` runs them; a new one is one line here.
+``e2e_stream`` is what ``--suite e2e --stream`` runs."""
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -81,6 +92,28 @@ def parse_ref_batches(text: str) -> list[int | str]:
             raise argparse.ArgumentTypeError(f"{text!r}: positive batch sizes or 'all', e.g. 8,16,all")
     if not sizes:
         raise argparse.ArgumentTypeError(f"{text!r}: positive batch sizes or 'all', e.g. 8,16,all")
+    return sizes
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        levels = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        levels = []
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: positive client counts, e.g. 1,4,16")
+    return levels
+
+
+def parse_stream_sizes(text: str) -> dict[str, int]:
+    from omni_jax.stages.code2wav import STREAM_KEYS
+
+    sizes: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in STREAM_KEYS or not value.isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: KEY=N items, KEY one of {sorted(STREAM_KEYS)}")
+        sizes[key] = int(value)
     return sizes
 
 
@@ -160,6 +193,26 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     e2e.add_argument(
         "--image-size", type=int, default=None, help="each image request's square side (default 56 to 112 px)"
     )
+    stream = p.add_argument_group(
+        "e2e --stream (--max-tokens: text tokens; --num-steps, --guidance-scale, --repeats as e2e)"
+    )
+    stream.add_argument(
+        "--stream", action="store_true", help="with --suite e2e: streamed speech against offline decoding"
+    )
+    stream.add_argument(
+        "--concurrency",
+        type=parse_concurrency,
+        default=[1, 4, 16],
+        help="closed-loop clients (default 1,4,16)",
+    )
+    stream.add_argument("--codes", type=int, default=500, help="talker codes per request, exactly (50 per s)")
+    stream.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends")
+    stream.add_argument(
+        "--stream-sizes",
+        type=parse_stream_sizes,
+        default={},
+        help="code2wav engine.stream keys to set, e.g. chunk_codes=6,past_codes=4 (default: shipped)",
+    )
     soak = p.add_argument_group("soak suite (--num-requests: 5000 by default)")
     soak.add_argument("--soak-rounds", type=int, default=3, help="rounds under the tight page budget")
     soak.add_argument(
@@ -203,11 +256,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
     os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")
     from benchmarks.models import resolve_model
 
+    if args.stream and args.suite not in ("e2e", "e2e_stream"):
+        raise SystemExit("--stream goes with --suite e2e")
+    suite_name = "e2e_stream" if args.stream else args.suite
     command = " ".join(shlex.quote(a) for a in [*prog.split(), *argv])
     harness.set_threads()
     results = []
     failed = False
-    for name in suites_for(args.suite, args.model):
+    for name in suites_for(suite_name, args.model):
         suite = SUITES[name]
         module = importlib.import_module(suite.module)
         suite_args = copy.copy(args)

@@ -156,6 +156,86 @@ def test_e2e_suite(tmp_path: Path) -> None:
         )
 
 
+def test_stream_suite(tmp_path: Path) -> None:
+    """``--suite e2e --stream``: closed loops of 1 and 2 clients, one reply of 32 codes each,
+    code2wav offline and streamed (the small chunks of tests/test_streamed_audio.py: 5 a reply),
+    on the suite's tiny checkpoint (talker and DiT positions raised): the schema, both modes'
+    figures, identical talker codes, nothing compiled after warm-up, the waveform distances, and
+    the first audio sooner streamed than offline."""
+    argv = "--suite e2e --stream --model tiny --concurrency 1,2 --codes 32 --requests-per-client 1"
+    argv += " --stream-sizes chunk_codes=6,past_codes=4,future_codes=2,overlap_frames=4 --max-tokens 2"
+    argv += " --num-steps 2 --repeats 1 --max-num-seqs 2 --max-model-len 128 --max-num-batched-tokens 16"
+    result = run_suite(tmp_path, argv)
+    for key in (*harness.SUITE_FIELDS, *harness.HARNESS_FIELDS, *harness.OPTIONAL_FIELDS):
+        assert key in result, key
+    assert result["suite"] == "e2e_stream" and result["model"] == "tiny" and result["failures"] == []
+    assert result["command"].startswith("python -m benchmarks.run --suite e2e --stream --model tiny")
+    assert {"jax", "jaxlib", "torch", "transformers"} <= set(result["versions"])
+    assert result["environment"]["threads"]["xla_intra_op"] == result["environment"]["cores"] >= 1
+    assert result["persistent_cache"] is None and all(math.isfinite(v) for v in _numbers(result))
+    assert result["reference"] is None and result["backends"]["cpu_kernel_ran"]
+    assert result["concurrency"] == [1, 2] and result["codes_per_request"] == 32
+    assert result["stream"]["chunk_codes"] == 6 and result["audio_s_per_request"] == 32 * 2 * 60 / 24_000
+    c = result["compile"]["ours"]
+    assert c["warmup_programs"] > 0 and c["warmup_stages"]["code2wav"]["programs"] == 2 * 1 + 2
+    assert c["compiles_after_warmup"] == 0 and c["first_run_s"] > 0 and c["steady_run_s"] > 0
+    # the unmeasured first run (1 request) and the measured ones (1 + 2), each in both modes
+    assert result["codes"] == {"compared": 4, "identical": 4, "differ_from_first_run_of_prompt": 0}
+    for mode, updates in (("offline", 1), ("streamed", 5)):
+        for level in ("1", "2"):
+            f = result["ours"][mode][level]
+            assert f["requests"] == int(level) and f["failed"] == 0
+            assert f["speech_s"] == pytest.approx(int(level) * 32 / 50) and f["speech_s_per_s"] > 0
+            assert f["audio_updates_mean"] == updates
+            for key in ("ttfa_s", "ttft_s", "e2e_s", "rtf"):
+                assert 0 < f[key]["p50"] <= f[key]["max"], key
+            assert f["ttfa_s"]["max"] <= f["e2e_s"]["max"] and f["stage_s"]["code2wav"] > 0
+            solves = f["code2wav_solves"]
+            assert (solves["offline_rows"], solves["chunk_rows"]) == (
+                (int(level), 0) if mode == "offline" else (0, 5 * int(level))
+            )
+    one = result["ours"]
+    assert one["streamed"]["1"]["ttfa_s"]["p50"] < one["offline"]["1"]["ttfa_s"]["p50"]
+    ratio = result["ratio"]["1"]
+    assert ratio["ttfa_p50_offline_over_streamed"] > 1 and ratio["throughput_streamed_over_offline"] > 0
+    assert result["targets"]["1"]["ttfa_met"] is None  # 32 codes: the target is for 500 or more
+    distance = result["waveform_distance"]["streamed_vs_offline"]
+    assert distance["pairs"] == 3 and 0 <= distance["rel_l2_mean"] < 1 and distance["log_mel_l1_max"] >= 0
+    assert result["waveform_distance"]["length_differs"] == 0
+
+
+def test_stream_suite_arguments(tmp_path: Path) -> None:
+    """``--stream`` goes with ``--suite e2e`` only; no transformers reference; bad sizes refused."""
+    with pytest.raises(SystemExit, match="--stream goes with --suite e2e"):
+        main(["--suite", "ar", "--stream", "--cache-dir", str(tmp_path)])
+    for bad in (["--concurrency", "0,2"], ["--stream-sizes", "chunk=6"], ["--stream-sizes", "chunk_codes=x"]):
+        with pytest.raises(SystemExit):
+            parser().parse_args(bad)
+    args = parser().parse_args(["--stream-sizes", "chunk_codes=6,overlap_frames=4", "--concurrency", "4,1"])
+    assert args.stream_sizes == {"chunk_codes": 6, "overlap_frames": 4} and args.concurrency == [1, 4]
+    from benchmarks import stream_suite
+
+    with pytest.raises(SystemExit, match="no transformers reference"):
+        stream_suite.run(tmp_path, parser().parse_args(["--suite", "e2e", "--stream", "--reference"]))
+
+
+def test_log_mel_distance() -> None:
+    """The waveform distances: zero for one waveform, relative L2 of a scaled copy is the scale's
+    distance from 1, and a 2x amplitude moves every log-mel bin by log 4 (where above the floor)."""
+    from benchmarks.stream_suite import distance, log_mel
+
+    t = np.arange(24_000) / 24_000
+    wave = (
+        0.3 * np.sin(2 * np.pi * 440 * t) + 0.01 * np.random.default_rng(0).standard_normal(t.size)
+    ).astype(np.float32)
+    assert distance(wave, wave) == {"rel_l2": 0.0, "log_mel_l1": 0.0}
+    d = distance(2 * wave, wave)
+    assert d["rel_l2"] == pytest.approx(1.0) and d["log_mel_l1"] == pytest.approx(np.log(4), rel=1e-3)
+    mel = log_mel(wave)
+    assert mel.shape == (24_000 // 256 + 1, 80) and np.isfinite(mel).all()
+    assert distance(wave[:1000], wave)["rel_l2"] == 0.0  # over the common length
+
+
 def test_soak_suite(tmp_path: Path) -> None:
     """Two tight rounds of random traffic: every request back, nothing left behind (the suite
     raises on a lost or miscounted request); the first 40 requests with the same caps in
@@ -263,7 +343,7 @@ def test_suite_choices() -> None:
     suite); one Suite line registers another."""
     from benchmarks.run import suites_for
 
-    assert list(SUITES) == ["ar", "code2wav", "e2e", "soak", "memory", "serve"]
+    assert list(SUITES) == ["ar", "code2wav", "e2e", "soak", "memory", "serve", "e2e_stream"]
     assert suites_for("all", "tiny") == ["ar", "code2wav", "e2e"]
     assert suites_for("soak", "tiny") == ["soak"]
     assert parser().parse_args(["--ref-batches", "16,all,8"]).ref_batches == [16, "all", 8]

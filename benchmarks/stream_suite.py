@@ -1,0 +1,634 @@
+"""e2e --stream suite: streamed speech against offline decoding (issue 22), the whole Qwen2.5-Omni
+pipeline in process.
+
+``python -m benchmarks.run --suite e2e --stream --model tiny``. Every request runs thinker ->
+talker -> code2wav through ``AsyncOmniJaxPipeline.generate`` with ``modalities`` text and audio,
+once with code2wav offline (``Token2WavParams(stream=False)``: the whole reply decoded once the
+talker has finished it) and once streamed (``stream=True``: decoded chunk by chunk while the
+talker speaks, the shipped stage YAML's ``engine.stream``, Qwen's constants: 36 new codes a
+chunk, 24 codes of DiT context before it, 12 after, 20 mel frames of vocoder overlap;
+``--stream-sizes`` overrides them, e.g. for a quick check). Both modes
+run the same requests in the same process on the same warmed-up pipeline, one after the other,
+taking turns over ``--repeats`` rounds (the first mode alternates), and do the same work:
+
+- thinker: greedy, exactly ``--max-tokens`` text tokens (``ignore_eos``);
+- talker: greedy, repetition penalty 1.05, exactly ``--codes`` codes (``min_tokens`` =
+  ``max_tokens``: its stop codes are held back until then; ``ignore_eos`` would not do, as it
+  lets the talker *emit* codec EOS / pad as codes, which the DiT cannot voice);
+- code2wav: ``--num-steps`` grid points, ``--guidance-scale`` CFG, sway -1, the noise seed of
+  request ``j`` fixed (``SEED + j``; a streamed request draws its rows from the seed exactly as
+  the offline solve does).
+
+Request ``j`` asks ``QUESTIONS[j % 8]`` in voice ``j % voices``. Load: closed loop at each
+concurrency ``c`` of ``--concurrency`` (default 1, 4, 16): ``c`` clients, client ``k`` sending
+requests ``k, k + c, k + 2c, ...`` one after the other (its next when the previous one's last
+update came), ``--requests-per-client`` each (default 2), all clients starting together
+(``--num-requests`` is not read).
+
+Per request: TTFA (from calling ``generate`` to the first update with a non-empty
+``audio_delta``; offline that is the one update that carries the whole waveform), TTFT (first text
+delta), e2e (to the last update), the audio updates. Per mode and concurrency: p50 / p90 / max of
+those, RTF (a request's e2e seconds per second of its speech, lower is better), throughput (speech
+seconds produced per wall second over the run), seconds inside each stage's ``step``, and ratios:
+TTFA offline p50 over streamed p50 (the issue's target: at least 5 at concurrency 1 and 4, for
+replies of 10 s or more) and throughput streamed over offline (target: at least 0.85).
+
+Speech seconds are the codes over 50: Qwen2.5-Omni-7B's code rate (2 mel frames a code, 240
+samples a frame at 24 kHz), the length the real model's vocoder would make of them. The tiny
+vocoder makes 60 samples a frame (0.25 of that: 500 codes are 2.5 s of its audio, recorded as
+``audio_s``), ``small``'s the real 240. "10 s of audio" is therefore ``--codes 500`` (default).
+The tiny builder's positions (512) hold a talker prompt and its codes in 512 positions and an
+offline code2wav request in 256 codes, so the suite's ``tiny`` and ``small`` are built with the
+talker's and the DiT's ``max_position_embeddings`` at 2048
+(:func:`benchmarks.models.build_long_replies`: only positions change, the weights are the
+builder's), and code2wav's ``max_codes`` is ``--codes`` (a stage YAML written for the run,
+``max_batch`` the largest concurrency up to the shipped 8: a closed loop never has more requests
+than clients, ``engine.stream`` with ``--stream-sizes``). A checkpoint PATH is used as it is.
+
+Warm-up: ``OmniJaxPipeline.warmup()`` (every program, offline and chunk solves; its programs and
+seconds reported apart), then one unmeasured run of the first concurrency's workload in each mode;
+every XLA compilation after ``warmup()`` is counted and any fails the suite. Other failures:
+streamed and offline runs disagreeing on a request's talker codes (same seeds, same work: they
+must be identical), a request failing or making other than ``--codes`` codes.
+
+Waveforms (reported, not asserted): for each request, its streamed and offline audio (same codes,
+same noise seed) as relative L2 ``||s - o|| / ||o||`` and log-mel L1 (mean absolute difference of
+natural-log mel spectrograms: numpy STFT, 1024-point periodic Hann window, hop 256, 80 HTK mel
+bands 0-12 kHz, floor 1e-5); beside them the same distances between two offline decodes of the
+same codes with different seeds (requests ``j`` and ``j + 8``, where a level has both), the scale
+of what the noise alone changes.
+
+``--reference`` is refused: transformers has no streamed token2wav; the baseline is ours offline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from benchmarks.e2e_suite import QUESTIONS, REPETITION_PENALTY, StageClock
+from benchmarks.harness import backends, measured_window, sized_code2wav_config, warmed_up
+from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, SamplingParams, Token2WavParams
+
+STAGES = ("thinker", "talker", "code2wav")
+MODES = ("offline", "streamed")
+SAMPLE_RATE = 24_000
+CODES_PER_SPEECH_SECOND = 50
+"""Qwen2.5-Omni-7B: 2 mel frames a code, 240 samples a frame at 24 kHz."""
+SEED = 1000
+"""Request ``j``'s code2wav noise seed is ``SEED + j``, in both modes."""
+MAX_CODE2WAV_BATCH = 8
+"""The shipped code2wav ``max_batch``; the suite's is the largest concurrency up to it."""
+TTFA_TARGET = 5.0
+TTFA_TARGET_CONCURRENCY = (1, 4)
+TARGET_CODES = 500
+"""The TTFA target holds for replies of 10 s or more: 500 codes at the real model's rate."""
+THROUGHPUT_TARGET = 0.85
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[dict[str, Any]]
+    text_tokens: int
+    codes: int
+    num_steps: int
+    guidance_scale: float
+
+    def params(self, j: int, stream: bool) -> list[Any]:
+        return [
+            SamplingParams(temperature=0.0, max_tokens=self.text_tokens, ignore_eos=True),
+            SamplingParams(
+                temperature=0.0,
+                repetition_penalty=REPETITION_PENALTY,
+                min_tokens=self.codes,
+                max_tokens=self.codes,
+            ),
+            Token2WavParams(
+                num_steps=self.num_steps,
+                guidance_scale=self.guidance_scale,
+                seed=SEED + j,
+                stream=stream,
+            ),
+        ]
+
+
+@dataclasses.dataclass
+class Record:
+    """One request as its client saw it (seconds from calling ``generate``)."""
+
+    index: int
+    ttft_s: float | None
+    ttfa_s: float | None
+    e2e_s: float
+    audio_updates: int
+    samples: int
+    codes: list[int]
+    metrics: dict[str, dict[str, Any]]
+    audio: np.ndarray | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Run:
+    """One mode's run of one concurrency level."""
+
+    mode: str
+    concurrency: int
+    wall_s: float
+    stage_s: dict[str, float]
+    records: list[Record]
+    solves: dict[str, int]
+
+
+class SolveCounter:
+    """code2wav's solves while active: offline (``runner.step``) and chunk solves
+    (``decoder.run``), each counted with the requests it decoded (a solve returns one output a
+    request)."""
+
+    def __init__(self, stage: Any):
+        self.targets = {"offline": (stage.runner, "step"), "chunk": (stage.decoder, "run")}
+        self.counts = {f"{k}_{n}": 0 for k in self.targets for n in ("solves", "rows")}
+
+    def _counted(self, kind: str, fn: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def counted(*args: Any, **kwargs: Any) -> list[Any]:
+            out = fn(*args, **kwargs)
+            if out:
+                self.counts[f"{kind}_solves"] += 1
+                self.counts[f"{kind}_rows"] += len(out)
+            return out
+
+        return counted
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[SolveCounter]:
+        self.counts = dict.fromkeys(self.counts, 0)
+        for kind, (obj, attr) in self.targets.items():
+            setattr(obj, attr, self._counted(kind, getattr(obj, attr)))
+        try:
+            yield self
+        finally:
+            for obj, attr in self.targets.values():
+                delattr(obj, attr)
+
+
+async def _request(served: AsyncOmniJaxPipeline, work: Workload, j: int, stream: bool) -> Record:
+    prompt = work.prompts[j % len(work.prompts)]
+    params = work.params(j, stream)
+    ttft = ttfa = None
+    updates = 0
+    last = None
+    t0 = time.perf_counter()
+    async for out in served.generate(prompt, params):
+        now = time.perf_counter() - t0
+        if ttft is None and out.text_delta:
+            ttft = now
+        if out.audio_delta is not None and out.audio_delta.size:
+            updates += 1
+            if ttfa is None:
+                ttfa = now
+        last = out
+    e2e = time.perf_counter() - t0
+    assert last is not None
+    talker = last.stage_outputs.get("talker")
+    error = last.error
+    if error is None and last.finish_reason != "length":
+        error = f"finish_reason {last.finish_reason!r}, expected 'length'"
+    return Record(
+        index=j,
+        ttft_s=ttft,
+        ttfa_s=ttfa,
+        e2e_s=e2e,
+        audio_updates=updates,
+        samples=0 if last.audio is None else len(last.audio),
+        codes=[] if talker is None else list(talker.token_ids),
+        metrics=last.metrics,
+        audio=last.audio,
+        error=error,
+    )
+
+
+async def _level(
+    served: AsyncOmniJaxPipeline, work: Workload, c: int, per_client: int, stream: bool
+) -> tuple[float, list[Record]]:
+    """Closed loop: ``c`` clients, client ``k`` sending requests ``k, k + c, ...`` in turn."""
+    n = c * per_client
+    records: list[Record | None] = [None] * n
+
+    async def client(k: int) -> None:
+        for j in range(k, n, c):
+            records[j] = await _request(served, work, j, stream)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(c)))
+    wall = time.perf_counter() - t0
+    return wall, [r for r in records if r is not None]
+
+
+def _run(
+    loop: asyncio.AbstractEventLoop,
+    served: AsyncOmniJaxPipeline,
+    clock: StageClock,
+    solves: SolveCounter,
+    work: Workload,
+    c: int,
+    per_client: int,
+    mode: str,
+) -> Run:
+    with clock.active(), solves.active():
+        wall, records = loop.run_until_complete(_level(served, work, c, per_client, mode == "streamed"))
+    return Run(mode, c, wall, dict(clock.seconds), records, dict(solves.counts))
+
+
+# -- figures ------------------------------------------------------------------------------------
+def _stats(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    a = np.asarray(values, np.float64)
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "max": float(a.max()),
+        "mean": float(a.mean()),
+    }
+
+
+def figures(run: Run) -> dict[str, Any]:
+    ok = [r for r in run.records if r.error is None]
+    speech = [len(r.codes) / CODES_PER_SPEECH_SECOND for r in ok]
+    audio = [r.samples / SAMPLE_RATE for r in ok]
+
+    def metric(stage: str, key: str) -> list[float]:
+        return [float(r.metrics[stage][key]) for r in ok if key in r.metrics.get(stage, {})]
+
+    return {
+        "requests": len(run.records),
+        "failed": len(run.records) - len(ok),
+        "wall_s": run.wall_s,
+        "speech_s": float(sum(speech)),
+        "audio_s": float(sum(audio)),
+        "speech_s_per_s": float(sum(speech)) / run.wall_s,
+        "audio_s_per_s": float(sum(audio)) / run.wall_s,
+        "requests_per_s": len(ok) / run.wall_s,
+        "ttfa_s": _stats([r.ttfa_s for r in ok if r.ttfa_s is not None]),
+        "ttft_s": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "e2e_s": _stats([r.e2e_s for r in ok]),
+        "rtf": _stats([r.e2e_s / s for r, s in zip(ok, speech, strict=True) if s > 0]),
+        "audio_updates_mean": float(np.mean([r.audio_updates for r in ok])) if ok else 0.0,
+        "stage_s": run.stage_s,
+        "code2wav_solves": run.solves,
+        "loop_other_s": run.wall_s - sum(run.stage_s.values()),
+        "talker_wall_s_mean": float(np.mean(metric("talker", "wall_s"))) if ok else 0.0,
+        "code2wav_wall_s_mean": float(np.mean(metric("code2wav", "wall_s"))) if ok else 0.0,
+    }
+
+
+def _hz_to_mel(f: np.ndarray) -> np.ndarray:
+    return 2595.0 * np.log10(1.0 + f / 700.0)
+
+
+def _mel_to_hz(m: np.ndarray) -> np.ndarray:
+    return 700.0 * (10.0 ** (m / 2595.0) - 1.0)
+
+
+def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> np.ndarray:
+    """``[n_mels, n_fft // 2 + 1]`` triangular HTK-mel filters from 0 Hz to Nyquist."""
+    edges = _mel_to_hz(np.linspace(0.0, _hz_to_mel(np.asarray(sample_rate / 2)), n_mels + 2))
+    freqs = np.fft.rfftfreq(n_fft, 1.0 / sample_rate)
+    lo, mid, hi = edges[:-2, None], edges[1:-1, None], edges[2:, None]
+    return np.maximum(0.0, np.minimum((freqs - lo) / (mid - lo), (hi - freqs) / (hi - mid)))
+
+
+def log_mel(
+    wave: np.ndarray, sample_rate: int = SAMPLE_RATE, n_fft: int = 1024, hop: int = 256
+) -> np.ndarray:
+    """``[frames, 80]`` natural-log mel power spectrogram (centred frames, reflect padding)."""
+    x = np.asarray(wave, np.float64)
+    x = np.pad(x, n_fft // 2, mode="reflect" if len(x) > n_fft // 2 else "constant")
+    window = np.hanning(n_fft + 1)[:-1]
+    frames = np.lib.stride_tricks.sliding_window_view(x, n_fft)[::hop] * window
+    power = np.abs(np.fft.rfft(frames, axis=-1)) ** 2
+    return np.log(np.maximum(power @ mel_filterbank(sample_rate, n_fft, 80).T, 1e-5))
+
+
+def distance(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """``a`` against ``b`` (the offline one): relative L2 and log-mel L1, over their common length."""
+    n = min(len(a), len(b))
+    a, b = np.asarray(a[:n], np.float64), np.asarray(b[:n], np.float64)
+    return {
+        "rel_l2": float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)),
+        "log_mel_l1": float(np.mean(np.abs(log_mel(a) - log_mel(b)))),
+    }
+
+
+def _summary(pairs: list[dict[str, float]]) -> dict[str, Any] | None:
+    if not pairs:
+        return None
+    return {
+        "pairs": len(pairs),
+        **{
+            f"{k}_{how}": float(fn([p[k] for p in pairs]))
+            for k in ("rel_l2", "log_mel_l1")
+            for how, fn in (("mean", np.mean), ("max", np.max))
+        },
+    }
+
+
+def waveform_distances(best: dict[tuple[str, int], Run], prompts: int) -> dict[str, Any]:
+    """Streamed against offline per request (same codes and seed); offline against offline for
+    the same codes and another seed (requests ``j`` and ``j + prompts``)."""
+    streamed, reseeded, length_differs = [], [], 0
+    for (mode, c), off in best.items():
+        if mode != "offline":
+            continue
+        on = {r.index: r for r in best[("streamed", c)].records}
+        offline = {r.index: r for r in off.records}
+        for j, o in offline.items():
+            s = on.get(j)
+            if o.audio is None or s is None or s.audio is None or s.codes != o.codes:
+                continue
+            length_differs += len(s.audio) != len(o.audio)
+            streamed.append(distance(s.audio, o.audio))
+            other = offline.get(j + prompts)
+            if other is not None and other.audio is not None and other.codes == o.codes:
+                reseeded.append(distance(other.audio, o.audio))
+    return {
+        "streamed_vs_offline": _summary(streamed),
+        "offline_other_seed": _summary(reseeded),
+        "length_differs": length_differs,
+    }
+
+
+def code_checks(runs: list[Run], prompts: int, codes: int) -> tuple[dict[str, Any], list[str]]:
+    """``runs`` in pairs (one level and round, both modes). Failures: a request failed or made
+    other than ``codes`` codes; the two runs of a pair disagree on a request's codes. Reported:
+    requests whose codes differ from the first run of the same prompt (another level: other
+    batches)."""
+    failures: list[str] = []
+    first: dict[int, list[int]] = {}
+    differ_across = 0
+    for run in runs:
+        for r in run.records:
+            if r.error is not None:
+                failures.append(f"{run.mode} c={run.concurrency} request {r.index}: {r.error}")
+            elif len(r.codes) != codes:
+                failures.append(
+                    f"{run.mode} c={run.concurrency} request {r.index}: {len(r.codes)} codes, not {codes}"
+                )
+            seen = first.setdefault(r.index % prompts, r.codes)
+            differ_across += seen != r.codes
+    disagree = 0
+    pairs = [(a, b) for a, b in zip(runs[::2], runs[1::2], strict=True)]
+    for a, b in pairs:
+        assert a.concurrency == b.concurrency and {a.mode, b.mode} == set(MODES)
+        theirs = {r.index: r.codes for r in b.records}
+        for r in a.records:
+            if r.codes != theirs.get(r.index):
+                disagree += 1
+                failures.append(
+                    f"c={a.concurrency} request {r.index}: streamed and offline talker codes differ "
+                    "(same seeds and work: they must be identical)"
+                )
+    requests = sum(len(a.records) for a, _ in pairs)
+    return {
+        "compared": requests,
+        "identical": requests - disagree,
+        "differ_from_first_run_of_prompt": differ_across,
+    }, failures
+
+
+# -- the suite ----------------------------------------------------------------------------------
+def run(path: Path, args: Any) -> dict[str, Any]:
+    if args.reference:
+        raise SystemExit(
+            "--suite e2e --stream runs no transformers reference (it has no streamed token2wav): "
+            "its baseline is our offline decoding; drop --reference"
+        )
+    levels = sorted(set(args.concurrency))
+    if args.codes < 1 or args.requests_per_client < 1:
+        raise SystemExit("--codes and --requests-per-client must be >= 1")
+    if args.max_tokens < 1:
+        raise SystemExit("--max-tokens must be >= 1")
+    max_batch = min(MAX_CODE2WAV_BATCH, max(levels))
+    stage_config = sized_code2wav_config(Path(args.cache_dir), max_batch, args.codes)
+    if args.stream_sizes:  # the same YAML, engine.stream keys replaced
+        raw = yaml.safe_load(stage_config.read_text())
+        (c2w,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
+        c2w["engine"]["stream"] = {**c2w["engine"].get("stream", {}), **args.stream_sizes}
+        tag = "-".join(str(v) for v in c2w["engine"]["stream"].values())
+        stage_config = stage_config.with_name(f"{stage_config.stem}-stream-{tag}.yaml")
+        stage_config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    pipe = OmniJaxPipeline.from_pretrained(
+        path,
+        dtype=args.dtype,
+        mesh=args.mesh,
+        max_num_seqs=args.max_num_seqs or max(levels),
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        stage_config=stage_config,
+    )
+    names = [s.config.name for s in pipe.stages]
+    if names != list(STAGES):
+        raise SystemExit(f"--model {args.model}: the stream suite needs stages {list(STAGES)}, got {names}")
+    code2wav = pipe.stages[-1]
+    if code2wav.geometry.max_codes < args.codes:
+        raise SystemExit(
+            f"--codes {args.codes}: this checkpoint's DiT holds {code2wav.geometry.max_codes} codes "
+            "offline (max_position_embeddings // repeats)"
+        )
+    planner = code2wav.decoder.planner
+    speakers = sorted(code2wav.voices.speakers)
+    prompts = []
+    for i, question in enumerate(QUESTIONS):
+        prompt = pipe.chat_prompt([{"role": "user", "content": question}])
+        prompts.append(dict(prompt, speaker=speakers[i % len(speakers)], modalities=["text", "audio"]))
+    work = Workload(prompts, args.max_tokens, args.codes, args.num_steps, args.guidance_scale)
+    per_client = args.requests_per_client
+    clock = StageClock({s.config.name: (s, "step") for s in pipe.stages})
+    solves = SolveCounter(code2wav)
+
+    runs: list[Run] = []  # measured, in pairs: one level and round, both modes
+    best: dict[tuple[str, int], Run] = {}
+    loop = asyncio.new_event_loop()
+    try:
+        with warmed_up(pipe) as warm:
+            served = AsyncOmniJaxPipeline(pipe)
+            try:
+                first = {m: _run(loop, served, clock, solves, work, levels[0], per_client, m) for m in MODES}
+                with measured_window(args.profile, "e2e_stream/measured", args.profile_python):
+                    for c in levels:
+                        for round_ in range(args.repeats):
+                            for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
+                                r = _run(loop, served, clock, solves, work, c, per_client, mode)
+                                runs.append(r)
+                                if (mode, c) not in best or r.wall_s < best[(mode, c)].wall_s:
+                                    best[(mode, c)] = r
+            finally:
+                served.close()
+    finally:
+        loop.close()
+    failures = warm.failures()
+    codes, code_failures = code_checks([first["offline"], first["streamed"], *runs], len(prompts), args.codes)
+    failures += code_failures
+
+    ours = {m: {str(c): figures(best[(m, c)]) for c in levels} for m in MODES}
+    ratio = {}
+    targets = {}
+    for c in levels:
+        off, on = ours["offline"][str(c)], ours["streamed"][str(c)]
+        ttfa = off["ttfa_s"]["p50"] / on["ttfa_s"]["p50"] if off["ttfa_s"] and on["ttfa_s"] else None
+        thr = on["speech_s_per_s"] / off["speech_s_per_s"] if off["speech_s_per_s"] else None
+        e2e = on["e2e_s"]["p50"] / off["e2e_s"]["p50"] if off["e2e_s"] and on["e2e_s"] else None
+        ratio[str(c)] = {
+            "ttfa_p50_offline_over_streamed": ttfa,
+            "throughput_streamed_over_offline": thr,
+            "e2e_p50_streamed_over_offline": e2e,
+        }
+        targets[str(c)] = {
+            "ttfa_met": None
+            if c not in TTFA_TARGET_CONCURRENCY or args.codes < TARGET_CODES or ttfa is None
+            else ttfa >= TTFA_TARGET,
+            "throughput_met": None if thr is None else thr >= THROUGHPUT_TARGET,
+        }
+    first_s = first["offline"].wall_s + first["streamed"].wall_s
+    steady_s = best[("offline", levels[0])].wall_s + best[("streamed", levels[0])].wall_s
+    sample = next((r for r in first["offline"].records if r.error is None), None)
+    result: dict[str, Any] = {
+        "suite": "e2e_stream",
+        "dtype": args.dtype,
+        "mesh": args.mesh,
+        "concurrency": levels,
+        "requests_per_client": per_client,
+        "load": "closed loop: c clients, each sending its next request when its previous one ended, "
+        "all starting together",
+        "codes_per_request": args.codes,
+        "speech_s_per_request": args.codes / CODES_PER_SPEECH_SECOND,
+        "audio_s_per_request": None if sample is None else sample.samples / SAMPLE_RATE,
+        "text_tokens_per_request": args.max_tokens,
+        "speakers": speakers,
+        "settings": {
+            "thinker": f"greedy, exactly {args.max_tokens} tokens (ignore_eos)",
+            "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, exactly {args.codes} codes "
+            "(min_tokens = max_tokens)",
+            "code2wav": f"num_steps {args.num_steps}, guidance {args.guidance_scale}, sway -1, seed "
+            f"{SEED} + request index; max_batch {max_batch}, max_codes {args.codes}",
+        },
+        "stream": {
+            "chunk_codes": planner.chunk // planner.repeats,
+            "past_codes": planner.past // planner.repeats,
+            "future_codes": planner.future // planner.repeats,
+            "overlap_frames": planner.overlap,
+            "source": "the shipped stage YAML's engine.stream"
+            + ("" if not args.stream_sizes else f", with --stream-sizes {args.stream_sizes}"),
+        },
+        "repeats": args.repeats,
+        "ceilings": {},
+        "roofline_fraction": None,
+        "backends": backends(warm.probe),
+        "ours": ours,
+        "reference": None,
+        "ratio": ratio,
+        "targets": targets,
+        "waveform_distance": waveform_distances(best, len(prompts)),
+        "codes": codes,
+        "compile": {"ours": warm.entry(first_s, steady_s), "reference": None},
+        "failures": failures,
+    }
+    return result
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _cell(figures: dict[str, Any], key: str, quantile: str) -> str:
+    return _fmt(None if figures[key] is None else figures[key][quantile])
+
+
+def _solves(counts: dict[str, int]) -> str:
+    """``solves x mean rows`` of the code2wav solves of a run (offline and chunk ones)."""
+    parts = []
+    for kind in ("offline", "chunk"):
+        n = counts[f"{kind}_solves"]
+        if n:
+            parts.append(f"{n} x {counts[f'{kind}_rows'] / n:.1f}" + (" chunk" if kind == "chunk" else ""))
+    return " + ".join(parts) or "0"
+
+
+def _met(x: bool | None) -> str:
+    return "n/a" if x is None else ("met" if x else "NOT met")
+
+
+def table(result: dict[str, Any]) -> str:
+    head = ("c", "mode", "reqs", "TTFA p50", "TTFA p90", "e2e p50", "e2e p90", "RTF p50")
+    head += ("speech s/s", "audio updates", "in code2wav s", "solves x rows")
+    rows = []
+    for c in result["concurrency"]:
+        for mode in MODES:
+            f = result["ours"][mode][str(c)]
+            rows.append(
+                (str(c), mode, str(f["requests"]), _cell(f, "ttfa_s", "p50"), _cell(f, "ttfa_s", "p90"))
+                + (_cell(f, "e2e_s", "p50"), _cell(f, "e2e_s", "p90"), _cell(f, "rtf", "p50"))
+                + (f"{f['speech_s_per_s']:.2f}", f"{f['audio_updates_mean']:.1f}")
+                + (f"{f['stage_s']['code2wav']:.2f}", _solves(f["code2wav_solves"]))
+            )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    lines = [
+        "e2e --stream: Qwen2.5-Omni thinker -> talker -> code2wav in process "
+        "(AsyncOmniJaxPipeline.generate), code2wav offline against streamed; "
+        f"{result['load']}; times in s, best of {result['repeats']} round(s)",
+        "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)),
+    ]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    for c in result["concurrency"]:
+        r, t = result["ratio"][str(c)], result["targets"][str(c)]
+        lines.append(
+            f"c={c}: TTFA {_fmt(r['ttfa_p50_offline_over_streamed'], '.1f')}x lower streamed (target >= "
+            f"{TTFA_TARGET:g}x at c=1, 4 for >= {TARGET_CODES} codes: {_met(t['ttfa_met'])}); throughput "
+            f"streamed / offline {_fmt(r['throughput_streamed_over_offline'], '.2f')} (target >= "
+            f"{THROUGHPUT_TARGET}: {_met(t['throughput_met'])}); e2e p50 streamed / offline "
+            f"{_fmt(r['e2e_p50_streamed_over_offline'], '.2f')}"
+        )
+    s = result["stream"]
+    lines.append(
+        f"each request: {result['text_tokens_per_request']} text tokens, "
+        f"{result['codes_per_request']} codes = {result['speech_s_per_request']:g} s of speech at the "
+        "7B's 50 codes/s (speech s/s and RTF count these; this checkpoint's vocoder makes "
+        f"{_fmt(result['audio_s_per_request'], '.2f')} s of audio of them); streamed chunks: "
+        f"{s['chunk_codes']} codes, DiT context {s['past_codes']} before / {s['future_codes']} after, "
+        f"vocoder overlap {s['overlap_frames']} frames ({s['source']})"
+    )
+    lines.append("; ".join(f"{k}: {v}" for k, v in result["settings"].items()))
+    labels = {
+        "streamed_vs_offline": "streamed vs offline, same codes and seed",
+        "offline_other_seed": "offline vs offline, same codes, another seed",
+    }
+    for name, label in labels.items():
+        x = result["waveform_distance"][name]
+        if x is not None:
+            lines.append(
+                f"waveform {label} ({x['pairs']} pairs): relative L2 mean {x['rel_l2_mean']:.2e} "
+                f"max {x['rel_l2_max']:.2e}; log-mel L1 mean {x['log_mel_l1_mean']:.2e} "
+                f"max {x['log_mel_l1_max']:.2e}"
+            )
+    codes = result["codes"]
+    lines.append(
+        f"talker codes, streamed vs offline: {codes['identical']}/{codes['compared']} requests identical; "
+        f"differing from the prompt's first run (other batches): {codes['differ_from_first_run_of_prompt']}"
+    )
+    c = result["compile"]["ours"]
+    stages = ", ".join(f"{k} {v['programs']} / {v['seconds']:.1f} s" for k, v in c["warmup_stages"].items())
+    lines.append(
+        f"warmup(): {c['warmup_programs']} programs, {c['warmup_s']:.1f} s (XLA compile "
+        f"{c['xla_compile_s']:.1f} s; {stages}); first run after it {c['first_run_s']:.2f} s against "
+        f"{c['steady_run_s']:.2f} s; XLA compilations after warmup(): {c['compiles_after_warmup']}; "
+        "excluded from every figure above"
+    )
+    return "\n".join(lines)
