@@ -61,7 +61,12 @@ from omni_jax.parallel.rules import put
 class ARModel(Protocol):
     """What the engine needs of an AR model; nothing here is model-specific.
 
-    ``embed``, ``__call__`` and ``logits`` are a step's forward. The rest sizes the stage before
+    ``embed``, ``layer_inputs``, ``__call__`` and ``logits`` are a step's forward:
+    ``model(model.embed(tokens, extra), positions, kv_cache, md, backend,
+    model.layer_inputs(tokens, extra))``, where ``extra`` is the stage's packed step inputs
+    (:meth:`~omni_jax.engine.step.StepInputs.pack`) and ``layer_inputs`` what the model's layers
+    read of them beyond the embeddings (Qwen3-Omni's DeepStack features; ``None`` for a model
+    whose layers read nothing more). The rest sizes the stage before
     anything is allocated (an abstract model, ``nnx.eval_shape``, answers them too):
     ``kv_cache_shape`` is ``(layers, kv_heads, head_dim)`` of the paged cache;
     ``num_query_heads`` the attention heads a query has (the cache may store KV heads
@@ -73,8 +78,16 @@ class ARModel(Protocol):
 
     def embed(self, tokens: jax.Array, extra: Any = None) -> jax.Array: ...
 
+    def layer_inputs(self, tokens: jax.Array, extra: Any) -> Any: ...
+
     def __call__(
-        self, embeds: jax.Array, positions: jax.Array, kv_cache: Any, md: AttentionMetadata, backend: Backend
+        self,
+        embeds: jax.Array,
+        positions: jax.Array,
+        kv_cache: Any,
+        md: AttentionMetadata,
+        backend: Backend,
+        layer_inputs: Any,
     ) -> tuple[jax.Array, Any]: ...
 
     def logits(self, hidden: jax.Array) -> jax.Array: ...
@@ -108,7 +121,8 @@ def _forward_fn(
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     with exact_matmuls(compute_dtype(leaves)):
         embeds = model.embed(tokens, extra)
-        hidden, kv_cache = model(embeds, positions, kv_cache, step.metadata(chunk_bytes), backend)
+        md = step.metadata(chunk_bytes)
+        hidden, kv_cache = model(embeds, positions, kv_cache, md, backend, model.layer_inputs(tokens, extra))
         last = hidden.reshape(-1, hidden.shape[-1])[logits_idx]  # each sequence's last token
         logits = model.logits(last)
     finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row

@@ -268,6 +268,11 @@ class Qwen2ForCausalLM(nnx.Module):
             raise ValueError("a text-only model merges no extra inputs into its embeddings")
         return self.model.embed_tokens(tokens)
 
+    def layer_inputs(self, tokens: jax.Array, extra: Any) -> Any:
+        """What the layers read of the engine's step inputs beyond the embeddings: nothing (the
+        engine's hook for Qwen3-Omni's DeepStack, :meth:`omni_jax.engine.ar_runner.ARModel.layer_inputs`)."""
+        return None
+
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """``(layers, kv_heads, head_dim)`` the engine sizes the paged cache with."""
         return self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim
@@ -298,7 +303,10 @@ class Qwen2ForCausalLM(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,
         backend: Backend = "auto",
+        layer_inputs: None = None,
     ) -> tuple[jax.Array, KVCache]:
+        """Final normed hidden states and the updated cache. ``layer_inputs``: what
+        :meth:`layer_inputs` gives the engine (``None``), which no Qwen2 layer reads."""
         return self.model(embeds, positions, kv_cache, md, backend)
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -145,6 +145,10 @@ class Thinker(Qwen3OmniTextLM):
                 index = jnp.where(rows >= 0, rows, index)
         return Deepstack(extra.deepstack, index)
 
+    def layer_inputs(self, tokens: jax.Array, extra: ThinkerMerge | None) -> Deepstack | None:
+        """The engine's hook for what the layers read beyond the embeddings: :meth:`deepstack`."""
+        return self.deepstack(tokens, extra)
+
 
 THINKER_RULES: tuple[ParamRule, ...] = (
     *TEXT_LM_RULES,
