@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import rel_err
+from parity import randomize_moe_block, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerTextConfig,
     Qwen3OmniMoeTextConfig,
@@ -61,10 +61,7 @@ def randomize_moe(block: torch.nn.Module, seed: int) -> None:
     ``randomize_weights`` would take a whole ``[out, in]`` slice), router logits of order 3."""
     torch.manual_seed(seed)
     randomize_weights(block, 1.0)
-    with torch.no_grad():
-        for p in (block.experts.gate_up_proj, block.experts.down_proj):
-            p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
-        block.gate.weight.mul_(3.0)
+    randomize_moe_block(block)
 
 
 Case = tuple[torch.nn.Module, MoESpec]

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import rel_err
+from parity import randomize_moe_layers, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTalkerConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeForConditionalGeneration,
@@ -111,11 +111,7 @@ def randomize_talker(hf: HFTalker) -> None:
     randomize_weights(hf, 1.0)
     randomize_weights(hf.codec_head, 4.0)
     randomize_weights(hf.code_predictor.lm_head, 4.0)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
-            layer.mlp.gate.weight.mul_(3.0)
+    randomize_moe_layers(hf.model.layers)
 
 
 Pair = tuple[HFTalker, Talker]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import rel_err
+from parity import randomize_moe_layers, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
     Qwen3OmniMoeTextConfig,
     Qwen3OmniMoeThinkerConfig,
@@ -102,12 +102,7 @@ def randomize_text_model(text_model: torch.nn.Module, lm_head: torch.nn.Module) 
     order 3 so routing is decided by the signal, and a peaky head so greedy choices are too."""
     randomize_weights(text_model, 1.0)
     randomize_weights(lm_head, 4.0)
-    with torch.no_grad():
-        for layer in text_model.layers:
-            if isinstance(layer.mlp, Qwen3OmniMoeThinkerTextSparseMoeBlock):
-                for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                    p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
-                layer.mlp.gate.weight.mul_(3.0)
+    randomize_moe_layers(text_model.layers)
 
 
 Pair = tuple[HFThinker, Qwen3OmniTextLM]

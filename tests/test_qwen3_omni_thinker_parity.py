@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import chunk_metadata, rel_err
+from parity import chunk_metadata, random_tokens, randomize_moe_layers, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeThinkerForConditionalGeneration as HFThinker,
 )
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextSparseMoeBlock
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
 from omni_jax.engine.kv_cache import init_kv_cache
@@ -115,12 +114,7 @@ def randomize(hf: HFThinker) -> None:
     logits of order 3 so routing is decided by the signal, a peaky head so greedy choices are."""
     randomize_weights(hf.model, 1.0)
     randomize_weights(hf.lm_head, 4.0)
-    with torch.no_grad():
-        for layer in hf.model.language_model.layers:
-            if isinstance(layer.mlp, Qwen3OmniMoeThinkerTextSparseMoeBlock):
-                for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                    p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
-                layer.mlp.gate.weight.mul_(3.0)
+    randomize_moe_layers(hf.model.language_model.layers)
 
 
 Pair = tuple[HFThinker, Thinker, Path]
@@ -148,7 +142,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
 
 
 def text(n: int, seed: int) -> list[int]:
-    return np.random.RandomState(seed).randint(0, AUDIO, size=n).tolist()
+    return random_tokens(n, seed, AUDIO)
 
 
 def vision_tokens(grid: tuple[int, int, int]) -> int:
