@@ -327,6 +327,9 @@ def default_pixel_backend() -> PixelBackend:
 class OmniProcessor:
     """The composite processor's job, from the checkpoint's own files (see the module docstring)."""
 
+    default_fps: float = DEFAULT_VIDEO_FPS
+    """Frames per second a video is taken to be sampled at when :meth:`process` is given none."""
+
     def __init__(
         self,
         tokenizer: Any,
@@ -461,8 +464,8 @@ class OmniProcessor:
 
         ``token_ids`` hold one placeholder token per item (as the chat template writes them),
         each after its modality's start token. ``fps`` is the rate the video frames were
-        sampled at (default 2). With ``use_audio_in_video``, ``audio`` holds one track per video
-        (in video order) and the prompt has no audio placeholders of its own.
+        sampled at (default :attr:`default_fps`). With ``use_audio_in_video``, ``audio`` holds
+        one track per video (in video order) and the prompt has no audio placeholders of its own.
         """
         data = self._check_forms(index, multi_modal_data)
         ids = [int(t) for t in token_ids]
@@ -482,7 +485,7 @@ class OmniProcessor:
                 out.video_grid_thw.append(grid)
         except ValueError as e:  # e.g. an aspect ratio the resize refuses
             raise _fail(index, str(e)) from None
-        seconds = self.video_processor.temporal_patch_size / (fps or DEFAULT_VIDEO_FPS)
+        seconds = self.video_processor.temporal_patch_size / (fps or self.default_fps)
         out.video_second_per_grid = [seconds] * len(videos)
         out.input_ids = self._expand(ids, out)
         return out

@@ -27,7 +27,6 @@ import numpy as np
 
 from omni_jax.models.qwen2_5_omni.processor import (
     SAMPLE_RATE,
-    OmniInputs,
     OmniProcessor,
     PixelBackend,
     TorchvisionVideoProcessor,
@@ -61,6 +60,8 @@ class Qwen3TorchvisionVideoProcessor(TorchvisionVideoProcessor):
 
 class Qwen3OmniProcessor(OmniProcessor):
     """``Qwen3OmniMoeProcessor``'s job from the checkpoint's own files (module docstring)."""
+
+    default_fps = DEFAULT_VIDEO_FPS
 
     @classmethod
     def from_pretrained(
@@ -100,24 +101,6 @@ class Qwen3OmniProcessor(OmniProcessor):
         order = np.lexsort((is_audio, times))
         tokens = np.where(is_audio[order], self.audio_id, self.video_id)
         return [self.audio_bos_id, *tokens.tolist(), self.audio_eos_id]
-
-    def process(
-        self,
-        index: int,
-        token_ids: Sequence[int],
-        multi_modal_data: dict[str, Any] | None,
-        *,
-        use_audio_in_video: bool = False,
-        fps: float | None = None,
-    ) -> OmniInputs:
-        """Qwen2.5-Omni's :meth:`~OmniProcessor.process`, ``fps`` defaulting to :data:`DEFAULT_VIDEO_FPS`."""
-        return super().process(
-            index,
-            token_ids,
-            multi_modal_data,
-            use_audio_in_video=use_audio_in_video,
-            fps=DEFAULT_VIDEO_FPS if fps is None else fps,
-        )
 
     def audio_tokens(self, frames: int) -> int:
         """Placeholder tokens of an audio clip: Qwen3-Omni's count (13 a 100-frame chunk)."""
