@@ -90,3 +90,47 @@ def randomize_moe_layers(layers: Any) -> None:
     for layer in layers:
         if hasattr(layer.mlp, "experts"):
             randomize_moe_block(layer.mlp)
+
+
+class PagedSteps:
+    """Padded ``[B, T]`` steps of several sequences through one paged cache of ``page_size``-token
+    pages, as the engine runs rows: each sequence's pages scattered over the pool, rows
+    left-aligned, padding tokens written to an out-of-range slot. ``model`` is an AR model
+    (``__call__(embeds, positions, cache, md, **kw)``, ``logits``, ``spec``)."""
+
+    def __init__(self, model: Any, batch: int, pages_per_seq: int, page_size: int):
+        from omni_jax.engine.kv_cache import init_kv_cache
+
+        spec = model.spec
+        self.model, self.page_size, self.num_pages = model, page_size, batch * pages_per_seq
+        perm = np.random.RandomState(7).permutation(self.num_pages).astype(np.int32)
+        self.tables = perm.reshape(batch, pages_per_seq)
+        self.cache = init_kv_cache(
+            spec.num_layers, spec.num_kv_heads, self.num_pages, page_size, spec.head_dim, jnp.float32
+        )
+        self.done = np.zeros(batch, np.int64)
+
+    def run(
+        self, embeds: np.ndarray, positions: np.ndarray, lens: list[int], **model_kw: Any
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Append ``lens[b]`` tokens to sequence ``b`` (``embeds [B, T, D]``, ``positions
+        [..., B, T]``, rows left-aligned; ``model_kw`` to the model's call, e.g. ``deepstack``);
+        per sequence, the logits and hidden states of its tokens."""
+        b, t = embeds.shape[:2]
+        page = self.page_size
+        slots = np.full((b, t), self.num_pages * page, np.int32)
+        for row, n in enumerate(lens):
+            idx = np.arange(self.done[row], self.done[row] + n)
+            slots[row, :n] = self.tables[row, idx // page] * page + idx % page
+        self.done += lens
+        md = AttentionMetadata(
+            jnp.asarray(slots),
+            jnp.asarray(self.tables),
+            jnp.asarray(self.done, jnp.int32),
+            jnp.asarray(lens, jnp.int32),
+        )
+        hidden, self.cache = self.model(
+            jnp.asarray(embeds), jnp.asarray(positions), self.cache, md, **model_kw
+        )
+        logits, hidden = np.asarray(self.model.logits(hidden)), np.asarray(hidden)
+        return [logits[r, :n] for r, n in enumerate(lens)], [hidden[r, :n] for r, n in enumerate(lens)]

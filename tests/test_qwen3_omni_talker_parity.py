@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import randomize_moe_layers, rel_err
+from parity import PagedSteps, randomize_moe_layers, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTalkerConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeForConditionalGeneration,
@@ -34,9 +34,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerForConditionalGeneration as HFTalker,
 )
 
-from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.jit import StaticGraph
-from omni_jax.models.attention import AttentionMetadata
 from omni_jax.models.loading import build_model
 from omni_jax.models.qwen3_omni.code_predictor import FrameSampling, predict_frame
 from omni_jax.models.qwen3_omni.talker import (
@@ -136,42 +134,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     return hf, ours
 
 
-class Steps:
-    """Padded ``[B, T]`` steps of several sequences through one paged cache, as the engine runs
-    rows: pages scattered over the pool, rows left-aligned, padding written out of range."""
-
-    def __init__(self, model: Talker, batch: int, pages_per_seq: int):
-        spec = model.spec
-        self.model, self.num_pages = model, batch * pages_per_seq
-        perm = np.random.RandomState(7).permutation(self.num_pages).astype(np.int32)
-        self.tables = perm.reshape(batch, pages_per_seq)
-        self.cache = init_kv_cache(
-            spec.num_layers, spec.num_kv_heads, self.num_pages, PAGE, spec.head_dim, jnp.float32
-        )
-        self.done = np.zeros(batch, np.int64)
-
-    def run(
-        self, embeds: np.ndarray, positions: np.ndarray, lens: list[int]
-    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Append ``lens[b]`` tokens to sequence ``b`` (``embeds [B, T, D]``, ``positions
-        [3, B, T]``); per sequence, the logits and hidden states of its tokens."""
-        b, t = embeds.shape[:2]
-        slots = np.full((b, t), self.num_pages * PAGE, np.int32)
-        for row, n in enumerate(lens):
-            idx = np.arange(self.done[row], self.done[row] + n)
-            slots[row, :n] = self.tables[row, idx // PAGE] * PAGE + idx % PAGE
-        self.done += lens
-        md = AttentionMetadata(
-            jnp.asarray(slots),
-            jnp.asarray(self.tables),
-            jnp.asarray(self.done, jnp.int32),
-            jnp.asarray(lens, jnp.int32),
-        )
-        hidden, self.cache = self.model(jnp.asarray(embeds), jnp.asarray(positions), self.cache, md)
-        logits, hidden = np.asarray(self.model.logits(hidden)), np.asarray(hidden)
-        return [logits[r, :n] for r, n in enumerate(lens)], [hidden[r, :n] for r, n in enumerate(lens)]
-
-
 def pad_rows(rows: list[np.ndarray]) -> np.ndarray:
     """``[B, T, ...]`` of left-aligned ``rows``, zero-padded to the longest."""
     t = max(len(r) for r in rows)
@@ -212,7 +174,7 @@ def test_ragged_batch_prefill_and_decode_match_transformers(pair: Pair) -> None:
     positions = [np.concatenate([grid, np.stack([np.arange(6, 8)] * 3)], axis=1)] + [
         np.stack([np.arange(n)] * 3) for n in lens[1:]
     ]
-    steps = Steps(ours, batch=3, pages_per_seq=6)
+    steps = PagedSteps(ours, batch=3, pages_per_seq=6, page_size=PAGE)
     got_logits: list[list[np.ndarray]] = [[], [], []]
     got_hidden: list[list[np.ndarray]] = [[], [], []]
 
@@ -454,7 +416,7 @@ def test_greedy_frames_match_reference_talker_generate(pair: Pair) -> None:
         assert (top[:, -1] - top[:, -2]).min() > 1e-3  # greedy is decided by the signal
 
     prompts = [our_prompt(ours, req) for req in reqs]
-    steps = Steps(ours, batch=2, pages_per_seq=8)
+    steps = PagedSteps(ours, batch=2, pages_per_seq=8, page_size=PAGE)
     ids = pad_rows([p[0] for p in prompts])
     extra = TalkerEmbeds(
         jnp.asarray(pad_rows([p[1] for p in prompts])), jnp.asarray(pad_rows([p[2] for p in prompts]))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import randomize_moe_layers, rel_err
+from parity import PagedSteps, randomize_moe_layers, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
     Qwen3OmniMoeTextConfig,
     Qwen3OmniMoeThinkerConfig,
@@ -29,9 +29,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeThinkerTextSparseMoeBlock,
 )
 
-from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.full_forward import full_forward
-from omni_jax.models.attention import AttentionMetadata
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.moe import stack_expert_arrays
 from omni_jax.models.qwen3_omni.text_decoder import (
@@ -150,45 +148,6 @@ def token_embeds(hf: HFThinker, ids: list[int]) -> np.ndarray:
         return hf.model.language_model.embed_tokens(torch.tensor([ids])).numpy()
 
 
-class Steps:
-    """Padded ``[B, T]`` steps of several sequences through one paged cache, as the engine
-    runs rows: each sequence's pages scattered over the pool, left-aligned rows, padding
-    tokens written to an out-of-range slot."""
-
-    def __init__(self, model: Qwen3OmniTextLM, batch: int, pages_per_seq: int):
-        spec = model.spec
-        self.model, self.num_pages = model, batch * pages_per_seq
-        perm = np.random.RandomState(7).permutation(self.num_pages).astype(np.int32)
-        self.tables = perm.reshape(batch, pages_per_seq)
-        self.cache = init_kv_cache(
-            spec.num_layers, spec.num_kv_heads, self.num_pages, PAGE, spec.head_dim, jnp.float32
-        )
-        self.done = np.zeros(batch, np.int64)
-
-    def run(
-        self, embeds: np.ndarray, positions: np.ndarray, lens: list[int], deepstack: Deepstack | None = None
-    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Append ``lens[b]`` tokens to sequence ``b`` (``embeds [B, T, D]``, ``positions
-        [..., B, T]``, rows left-aligned); per sequence, the logits and hidden states of its tokens."""
-        b, t = embeds.shape[:2]
-        slots = np.full((b, t), self.num_pages * PAGE, np.int32)
-        for row, n in enumerate(lens):
-            idx = np.arange(self.done[row], self.done[row] + n)
-            slots[row, :n] = self.tables[row, idx // PAGE] * PAGE + idx % PAGE
-        self.done += lens
-        md = AttentionMetadata(
-            jnp.asarray(slots),
-            jnp.asarray(self.tables),
-            jnp.asarray(self.done, jnp.int32),
-            jnp.asarray(lens, jnp.int32),
-        )
-        hidden, self.cache = self.model(
-            jnp.asarray(embeds), jnp.asarray(positions), self.cache, md, deepstack=deepstack
-        )
-        logits, hidden = np.asarray(self.model.logits(hidden)), np.asarray(hidden)
-        return [logits[r, :n] for r, n in enumerate(lens)], [hidden[r, :n] for r, n in enumerate(lens)]
-
-
 def test_ragged_batch_prefill_and_greedy_decode_match_transformers(pair: Pair) -> None:
     """Three prompts (13, 5, 9 tokens) prefilled in two padded chunks, the 5-token one decoding
     in the second; then greedy decode steps. Every position's logits and the greedy tokens
@@ -197,7 +156,7 @@ def test_ragged_batch_prefill_and_greedy_decode_match_transformers(pair: Pair) -
     rs = np.random.RandomState(1)
     prompts = [rs.randint(0, VOCAB, size=n).tolist() for n in (13, 5, 9)]
     seqs = [list(p) for p in prompts]
-    steps = Steps(ours, batch=3, pages_per_seq=6)
+    steps = PagedSteps(ours, batch=3, pages_per_seq=6, page_size=PAGE)
     logits: list[list[np.ndarray]] = [[], [], []]
 
     def step(chunks: list[list[int]], starts: list[int]) -> None:
@@ -265,12 +224,12 @@ def test_deepstack_and_3d_mrope_match_transformers(pair: Pair) -> None:
     # the row of ``features`` each token takes: visual tokens in batch-then-position order, as the reference
     index = np.where(visual, np.cumsum(visual.ravel()).reshape(visual.shape) - 1, -1).astype(np.int32)
     prompt_len = t - 3
-    steps = Steps(ours, batch=2, pages_per_seq=6)
+    steps = PagedSteps(ours, batch=2, pages_per_seq=6, page_size=PAGE)
     got_logits: list[list[np.ndarray]] = [[], []]
     got_hidden: list[list[np.ndarray]] = [[], []]
     for s, e in [(0, 6), (6, 11), (11, prompt_len)] + [(i, i + 1) for i in range(prompt_len, t)]:
         deepstack = Deepstack(jnp.asarray(features), jnp.asarray(index[:, s:e])) if s < prompt_len else None
-        logits, hidden = steps.run(embeds[:, s:e], positions[:, :, s:e], [e - s] * 2, deepstack)
+        logits, hidden = steps.run(embeds[:, s:e], positions[:, :, s:e], [e - s] * 2, deepstack=deepstack)
         for row in range(2):
             got_logits[row].append(logits[row])
             got_hidden[row].append(hidden[row])
