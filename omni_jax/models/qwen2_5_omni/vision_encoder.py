@@ -55,8 +55,28 @@ def patch_embed_kernel(x: np.ndarray) -> np.ndarray:
     return x.reshape(x.shape[0], -1).T
 
 
+class PatchGeometry:
+    """Sizes derived from a vision spec's patch fields (a mixin of this family's and Qwen3-Omni's
+    :class:`VisionEncoderSpec`)."""
+
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one output row."""
+        return self.spatial_merge_size**2
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one flattened ``(C, T, P, P)`` patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
 @dataclasses.dataclass(frozen=True)
-class VisionEncoderSpec:
+class VisionEncoderSpec(PatchGeometry):
     """The fields of ``Qwen2_5OmniVisionEncoderConfig`` the encoder needs, hashable for jit."""
 
     depth: int
@@ -91,14 +111,6 @@ class VisionEncoderSpec:
             fullatt_block_indexes=tuple(cfg.fullatt_block_indexes),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
         )
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size**2
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def window_units(self) -> int:

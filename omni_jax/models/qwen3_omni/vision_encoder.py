@@ -38,6 +38,7 @@ from flax import nnx
 from omni_jax.models.param_map import ParamRule, linear_kernel
 from omni_jax.models.qwen2_5_omni.audio_encoder import RowSplit, bucket_size, torch_layer_norm
 from omni_jax.models.qwen2_5_omni.vision_encoder import (
+    PatchGeometry,
     apply_vision_rope,
     call_tokens,
     check_vision_input,
@@ -62,7 +63,7 @@ VISION_IGNORE: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
-class VisionEncoderSpec:
+class VisionEncoderSpec(PatchGeometry):
     """The fields of ``Qwen3OmniMoeVisionEncoderConfig`` the encoder needs, hashable for jit."""
 
     depth: int
@@ -101,14 +102,6 @@ class VisionEncoderSpec:
             approximate_gelu=GELU_APPROXIMATE[cfg.hidden_act],
             rope_theta=float(rope.get("rope_theta", 10000.0)),
         )
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size**2
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def grid_side(self) -> int:
