@@ -102,6 +102,22 @@ def chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
 
 
+def whisper_fields(cfg: Any) -> dict[str, Any]:
+    """The spec fields of a Whisper-style audio encoder config (this family's and Qwen3-Omni's),
+    its activation checked (exact GELU only)."""
+    if cfg.activation_function != "gelu":
+        raise ValueError(f"audio encoder supports activation 'gelu', not {cfg.activation_function!r}")
+    return dict(
+        num_mel_bins=cfg.num_mel_bins,
+        d_model=cfg.d_model,
+        num_layers=cfg.encoder_layers,
+        num_heads=cfg.encoder_attention_heads,
+        ffn_dim=cfg.encoder_ffn_dim,
+        n_window=cfg.n_window,
+        output_dim=cfg.output_dim,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class AudioEncoderSpec:
     """The fields of ``Qwen2_5OmniAudioEncoderConfig`` the encoder needs, hashable for jit."""
@@ -116,17 +132,7 @@ class AudioEncoderSpec:
 
     @classmethod
     def from_hf(cls, cfg: Any) -> AudioEncoderSpec:
-        if cfg.activation_function != "gelu":
-            raise ValueError(f"audio encoder supports activation 'gelu', not {cfg.activation_function!r}")
-        return cls(
-            num_mel_bins=cfg.num_mel_bins,
-            d_model=cfg.d_model,
-            num_layers=cfg.encoder_layers,
-            num_heads=cfg.encoder_attention_heads,
-            ffn_dim=cfg.encoder_ffn_dim,
-            n_window=cfg.n_window,
-            output_dim=cfg.output_dim,
-        )
+        return cls(**whisper_fields(cfg))
 
     @property
     def chunk_frames(self) -> int:

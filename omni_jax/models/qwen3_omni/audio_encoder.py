@@ -49,6 +49,7 @@ from omni_jax.models.qwen2_5_omni.audio_encoder import (
     encoder_layer_rules,
     sinusoid_positions,
     torch_layer_norm,
+    whisper_fields,
 )
 from omni_jax.models.qwen2_5_omni.vision_encoder import banded_attention
 
@@ -86,18 +87,10 @@ class AudioEncoderSpec:
 
     @classmethod
     def from_hf(cls, cfg: Any) -> AudioEncoderSpec:
-        if cfg.activation_function != "gelu":
-            raise ValueError(f"audio encoder supports activation 'gelu', not {cfg.activation_function!r}")
         spec = cls(
-            num_mel_bins=cfg.num_mel_bins,
-            d_model=cfg.d_model,
-            num_layers=cfg.encoder_layers,
-            num_heads=cfg.encoder_attention_heads,
-            ffn_dim=cfg.encoder_ffn_dim,
-            n_window=cfg.n_window,
+            **whisper_fields(cfg),
             n_window_infer=cfg.n_window_infer,
             downsample_hidden_size=cfg.downsample_hidden_size,
-            output_dim=cfg.output_dim,
         )
         if spec.chunk_tokens != REFERENCE_CHUNK_TOKENS:
             raise ValueError(
