@@ -103,6 +103,31 @@ def chunk_bounds(first_axis: np.ndarray, tokens_per_chunk: int, origin: int) -> 
     return bounds
 
 
+def media_lists(
+    image_grid_thw: Sequence[Sequence[int]] | None,
+    video_grid_thw: Sequence[Sequence[int]] | None,
+    second_per_grid_ts: Sequence[float] | None,
+    audio_seqlens: Sequence[int] | None,
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[float], list[int]]:
+    """:func:`get_rope_index`'s media arguments as lists (grids as int tuples; None: empty)."""
+    images = [tuple(int(v) for v in g) for g in image_grid_thw or ()]
+    videos = [tuple(int(v) for v in g) for g in video_grid_thw or ()]
+    return images, videos, list(second_per_grid_ts or ()), list(audio_seqlens or ())
+
+
+def count_spans(spec: Any, ids: list[int], use_audio_in_video: bool) -> tuple[int, int, int, int]:
+    """``(images, videos, audios, spans)`` of a prompt as the reference counts them: images and
+    videos by the token after each vision start (a video with its audio track by its audio
+    start there), audios by their start tokens, and the spans its loop walks (a video's track
+    is no span of its own). ``spec``: this family's :class:`RopeIndexSpec` or Qwen3-Omni's."""
+    after_vision_start = [ids[i + 1] for i, t in enumerate(ids[:-1]) if t == spec.vision_start_token_id]
+    images = after_vision_start.count(spec.image_token_id)
+    video_marker = spec.audio_start_token_id if use_audio_in_video else spec.video_token_id
+    videos = after_vision_start.count(video_marker)
+    audios = ids.count(spec.audio_start_token_id)
+    return images, videos, audios, images + audios + (0 if use_audio_in_video else videos)
+
+
 def get_rope_index(
     spec: RopeIndexSpec,
     input_ids: Sequence[int],
@@ -123,18 +148,11 @@ def get_rope_index(
     ids = [int(t) for t in input_ids]
     if not image_grid_thw and not video_grid_thw:
         return run_positions(len(ids), 0).copy(), 0
-    images = [tuple(int(v) for v in g) for g in image_grid_thw or ()]
-    videos = [tuple(int(v) for v in g) for g in video_grid_thw or ()]
-    seconds = list(second_per_grid_ts or ())
-    audios = list(audio_seqlens or ())
+    images, videos, seconds, audios = media_lists(
+        image_grid_thw, video_grid_thw, second_per_grid_ts, audio_seqlens
+    )
     merge = spec.spatial_merge_size
-
-    after_vision_start = [ids[i + 1] for i, t in enumerate(ids[:-1]) if t == spec.vision_start_token_id]
-    remain_images = after_vision_start.count(spec.image_token_id)
-    video_marker = spec.audio_start_token_id if use_audio_in_video else spec.video_token_id
-    remain_videos = after_vision_start.count(video_marker)
-    remain_audios = ids.count(spec.audio_start_token_id)
-    spans = remain_images + remain_audios + (0 if use_audio_in_video else remain_videos)
+    remain_images, remain_videos, remain_audios, spans = count_spans(spec, ids, use_audio_in_video)
 
     blocks: list[np.ndarray] = []
 

@@ -31,7 +31,13 @@ from typing import Any
 import numpy as np
 
 from omni_jax.models.qwen2_5_omni import rope_index as qwen2_5_rope_index
-from omni_jax.models.qwen2_5_omni.rope_index import checked_positions, run_positions, vision_positions
+from omni_jax.models.qwen2_5_omni.rope_index import (
+    checked_positions,
+    count_spans,
+    media_lists,
+    run_positions,
+    vision_positions,
+)
 from omni_jax.models.qwen3_omni.audio_encoder import REFERENCE_CHUNK_TOKENS, conv_stack_length
 
 
@@ -127,18 +133,12 @@ def get_rope_index(
     ids = [int(t) for t in input_ids]
     if not image_grid_thw and not video_grid_thw:
         return run_positions(len(ids), 0).copy(), 0
-    images = [tuple(int(v) for v in g) for g in image_grid_thw or ()]
-    videos = [tuple(int(v) for v in g) for g in video_grid_thw or ()]
-    seconds = list(second_per_grid_ts or ())
-    audios = list(audio_seqlens or ())
+    images, videos, seconds, audios = media_lists(
+        image_grid_thw, video_grid_thw, second_per_grid_ts, audio_seqlens
+    )
     merge = spec.spatial_merge_size
     vision_start, audio_start = spec.vision_start_token_id, spec.audio_start_token_id
-
-    after_vision_start = [ids[i + 1] for i, t in enumerate(ids[:-1]) if t == vision_start]
-    remain_images = after_vision_start.count(spec.image_token_id)
-    remain_videos = after_vision_start.count(audio_start if use_audio_in_video else spec.video_token_id)
-    remain_audios = ids.count(audio_start)
-    spans = remain_images + remain_audios + (0 if use_audio_in_video else remain_videos)
+    remain_images, remain_videos, remain_audios, spans = count_spans(spec, ids, use_audio_in_video)
     has_vision = spec.image_token_id in ids or spec.video_token_id in ids
     has_audio = spec.audio_token_id in ids
 
