@@ -55,6 +55,23 @@ def patch_embed_kernel(x: np.ndarray) -> np.ndarray:
     return x.reshape(x.shape[0], -1).T
 
 
+def vit_fields(cfg: Any) -> dict[str, Any]:
+    """The spec fields a Qwen ViT config (this family's, Qwen3-Omni's) names alike."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return dict(
+        depth=cfg.depth,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_heads,
+        in_channels=cfg.in_channels,
+        patch_size=cfg.patch_size,
+        temporal_patch_size=cfg.temporal_patch_size,
+        spatial_merge_size=cfg.spatial_merge_size,
+        out_hidden_size=cfg.out_hidden_size,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+    )
+
+
 class PatchGeometry:
     """Sizes derived from a vision spec's patch fields (a mixin of this family's and Qwen3-Omni's
     :class:`VisionEncoderSpec`)."""
@@ -96,20 +113,10 @@ class VisionEncoderSpec(PatchGeometry):
     def from_hf(cls, cfg: Any) -> VisionEncoderSpec:
         if cfg.hidden_act != "silu":
             raise ValueError(f"vision encoder supports hidden_act 'silu', not {cfg.hidden_act!r}")
-        rope = getattr(cfg, "rope_parameters", None) or {}
         return cls(
-            depth=cfg.depth,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_heads=cfg.num_heads,
-            in_channels=cfg.in_channels,
-            patch_size=cfg.patch_size,
-            temporal_patch_size=cfg.temporal_patch_size,
-            spatial_merge_size=cfg.spatial_merge_size,
+            **vit_fields(cfg),
             window_size=cfg.window_size,
-            out_hidden_size=cfg.out_hidden_size,
             fullatt_block_indexes=tuple(cfg.fullatt_block_indexes),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
         )
 
     @property

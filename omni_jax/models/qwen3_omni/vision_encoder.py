@@ -46,6 +46,7 @@ from omni_jax.models.qwen2_5_omni.vision_encoder import (
     patch_embed_kernel,
     segment_attention,
     vision_rope,
+    vit_fields,
 )
 
 NORM_EPS = 1e-6
@@ -86,21 +87,11 @@ class VisionEncoderSpec(PatchGeometry):
             raise ValueError(
                 f"vision encoder supports hidden_act {sorted(GELU_APPROXIMATE)}, not {cfg.hidden_act!r}"
             )
-        rope = getattr(cfg, "rope_parameters", None) or {}
         return cls(
-            depth=cfg.depth,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_heads=cfg.num_heads,
-            in_channels=cfg.in_channels,
-            patch_size=cfg.patch_size,
-            temporal_patch_size=cfg.temporal_patch_size,
-            spatial_merge_size=cfg.spatial_merge_size,
-            out_hidden_size=cfg.out_hidden_size,
+            **vit_fields(cfg),
             num_position_embeddings=cfg.num_position_embeddings,
             deepstack_visual_indexes=tuple(cfg.deepstack_visual_indexes),
             approximate_gelu=GELU_APPROXIMATE[cfg.hidden_act],
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
         )
 
     @property
