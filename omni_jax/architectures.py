@@ -48,6 +48,7 @@ from omni_jax.stages.code2wav import Code2WavStage, solve_demand
 from omni_jax.stages.config import StageConfig
 from omni_jax.stages.qwen3_code2wav import Qwen3Code2WavStage
 from omni_jax.stages.qwen3_code2wav import solve_demand as qwen3_code2wav_demand
+from omni_jax.stages.qwen3_thinker import Qwen3ThinkerFrontend
 from omni_jax.stages.talker import TalkerFrontend
 from omni_jax.stages.thinker import ThinkerFrontend
 
@@ -260,12 +261,16 @@ def _qwen3_thinker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
     return lambda: qwen3_thinker.Thinker(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
 
 
+def _qwen3_thinker_frontend(
+    cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig
+) -> ARFrontend[Any]:
+    return Qwen3ThinkerFrontend.build(model, path)
+
+
 _QWEN3_OMNI = Architecture(
     name="Qwen3OmniMoeForConditionalGeneration",
     stage_yaml="qwen3_omni.yaml",
     parts=(
-        # No frontend yet: the thinker serves text prompts (its M-RoPE positions are then equal
-        # on every axis, which 1-D positions give); media inputs are refused by the stage.
         ModelPart(
             stage="thinker",
             make=_qwen3_thinker_make,
@@ -276,6 +281,7 @@ _QWEN3_OMNI = Architecture(
             partition=lambda cfg, model: qwen3_thinker.thinker_partition_rules(
                 qwen3_thinker.ThinkerSpec.from_hf(cfg.thinker_config), model
             ),
+            frontend=_qwen3_thinker_frontend,
         ),
         ModelPart(
             stage="code2wav",

@@ -1,20 +1,62 @@
-"""Qwen3-Omni's thinker as a pipeline stage, text prompts: ``from_pretrained(dir, stages=["thinker"])``.
+"""Qwen3-Omni's thinker as a pipeline stage: ``from_pretrained(dir, stages=["thinker"])``.
 
 The MoE thinker runs on the paged engine with its experts stacked from the checkpoint's
 one-tensor-per-expert layout as they are read (the architecture's ``restack``), from the HF dir
 and from a converted one, and its greedy replies equal transformers' thinker ``generate`` on the
-tiny checkpoint. Media inputs wait for the thinker's frontend and are refused by name, as is the
-talker, not served yet.
+tiny checkpoint, for text prompts and, through its frontend (:mod:`omni_jax.stages.qwen3_thinker`),
+prompts with an image, two audio clips, a video, a video with its audio track, and all of them
+in one batch with text-only prompts.
+
+The reference's inputs come from transformers' ``Qwen3OmniMoeProcessor.__call__`` (its own code,
+assembled from the checkpoint's parts; without torchvision our numpy frame path stands in for
+its video processor, as in the Qwen2.5-Omni tests) on the same raw arrays our pipeline gets, so
+ids, features, positions, encoders, the DeepStack rows and the engine are all on the path
+compared. The talker is not served yet and is refused by name.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
+from omni_reference import StandInVideoProcessor, frames, picture, reference_inputs, tone
 
 from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax.engine.compilation import CompileCounter
+from omni_jax.stages.base import StageInput
+from omni_jax.testing import reference_omni_processor
 
 PROMPTS = ["tell me a story", "what is the capital of France?", "count to ten"]
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+CLIP_A, CLIP_B = tone(0.61, 440, 0), tone(0.37, 330, 1)  # under one chunk: padded to the longer
+TRACK = tone(2.5, 220, 2)  # 250 mel frames: three chunks in two attention windows
+IMAGE = picture(64, 96, 3)
+VIDEO = frames(4, 28, 42, 4)  # two grid steps of 2 s at the default 1 fps
+
+
+def user(*items: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*items, {"type": "text", "text": "the cat and the dog"}]}]
+
+
+CASES: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
+    "text": (user(), {}),
+    "image": (user({"type": "image", "image": IMAGE}), {}),
+    "two_audios": (user({"type": "audio", "audio": CLIP_A}, {"type": "audio", "audio": CLIP_B}), {}),
+    "video": (user({"type": "video", "video": VIDEO}), {}),
+    "audio_in_video": (user({"type": "video", "video": VIDEO}), {"use_audio_in_video": True}),
+}
+
+
+def our_prompt(pipe: OmniJaxPipeline, case: str) -> dict[str, Any]:
+    messages, kwargs = CASES[case]
+    prompt = pipe.chat_prompt(messages, **kwargs)
+    if kwargs.get("use_audio_in_video"):
+        prompt["multi_modal_data"]["audio"] = [TRACK]
+    return prompt
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +73,17 @@ def converted(qwen3_omni_dir, tmp_path_factory):
     return convert(qwen3_omni_dir, tmp_path_factory.mktemp("qwen3_conv") / "conv", progress=False)
 
 
+@pytest.fixture(scope="module")
+def pipe(qwen3_omni_dir) -> OmniJaxPipeline:
+    """Warmed up: every program the stage can run (encoder buckets included) is compiled.
+    Prompts are prefilled in chunks of at most 128 tokens, which cut through placeholder runs."""
+    pipe = OmniJaxPipeline.from_pretrained(
+        qwen3_omni_dir, stages=["thinker"], max_num_seqs=8, max_num_batched_tokens=128
+    )
+    pipe.warmup(progress=False)
+    return pipe
+
+
 def reference_reply(reference, prompt_ids: list[int], max_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
@@ -38,6 +91,29 @@ def reference_reply(reference, prompt_ids: list[int], max_tokens: int) -> list[i
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
         )
     return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(pipe, reference, qwen3_omni_dir) -> dict[str, tuple[list[int], list[int]]]:
+    """Per case: (the reference processor's expanded prompt ids, the reference's greedy reply)."""
+    from transformers import Qwen3OmniMoeProcessor
+    from transformers.utils import is_torchvision_available
+
+    ours = pipe.stages[0].frontend.processor
+    stand_in = None if is_torchvision_available() else StandInVideoProcessor(ours.video_processor)
+    processor = reference_omni_processor(qwen3_omni_dir, stand_in, processor_class=Qwen3OmniMoeProcessor)
+    out = {}
+    for case in CASES:
+        prompt = our_prompt(pipe, case)
+        inputs = reference_inputs(processor, prompt)
+        use_audio_in_video = bool(prompt.get("mm_processor_kwargs", {}).get("use_audio_in_video"))
+        with torch.no_grad():
+            seq = reference.thinker.generate(
+                **inputs, use_audio_in_video=use_audio_in_video, do_sample=False, max_new_tokens=MAX_TOKENS
+            )
+        ids = inputs["input_ids"][0].tolist()
+        out[case] = (ids, seq[0, len(ids) :].tolist())
+    return out
 
 
 @pytest.mark.parametrize("source", ["hf", "converted"])
@@ -54,10 +130,94 @@ def test_greedy_replies_equal_transformers(qwen3_omni_dir, converted, reference,
     assert len({tuple(o.token_ids) for o in outs}) == len(PROMPTS)  # the replies differ
 
 
-def test_what_is_not_served_yet_is_refused_by_name(qwen3_omni_dir) -> None:
+@pytest.mark.parametrize("case", [c for c in CASES if c != "text"])
+def test_media_replies_equal_transformers(pipe, expected, case) -> None:
+    (out,) = pipe.run(our_prompt(pipe, case), GREEDY, progress=False)
+    want_ids, want_tokens = expected[case]
+    assert out.prompt_token_ids == want_ids
+    assert out.token_ids == want_tokens, out.error
+
+
+def test_mixed_batch_equals_transformers_and_compiles_nothing_after_warmup(pipe, expected) -> None:
+    """Every kind and text-only prompts in one ``run()``: requests share steps and encoder calls
+    (clips of different requests in one audio call, each padded as its own request's reference
+    call pads it), and after ``warmup()`` (the fixture's) nothing traces or compiles."""
+    order = ["audio_in_video", "text", "two_audios", "image", "video", "text"]
+    with CompileCounter() as counter:
+        outs = pipe.run([our_prompt(pipe, c) for c in order], GREEDY, progress=False)
+    assert [o.token_ids for o in outs] == [expected[c][1] for c in order]
+    assert [o.prompt_token_ids for o in outs] == [expected[c][0] for c in order]
+    assert (counter.traces, counter.compiles) == (0, 0)
+    assert len({tuple(o.token_ids) for o in outs}) > 2  # the media matter
+
+
+def test_encoder_fault_ends_only_its_request(pipe, expected, monkeypatch) -> None:
+    """The vision encoder fails for one request's image: the joint call fails, each request is
+    encoded alone, and only that request ends, with the fault's message."""
+    frontend = pipe.stages[0].frontend
+    culprit = pipe.chat_prompt(user({"type": "image", "image": picture(128, 128, 5)}))
+    ids = pipe.tokenizer(culprit["prompt"])["input_ids"]
+    (grid,) = frontend.processor.process(1, ids, culprit["multi_modal_data"]).image_grid_thw
+    assert grid != frontend.processor.process(0, ids, {"image": [IMAGE]}).image_grid_thw[0]
+    vision_batch = frontend.step_inputs.vision_batch
+
+    def flaky(patches, grids, tokens):  # noqa: ANN001, ANN202 - ThinkerStepInputs.vision_batch's
+        if tuple(grid) in [tuple(g) for g in grids]:
+            raise ValueError("injected encoder fault")
+        return vision_batch(patches, grids, tokens)
+
+    monkeypatch.setattr(frontend.step_inputs, "vision_batch", flaky)
+    others = ["image", "two_audios", "text"]
+    outs = pipe.run([culprit, *(our_prompt(pipe, c) for c in others)], GREEDY, progress=False)
+    assert (outs[0].finish_reason, outs[0].token_ids) == ("error", [])
+    assert outs[0].error == "stage 'thinker': encoder failed: ValueError: injected encoder fault"
+    assert [o.token_ids for o in outs[1:]] == [expected[c][1] for c in others]
+
+
+def bad(pipe: OmniJaxPipeline, prompt: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        pipe.run(["hello", prompt], GREEDY, progress=False)
+
+
+def test_bad_media_are_refused_naming_the_request(pipe) -> None:
+    clips = our_prompt(pipe, "two_audios")
+    bad(pipe, dict(clips, multi_modal_data={"audio": [CLIP_A]}), r"request 1: 2 audio placeholder")
+    bad(pipe, dict(clips, multi_modal_data={"audio": [np.zeros((2, 100)), CLIP_B]}), r"request 1: audio must")
+    image = our_prompt(pipe, "image")
+    bad(pipe, dict(image, multi_modal_data={"image": [np.zeros((4, 5, 6, 3))]}), r"request 1: image must")
+    video = our_prompt(pipe, "video")
+    bad(
+        pipe,
+        dict(video, mm_processor_kwargs={"fps": 3}),
+        r"request 1: its video time positions are fractional",
+    )
+    with_audio = our_prompt(pipe, "audio_in_video")
+    bad(
+        pipe,
+        dict(with_audio, multi_modal_data={"video": [VIDEO]}),
+        r"request 1: use_audio_in_video needs one",
+    )
+    (out,) = pipe.run(image, GREEDY, progress=False)  # still usable
+    assert out.finish_reason in ("stop", "length")
+
+
+def test_the_talker_is_refused_by_name(qwen3_omni_dir) -> None:
     with pytest.raises(ValueError, match="stage 'talker' is not served yet"):
         OmniJaxPipeline.from_pretrained(qwen3_omni_dir, stages=["thinker", "talker"])
-    pipe = OmniJaxPipeline.from_pretrained(qwen3_omni_dir, stages=["thinker"])
-    image = {"prompt": "look", "multi_modal_data": {"image": [[[0, 0, 0]]]}}
-    with pytest.raises(ValueError, match="request 0: stage 'thinker' takes no multi_modal_data"):
-        pipe.run(image, progress=False)
+
+
+def test_clips_are_padded_as_their_own_requests_reference_call(pipe) -> None:
+    """The reference pads every chunk of one request's clips to that request's longest chunk,
+    unmasked between its convolutions: a request's audio rows are the same whether its clips
+    share an encoder call with another request's longer clip or are encoded alone."""
+    frontend = pipe.stages[0].frontend
+    requests = []
+    for i, case in enumerate(["audio_in_video", "two_audios"]):
+        prompt = our_prompt(pipe, case)
+        ids = pipe.tokenizer(prompt["prompt"])["input_ids"]
+        requests.append(frontend.prepare(i, StageInput(ids, prompt)).state)
+    audio_id = frontend.step_inputs.token_ids[0]
+    frontend.step_inputs.encode(requests)
+    together = requests[1].rows[audio_id]
+    frontend.step_inputs.encode(requests[1:])
+    np.testing.assert_allclose(together, requests[1].rows[audio_id], rtol=1e-5, atol=1e-5)

@@ -35,7 +35,7 @@ no request mix compiles an encoder after it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,12 +84,15 @@ class EncoderBuckets:
     vision_tokens: tuple[int, ...] = ()
 
     @classmethod
-    def for_processor(cls, processor: OmniProcessor, spec: ThinkerSpec) -> EncoderBuckets:
+    def for_processor(
+        cls, processor: OmniProcessor, spec: ThinkerSpec, video_pixels: int = VIDEO_SIZE["longest_edge"]
+    ) -> EncoderBuckets:
         """Sized to the processor's own bounds: the feature extractor's longest clip (its
-        ``chunk_length``), and the most pixels its image processor or the video path resizes a
-        frame to, so that any input it accepts fits one call."""
+        ``chunk_length``), and the most pixels its image processor or the video path
+        (``video_pixels``: the family's bound) resizes a frame to, so that any input it accepts
+        fits one call."""
         patch = spec.vision.patch_size
-        pixels = max(int(processor.image_processor.size["longest_edge"]), VIDEO_SIZE["longest_edge"])
+        pixels = max(int(processor.image_processor.size["longest_edge"]), video_pixels)
         return cls(
             audio_chunks=audio_chunk_buckets(int(processor.feature_extractor.nb_max_frames), spec.audio),
             vision_tokens=vision_token_buckets(spec.vision, pixels // (patch * patch)),
@@ -118,12 +121,15 @@ class EncoderBuckets:
 
 class EncoderPrograms:
     """One encoder's compiled programs, one per input shape: compiled ahead of traffic by
-    :meth:`compile` (warm-up, from shapes alone) or at a shape's first call, then reused."""
+    :meth:`compile` (warm-up, from shapes alone) or at a shape's first call, then reused.
+    ``output``, traced into them, makes the encoder's output the one ``[rows, width]`` array a
+    step merges (default: the output as it is)."""
 
-    def __init__(self, graphdef: nnx.GraphDef):
+    def __init__(self, graphdef: nnx.GraphDef, output: Callable[[Any], jax.Array] | None = None):
         def encode(state: nnx.State, batch: Any) -> jax.Array:
             with exact_matmuls(compute_dtype(state)):
-                return nnx.merge(graphdef, state)(batch)
+                out = nnx.merge(graphdef, state)(batch)
+                return out if output is None else output(out)
 
         self._jit = jax.jit(encode)
         self._compiled: dict[tuple[Any, ...], jax.stages.Compiled] = {}
@@ -179,9 +185,16 @@ def _needs_rows(row: StepRow[ThinkerRequest]) -> bool:
 
 class ThinkerStepInputs:
     """The thinker's :class:`~omni_jax.engine.step.StepInputs`: M-RoPE positions, the encoders
-    at admission, and each step's :class:`PromptMerge` (host side)."""
+    at admission, and each step's :class:`PromptMerge` (host side).
+
+    What another family's encoders change is in :attr:`audio_batch_class`,
+    :attr:`vision_batch_class` (their call inputs' shapes), :meth:`audio_batch`,
+    :meth:`vision_batch` (a call's inputs), :meth:`vision_rows` and :attr:`row_width` (the
+    width of a merged row, here the decoder's)."""
 
     position_shape = (3,)
+    audio_batch_class: Any = AudioBatch
+    vision_batch_class: Any = VisionBatch
 
     def __init__(self, model: Thinker, buckets: EncoderBuckets):
         spec = model.thinker_spec
@@ -189,16 +202,34 @@ class ThinkerStepInputs:
         self.buckets = buckets
         self.token_ids = (spec.audio_token_id, spec.image_token_id, spec.video_token_id)
         self.width = spec.text.hidden_size
+        self.row_width = self.width
         self.dtype = np.dtype(model.model.embed_tokens.embedding.dtype)
         audio_def, self._audio_state = nnx.split(model.audio_tower)
         vision_def, self._vision_state = nnx.split(model.visual)
         self._audio = EncoderPrograms(audio_def)
-        self._vision = EncoderPrograms(vision_def)
+        self._vision = EncoderPrograms(vision_def, self.vision_rows)
+
+    def vision_rows(self, out: Any) -> jax.Array:
+        """The vision encoder's output as the rows a step merges (traced into its programs):
+        here the output itself."""
+        return out
+
+    def audio_batch(
+        self, clips: Sequence[tuple[ThinkerRequest, np.ndarray]], chunks: int
+    ) -> tuple[Any, RowSplit]:
+        """One audio encoder call of ``chunks`` chunks over ``clips`` (each with its request)."""
+        return prepare_audio_batch([f for _, f in clips], self.spec.audio, min_chunks=chunks)
+
+    def vision_batch(
+        self, patches: list[np.ndarray], grids: list[tuple[int, int, int]], tokens: int
+    ) -> tuple[Any, RowSplit]:
+        """One vision encoder call of ``tokens`` tokens over ``patches`` of ``grids``."""
+        return prepare_vision_batch(patches, grids, self.spec.vision, tokens=tokens)
 
     def encode(self, requests: Sequence[ThinkerRequest]) -> None:
         """Every request's audio, then its images and videos, in the calls each encoder's plan
         cuts them into (:func:`plan_audio_calls`, :func:`plan_vision_calls`)."""
-        audio_rows = self._encode_audio([f for r in requests for f in r.inputs.audio_features])
+        audio_rows = self._encode_audio([(r, f) for r in requests for f in r.inputs.audio_features])
         patches = [p for r in requests for p in (*r.inputs.image_patches, *r.inputs.video_patches)]
         grids = [g for r in requests for g in (*r.inputs.image_grid_thw, *r.inputs.video_grid_thw)]
         audio_it, vision_it = iter(audio_rows), iter(self._encode_vision(patches, grids))
@@ -216,17 +247,15 @@ class ThinkerStepInputs:
                 video_id: take(vision_it, len(r.inputs.video_patches)),
             }
 
-    def _encode_audio(self, features: list[np.ndarray]) -> list[np.ndarray]:
+    def _encode_audio(self, clips: list[tuple[ThinkerRequest, np.ndarray]]) -> list[np.ndarray]:
         """Each clip's rows."""
-        if not features:
+        if not clips:
             return []
         spec, buckets = self.spec.audio, self.buckets.audio_chunks
 
         def dispatch() -> Iterator[tuple[RowSplit, jax.Array]]:
-            for call in plan_audio_calls([f.shape[1] for f in features], spec, buckets):
-                batch, split = prepare_audio_batch(
-                    features[call.start : call.stop], spec, min_chunks=call.size
-                )
+            for call in plan_audio_calls([f.shape[1] for _, f in clips], spec, buckets):
+                batch, split = self.audio_batch(clips[call.start : call.stop], call.size)
                 yield split, self._audio(self._audio_state, batch)
 
         return [rows for split, out in _one_ahead(dispatch()) for rows in split.split(out)]
@@ -245,7 +274,7 @@ class ThinkerStepInputs:
                     _, h, w = grids[p.item]
                     pieces.append(patches[p.item][p.first * h * w : (p.first + p.frames) * h * w])
                     piece_grids.append((p.frames, h, w))
-                batch, split = prepare_vision_batch(pieces, piece_grids, self.spec.vision, tokens=call.tokens)
+                batch, split = self.vision_batch(pieces, piece_grids, call.tokens)
                 yield (call, split), self._vision(self._vision_state, batch)
 
         rows: list[list[np.ndarray]] = [[] for _ in patches]
@@ -291,9 +320,9 @@ class ThinkerStepInputs:
         """Compile every program of :attr:`buckets` (from shapes: nothing runs); returns how many
         encoder programs there are."""
         for chunks in self.buckets.audio_chunks:
-            self._audio.compile(self._audio_state, AudioBatch.shapes(self.spec.audio, chunks))
+            self._audio.compile(self._audio_state, self.audio_batch_class.shapes(self.spec.audio, chunks))
         for tokens in self.buckets.vision_tokens:
-            self._vision.compile(self._vision_state, VisionBatch.shapes(self.spec.vision, tokens))
+            self._vision.compile(self._vision_state, self.vision_batch_class.shapes(self.spec.vision, tokens))
         return len(self._audio) + len(self._vision)
 
     def pack(self, rows: Sequence[StepRow[ThinkerRequest]], batch: int, tokens: int) -> PromptMerge:
@@ -303,7 +332,7 @@ class ThinkerStepInputs:
         changes nothing."""
         first = np.zeros((len(self.token_ids), batch), np.int32)
         limit = np.zeros((batch,), np.int32)
-        merged = np.zeros((batch * tokens, self.width), self.dtype)
+        merged = np.zeros((batch * tokens, self.row_width), self.dtype)
         offset = 0
         for i, row in enumerate(rows):
             req = row.state
@@ -316,7 +345,8 @@ class ThinkerStepInputs:
             for k, token in enumerate(self.token_ids):
                 a, b = int(req.before[token][min(row.start, end)]), int(req.before[token][end])
                 first[k, i] = offset
-                merged[offset : offset + b - a] = req.rows[token][a:b]
+                kind_rows = req.rows[token][a:b]  # narrower than row_width: the first columns
+                merged[offset : offset + b - a, : kind_rows.shape[1]] = kind_rows
                 offset += b - a
         return PromptMerge(merged, first, limit, self.token_ids)
 
@@ -339,11 +369,17 @@ def _encoder_error(e: Exception) -> str:
 
 
 class ThinkerFrontend:
-    """The thinker's :class:`~omni_jax.stages.ar.ARFrontend` (see the module docstring)."""
+    """The thinker's :class:`~omni_jax.stages.ar.ARFrontend` (see the module docstring).
+
+    Another family's thinker sets :attr:`processor_class`, :attr:`step_inputs_class`,
+    :attr:`video_pixels` (its video path's most pixels a frame) and :meth:`rope_index`."""
 
     eos_token_ids = None  # the checkpoint's generation_config.json describes the thinker
     suppress_ids: tuple[int, ...] = ()
     reads_hidden = False
+    processor_class: type[OmniProcessor] = OmniProcessor
+    step_inputs_class: type[ThinkerStepInputs] = ThinkerStepInputs
+    video_pixels: int = VIDEO_SIZE["longest_edge"]
 
     def __init__(
         self, processor: OmniProcessor | None, model: Thinker, buckets: EncoderBuckets | None = None
@@ -355,16 +391,18 @@ class ThinkerFrontend:
         self.rope_spec = self.spec.rope_index
         if buckets is None:
             buckets = (
-                EncoderBuckets() if processor is None else EncoderBuckets.for_processor(processor, self.spec)
+                EncoderBuckets()
+                if processor is None
+                else EncoderBuckets.for_processor(processor, self.spec, self.video_pixels)
             )
-        self.step_inputs = ThinkerStepInputs(model, buckets)
+        self.step_inputs = self.step_inputs_class(model, buckets)
 
     @classmethod
     def build(cls, model: Thinker, path: Path) -> ThinkerFrontend:
         """With the checkpoint's processor files; without ``preprocessor_config.json`` the stage
         takes text prompts only."""
         has_processor = (Path(path) / "preprocessor_config.json").exists()
-        return cls(OmniProcessor.from_pretrained(path) if has_processor else None, model)
+        return cls(cls.processor_class.from_pretrained(path) if has_processor else None, model)
 
     def prepare(self, index: int, request: StageInput) -> StageInput:
         prompt = request.prompt
@@ -383,7 +421,7 @@ class ThinkerFrontend:
             inputs = self.processor.process(index, request.token_ids, data, **kwargs)
             self.step_inputs.buckets.check(index, inputs, self.spec)
         try:
-            positions, delta = media_rope_index(self.rope_spec, inputs.input_ids, inputs)
+            positions, delta = self.rope_index(inputs)
         except (ValueError, IndexError) as e:
             message = str(e) or "placeholders do not match the multimodal inputs"
             raise ValueError(f"request {index}: {message}") from None
@@ -391,6 +429,11 @@ class ThinkerFrontend:
         before = {t: np.concatenate([[0], np.cumsum(ids == t)]) for t in self.step_inputs.token_ids}
         state = ThinkerRequest(inputs, positions, delta, before)
         return dataclasses.replace(request, token_ids=list(inputs.input_ids), state=state)
+
+    def rope_index(self, inputs: OmniInputs) -> tuple[np.ndarray, int]:
+        """The prompt's M-RoPE positions and ``rope_delta`` (``ValueError`` when its placeholders
+        and media disagree)."""
+        return media_rope_index(self.rope_spec, inputs.input_ids, inputs)
 
     def warmup(self) -> int:
         """Compile every encoder program ahead of traffic, from shapes (nothing runs); returns
