@@ -4,7 +4,8 @@
 vocoder prefix its next chunk needs, its noise) and runs the ready chunks of up to ``max_batch``
 requests in one call of :func:`~omni_jax.models.qwen2_5_omni.token2wav_chunk.token2wav_chunk_compiled`,
 whatever their kinds. Where a request is cut is the
-:class:`~omni_jax.models.qwen2_5_omni.chunk_plan.ChunkPlanner`'s business.
+:class:`~omni_jax.models.qwen2_5_omni.chunk_plan.ChunkPlanner`'s business; the loop (the request
+table, batching, the failure rules, warm-up) is :class:`~omni_jax.stages.chunk_loop.StreamedDecoder`'s.
 
 Shapes are closed: every solve pads to the planner's window (``past + chunk + future`` frames)
 and vocoder input (``2 * overlap + chunk + future`` frames), the voices' one reference length,
@@ -20,20 +21,19 @@ frames only, and the rows of a whole request are exactly the offline solve's
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from omni_jax.engine.generation_runner import PaddedBatch, SolveBuckets
-from omni_jax.jit import StaticGraph
+from omni_jax.engine.generation_runner import PaddedBatch
 from omni_jax.models.qwen2_5_omni.chunk_plan import Chunk, ChunkKind, ChunkPlanner
 from omni_jax.parallel.distributed import random_seed
-from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import fetch
+from omni_jax.stages.chunk_loop import StreamedChunk, StreamedDecoder, StreamState
 from omni_jax.stages.code2wav_params import Token2WavParams
 
 ChunkSolve = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
@@ -71,19 +71,16 @@ class NoiseRows:
 
 
 @dataclasses.dataclass
-class StreamRequest:
+class StreamRequest(StreamState):
     """A streamed request's state: its voice and settings, the codes received so far and
     whether they are all, the chunks done, the vocoder prefix of its next chunk."""
 
-    request_id: str
     speaker_embedding: np.ndarray
     reference_mel: np.ndarray
     params: Token2WavParams
     planner: ChunkPlanner
     seed: int
     noise: NoiseRows
-    codes: list[int] = dataclasses.field(default_factory=list)
-    finished: bool = False
     done: int = 0
     tail: np.ndarray | None = None
 
@@ -93,20 +90,9 @@ class StreamRequest:
         return ready[0] if ready else None
 
 
-@dataclasses.dataclass
-class ChunkOutput:
-    """A chunk's emitted audio (samples ``[chunk.offset, chunk.offset + len(audio))`` of its
-    request's waveform); ``last`` when the request has no more. ``error``: the chunk's solve
-    failed (``audio`` is then empty and the request is forgotten: it has no more). The solve's
-    seconds and requests: ``solve_s``, ``batch_size``."""
-
-    request_id: str
-    chunk: Chunk
-    audio: np.ndarray
-    last: bool
-    solve_s: float = 0.0
-    batch_size: int = 1
-    error: str | None = None
+ChunkOutput = StreamedChunk[Chunk]
+"""A chunk's emitted audio: samples ``[chunk.offset, chunk.offset + len(audio))`` of its
+request's waveform (:class:`~omni_jax.stages.chunk_loop.StreamedChunk`; ``chunk`` is always set)."""
 
 
 @dataclasses.dataclass
@@ -128,7 +114,15 @@ class ChunkBatch(PaddedBatch):
     sway_coefficient: np.ndarray
 
 
-class ChunkedDecoder:
+class ChunkSolved(NamedTuple):
+    """One chunk solve's host results: ``wave [B, samples]`` and each row's vocoder ``tail``,
+    the prefix of its request's next chunk."""
+
+    wave: np.ndarray
+    tail: np.ndarray
+
+
+class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolved]):
     """Streamed requests: :meth:`add`, :meth:`extend` with codes as they come, :meth:`step`.
 
     ``solve`` is ``token2wav_chunk_compiled`` (or a stand-in with its signature); ``planner`` the
@@ -150,20 +144,13 @@ class ChunkedDecoder:
         max_batch: int = 8,
         mesh: Mesh | None = None,
     ):
-        if max_batch < 1:
-            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        self.window_codes = planner.window_frames // planner.repeats
+        super().__init__(model, window=self.window_codes, max_batch=max_batch, mesh=mesh)
         self.solve = solve
-        graphdef, self.state = nnx.split(model)
-        self.graph = StaticGraph(graphdef)
         self.planner = planner
         self.mel_dim = mel_dim
         self.speaker_dim = speaker_dim
         self.reference_frames = reference_frames
-        self.max_batch = max_batch
-        self.mesh = mesh
-        self.window_codes = planner.window_frames // planner.repeats
-        self.buckets = SolveBuckets.build(max_batch, (self.window_codes,), axis_size(mesh, "data"))
-        self._requests: dict[str, StreamRequest] = {}
 
     def add(
         self,
@@ -174,8 +161,6 @@ class ChunkedDecoder:
     ) -> StreamRequest:
         """Start a streamed request (no codes yet). ``ValueError`` when its ``chunk_codes`` does
         not suit the model or exceeds the stage's chunk, or its reference mel is too long."""
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already streaming")
         if len(reference_mel) > self.reference_frames:
             raise ValueError(
                 f"request {request_id!r}: reference mel of {len(reference_mel)} frames, more than "
@@ -188,17 +173,17 @@ class ChunkedDecoder:
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
         seed = params.seed if params.seed is not None else random_seed()
-        request = StreamRequest(
-            request_id,
-            np.asarray(speaker_embedding, np.float32),
-            np.asarray(reference_mel, np.float32),
-            params,
-            planner,
-            seed,
-            NoiseRows.of(seed, self.mel_dim),
+        return self._start(
+            StreamRequest(
+                request_id,
+                np.asarray(speaker_embedding, np.float32),
+                np.asarray(reference_mel, np.float32),
+                params,
+                planner,
+                seed,
+                NoiseRows.of(seed, self.mel_dim),
+            )
         )
-        self._requests[request_id] = request
-        return request
 
     def plan(self, params: Token2WavParams) -> ChunkPlanner:
         """The planner of a request with ``params``: the stage's, its chunk ``chunk_codes`` when
@@ -218,83 +203,24 @@ class ChunkedDecoder:
         except ValueError as e:
             raise ValueError(f"chunk_codes={params.chunk_codes}: {e}") from None
 
-    @property
-    def num_streaming(self) -> int:
-        """Requests added and not yet done: waiting for codes or with a chunk ready."""
-        return len(self._requests)
+    def next_window(self, request: StreamRequest) -> Chunk | None:
+        return request.next_chunk()
 
-    def extend(self, request_id: str, codes: Sequence[int], finished: bool = False) -> None:
-        """Append ``codes`` to the request's; ``finished``: they were its last."""
-        request = self._requests[request_id]
-        if request.finished:
-            raise ValueError(f"request {request_id!r} has already finished")
-        if finished and not request.codes and len(codes) == 0:
-            raise ValueError(f"request {request_id!r} finished without a code to voice")
-        request.codes.extend(int(c) for c in codes)
-        request.finished = finished
+    def decode(self, batch: ChunkBatch) -> ChunkSolved:
+        wave, _, tail = self.solve(
+            self.graph, self.state, *batch.arrays(self.mesh), keep_frames=self.planner.keep_frames
+        )
+        return ChunkSolved(fetch(wave), fetch(tail))
 
-    def remove(self, request_id: str) -> bool:
-        """Forget a request (aborted); ``False`` when it is not streaming."""
-        return self._requests.pop(request_id, None) is not None
+    def emitted(self, solved: ChunkSolved, row: int, chunk: Chunk) -> np.ndarray:
+        return solved.wave[row, chunk.emit_lo : chunk.emit_hi]
 
-    def ready(self) -> list[tuple[StreamRequest, Chunk]]:
-        """Each request's next chunk when ready, oldest request first."""
-        pairs = ((r, r.next_chunk()) for r in self._requests.values())
-        return [(r, c) for r, c in pairs if c is not None]
-
-    def has_work(self) -> bool:
-        return bool(self.ready())
-
-    def step(self) -> list[ChunkOutput]:
-        """One solve: the next chunk of each of the oldest ``max_batch`` requests that have one
-        ready; a finished request is forgotten after its last chunk."""
-        ready = self.ready()[: self.max_batch]
-        return self.run(ready) if ready else []
-
-    def run(self, ready: Sequence[tuple[StreamRequest, Chunk]]) -> list[ChunkOutput]:
-        """One padded solve of ``ready`` chunks, each request advanced by its chunk.
-
-        As in :meth:`~omni_jax.engine.generation_runner.GenerationRunner.run`, a device failure
-        is retried one request at a time and a row with non-finite audio fails alone: a failed
-        request gets an ``error`` output and is forgotten, the others go on.
-        """
-        batch = self.pad(ready, self.buckets.rows_for(len(ready)))
-        t0 = time.perf_counter()
-        try:
-            wave, _, tail = self.solve(
-                self.graph, self.state, *batch.arrays(self.mesh), keep_frames=self.planner.keep_frames
-            )
-            wave, tail = fetch(wave), fetch(tail)
-        except jax.errors.JaxRuntimeError as e:
-            if len(ready) > 1:
-                return [out for pair in ready for out in self.run([pair])]
-            return [self._fail(*ready[0], f"solve failed: {e}", time.perf_counter() - t0, 1)]
-        dt = time.perf_counter() - t0
-        outputs = []
-        for i, (request, chunk) in enumerate(ready):
-            audio = wave[i, chunk.emit_lo : chunk.emit_hi]
-            if not np.isfinite(audio).all():
-                bad = int((~np.isfinite(audio)).sum())
-                outputs.append(
-                    self._fail(
-                        request, chunk, f"non-finite waveform ({bad} of {audio.size} samples)", dt, len(ready)
-                    )
-                )
-                continue
-            request.done += 1
-            request.tail = tail[i].copy()
-            last = chunk.kind in (ChunkKind.LITTLE, ChunkKind.FINAL)
-            if last:
-                del self._requests[request.request_id]
-            outputs.append(ChunkOutput(request.request_id, chunk, audio.copy(), last, dt, len(ready)))
-        return outputs
-
-    def _fail(
-        self, request: StreamRequest, chunk: Chunk, error: str, solve_s: float, rows: int
-    ) -> ChunkOutput:
-        del self._requests[request.request_id]
-        empty = np.zeros(0, np.float32)
-        return ChunkOutput(request.request_id, chunk, empty, True, solve_s, rows, error)
+    def advance(self, request: StreamRequest, chunk: Chunk, solved: ChunkSolved, row: int) -> bool:
+        """The chunk's vocoder tail becomes the next one's prefix; a little or final chunk is the
+        request's last."""
+        request.done += 1
+        request.tail = solved.tail[row].copy()
+        return chunk.kind in (ChunkKind.LITTLE, ChunkKind.FINAL)
 
     def pad(self, ready: Sequence[tuple[StreamRequest, Chunk]], rows: int) -> ChunkBatch:
         """``ready`` chunks in the first rows of a ``rows``-row solve; a row with no chunk solves
@@ -333,15 +259,3 @@ class ChunkedDecoder:
             batch.guidance_scale[i] = r.params.guidance_scale
             batch.sway_coefficient[i] = r.params.sway_coefficient
         return batch
-
-    def warmup(self) -> int:
-        """Compile the program of every row count; returns how many."""
-        for rows in self.buckets.rows:
-            out, _, _ = self.solve(
-                self.graph,
-                self.state,
-                *self.pad([], rows).arrays(self.mesh),
-                keep_frames=self.planner.keep_frames,
-            )
-            jax.block_until_ready(out)
-        return len(self.buckets.rows)

@@ -12,7 +12,9 @@ frames)`` shapes, one ``code2wav_compiled`` program each. A request with
 ``Token2WavParams(stream=True)`` is decoded chunk by chunk
 (:class:`~omni_jax.stages.qwen3_code2wav_stream.FrameDecoder`); after the talker the stage is a
 :class:`~omni_jax.stages.base.FedStage`, taking the talker's frames as they are made, so its first
-audio comes a frame or a few after the talker's first frame.
+audio comes a frame or a few after the talker's first frame. The books of both paths, the step
+and aborts are :class:`~omni_jax.stages.code2wav_common.Code2WavStageBase`'s, shared with
+Qwen2.5-Omni's stage.
 
 The params are the public :class:`~omni_jax.stages.code2wav_params.Token2WavParams`, so callers
 and the server treat both families alike: ``stream`` and ``chunk_codes`` (here counted in code
@@ -23,7 +25,6 @@ frames) apply; the flow-matching fields (``num_steps``, ``guidance_scale``,
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,18 +36,11 @@ from omni_jax.engine.buckets import ladder
 from omni_jax.engine.generation_runner import GenerationRunner, PaddedBatch
 from omni_jax.models.qwen3_omni.code2wav import Code2Wav, code2wav_chunk_compiled, code2wav_compiled
 from omni_jax.models.qwen3_omni.code2wav_layers import Code2WavSpec
-from omni_jax.stages.base import (
-    StageInput,
-    StageLoad,
-    StageResult,
-    StageStep,
-    check_ids,
-    check_params,
-    no_multimodal,
-)
+from omni_jax.stages.base import StageInput, StageResult, check_ids
+from omni_jax.stages.code2wav_common import Code2WavStageBase, stream_setting
 from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.config import StageConfig
-from omni_jax.stages.qwen3_code2wav_stream import FrameChunk, FrameDecoder, FrameStream, StreamPlan
+from omni_jax.stages.qwen3_code2wav_stream import FrameDecoder, StreamPlan
 
 SAMPLE_RATE = 24_000
 """Qwen3-Omni's code2wav output rate (not recorded in the checkpoint's config)."""
@@ -97,17 +91,12 @@ def stream_plan(sc: StageConfig) -> StreamPlan:
     """The streamed decoding constants: :data:`STREAM_KEYS`, or those the stage YAML's
     ``engine.stream`` sets (e.g. ``{chunk_frames: 12}``; a request's ``chunk_codes`` may only be
     smaller)."""
-    given = dict(sc.engine.get("stream") or {})
-    unknown = set(given) - set(STREAM_KEYS)
-    if unknown:
-        raise ValueError(
-            f"stage {sc.name!r}: unknown engine.stream keys {sorted(unknown)} (known: {sorted(STREAM_KEYS)})"
-        )
-    values = {k: int(v) for k, v in {**STREAM_KEYS, **given}.items()}
-    try:
+
+    def build(given: dict[str, int]) -> StreamPlan:
+        values = {**STREAM_KEYS, **given}
         return StreamPlan(values["chunk_frames"], values["first_chunk_frames"], values["left_context_frames"])
-    except ValueError as e:
-        raise ValueError(f"stage {sc.name!r}: engine.stream: {e}") from None
+
+    return stream_setting(sc, STREAM_KEYS, build)
 
 
 def solve_bytes(spec: Code2WavSpec, rows: int, frames: int) -> int:
@@ -186,19 +175,7 @@ class FramesPadder:
         return batch
 
 
-@dataclasses.dataclass
-class _Streamed:
-    """A streamed request's progress in the stage: when it was opened, its first audio, its
-    frames, the audio emitted so far and the seconds of the solves it was in."""
-
-    opened: float
-    stream: FrameStream
-    pieces: list[np.ndarray] = dataclasses.field(default_factory=list)
-    first_audio_s: float | None = None
-    solve_s: float = 0.0
-
-
-class Qwen3Code2WavStage:
+class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDecoder]):
     """Prompts (when first) are ``{"prompt_token_ids": codes}``: frames flattened frame-major,
     each code in ``[0, codebook_size)``, a whole number of frames. An offline request holds at
     most the engine option ``max_frames`` frames (default :data:`DEFAULT_MAX_FRAMES`, never more
@@ -210,10 +187,8 @@ class Qwen3Code2WavStage:
     frame (the rest follows), the last ones must end on a whole frame.
     """
 
-    params_type = Token2WavParams
-    accepts_text = False
-    reads_hidden = False
     sample_rate = SAMPLE_RATE
+    size_key = "num_frames"
 
     def __init__(
         self,
@@ -224,14 +199,9 @@ class Qwen3Code2WavStage:
         max_frames: int,
         defaults: Token2WavParams,
     ):
-        self.config = config
-        self.runner = runner
-        self.decoder = decoder
+        super().__init__(config, runner, decoder, defaults)
         self.spec = spec
         self.max_frames = max_frames
-        self.defaults = defaults
-        self._submitted: dict[str, tuple[float, int]] = {}
-        self._streamed: dict[str, _Streamed] = {}
 
     @classmethod
     def build(
@@ -259,12 +229,6 @@ class Qwen3Code2WavStage:
         )
         return cls(sc, runner, decoder, spec, max_frames, sc.default_params(Token2WavParams))
 
-    def prepare(self, index: int, request: StageInput) -> StageInput:
-        return no_multimodal(self, index, request)
-
-    def connect(self, upstream: Any) -> None:
-        """Reads only the upstream's tokens: nothing to take from it at build time."""
-
     def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
         """The talker's frames (its stop token cut by the talker wiring); ``None`` when it made
         none, so there is nothing to voice."""
@@ -272,20 +236,15 @@ class Qwen3Code2WavStage:
             return None
         return StageInput(list(upstream.token_ids), prompt, upstream=upstream)
 
-    def streams(self, params: Token2WavParams) -> bool:
-        return params.stream
-
     def open(self, request_id: str, prompt: dict[str, Any], params: Token2WavParams) -> None:
-        stream = self.decoder.add(request_id, params.chunk_codes)
-        self._streamed[request_id] = _Streamed(time.perf_counter(), stream)
+        self._opened(request_id, self.decoder.add(request_id, params.chunk_codes).codes)
 
     def feed(self, index: int, request_id: str, tokens: list[int], upstream: StageResult | None) -> bool:
         """The talker's new codes (frame-major, no stop token), each checked against the
         codebook, then queued for the request's chunks; ``upstream`` set: they were its last."""
         if tokens:
             check_ids(index, tokens, self.spec.codebook_size, kind="codec")
-        stream = self._streamed[request_id].stream
-        if upstream is not None and not stream.codes and not tokens:
+        if upstream is not None and not self._streamed[request_id].codes and not tokens:
             self.abort(request_id)
             return False
         try:
@@ -297,12 +256,7 @@ class Qwen3Code2WavStage:
     def validate(
         self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
     ) -> None:
-        check_params(self, index, params)
-        if params.stream:
-            try:
-                self.decoder.plan_for(params.chunk_codes)
-            except ValueError as e:
-                raise ValueError(f"request {index}: stage {self.config.name!r}: {e}") from None
+        self._check_params(index, params)
         if request is None:
             return
         codes = request.token_ids
@@ -330,93 +284,13 @@ class Qwen3Code2WavStage:
             return
         frames = len(request.token_ids) // self.spec.num_quantizers
         codes = np.asarray(request.token_ids, np.int32).reshape(frames, self.spec.num_quantizers).T
-        self._submitted[request_id] = (time.perf_counter(), frames)
-        self.runner.add(FramesRequest(request_id, np.ascontiguousarray(codes)))
+        self._queue(FramesRequest(request_id, np.ascontiguousarray(codes)), frames)
 
-    def abort(self, request_id: str) -> bool:
-        """Drop the request from the solve queue or the decoder (aborts come between steps, so a
-        request is never inside a running solve)."""
-        if self._streamed.pop(request_id, None) is not None:
-            return self.decoder.remove(request_id)
-        if self._submitted.pop(request_id, None) is None:
-            return False
-        self.runner.remove(lambda r: r.request_id == request_id)
-        return True
+    def _check_stream(self, params: Token2WavParams) -> None:
+        self.decoder.plan_for(params.chunk_codes)
 
-    def has_work(self) -> bool:
-        return self.runner.has_work() or self.decoder.has_work()
+    def _size(self, codes: list[int]) -> int:
+        return len(codes) // self.spec.num_quantizers
 
-    def load(self) -> StageLoad:
-        """Streamed requests run (they are decoded as their frames come); offline ones wait for
-        a solve, which runs inside one step."""
-        return StageLoad(running=self.decoder.num_streaming, waiting=self.runner.num_waiting)
-
-    def warmup(self) -> int:
-        """Compile every program: offline, one per rows bucket up to ``max_batch`` and frame
-        count of :func:`frame_buckets`; streamed, one per rows bucket. Returns how many. After it
-        no request mix compiles."""
-        return self.runner.warmup() + self.decoder.warmup()
-
-    def step(self) -> StageStep:
-        """One chunk solve of the streamed requests with a chunk ready, then one offline solve;
-        a streamed request's audio comes chunk by chunk, an offline one's whole."""
-        results: list[StageResult] = []
-        audio: dict[str, np.ndarray] = {}
-        if self.decoder.has_work():
-            for chunk in self.decoder.step():
-                if chunk.error is None and len(chunk.audio):
-                    audio[chunk.request_id] = chunk.audio
-                finished = self._chunk_done(chunk)
-                if finished is not None:
-                    results.append(finished)
-        if self.runner.has_work():
-            results += self._solve(audio)
-        return StageStep(results, new_audio=audio)
-
-    def _chunk_done(self, chunk: FrameChunk) -> StageResult | None:
-        """Record a streamed chunk; the request's result when it was its last."""
-        streamed = self._streamed[chunk.request_id]
-        now = time.perf_counter()
-        streamed.solve_s += chunk.solve_s
-        if streamed.first_audio_s is None and chunk.error is None and len(chunk.audio):
-            streamed.first_audio_s = now - streamed.opened
-        streamed.pieces.append(chunk.audio)
-        if not chunk.last:
-            return None
-        del self._streamed[chunk.request_id]
-        wave = np.concatenate(streamed.pieces)
-        codes = list(streamed.stream.codes)
-        metrics = {
-            "wall_s": now - streamed.opened,
-            "first_audio_s": streamed.first_audio_s,
-            "solve_s": streamed.solve_s,
-            "chunks": sum(1 for p in streamed.pieces if len(p)),
-            "num_frames": streamed.stream.frames,
-            "num_samples": len(wave),
-        }
-        if chunk.error is not None:
-            return StageResult(chunk.request_id, codes, "error", metrics, error=chunk.error)
-        return StageResult(chunk.request_id, codes, "stop", metrics, audio=wave, sample_rate=self.sample_rate)
-
-    def _solve(self, audio: dict[str, np.ndarray]) -> list[StageResult]:
-        """One offline solve; its requests finish together, with their whole waveforms."""
-        results = []
-        for r in self.runner.step():
-            request_id = r.request.request_id
-            started, frames = self._submitted.pop(request_id)
-            metrics = {
-                "wall_s": time.perf_counter() - started,
-                "solve_s": r.solve_s,
-                "batch_size": r.batch_size,
-                "num_frames": frames,
-                "num_samples": 0 if r.output is None else len(r.output),
-            }
-            codes = r.request.codes.T.reshape(-1).tolist()
-            if r.error is not None:
-                results.append(StageResult(request_id, codes, "error", metrics, error=r.error))
-                continue
-            audio[request_id] = r.output
-            results.append(
-                StageResult(request_id, codes, "stop", metrics, audio=r.output, sample_rate=self.sample_rate)
-            )
-        return results
+    def _offline_codes(self, request: FramesRequest) -> list[int]:
+        return request.codes.T.reshape(-1).tolist()

@@ -1,0 +1,201 @@
+"""The streamed-decode loop both code2wav families share: requests decoded chunk by chunk as
+their codes arrive, the ready chunks of several requests in one padded solve.
+
+:class:`StreamedDecoder` owns what does not depend on the model: the table of streamed requests,
+taking their codes, choosing the oldest ``max_batch`` with a chunk ready, one padded solve of a
+row count from :class:`~omni_jax.engine.generation_runner.SolveBuckets`, the failure rules of
+:meth:`~omni_jax.engine.generation_runner.GenerationRunner.run` (a device error retried one
+request at a time, a row with non-finite audio failing alone) and warm-up (one program per row
+count). A subclass supplies the model: where a request's next chunk is, how chunks pad into a
+batch, the solve and its host results, a row's audio and how a request advances.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Generic, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from omni_jax.engine.generation_runner import PaddedBatch, SolveBuckets
+from omni_jax.jit import StaticGraph
+from omni_jax.parallel.mesh import axis_size
+
+
+@dataclasses.dataclass
+class StreamState:
+    """What the loop reads and writes of a streamed request: its id, the codes received so far
+    and whether they are all. A family's record adds its own fields (its plan, its progress)."""
+
+    request_id: str
+    codes: list[int] = dataclasses.field(default_factory=list, kw_only=True)
+    finished: bool = dataclasses.field(default=False, kw_only=True)
+
+
+R = TypeVar("R", bound=StreamState)
+"""A streamed request's record (the subclass's)."""
+W = TypeVar("W")
+"""Where a chunk is cut (the subclass's: a chunk plan's entry)."""
+B = TypeVar("B", bound=PaddedBatch)
+"""One chunk solve's padded inputs."""
+H = TypeVar("H")
+"""One chunk solve's results, on the host."""
+
+
+@dataclasses.dataclass
+class StreamedChunk(Generic[W]):
+    """A chunk's emitted audio; ``last`` when the request has no more. ``chunk``: where it was cut
+    (``None`` for the empty end of a request whose every code an earlier chunk voiced).
+    ``error``: the chunk's solve failed (``audio`` is then empty and the request is forgotten: it
+    has no more). The solve's seconds and requests: ``solve_s``, ``batch_size``."""
+
+    request_id: str
+    chunk: W | None
+    audio: np.ndarray
+    last: bool
+    solve_s: float = 0.0
+    batch_size: int = 0
+    error: str | None = None
+
+
+class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
+    """Streamed requests: a subclass's ``add``, :meth:`extend` with codes as they come,
+    :meth:`step`.
+
+    ``model`` is split once (its graph static, its state an argument of every solve);
+    ``window`` is the padded length every solve's rows share, so only the row count varies;
+    ``mesh`` as for the :class:`~omni_jax.engine.generation_runner.GenerationRunner` (rows split
+    over ``data``). ``unit`` names what a request's codes count in messages (a code, a frame).
+    """
+
+    unit = "code"
+
+    def __init__(self, model: nnx.Module, *, window: int, max_batch: int, mesh: Mesh | None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        graphdef, self.state = nnx.split(model)
+        self.graph = StaticGraph(graphdef)
+        self.max_batch = max_batch
+        self.mesh = mesh
+        self.buckets = SolveBuckets.build(max_batch, (window,), axis_size(mesh, "data"))
+        self._requests: dict[str, R] = {}
+
+    @abc.abstractmethod
+    def next_window(self, request: R) -> W | None:
+        """The request's next chunk, when it is ready."""
+
+    def drained(self, request: R) -> bool:
+        """Finished with every code voiced by an earlier chunk: it ends with no chunk (never, for
+        a model whose last chunk is always a solve)."""
+        return False
+
+    def check_codes(self, request: R, codes: Sequence[int], finished: bool) -> None:
+        """``ValueError`` when ``codes`` cannot follow the request's (before they are taken)."""
+
+    @abc.abstractmethod
+    def pad(self, ready: Sequence[tuple[R, W]], rows: int) -> B:
+        """``ready`` chunks in the first rows of a ``rows``-row solve; the other rows are
+        placeholders that neither fail nor yield NaN."""
+
+    @abc.abstractmethod
+    def decode(self, batch: B) -> H:
+        """The solve of ``batch``, its results fetched to the host."""
+
+    @abc.abstractmethod
+    def emitted(self, solved: H, row: int, chunk: W) -> np.ndarray:
+        """Row ``row``'s audio: the chunk's new samples."""
+
+    @abc.abstractmethod
+    def advance(self, request: R, chunk: W, solved: H, row: int) -> bool:
+        """Move the request past its decoded ``chunk``; whether that was its last."""
+
+    def _start(self, request: R) -> R:
+        """Hold a new request (``ValueError`` when its id is already streaming)."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already streaming")
+        self._requests[request.request_id] = request
+        return request
+
+    @property
+    def num_streaming(self) -> int:
+        """Requests added and not yet done: waiting for codes or with a chunk ready."""
+        return len(self._requests)
+
+    def extend(self, request_id: str, codes: Sequence[int], finished: bool = False) -> None:
+        """Append ``codes`` to the request's; ``finished``: they were its last."""
+        request = self._requests[request_id]
+        if request.finished:
+            raise ValueError(f"request {request_id!r} has already finished")
+        self.check_codes(request, codes, finished)
+        if finished and not request.codes and len(codes) == 0:
+            raise ValueError(f"request {request_id!r} finished without a {self.unit} to voice")
+        request.codes.extend(int(c) for c in codes)
+        request.finished = finished
+
+    def remove(self, request_id: str) -> bool:
+        """Forget a request (aborted); ``False`` when it is not streaming."""
+        return self._requests.pop(request_id, None) is not None
+
+    def ready(self) -> list[tuple[R, W]]:
+        """Each request's next chunk when ready, oldest request first."""
+        pairs = ((r, self.next_window(r)) for r in self._requests.values())
+        return [(r, w) for r, w in pairs if w is not None]
+
+    def has_work(self) -> bool:
+        return any(self.drained(r) or self.next_window(r) is not None for r in self._requests.values())
+
+    def step(self) -> list[StreamedChunk[W]]:
+        """Requests that finished with nothing left to decode end (empty audio); then one solve:
+        the next chunk of each of the oldest ``max_batch`` requests with one ready."""
+        outputs: list[StreamedChunk[W]] = []
+        for request in [r for r in self._requests.values() if self.drained(r)]:
+            del self._requests[request.request_id]
+            outputs.append(StreamedChunk(request.request_id, None, np.zeros(0, np.float32), True))
+        ready = self.ready()[: self.max_batch]
+        return outputs + (self.run(ready) if ready else [])
+
+    def run(self, ready: Sequence[tuple[R, W]]) -> list[StreamedChunk[W]]:
+        """One padded solve of ``ready`` chunks, each request advanced by its chunk.
+
+        As in :meth:`~omni_jax.engine.generation_runner.GenerationRunner.run`, a device failure
+        is retried one request at a time and a row with non-finite audio fails alone: a failed
+        request gets an ``error`` output and is forgotten, the others go on.
+        """
+        batch = self.pad(ready, self.buckets.rows_for(len(ready)))
+        t0 = time.perf_counter()
+        try:
+            solved = self.decode(batch)
+        except jax.errors.JaxRuntimeError as e:
+            if len(ready) > 1:
+                return [out for pair in ready for out in self.run([pair])]
+            return [self._fail(*ready[0], f"solve failed: {e}", time.perf_counter() - t0, 1)]
+        dt = time.perf_counter() - t0
+        outputs = []
+        for i, (request, chunk) in enumerate(ready):
+            audio = self.emitted(solved, i, chunk)
+            if not np.isfinite(audio).all():
+                bad = int((~np.isfinite(audio)).sum())
+                error = f"non-finite waveform ({bad} of {audio.size} samples)"
+                outputs.append(self._fail(request, chunk, error, dt, len(ready)))
+                continue
+            last = self.advance(request, chunk, solved, i)
+            if last:
+                del self._requests[request.request_id]
+            outputs.append(StreamedChunk(request.request_id, chunk, audio.copy(), last, dt, len(ready)))
+        return outputs
+
+    def _fail(self, request: R, chunk: W, error: str, solve_s: float, rows: int) -> StreamedChunk[W]:
+        del self._requests[request.request_id]
+        return StreamedChunk(request.request_id, chunk, np.zeros(0, np.float32), True, solve_s, rows, error)
+
+    def warmup(self) -> int:
+        """Compile the program of every row count; returns how many."""
+        for rows in self.buckets.rows:
+            self.decode(self.pad([], rows))
+        return len(self.buckets.rows)

@@ -1,0 +1,238 @@
+"""What both code2wav stages (Qwen2.5-Omni's, Qwen3-Omni's) do alike around their models.
+
+Each stage decodes a request offline, whole, in a
+:class:`~omni_jax.engine.generation_runner.GenerationRunner` solve, or streamed, chunk by chunk,
+in a :class:`~omni_jax.stages.chunk_loop.StreamedDecoder`. :class:`Code2WavStageBase` keeps the
+books of both paths (when a request came, its first audio, its pieces, its solves' seconds), runs
+a step (the chunk solve, then the offline solve), aborts, reports load and warms up; a family's
+stage adds its voices or frames, its checks and what its results count (codes or frames).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Collection
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+
+from omni_jax.engine.generation_runner import GenerationRunner, PaddedBatch
+from omni_jax.stages.base import StageInput, StageLoad, StageResult, StageStep, check_params, no_multimodal
+from omni_jax.stages.chunk_loop import StreamedChunk, StreamedDecoder
+from omni_jax.stages.code2wav_params import Token2WavParams
+from omni_jax.stages.config import StageConfig
+
+
+class OfflineRequest(Protocol):
+    """What the stage reads of an offline request: its id."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
+Q = TypeVar("Q", bound=OfflineRequest)
+"""An offline request (the runner's)."""
+B = TypeVar("B", bound=PaddedBatch)
+"""An offline solve's padded inputs."""
+D = TypeVar("D", bound=StreamedDecoder)
+"""The stage's streamed decoder."""
+W = TypeVar("W")
+T = TypeVar("T")
+
+
+def stream_setting(sc: StageConfig, keys: Collection[str], build: Callable[[dict[str, int]], T]) -> T:
+    """The stage YAML's ``engine.stream`` (each value an int) made into the stage's streamed
+    decoding constants by ``build``; ``ValueError`` naming the stage for a key not in ``keys`` or
+    constants ``build`` refuses."""
+    given = dict(sc.engine.get("stream") or {})
+    unknown = set(given) - set(keys)
+    if unknown:
+        raise ValueError(
+            f"stage {sc.name!r}: unknown engine.stream keys {sorted(unknown)} (known: {sorted(keys)})"
+        )
+    values = {k: int(v) for k, v in given.items()}
+    try:
+        return build(values)
+    except ValueError as e:
+        raise ValueError(f"stage {sc.name!r}: engine.stream: {e}") from None
+
+
+@dataclasses.dataclass
+class Streamed:
+    """A streamed request's progress in the stage: when it was opened, its codes (the decoder's
+    list, which grows as they come), metrics fixed when it was opened (``tags``: a seed), its
+    first audio, the audio emitted so far and the seconds of the solves it was in."""
+
+    opened: float
+    codes: list[int]
+    tags: dict[str, int] = dataclasses.field(default_factory=dict)
+    pieces: list[np.ndarray] = dataclasses.field(default_factory=list)
+    first_audio_s: float | None = None
+    solve_s: float = 0.0
+
+
+class Code2WavStageBase(Generic[Q, B, D]):
+    """The bookkeeping of a code2wav stage over an offline ``runner`` and a streamed
+    ``decoder``. A subclass sets :attr:`sample_rate` and :attr:`size_key` (the metric that counts
+    a request's codes: ``num_codes``, ``num_frames``), and supplies :meth:`_size` and
+    :meth:`_offline_codes` (with :meth:`_offline_tags` where its results carry more)."""
+
+    params_type = Token2WavParams
+    accepts_text = False
+    reads_hidden = False
+    sample_rate: int
+    size_key: str
+
+    def __init__(
+        self,
+        config: StageConfig,
+        runner: GenerationRunner[Q, B],
+        decoder: D,
+        defaults: Token2WavParams,
+    ):
+        self.config = config
+        self.runner = runner
+        self.decoder = decoder
+        self.defaults = defaults
+        self._submitted: dict[str, tuple[float, int]] = {}
+        self._streamed: dict[str, Streamed] = {}
+
+    def _size(self, codes: list[int]) -> int:
+        """What :attr:`size_key` counts of a streamed request's ``codes``."""
+        return len(codes)
+
+    def _offline_codes(self, request: Q) -> list[int]:
+        """An offline request's codes, as its result's ``token_ids``."""
+        raise NotImplementedError
+
+    def _offline_tags(self, request: Q) -> dict[str, int]:
+        """An offline result's metrics beyond the common ones."""
+        return {}
+
+    def _check_stream(self, params: Token2WavParams) -> None:
+        """``ValueError`` when the decoder cannot cut a streamed request with ``params``."""
+        raise NotImplementedError
+
+    def _check_params(self, index: int, params: Any) -> None:
+        """:func:`~omni_jax.stages.base.check_params`, then whether a streamed request can be cut."""
+        check_params(self, index, params)
+        if params.stream:
+            try:
+                self._check_stream(params)
+            except ValueError as e:
+                raise ValueError(f"request {index}: stage {self.config.name!r}: {e}") from None
+
+    def prepare(self, index: int, request: StageInput) -> StageInput:
+        return no_multimodal(self, index, request)
+
+    def connect(self, upstream: Any) -> None:
+        """Reads only the upstream's tokens: nothing to take from it at build time."""
+
+    def streams(self, params: Token2WavParams) -> bool:
+        return params.stream
+
+    def _opened(self, request_id: str, codes: list[int], tags: dict[str, int] | None = None) -> None:
+        """Record a streamed request the decoder took (``codes``: its list of them)."""
+        self._streamed[request_id] = Streamed(time.perf_counter(), codes, dict(tags or {}))
+
+    def _queue(self, request: Q, size: int) -> None:
+        """Queue an offline request of ``size`` (codes or frames) for a solve."""
+        self._submitted[request.request_id] = (time.perf_counter(), size)
+        self.runner.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request from the solve queue or the decoder (aborts come between steps, so a
+        request is never inside a running solve)."""
+        if self._streamed.pop(request_id, None) is not None:
+            return self.decoder.remove(request_id)
+        if self._submitted.pop(request_id, None) is None:
+            return False
+        self.runner.remove(lambda r: r.request_id == request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return self.runner.has_work() or self.decoder.has_work()
+
+    def load(self) -> StageLoad:
+        """Streamed requests run (they are decoded as their codes come); offline ones wait for a
+        solve, which runs inside one step."""
+        return StageLoad(running=self.decoder.num_streaming, waiting=self.runner.num_waiting)
+
+    def warmup(self) -> int:
+        """Compile every program: the offline solves' (the runner's shapes) and the streamed
+        ones' (one per rows bucket). Returns how many. After it no request mix compiles."""
+        return self.runner.warmup() + self.decoder.warmup()
+
+    def step(self) -> StageStep:
+        """One chunk solve of the streamed requests with a chunk ready, then one offline solve;
+        a streamed request's audio comes chunk by chunk, an offline one's whole."""
+        results: list[StageResult] = []
+        audio: dict[str, np.ndarray] = {}
+        if self.decoder.has_work():
+            for chunk in self.decoder.step():
+                if chunk.error is None and len(chunk.audio):
+                    audio[chunk.request_id] = chunk.audio
+                finished = self._chunk_done(chunk)
+                if finished is not None:
+                    results.append(finished)
+        if self.runner.has_work():
+            results += self._solve(audio)
+        return StageStep(results, new_audio=audio)
+
+    def _chunk_done(self, chunk: StreamedChunk[W]) -> StageResult | None:
+        """Record a streamed chunk; the request's result when it was its last."""
+        streamed = self._streamed[chunk.request_id]
+        now = time.perf_counter()
+        streamed.solve_s += chunk.solve_s
+        if streamed.first_audio_s is None and chunk.error is None and len(chunk.audio):
+            streamed.first_audio_s = now - streamed.opened
+        streamed.pieces.append(chunk.audio)
+        if not chunk.last:
+            return None
+        del self._streamed[chunk.request_id]
+        wave = np.concatenate(streamed.pieces)
+        metrics = {
+            "wall_s": now - streamed.opened,
+            "first_audio_s": streamed.first_audio_s,
+            "solve_s": streamed.solve_s,
+            "chunks": sum(1 for p in streamed.pieces if len(p)),
+            self.size_key: self._size(streamed.codes),
+            "num_samples": len(wave),
+            **streamed.tags,
+        }
+        return self._result(chunk.request_id, list(streamed.codes), metrics, wave, chunk.error)
+
+    def _solve(self, audio: dict[str, np.ndarray]) -> list[StageResult]:
+        """One offline solve; its requests finish together, with their whole waveforms."""
+        results = []
+        for r in self.runner.step():
+            request_id = r.request.request_id
+            started, size = self._submitted.pop(request_id)
+            metrics = {
+                "wall_s": time.perf_counter() - started,
+                "solve_s": r.solve_s,
+                "batch_size": r.batch_size,
+                self.size_key: size,
+                "num_samples": 0 if r.output is None else len(r.output),
+                **self._offline_tags(r.request),
+            }
+            if r.error is None and r.output is not None:
+                audio[request_id] = r.output
+            results.append(
+                self._result(request_id, self._offline_codes(r.request), metrics, r.output, r.error)
+            )
+        return results
+
+    def _result(
+        self,
+        request_id: str,
+        codes: list[int],
+        metrics: dict[str, Any],
+        wave: np.ndarray | None,
+        error: str | None,
+    ) -> StageResult:
+        """A finished request: its waveform, or its error."""
+        if error is not None:
+            return StageResult(request_id, codes, "error", metrics, error=error)
+        return StageResult(request_id, codes, "stop", metrics, audio=wave, sample_rate=self.sample_rate)
