@@ -17,11 +17,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
+from omni_jax import Token2WavParams
 from omni_jax.intake import StageParams
 from omni_jax.pipeline import OmniJaxPipeline
 from omni_jax.serve import media
 from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, Message
-from omni_jax.stages.code2wav_params import Token2WavParams
 
 SAMPLING_FIELDS = (
     "temperature",
