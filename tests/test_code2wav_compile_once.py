@@ -24,6 +24,7 @@ from omni_jax.engine.compilation import CompileCounter
 from omni_jax.engine.generation_runner import GenerationRunner, SolveBuckets
 from omni_jax.engine.solve_cost import MIN_OVERHEAD
 from omni_jax.models.qwen2_5_omni.token2wav import token2wav_compiled
+from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
 from omni_jax.stages.code2wav_batch import Code2WavRequest, SolveGeometry, code2wav_runner, code_buckets
 
 TINY_LADDER = (32, 48, 64, 96, 128, 192, 256)
@@ -128,7 +129,10 @@ def warmed(omni_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[OmniJaxP
     cfg = tmp_path_factory.mktemp("code2wav_small") / "omni.yaml"
     cfg.write_text(yaml.safe_dump(src))
     pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
-    token2wav_compiled.clear_cache()  # earlier tests' solves of the same shapes would be hits
+    # Earlier tests' solves of the same shapes would be hits (the benchmark smoke test streams a
+    # tiny checkpoint whose token2wav has the same graph).
+    token2wav_compiled.clear_cache()
+    token2wav_chunk_compiled.clear_cache()
     with CompileCounter() as counted:
         programs = pipe.stages[0].warmup()
     return pipe, programs, counted
@@ -141,6 +145,7 @@ def test_warmup_compiles_every_bucket(warmed) -> None:
     # one offline solve program per shape, and one streamed chunk program per row count
     assert programs == len(buckets.shapes()) + len(pipe.stages[0].decoder.buckets.rows) == 9 + 3
     assert token2wav_compiled._cache_size() == 9
+    assert token2wav_chunk_compiled._cache_size() == 3
     assert counted.compiles >= programs
 
 
