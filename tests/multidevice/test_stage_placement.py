@@ -113,7 +113,9 @@ def test_code2wav_warmup_covers_its_mesh(omni_dir, tmp_path) -> None:
     placed = code2wav_on(omni_dir, tmp_path, [6, 7], {"data": 2}, max_batch=4, max_codes=48)
     buckets = placed.stages[0].runner.buckets
     assert (buckets.rows, buckets.lengths) == ((2, 4), (32, 48))
-    assert placed.stages[0].warmup() == 4
+    # four offline solves, and the streamed chunk program of each row count (2 and 4)
+    assert placed.stages[0].decoder.buckets.rows == (2, 4)
+    assert placed.stages[0].warmup() == 4 + 2
     params = Token2WavParams(num_steps=2, seed=0)
     for lengths in ([1], [48, 3], [20, 33, 40], [5, 6, 7, 8, 9]):
         with CompileCounter() as counted:
