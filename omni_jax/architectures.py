@@ -18,7 +18,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from omni_jax.models import qwen2
-from omni_jax.models.moe import stack_expert_readers
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni import speakers
 from omni_jax.models.qwen2_5_omni.dit import dit_partition_rules
@@ -37,6 +36,7 @@ from omni_jax.models.qwen2_5_omni.thinker import (
     thinker_partition_rules,
 )
 from omni_jax.models.qwen2_5_omni.token2wav import TOKEN2WAV_IGNORE, TOKEN2WAV_RULES, Token2Wav
+from omni_jax.models.qwen3_omni import talker as qwen3_talker
 from omni_jax.models.qwen3_omni import thinker as qwen3_thinker
 from omni_jax.models.qwen3_omni.code2wav import CODE2WAV_IGNORE, CODE2WAV_RULES, Code2Wav
 from omni_jax.models.qwen3_omni.code2wav_layers import Code2WavSpec
@@ -48,6 +48,7 @@ from omni_jax.stages.code2wav import Code2WavStage, solve_demand
 from omni_jax.stages.config import StageConfig
 from omni_jax.stages.qwen3_code2wav import Qwen3Code2WavStage
 from omni_jax.stages.qwen3_code2wav import solve_demand as qwen3_code2wav_demand
+from omni_jax.stages.qwen3_talker import Qwen3TalkerFrontend
 from omni_jax.stages.qwen3_thinker import Qwen3ThinkerFrontend
 from omni_jax.stages.talker import TalkerFrontend
 from omni_jax.stages.thinker import ThinkerFrontend
@@ -131,8 +132,8 @@ class Architecture:
     the converter instead of copying the file. ``stage_files``: files some stages need (a
     checkpoint without them serves only the other stages). ``restack``: a rewrite of the
     checkpoint's ``(name, reader)`` stream before its names are matched to any part's rules
-    (Qwen3-Omni's checkpoints store one tensor per MoE expert; its parts take them stacked,
-    :func:`~omni_jax.models.moe.stack_expert_readers`)."""
+    (Qwen3-Omni's checkpoints store one tensor per MoE expert and per code-predictor codebook;
+    its parts take them stacked, :func:`~omni_jax.models.qwen3_omni.talker.stack_talker_readers`)."""
 
     name: str
     stage_yaml: str
@@ -267,6 +268,17 @@ def _qwen3_thinker_frontend(
     return Qwen3ThinkerFrontend.build(model, path)
 
 
+def _qwen3_talker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
+    spec = qwen3_talker.TalkerSpec.from_hf(cfg.talker_config)
+    return lambda: qwen3_talker.Talker(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+
+
+def _qwen3_talker_frontend(
+    cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig
+) -> ARFrontend[Any]:
+    return Qwen3TalkerFrontend.build(model, path, cfg, stage_config.default_speaker)
+
+
 _QWEN3_OMNI = Architecture(
     name="Qwen3OmniMoeForConditionalGeneration",
     stage_yaml="qwen3_omni.yaml",
@@ -284,6 +296,18 @@ _QWEN3_OMNI = Architecture(
             frontend=_qwen3_thinker_frontend,
         ),
         ModelPart(
+            stage="talker",
+            make=_qwen3_talker_make,
+            rules=lambda cfg: prefixed("talker.", "", qwen3_talker.TALKER_RULES),
+            ignore=lambda cfg: qwen3_talker.talker_ignore(
+                qwen3_talker.TalkerSpec.from_hf(cfg.talker_config), prefix="talker."
+            ),
+            partition=lambda cfg, model: qwen3_talker.talker_partition_rules(
+                qwen3_talker.TalkerSpec.from_hf(cfg.talker_config), model
+            ),
+            frontend=_qwen3_talker_frontend,
+        ),
+        ModelPart(
             stage="code2wav",
             make=_qwen3_code2wav_make,
             rules=lambda cfg: prefixed("code2wav.", "", CODE2WAV_RULES),
@@ -291,8 +315,7 @@ _QWEN3_OMNI = Architecture(
             generation=GenerationStage(build=Qwen3Code2WavStage.build, demand=qwen3_code2wav_demand),
         ),
     ),
-    unserved=(("talker", "talker."),),
-    restack=stack_expert_readers,
+    restack=qwen3_talker.stack_talker_readers,
 )
 
 ARCHITECTURES: dict[str, Architecture] = {

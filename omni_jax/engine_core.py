@@ -72,7 +72,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.text_stage = next((i for i, s in enumerate(stages) if s.config.final_output == "text"), None)
         self.generated_tokens = 0
-        """AR tokens of the stage results so far (every AR stage's, the talker's codes too)."""
+        """AR tokens of the stage results so far: every AR stage's drawn tokens (the talker's
+        codes too; one a frame for a talker that draws frames, whose outputs are the frames' codes)."""
         self._flights: dict[str, _Flight] = {}
         self._updates: dict[str, OmniRequestOutput] = {}  # this step's, by request
 
@@ -130,7 +131,7 @@ class EngineCore:
                 flight = self._flights[result.request_id]
                 self._stage_done(flight, si, result)
                 if stage.config.kind == "ar":
-                    self.generated_tokens += len(result.token_ids)
+                    self.generated_tokens += int(result.metrics["num_output_tokens"])
                 if not self._hand_on(flight, si, result, done.new_tokens.get(result.request_id, [])):
                     self._updates[result.request_id] = self._end(flight)
         updates, self._updates = list(self._updates.values()), {}

@@ -294,11 +294,6 @@ def test_chunk_faults_end_only_their_request(pipe, reference, monkeypatch) -> No
     assert decoder.num_streaming == 0
 
 
-def test_unserved_stages_are_named(qwen3_omni_dir) -> None:
-    with pytest.raises(ValueError, match="stage 'talker' is not served yet .*talker.\\* tensors"):
-        OmniJaxPipeline.from_pretrained(qwen3_omni_dir)
-
-
 def test_solve_estimate_covers_xla(pipe) -> None:
     """The start-up check's estimate of a decode's temporaries is at least XLA's own and not far
     above it (measured on CPU: 1.1x here, 1.4x for the released model's config)."""
@@ -315,12 +310,12 @@ def test_solve_estimate_covers_xla(pipe) -> None:
 
 
 def test_converted_checkpoint_serves_the_same_audio(pipe, qwen3_omni_dir, tmp_path) -> None:
-    """``checkpoints_convert`` keeps the served stages (the talker, not served yet, is left out);
-    the converted directory decodes bit-identically to the HF one."""
+    """``checkpoints_convert`` keeps every stage; the converted directory decodes
+    bit-identically to the HF one."""
     from omni_jax.weights import convert, read_manifest
 
     converted = convert(qwen3_omni_dir, tmp_path / "conv", progress=False)
-    assert read_manifest(converted)["stages"] == ["thinker", "code2wav"]
+    assert read_manifest(converted)["stages"] == ["thinker", "talker", "code2wav"]
     served = OmniJaxPipeline.from_pretrained(converted, stages=["code2wav"])
     request = prompt(4, 10)
     ours, theirs = (p.run(request, progress=False)[0] for p in (served, pipe))

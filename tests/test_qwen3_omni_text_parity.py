@@ -229,7 +229,7 @@ def test_deepstack_and_3d_mrope_match_transformers(pair: Pair) -> None:
     got_hidden: list[list[np.ndarray]] = [[], []]
     for s, e in [(0, 6), (6, 11), (11, prompt_len)] + [(i, i + 1) for i in range(prompt_len, t)]:
         deepstack = Deepstack(jnp.asarray(features), jnp.asarray(index[:, s:e])) if s < prompt_len else None
-        logits, hidden = steps.run(embeds[:, s:e], positions[:, :, s:e], [e - s] * 2, deepstack=deepstack)
+        logits, hidden = steps.run(embeds[:, s:e], positions[:, :, s:e], [e - s] * 2, layer_inputs=deepstack)
         for row in range(2):
             got_logits[row].append(logits[row])
             got_hidden[row].append(hidden[row])

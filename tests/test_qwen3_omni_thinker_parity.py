@@ -385,7 +385,7 @@ def ours_greedy(model: Thinker, prompt: Prompt) -> tuple[np.ndarray, list[int]]:
             jnp.asarray(positions_for(positions, delta, s, e))[:, None],
             cache,
             chunk_metadata(PAGES, PAGE, s, e),
-            deepstack=model.deepstack(step_tokens, merge),
+            layer_inputs=model.deepstack(step_tokens, merge),
         )
         logits.append(np.asarray(model.logits(hidden))[0])
         if e >= prompt_len:
@@ -439,7 +439,7 @@ def test_media_matter(pair: Pair) -> None:
             spec.num_layers, spec.num_kv_heads, len(PAGES), PAGE, spec.head_dim, jnp.float32
         )
         md = chunk_metadata(PAGES, PAGE, 0, n)
-        return np.asarray(ours(embeds, jnp.asarray(positions)[:, None], cache, md, deepstack=deep)[0])
+        return np.asarray(ours(embeds, jnp.asarray(positions)[:, None], cache, md, layer_inputs=deep)[0])
 
     merged = ours.embed(tokens, merge)
     full = last_hidden(merged, deepstack)

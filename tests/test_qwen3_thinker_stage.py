@@ -11,7 +11,7 @@ The reference's inputs come from transformers' ``Qwen3OmniMoeProcessor.__call__`
 assembled from the checkpoint's parts; without torchvision our numpy frame path stands in for
 its video processor, as in the Qwen2.5-Omni tests) on the same raw arrays our pipeline gets, so
 ids, features, positions, encoders, the DeepStack rows and the engine are all on the path
-compared. The talker is not served yet and is refused by name.
+compared.
 """
 
 from __future__ import annotations
@@ -199,11 +199,6 @@ def test_bad_media_are_refused_naming_the_request(pipe) -> None:
     )
     (out,) = pipe.run(image, GREEDY, progress=False)  # still usable
     assert out.finish_reason in ("stop", "length")
-
-
-def test_the_talker_is_refused_by_name(qwen3_omni_dir) -> None:
-    with pytest.raises(ValueError, match="stage 'talker' is not served yet"):
-        OmniJaxPipeline.from_pretrained(qwen3_omni_dir, stages=["thinker", "talker"])
 
 
 def test_clips_are_padded_as_their_own_requests_reference_call(pipe) -> None:

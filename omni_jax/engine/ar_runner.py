@@ -11,6 +11,10 @@ request that asked for them. What is particular to a model (rotary positions, th
 inputs its embedding merges) comes from the stage's :class:`~omni_jax.engine.step.StepInputs`.
 
 Compile once: the programs are a small closed set, all compiled by :meth:`ARRunner.warmup`.
+A stage whose model does more with each drawn token on device (a
+:class:`~omni_jax.engine.step.DrawHook`: Qwen3-Omni's code predictor) adds one program per
+sequence bucket and hook form, fed the sampled tokens and the final hidden state of each
+sequence's last token, which the forward then returns too.
 The forward's shape is its token rows (:meth:`ARRunner.rows_bucket`; with the jnp attention
 path also its block-table width); everything else is a function of those: the sequences it
 computes logits for (:meth:`ARRunner.sequences`), and whether it returns hidden states (fixed
@@ -61,12 +65,14 @@ from omni_jax.parallel.rules import put
 class ARModel(Protocol):
     """What the engine needs of an AR model; nothing here is model-specific.
 
-    ``embed``, ``layer_inputs``, ``__call__`` and ``logits`` are a step's forward:
-    ``model(model.embed(tokens, extra), positions, kv_cache, md, backend,
-    model.layer_inputs(tokens, extra))``, where ``extra`` is the stage's packed step inputs
-    (:meth:`~omni_jax.engine.step.StepInputs.pack`) and ``layer_inputs`` what the model's layers
+    ``embed``, ``layer_inputs``, ``forward`` and ``logits`` are a step's forward:
+    ``model.forward(model.embed(tokens, extra), positions, kv_cache, md, backend,
+    model.layer_inputs(tokens, extra), tap)``, where ``extra`` is the stage's packed step inputs
+    (:meth:`~omni_jax.engine.step.StepInputs.pack`), ``layer_inputs`` what the model's layers
     read of them beyond the embeddings (Qwen3-Omni's DeepStack features; ``None`` for a model
-    whose layers read nothing more). The rest sizes the stage before
+    whose layers read nothing more), and ``tap`` which of transformers' ``hidden_states`` to
+    return beside the final ones (:attr:`ARRunner.capture_layer`; ``None``: none). The rest
+    sizes the stage before
     anything is allocated (an abstract model, ``nnx.eval_shape``, answers them too):
     ``kv_cache_shape`` is ``(layers, kv_heads, head_dim)`` of the paged cache;
     ``num_query_heads`` the attention heads a query has (the cache may store KV heads
@@ -80,7 +86,7 @@ class ARModel(Protocol):
 
     def layer_inputs(self, tokens: jax.Array, extra: Any) -> Any: ...
 
-    def __call__(
+    def forward(
         self,
         embeds: jax.Array,
         positions: jax.Array,
@@ -88,7 +94,8 @@ class ARModel(Protocol):
         md: AttentionMetadata,
         backend: Backend,
         layer_inputs: Any,
-    ) -> tuple[jax.Array, Any]: ...
+        tap: int | None,
+    ) -> tuple[jax.Array, Any, jax.Array | None]: ...
 
     def logits(self, hidden: jax.Array) -> jax.Array: ...
 
@@ -117,16 +124,37 @@ def _forward_fn(
     backend: Backend,
     chunk_bytes: int | None,
     capture_hidden: bool,
+    capture_layer: int | None,
+    last_hidden: bool,
 ) -> tuple[Any, ...]:
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     with exact_matmuls(compute_dtype(leaves)):
         embeds = model.embed(tokens, extra)
         md = step.metadata(chunk_bytes)
-        hidden, kv_cache = model(embeds, positions, kv_cache, md, backend, model.layer_inputs(tokens, extra))
+        tap = capture_layer if capture_hidden else None
+        hidden, kv_cache, tapped = model.forward(
+            embeds, positions, kv_cache, md, backend, model.layer_inputs(tokens, extra), tap
+        )
         last = hidden.reshape(-1, hidden.shape[-1])[logits_idx]  # each sequence's last token
         logits = model.logits(last)
     finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row
-    return logits, finite, ((hidden, embeds) if capture_hidden else None), kv_cache
+    captured = ((hidden if tapped is None else tapped), embeds) if capture_hidden else None
+    return logits, finite, captured, (last if last_hidden else None), kv_cache
+
+
+def _after_draw_fn(
+    graphdef: nnx.GraphDef,
+    treedef: Any,
+    run: Callable[[Any, jax.Array, jax.Array, Any], Any],
+    leaves: list[jax.Array],
+    hidden: jax.Array,
+    tokens: jax.Array,
+    inputs: Any,
+) -> Any:
+    """A :class:`~omni_jax.engine.step.DrawHook`'s device work on a step's drawn ``tokens``."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    with exact_matmuls(compute_dtype(leaves)):
+        return run(model, hidden, tokens, inputs)
 
 
 def _logprobs_fn(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -179,8 +207,11 @@ class ARRunner:
         self.step_inputs: StepInputs[Any] = TokenInputs() if step_inputs is None else step_inputs
         self.position_shape = self.step_inputs.position_shape
         # Whether the forward returns hidden states and input embeddings: set by the pipeline at
-        # build time, before warm-up, when the next stage reads them (one program set either way).
+        # build time, before warm-up, when the next stage reads them (one program set either way),
+        # and which layer's states (transformers' ``hidden_states`` index; None: the final ones).
         self.capture_hidden = False
+        self.capture_layer: int | None = None
+        self.draw_hook = self.step_inputs.draw_hook
         self.kv_cache = init_kv_cache(
             g.num_layers,
             g.num_kv_heads,
@@ -201,13 +232,20 @@ class ARRunner:
         out_layout: dict[str, Any] = {}
         if mesh is not None:  # outputs replicated: every process reads the sampled tokens
             rep = NamedSharding(mesh, P())
-            fwd_layout["out_shardings"] = (rep, rep, rep, self.kv_cache[0][0].sharding)
+            fwd_layout["out_shardings"] = (rep, rep, rep, rep, self.kv_cache[0][0].sharding)
             out_layout["out_shardings"] = rep
         self._forward = jax.jit(
             functools.partial(_forward_fn, self.graphdef, treedef),
             donate_argnames=("kv_cache",),
-            static_argnames=("backend", "chunk_bytes", "capture_hidden"),
+            static_argnames=("backend", "chunk_bytes", "capture_hidden", "capture_layer", "last_hidden"),
             **fwd_layout,
+        )
+        self._after = (
+            None
+            if self.draw_hook is None
+            else jax.jit(
+                functools.partial(_after_draw_fn, self.graphdef, treedef, self.draw_hook.run), **out_layout
+            )
         )
         self._draw = jax.jit(draw_tokens, static_argnames=("greedy",), **out_layout)
         self._logprobs = jax.jit(_logprobs_fn, **out_layout)
@@ -264,21 +302,28 @@ class ARRunner:
 
     def warmup(self) -> int:
         """Compile every program: the forward for each :meth:`step_shapes`, and per
-        :meth:`sequence_buckets` the sampler's greedy, sampling and penalty forms and the
-        log-probabilities; then the scrub. Returns the number of programs.
+        :meth:`sequence_buckets` the sampler's greedy, sampling and penalty forms, the
+        log-probabilities and the draw hook's forms; then the scrub. Returns the number of
+        programs.
 
         The inputs are all padding: every cache write lands on the dropped slot, so the
         cache is untouched.
         """
-        logits_of: dict[int, jax.Array] = {}  # one forward's logits per sequence bucket
+        out_of: dict[int, tuple[jax.Array, Any]] = {}  # one forward's logits and last rows per bucket
         for n, p in self.step_shapes():
-            logits_of[self.sequences(n)] = self._run_forward(*self._pack([], n, p))[0]
-        for s, logits in sorted(logits_of.items()):
+            logits, _, _, last = self._run_forward(*self._pack([], n, p))
+            out_of[self.sequences(n)] = logits, last
+        hooked = 0
+        for s, (logits, last) in sorted(out_of.items()):
             for greedy, history in ((True, False), (False, False), (False, True)):
                 tokens = self._run_draw(logits, self._sampling([], s, history), greedy)
             self._run_logprobs(logits, tokens)
+            if self.draw_hook is not None:
+                for inputs in self.draw_hook.warmup_inputs(s):
+                    jax.block_until_ready(self._run_after(last, tokens, inputs))
+                    hooked += 1
         self.scrub([self.cache_cfg.num_pages + 1])
-        return len(self.step_shapes()) + 4 * len(logits_of) + 1
+        return len(self.step_shapes()) + 4 * len(out_of) + hooked + 1
 
     def _pack(self, rows: Sequence[StepRow], n: int, p: int) -> tuple[Any, ...]:
         """Host arrays of one flat step's forward: ``rows``' tokens in order, padded to ``n``
@@ -346,19 +391,28 @@ class ARRunner:
 
     def _run_forward(
         self, tokens: Any, positions: Any, step: FlatStep, last: Any, extra: Any
-    ) -> tuple[jax.Array, jax.Array, Any]:
-        """The forward program: ``(logits [S, V], finite [S], (hidden, embeds) or None)``, all
-        on device; the cache is replaced by the donated result."""
+    ) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
+        """The forward program: ``(logits [S, V], finite [S], (hidden, embeds) or None, the
+        final hidden state of each sequence's last token [S, D] when a draw hook reads it)``,
+        all on device; the cache is replaced by the donated result."""
         host = [(tokens, 0), (positions, len(self.position_shape)), (step, 0), (last, 0), (extra, None)]
-        logits, finite, hidden, self.kv_cache = self._on_mesh(
+        logits, finite, hidden, last_rows, self.kv_cache = self._on_mesh(
             self._forward,
             [self._leaves, self.kv_cache],
             host,
             backend=self.backend,
             chunk_bytes=self.chunk_bytes,
             capture_hidden=self.capture_hidden,
+            capture_layer=self.capture_layer,
+            last_hidden=self.draw_hook is not None,
         )
-        return logits, finite, hidden
+        return logits, finite, hidden, last_rows
+
+    def _run_after(self, hidden: jax.Array | None, tokens: jax.Array, inputs: Any) -> Any:
+        """The draw hook's program on a step's drawn ``tokens`` (a stage with a hook only)."""
+        if self._after is None or hidden is None:
+            raise RuntimeError("the draw hook's program runs only for a stage with a draw hook")
+        return self._on_mesh(self._after, [self._leaves, hidden, tokens], [(inputs, 0)])
 
     def _run_draw(self, logits: jax.Array, st: SamplingTensors, greedy: bool) -> jax.Array:
         return self._on_mesh(self._draw, [logits], [(st, 0)], greedy=greedy)
@@ -386,13 +440,16 @@ class ARRunner:
         lengths = [len(r.token_ids) for r in rows]
         n = self.rows_bucket(sum(lengths))
         p = self.pages_bucket(max(pages_needed(r.end, self.geometry.page_size) for r in rows))
-        logits, finite, hidden = self._run_forward(*self._pack(rows, n, p))
+        logits, finite, hidden, last = self._run_forward(*self._pack(rows, n, p))
         penalised = any(
             r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
             for r in rows
         )
         st = self._sampling(rows, logits.shape[0], penalised)
         toks = self._run_draw(logits, st, greedy=not penalised and all(r.params.greedy for r in rows))
+        drawn = None
+        if self.draw_hook is not None:
+            drawn = self._run_after(last, toks, self.draw_hook.pack(rows, logits.shape[0]))
         ids = lps = None
         if any(r.params.logprobs is not None for r in rows):
             ids, lps = self._run_logprobs(logits, toks)
@@ -401,8 +458,11 @@ class ARRunner:
             if hidden is not None and any(r.capture_hidden for r in rows)
             else (None, None)
         )
+        tokens = np.asarray(toks)[:n_rows]
+        if self.draw_hook is not None:
+            self.draw_hook.record(rows, tokens, jax.tree.map(lambda a: np.asarray(a)[:n_rows], drawn))
         return StepResult(
-            tokens=np.asarray(toks)[:n_rows],
+            tokens=tokens,
             finite=np.asarray(finite)[:n_rows],
             logprob_ids=None if ids is None else np.asarray(ids)[:n_rows],
             logprobs=None if lps is None else np.asarray(lps)[:n_rows],

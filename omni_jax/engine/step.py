@@ -125,15 +125,49 @@ class StepInputs(Protocol[S_contra]):
     recompiles. The runner's steps are flat: ``rows`` are one-token rows
     (:meth:`StepRow.one_token_rows`, a prompt chunk's in order), ``batch`` the step's token
     rows and ``tokens`` 1.
+
+    ``draw_hook``: device work on each step's drawn tokens (:class:`DrawHook`), ``None`` for
+    a model that draws its tokens and nothing more.
     """
 
     position_shape: tuple[int, ...]
+    draw_hook: DrawHook[S_contra] | None
 
     def positions(self, state: S_contra | None, start: int, end: int) -> np.ndarray: ...
 
     def prepare(self, rows: Sequence[StepRow[S_contra]]) -> dict[int, str]: ...
 
     def pack(self, rows: Sequence[StepRow[S_contra]], batch: int, tokens: int) -> Any: ...
+
+
+class DrawHook(Protocol[S_contra]):
+    """A model's work on each step's drawn tokens, on device, before the host reads them:
+    Qwen3-Omni's talker draws a codec frame's first code and its code predictor fills the
+    frame's other codebooks from the hidden state that scored it, in the same step (the
+    reference runs it at the start of the next one; the frame is the same).
+
+    ``run(model, hidden, tokens, inputs)`` is traced into one program per sequence bucket and
+    ``inputs`` structure (``model``: the merged AR model; ``hidden [S, D]``: the final hidden
+    state that scored each sequence's token; ``tokens [S]``: the drawn ones); it returns a
+    pytree of ``[S, ...]`` arrays. ``pack(rows, sequences)`` gives ``inputs`` for a step's
+    sampling rows padded to ``sequences`` (e.g. per-row draw keys; its structure may take a
+    few forms, e.g. greedy or sampled, and ``warmup_inputs`` lists one of each for warm-up).
+    ``record(rows, tokens, outputs)`` hands the host the results (``outputs`` fetched, cut to
+    the rows) to keep in the rows' states; it is the step's last call, before the scheduler
+    appends the tokens, and the one besides :meth:`StepInputs.prepare` that may change a
+    request's state. ``outputs(state, ids, start)`` is what the request's stage outputs for its
+    drawn ``ids[start:]`` (``ids``: all it drew; e.g. each frame's codes, frame-major).
+    """
+
+    def run(self, model: Any, hidden: jax.Array, tokens: jax.Array, inputs: Any) -> Any: ...
+
+    def pack(self, rows: Sequence[StepRow[S_contra]], sequences: int) -> Any: ...
+
+    def warmup_inputs(self, sequences: int) -> list[Any]: ...
+
+    def record(self, rows: Sequence[StepRow[S_contra]], tokens: np.ndarray, outputs: Any) -> None: ...
+
+    def outputs(self, state: S_contra | None, ids: Sequence[int], start: int) -> list[int]: ...
 
 
 def text_positions(state: object, start: int, end: int) -> np.ndarray:
@@ -146,6 +180,7 @@ class TokenInputs:
     """The step inputs of a model that embeds its token ids alone, with 1-D rotary positions."""
 
     position_shape: tuple[int, ...] = ()
+    draw_hook: None = None
 
     def positions(self, state: object, start: int, end: int) -> np.ndarray:
         return text_positions(state, start, end)

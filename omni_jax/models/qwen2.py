@@ -236,15 +236,40 @@ class Qwen2Model(nnx.Module):
         """Final normed hidden states ``[B, T, D]`` and the updated cache. ``after_layer(x, i)``,
         when given, maps layer ``i``'s output before the next layer reads it (Qwen3-Omni's
         DeepStack)."""
+        hidden, cache, _ = self.forward(embeds, positions, kv_cache, md, backend, after_layer)
+        return hidden, cache
+
+    def forward(
+        self,
+        embeds: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        backend: Backend = "auto",
+        after_layer: Callable[[jax.Array, int], jax.Array] | None = None,
+        tap: int | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """:meth:`__call__`, and transformers' ``hidden_states[tap]`` (``None`` without ``tap``):
+        the input embeddings for 0, layer ``tap - 1``'s output for ``0 < tap < layers`` (as
+        transformers' output recorder reads it, before ``after_layer``), the final normed
+        states for ``layers`` (transformers ties the last entry to them). A later stage may read
+        a middle layer (Qwen3-Omni's talker reads ``accept_hidden_layer``)."""
+        layers = len(self.layers)
+        if tap is not None and not 0 <= tap <= layers:
+            raise ValueError(f"hidden state {tap} of a {layers}-layer decoder (0 to {layers})")
         cos, sin = self.rope(positions)
         x = embeds
+        tapped = embeds if tap == 0 else None
         new_cache: KVCache = []
         for i, (layer, cache) in enumerate(zip(self.layers, kv_cache, strict=True)):
             x, cache = layer(x, cos, sin, cache, md, backend)
+            if i + 1 == tap:
+                tapped = x
             if after_layer is not None:
                 x = after_layer(x, i)
             new_cache.append(cache)
-        return self.norm(x), new_cache
+        out = self.norm(x)
+        return out, new_cache, (out if tap == layers else tapped)
 
 
 class Qwen2ForCausalLM(nnx.Module):
@@ -303,11 +328,27 @@ class Qwen2ForCausalLM(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,
         backend: Backend = "auto",
-        layer_inputs: None = None,
+        layer_inputs: Any = None,
     ) -> tuple[jax.Array, KVCache]:
         """Final normed hidden states and the updated cache. ``layer_inputs``: what
-        :meth:`layer_inputs` gives the engine (``None``), which no Qwen2 layer reads."""
-        return self.model(embeds, positions, kv_cache, md, backend)
+        :meth:`layer_inputs` gives the engine."""
+        hidden, cache, _ = self.forward(embeds, positions, kv_cache, md, backend, layer_inputs)
+        return hidden, cache
+
+    def forward(
+        self,
+        embeds: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        backend: Backend = "auto",
+        layer_inputs: None = None,
+        tap: int | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """:meth:`__call__`, and the decoder's ``hidden_states[tap]`` (:meth:`Qwen2Model.forward`)
+        for a later stage that reads a layer's states (the engine's step;
+        ``layer_inputs`` is ``None``, which no Qwen2 layer reads)."""
+        return self.model.forward(embeds, positions, kv_cache, md, backend, tap=tap)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits for ``hidden [..., D]`` (only the rows a sampler needs)."""

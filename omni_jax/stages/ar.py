@@ -174,6 +174,18 @@ class ARStage(Generic[S]):
     def capture_hidden(self, capture: bool) -> None:
         self.engine.runner.capture_hidden = capture
 
+    @property
+    def capture_layer(self) -> int | None:
+        """Which of transformers' ``hidden_states`` the captured hidden states are (``None``:
+        the final, normed ones): set by the next stage when it meets this one
+        (:meth:`~omni_jax.stages.base.Stage.connect`), before warm-up (Qwen3-Omni's talker
+        reads the thinker's layer ``accept_hidden_layer``)."""
+        return self.engine.runner.capture_layer
+
+    @capture_layer.setter
+    def capture_layer(self, layer: int | None) -> None:
+        self.engine.runner.capture_layer = layer
+
     def prepare(self, index: int, request: StageInput[S]) -> StageInput[S]:
         if self.frontend is None:
             return no_multimodal(self, index, request)
@@ -266,9 +278,10 @@ class ARStage(Generic[S]):
         finished = self.engine.step()
         new_tokens = {}
         for request_id, submitted in self._submitted.items():
-            if len(submitted.request.output_ids) > submitted.reported:
-                new_tokens[request_id] = submitted.request.output_ids[submitted.reported :]
-                submitted.reported = len(submitted.request.output_ids)
+            drawn = submitted.request.output_ids
+            if len(drawn) > submitted.reported:
+                new_tokens[request_id] = self._outputs(submitted.request, submitted.reported)
+                submitted.reported = len(drawn)
         results = []
         for req in finished:
             now = time.perf_counter()
@@ -282,7 +295,7 @@ class ARStage(Generic[S]):
             }
             logprobs = req.logprobs if req.params.logprobs is not None else None
             result = StageResult(
-                req.request_id, list(req.output_ids), req.finish_reason, metrics, logprobs, error=req.error
+                req.request_id, self._outputs(req, 0), req.finish_reason, metrics, logprobs, error=req.error
             )
             if req.capture_hidden and req.error is None:
                 hidden, embeds = req.captured_states()
@@ -292,6 +305,13 @@ class ARStage(Generic[S]):
                 )
             results.append(result)
         return StageStep(results, new_tokens)
+
+    def _outputs(self, request: ARRequest[S], start: int) -> list[int]:
+        """The stage's outputs for the request's drawn tokens from ``start`` on: the tokens, or
+        what the draw hook made of them (:meth:`~omni_jax.engine.step.DrawHook.outputs`)."""
+        hook = self.engine.inputs.draw_hook
+        drawn = request.output_ids
+        return list(drawn[start:]) if hook is None else hook.outputs(request.state, drawn, start)
 
 
 @dataclasses.dataclass

@@ -56,9 +56,11 @@ class HiddenHandoff:
     """One request as an AR stage hands it to a next stage that reads its hidden states
     (the thinker to the talker): kept only for requests that go on to such a stage.
 
-    ``hidden_states`` / ``embeds`` (``[N, D]``) are the final hidden state and input embedding
-    of each of the ``N = len(prompt_ids) + len(reply_ids) - 1`` computed tokens: the prompt's,
-    then the reply's but the last (never computed). ``media``: the layout of the prompt's media.
+    ``hidden_states`` / ``embeds`` (``[N, D]``) are the hidden state (the final one, or the
+    layer the next stage asked for: :attr:`~omni_jax.stages.ar.ARStage.capture_layer`) and input
+    embedding of each of the ``N = len(prompt_ids) + len(reply_ids) - 1`` computed tokens: the
+    prompt's, then the reply's but the last (never computed). ``media``: the layout of the
+    prompt's media.
     """
 
     prompt_ids: list[int]

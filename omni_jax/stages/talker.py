@@ -59,6 +59,7 @@ class TalkerStepInputs:
     step's :class:`TalkerEmbeds` packed from its rows' tables (host side)."""
 
     position_shape = (3,)
+    draw_hook = None  # one codec token a step, nothing more
 
     def __init__(self, width: int, dtype: np.dtype):
         self.width = width

@@ -193,6 +193,7 @@ class ThinkerStepInputs:
     width of a merged row, here the decoder's)."""
 
     position_shape = (3,)
+    draw_hook = None  # the thinker draws its tokens and nothing more
     audio_batch_class: Any = AudioBatch
     vision_batch_class: Any = VisionBatch
 

@@ -37,6 +37,7 @@ from omni_jax.models.qwen3_omni.code_predictor import (
     CODE_PREDICTOR_RULES,
     CodePredictor,
     CodePredictorSpec,
+    FrameSampling,
     stack_codebook_readers,
 )
 from omni_jax.models.qwen3_omni.text_decoder import (
@@ -131,6 +132,25 @@ class TalkerSpec:
         return max(self.text.vocab_size - SUPPRESSED_TAIL, 0)
 
 
+PROJECT_NONE, PROJECT_TEXT, PROJECT_HIDDEN = 0, 1, 2
+""":attr:`ThinkerRows.project` values: no thinker row at the position, ``text_projection`` of a
+thinker token embedding, ``hidden_projection`` of a thinker hidden state."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ThinkerRows:
+    """Thinker rows at the thinker's width that a step projects to the talker's
+    (:meth:`Talker.embed`), so the stage never runs a projection program of its own.
+
+    rows: ``[B, T, D_thinker]``; project: ``[B, T]`` int32, which projection reads the row
+        (:data:`PROJECT_NONE`, :data:`PROJECT_TEXT`, :data:`PROJECT_HIDDEN`).
+    """
+
+    rows: jax.Array
+    project: jax.Array
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TalkerEmbeds:
@@ -141,10 +161,13 @@ class TalkerEmbeds:
         step), zeros at padding.
     add_codec: ``[B, T]`` bool, whether the position also adds its token's codec embedding
         (the assistant prompt's codec special ids); False where ``rows`` is the whole input.
+    thinker: thinker-width rows projected and added as well (the engine's steps), or ``None``
+        when ``rows`` holds them projected already.
     """
 
     rows: jax.Array
     add_codec: jax.Array
+    thinker: ThinkerRows | None = None
 
 
 class ResizeMLP(nnx.Module):
@@ -185,12 +208,30 @@ class Talker(Qwen3OmniTextLM):
 
     def embed(self, tokens: jax.Array, extra: TalkerEmbeds | None = None) -> jax.Array:
         """Decoder inputs ``[B, T, D]`` for codec ``tokens [B, T]``:
-        ``where(add_codec, codec_embedding(tokens), 0) + rows``; without ``extra``, the codec
+        ``where(add_codec, codec_embedding(tokens), 0) + rows``, plus the projected
+        ``thinker`` rows when given (each row through both projections, the one it names kept:
+        two small MLPs per token beside the decoder's layers); without ``extra``, the codec
         embeddings alone."""
         codec = self.model.embed_tokens(tokens)
         if extra is None:
             return codec
-        return jnp.where(extra.add_codec[..., None], codec, 0) + extra.rows.astype(codec.dtype)
+        out = jnp.where(extra.add_codec[..., None], codec, 0) + extra.rows.astype(codec.dtype)
+        if extra.thinker is None:
+            return out
+        thinker = extra.thinker.rows.astype(codec.dtype)
+        project = extra.thinker.project[..., None]
+        text, hidden = self.text_projection(thinker), self.hidden_projection(thinker)
+        return out + jnp.where(project == PROJECT_TEXT, text, jnp.where(project == PROJECT_HIDDEN, hidden, 0))
+
+    def frame(
+        self, hidden: jax.Array, first: jax.Array, sampling: FrameSampling | None
+    ) -> tuple[jax.Array, jax.Array]:
+        """The codec frame of each of ``B`` drawn first codes ``first [B]`` from the final
+        hidden state that scored it ``hidden [B, D]``: ``(codes [B, G], embedding sum [B, D])``
+        (:meth:`~omni_jax.models.qwen3_omni.code_predictor.CodePredictor.frame`, reading this
+        talker's codec embedding)."""
+        table = self.model.embed_tokens.embedding[...]
+        return self.code_predictor.frame(table, hidden, first, sampling)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 first-codebook logits for ``hidden [..., D]``, the ids ``generate`` never

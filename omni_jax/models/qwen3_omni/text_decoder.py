@@ -164,15 +164,30 @@ class Qwen3OmniTextModel(ThinkerTextModel):
         deepstack: Deepstack | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Final normed hidden states ``[B, T, D]`` and the updated cache."""
+        hidden, cache, _ = self.forward_deepstack(embeds, positions, kv_cache, md, backend, deepstack)
+        return hidden, cache
+
+    def forward_deepstack(
+        self,
+        embeds: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        backend: Backend = "auto",
+        deepstack: Deepstack | None = None,
+        tap: int | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """:meth:`__call__`, and ``hidden_states[tap]`` (:meth:`Qwen2Model.forward`: a layer's
+        output is read before its DeepStack features are added, as transformers records it)."""
         if deepstack is None:
-            return super().__call__(embeds, positions, kv_cache, md, backend)
+            return self.forward(embeds, positions, kv_cache, md, backend, tap=tap)
         if deepstack.rows.shape[0] > self.spec.num_layers:
             raise ValueError(f"{deepstack.rows.shape[0]} DeepStack layers for {self.spec.num_layers} layers")
 
         def add(x: jax.Array, layer: int) -> jax.Array:
             return deepstack.add(x, layer) if layer < deepstack.rows.shape[0] else x
 
-        return super().__call__(embeds, positions, kv_cache, md, backend, add)
+        return self.forward(embeds, positions, kv_cache, md, backend, add, tap)
 
 
 class Qwen3OmniTextLM(Qwen2ForCausalLM):
@@ -204,16 +219,20 @@ class Qwen3OmniTextLM(Qwen2ForCausalLM):
             )
         return max(widths) + 3 * spec.hidden_size
 
-    def __call__(
+    def forward(
         self,
         embeds: jax.Array,
         positions: jax.Array,
         kv_cache: KVCache,
         md: AttentionMetadata,
         backend: Backend = "auto",
-        deepstack: Deepstack | None = None,
-    ) -> tuple[jax.Array, KVCache]:
-        return self.model(embeds, positions, kv_cache, md, backend, deepstack)
+        layer_inputs: Deepstack | None = None,
+        tap: int | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """The engine's step: ``layer_inputs`` are the step's DeepStack features (``None``:
+        none), ``tap`` a hidden state to return beside the final ones
+        (:meth:`Qwen3OmniTextModel.forward_deepstack`)."""
+        return self.model.forward_deepstack(embeds, positions, kv_cache, md, backend, layer_inputs, tap)
 
 
 TEXT_DECODER_RULES: tuple[ParamRule, ...] = (

@@ -1,0 +1,184 @@
+"""Qwen3-Omni end to end: thinker -> talker (with its code predictor) -> code2wav, against
+transformers' ``Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)``.
+
+Our pipeline runs the requests batched (a text prompt, one with an audio clip and an image, one
+in another voice); the reference runs each alone, greedy (thinker and talker; its code predictor
+follows the talker's ``do_sample``) with its default talker repetition penalty. Per request the
+thinker's reply, every codebook of every codec frame and the waveform are compared: the frames
+are what the reference hands ``code2wav.chunked_decode`` (spied), the talker's M-RoPE positions,
+user-turn selection, projections (text and, at the media placeholders, the thinker's layer
+``accept_hidden_layer``), text stream and the code predictor's in-step frames are all on that
+path. The tiny checkpoint's talker stops one frame after the text ends
+(:func:`~omni_jax.testing_qwen3_omni.speak_until_text_ends`) and its greedy choices are decided
+by the signal, so equal codes are a sharp check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from omni_reference import StandInVideoProcessor, picture, reference_inputs, tone
+from parity import rel_err
+
+from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams, Token2WavParams
+from omni_jax.engine.compilation import CompileCounter
+from omni_jax.testing import reference_omni_processor
+from omni_jax.testing_qwen3_omni import NUM_CODE_GROUPS, give_talker_audio_config
+
+THINKER_TOKENS, TALKER_TOKENS = 24, 60
+THINKER = SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS)
+TALKER = SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=TALKER_TOKENS)
+WAVE_RTOL = 1e-5  # float32 code2wav, whole (ours) against chunked_decode (one 300-frame chunk)
+
+
+def chat(*items: dict[str, Any], text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*items, {"type": "text", "text": text}]}]
+
+
+CASES: dict[str, tuple[list[dict[str, Any]], str]] = {
+    "text": (chat(text="tell me about the sea."), "Ethan"),
+    "audio_image": (
+        chat(
+            {"type": "audio", "audio": tone(1.3, 440, 0)},
+            {"type": "image", "image": picture(64, 96, 1)},
+            text="what is this?",
+        ),
+        "Ethan",
+    ),
+    "other_voice": (chat(text="count to ten!"), "Chelsie"),
+}
+
+
+@pytest.fixture(scope="module")
+def pipe(qwen3_omni_dir) -> OmniJaxPipeline:
+    return OmniJaxPipeline.from_pretrained(qwen3_omni_dir, max_num_seqs=4, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_omni_dir):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(qwen3_omni_dir, dtype=torch.float32)
+    return give_talker_audio_config(model.eval())
+
+
+def prompts(pipe: OmniJaxPipeline) -> list[dict[str, Any]]:
+    return [{**pipe.chat_prompt(messages), "speaker": voice} for messages, voice in CASES.values()]
+
+
+def speak(model: Any, inputs: Any, speaker: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """``(reply ids, frames [frames, groups], waveform)`` of greedy ``generate(return_audio=True)``."""
+    handed: list[torch.Tensor] = []
+    decode = model.code2wav.chunked_decode
+
+    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        handed.append(codes)
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = spy
+    try:
+        with torch.no_grad():
+            ids, wav = model.generate(
+                **inputs,
+                speaker=speaker,
+                return_audio=True,
+                thinker_eos_token_id=model.config.im_end_token_id,
+                thinker_max_new_tokens=THINKER_TOKENS,
+                thinker_do_sample=False,
+                talker_do_sample=False,
+                talker_max_new_tokens=TALKER_TOKENS,
+            )
+    finally:
+        del model.code2wav.chunked_decode
+    reply = ids[0, inputs["input_ids"].shape[1] :].tolist()
+    return reply, handed[0][0].T.numpy(), wav.reshape(-1).numpy()
+
+
+@pytest.fixture(scope="module")
+def expected(pipe, reference, qwen3_omni_dir) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
+    from transformers import Qwen3OmniMoeProcessor
+    from transformers.utils import is_torchvision_available
+
+    ours = pipe.stages[0].frontend.processor
+    stand_in = None if is_torchvision_available() else StandInVideoProcessor(ours.video_processor)
+    processor = reference_omni_processor(qwen3_omni_dir, stand_in, processor_class=Qwen3OmniMoeProcessor)
+    return [speak(reference, reference_inputs(processor, p), p["speaker"]) for p in prompts(pipe)]
+
+
+def test_greedy_speech_equals_transformers_generate(pipe, expected) -> None:
+    """Three requests batched through all three stages: each one's reply, frames (every codebook)
+    and waveform equal the reference's ``generate`` of it alone."""
+    outs = pipe.run(prompts(pipe), [THINKER, TALKER, None], progress=False)
+    for case, out, (reply, frames, wav) in zip(CASES, outs, expected, strict=True):
+        assert out.error is None, (case, out.error)
+        assert out.stage_outputs["thinker"].token_ids == reply, case
+        codes = np.asarray(out.stage_outputs["talker"].token_ids).reshape(-1, NUM_CODE_GROUPS)
+        assert len(codes) == len(reply) - 1 >= 2, case  # one frame per reply token read
+        np.testing.assert_array_equal(codes, frames, err_msg=case)
+        assert out.stage_outputs["talker"].finish_reason == "stop"
+        assert out.audio.shape == wav.shape and rel_err(out.audio, wav) < WAVE_RTOL, case
+    assert not np.array_equal(*(np.asarray(o.stage_outputs["talker"].token_ids[:8]) for o in outs[::2]))
+
+
+def test_converted_checkpoint_speaks_the_same(pipe, qwen3_omni_dir, tmp_path) -> None:
+    """A converted directory (experts and codebooks stacked on the way, every stage kept)
+    speaks bit-identically to the HF one."""
+    from omni_jax.weights import convert
+
+    converted = convert(qwen3_omni_dir, tmp_path / "conv", progress=False)
+    served = OmniJaxPipeline.from_pretrained(converted, max_num_seqs=4, max_num_batched_tokens=128)
+    request = prompts(pipe)[1]
+    ours, theirs = (p.run(request, [THINKER, TALKER, None], progress=False)[0] for p in (served, pipe))
+    assert ours.stage_outputs["talker"].token_ids == theirs.stage_outputs["talker"].token_ids
+    np.testing.assert_array_equal(ours.audio, theirs.audio)
+
+
+def test_sampled_frames_are_batch_invariant(pipe) -> None:
+    """A sampled talker (and so a sampled code predictor) draws the same frames for a request
+    whatever shares its steps, and different frames for another seed."""
+    requests = prompts(pipe)
+
+    def talker(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=0.9, top_k=50, max_tokens=TALKER_TOKENS, seed=seed)
+
+    batched = pipe.run(requests, [THINKER, [talker(1), talker(2), talker(3)], None], progress=False)
+    (alone,) = pipe.run(requests[0], [THINKER, talker(1), None], progress=False)
+    (other,) = pipe.run(requests[0], [THINKER, talker(4), None], progress=False)
+    codes = [o.stage_outputs["talker"].token_ids for o in (batched[0], alone, other)]
+    assert codes[0] == codes[1] and codes[0] != codes[2]
+    np.testing.assert_array_equal(batched[0].audio, alone.audio)
+
+
+def test_streamed_audio_adds_up_and_nothing_compiles_after_warmup(pipe) -> None:
+    """After ``warmup()``, greedy and sampled requests, offline and streamed, compile nothing;
+    the streamed request's audio arrives in pieces that add up to its whole (a chunked decode:
+    the causal upsampling drops a few trailing samples per chunk, as ``chunked_decode`` does, so
+    it is a little shorter than the offline one)."""
+    pipe.warmup(progress=False)
+    request = prompts(pipe)[1]
+    with CompileCounter() as counter:
+        (offline,) = pipe.run(request, [THINKER, TALKER, None], progress=False)
+        sampled = pipe.run(
+            prompts(pipe), [THINKER, SamplingParams(temperature=0.9, seed=5), None], progress=False
+        )
+        pieces = list(_stream(pipe, request, [THINKER, TALKER, Token2WavParams(stream=True)]))
+    assert (counter.traces, counter.compiles) == (0, 0)
+    assert all(o.error is None for o in sampled)
+    deltas = [p.audio_delta for p in pieces if p.audio_delta is not None]
+    assert len(deltas) >= 2
+    np.testing.assert_array_equal(np.concatenate(deltas), pieces[-1].audio)
+    assert pieces[-1].finished and offline.error is None
+
+
+def _stream(pipe: OmniJaxPipeline, prompt: dict[str, Any], params: list[Any]) -> list[OmniRequestOutput]:
+    """The request's updates from ``AsyncOmniJaxPipeline.generate()`` over ``pipe``."""
+
+    async def collect() -> list[OmniRequestOutput]:
+        async with AsyncOmniJaxPipeline(pipe) as served:
+            return [out async for out in served.generate(prompt, params)]
+
+    return asyncio.run(collect())
