@@ -1,6 +1,13 @@
 """AR suite: our engine vs transformers ``generate`` at its best, on the same ragged greedy requests.
 
-Workload: ``--num-requests`` prompts of ``--min-prompt`` to ``--max-prompt`` random tokens, each
+Two checkpoint kinds (:data:`FAMILIES`): a Qwen2 causal LM (suite ``ar``) and Qwen3-Omni's MoE
+thinker (suite ``ar_qwen3``: our pipeline built with ``stages=["thinker"]``, text prompts through
+its frontend; the reference is ``Qwen3OmniMoeThinkerForConditionalGeneration.generate``, the
+thinker of ``Qwen3OmniMoeForConditionalGeneration`` loaded with ``enable_audio_output=False``).
+Everything below holds for both.
+
+Workload: ``--num-requests`` prompts of ``--min-prompt`` to ``--max-prompt`` random tokens (for
+Qwen3-Omni none of the tokenizer's added tokens: its frontend reads the media placeholders), each
 asking for exactly ``--max-tokens`` greedy tokens (``min_tokens = max_tokens`` on our side,
 ``min_new_tokens`` on the reference's: both hold EOS back, so a request whose greedy choice is EOS
 continues with the same next-best token on both sides).
@@ -20,21 +27,26 @@ that request's prefix alone). A disagreement fails the suite.
 
 Decode-step probes after the measured run: ``b`` copies of one prompt at batch 1, 8 and the
 workload's concurrency, their time per output token against the step's floor, the larger of the
-weights over the measured memory bandwidth and the step's matmul FLOPs over the measured matmul
-ceiling. ``--profile`` traces our measured run (not the probes, nor the reference).
+weights it reads over the measured memory bandwidth and its matmul FLOPs over the measured matmul
+ceiling (an MoE step reads the experts its rows route to, counted as under uniform routing, and
+each row multiplies its top-k: :class:`benchmarks.models.DecodeWeights`). ``--profile`` traces
+our measured run (not the probes, nor the reference).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks import agreement
-from benchmarks.harness import backends, compile_entry, measured_window, warmed_up
-from benchmarks.models import count_params, decode_read_params
+from benchmarks.harness import backends, compile_entry, measured_window, transformers_quiet, warmed_up
+from benchmarks.models import QWEN3_OMNI, decode_weights, model_type
 from benchmarks.roofline import matmul_flops, memory_bandwidth
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.outputs import OmniRequestOutput
@@ -45,9 +57,64 @@ DEFAULT_MAX_NUM_SEQS = 32
 """``--max-num-seqs`` when not given."""
 
 
-def make_requests(vocab: int, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How the suite runs one checkpoint kind.
+
+    ``suite``: the result's name (its ``benchmarks.run.SUITES`` key); ``stages``: the pipeline's
+    stages (None: all of a one-stage model), ``stage`` the measured one's name (its outputs'
+    ``metrics`` key); ``text_config``: attributes from the HF config to the decoder's config;
+    ``prefix``: the decoder's tensor names in the checkpoint; ``reference``: the transformers class
+    loaded with ``reference_kwargs``, then its ``submodule`` (None: itself) generates;
+    ``exclude_added``: prompts avoid the tokenizer's added tokens."""
+
+    suite: str
+    stages: tuple[str, ...] | None
+    stage: str
+    text_config: tuple[str, ...]
+    prefix: str
+    reference: str
+    reference_kwargs: tuple[tuple[str, Any], ...] = ()
+    submodule: str | None = None
+    exclude_added: bool = False
+
+    def decoder_config(self, cfg: Any) -> Any:
+        """The decoder's config within the checkpoint's HF config ``cfg`` (sizes, vocabulary)."""
+        return functools.reduce(getattr, self.text_config, cfg)
+
+
+FAMILIES = {
+    "qwen2": Family("ar", None, "llm", (), "", "AutoModelForCausalLM"),
+    QWEN3_OMNI: Family(
+        "ar_qwen3",
+        ("thinker",),
+        "thinker",
+        ("thinker_config", "text_config"),
+        "thinker.",
+        "Qwen3OmniMoeForConditionalGeneration",
+        (("enable_audio_output", False),),  # the thinker alone: no talker, no code2wav built
+        "thinker",
+        exclude_added=True,
+    ),
+}
+"""The suite's checkpoint kinds, by ``model_type``."""
+
+
+def make_requests(
+    vocab: int, n: int, lo: int, hi: int, seed: int = 0, exclude: Collection[int] = ()
+) -> list[list[int]]:
+    """``n`` prompts of ``lo`` to ``hi`` tokens drawn from ``[3, vocab)`` without ``exclude``."""
+    allowed = np.setdiff1d(np.arange(3, vocab), np.asarray(list(exclude), np.int64))
     rs = np.random.RandomState(seed)
-    return [[int(t) for t in rs.randint(3, vocab, size=int(m))] for m in rs.randint(lo, hi + 1, n)]
+    lengths = rs.randint(lo, hi + 1, n)
+    return [[int(allowed[t]) for t in rs.randint(0, len(allowed), size=int(m))] for m in lengths]
+
+
+def added_token_ids(path: Path) -> list[int]:
+    """The ids of the checkpoint tokenizer's added tokens (specials, placeholders)."""
+    from transformers import AutoTokenizer
+
+    return sorted(AutoTokenizer.from_pretrained(str(path)).added_tokens_decoder)
 
 
 def reference_batch_sizes(spec: list[int | str], n: int) -> list[int]:
@@ -60,17 +127,19 @@ def _params(max_new: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_new, min_tokens=max_new)
 
 
-def _step_s(outs: list[OmniRequestOutput], max_new: int) -> float:
+def _step_s(outs: list[OmniRequestOutput], max_new: int, stage: str) -> float:
     """The slowest request's time per output token after its first: a decode step at the batch."""
-    return max((o.metrics["llm"]["wall_s"] - o.metrics["llm"]["ttft_s"]) / (max_new - 1) for o in outs)
+    return max((o.metrics[stage]["wall_s"] - o.metrics[stage]["ttft_s"]) / (max_new - 1) for o in outs)
 
 
 def _ours(
-    path: Path, prompts: list[list[int]], args: Any, max_num_seqs: int
+    path: Path, family: Family, prompts: list[list[int]], args: Any, max_num_seqs: int
 ) -> tuple[dict[str, Any], list[list[int]]]:
     max_new = args.max_tokens
+    stage = family.stage
     pipe = OmniJaxPipeline.from_pretrained(
         path,
+        stages=list(family.stages) if family.stages else None,
         dtype=args.dtype,
         mesh=args.mesh,
         max_num_seqs=max_num_seqs,
@@ -93,6 +162,7 @@ def _ours(
             probe[str(b)] = _step_s(
                 pipe.run([{"prompt_token_ids": prompts[0][:PROBE_PROMPT]}] * b, params, progress=False),
                 max_new,
+                stage,
             )
     n_out = sum(len(o.token_ids) for o in outs)
     ours = {
@@ -100,11 +170,11 @@ def _ours(
         "output_tokens": n_out,
         "wall_s": wall,
         "tokens_per_s": n_out / wall,
-        "ttft_s_mean": float(np.mean([o.metrics["llm"]["ttft_s"] for o in outs])),
+        "ttft_s_mean": float(np.mean([o.metrics[stage]["ttft_s"] for o in outs])),
         "tpot_s_mean": float(
             np.mean(
                 [
-                    (o.metrics["llm"]["wall_s"] - o.metrics["llm"]["ttft_s"]) / max(len(o.token_ids) - 1, 1)
+                    (o.metrics[stage]["wall_s"] - o.metrics[stage]["ttft_s"]) / max(len(o.token_ids) - 1, 1)
                     for o in outs
                 ]
             )
@@ -129,25 +199,37 @@ def _available_bytes() -> int | None:
 
 def reference_bytes(cfg: Any, batch: int, length: int, itemsize: int) -> int:
     """What ``generate`` holds for a batch beyond the weights: its KV cache at ``length`` tokens,
-    the prompt step's widest activations (MLP, attention scores) and the last rows' logits."""
+    the prompt step's widest activations (MLP or a token's routed experts, attention scores) and
+    the last rows' logits."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * length
-    act = length * (3 * cfg.intermediate_size + 4 * cfg.hidden_size) + cfg.num_attention_heads * length**2
+    routed = getattr(cfg, "num_experts_per_tok", 0) * getattr(cfg, "moe_intermediate_size", 0)
+    mlp = max(cfg.intermediate_size, routed)
+    act = length * (3 * mlp + 4 * cfg.hidden_size) + cfg.num_attention_heads * length**2
     return batch * ((kv + act) * itemsize + 4 * cfg.vocab_size)
 
 
 class Reference:
-    """transformers ``generate`` on prompts sorted by length, in left-padded batches."""
+    """transformers ``generate`` on prompts sorted by length, in left-padded batches, stopping on
+    (and, under ``min_new_tokens``, holding back) the checkpoint's ``generation_config.json`` EOS."""
 
-    def __init__(self, path: Path, dtype: str | None, max_new: int):
+    def __init__(self, path: Path, family: Family, dtype: str | None, max_new: int):
         import torch
-        from transformers import AutoModelForCausalLM
+        import transformers
+        from transformers import GenerationConfig
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype or "float32"))
-        self.model.eval()
-        self.pad = self.model.generation_config.pad_token_id or 0
-        eos = self.model.generation_config.eos_token_id
+        with transformers_quiet():
+            model = getattr(transformers, family.reference).from_pretrained(
+                str(path), dtype=getattr(torch, dtype or "float32"), **dict(family.reference_kwargs)
+            )
+        self.model = (getattr(model, family.submodule) if family.submodule else model).eval()
+        try:
+            generation = GenerationConfig.from_pretrained(str(path))
+        except OSError:  # no generation_config.json: what the model derived from its config
+            generation = self.model.generation_config
+        self.pad = generation.pad_token_id or 0
+        eos = generation.eos_token_id
         self.eos = {eos} if isinstance(eos, int) else set(eos or [])
         self.max_new = max_new
 
@@ -169,6 +251,7 @@ class Reference:
                     max_new_tokens=self.max_new,
                     min_new_tokens=self.max_new,
                     pad_token_id=self.pad,
+                    eos_token_id=sorted(self.eos),
                 )
             for i, row in zip(chunk, seq[:, width:].tolist(), strict=True):
                 out[i] = row
@@ -180,13 +263,13 @@ class Reference:
 
 
 def _reference(
-    path: Path, prompts: list[list[int]], args: Any, ours_ids: list[list[int]]
+    path: Path, family: Family, prompts: list[list[int]], args: Any, ours_ids: list[list[int]]
 ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """``(figures, agreement per batch size, failures)``."""
     from omni_jax.weights import load_hf_config
 
-    ref = Reference(path, args.dtype, args.max_tokens)
-    cfg = load_hf_config(path)
+    ref = Reference(path, family, args.dtype, args.max_tokens)
+    cfg = family.decoder_config(load_hf_config(path))
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
     available = _available_bytes()
     length = max(map(len, prompts)) + args.max_tokens
@@ -224,7 +307,9 @@ def _reference(
         raise SystemExit(f"ar: no reference batch size fits in memory: {skipped}")
     best = max(by_batch, key=lambda b: by_batch[b]["tokens_per_s"])
     figures = {
-        "engine": "transformers generate, prompts sorted by length, left-padded batches",
+        "engine": f"transformers {family.reference}"
+        + (f".{family.submodule}" if family.submodule else "")
+        + " generate, prompts sorted by length, left-padded batches",
         "by_batch": by_batch,
         "skipped": skipped,
         "best_batch": int(best),
@@ -237,25 +322,30 @@ def _reference(
 def run(path: Path, args: Any) -> dict:
     from omni_jax.weights import load_hf_config
 
-    cfg = load_hf_config(path)
-    prompts = make_requests(cfg.vocab_size, args.num_requests, args.min_prompt, args.max_prompt)
+    family = FAMILIES[model_type(path)]
+    cfg = family.decoder_config(load_hf_config(path))
+    exclude = added_token_ids(path) if family.exclude_added else ()
+    prompts = make_requests(
+        cfg.vocab_size, args.num_requests, args.min_prompt, args.max_prompt, exclude=exclude
+    )
     max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-    ours, ours_ids = _ours(path, prompts, args, max_num_seqs)
+    ours, ours_ids = _ours(path, family, prompts, args, max_num_seqs)
     bw, peak = memory_bandwidth(), matmul_flops(dtype=args.dtype or "float32")
     itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
-    read = decode_read_params(path)
-    floors = {b: max(read * itemsize / bw, 2 * read * int(b) / peak) for b in ours["decode_step_s"]}
+    weights = decode_weights(path, family.prefix, cfg)
+    read = {b: weights.read(int(b)) * itemsize for b in ours["decode_step_s"]}
+    floors = {b: max(read[b] / bw, 2 * weights.active() * int(b) / peak) for b in ours["decode_step_s"]}
     result: dict[str, Any] = {
-        "suite": "ar",
+        "suite": family.suite,
         "requests": len(prompts),
         "prompt_len_range": [args.min_prompt, args.max_prompt],
         "max_tokens": args.max_tokens,
         "max_num_seqs": max_num_seqs,
         "dtype": args.dtype,
         "mesh": args.mesh,
-        "params": count_params(path),
+        "params": weights.params,
         "ceilings": {"memory_bandwidth_GBps": bw / 1e9, "matmul_GFLOPs": peak / 1e9},
-        "decode_weight_bytes": read * itemsize,
+        "decode_weight_bytes": read,
         "decode_floor_s": floors,
         "roofline_fraction": {b: floors[b] / s for b, s in ours["decode_step_s"].items()},
         "backends": ours.pop("backends"),
@@ -265,8 +355,16 @@ def run(path: Path, args: Any) -> dict:
         "reference": None,
         "ratio": None,
     }
+    if weights.num_experts:
+        result["moe"] = {
+            "layers": weights.moe_layers,
+            "experts": weights.num_experts,
+            "top_k": weights.top_k,
+            "experts_read_by_batch": {b: weights.experts_read(int(b)) for b in ours["decode_step_s"]},
+            "active_params": weights.active(),
+        }
     if args.reference:
-        ref, agree, failures = _reference(path, prompts, args, ours_ids)
+        ref, agree, failures = _reference(path, family, prompts, args, ours_ids)
         result["reference"] = ref
         result["compile"]["reference"] = ref["by_batch"][str(ref["best_batch"])]["compile"]
         result["ratio"] = ours["tokens_per_s"] / ref["tokens_per_s"]
@@ -307,6 +405,14 @@ def table(result: dict[str, Any]) -> str:
         f"compilations after warmup(): {comp['compiles_after_warmup']}; all excluded from the figures above"
     )
     ceil = result["ceilings"]
+    if "moe" in result:
+        moe = result["moe"]
+        read = ", ".join(f"{n:.1f} at batch {b}" for b, n in moe["experts_read_by_batch"].items())
+        lines.append(
+            f"MoE: {moe['layers']} layers of {moe['experts']} experts, {moe['top_k']} a token; a decode step "
+            f"reads {read} of them a layer (uniform routing), {moe['active_params'] / 1e6:.3g}M "
+            "parameters multiply each row"
+        )
     for b, s in ours["decode_step_s"].items():
         lines.append(
             f"decode step, batch {b}: {s * 1e3:.2f} ms, {result['roofline_fraction'][b]:.0%} of its floor "

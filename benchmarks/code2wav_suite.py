@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -49,6 +50,14 @@ PARITY_RTOL = 1e-5
 magnitude, float32, same noise): the reference's audio and ours are the same math."""
 
 
+def around_median(lengths: Sequence[int], size: int) -> list[int]:
+    """Indices of the ``size`` requests around the median of ``lengths`` (all of them when
+    ``size`` is their number), in index order: a batch of ``size`` of the workload."""
+    by_length = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    start = min(max(len(by_length) // 2 - (size - 1) // 2, 0), len(by_length) - size)
+    return sorted(by_length[start : start + size])
+
+
 @dataclasses.dataclass
 class Workload:
     """The requests both sides decode: codes, the noise each starts from, the knobs."""
@@ -67,9 +76,7 @@ class Workload:
 
     def batch(self, size: int) -> list[int]:
         """Indices of the ``size`` requests around the median length (all of them at ``N``)."""
-        by_length = sorted(range(len(self.codes)), key=lambda i: len(self.codes[i]))
-        start = min(max(len(by_length) // 2 - (size - 1) // 2, 0), len(by_length) - size)
-        return sorted(by_length[start : start + size])
+        return around_median([len(c) for c in self.codes], size)
 
     def params(self, i: int) -> Token2WavParams:
         return Token2WavParams(
@@ -199,7 +206,8 @@ def _figures(audio_s: float, wall_s: float, steps: int, solve_s: float) -> dict[
     }
 
 
-def _param_dtype(state: nnx.State) -> str:
+def param_dtype(state: nnx.State) -> str:
+    """The dtype of a model's floating-point parameters (the first one's)."""
     floats = [x.dtype for x in jax.tree.leaves(state) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
     return str(floats[0]) if floats else "float32"
 
@@ -244,7 +252,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
                 ref_times[i] = [
                     min(a, x) for a, x in zip(ref_times[i], (dit_s, voc_s, dit_s + voc_s), strict=True)
                 ]
-    dtype = _param_dtype(pipe.stages[0].runner.state)
+    dtype = param_dtype(pipe.stages[0].runner.state)
     peak = matmul_flops(dtype=dtype)
     flops = {b: solve_flops(dit_cfg, work, idx) for b, idx in batches.items()}
     ours = {

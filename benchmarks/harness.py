@@ -341,15 +341,39 @@ def check_result(result: dict[str, Any]) -> None:
         raise ValueError(f"suite {result['suite']!r}: non-finite figures at {bad}")
 
 
-def sized_code2wav_config(workdir: Path, max_batch: int, max_codes: int) -> Path:
-    """The shipped Qwen2.5-Omni stage YAML with code2wav's ``engine`` sized to a suite's workload,
-    written under ``workdir``: what a serving user sets for their traffic. The shipped defaults
-    (8 requests of up to 4096 codes) make ``warmup()`` compile solves of 4096 codes and the
-    start-up memory check reserve for them, far past a benchmark's requests."""
-    raw = yaml.safe_load((SHIPPED_DIR / "qwen2_5_omni.yaml").read_text())
+@contextlib.contextmanager
+def transformers_quiet() -> Iterator[None]:
+    """transformers logging errors only, for a load: a Qwen3-Omni part loaded alone from the whole
+    checkpoint (its thinker, its code2wav) would list every tensor of the others it leaves unread."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+CODE2WAV_LENGTH_KEY = {"qwen2_5_omni": "max_codes", "qwen3_omni": "max_frames"}
+"""Per shipped stage YAML (its name without ``.yaml``), code2wav's ``engine`` key for the longest
+offline request: Qwen2.5-Omni counts codes, Qwen3-Omni codec frames."""
+
+
+def sized_code2wav_config(
+    workdir: Path, max_batch: int, max_codes: int, family: str = "qwen2_5_omni"
+) -> Path:
+    """The shipped stage YAML of ``family`` (a :data:`CODE2WAV_LENGTH_KEY` key) with code2wav's
+    ``engine`` sized to a suite's workload (``max_batch`` requests of at most ``max_codes`` codes,
+    or frames for Qwen3-Omni), written under ``workdir``: what a serving user sets for their
+    traffic. The shipped defaults (Qwen2.5-Omni: 8 requests of up to 4096 codes) make
+    ``warmup()`` compile solves of that size and the start-up memory check reserve for them, far
+    past a benchmark's requests."""
+    raw = yaml.safe_load((SHIPPED_DIR / f"{family}.yaml").read_text())
     (code2wav,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
-    code2wav["engine"] = {**code2wav.get("engine", {}), "max_batch": max_batch, "max_codes": max_codes}
-    path = workdir / f"qwen2_5_omni-code2wav-{max_batch}x{max_codes}.yaml"
+    length = CODE2WAV_LENGTH_KEY[family]
+    code2wav["engine"] = {**code2wav.get("engine", {}), "max_batch": max_batch, length: max_codes}
+    path = workdir / f"{family}-code2wav-{max_batch}x{max_codes}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path

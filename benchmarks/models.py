@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from omni_jax.testing import TINY_BIGVGAN_CONFIG, TINY_DIT_CONFIG, build_tiny_qwen2, build_tiny_qwen2_5_omni
+from omni_jax.testing_qwen3_omni import (
+    build_qwen3_omni_tokenizer,
+    build_tiny_qwen3_omni,
+    tiny_qwen3_omni_config,
+)
 
 # ~40M parameters: Qwen2.5-0.5B's head layout at a width and depth this CPU runs in minutes.
 SMALL = dict(
@@ -57,6 +65,87 @@ def build_long_replies(path: Path, token2wav_config: dict | None = None) -> Path
 LONG_REPLIES = "qwen2_5_omni_long_replies"
 """The :data:`BUILDERS` key of :func:`build_long_replies`' checkpoints."""
 
+QWEN3_OMNI = "qwen3_omni_moe"
+"""Qwen3-Omni's ``model_type`` (:data:`BUILDERS` key of its tiny and small checkpoints)."""
+
+SMALL_QWEN3_THINKER_TEXT = dict(
+    vocab_size=152064,
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=768,
+    moe_intermediate_size=768,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    mlp_only_layers=[],
+    max_position_embeddings=65536,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [24, 20, 20]},
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    num_hidden_layers=2,
+    num_experts=16,
+)
+"""The ``small`` Qwen3-Omni's thinker decoder: Qwen3-Omni-30B-A3B's (``thinker_config.text_config``
+of the released ``config.json``: width 2048, 32 query and 4 KV heads of 128, every layer an MoE
+of experts 768 wide with 8 routed a token, M-RoPE sections 24/20/20 at theta 1e6, vocabulary
+152064, untied head), cut to 2 layers of 16 experts instead of 48 of 128: a token's work per layer
+is the release's, the weights (about 3.3 GB in float32 with the vocabulary's embedding and head)
+fit this CPU box. Caveat for the figures: on a CPU, XLA expands our grouped expert matmul into a
+masked product over every expert (:mod:`omni_jax.models.moe`), 16 / 8 = 2x the routed work here and
+16x at the release's 128 experts, which the ratio shows as it is."""
+
+SMALL_QWEN3_CODE2WAV = dict(
+    codebook_size=2048,
+    num_quantizers=16,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    sliding_window=72,
+    max_position_embeddings=8000,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-5,
+    layer_scale_initial_scale=0.01,
+    decoder_dim=1536,
+    upsample_rates=[8, 5, 4, 3],
+    upsampling_ratios=[2, 2],
+)
+"""The ``small`` Qwen3-Omni's code2wav: Qwen3-Omni-30B-A3B's whole (``code2wav_config`` of the
+released ``config.json``, nothing cut: 16 codebooks of 2048 codes, an 8-layer transformer 1024 wide
+with a 72-frame window, then a causal ConvNet from 1536 channels upsampling 1920x, 12.5 frames to
+24 000 samples a second), random weights."""
+
+
+def build_small_qwen3_omni(path: Path) -> Path:
+    """The ``small`` Qwen3-Omni: the tiny builder's checkpoint
+    (:func:`omni_jax.testing_qwen3_omni.build_tiny_qwen3_omni`: its tokenizer, voices and weight
+    shaping) with the released model's thinker decoder widths (:data:`SMALL_QWEN3_THINKER_TEXT`,
+    layers and experts cut) and its whole code2wav (:data:`SMALL_QWEN3_CODE2WAV`), in float32.
+
+    What stays tiny: the audio and vision encoders, the talker and its code predictor (the suites
+    that take Qwen3-Omni run text prompts through the thinker and codec frames through code2wav);
+    only their output widths follow the thinker's 2048, so the checkpoint is one model. The
+    tokenizer is the tiny one (451 ids): ids past it have no text, as in the ``small`` Qwen2's."""
+    tiny = tiny_qwen3_omni_config(build_qwen3_omni_tokenizer(seed=0))
+    width = SMALL_QWEN3_THINKER_TEXT["hidden_size"]
+    thinker = tiny.thinker_config.to_dict()
+    thinker["text_config"].update(SMALL_QWEN3_THINKER_TEXT)
+    thinker["audio_config"]["output_dim"] = width
+    thinker["vision_config"]["out_hidden_size"] = width
+    thinker["initializer_range"] = SMALL_QWEN3_THINKER_TEXT["initializer_range"]
+    talker = dict(tiny.talker_config.to_dict(), thinker_hidden_size=width)
+    return build_tiny_qwen3_omni(
+        path,
+        seed=0,
+        max_shard_size="2GB",
+        thinker_config=thinker,
+        talker_config=talker,
+        code2wav_config=SMALL_QWEN3_CODE2WAV,
+    )
+
+
 BUILDERS: dict[str, dict[str, tuple[str, Callable[[Path], Path]]]] = {
     "qwen2": {
         "tiny": ("bench-tiny-qwen2", lambda p: build_tiny_qwen2(p, seed=0)),
@@ -73,6 +162,10 @@ BUILDERS: dict[str, dict[str, tuple[str, Callable[[Path], Path]]]] = {
         "tiny": ("bench-tiny-long-qwen2_5_omni", build_long_replies),
         "small": ("bench-small-long-qwen2_5_omni", lambda p: build_long_replies(p, SMALL_TOKEN2WAV)),
     },
+    QWEN3_OMNI: {
+        "tiny": ("bench-tiny-qwen3_omni", lambda p: build_tiny_qwen3_omni(p, seed=0)),
+        "small": ("bench-small-qwen3_omni", build_small_qwen3_omni),
+    },
 }
 """``BUILDERS[key][name]``: the locally built checkpoints, by the ``model_type`` a suite runs (or
 the key a suite names in ``benchmarks.run.Suite.builds``: a variant of that model_type)."""
@@ -88,6 +181,11 @@ def builder_version(kind: str = "") -> str:
     text = inspect.getsource(omni_jax.testing) + repr(SMALL) + repr(SMALL_TOKEN2WAV)
     if kind == LONG_REPLIES:  # the other checkpoints' digests stay as they were
         text += inspect.getsource(build_long_replies) + repr(LONG_REPLY_POSITIONS)
+    if kind == QWEN3_OMNI:
+        import omni_jax.testing_qwen3_omni
+
+        text += inspect.getsource(omni_jax.testing_qwen3_omni) + inspect.getsource(build_small_qwen3_omni)
+        text += repr(SMALL_QWEN3_THINKER_TEXT) + repr(SMALL_QWEN3_CODE2WAV)
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -119,17 +217,61 @@ def resolve_model(name: str, cache_dir: Path, kind: str = "qwen2") -> Path:
     return path
 
 
-def count_params(path: Path) -> int:
+@dataclasses.dataclass(frozen=True)
+class DecodeWeights:
+    """A decoder's parameters as its decode step reads and multiplies them.
+
+    ``params``: all of them, input embedding included. ``dense``: those every step reads and
+    every token multiplies (attention, norms, routers, the LM head; not an untied input embedding,
+    which is only gathered). An MoE decoder's experts apart: ``moe_layers`` layers of
+    ``num_experts`` experts of ``per_expert`` parameters, ``top_k`` of them routed a token.
+    """
+
+    params: int
+    dense: int
+    per_expert: int = 0
+    moe_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def experts_read(self, batch: int) -> float:
+        """Distinct experts one MoE layer reads for ``batch`` tokens, expected under uniform
+        routing: ``E (1 - (1 - k / E) ** batch)`` (k at batch 1, all E as the batch grows)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+
+    def read(self, batch: int) -> float:
+        """Parameters a decode step of ``batch`` rows reads (the memory-bound floor's)."""
+        return self.dense + self.moe_layers * self.per_expert * self.experts_read(batch)
+
+    def active(self) -> int:
+        """Parameters each token multiplies (the compute-bound floor's, per row)."""
+        return self.dense + self.moe_layers * self.top_k * self.per_expert
+
+
+def decode_weights(path: Path, prefix: str = "", text_config: Any = None) -> DecodeWeights:
+    """The :class:`DecodeWeights` of the decoder whose checkpoint tensors are named ``prefix``
+    ``model.*`` and ``lm_head.*`` (``"thinker."`` for Qwen3-Omni's thinker; its encoders are not
+    the decoder's), from the tensors' shapes (nothing is read). Expert tensors are those under
+    ``mlp.experts.`` (one per expert, or fused); ``text_config`` gives their count and top-k."""
     from omni_jax.safetensors_io import iter_checkpoint
 
-    return sum(a.size for _, a in iter_checkpoint(path))
-
-
-def decode_read_params(path: Path) -> int:
-    """Parameters one decode step must read: all but an untied input embedding (only gathered)."""
-    from omni_jax.safetensors_io import iter_checkpoint
-
-    sizes = {name: a.size for name, a in iter_checkpoint(path)}
-    if "lm_head.weight" in sizes:
-        sizes.pop("model.embed_tokens.weight", None)
-    return sum(sizes.values())
+    decoder = (f"{prefix}model.", f"{prefix}lm_head.")
+    sizes = {name: a.size for name, a in iter_checkpoint(path) if name.startswith(decoder)}
+    params = sum(sizes.values())
+    if f"{prefix}lm_head.weight" in sizes:
+        sizes.pop(f"{prefix}model.embed_tokens.weight", None)
+    expert_layers: dict[str, int] = {}
+    for name, size in sizes.items():
+        found = re.search(r"\.layers\.(\d+)\.mlp\.experts\.", name)
+        if found:
+            expert_layers[found[1]] = expert_layers.get(found[1], 0) + size
+    dense = sum(sizes.values()) - sum(expert_layers.values())
+    if not expert_layers:
+        return DecodeWeights(params, dense)
+    experts = int(text_config.num_experts)
+    (per_layer,) = set(expert_layers.values())  # every MoE layer holds the same experts
+    return DecodeWeights(
+        params, dense, per_layer // experts, len(expert_layers), experts, int(text_config.num_experts_per_tok)
+    )

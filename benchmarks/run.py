@@ -1,8 +1,12 @@
-"""``python -m benchmarks.run --suite {ar,code2wav,e2e,soak,all} --model {tiny,small,PATH} [--reference]
-[--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]`` (also ``omni-jax bench ...``);
-``--suite e2e --stream``: streamed speech against offline decoding (:mod:`benchmarks.stream_suite`).
+"""``python -m benchmarks.run --suite {ar,code2wav,e2e,soak,ar_qwen3,code2wav_qwen3,all} --model
+{tiny,small,PATH} [--reference] [--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]``
+(also ``omni-jax bench ...``); ``--suite e2e --stream``: streamed speech against offline decoding
+(:mod:`benchmarks.stream_suite`).
 
-``tiny`` and ``small`` name a locally built checkpoint per suite (:mod:`benchmarks.models`);
+``tiny`` and ``small`` name a locally built checkpoint per suite (:mod:`benchmarks.models`); the
+suite names the model family: ``ar`` runs Qwen2, ``code2wav`` and ``e2e`` Qwen2.5-Omni,
+``ar_qwen3`` Qwen3-Omni's thinker and ``code2wav_qwen3`` its code2wav (a PATH must be of the
+suite's ``model_type``: ``--suite ar_qwen3 --model /ckpt/Qwen3-Omni-30B-A3B-Instruct``).
 ``all`` runs every registered suite but the soak (with a PATH, those whose ``model_type`` it is). Each suite
 warms up (compile time reported on its own), measures ours and, with ``--reference``, the
 transformers / PyTorch reference on the same requests in this process, prints a table and, with
@@ -70,9 +74,12 @@ SUITES: dict[str, Suite] = {
     "e2e_stream": Suite(
         "benchmarks.stream_suite", "qwen2_5_omni", in_all=False, builds="qwen2_5_omni_long_replies"
     ),
+    "ar_qwen3": Suite("benchmarks.ar_suite", "qwen3_omni_moe"),
+    "code2wav_qwen3": Suite("benchmarks.qwen3_code2wav_suite", "qwen3_omni_moe"),
 }
 """The registered suites, in the order ``--suite all`` runs them; a new one is one line here.
-``e2e_stream`` is what ``--suite e2e --stream`` runs."""
+``e2e_stream`` is what ``--suite e2e --stream`` runs. ``ar_qwen3`` and ``code2wav_qwen3`` are the
+AR and code2wav suites on Qwen3-Omni (its thinker; its code2wav)."""
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -171,15 +178,24 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     ar.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="our engine's tokens per step (default 2048)"
     )
-    c2w = p.add_argument_group("code2wav suite (--num-steps, --guidance-scale, --repeats: e2e too)")
+    c2w = p.add_argument_group(
+        "code2wav suites (--num-steps, --guidance-scale: Qwen2.5-Omni's only; --repeats: e2e too)"
+    )
     c2w.add_argument(
         "--batch-sizes",
         type=parse_batch_sizes,
         default=[1, 8],
         help="measured batch sizes; the largest is the number of requests (default 1,8)",
     )
-    c2w.add_argument("--min-codes", type=int, default=50, help="shortest request (codes; 50 per second)")
-    c2w.add_argument("--max-codes", type=int, default=200, help="longest request (codes)")
+    c2w.add_argument(
+        "--min-codes",
+        type=int,
+        default=50,
+        help="shortest request (codes, 50 per second; code2wav_qwen3: codec frames, 12.5 per second)",
+    )
+    c2w.add_argument(
+        "--max-codes", type=int, default=200, help="longest request (codes; code2wav_qwen3: frames, <= 300)"
+    )
     c2w.add_argument("--num-steps", type=int, default=10, help="ODE grid points (RK4 steps + 1)")
     c2w.add_argument("--guidance-scale", type=float, default=0.5, help="CFG scale")
     c2w.add_argument("--repeats", type=int, default=2, help="measured rounds (the best is kept)")

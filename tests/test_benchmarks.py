@@ -111,6 +111,94 @@ def test_ar_suite(tmp_path: Path) -> None:
     assert result["profile"] is None
 
 
+def test_ar_qwen3_suite(tmp_path: Path) -> None:
+    """The AR suite on Qwen3-Omni's MoE thinker (``--suite ar_qwen3``): three requests through our
+    thinker stage against transformers' thinker ``generate`` sorted in batches of 2 and of all 3,
+    greedy tokens compared request by request in both; the MoE decode floor's fields."""
+    argv = "--suite ar_qwen3 --model tiny --reference --num-requests 3 --max-tokens 3 --min-prompt 4"
+    argv += (
+        " --max-prompt 8 --ref-batches 2,all --max-num-seqs 2 --max-model-len 32 --max-num-batched-tokens 16"
+    )
+    result = run_suite(tmp_path, argv)
+    _check_common(result, "ar_qwen3")
+    ours, ref = result["ours"], result["reference"]
+    assert ours["output_tokens"] == 9 and ours["tokens_per_s"] > 0 and ours["ttft_s_mean"] > 0
+    assert "Qwen3OmniMoeForConditionalGeneration.thinker generate" in ref["engine"]
+    assert set(ref["by_batch"]) == {"2", "3"} and all(
+        r["output_tokens"] == 9 for r in ref["by_batch"].values()
+    )
+    assert result["ratio"] == pytest.approx(
+        ours["tokens_per_s"] / ref["by_batch"][str(ref["best_batch"])]["tokens_per_s"]
+    )
+    for b in ("2", "3"):
+        _check_agreement(result["agreement"][b], 3)
+    moe = result["moe"]  # the tiny thinker: 2 of its 3 layers MoE, 8 experts, top-2
+    assert (moe["layers"], moe["experts"], moe["top_k"]) == (2, 8, 2)
+    assert moe["experts_read_by_batch"]["1"] == pytest.approx(2.0) and moe["experts_read_by_batch"]["2"] > 2
+    assert result["decode_weight_bytes"]["2"] > result["decode_weight_bytes"]["1"]
+    assert set(ours["decode_step_s"]) == {"1", "2"} and all(
+        f > 0 for f in _numbers(result["roofline_fraction"])
+    )
+
+
+def test_ar_prompts_avoid_added_tokens() -> None:
+    """Prompts drawn without some ids never hold them; without exclusions they are the draw the
+    Qwen2 workload always was (its figures stay comparable)."""
+    from benchmarks.ar_suite import make_requests
+
+    plain = make_requests(64, 20, 4, 12)
+    rs = np.random.RandomState(0)
+    assert plain == [[int(t) for t in rs.randint(3, 64, size=int(m))] for m in rs.randint(4, 13, 20)]
+    avoided = make_requests(64, 20, 4, 12, exclude=range(3, 40))
+    assert [len(p) for p in avoided] == [len(p) for p in plain]
+    assert all(40 <= t < 64 for p in avoided for t in p)
+
+
+def test_code2wav_qwen3_suite(tmp_path: Path) -> None:
+    """The code2wav suite on Qwen3-Omni (``--suite code2wav_qwen3``): two ragged requests in one
+    solve against transformers' ``chunked_decode`` one request at a time and as a batch, the
+    waveforms within the parity bound of tests/test_qwen3_code2wav_stage.py in both modes."""
+    argv = "--suite code2wav_qwen3 --model tiny --reference --batch-sizes 2 --min-codes 12 --max-codes 16"
+    result = run_suite(tmp_path, argv + " --repeats 1")
+    _check_common(result, "code2wav_qwen3")
+    assert result["frames_per_request"] == [12, 16] and result["samples_per_frame"] == 48
+    assert "chunked_decode(codes, chunk_size=300, left_context_size=25)" in result["reference_mode"]
+    assert (
+        result["compile"]["ours"]["warmup_stages"]["code2wav"]["programs"] == 4
+    )  # rows 1, 2: offline + chunk
+    figures = [result["ours"]["2"], *(modes["2"] for modes in result["reference"]["by_mode"].values())]
+    for f in figures:
+        assert f["audio_s"] == pytest.approx(28 * 48 / 24_000) and f["audio_s_per_s"] > 0 and f["solve_s"] > 0
+    assert result["ours"]["2"]["solve_s"] <= result["ours"]["2"]["wall_s"]
+    assert set(result["ratio_by_mode"]) == {"one request at a time", "batched as generate"}
+    best = result["reference"]["best_mode"]["2"]
+    assert result["ratio"]["2"] == pytest.approx(result["ratio_by_mode"][best]["2"])
+    errors = result["max_rel_err_vs_reference"]
+    assert set(errors) == {"one request at a time", "batched as generate"}
+    assert all(e < CODE2WAV_PARITY for e in errors.values())
+    assert all(f > 0 for f in _numbers(result["roofline_fraction"]))
+
+
+def test_code2wav_qwen3_parity_fails(tmp_path: Path) -> None:
+    """Audio off the reference's by more than the bound, in either mode, is a failure; longer
+    requests than generate's 300-frame chunk are refused."""
+    from benchmarks import qwen3_code2wav_suite as suite
+
+    wave = np.sin(np.arange(480, dtype=np.float32))
+    work = suite.Workload([np.zeros((10, 4), np.int64)])
+    ref = suite.ReferenceRounds(work, {}, alone_s=[1.0], alone_wave=[wave])
+    failures: list[str] = []
+    figures = {"1": {"audio_s_per_s": 1.0}}
+    out = suite._compare(
+        figures, [wave * (1 + 1e-3)], ref, {"1": [0]}, {"1": 0.2}, {"1": 1e6}, 1e9, "float32", failures
+    )
+    assert out["max_rel_err_vs_reference"]["one request at a time"] == pytest.approx(1e-3, rel=1e-3)
+    assert failures == ["audio differs from the reference (one request at a time) by 1.00e-03 > 1e-05"]
+    args = parser().parse_args(["--suite", "code2wav_qwen3", "--max-codes", "301"])
+    with pytest.raises(SystemExit, match="need 1 <= min <= max <= 300"):
+        suite.make_workload(None, args)
+
+
 def test_e2e_suite(tmp_path: Path) -> None:
     """Three requests (text, text + image, text + audio) through thinker, talker and code2wav, ours
     against transformers request by request and in per-voice batches; both greedy."""
@@ -343,8 +431,18 @@ def test_suite_choices() -> None:
     suite); one Suite line registers another."""
     from benchmarks.run import suites_for
 
-    assert list(SUITES) == ["ar", "code2wav", "e2e", "soak", "memory", "serve", "e2e_stream"]
-    assert suites_for("all", "tiny") == ["ar", "code2wav", "e2e"]
+    assert list(SUITES) == [
+        "ar",
+        "code2wav",
+        "e2e",
+        "soak",
+        "memory",
+        "serve",
+        "e2e_stream",
+        "ar_qwen3",
+        "code2wav_qwen3",
+    ]
+    assert suites_for("all", "tiny") == ["ar", "code2wav", "e2e", "ar_qwen3", "code2wav_qwen3"]
     assert suites_for("soak", "tiny") == ["soak"]
     assert parser().parse_args(["--ref-batches", "16,all,8"]).ref_batches == [16, "all", 8]
     for bad in (["--suite", "nope"], ["--ref-batches", "0"], ["--ref-batches", "eight"]):
