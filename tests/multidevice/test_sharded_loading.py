@@ -65,7 +65,12 @@ def device_bytes(model: nnx.Module) -> dict[jax.Device, int]:
 
 @pytest.mark.parametrize(
     "which,stage,built",
-    [("gqa_dir", "llm", None), ("omni_dir", "thinker", None), ("omni_dir", "talker", ["thinker", "talker"])],
+    [
+        ("gqa_dir", "llm", None),
+        ("omni_dir", "thinker", None),
+        ("omni_dir", "talker", ["thinker", "talker"]),
+        ("qwen3_omni_dir", "talker", ["thinker", "talker"]),
+    ],
 )
 def test_each_device_holds_the_planned_weights(request, which, stage, built) -> None:
     path = request.getfixturevalue(which)
