@@ -103,7 +103,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from omni_jax.demo import run_demo
 
-    return run_demo(Path(args.cache_dir), Path(args.output_dir))
+    return run_demo(Path(args.cache_dir), Path(args.output_dir), args.model)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = [a for a in argv[1:] if a != "--debug"]
         return run_command(_bench, argparse.Namespace(rest=rest, debug=len(rest) < len(argv) - 1))
     from checkpoints_convert import cli as convert_cli
+    from omni_jax.demo import DEMO_MODELS
     from omni_jax.serve import cli as serve_cli
 
     p = OneLineParser(prog="omni-jax")
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_cli.add_arguments(s)
     s.set_defaults(fn=serve_cli.run)
     d = sub.add_parser("demo", help="build a tiny model locally and run it end to end")
+    d.add_argument("--model", choices=list(DEMO_MODELS), default="qwen2.5-omni", help="which tiny model")
     d.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "demo"))
     d.add_argument("--output-dir", default="omni_jax_demo_output")
     d.set_defaults(fn=_demo)

@@ -1,10 +1,12 @@
-"""``omni-jax run`` and ``omni-jax demo`` as a user calls them (in process, through ``main``)."""
+"""``omni-jax run`` and ``omni-jax demo`` (Qwen2.5-Omni and Qwen3-Omni) as a user calls them (in
+process, through ``main``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 from scipy.io import wavfile
 
@@ -75,3 +77,31 @@ def test_demo_runs_end_to_end_and_reuses_its_build(tmp_path, capsys) -> None:
         assert (out / f"demo_{i}.txt").exists()
     assert main(["demo", "--cache-dir", str(cache), "--output-dir", str(out)]) == 0
     assert "building" not in capsys.readouterr().out
+
+
+def test_demo_runs_qwen3_omni_end_to_end(tmp_path, capsys) -> None:
+    """``--model qwen3-omni`` builds, converts and voices the tiny Qwen3-Omni as the default
+    demo does the tiny Qwen2.5-Omni (the build cache it shares is tested above)."""
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    assert main(["demo", "--model", "qwen3-omni", "--cache-dir", str(cache), "--output-dir", str(out)]) == 0
+    assert "building a tiny random-weight Qwen3-Omni checkpoint" in capsys.readouterr().out
+    report = (out / "demo.txt").read_text()
+    assert "request 0 (text+audio+image, voice Chelsie)" in report and "error" not in report
+    assert "request 1 (text, voice Ethan)" in report and "Qwen3-Omni's thinker, talker and code2wav" in report
+    for i in (0, 1):
+        rate, samples = read_wav(out / f"demo_{i}.wav")
+        assert rate == 24_000 and samples.size > 0
+        assert (out / f"demo_{i}.txt").read_text().strip()
+
+
+def test_demo_refuses_an_unknown_model_in_one_line(tmp_path, capsys) -> None:
+    """argparse's refusal: the console script exits 2 with one line naming the choices."""
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--model", "qwen4-omni", "--cache-dir", str(tmp_path / "cache")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: omni-jax demo: argument --model: invalid choice: 'qwen4-omni' "
+        "(choose from 'qwen2.5-omni', 'qwen3-omni') (see omni-jax demo --help)\n"
+    )
+    assert not (tmp_path / "cache").exists()
