@@ -151,8 +151,10 @@ def hf_stream(
     guidance_scale: float,
     sway_coefficient: float,
     chunk: int = C,
+    first: int | None = None,
 ) -> list[np.ndarray]:
-    """The reference's pieces for one of :func:`make_request`'s requests, at the scaled sizes."""
+    """The reference's pieces for one of :func:`make_request`'s requests, at the scaled sizes
+    (``first``: a shorter first chunk)."""
     return chunked_reference(
         t2w,
         req["codes"],
@@ -162,7 +164,7 @@ def hf_stream(
         num_steps,
         guidance_scale,
         sway_coefficient,
-        dataclasses.replace(PLANNER, chunk=chunk),
+        dataclasses.replace(PLANNER, chunk=chunk, first=first),
     )
 
 
@@ -276,10 +278,38 @@ def test_chunks_run_once_known_not_last() -> None:
         QWEN.ready(0, finished=True)
 
 
+def test_a_shorter_first_chunk_runs_sooner() -> None:
+    """``first`` = 48 frames (24 codes): chunk 0 runs past first + F = 72 frames (36 codes, not
+    48), keeps [0, 48); chunk 1 keeps [48, 120) from a window that starts 48 frames before it."""
+    planner = dataclasses.replace(QWEN, first=48)
+    assert planner.ready(36, finished=False) == []
+    (first,) = planner.ready(37, finished=False)
+    assert (first.kind, first.start, first.end, first.keep_len) == (ChunkKind.FIRST, 0, 72, 48)
+    assert planner.ready(72, finished=False, done=1) == []
+    (middle,) = planner.ready(73, finished=False, done=1)
+    assert (middle.kind, middle.start, middle.end, middle.keep_lo, middle.keep_len) == (
+        ChunkKind.MIDDLE,
+        0,
+        144,
+        48,
+        72,
+    )
+    assert middle.offset == (48 - 20) * QWEN.hop
+    assert [c.kind for c in planner.split(36)] == [ChunkKind.LITTLE]
+    assert planner.num_chunks(37) == 2 and planner.window_frames == QWEN.window_frames
+
+
 @pytest.mark.parametrize(
     "planner",
-    [QWEN, dataclasses.replace(QWEN, chunk=48), dataclasses.replace(QWEN, chunk=96), PLANNER],
-    ids=["qwen", "qwen-chunk-48", "qwen-chunk-96", "tiny"],
+    [
+        QWEN,
+        dataclasses.replace(QWEN, chunk=48),
+        dataclasses.replace(QWEN, chunk=96),
+        dataclasses.replace(QWEN, first=48),
+        PLANNER,
+        dataclasses.replace(PLANNER, first=8),
+    ],
+    ids=["qwen", "qwen-chunk-48", "qwen-chunk-96", "qwen-first-48", "tiny", "tiny-first-8"],
 )
 def test_split_depends_only_on_the_count(planner: ChunkPlanner) -> None:
     """Codes arriving in any increments give the chunks of the final count; emitted pieces tile
@@ -317,6 +347,9 @@ def test_split_depends_only_on_the_count(planner: ChunkPlanner) -> None:
         (dict(future=0), "future=0 must cover the 1 look-ahead layers' reach of 4 frames"),
         (dict(chunk=0), "chunk=0 must be >= 1"),
         (dict(overlap=-1), "overlap=-1 must be >= 0"),
+        (dict(first=36), "first_chunk=36 must be at least 2 \\* overlap=40"),
+        (dict(first=70), r"first_chunk=70 must be a multiple of the DiT's block_size \(4\)"),
+        (dict(first=96), "first_chunk=96 must not exceed chunk=72"),
     ],
 )
 def test_constants_are_validated(kwargs, match) -> None:
@@ -369,6 +402,20 @@ def test_batched_matches_reference(ours, reference, expected) -> None:
     want = hf_stream(reference, make_request(SMALL), **KNOBS[SMALL], chunk=8)
     assert len(want) == 10
     check_pieces(outputs[SMALL], want, SMALL)
+
+
+def test_a_shorter_first_chunk_matches_reference(ours, reference) -> None:
+    """A stage whose first chunk is 8 frames (4 codes) beside its 12: the pieces equal the
+    chunked reference cut the same way; a request asking for a chunk under the stage's first
+    chunk gets both at its size."""
+    first = dataclasses.replace(PLANNER, first=8)
+    n = 15
+    outputs, _ = stream(decoder(ours, planner=first), {n: params(n)}, trickle([n], 3))
+    want = hf_stream(reference, make_request(n), **KNOBS[n], first=8)
+    assert len(want) == 3 and len(outputs[n][0].audio) < len(outputs[n][1].audio)
+    check_pieces(outputs[n], want, n)
+    asked = decoder(ours, planner=dataclasses.replace(PLANNER, first=12)).plan(params(n, chunk_codes=4))
+    assert (asked.chunk, asked.first_chunk) == (8, 8)
 
 
 @pytest.mark.parametrize("fault", ["device error", "non-finite"])

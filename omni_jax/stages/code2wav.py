@@ -67,12 +67,13 @@ def solve_limits(sc: StageConfig, model: Token2Wav) -> tuple[int, int]:
 
 STREAM_KEYS = {
     "chunk_codes": "chunk",
+    "first_chunk_codes": "first",
     "past_codes": "past",
     "future_codes": "future",
     "overlap_frames": "overlap",
 }
 """The stage YAML's ``engine.stream`` keys and the :class:`ChunkPlanner` constants they set
-(codes for the DiT's chunk and context, mel frames for the vocoder's overlap)."""
+(codes for the DiT's chunks and context, mel frames for the vocoder's overlap)."""
 
 
 def stream_planner(sc: StageConfig, model: Token2Wav) -> ChunkPlanner:

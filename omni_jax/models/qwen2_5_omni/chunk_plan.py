@@ -11,12 +11,17 @@ The kept mel is vocoded with the previous chunk's last ``2 * overlap`` kept fram
 and ``overlap`` frames of audio are dropped at each inner edge (overlap-and-discard, no
 crossfade), so every emitted sample had ``overlap`` frames of mel context on both sides.
 
-A request of ``N`` mel frames has ``max(1, ceil((N - future) / chunk))`` chunks; one chunk (a
-"little" request, ``N <= chunk + future``) is the offline solve. The split depends on ``N``
-only, never on how the codes arrived: chunk ``p`` is known not to be the last, and runs, once
-more than ``(p + 1) * chunk + future`` frames exist (the reference runs it at exactly that
-many, so a request that then stops would have a different split), or when the request has
-finished.
+The first chunk may be shorter (``first`` frames, at most ``chunk``): it needs fewer codes
+before it can run, so the first audio comes sooner (vLLM-omni does the same for Qwen3-Omni);
+chunk ``p >= 1`` then keeps frames ``[first + (p - 1) * chunk, first + p * chunk)``. With
+``first == chunk`` (the default) the grid is the reference's.
+
+A request of ``N`` mel frames has ``1 + max(0, ceil((N - future - first) / chunk))`` chunks; one
+chunk (a "little" request, ``N <= first + future``) is the offline solve. The split depends on
+``N`` only, never on how the codes arrived: chunk ``p`` is known not to be the last, and runs,
+once more frames exist than its window's end (``first + p * chunk + future``; the reference
+runs it at exactly that many, so a request that then stops would have a different split), or
+when the request has finished.
 """
 
 from __future__ import annotations
@@ -102,8 +107,9 @@ class ChunkPlanner:
     Sizes are mel frames. From the model: ``repeats`` (mel frames per code), ``block_size`` (the
     DiT's attention block), ``look_backward_blocks`` / ``look_ahead_blocks`` (how many of its
     layers look one block back / ahead), ``hop`` (waveform samples per mel frame). Chosen:
-    ``chunk``, ``past``, ``future`` (DiT), ``overlap`` (vocoder), Qwen's by default. Raises
-    ``ValueError`` naming the first constant that breaks the algorithm.
+    ``chunk``, ``past``, ``future`` (DiT), ``overlap`` (vocoder), Qwen's by default, and
+    ``first``, the first chunk's frames (``None``: ``chunk``). Raises ``ValueError`` naming the
+    first constant that breaks the algorithm.
     """
 
     repeats: int
@@ -115,23 +121,27 @@ class ChunkPlanner:
     past: int = PAST_FRAMES
     future: int = FUTURE_FRAMES
     overlap: int = OVERLAP_FRAMES
+    first: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("repeats", "block_size", "hop", "chunk"):
+        for name in ("repeats", "block_size", "hop", "chunk", "first_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("look_backward_blocks", "look_ahead_blocks", "past", "future", "overlap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("chunk", "past", "future"):
+        for name in ("chunk", "first_chunk", "past", "future"):
             # Windows then start and end on the offline block grid and on whole codes.
             _check_multiple(name, getattr(self, name), self.block_size, "DiT's block_size")
             _check_multiple(name, getattr(self, name), self.repeats, "mel frames per code (repeats)")
-        if self.chunk < 2 * self.overlap:
-            raise ValueError(
-                f"chunk={self.chunk} must be at least 2 * overlap={2 * self.overlap}: the next "
-                "chunk's vocoder prefix is this chunk's last 2 * overlap kept frames"
-            )
+        for name in ("chunk", "first_chunk"):
+            if getattr(self, name) < 2 * self.overlap:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} must be at least 2 * overlap={2 * self.overlap}: "
+                    "the next chunk's vocoder prefix is this chunk's last 2 * overlap kept frames"
+                )
+        if self.first_chunk > self.chunk:
+            raise ValueError(f"first_chunk={self.first_chunk} must not exceed chunk={self.chunk}")
         reach = self.look_backward_blocks * self.block_size
         if self.past < reach:
             raise ValueError(
@@ -168,6 +178,15 @@ class ChunkPlanner:
         )
 
     @property
+    def first_chunk(self) -> int:
+        """The first chunk's new frames (``first``, or ``chunk`` when unset)."""
+        return self.chunk if self.first is None else self.first
+
+    def chunk_start(self, index: int) -> int:
+        """The first frame chunk ``index`` keeps."""
+        return 0 if index == 0 else self.first_chunk + (index - 1) * self.chunk
+
+    @property
     def window_frames(self) -> int:
         """The longest DiT window: a middle chunk's."""
         return self.past + self.chunk + self.future
@@ -188,8 +207,8 @@ class ChunkPlanner:
 
     def _not_last(self, frames: int) -> int:
         """How many chunks are known not to be the last once ``frames`` frames exist: those
-        whose window ends before them, ``(p + 1) * chunk + future < frames``."""
-        return max(0, math.ceil((frames - self.future) / self.chunk) - 1)
+        whose window ends before them, ``first + p * chunk + future < frames``."""
+        return max(0, math.ceil((frames - self.future - self.first_chunk) / self.chunk))
 
     def ready(self, num_codes: int, finished: bool, done: int = 0) -> list[Chunk]:
         """The chunks from index ``done`` on that can run with ``num_codes`` codes so far
@@ -207,8 +226,8 @@ class ChunkPlanner:
 
     def chunk_of(self, index: int, frames: int, final: bool) -> Chunk:
         """Chunk ``index`` of a request; ``final`` when it is the last, of ``frames`` frames."""
-        c, v, hop = self.chunk, self.overlap, self.hop
-        lo = index * c  # the chunk's first kept frame
+        c, v, hop = (self.first_chunk if index == 0 else self.chunk), self.overlap, self.hop
+        lo = self.chunk_start(index)  # the chunk's first kept frame
         start = max(lo - self.past, 0)
         end = frames if final else lo + c + self.future
         keep_len = end - lo if final else c
