@@ -2,8 +2,9 @@
 transformers' ``Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)``.
 
 Our pipeline runs the requests batched (a text prompt, one with an audio clip and an image, one
-in another voice); the reference runs each alone, greedy (thinker and talker; its code predictor
-follows the talker's ``do_sample``) with its default talker repetition penalty. Per request the
+in another voice, a video with its audio track interleaved); the reference runs each alone,
+greedy (thinker and talker; its code predictor follows the talker's ``do_sample``) with its
+default talker repetition penalty. Per request the
 thinker's reply, every codebook of every codec frame and the waveform are compared: the frames
 are what the reference hands ``code2wav.chunked_decode`` (spied), the talker's M-RoPE positions,
 user-turn selection, projections (text and, at the media placeholders, the thinker's layer
@@ -16,6 +17,7 @@ by the signal, so equal codes are a sharp check.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from omni_reference import StandInVideoProcessor, picture, reference_inputs, tone
+from omni_reference import StandInVideoProcessor, frames, picture, reference_inputs, tone
 from parity import rel_err
 
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams, Token2WavParams
@@ -41,9 +43,19 @@ def chat(*items: dict[str, Any], text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*items, {"type": "text", "text": text}]}]
 
 
-CASES: dict[str, tuple[list[dict[str, Any]], str]] = {
-    "text": (chat(text="tell me about the sea."), "Ethan"),
-    "audio_image": (
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A request: its chat, voice, and whether its video's audio track is interleaved (the
+    track then is the prompt's audio)."""
+
+    messages: list[dict[str, Any]]
+    voice: str
+    audio_in_video: bool = False
+
+
+CASES: dict[str, Case] = {
+    "text": Case(chat(text="tell me about the sea."), "Ethan"),
+    "audio_image": Case(
         chat(
             {"type": "audio", "audio": tone(1.3, 440, 0)},
             {"type": "image", "image": picture(64, 96, 1)},
@@ -51,8 +63,14 @@ CASES: dict[str, tuple[list[dict[str, Any]], str]] = {
         ),
         "Ethan",
     ),
-    "other_voice": (chat(text="count to ten!"), "Chelsie"),
+    "other_voice": Case(chat(text="count to ten!"), "Chelsie"),
+    # The reference runs its talker's positions with use_audio_in_video off whatever the thinker
+    # used; the frames are equal only if ours does the same.
+    "audio_in_video": Case(
+        chat({"type": "video", "video": frames(4, 28, 42, 4)}, text="what happens?"), "Ethan", True
+    ),
 }
+TRACK = tone(2.5, 220, 2)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +105,18 @@ def reference(qwen3_omni_dir):
 
 
 def prompts(pipe: OmniJaxPipeline) -> list[dict[str, Any]]:
-    return [{**pipe.chat_prompt(messages), "speaker": voice} for messages, voice in CASES.values()]
+    out = []
+    for case in CASES.values():
+        prompt = pipe.chat_prompt(case.messages, use_audio_in_video=case.audio_in_video)
+        if case.audio_in_video:
+            prompt["multi_modal_data"]["audio"] = [TRACK]
+        out.append({**prompt, "speaker": case.voice})
+    return out
 
 
-def speak(model: Any, inputs: Any, speaker: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+def speak(
+    model: Any, inputs: Any, speaker: str, audio_in_video: bool = False
+) -> tuple[list[int], np.ndarray, np.ndarray]:
     """``(reply ids, frames [frames, groups], waveform)`` of greedy ``generate(return_audio=True)``."""
     handed: list[torch.Tensor] = []
     decode = model.code2wav.chunked_decode
@@ -104,6 +130,7 @@ def speak(model: Any, inputs: Any, speaker: str) -> tuple[list[int], np.ndarray,
         with torch.no_grad():
             ids, wav = model.generate(
                 **inputs,
+                use_audio_in_video=audio_in_video,
                 speaker=speaker,
                 return_audio=True,
                 thinker_eos_token_id=model.config.im_end_token_id,
@@ -126,19 +153,22 @@ def expected(pipe, reference, qwen3_omni_dir) -> list[tuple[list[int], np.ndarra
     ours = pipe.stages[0].frontend.processor
     stand_in = None if is_torchvision_available() else StandInVideoProcessor(ours.video_processor)
     processor = reference_omni_processor(qwen3_omni_dir, stand_in, processor_class=Qwen3OmniMoeProcessor)
-    return [speak(reference, reference_inputs(processor, p), p["speaker"]) for p in prompts(pipe)]
+    return [
+        speak(reference, reference_inputs(processor, p), p["speaker"], case.audio_in_video)
+        for p, case in zip(prompts(pipe), CASES.values(), strict=True)
+    ]
 
 
 def test_greedy_speech_equals_transformers_generate(pipe, expected) -> None:
-    """Three requests batched through all three stages: each one's reply, frames (every codebook)
+    """Four requests batched through all three stages: each one's reply, frames (every codebook)
     and waveform equal the reference's ``generate`` of it alone."""
     outs = pipe.run(prompts(pipe), [THINKER, TALKER, None], progress=False)
-    for case, out, (reply, frames, wav) in zip(CASES, outs, expected, strict=True):
+    for case, out, (reply, want, wav) in zip(CASES, outs, expected, strict=True):
         assert out.error is None, (case, out.error)
         assert out.stage_outputs["thinker"].token_ids == reply, case
         codes = np.asarray(out.stage_outputs["talker"].token_ids).reshape(-1, NUM_CODE_GROUPS)
         assert len(codes) == len(reply) - 1 >= 2, case  # one frame per reply token read
-        np.testing.assert_array_equal(codes, frames, err_msg=case)
+        np.testing.assert_array_equal(codes, want, err_msg=case)
         assert out.stage_outputs["talker"].finish_reason == "stop"
         assert out.audio.shape == wav.shape and rel_err(out.audio, wav) < WAVE_RTOL, case
     assert not np.array_equal(*(np.asarray(o.stage_outputs["talker"].token_ids[:8]) for o in outs[::2]))
@@ -165,7 +195,7 @@ def test_sampled_frames_are_batch_invariant(pipe) -> None:
     def talker(seed: int) -> SamplingParams:
         return SamplingParams(temperature=0.9, top_k=50, max_tokens=TALKER_TOKENS, seed=seed)
 
-    batched = pipe.run(requests, [THINKER, [talker(1), talker(2), talker(3)], None], progress=False)
+    batched = pipe.run(requests, [THINKER, [talker(seed) for seed in range(1, 5)], None], progress=False)
     (alone,) = pipe.run(requests[0], [THINKER, talker(1), None], progress=False)
     (other,) = pipe.run(requests[0], [THINKER, talker(4), None], progress=False)
     codes = [o.stage_outputs["talker"].token_ids for o in (batched[0], alone, other)]
