@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--max-num-seqs", type=int, default=None)
     pl.add_argument("--page-size", type=int, default=None)
     pl.set_defaults(fn=_plan)
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, speech)")
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (chat completions with text and speech, completions)"
+    )
     serve_cli.add_arguments(s)
     s.set_defaults(fn=serve_cli.run)
     d = sub.add_parser("demo", help="build a tiny model locally and run it end to end")
