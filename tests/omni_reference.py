@@ -147,3 +147,23 @@ def chunked_reference(
         out.append(wav[(0 if p == 0 else overlap * hop) : (len(wav) if final else len(wav) - overlap * hop)])
         prev = keep
     return out
+
+
+def spoken(model: Any, inputs: Any, **generate: Any) -> tuple[Any, Any, Any]:
+    """``(reply ids [R], codec frames [groups, frames], waveform [S])`` of transformers'
+    ``Qwen3OmniMoeForConditionalGeneration.generate(**inputs, return_audio=True, **generate)``
+    for one request; the frames are what ``generate`` hands ``code2wav.chunked_decode`` (spied)."""
+    handed: list[torch.Tensor] = []
+    decode = model.code2wav.chunked_decode
+
+    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        handed.append(codes)
+        return decode(codes, **kwargs)
+
+    model.code2wav.chunked_decode = spy
+    try:
+        with torch.no_grad():
+            ids, wav = model.generate(**inputs, return_audio=True, **generate)
+    finally:
+        del model.code2wav.chunked_decode
+    return ids[0, inputs["input_ids"].shape[1] :], handed[0][0], wav.reshape(-1)

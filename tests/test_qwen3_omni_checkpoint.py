@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from omni_reference import spoken
 from PIL import Image
 from transformers import Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
 from transformers.utils import is_torchvision_available
@@ -75,27 +76,15 @@ def speak(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(reply ids, codec frames [groups, frames], waveform)`` of ``generate(return_audio=True)``;
     the frames are what the model hands code2wav."""
-    frames: list[torch.Tensor] = []
-    decode = model.code2wav.chunked_decode
-
-    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        frames.append(codes)
-        return decode(codes, **kwargs)
-
-    model.code2wav.chunked_decode = spy
-    try:
-        ids, wav = model.generate(
-            **inputs,
-            speaker=speaker,
-            return_audio=True,
-            thinker_eos_token_id=model.config.im_end_token_id,  # its default is the release's id
-            thinker_max_new_tokens=40,
-            talker_do_sample=not greedy,
-            talker_max_new_tokens=100,
-        )
-    finally:
-        del model.code2wav.chunked_decode
-    return ids[0, inputs["input_ids"].shape[1] :], frames[0][0], wav.reshape(-1)
+    return spoken(
+        model,
+        inputs,
+        speaker=speaker,
+        thinker_eos_token_id=model.config.im_end_token_id,  # its default is the release's id
+        thinker_max_new_tokens=40,
+        talker_do_sample=not greedy,
+        talker_max_new_tokens=100,
+    )
 
 
 def test_loads_sharded_with_every_weight(checkpoint: Path, loaded: tuple[Any, dict[str, Any]]) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from omni_reference import StandInVideoProcessor, frames, picture, reference_inputs, tone
+from omni_reference import StandInVideoProcessor, frames, picture, reference_inputs, spoken, tone
 from parity import rel_err
 
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams, Token2WavParams
@@ -118,31 +118,18 @@ def speak(
     model: Any, inputs: Any, speaker: str, audio_in_video: bool = False
 ) -> tuple[list[int], np.ndarray, np.ndarray]:
     """``(reply ids, frames [frames, groups], waveform)`` of greedy ``generate(return_audio=True)``."""
-    handed: list[torch.Tensor] = []
-    decode = model.code2wav.chunked_decode
-
-    def spy(codes: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        handed.append(codes)
-        return decode(codes, **kwargs)
-
-    model.code2wav.chunked_decode = spy
-    try:
-        with torch.no_grad():
-            ids, wav = model.generate(
-                **inputs,
-                use_audio_in_video=audio_in_video,
-                speaker=speaker,
-                return_audio=True,
-                thinker_eos_token_id=model.config.im_end_token_id,
-                thinker_max_new_tokens=THINKER_TOKENS,
-                thinker_do_sample=False,
-                talker_do_sample=False,
-                talker_max_new_tokens=TALKER_TOKENS,
-            )
-    finally:
-        del model.code2wav.chunked_decode
-    reply = ids[0, inputs["input_ids"].shape[1] :].tolist()
-    return reply, handed[0][0].T.numpy(), wav.reshape(-1).numpy()
+    reply, frames, wav = spoken(
+        model,
+        inputs,
+        use_audio_in_video=audio_in_video,
+        speaker=speaker,
+        thinker_eos_token_id=model.config.im_end_token_id,
+        thinker_max_new_tokens=THINKER_TOKENS,
+        thinker_do_sample=False,
+        talker_do_sample=False,
+        talker_max_new_tokens=TALKER_TOKENS,
+    )
+    return reply.tolist(), frames.T.numpy(), wav.numpy()
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,6 @@ import numpy as np
 
 from omni_jax.engine.sampling import seed_words
 from omni_jax.engine.step import StepRow
-from omni_jax.models.qwen2_5_omni.rope_index import positions_for
 from omni_jax.models.qwen3_omni.code_predictor import FrameSampling
 from omni_jax.models.qwen3_omni.rope_index import RopeIndexSpec, media_rope_index
 from omni_jax.models.qwen3_omni.talker import (
@@ -58,6 +57,7 @@ from omni_jax.models.qwen3_omni.talker import (
     ThinkerRows,
 )
 from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult, require_state
+from omni_jax.stages.talker import TalkerPositions
 
 PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8
 """The code predictor's truncation whenever the talker samples (``prepare_inputs_for_generation``
@@ -117,12 +117,10 @@ class TalkerRequest:
     sums: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
-class TalkerStepInputs:
+class TalkerStepInputs(TalkerPositions):
     """The talker's :class:`~omni_jax.engine.step.StepInputs`: M-RoPE positions, each step's
     :class:`TalkerEmbeds` packed from its rows' states (host side), and the code predictor as
     the draw hook."""
-
-    position_shape = (3,)
 
     def __init__(self, spec: TalkerSpec, dtype: np.dtype):
         """``pad_row``, the thinker's embedding of the text pad, is set when the stage meets the
@@ -132,14 +130,6 @@ class TalkerStepInputs:
         self.dtype = dtype
         self.pad_row = np.zeros((self.thinker_width,), dtype)
         self.draw_hook = FrameHook(spec)
-
-    def positions(self, state: TalkerRequest | None, start: int, end: int) -> np.ndarray:
-        t = require_state(state, "talker")
-        return positions_for(t.positions, t.rope_delta, start, end)
-
-    def prepare(self, rows: Sequence[StepRow[TalkerRequest]]) -> dict[int, str]:
-        """Nothing to do before packing: every row's inputs are on the host already."""
-        return {}
 
     def pack(self, rows: Sequence[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
         sums = np.zeros((batch, tokens, self.width), self.dtype)

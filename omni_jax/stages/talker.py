@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,24 +54,38 @@ class TalkerRequest:
     rope_delta: int
 
 
-class TalkerStepInputs:
+class PromptPositions(Protocol):
+    """A talker request's state as its positions read it: the prompt's M-RoPE positions and
+    the decode offset."""
+
+    positions: np.ndarray
+    rope_delta: int
+
+
+class TalkerPositions:
+    """What the talkers' step inputs share (Qwen2.5-Omni's and Qwen3-Omni's): M-RoPE positions
+    from the request's prompt positions and decode offset, and nothing to prepare, as every
+    row's inputs are on the host once the request is accepted."""
+
+    position_shape = (3,)
+
+    def positions(self, state: PromptPositions | None, start: int, end: int) -> np.ndarray:
+        t = require_state(state, "talker")
+        return positions_for(t.positions, t.rope_delta, start, end)
+
+    def prepare(self, rows: Sequence[StepRow[Any]]) -> dict[int, str]:
+        return {}
+
+
+class TalkerStepInputs(TalkerPositions):
     """The talker's :class:`~omni_jax.engine.step.StepInputs`: M-RoPE positions, and each
     step's :class:`TalkerEmbeds` packed from its rows' tables (host side)."""
 
-    position_shape = (3,)
     draw_hook = None  # one codec token a step, nothing more
 
     def __init__(self, width: int, dtype: np.dtype):
         self.width = width
         self.dtype = dtype
-
-    def positions(self, state: TalkerRequest | None, start: int, end: int) -> np.ndarray:
-        t = require_state(state, "talker")
-        return positions_for(t.positions, t.rope_delta, start, end)
-
-    def prepare(self, rows: Sequence[StepRow[TalkerRequest]]) -> dict[int, str]:
-        """Nothing to do before packing: every row's table is on the host already."""
-        return {}
 
     def pack(self, rows: Sequence[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
         table = np.zeros((batch, tokens, self.width), self.dtype)
