@@ -187,7 +187,7 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
 
     def plan(self, params: Token2WavParams) -> ChunkPlanner:
         """The planner of a request with ``params``: the stage's, its chunk ``chunk_codes`` when
-        given (the first chunk then the shorter of the stage's first and that). ``ValueError``
+        given (its first chunk then no longer, :attr:`ChunkPlanner.first_chunk`). ``ValueError``
         when ``chunk_codes`` exceeds the stage's chunk or breaks the algorithm (not a multiple of
         the DiT block in codes, shorter than two overlaps)."""
         planner = self.planner
@@ -200,7 +200,7 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
                 f"{planner.chunk // planner.repeats} codes"
             )
         try:
-            return dataclasses.replace(planner, chunk=frames, first=min(planner.first_chunk, frames))
+            return dataclasses.replace(planner, chunk=frames)
         except ValueError as e:
             raise ValueError(f"chunk_codes={params.chunk_codes}: {e}") from None
 

@@ -11,7 +11,7 @@ The kept mel is vocoded with the previous chunk's last ``2 * overlap`` kept fram
 and ``overlap`` frames of audio are dropped at each inner edge (overlap-and-discard, no
 crossfade), so every emitted sample had ``overlap`` frames of mel context on both sides.
 
-The first chunk may be shorter (``first`` frames, at most ``chunk``): it needs fewer codes
+The first chunk may be shorter (``first`` frames, capped at ``chunk``): it needs fewer codes
 before it can run, so the first audio comes sooner (vLLM-omni does the same for Qwen3-Omni);
 chunk ``p >= 1`` then keeps frames ``[first + (p - 1) * chunk, first + p * chunk)``. With
 ``first == chunk`` (the default) the grid is the reference's.
@@ -108,8 +108,8 @@ class ChunkPlanner:
     DiT's attention block), ``look_backward_blocks`` / ``look_ahead_blocks`` (how many of its
     layers look one block back / ahead), ``hop`` (waveform samples per mel frame). Chosen:
     ``chunk``, ``past``, ``future`` (DiT), ``overlap`` (vocoder), Qwen's by default, and
-    ``first``, the first chunk's frames (``None``: ``chunk``). Raises ``ValueError`` naming the
-    first constant that breaks the algorithm.
+    ``first``, the first chunk's frames (``None``: ``chunk``; capped at ``chunk``). Raises
+    ``ValueError`` naming the first constant that breaks the algorithm.
     """
 
     repeats: int
@@ -140,8 +140,6 @@ class ChunkPlanner:
                     f"{name}={getattr(self, name)} must be at least 2 * overlap={2 * self.overlap}: "
                     "the next chunk's vocoder prefix is this chunk's last 2 * overlap kept frames"
                 )
-        if self.first_chunk > self.chunk:
-            raise ValueError(f"first_chunk={self.first_chunk} must not exceed chunk={self.chunk}")
         reach = self.look_backward_blocks * self.block_size
         if self.past < reach:
             raise ValueError(
@@ -179,8 +177,9 @@ class ChunkPlanner:
 
     @property
     def first_chunk(self) -> int:
-        """The first chunk's new frames (``first``, or ``chunk`` when unset)."""
-        return self.chunk if self.first is None else self.first
+        """The first chunk's new frames: ``first``, never more than ``chunk`` (a stage or request
+        that asks for a smaller chunk gets a first chunk no longer), or ``chunk`` when unset."""
+        return self.chunk if self.first is None else min(self.first, self.chunk)
 
     def chunk_start(self, index: int) -> int:
         """The first frame chunk ``index`` keeps."""
