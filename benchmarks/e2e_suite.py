@@ -1,5 +1,9 @@
 """e2e suite: thinker -> talker -> code2wav, our pipeline vs transformers ``generate`` at its best.
 
+Written once for both Omni families: what differs is a :class:`Family` (speakers, how a talker's
+tokens are read, the reference's :meth:`Reference.batch`). This docstring describes Qwen2.5-Omni's
+(suite ``e2e``); :mod:`benchmarks.qwen3_e2e_suite` says what differs for Qwen3-Omni (``e2e_qwen3``).
+
 Workload: ``--num-requests`` chat requests (default 16) of mixed input modalities, in turn
 text only, text + image and text + audio (media drawn deterministically with numpy: a random
 RGB picture, a sine tone with a little noise), voices alternating over the checkpoint's
@@ -118,14 +122,19 @@ class Workload:
     num_steps: int
     guidance_scale: float
     sway_coefficient: float = -1.0
+    thinker_min_tokens: int = MIN_THINKER_TOKENS
+    talker_min_tokens: int = 0
 
     def params(self) -> list[Any]:
         return [
             SamplingParams(
-                temperature=0.0, min_tokens=MIN_THINKER_TOKENS, max_tokens=self.thinker_max_tokens
+                temperature=0.0, min_tokens=self.thinker_min_tokens, max_tokens=self.thinker_max_tokens
             ),
             SamplingParams(
-                temperature=0.0, repetition_penalty=REPETITION_PENALTY, max_tokens=self.talker_max_tokens
+                temperature=0.0,
+                repetition_penalty=REPETITION_PENALTY,
+                min_tokens=self.talker_min_tokens,
+                max_tokens=self.talker_max_tokens,
             ),
             Token2WavParams(
                 num_steps=self.num_steps,
@@ -237,7 +246,11 @@ def encoder_clock(module: Any, classes: tuple[str, ...]) -> StageClock:
     return StageClock({name: (m, "forward") for name, m in found.items()})
 
 
-def _run_ours(pipe: OmniJaxPipeline, work: Workload, clock: StageClock) -> SideRun:
+def _run_ours(
+    pipe: OmniJaxPipeline, work: Workload, clock: StageClock, talker_tokens: Callable[[Any], list[int]]
+) -> SideRun:
+    """Every request in one ``run``; ``talker_tokens`` reads an output's talker tokens as the
+    reference's are compared (:meth:`Family.talker_tokens`)."""
     # Both encoders run inside the thinker's one encode call per step (audio and vision).
     encoders = StageClock({"encoders": (pipe.stages[0].frontend.step_inputs, "encode")})
     with clock.active(), encoders.active():
@@ -252,7 +265,7 @@ def _run_ours(pipe: OmniJaxPipeline, work: Workload, clock: StageClock) -> SideR
         wall_s=wall,
         stage_s=dict(clock.seconds),
         thinker_tokens=[list(o.token_ids) for o in outs],
-        talker_tokens=[list(o.stage_outputs["talker"].token_ids) for o in outs],
+        talker_tokens=[talker_tokens(o) for o in outs],
         codes=[
             list(o.stage_outputs["code2wav"].token_ids) if "code2wav" in o.stage_outputs else [] for o in outs
         ],
@@ -284,40 +297,55 @@ class Row:
     samples: int
 
 
-class Reference:
-    """``Qwen2_5OmniForConditionalGeneration.generate`` on left-padded batches of one voice."""
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+"""A callable's replacement, given the callable it replaces."""
 
-    def __init__(self, path: Path, dtype: str | None, eos: int, pad: int):
+
+@contextlib.contextmanager
+def wrapped(targets: list[tuple[Any, str, Wrap]]) -> Iterator[None]:
+    """Each ``(obj, name, wrap)``: ``obj.name`` replaced by ``wrap(obj.name)`` while active, then
+    put back as it was (an attribute of the instance, such as a :class:`StageClock`'s timed
+    wrapper, restored; else removed, so the class's method shows again)."""
+    saved = [(obj, name, name in vars(obj), getattr(obj, name)) for obj, name, _ in targets]
+    for obj, name, wrap in targets:
+        setattr(obj, name, wrap(getattr(obj, name)))
+    try:
+        yield
+    finally:
+        for obj, name, own, original in saved:
+            if own:
+                setattr(obj, name, original)
+            else:
+                delattr(obj, name)
+
+
+class Reference:
+    """transformers' ``generate(return_audio=True)`` of one model family on left-padded batches
+    of one voice: the processor's inputs, the batches in turn under the stage and encoder clocks,
+    the per-request outputs and, where our tokens differ, ``generate``'s scores there. A family
+    supplies the model and :meth:`batch` (one ``generate`` call)."""
+
+    engine = ""
+    """What runs, for the result (``reference.engine``)."""
+
+    def __init__(self, model: Any, proc: Any, clock: StageClock, encoders: StageClock):
         import torch
-        from transformers import Qwen2_5OmniForConditionalGeneration
 
         self.torch = torch
-        self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(
-            str(path), dtype=getattr(torch, dtype or "float32")
-        ).eval()
-        self.proc = reference_omni_processor(path)
+        self.model = model
+        self.proc = proc
         self.proc.tokenizer.padding_side = "left"
-        self.eos, self.pad = eos, pad
-        m = self.model
-        self.codec_stops = [m.talker.codec_pad_token, m.talker.codec_eos_token]
-        self.clock = StageClock(
-            {
-                "thinker": (m.thinker, "generate"),
-                "talker": (m.talker, "generate"),
-                "code2wav": (m.token2wav, "forward"),
-            }
-        )
-        self.encoders = encoder_clock(m.thinker, ("Qwen2_5OmniAudioEncoder", "Qwen2_5OmniVisionEncoder"))
+        self.clock = clock
+        self.encoders = encoders
 
     def _inputs(self, prompts: list[dict[str, Any]]) -> dict[str, Any]:
-        """The processor's batch, left-padded, with one more pad column (module docstring)."""
-        torch = self.torch
+        """The processor's batch of ``prompts``, left-padded."""
         media: dict[str, list[Any]] = {"images": [], "audio": []}
         for prompt in prompts:
             data = prompt.get("multi_modal_data", {})
             media["images"] += data.get("image", [])
             media["audio"] += data.get("audio", [])
-        inputs = dict(
+        return dict(
             self.proc(
                 text=[p["prompt"] for p in prompts],
                 **{k: v for k, v in media.items() if v},
@@ -325,6 +353,71 @@ class Reference:
                 return_tensors="pt",
             )
         )
+
+    def _prepared(self, work: Workload, indices: list[int]) -> tuple[dict[str, Any], float]:
+        """:meth:`_inputs` of requests ``indices`` and the processor's seconds."""
+        t0 = time.perf_counter()
+        inputs = self._inputs([work.prompts[i] for i in indices])
+        return inputs, time.perf_counter() - t0
+
+    def prompt_length(self, prompt: dict[str, Any]) -> int:
+        """Prompt tokens after the processor's placeholder expansion (the batches' sort key)."""
+        return int(self._inputs([prompt])["input_ids"].shape[1])
+
+    def batch(
+        self, work: Workload, indices: list[int], ours: SideRun | None, scores: Scores
+    ) -> tuple[list[Row], float]:
+        """Requests ``indices`` (one voice) in one ``generate``: their rows and the processor's
+        seconds. With ``ours``, ``scores`` gets generate's processed scores at each row's first
+        difference from our tokens (:meth:`_note_differences`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _note_differences(
+        ours: SideRun | None, i: int, row: Row, scores: Scores, at: Callable[[str, int], Any]
+    ) -> None:
+        """Where request ``i``'s thinker or talker tokens first differ from ``ours`` while both
+        sides have a token there, ``scores[(stage, i, k)]`` is ``at(stage, k)``: the reference's
+        processed scores (a torch row) from which it chose its token ``k``."""
+        if ours is None:
+            return
+        for stage, mine, theirs in (
+            ("thinker", ours.thinker_tokens[i], row.thinker),
+            ("talker", ours.talker_tokens[i], row.talker),
+        ):
+            k = agreement.first_difference(mine, theirs)
+            if k is not None and k < min(len(mine), len(theirs)):
+                scores[(stage, i, k)] = at(stage, k).double().numpy()
+
+
+class Qwen25Reference(Reference):
+    """``Qwen2_5OmniForConditionalGeneration.generate`` on left-padded batches of one voice."""
+
+    engine = "transformers Qwen2_5OmniForConditionalGeneration.generate"
+
+    def __init__(self, path: Path, dtype: str | None, eos: int, pad: int):
+        import torch
+        from transformers import Qwen2_5OmniForConditionalGeneration
+
+        m = Qwen2_5OmniForConditionalGeneration.from_pretrained(
+            str(path), dtype=getattr(torch, dtype or "float32")
+        ).eval()
+        clock = StageClock(
+            {
+                "thinker": (m.thinker, "generate"),
+                "talker": (m.talker, "generate"),
+                "code2wav": (m.token2wav, "forward"),
+            }
+        )
+        encoders = encoder_clock(m.thinker, ("Qwen2_5OmniAudioEncoder", "Qwen2_5OmniVisionEncoder"))
+        super().__init__(m, reference_omni_processor(path), clock, encoders)
+        self.eos, self.pad = eos, pad
+        self.codec_stops = [m.talker.codec_pad_token, m.talker.codec_eos_token]
+
+    def _inputs(self, prompts: list[dict[str, Any]]) -> dict[str, Any]:
+        """The processor's batch, left-padded, with one more pad column (module docstring)."""
+        torch = self.torch
+        inputs = super()._inputs(prompts)
         # generate hands unprefixed inputs to the talker too, whose forward refuses pixels
         if "pixel_values" in inputs:
             inputs["thinker_pixel_values"] = inputs.pop("pixel_values")
@@ -333,62 +426,62 @@ class Reference:
         inputs["attention_mask"] = torch.cat([torch.zeros_like(mask[:, :1]), mask], dim=1)
         return inputs
 
-    def prompt_length(self, prompt: dict[str, Any]) -> int:
-        """Prompt tokens after the processor's placeholder expansion (the batches' sort key)."""
-        return int(self._inputs([prompt])["input_ids"].shape[1])
-
-    def _batch(
+    def batch(
         self, work: Workload, indices: list[int], ours: SideRun | None, scores: Scores
     ) -> tuple[list[Row], float]:
-        """Requests ``indices`` (one voice) in one ``generate``: their rows and the processor's
-        seconds. With ``ours``, ``scores`` gets generate's processed scores at each row's first
-        difference from our tokens (thinker and talker)."""
         torch, m = self.torch, self.model
-        t0 = time.perf_counter()
-        inputs = self._inputs([work.prompts[i] for i in indices])
-        preprocess_s = time.perf_counter() - t0
+        inputs, preprocess_s = self._prepared(work, indices)
         width = inputs["input_ids"].shape[1]
         found: dict[str, Any] = {}
-        # The clocks' timed wrappers while they are active: these run inside them.
-        thinker_generate, talker_generate, token2wav = (
-            m.thinker.generate,
-            m.talker.generate,
-            m.token2wav.forward,
-        )
 
-        def thinker(*args: Any, **kwargs: Any) -> Any:
-            if ours is not None:  # generate asks for a dict already (it reads the hidden states)
-                kwargs["output_scores"] = True
-            out = thinker_generate(*args, **kwargs)
-            found["thinker_scores"] = out.scores
-            return out
+        # These wrap the clocks' timed wrappers while the clocks are active.
+        def thinker(generate: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if ours is not None:  # generate asks for a dict already (it reads the hidden states)
+                    kwargs["output_scores"] = True
+                out = generate(*args, **kwargs)
+                found["thinker_scores"] = out.scores
+                return out
 
-        def talker(*args: Any, **kwargs: Any) -> torch.Tensor:
-            if ours is not None:
-                kwargs.update(output_scores=True, return_dict_in_generate=True)
-            out = talker_generate(*args, **kwargs)
-            seq = out.sequences if ours is not None else out
-            found["talker"] = seq[:, kwargs["input_ids"].shape[1] :].tolist()
-            found["talker_scores"] = out.scores if ours is not None else None
-            return seq
+            return call
 
-        def voice(code: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        def talker(generate: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+                if ours is not None:
+                    kwargs.update(output_scores=True, return_dict_in_generate=True)
+                out = generate(*args, **kwargs)
+                seq = out.sequences if ours is not None else out
+                found["talker"] = seq[:, kwargs["input_ids"].shape[1] :].tolist()
+                found["talker_scores"] = out.scores if ours is not None else None
+                return seq
+
+            return call
+
+        def voice(token2wav: Callable[..., Any]) -> Callable[..., Any]:
             # A talker that stops on its first code leaves nothing to voice, and token2wav fails
             # on no codes; that request gets no audio, as ours does.
-            return token2wav(code, *args, **kwargs) if code.shape[-1] else torch.zeros(0)
+            def call(code: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+                return token2wav(code, *args, **kwargs) if code.shape[-1] else torch.zeros(0)
 
-        m.thinker.generate, m.talker.generate, m.token2wav.forward = thinker, talker, voice
-        try:
+            return call
+
+        patches = [
+            (m.thinker, "generate", thinker),
+            (m.talker, "generate", talker),
+            (m.token2wav, "forward", voice),
+        ]
+        with wrapped(patches):
             with torch.no_grad():
                 seq, waves = m.generate(
                     **inputs,
                     speaker=work.prompts[indices[0]]["speaker"],
                     thinker_max_new_tokens=work.thinker_max_tokens,
                     thinker_do_sample=False,
-                    thinker_min_new_tokens=MIN_THINKER_TOKENS,
+                    thinker_min_new_tokens=work.thinker_min_tokens,
                     thinker_eos_token_id=self.eos,
                     thinker_pad_token_id=self.pad,
                     talker_max_new_tokens=work.talker_max_tokens,
+                    talker_min_new_tokens=work.talker_min_tokens,
                     talker_do_sample=False,
                     talker_repetition_penalty=REPETITION_PENALTY,
                     talker_eos_token_id=self.codec_stops,
@@ -396,12 +489,6 @@ class Reference:
                     token2wav_guidance_scale=work.guidance_scale,
                     token2wav_sway_coefficient=work.sway_coefficient,
                 )
-        finally:
-            m.thinker.generate, m.talker.generate, m.token2wav.forward = (
-                thinker_generate,
-                talker_generate,
-                token2wav,
-            )
         waves = [waves] if len(indices) == 1 else waves
         rows = []
         for r, i in enumerate(indices):
@@ -410,50 +497,47 @@ class Reference:
             code = found["talker"][r]
             stop = min((code.index(s) for s in self.codec_stops if s in code), default=len(code))
             rows.append(Row(tokens, code[: stop + 1], code[:stop], int(waves[r].numel())))
-            if ours is not None:
-                for stage, mine, theirs in (
-                    ("thinker", ours.thinker_tokens[i], rows[-1].thinker),
-                    ("talker", ours.talker_tokens[i], rows[-1].talker),
-                ):
-                    k = agreement.first_difference(mine, theirs)
-                    if k is not None and k < min(len(mine), len(theirs)):
-                        scores[(stage, i, k)] = found[f"{stage}_scores"][k][r].double().numpy()
+            self._note_differences(
+                ours, i, rows[-1], scores, lambda stage, k, r=r: found[f"{stage}_scores"][k][r]
+            )
         return rows, preprocess_s
 
-    def run(
-        self, work: Workload, batches: list[list[int]], ours: SideRun | None = None
-    ) -> tuple[SideRun, Scores]:
-        """Every batch of ``batches`` (request indices) in turn; with ``ours``, the scores at
-        first differences from it (see :meth:`_batch`)."""
-        rows: dict[int, Row] = {}
-        latency: dict[int, float] = {}
-        scores: Scores = {}
-        preprocess = 0.0
-        with self.clock.active(), self.encoders.active():
-            t0 = time.perf_counter()
-            for indices in batches:
-                t = time.perf_counter()
-                got, pre_s = self._batch(work, indices, ours, scores)
-                rows.update(zip(indices, got, strict=True))
-                latency.update(dict.fromkeys(indices, time.perf_counter() - t))
-                preprocess += pre_s
-            wall = time.perf_counter() - t0
-        order = sorted(rows)
-        run = SideRun(
-            wall_s=wall,
-            stage_s=dict(self.clock.seconds),
-            thinker_tokens=[rows[i].thinker for i in order],
-            talker_tokens=[rows[i].talker for i in order],
-            codes=[rows[i].codes for i in order],
-            audio_samples=[rows[i].samples for i in order],
-            extra={
-                "encoders_s": sum(self.encoders.seconds.values()),
-                "preprocess_s": preprocess,
-                "loop_other_s": wall - preprocess - sum(self.clock.seconds.values()),
-                "request_latency_s_mean": float(np.mean([latency[i] for i in order])),
-            },
-        )
-        return run, scores
+
+def run_reference(
+    reference: Reference, work: Workload, batches: list[list[int]], ours: SideRun | None = None
+) -> tuple[SideRun, Scores]:
+    """``reference``'s run of every batch of ``batches`` (request indices) in turn, under its stage
+    and encoder clocks; with ``ours``, the scores at first differences from it
+    (:meth:`Reference.batch`)."""
+    rows: dict[int, Row] = {}
+    latency: dict[int, float] = {}
+    scores: Scores = {}
+    preprocess = 0.0
+    with reference.clock.active(), reference.encoders.active():
+        t0 = time.perf_counter()
+        for indices in batches:
+            t = time.perf_counter()
+            got, pre_s = reference.batch(work, indices, ours, scores)
+            rows.update(zip(indices, got, strict=True))
+            latency.update(dict.fromkeys(indices, time.perf_counter() - t))
+            preprocess += pre_s
+        wall = time.perf_counter() - t0
+    order = sorted(rows)
+    run = SideRun(
+        wall_s=wall,
+        stage_s=dict(reference.clock.seconds),
+        thinker_tokens=[rows[i].thinker for i in order],
+        talker_tokens=[rows[i].talker for i in order],
+        codes=[rows[i].codes for i in order],
+        audio_samples=[rows[i].samples for i in order],
+        extra={
+            "encoders_s": sum(reference.encoders.seconds.values()),
+            "preprocess_s": preprocess,
+            "loop_other_s": wall - preprocess - sum(reference.clock.seconds.values()),
+            "request_latency_s_mean": float(np.mean([latency[i] for i in order])),
+        },
+    )
+    return run, scores
 
 
 def reference_batches(work: Workload, size: int | None, lengths: list[int]) -> list[list[int]]:
@@ -472,7 +556,7 @@ def reference_batches(work: Workload, size: int | None, lengths: list[int]) -> l
     return out
 
 
-def _agreement(
+def token_agreement(
     ours: SideRun, ref: SideRun, scores: Scores, bound: float
 ) -> tuple[agreement.Agreement, agreement.Agreement]:
     """Thinker tokens of every request; talker tokens of those whose thinker tokens are identical
@@ -491,33 +575,81 @@ def _tokens(run: SideRun) -> tuple[list[list[int]], list[list[int]]]:
     return run.thinker_tokens, run.talker_tokens
 
 
-def run(path: Path, args: Any) -> dict[str, Any]:
+def build_pipeline(
+    path: Path, args: Any, stage_config: Path, max_num_seqs: int | None, suite: str
+) -> OmniJaxPipeline:
+    """Our whole pipeline as a speech suite (``suite``, for the message) builds it from its
+    arguments (dtype, mesh, the AR stages' sizes) and ``stage_config``; SystemExit unless its
+    stages are :data:`STAGES`."""
     pipe = OmniJaxPipeline.from_pretrained(
         path,
         dtype=args.dtype,
         mesh=args.mesh,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        stage_config=sized_code2wav_config(Path(args.cache_dir), E2E_MAX_BATCH, args.talker_max_tokens),
+        stage_config=stage_config,
     )
     names = [s.config.name for s in pipe.stages]
     if names != list(STAGES):
-        raise SystemExit(f"--model {args.model}: the e2e suite needs stages {list(STAGES)}, got {names}")
-    speakers = sorted(pipe.stages[-1].voices.speakers)
+        raise SystemExit(f"--model {args.model}: the {suite} suite needs stages {list(STAGES)}, got {names}")
+    return pipe
+
+
+class Family:
+    """What the suite needs to know of a model family: this class is Qwen2.5-Omni's (suite
+    ``e2e``); :class:`benchmarks.qwen3_e2e_suite.Qwen3Omni` is Qwen3-Omni's (``e2e_qwen3``).
+    Everything else (workload, our side, the measured rounds, agreement, figures) is shared."""
+
+    suite = "e2e"
+    stage_yaml = "qwen2_5_omni"
+    """The shipped stage YAML whose code2wav :func:`sized_code2wav_config` sizes."""
+    talker_unit = "codes"
+    """What ``--talker-max-tokens`` counts."""
+    batched_talker_held = True
+    """Whether the reference's batched configurations compute each request's talker tokens as it
+    computes them alone, so that ours are held to them too (else only to request by request)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def speakers(self, pipe: OmniJaxPipeline) -> list[str]:
+        return sorted(pipe.stages[-1].voices.speakers)
+
+    def talker_tokens(self, out: Any) -> list[int]:
+        """Our output's talker tokens as the reference's :attr:`Row.talker` counts them."""
+        return list(out.stage_outputs["talker"].token_ids)
+
+    def token2wav_settings(self, work: Workload) -> str:
+        return f"num_steps {work.num_steps}, guidance {work.guidance_scale}, sway {work.sway_coefficient}"
+
+    def reference(self, dtype: str | None, pipe: OmniJaxPipeline) -> Reference:
+        eos = pipe.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        return Qwen25Reference(self.path, dtype, eos, pipe.tokenizer.pad_token_id)
+
+
+def run(path: Path, args: Any, family: Family | None = None) -> dict[str, Any]:
+    """The suite on ``family`` (default: Qwen2.5-Omni's)."""
+    family = family or Family(path)
+    stage_config = sized_code2wav_config(
+        Path(args.cache_dir), E2E_MAX_BATCH, args.talker_max_tokens, family.stage_yaml
+    )
+    pipe = build_pipeline(path, args, stage_config, args.max_num_seqs, family.suite)
+    speakers = family.speakers(pipe)
     work = make_workload(pipe, speakers, args)
     n = len(work.prompts)
     clock = StageClock({s.config.name: (s, "step") for s in pipe.stages})
     bound = agreement.near_tie_bound(args.dtype)
     failures: list[str] = []
 
+    def ours_run() -> SideRun:
+        return _run_ours(pipe, work, clock, family.talker_tokens)
+
     reference = None
     configs: dict[str, list[list[int]]] = {}
     same_as: dict[str, str] = {}
     if args.reference:
-        reference = Reference(
-            path, args.dtype, pipe.tokenizer.convert_tokens_to_ids("<|im_end|>"), pipe.tokenizer.pad_token_id
-        )
+        reference = family.reference(args.dtype, pipe)
         lengths = [reference.prompt_length(p) for p in work.prompts]
         for name, size in REFERENCE_CONFIGS.items():
             batches = reference_batches(work, size, lengths)
@@ -530,20 +662,21 @@ def run(path: Path, args: Any) -> dict[str, Any]:
     ref_first: dict[str, tuple[SideRun, Scores]] = {}
     ref_best: dict[str, SideRun] = {}
     with warmed_up(pipe) as warm:
-        ours_first = _run_ours(pipe, work, clock)
+        ours_first = ours_run()
         for name, batches in configs.items():
-            ref_first[name] = reference.run(work, batches, ours_first)
+            ref_first[name] = run_reference(reference, work, batches, ours_first)
         ours_best: SideRun | None = None
         for round_ in range(args.repeats):
             traced = args.profile if round_ == args.repeats - 1 else None
-            with measured_window(traced, "e2e/measured round", args.profile_python, round=round_, requests=n):
-                ours = _run_ours(pipe, work, clock)
+            window = f"{family.suite}/measured round"
+            with measured_window(traced, window, args.profile_python, round=round_, requests=n):
+                ours = ours_run()
             if _tokens(ours) != _tokens(ours_first):
                 failures.append(f"round {round_}: our greedy tokens differ from our first run's")
             if ours_best is None or ours.wall_s < ours_best.wall_s:
                 ours_best = ours
             for name, batches in configs.items():
-                ref, _ = reference.run(work, batches)
+                ref, _ = run_reference(reference, work, batches)
                 if _tokens(ref) != _tokens(ref_first[name][0]):
                     failures.append(f"round {round_}: transformers ({name}) changed its tokens between runs")
                 if name not in ref_best or ref.wall_s < ref_best[name].wall_s:
@@ -552,18 +685,18 @@ def run(path: Path, args: Any) -> dict[str, Any]:
     failures += warm.failures()
 
     result: dict[str, Any] = {
-        "suite": "e2e",
+        "suite": family.suite,
         "dtype": args.dtype,
         "mesh": args.mesh,
         "requests": n,
         "kinds": {k: work.kinds.count(k) for k in KINDS},
         "speakers": speakers,
         "settings": {
-            "thinker": f"greedy, {MIN_THINKER_TOKENS} to {work.thinker_max_tokens} new tokens, "
+            "thinker": f"greedy, {work.thinker_min_tokens} to {work.thinker_max_tokens} new tokens, "
             "stop on <|im_end|>",
-            "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, max {work.talker_max_tokens} codes",
-            "token2wav": f"num_steps {work.num_steps}, guidance {work.guidance_scale}, "
-            f"sway {work.sway_coefficient}",
+            "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, "
+            f"max {work.talker_max_tokens} {family.talker_unit}",
+            "token2wav": family.token2wav_settings(work),
         },
         "repeats": args.repeats,
         "ceilings": {},
@@ -580,14 +713,16 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         best = max(by_config, key=lambda name: by_config[name]["requests_per_s"])
         agree = {}
         for name, (first, scores) in ref_first.items():
-            thinker, talker = _agreement(ours_first, first, scores, bound)
-            agree[name] = {"thinker": thinker.as_dict(), "talker": talker.as_dict()}
+            thinker, talker = token_agreement(ours_first, first, scores, bound)
+            held = family.batched_talker_held or all(len(b) == 1 for b in configs[name])
+            agree[name] = {"thinker": thinker.as_dict(), "talker": talker.as_dict(), "talker_held": held}
             failures += thinker.failures(f"thinker tokens against {name}")
-            failures += talker.failures(f"talker tokens against {name}")
+            if held:
+                failures += talker.failures(f"talker tokens against {name}")
         keys = ("requests_per_s", "thinker_tokens_per_s", "codec_tokens_per_s", "audio_s_per_s")
         result.update(
             reference={
-                "engine": "transformers Qwen2_5OmniForConditionalGeneration.generate",
+                "engine": reference.engine,
                 "by_config": by_config,
                 "batches": configs,
                 "same_as": same_as,
@@ -657,5 +792,6 @@ def table(result: dict[str, Any]) -> str:
             lines.append(
                 f"greedy agreement with transformers ({name}): thinker {agree['thinker']['summary']}; "
                 f"talker {agree['talker']['summary']}"
+                + ("" if agree["talker_held"] else " (not held: its batches change the talker's input)")
             )
     return "\n".join(lines)

@@ -1,12 +1,14 @@
-"""``python -m benchmarks.run --suite {ar,code2wav,e2e,soak,ar_qwen3,code2wav_qwen3,all} --model
-{tiny,small,PATH} [--reference] [--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]``
+"""``python -m benchmarks.run --suite {ar,code2wav,e2e,soak,ar_qwen3,code2wav_qwen3,e2e_qwen3,all}
+--model {tiny,small,PATH} [--reference] [--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]``
 (also ``omni-jax bench ...``); ``--suite e2e --stream``: streamed speech against offline decoding
-(:mod:`benchmarks.stream_suite`).
+(:mod:`benchmarks.stream_suite`); ``--suite e2e_qwen3 --stream``: Qwen3-Omni's time to first audio,
+streamed, against transformers' time to its audio and our offline decoding
+(:mod:`benchmarks.qwen3_stream_suite`).
 
 ``tiny`` and ``small`` name a locally built checkpoint per suite (:mod:`benchmarks.models`); the
 suite names the model family: ``ar`` runs Qwen2, ``code2wav`` and ``e2e`` Qwen2.5-Omni,
-``ar_qwen3`` Qwen3-Omni's thinker and ``code2wav_qwen3`` its code2wav (a PATH must be of the
-suite's ``model_type``: ``--suite ar_qwen3 --model /ckpt/Qwen3-Omni-30B-A3B-Instruct``).
+``ar_qwen3`` Qwen3-Omni's thinker, ``code2wav_qwen3`` its code2wav and ``e2e_qwen3`` all of it (a
+PATH must be of the suite's ``model_type``: ``--suite ar_qwen3 --model /ckpt/Qwen3-Omni-30B-A3B-Instruct``).
 ``all`` runs every registered suite but the soak (with a PATH, those whose ``model_type`` it is). Each suite
 warms up (compile time reported on its own), measures ours and, with ``--reference``, the
 transformers / PyTorch reference on the same requests in this process, prints a table and, with
@@ -76,10 +78,16 @@ SUITES: dict[str, Suite] = {
     ),
     "ar_qwen3": Suite("benchmarks.ar_suite", "qwen3_omni_moe"),
     "code2wav_qwen3": Suite("benchmarks.qwen3_code2wav_suite", "qwen3_omni_moe"),
+    "e2e_qwen3": Suite("benchmarks.qwen3_e2e_suite", "qwen3_omni_moe"),
+    "e2e_qwen3_stream": Suite("benchmarks.qwen3_stream_suite", "qwen3_omni_moe", in_all=False),
 }
 """The registered suites, in the order ``--suite all`` runs them; a new one is one line here.
-``e2e_stream`` is what ``--suite e2e --stream`` runs. ``ar_qwen3`` and ``code2wav_qwen3`` are the
-AR and code2wav suites on Qwen3-Omni (its thinker; its code2wav)."""
+``e2e_stream`` is what ``--suite e2e --stream`` runs (:data:`STREAMED`). ``ar_qwen3``,
+``code2wav_qwen3`` and ``e2e_qwen3`` are the AR, code2wav and e2e suites on Qwen3-Omni (its thinker;
+its code2wav; the whole pipeline), ``e2e_qwen3_stream`` its time-to-first-audio suite."""
+
+STREAMED = {"e2e": "e2e_stream", "e2e_qwen3": "e2e_qwen3_stream"}
+"""The suite ``--suite NAME --stream`` runs, by NAME."""
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -210,10 +218,13 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         "--image-size", type=int, default=None, help="each image request's square side (default 56 to 112 px)"
     )
     stream = p.add_argument_group(
-        "e2e --stream (--max-tokens: text tokens; --num-steps, --guidance-scale, --repeats as e2e)"
+        "e2e / e2e_qwen3 --stream (--max-tokens: text tokens; --num-steps, --guidance-scale, --repeats: "
+        "as e2e)"
     )
     stream.add_argument(
-        "--stream", action="store_true", help="with --suite e2e: streamed speech against offline decoding"
+        "--stream",
+        action="store_true",
+        help="with --suite e2e or e2e_qwen3: streamed speech against offline decoding",
     )
     stream.add_argument(
         "--concurrency",
@@ -222,6 +233,9 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         help="closed-loop clients (default 1,4,16)",
     )
     stream.add_argument("--codes", type=int, default=500, help="talker codes per request, exactly (50 per s)")
+    stream.add_argument(
+        "--frames", type=int, default=125, help="e2e_qwen3: codec frames per request, exactly (12.5 per s)"
+    )
     stream.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends")
     stream.add_argument(
         "--stream-sizes",
@@ -272,9 +286,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
     os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")
     from benchmarks.models import resolve_model
 
-    if args.stream and args.suite not in ("e2e", "e2e_stream"):
-        raise SystemExit("--stream goes with --suite e2e")
-    suite_name = "e2e_stream" if args.stream else args.suite
+    if args.stream and args.suite not in (*STREAMED, *STREAMED.values()):
+        raise SystemExit("--stream goes with --suite e2e or e2e_qwen3")
+    suite_name = STREAMED.get(args.suite, args.suite) if args.stream else args.suite
     command = " ".join(shlex.quote(a) for a in [*prog.split(), *argv])
     harness.set_threads()
     results = []

@@ -59,6 +59,9 @@ same codes with different seeds (requests ``j`` and ``j + 8``, where a level has
 of what the noise alone changes.
 
 ``--reference`` is refused: transformers has no streamed token2wav; the baseline is ours offline.
+
+The closed loop, its warm-up and measured rounds (:func:`measure`), the figures and the codes check
+serve Qwen3-Omni's time-to-first-audio suite too (:mod:`benchmarks.qwen3_stream_suite`).
 """
 
 from __future__ import annotations
@@ -69,16 +72,15 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import yaml
 
-from benchmarks.e2e_suite import QUESTIONS, REPETITION_PENALTY, StageClock
-from benchmarks.harness import backends, measured_window, sized_code2wav_config, warmed_up
+from benchmarks.e2e_suite import QUESTIONS, REPETITION_PENALTY, StageClock, build_pipeline
+from benchmarks.harness import Warmup, backends, measured_window, sized_code2wav_config, warmed_up
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, SamplingParams, Token2WavParams
 
-STAGES = ("thinker", "talker", "code2wav")
 MODES = ("offline", "streamed")
 SAMPLE_RATE = 24_000
 CODES_PER_SPEECH_SECOND = 50
@@ -92,6 +94,15 @@ TTFA_TARGET_CONCURRENCY = (1, 4)
 TARGET_CODES = 500
 """The TTFA target holds for replies of 10 s or more: 500 codes at the real model's rate."""
 THROUGHPUT_TARGET = 0.85
+
+
+class Requests(Protocol):
+    """What the closed loop sends: request ``j`` is ``prompts[j % len(prompts)]`` with
+    ``params(j, stream)``, the pipeline's per-stage params."""
+
+    prompts: list[dict[str, Any]]
+
+    def params(self, j: int, stream: bool) -> list[Any]: ...
 
 
 @dataclasses.dataclass
@@ -134,6 +145,7 @@ class Record:
     metrics: dict[str, dict[str, Any]]
     audio: np.ndarray | None = None
     error: str | None = None
+    text_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -179,7 +191,7 @@ class SolveCounter:
                 delattr(obj, attr)
 
 
-async def _request(served: AsyncOmniJaxPipeline, work: Workload, j: int, stream: bool) -> Record:
+async def _request(served: AsyncOmniJaxPipeline, work: Requests, j: int, stream: bool) -> Record:
     prompt = work.prompts[j % len(work.prompts)]
     params = work.params(j, stream)
     ttft = ttfa = None
@@ -212,11 +224,12 @@ async def _request(served: AsyncOmniJaxPipeline, work: Workload, j: int, stream:
         metrics=last.metrics,
         audio=last.audio,
         error=error,
+        text_ids=list(last.token_ids),
     )
 
 
 async def _level(
-    served: AsyncOmniJaxPipeline, work: Workload, c: int, per_client: int, stream: bool
+    served: AsyncOmniJaxPipeline, work: Requests, c: int, per_client: int, stream: bool
 ) -> tuple[float, list[Record]]:
     """Closed loop: ``c`` clients, client ``k`` sending requests ``k, k + c, ...`` in turn."""
     n = c * per_client
@@ -237,7 +250,7 @@ def _run(
     served: AsyncOmniJaxPipeline,
     clock: StageClock,
     solves: SolveCounter,
-    work: Workload,
+    work: Requests,
     c: int,
     per_client: int,
     mode: str,
@@ -260,9 +273,10 @@ def _stats(values: list[float]) -> dict[str, float] | None:
     }
 
 
-def figures(run: Run) -> dict[str, Any]:
+def figures(run: Run, codes_per_second: float = CODES_PER_SPEECH_SECOND) -> dict[str, Any]:
+    """One run's figures; a request's speech seconds are its talker codes over ``codes_per_second``."""
     ok = [r for r in run.records if r.error is None]
-    speech = [len(r.codes) / CODES_PER_SPEECH_SECOND for r in ok]
+    speech = [len(r.codes) / codes_per_second for r in ok]
     audio = [r.samples / SAMPLE_RATE for r in ok]
 
     def metric(stage: str, key: str) -> list[float]:
@@ -405,6 +419,93 @@ def code_checks(runs: list[Run], prompts: int, codes: int) -> tuple[dict[str, An
 
 
 # -- the suite ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Measured:
+    """Our side of a streamed-speech suite: the warm-up, the unmeasured first run of each mode at
+    the first level, the measured runs (in pairs: one level and round, both modes) and each mode
+    and level's fastest."""
+
+    warm: Warmup
+    first: dict[str, Run]
+    runs: list[Run]
+    best: dict[tuple[str, int], Run]
+
+    def compile_entry(self, level: int) -> dict[str, Any]:
+        """``compile["ours"]``: the first runs of both modes against the fastest at ``level``."""
+        steady = self.best[("offline", level)].wall_s + self.best[("streamed", level)].wall_s
+        return self.warm.entry(self.first["offline"].wall_s + self.first["streamed"].wall_s, steady)
+
+
+def measure(
+    pipe: OmniJaxPipeline, work: Requests, levels: list[int], per_client: int, args: Any, name: str
+) -> Measured:
+    """``pipe.warmup()``, then through ``AsyncOmniJaxPipeline.generate``: one unmeasured run of the
+    first level in each mode, then every level ``--repeats`` times in both modes (the first mode
+    alternating), every compilation after ``warmup()`` counted; ``name`` names the profiled
+    window."""
+    clock = StageClock({s.config.name: (s, "step") for s in pipe.stages})
+    solves = SolveCounter(pipe.stages[-1])
+    runs: list[Run] = []
+    best: dict[tuple[str, int], Run] = {}
+    loop = asyncio.new_event_loop()
+    try:
+        with warmed_up(pipe) as warm:
+            served = AsyncOmniJaxPipeline(pipe)
+            try:
+                first = {m: _run(loop, served, clock, solves, work, levels[0], per_client, m) for m in MODES}
+                with measured_window(args.profile, f"{name}/measured", args.profile_python):
+                    for c in levels:
+                        for round_ in range(args.repeats):
+                            for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
+                                r = _run(loop, served, clock, solves, work, c, per_client, mode)
+                                runs.append(r)
+                                if (mode, c) not in best or r.wall_s < best[(mode, c)].wall_s:
+                                    best[(mode, c)] = r
+            finally:
+                served.close()
+    finally:
+        loop.close()
+    return Measured(warm, first, runs, best)
+
+
+def common_fields(args: Any, measured: Measured, levels: list[int], speakers: list[str]) -> dict[str, Any]:
+    """The result fields both streamed-speech suites fill alike: the run's settings and load, the
+    first request's audio length, the backends, and no roofline."""
+    sample = next((r for r in measured.first["offline"].records if r.error is None), None)
+    return {
+        "dtype": args.dtype,
+        "mesh": args.mesh,
+        "concurrency": levels,
+        "requests_per_client": args.requests_per_client,
+        "load": "closed loop: c clients, each sending its next request when its previous one ended, "
+        "all starting together",
+        "audio_s_per_request": None if sample is None else sample.samples / SAMPLE_RATE,
+        "text_tokens_per_request": args.max_tokens,
+        "speakers": speakers,
+        "repeats": args.repeats,
+        "ceilings": {},
+        "roofline_fraction": None,
+        "backends": backends(measured.warm.probe),
+    }
+
+
+def mode_ratios(ours: dict[str, dict[str, dict[str, Any]]], c: int) -> dict[str, float | None]:
+    """Streamed against offline at level ``c`` (``ours[mode][str(c)]``: :func:`figures`): TTFA
+    p50 offline over streamed, throughput streamed over offline, e2e p50 streamed over offline."""
+    off, on = ours["offline"][str(c)], ours["streamed"][str(c)]
+    return {
+        "ttfa_p50_offline_over_streamed": (
+            off["ttfa_s"]["p50"] / on["ttfa_s"]["p50"] if off["ttfa_s"] and on["ttfa_s"] else None
+        ),
+        "throughput_streamed_over_offline": (
+            on["speech_s_per_s"] / off["speech_s_per_s"] if off["speech_s_per_s"] else None
+        ),
+        "e2e_p50_streamed_over_offline": (
+            on["e2e_s"]["p50"] / off["e2e_s"]["p50"] if off["e2e_s"] and on["e2e_s"] else None
+        ),
+    }
+
+
 def run(path: Path, args: Any) -> dict[str, Any]:
     if args.reference:
         raise SystemExit(
@@ -425,18 +526,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         tag = "-".join(str(v) for v in c2w["engine"]["stream"].values())
         stage_config = stage_config.with_name(f"{stage_config.stem}-stream-{tag}.yaml")
         stage_config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    pipe = OmniJaxPipeline.from_pretrained(
-        path,
-        dtype=args.dtype,
-        mesh=args.mesh,
-        max_num_seqs=args.max_num_seqs or max(levels),
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        stage_config=stage_config,
-    )
-    names = [s.config.name for s in pipe.stages]
-    if names != list(STAGES):
-        raise SystemExit(f"--model {args.model}: the stream suite needs stages {list(STAGES)}, got {names}")
+    pipe = build_pipeline(path, args, stage_config, args.max_num_seqs or max(levels), "stream")
     code2wav = pipe.stages[-1]
     if code2wav.geometry.max_codes < args.codes:
         raise SystemExit(
@@ -451,68 +541,30 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         prompts.append(dict(prompt, speaker=speakers[i % len(speakers)], modalities=["text", "audio"]))
     work = Workload(prompts, args.max_tokens, args.codes, args.num_steps, args.guidance_scale)
     per_client = args.requests_per_client
-    clock = StageClock({s.config.name: (s, "step") for s in pipe.stages})
-    solves = SolveCounter(code2wav)
-
-    runs: list[Run] = []  # measured, in pairs: one level and round, both modes
-    best: dict[tuple[str, int], Run] = {}
-    loop = asyncio.new_event_loop()
-    try:
-        with warmed_up(pipe) as warm:
-            served = AsyncOmniJaxPipeline(pipe)
-            try:
-                first = {m: _run(loop, served, clock, solves, work, levels[0], per_client, m) for m in MODES}
-                with measured_window(args.profile, "e2e_stream/measured", args.profile_python):
-                    for c in levels:
-                        for round_ in range(args.repeats):
-                            for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
-                                r = _run(loop, served, clock, solves, work, c, per_client, mode)
-                                runs.append(r)
-                                if (mode, c) not in best or r.wall_s < best[(mode, c)].wall_s:
-                                    best[(mode, c)] = r
-            finally:
-                served.close()
-    finally:
-        loop.close()
+    measured = measure(pipe, work, levels, per_client, args, "e2e_stream")
+    first, runs, best, warm = measured.first, measured.runs, measured.best, measured.warm
     failures = warm.failures()
     codes, code_failures = code_checks([first["offline"], first["streamed"], *runs], len(prompts), args.codes)
     failures += code_failures
 
     ours = {m: {str(c): figures(best[(m, c)]) for c in levels} for m in MODES}
-    ratio = {}
+    ratio = {str(c): mode_ratios(ours, c) for c in levels}
     targets = {}
     for c in levels:
-        off, on = ours["offline"][str(c)], ours["streamed"][str(c)]
-        ttfa = off["ttfa_s"]["p50"] / on["ttfa_s"]["p50"] if off["ttfa_s"] and on["ttfa_s"] else None
-        thr = on["speech_s_per_s"] / off["speech_s_per_s"] if off["speech_s_per_s"] else None
-        e2e = on["e2e_s"]["p50"] / off["e2e_s"]["p50"] if off["e2e_s"] and on["e2e_s"] else None
-        ratio[str(c)] = {
-            "ttfa_p50_offline_over_streamed": ttfa,
-            "throughput_streamed_over_offline": thr,
-            "e2e_p50_streamed_over_offline": e2e,
-        }
+        ttfa, thr = (
+            ratio[str(c)][k] for k in ("ttfa_p50_offline_over_streamed", "throughput_streamed_over_offline")
+        )
         targets[str(c)] = {
             "ttfa_met": None
             if c not in TTFA_TARGET_CONCURRENCY or args.codes < TARGET_CODES or ttfa is None
             else ttfa >= TTFA_TARGET,
             "throughput_met": None if thr is None else thr >= THROUGHPUT_TARGET,
         }
-    first_s = first["offline"].wall_s + first["streamed"].wall_s
-    steady_s = best[("offline", levels[0])].wall_s + best[("streamed", levels[0])].wall_s
-    sample = next((r for r in first["offline"].records if r.error is None), None)
     result: dict[str, Any] = {
         "suite": "e2e_stream",
-        "dtype": args.dtype,
-        "mesh": args.mesh,
-        "concurrency": levels,
-        "requests_per_client": per_client,
-        "load": "closed loop: c clients, each sending its next request when its previous one ended, "
-        "all starting together",
+        **common_fields(args, measured, levels, speakers),
         "codes_per_request": args.codes,
         "speech_s_per_request": args.codes / CODES_PER_SPEECH_SECOND,
-        "audio_s_per_request": None if sample is None else sample.samples / SAMPLE_RATE,
-        "text_tokens_per_request": args.max_tokens,
-        "speakers": speakers,
         "settings": {
             "thinker": f"greedy, exactly {args.max_tokens} tokens (ignore_eos)",
             "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, exactly {args.codes} codes "
@@ -528,17 +580,13 @@ def run(path: Path, args: Any) -> dict[str, Any]:
             "source": "the shipped stage YAML's engine.stream"
             + ("" if not args.stream_sizes else f", with --stream-sizes {args.stream_sizes}"),
         },
-        "repeats": args.repeats,
-        "ceilings": {},
-        "roofline_fraction": None,
-        "backends": backends(warm.probe),
         "ours": ours,
         "reference": None,
         "ratio": ratio,
         "targets": targets,
         "waveform_distance": waveform_distances(best, len(prompts)),
         "codes": codes,
-        "compile": {"ours": warm.entry(first_s, steady_s), "reference": None},
+        "compile": {"ours": measured.compile_entry(levels[0]), "reference": None},
         "failures": failures,
     }
     return result
@@ -566,7 +614,8 @@ def _met(x: bool | None) -> str:
     return "n/a" if x is None else ("met" if x else "NOT met")
 
 
-def table(result: dict[str, Any]) -> str:
+def level_rows(result: dict[str, Any], title: str) -> list[str]:
+    """``title``, then a table row per concurrency level and mode of ``result["ours"]``."""
     head = ("c", "mode", "reqs", "TTFA p50", "TTFA p90", "e2e p50", "e2e p90", "RTF p50")
     head += ("speech s/s", "audio updates", "in code2wav s", "solves x rows")
     rows = []
@@ -581,37 +630,22 @@ def table(result: dict[str, Any]) -> str:
             )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     lines = [
-        "e2e --stream: Qwen2.5-Omni thinker -> talker -> code2wav in process "
-        "(AsyncOmniJaxPipeline.generate), code2wav offline against streamed; "
-        f"{result['load']}; times in s, best of {result['repeats']} round(s)",
+        f"{title}; {result['load']}; times in s, best of {result['repeats']} round(s)",
         "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)),
     ]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
-    for c in result["concurrency"]:
-        r, t = result["ratio"][str(c)], result["targets"][str(c)]
-        lines.append(
-            f"c={c}: TTFA {_fmt(r['ttfa_p50_offline_over_streamed'], '.1f')}x lower streamed (target >= "
-            f"{TTFA_TARGET:g}x at c=1, 4 for >= {TARGET_CODES} codes: {_met(t['ttfa_met'])}); throughput "
-            f"streamed / offline {_fmt(r['throughput_streamed_over_offline'], '.2f')} (target >= "
-            f"{THROUGHPUT_TARGET}: {_met(t['throughput_met'])}); e2e p50 streamed / offline "
-            f"{_fmt(r['e2e_p50_streamed_over_offline'], '.2f')}"
-        )
-    s = result["stream"]
-    lines.append(
-        f"each request: {result['text_tokens_per_request']} text tokens, "
-        f"{result['codes_per_request']} codes = {result['speech_s_per_request']:g} s of speech at the "
-        "7B's 50 codes/s (speech s/s and RTF count these; this checkpoint's vocoder makes "
-        f"{_fmt(result['audio_s_per_request'], '.2f')} s of audio of them); streamed chunks: "
-        f"{s['chunk_codes']} codes, DiT context {s['past_codes']} before / {s['future_codes']} after, "
-        f"vocoder overlap {s['overlap_frames']} frames ({s['source']})"
-    )
-    lines.append("; ".join(f"{k}: {v}" for k, v in result["settings"].items()))
+    return lines + ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+
+
+def closing_lines(result: dict[str, Any]) -> list[str]:
+    """The settings, the waveform distances (where the suite measures them), the codes check and
+    the warm-up, one line each."""
+    lines = ["; ".join(f"{k}: {v}" for k, v in result["settings"].items())]
     labels = {
         "streamed_vs_offline": "streamed vs offline, same codes and seed",
         "offline_other_seed": "offline vs offline, same codes, another seed",
     }
     for name, label in labels.items():
-        x = result["waveform_distance"][name]
+        x = (result["waveform_distance"] or {}).get(name)
         if x is not None:
             lines.append(
                 f"waveform {label} ({x['pairs']} pairs): relative L2 mean {x['rel_l2_mean']:.2e} "
@@ -631,4 +665,31 @@ def table(result: dict[str, Any]) -> str:
         f"{c['steady_run_s']:.2f} s; XLA compilations after warmup(): {c['compiles_after_warmup']}; "
         "excluded from every figure above"
     )
-    return "\n".join(lines)
+    return lines
+
+
+def table(result: dict[str, Any]) -> str:
+    title = (
+        "e2e --stream: Qwen2.5-Omni thinker -> talker -> code2wav in process "
+        "(AsyncOmniJaxPipeline.generate), code2wav offline against streamed"
+    )
+    lines = level_rows(result, title)
+    for c in result["concurrency"]:
+        r, t = result["ratio"][str(c)], result["targets"][str(c)]
+        lines.append(
+            f"c={c}: TTFA {_fmt(r['ttfa_p50_offline_over_streamed'], '.1f')}x lower streamed (target >= "
+            f"{TTFA_TARGET:g}x at c=1, 4 for >= {TARGET_CODES} codes: {_met(t['ttfa_met'])}); throughput "
+            f"streamed / offline {_fmt(r['throughput_streamed_over_offline'], '.2f')} (target >= "
+            f"{THROUGHPUT_TARGET}: {_met(t['throughput_met'])}); e2e p50 streamed / offline "
+            f"{_fmt(r['e2e_p50_streamed_over_offline'], '.2f')}"
+        )
+    s = result["stream"]
+    lines.append(
+        f"each request: {result['text_tokens_per_request']} text tokens, "
+        f"{result['codes_per_request']} codes = {result['speech_s_per_request']:g} s of speech at the "
+        "7B's 50 codes/s (speech s/s and RTF count these; this checkpoint's vocoder makes "
+        f"{_fmt(result['audio_s_per_request'], '.2f')} s of audio of them); streamed chunks: "
+        f"{s['chunk_codes']} codes, DiT context {s['past_codes']} before / {s['future_codes']} after, "
+        f"vocoder overlap {s['overlap_frames']} frames ({s['source']})"
+    )
+    return "\n".join(lines + closing_lines(result))

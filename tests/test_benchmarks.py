@@ -57,6 +57,18 @@ def _check_agreement(summary: dict, requests: int) -> None:
     assert summary["identical"] + len(summary["near_ties"]) == requests
 
 
+def _check_stream_common(result: dict, suite: str, flags: str) -> None:
+    """What a streamed-speech suite's result holds whatever its family: the schema, no failure,
+    the command, versions and threads, compile times real, finite figures."""
+    for key in (*harness.SUITE_FIELDS, *harness.HARNESS_FIELDS, *harness.OPTIONAL_FIELDS):
+        assert key in result, key
+    assert result["suite"] == suite and result["model"] == "tiny" and result["failures"] == []
+    assert result["command"].startswith(f"python -m benchmarks.run {flags} --model tiny")
+    assert {"jax", "jaxlib", "torch", "transformers"} <= set(result["versions"])
+    assert result["environment"]["threads"]["xla_intra_op"] == result["environment"]["cores"] >= 1
+    assert result["persistent_cache"] is None and all(math.isfinite(v) for v in _numbers(result))
+
+
 def run_suite(tmp_path: Path, argv: str) -> dict:
     """``benchmarks.run`` on ``argv`` with a cache and JSON file under ``tmp_path``: its checked result."""
     out = tmp_path / "result.json"
@@ -244,6 +256,109 @@ def test_e2e_suite(tmp_path: Path) -> None:
         )
 
 
+def test_e2e_qwen3_suite(tmp_path: Path) -> None:
+    """``--suite e2e_qwen3``: four requests (text, text + image, text + audio, text; requests 0 and 3
+    in one voice) through Qwen3-Omni's thinker, talker and code2wav, against
+    ``generate(return_audio=True)`` request by request and in a per-voice batch; thinker tokens held
+    in both, talker frames (every codebook) to request by request, reported for the batch."""
+    argv = "--suite e2e_qwen3 --model tiny --reference --num-requests 4 --max-tokens 4 --talker-max-tokens 4"
+    argv += " --repeats 1 --max-num-seqs 2 --max-model-len 128 --max-num-batched-tokens 32"
+    result = run_suite(tmp_path, argv)
+    _check_common(result, "e2e_qwen3")
+    assert result["requests"] == 4 and result["kinds"] == {"text": 2, "image": 1, "audio": 1}
+    assert (
+        result["speakers"] == ["aiden", "chelsie", "ethan"] and "max 4 frames" in result["settings"]["talker"]
+    )
+    ref = result["reference"]
+    assert ref["engine"] == "transformers Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)"
+    assert ref["batches"]["request by request"] == [[0], [1], [2], [3]]
+    assert sorted(map(sorted, ref["batches"]["batches of 4 per voice"])) == [[0, 3], [1], [2]]
+    assert ref["same_as"] == {"all of a voice": "batches of 4 per voice"}
+    for figures in (result["ours"], *ref["by_config"].values()):
+        assert figures["requests_per_s"] > 0 and figures["audio_s"] > 0
+        assert set(figures["stage_s"]) == {"thinker", "talker", "code2wav"}
+        assert 4 * 2 <= figures["thinker_tokens"] <= 4 * 4
+    # 4 codes a frame, at most 4 frames (a reply of n tokens voices n - 1), the stop code after each
+    assert 4 * (4 + 1) <= result["ours"]["codec_tokens"] <= 4 * (4 * 4 + 1)
+    assert result["ratio"]["requests_per_s"] == pytest.approx(
+        result["ours"]["requests_per_s"] / ref["by_config"][ref["best"]]["requests_per_s"]
+    )
+    alone, batched = result["agreement"]["request by request"], result["agreement"]["batches of 4 per voice"]
+    _check_agreement(alone["thinker"], 4)
+    _check_agreement(alone["talker"], 4)
+    _check_agreement(batched["thinker"], 4)
+    assert alone["talker_held"] and not batched["talker_held"] and batched["talker"]["requests"] == 4
+
+
+def test_qwen3_talker_tokens_and_scores() -> None:
+    """How the Qwen3-Omni e2e suite compares talkers: our frames, then codec EOS when the talker
+    stopped on it (not when cut by max_tokens); a reference score at flat position ``k`` comes from
+    the talker's step for a frame's first code, else from the code predictor's call for that frame."""
+    from types import SimpleNamespace
+
+    from benchmarks.qwen3_e2e_suite import Qwen3Omni, Qwen3Reference
+
+    family = Qwen3Omni.__new__(Qwen3Omni)
+    family.codec_eos = 99
+
+    def out(codes: list[int], reason: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            stage_outputs={"talker": SimpleNamespace(token_ids=codes, finish_reason=reason)}
+        )
+
+    assert family.talker_tokens(out([1, 2, 3, 4], "stop")) == [1, 2, 3, 4, 99]
+    assert family.talker_tokens(out([1, 2, 3, 4], "length")) == [1, 2, 3, 4]
+    reference = Qwen3Reference.__new__(Qwen3Reference)
+    reference.groups = 4
+    found = {
+        "thinker": SimpleNamespace(scores=[[f"thinker {k} row {r}" for r in range(2)] for k in range(3)]),
+        "talker": SimpleNamespace(scores=[[f"talker {f} row {r}" for r in range(2)] for f in range(3)]),
+        "predictor": [
+            [[f"predictor {f} group {g} row {r}" for r in range(2)] for g in (1, 2, 3)] for f in range(3)
+        ],
+    }
+    assert reference._scores(found, "thinker", 1, 2) == "thinker 2 row 1"
+    assert reference._scores(found, "talker", 1, 8) == "talker 2 row 1"
+    assert reference._scores(found, "talker", 0, 6) == "predictor 1 group 2 row 0"
+
+
+def test_e2e_qwen3_stream_suite(tmp_path: Path) -> None:
+    """``--suite e2e_qwen3 --stream``: closed loops of 1 and 2 clients, one reply of 8 frames each,
+    offline and streamed (a first chunk of one frame, then the rest: 2 audio updates), against
+    transformers' time to its whole audio for the same prompts, whose tokens and frames are held
+    to ours; nothing compiled after warm-up."""
+    argv = "--suite e2e_qwen3 --stream --model tiny --reference --concurrency 1,2 --frames 8 --max-tokens 3"
+    argv += " --requests-per-client 1 --repeats 1 --max-num-seqs 2 --max-model-len 128"
+    argv += " --max-num-batched-tokens 32"
+    result = run_suite(tmp_path, argv)
+    _check_stream_common(result, "e2e_qwen3_stream", "--suite e2e_qwen3 --stream")
+    assert result["frames_per_request"] == 8 and result["codes_per_frame"] == 4
+    assert result["speech_s_per_request"] == 8 / 12.5 and result["waveform_distance"] is None
+    assert result["compile"]["ours"]["compiles_after_warmup"] == 0
+    assert result["codes"] == {"compared": 4, "identical": 4, "differ_from_first_run_of_prompt": 0}
+    for mode, updates in (("offline", 1), ("streamed", 2)):
+        for level in ("1", "2"):
+            f = result["ours"][mode][level]
+            assert f["requests"] == int(level) and f["failed"] == 0 and f["audio_updates_mean"] == updates
+            assert f["speech_s"] == pytest.approx(int(level) * 8 / 12.5)
+            assert 0 < f["ttfa_s"]["p50"] <= f["e2e_s"]["max"]
+    ref = result["reference"]
+    assert result["reference_prompts"] == 2 and len(ref["time_to_audio_s_by_prompt"]) == 2
+    assert ref["time_to_audio_s"]["p50"] > 0 and set(ref["stage_s"]) == {"thinker", "talker", "code2wav"}
+    _check_agreement(ref["agreement"]["thinker"], 2)
+    _check_agreement(ref["agreement"]["talker"], 2)
+    for level in ("1", "2"):
+        ratio = result["ratio"][level]
+        streamed = result["ours"]["streamed"][level]["ttfa_s"]["p50"]
+        assert ratio["ttfa_p50_reference_audio_over_streamed"] == pytest.approx(
+            ref["time_to_audio_s"]["p50"] / streamed
+        )
+        assert ratio["reference_fastest_audio_over_streamed_ttfa_p50"] == pytest.approx(
+            min(ref["time_to_audio_s_by_prompt"]) / streamed
+        )
+        assert result["targets"][level]["ttfa_met"] is None  # 8 frames: the target is for 125 or more
+
+
 def test_stream_suite(tmp_path: Path) -> None:
     """``--suite e2e --stream``: closed loops of 1 and 2 clients, one reply of 32 codes each,
     code2wav offline and streamed (the small chunks of tests/test_streamed_audio.py: 5 a reply),
@@ -254,13 +369,7 @@ def test_stream_suite(tmp_path: Path) -> None:
     argv += " --stream-sizes chunk_codes=6,past_codes=4,future_codes=2,overlap_frames=4 --max-tokens 2"
     argv += " --num-steps 2 --repeats 1 --max-num-seqs 2 --max-model-len 128 --max-num-batched-tokens 16"
     result = run_suite(tmp_path, argv)
-    for key in (*harness.SUITE_FIELDS, *harness.HARNESS_FIELDS, *harness.OPTIONAL_FIELDS):
-        assert key in result, key
-    assert result["suite"] == "e2e_stream" and result["model"] == "tiny" and result["failures"] == []
-    assert result["command"].startswith("python -m benchmarks.run --suite e2e --stream --model tiny")
-    assert {"jax", "jaxlib", "torch", "transformers"} <= set(result["versions"])
-    assert result["environment"]["threads"]["xla_intra_op"] == result["environment"]["cores"] >= 1
-    assert result["persistent_cache"] is None and all(math.isfinite(v) for v in _numbers(result))
+    _check_stream_common(result, "e2e_stream", "--suite e2e --stream")
     assert result["reference"] is None and result["backends"]["cpu_kernel_ran"]
     assert result["concurrency"] == [1, 2] and result["codes_per_request"] == 32
     assert result["stream"]["chunk_codes"] == 6 and result["audio_s_per_request"] == 32 * 2 * 60 / 24_000
@@ -441,8 +550,10 @@ def test_suite_choices() -> None:
         "e2e_stream",
         "ar_qwen3",
         "code2wav_qwen3",
+        "e2e_qwen3",
+        "e2e_qwen3_stream",
     ]
-    assert suites_for("all", "tiny") == ["ar", "code2wav", "e2e", "ar_qwen3", "code2wav_qwen3"]
+    assert suites_for("all", "tiny") == ["ar", "code2wav", "e2e", "ar_qwen3", "code2wav_qwen3", "e2e_qwen3"]
     assert suites_for("soak", "tiny") == ["soak"]
     assert parser().parse_args(["--ref-batches", "16,all,8"]).ref_batches == [16, "all", 8]
     for bad in (["--suite", "nope"], ["--ref-batches", "0"], ["--ref-batches", "eight"]):
