@@ -509,15 +509,51 @@ def test_decoder_refuses_what_it_cannot_stream(ours) -> None:
     assert dec.remove("a") and not dec.remove("a")
 
 
+def test_first_chunks_alone_solve_in_the_first_window(ours) -> None:
+    """A solve pads to the smallest window that holds its chunks: first chunks (no past: 8 codes
+    here, against a middle chunk's 12) and short final chunks run in the first chunk's window,
+    keeping what it holds; a middle chunk pads to the longest. The audio is the same as when every
+    chunk solves in the longest window."""
+    shapes = []
+
+    def spy(graph, state, codes, *rest, keep_frames):
+        shapes.append((codes.shape[0], codes.shape[1], keep_frames))
+        return token2wav_chunk_compiled(graph, state, codes, *rest, keep_frames=keep_frames)
+
+    dec = decoder(ours)
+    dec.solve = spy
+    counts = {15: params(15), 9: params(9)}
+    # 15 has its first chunk's window (first + future = 16 frames) and one code more: it runs alone;
+    # then 15's middle chunk (window [4, 28) frames) beside 9's first, then both final chunks
+    # (windows [16, 30) and [4, 18): 7 codes each).
+    outputs, _ = stream(dec, counts, [{15: 9}, {15: 15, 9: 9}])
+    first, longest = PLANNER.first_window_frames, PLANNER.window_frames
+    assert (first // REPEATS, longest // REPEATS) == (8, 12)
+    keep = min(PLANNER.keep_frames, first)
+    assert shapes == [
+        (1, first // REPEATS, keep),
+        (2, longest // REPEATS, PLANNER.keep_frames),
+        (2, first // REPEATS, keep),
+    ]
+    wide = decoder(ours)
+    wide.buckets = dataclasses.replace(wide.buckets, lengths=wide.buckets.lengths[1:])
+    everything_wide, _ = stream(wide, counts, [{15: 9}, {15: 15, 9: 9}])
+    for n in counts:
+        for o, w in zip(outputs[n], everything_wide[n], strict=True):
+            assert rel_err(o.audio, w.audio) < 1e-5, (n, o.chunk.index)
+
+
 def test_nothing_compiles_after_warmup(ours) -> None:
-    """``warmup`` compiles one program per row count; mixes of chunk kinds, chunk sizes, knobs
-    and batch sizes then compile nothing."""
+    """``warmup`` compiles one program per row count and window (the first chunk's, the longest);
+    mixes of chunk kinds, chunk sizes, knobs and batch sizes then compile nothing."""
     token2wav_chunk_compiled.clear_cache()
     dec = decoder(ours, max_batch=2)
     with CompileCounter() as counted:
         programs = dec.warmup()
-    assert programs == len(dec.buckets.rows) == 2 and counted.compiles >= 2
-    assert token2wav_chunk_compiled._cache_size() == 2
+    windows = (PLANNER.first_window_frames // PLANNER.repeats, PLANNER.window_frames // PLANNER.repeats)
+    assert dec.buckets.lengths == windows and windows[0] < windows[1]
+    assert programs == len(dec.buckets.shapes()) == 4 and counted.compiles >= 4
+    assert token2wav_chunk_compiled._cache_size() == 4
     mixes = [
         {3: params(3)},
         {9: params(9), 14: params(14, chunk_codes=4)},
@@ -531,4 +567,4 @@ def test_nothing_compiles_after_warmup(ours) -> None:
         for n in mix:
             assert sum(len(o.audio) for o in outputs[n]) == n * REPEATS * HOP
             assert all(np.isfinite(o.audio).all() for o in outputs[n])
-    assert token2wav_chunk_compiled._cache_size() == 2
+    assert token2wav_chunk_compiled._cache_size() == 4

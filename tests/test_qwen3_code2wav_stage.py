@@ -5,8 +5,9 @@ Offline requests are whole decodes (``Qwen3OmniMoeCode2Wav.forward``); streamed 
 reference's chunk loop (``forward`` on each window, the new frames' samples kept, as
 ``chunked_decode`` does) with a smaller first chunk. The stage YAML is the shipped one with small
 sizes: 4 rows, offline solves of at most 24 frames (buckets 16 and 24), streamed chunks of 5 new
-frames, the first of 2, after up to 3 frames of context (windows of 8). The pipeline is warmed
-once: 2 x 3 offline programs and 3 chunk programs, and nothing compiles after.
+frames, the first of 2, after up to 3 frames of context (windows of 2 for first chunks, 8 for
+any other). The pipeline is warmed once: 2 x 3 offline programs and 2 x 3 chunk programs, and
+nothing compiles after.
 """
 
 from __future__ import annotations
@@ -160,13 +161,14 @@ def test_batched_stream_equals_alone(pipe) -> None:
 
 
 def test_nothing_compiles_after_warmup(warmed) -> None:
-    """Warm-up compiles 2 frame buckets x 3 row counts offline and 3 chunk programs; a mix of offline
-    and streamed requests then compiles nothing."""
+    """Warm-up compiles 2 frame buckets x 3 row counts offline and 2 chunk windows (a first
+    chunk's, the longest) x 3 row counts; a mix of offline and streamed requests then compiles
+    nothing."""
     pipe, report = warmed
     stage = pipe.stages[0]
     assert stage.runner.buckets.shapes() == [(r, n) for r in (1, 2, 4) for n in (16, 24)]
-    assert stage.decoder.buckets.rows == (1, 2, 4)
-    assert report.programs == report.compiles == 9
+    assert stage.decoder.buckets.shapes() == [(r, n) for r in (1, 2, 4) for n in (FIRST, LEFT + CHUNK)]
+    assert report.programs == report.compiles == 12
     lengths = [3, 24, 11, 40, 1, 17]
     params = [Token2WavParams(stream=i % 2 == 1, chunk_codes=4 if i == 3 else None) for i in range(6)]
     with CompileCounter() as counted:
@@ -220,13 +222,22 @@ def drain(stage) -> tuple[list[np.ndarray], StageResult]:
     return pieces, result
 
 
-def test_fed_frames_stream_as_they_come(pipe) -> None:
+def test_fed_frames_stream_as_they_come(pipe, monkeypatch) -> None:
     """Fed as a talker feeds it (one frame and a half at a time, so a feed may end inside a frame),
     the stage voices chunks as they complete and ends with the same audio as the request submitted
-    whole; a last feed with no new codes after every frame was voiced ends it with no more audio."""
+    whole; a last feed with no new codes after every frame was voiced ends it with no more audio.
+    The first chunk's solve decodes its own frames only (the first-chunk program), the later ones
+    pad to the longest window."""
     stage = pipe.stages[0]
     f = frames(3, 12).reshape(-1).tolist()
     whole = pipe.run({"prompt_token_ids": f}, Token2WavParams(stream=True), progress=False)[0]
+    solve, widths = stage.decoder.solve, []
+
+    def spy(graph, state, codes, context, num_frames):
+        widths.append(codes.shape[-1])
+        return solve(graph, state, codes, context, num_frames)
+
+    monkeypatch.setattr(stage.decoder, "solve", spy)
     stage.open("fed", {}, Token2WavParams(stream=True))
     pieces = []
     for i in range(0, len(f), 6):
@@ -234,6 +245,7 @@ def test_fed_frames_stream_as_they_come(pipe) -> None:
         while stage.has_work():
             pieces += list(stage.step().new_audio.values())
     assert len(pieces) == 3  # frames 0-2, 2-7 and 7-12, each as soon as its frames are there
+    assert widths == [FIRST, LEFT + CHUNK, LEFT + CHUNK]
     assert stage.feed(0, "fed", [], talker_result("fed", f))
     more, result = drain(stage)
     assert more == [] and result.finish_reason == "stop"

@@ -3,11 +3,14 @@ their codes arrive, the ready chunks of several requests in one padded solve.
 
 :class:`StreamedDecoder` owns what does not depend on the model: the table of streamed requests,
 taking their codes, choosing the oldest ``max_batch`` with a chunk ready, one padded solve of a
-row count from :class:`~omni_jax.engine.generation_runner.SolveBuckets`, the failure rules of
+``(rows, window)`` pair of :class:`~omni_jax.engine.generation_runner.SolveBuckets` (the window the
+smallest of the family's that holds every ready chunk: a first chunk, shorter, need not pay for a
+whole middle chunk's window, which is most of a request's first-audio time), the failure rules of
 :meth:`~omni_jax.engine.generation_runner.GenerationRunner.run` (a device error retried one
-request at a time, a row with non-finite audio failing alone) and warm-up (one program per row
-count). A subclass supplies the model: where a request's next chunk is, how chunks pad into a
-batch, the solve and its host results, a row's audio and how a request advances.
+request at a time, a row with non-finite audio failing alone) and warm-up (one program per
+``(rows, window)``). A subclass supplies the model: where a request's next chunk is and how
+wide its window is, how chunks pad into a batch, the solve and its host results, a row's audio
+and how a request advances.
 """
 
 from __future__ import annotations
@@ -69,21 +72,22 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
     :meth:`step`.
 
     ``model`` is split once (its graph static, its state an argument of every solve);
-    ``window`` is the padded length every solve's rows share, so only the row count varies;
+    ``windows`` are the padded window lengths a solve may have (the family's first-chunk window
+    and its longest), so a solve's shape is one of a closed set;
     ``mesh`` as for the :class:`~omni_jax.engine.generation_runner.GenerationRunner` (rows split
     over ``data``). ``unit`` names what a request's codes count in messages (a code, a frame).
     """
 
     unit = "code"
 
-    def __init__(self, model: nnx.Module, *, window: int, max_batch: int, mesh: Mesh | None):
+    def __init__(self, model: nnx.Module, *, windows: Sequence[int], max_batch: int, mesh: Mesh | None):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         graphdef, self.state = nnx.split(model)
         self.graph = StaticGraph(graphdef)
         self.max_batch = max_batch
         self.mesh = mesh
-        self.buckets = SolveBuckets.build(max_batch, (window,), axis_size(mesh, "data"))
+        self.buckets = SolveBuckets.build(max_batch, sorted(set(windows)), axis_size(mesh, "data"))
         self._requests: dict[str, R] = {}
 
     @abc.abstractmethod
@@ -99,9 +103,13 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         """``ValueError`` when ``codes`` cannot follow the request's (before they are taken)."""
 
     @abc.abstractmethod
-    def pad(self, ready: Sequence[tuple[R, W]], rows: int) -> B:
-        """``ready`` chunks in the first rows of a ``rows``-row solve; the other rows are
-        placeholders that neither fail nor yield NaN."""
+    def width(self, chunk: W) -> int:
+        """The chunk's window before padding, in the unit of ``windows``."""
+
+    @abc.abstractmethod
+    def pad(self, ready: Sequence[tuple[R, W]], rows: int, window: int) -> B:
+        """``ready`` chunks in the first rows of a ``rows``-row solve whose windows pad to
+        ``window``; the other rows are placeholders that neither fail nor yield NaN."""
 
     @abc.abstractmethod
     def decode(self, batch: B) -> H:
@@ -167,7 +175,8 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         is retried one request at a time and a row with non-finite audio fails alone: a failed
         request gets an ``error`` output and is forgotten, the others go on.
         """
-        batch = self.pad(ready, self.buckets.rows_for(len(ready)))
+        window = self.buckets.length_for(max(self.width(chunk) for _, chunk in ready))
+        batch = self.pad(ready, self.buckets.rows_for(len(ready)), window)
         t0 = time.perf_counter()
         try:
             solved = self.decode(batch)
@@ -195,7 +204,8 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         return StreamedChunk(request.request_id, chunk, np.zeros(0, np.float32), True, solve_s, rows, error)
 
     def warmup(self) -> int:
-        """Compile the program of every row count; returns how many."""
-        for rows in self.buckets.rows:
-            self.decode(self.pad([], rows))
-        return len(self.buckets.rows)
+        """Compile the program of every ``(rows, window)``; returns how many."""
+        shapes = self.buckets.shapes()
+        for rows, window in shapes:
+            self.decode(self.pad([], rows, window))
+        return len(shapes)

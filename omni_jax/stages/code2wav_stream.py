@@ -7,10 +7,12 @@ whatever their kinds. Where a request is cut is the
 :class:`~omni_jax.models.qwen2_5_omni.chunk_plan.ChunkPlanner`'s business; the loop (the request
 table, batching, the failure rules, warm-up) is :class:`~omni_jax.stages.chunk_loop.StreamedDecoder`'s.
 
-Shapes are closed: every solve pads to the planner's window (``past + chunk + future`` frames)
-and vocoder input (``2 * overlap + chunk + future`` frames), the voices' one reference length,
-and a row count from :class:`~omni_jax.engine.generation_runner.SolveBuckets`; :meth:`warmup`
-compiles one program per row count, after which nothing compiles.
+Shapes are closed: a solve of first chunks alone pads to the first chunk's window
+(``first + future`` frames, no past), any other to the planner's longest (``past + chunk +
+future``), the vocoder input to ``2 * overlap`` frames and the most the window keeps, the voices'
+one reference length, and a row count from
+:class:`~omni_jax.engine.generation_runner.SolveBuckets`; :meth:`warmup` compiles one program per
+(row count, window), after which nothing compiles.
 
 Noise is batch-invariant: a request's rows are those of ``default_rng(seed).standard_normal``,
 drawn as its windows reach them, so a chunk's noise is a function of the seed and the chunk's
@@ -144,8 +146,8 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
         max_batch: int = 8,
         mesh: Mesh | None = None,
     ):
-        self.window_codes = planner.window_frames // planner.repeats
-        super().__init__(model, window=self.window_codes, max_batch=max_batch, mesh=mesh)
+        windows = (planner.first_window_frames // planner.repeats, planner.window_frames // planner.repeats)
+        super().__init__(model, windows=windows, max_batch=max_batch, mesh=mesh)
         self.solve = solve
         self.planner = planner
         self.mel_dim = mel_dim
@@ -207,10 +209,16 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
     def next_window(self, request: StreamRequest) -> Chunk | None:
         return request.next_chunk()
 
+    def width(self, chunk: Chunk) -> int:
+        """Codes in the chunk's DiT window (its ends are whole codes)."""
+        return chunk.window // self.planner.repeats
+
     def decode(self, batch: ChunkBatch) -> ChunkSolved:
-        wave, _, tail = self.solve(
-            self.graph, self.state, *batch.arrays(self.mesh), keep_frames=self.planner.keep_frames
-        )
+        """The solve keeps at most what the batch's window holds: a first-chunk window is shorter
+        than the most a chunk may keep."""
+        window = batch.codes.shape[1] * self.planner.repeats
+        keep_frames = min(self.planner.keep_frames, window)
+        wave, _, tail = self.solve(self.graph, self.state, *batch.arrays(self.mesh), keep_frames=keep_frames)
         return ChunkSolved(fetch(wave), fetch(tail))
 
     def emitted(self, solved: ChunkSolved, row: int, chunk: Chunk) -> np.ndarray:
@@ -223,11 +231,11 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
         request.tail = solved.tail[row].copy()
         return chunk.kind in (ChunkKind.LITTLE, ChunkKind.FINAL)
 
-    def pad(self, ready: Sequence[tuple[StreamRequest, Chunk]], rows: int) -> ChunkBatch:
-        """``ready`` chunks in the first rows of a ``rows``-row solve; a row with no chunk solves
-        one code with one grid point and vocodes one frame, so nothing is empty or NaN."""
+    def pad(self, ready: Sequence[tuple[StreamRequest, Chunk]], rows: int, window: int) -> ChunkBatch:
+        """``ready`` chunks in the first rows of a ``rows``-row solve whose windows pad to
+        ``window`` codes; a row with no chunk solves one code with one grid point and vocodes one
+        frame, so nothing is empty or NaN."""
         p, mel = self.planner, self.mel_dim
-        window = self.window_codes
         batch = ChunkBatch(
             codes=np.zeros((rows, window), np.int32),
             code_lengths=np.ones(rows, np.int32),

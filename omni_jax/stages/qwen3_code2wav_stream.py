@@ -10,9 +10,11 @@ rather than a whole chunk: streaming from the first frame is what the model was 
 chunks of up to ``max_batch`` requests in one call of
 :func:`~omni_jax.models.qwen3_omni.code2wav.code2wav_chunk_compiled`, whatever their kinds
 (first, middle, last), through :class:`~omni_jax.stages.chunk_loop.StreamedDecoder`'s loop.
-Shapes are closed: every window pads to ``left_context + chunk`` frames
-and the rows to a count of :class:`~omni_jax.engine.generation_runner.SolveBuckets`, so
-:meth:`FrameDecoder.warmup` compiles one program per row count and nothing compiles after.
+Shapes are closed: a solve's windows pad to the first chunk's frames when it holds only first
+chunks (a one-frame first chunk then decodes one frame, not a whole chunk after its context),
+to ``left_context + chunk`` otherwise, and the rows to a count of
+:class:`~omni_jax.engine.generation_runner.SolveBuckets`, so :meth:`FrameDecoder.warmup`
+compiles one program per (row count, window) and nothing compiles after.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
         max_batch: int = 8,
         mesh: Mesh | None = None,
     ):
-        super().__init__(model, window=plan.window_frames, max_batch=max_batch, mesh=mesh)
+        windows = (plan.first_chunk, plan.window_frames)
+        super().__init__(model, windows=windows, max_batch=max_batch, mesh=mesh)
         self.solve = solve
         self.plan = plan
         self.num_quantizers = num_quantizers
@@ -173,6 +176,10 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
     def drained(self, request: FrameStream) -> bool:
         return request.drained()
 
+    def width(self, chunk: ChunkWindow) -> int:
+        """Frames the chunk decodes, its context included (a first chunk has none)."""
+        return chunk.frames
+
     def decode(self, batch: FrameBatch) -> FrameSolved:
         wave, kept = self.solve(self.graph, self.state, *batch.arrays(self.mesh))
         return FrameSolved(fetch(wave), fetch(kept))
@@ -185,12 +192,12 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
         request.voiced = chunk.end
         return request.drained()
 
-    def pad(self, ready: Sequence[tuple[FrameStream, ChunkWindow]], rows: int) -> FrameBatch:
-        """``ready`` windows in the first rows of a ``rows``-row solve, right-padded to the plan's
-        window (every stage is causal, so padding changes no kept sample); a row with no chunk
+    def pad(self, ready: Sequence[tuple[FrameStream, ChunkWindow]], rows: int, window: int) -> FrameBatch:
+        """``ready`` windows in the first rows of a ``rows``-row solve, right-padded to ``window``
+        frames (every stage is causal, so padding changes no kept sample); a row with no chunk
         has no frames and keeps nothing."""
         batch = FrameBatch(
-            codes=np.zeros((rows, self.num_quantizers, self.plan.window_frames), np.int32),
+            codes=np.zeros((rows, self.num_quantizers, window), np.int32),
             context=np.zeros(rows, np.int32),
             frames=np.zeros(rows, np.int32),
         )

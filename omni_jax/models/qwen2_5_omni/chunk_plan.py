@@ -191,6 +191,12 @@ class ChunkPlanner:
         return self.past + self.chunk + self.future
 
     @property
+    def first_window_frames(self) -> int:
+        """The first chunk's DiT window (no past): shorter than a middle chunk's, so a solve of
+        first chunks alone can run a smaller program."""
+        return self.first_chunk + self.future
+
+    @property
     def keep_frames(self) -> int:
         """The most frames a chunk keeps: a final (or little) chunk's ``chunk + future``."""
         return self.chunk + self.future

@@ -5,7 +5,7 @@ says which frames): its window's codes and noise are solved with :func:`sample_m
 frames are gathered and put after the row's vocoder prefix (the previous chunk's last kept
 frames), and BigVGAN runs on each row's own length. Rows of every chunk kind (little, first,
 middle, final) share one program: their differences are per-row lengths and offsets, traced, so
-one program per row count serves them all.
+one program per row count and window serves them all.
 
 The reference is transformers' ``Qwen2_5OmniToken2WavDiTModel.sample`` and
 ``Qwen2_5OmniToken2WavBigVGANModel`` called chunk by chunk with the same windows and noise.
