@@ -28,6 +28,7 @@ equal the reference's to :data:`PARITY_RTOL` in float32, or the suite fails.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,10 +39,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from benchmarks.harness import backends, compile_entry, measured_window, sized_code2wav_config, warmed_up
+from benchmarks.harness import backends, batch_rounds, compile_entry, sized_code2wav_config, warmed_up
 from benchmarks.roofline import matmul_flops
 from omni_jax import OmniJaxPipeline, Token2WavParams
-from omni_jax.profiling import scope
 
 SAMPLE_RATE = 24_000
 MEL_FRAMES_PER_SECOND = 100  # 24 kHz / the vocoder's 240 samples per mel frame
@@ -228,30 +228,30 @@ def run(path: Path, args: Any) -> dict[str, Any]:
     audio = {b: audio_seconds(work, idx, dit_cfg.repeats) for b, idx in batches.items()}
     reference = Reference(path) if args.reference else None
 
-    ours_best = {b: (float("inf"), {}) for b in batches}  # wall s, solves
-    ours_audio: list[np.ndarray] = []
     ref_times = [[float("inf")] * 3 for _ in range(n)]  # per request: DiT, vocoder, total
     ref_first = [0.0] * n
     ref_audio: list[np.ndarray] = [np.zeros(0)] * n
-    with warmed_up(pipe) as warm:
-        first = {b: _run_ours(pipe, work, idx)[0] for b, idx in batches.items()}
-        for i in range(n) if reference else ():
+
+    def ref_warm_up() -> None:
+        for i in range(n):
             ref_first[i] = sum(reference.run(work, i)[:2])
-        for round_ in range(args.repeats):
-            traced = args.profile if round_ == args.repeats - 1 else None
-            with measured_window(traced, "code2wav/measured round", args.profile_python, round=round_):
-                for b, idx in batches.items():
-                    with scope(f"bench/code2wav/batch {b}"):
-                        wall, waves, solves = _run_ours(pipe, work, idx)
-                    if wall < ours_best[b][0]:
-                        ours_best[b] = (wall, solves)
-                    if len(idx) == n:
-                        ours_audio = waves
-            for i in range(n) if reference else ():
-                dit_s, voc_s, ref_audio[i] = reference.run(work, i)
-                ref_times[i] = [
-                    min(a, x) for a, x in zip(ref_times[i], (dit_s, voc_s, dit_s + voc_s), strict=True)
-                ]
+
+    def ref_round() -> None:
+        for i in range(n):
+            dit_s, voc_s, ref_audio[i] = reference.run(work, i)
+            ref_times[i] = [
+                min(a, x) for a, x in zip(ref_times[i], (dit_s, voc_s, dit_s + voc_s), strict=True)
+            ]
+
+    with warmed_up(pipe) as warm:
+        rounds = batch_rounds(
+            functools.partial(_run_ours, pipe, work),
+            batches,
+            args,
+            "code2wav",
+            (ref_warm_up, ref_round) if reference else None,
+        )
+    first, ours_best, ours_audio = rounds.first, rounds.best, rounds.audio
     dtype = param_dtype(pipe.stages[0].runner.state)
     peak = matmul_flops(dtype=dtype)
     flops = {b: solve_flops(dit_cfg, work, idx) for b, idx in batches.items()}

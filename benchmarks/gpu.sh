@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks in one call (device time is short): the environment, the MoE block's
-# ragged_dot lowerings at Qwen3-Omni's widths against transformers (benchmarks/moe_lowering.py), the
+# formulations (grouped ragged_dot, XLA or Pallas Triton lowering; dense) at Qwen3-Omni's widths
+# against transformers (benchmarks/moe_lowering.py), the
 # real-width AR suite (benchmarks/shaped_suite.py, transformers on the same shapes first), then the
 # test suite on the GPU. Each part has its own time limit and writes its log and results under $OUT as it goes,
 # so a part cut short still reports what it measured.

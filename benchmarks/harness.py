@@ -20,10 +20,11 @@ import platform
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 from unittest import mock
 
 import jax
+import numpy as np
 import yaml
 from jax import monitoring
 
@@ -149,7 +150,9 @@ class AttentionProbe:
 
 def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
     """The attention backend asked for and the paths it resolved to (``probe``), the CPU kernel's
-    switch and compiler, and the pixel backend the processor resizes images and videos with."""
+    switch and compiler, the pixel backend the processor resizes images and videos with, and how
+    MoE experts run (:func:`~omni_jax.models.moe.expert_path`)."""
+    from omni_jax.models.moe import expert_path
     from omni_jax.models.qwen2_5_omni.processor import default_pixel_backend
 
     return {
@@ -159,6 +162,7 @@ def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
         "cpu_kernels_switch": os.environ.get(cpu_kernels.ENV_SWITCH, "unset (on)"),
         "cxx_compiler": cpu_kernels._compiler(),
         "pixels": default_pixel_backend(),
+        "moe_experts": expert_path(),
     }
 
 
@@ -176,7 +180,7 @@ def describe(result: dict[str, Any]) -> str:
         lines.append(
             f"attention {b['attention']} traced as: {traced or 'none'} (CPU kernel ran: "
             f"{b['cpu_kernel_ran']}; {cpu_kernels.ENV_SWITCH}={b['cpu_kernels_switch']}, compiler "
-            f"{b['cxx_compiler']}); pixels {b['pixels']}"
+            f"{b['cxx_compiler']}); pixels {b['pixels']}; MoE experts {b['moe_experts']}"
         )
     lines.append("versions: " + ", ".join(f"{k} {x}" for k, x in v.items()))
     return "\n".join(lines)
@@ -316,6 +320,54 @@ def measured_window(
     finally:
         if profile_dir:
             jax.profiler.stop_trace()
+
+
+T = TypeVar("T")
+"""What a suite's run of one batch reports beside its wall seconds and waveforms."""
+
+
+@dataclasses.dataclass
+class BatchRounds(Generic[T]):
+    """Our side of a batch-size suite's rounds: each batch's first run after ``warmup()``
+    (``first``, seconds), its fastest measured run (``best``: wall seconds and what that run
+    reported) and the waveforms of the last measured run of every request (``audio``)."""
+
+    first: dict[str, float]
+    best: dict[str, tuple[float, T]]
+    audio: list[np.ndarray]
+
+
+def batch_rounds(
+    run_batch: Callable[[list[int]], tuple[float, list[np.ndarray], T]],
+    batches: dict[str, list[int]],
+    args: Any,
+    suite: str,
+    reference: tuple[Callable[[], None], Callable[[], None]] | None = None,
+) -> BatchRounds[T]:
+    """The code2wav suites' measurement, inside :func:`warmed_up`: each batch (name -> request
+    indices; the largest is every request) run once, then the ``reference``'s warm-up (its
+    ``(warm_up, round)`` callables), then ``--repeats`` rounds in which the two sides take turns,
+    ours under :func:`measured_window` (``--profile`` traces the last round's). ``run_batch``
+    runs one batch: ``(wall s, waveforms, what it reports)``."""
+    every = max(len(idx) for idx in batches.values())
+    first = {b: run_batch(idx)[0] for b, idx in batches.items()}
+    if reference:
+        reference[0]()
+    best: dict[str, tuple[float, T]] = {}
+    audio: list[np.ndarray] = []
+    for round_ in range(args.repeats):
+        traced = args.profile if round_ == args.repeats - 1 else None
+        with measured_window(traced, f"{suite}/measured round", args.profile_python, round=round_):
+            for b, idx in batches.items():
+                with scope(f"bench/{suite}/batch {b}"):
+                    wall, waves, reported = run_batch(idx)
+                if b not in best or wall < best[b][0]:
+                    best[b] = (wall, reported)
+                if len(idx) == every:
+                    audio = waves
+        if reference:
+            reference[1]()
+    return BatchRounds(first, best, audio)
 
 
 def _numbers(x: Any, path: str) -> Iterator[tuple[str, float]]:

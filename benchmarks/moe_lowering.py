@@ -1,14 +1,17 @@
 """``python -m benchmarks.moe_lowering``: Qwen3-Omni's sparse MoE block, ours against transformers', per
-lowering of ``jax.lax.ragged_dot``.
+formulation of the experts and lowering of ``jax.lax.ragged_dot``.
 
-Our block (:class:`omni_jax.models.moe.SparseMoeBlock`) runs each projection as one grouped
-matmul, ``ragged_dot``; how fast that is depends on the backend's lowering. On a GPU, XLA's
-default may expand it into a masked dense product over every expert (``E / k`` times the
-routed FLOPs), while ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` makes it a grouped GEMM.
-This measures both, at the released thinker's widths by default (hidden 2048, experts of width
-768, 128 experts, top 8), for several token counts (a decode step's rows up to a prefill
-chunk's), and transformers' block on the same weights with each of its experts
-implementations it can run here (``eager``: a loop over the hit experts; ``grouped_mm`` /
+Our block (:class:`omni_jax.models.moe.SparseMoeBlock`) runs each projection either as one
+grouped matmul, ``ragged_dot`` (``grouped``), whose speed is the backend's lowering, or as
+every expert on every row (``dense``, ``E / k`` times the routed FLOPs in plain matmuls);
+``OMNI_JAX_MOE`` picks, else :func:`omni_jax.models.moe.expert_path` (dense on CPUs). On a GPU,
+XLA's default lowering of ``ragged_dot`` may be a masked dense product over every expert for
+every routed row (``E`` times the routed FLOPs), while
+``jax_ragged_dot_use_gpu_pallas_triton_lowering`` makes it a grouped GEMM. This measures the
+three (grouped with either lowering, dense), at the released thinker's widths by default
+(hidden 2048, experts of width 768, 128 experts, top 8), for several token counts (a decode
+step's rows up to a prefill chunk's), and transformers' block on the same weights with each of
+its experts implementations it can run here (``eager``: a loop over the hit experts; ``grouped_mm`` /
 ``batched_mm``), taking its fastest. Per token count it prints milliseconds per call (best of
 ``--repeats`` after a warm-up call, compile apart), the routed work's TFLOP/s
 (``6 * N * k * D * I``), the ratio to transformers' fastest, and the largest difference of each
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,10 +35,15 @@ import torch
 from flax import nnx
 
 from omni_jax.models.loading import build_model, torch_state_items
-from omni_jax.models.moe import EXPERT_RULES, MoESpec, SparseMoeBlock, stack_expert_arrays
+from omni_jax.models.moe import EXPERT_RULES, MOE_SWITCH, MoESpec, SparseMoeBlock, stack_expert_arrays
 
-LOWERINGS = {"default": False, "pallas_triton": True}
-"""Our lowerings: the value of ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` (read at trace time)."""
+LOWERINGS = {
+    "grouped": ("grouped", False),
+    "grouped_pallas_triton": ("grouped", True),
+    "dense": ("dense", False),
+}
+"""Ours: the experts' formulation (``OMNI_JAX_MOE``) and the value of
+``jax_ragged_dot_use_gpu_pallas_triton_lowering``, both read at trace time."""
 
 
 def best_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -107,9 +116,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 best_ref, impl = ms, name
         flops = 6 * n * args.top_k * args.hidden * args.inner
         row: dict[str, Any] = {"tokens": n, "transformers_ms": best_ref, "transformers_impl": impl}
-        for lowering, flag in LOWERINGS.items():
+        for lowering, (path, flag) in LOWERINGS.items():
+            os.environ[MOE_SWITCH] = path
             jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", flag)
-            fn = jax.jit(lambda s, v: nnx.merge(graph, s)(v))  # a fresh jit: the flag is read when tracing
+            fn = jax.jit(lambda s, v: nnx.merge(graph, s)(v))  # a fresh jit: both are read when tracing
             xs = jnp.asarray(x)
             start = time.perf_counter()
             out = np.asarray(jax.block_until_ready(fn(state, xs)))
@@ -123,6 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "max_abs_diff": float(np.abs(out - want).max()) if want is not None else None,
             }
         jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
+        os.environ.pop(MOE_SWITCH)
         rows.append(row)
         print(table_row(row))
     return {

@@ -34,6 +34,7 @@ and the measured matmul ceiling. In float32 our audio must equal the reference's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -44,15 +45,14 @@ import numpy as np
 from benchmarks.code2wav_suite import around_median, param_dtype, rel_err
 from benchmarks.harness import (
     backends,
+    batch_rounds,
     compile_entry,
-    measured_window,
     sized_code2wav_config,
     transformers_quiet,
     warmed_up,
 )
 from benchmarks.roofline import matmul_flops
 from omni_jax import OmniJaxPipeline
-from omni_jax.profiling import scope
 
 SAMPLE_RATE = 24_000
 CHUNK_FRAMES = 300
@@ -229,7 +229,6 @@ def run(path: Path, args: Any) -> dict[str, Any]:
 
     cfg = load_hf_config(path).code2wav_config
     work = make_workload(cfg, args)
-    n = len(work.frames)
     config = sized_code2wav_config(Path(args.cache_dir), max(args.batch_sizes), args.max_codes, "qwen3_omni")
     pipe = OmniJaxPipeline.from_pretrained(
         path, stages=["code2wav"], dtype=args.dtype, mesh=args.mesh, stage_config=config
@@ -241,24 +240,17 @@ def run(path: Path, args: Any) -> dict[str, Any]:
     reference = Reference(path, cfg, args.dtype) if args.reference else None
     ref = ReferenceRounds(work, {b: idx for b, idx in batches.items() if len(idx) > 1})
 
-    ours_best: dict[str, tuple[float, float]] = dict.fromkeys(batches, (math.inf, 0.0))  # wall s, solve s
-    ours_audio: list[np.ndarray] = []
     with warmed_up(pipe) as warm:
-        first = {b: _run_ours(pipe, work, idx)[0] for b, idx in batches.items()}
-        if reference:
-            ref.warm_up(reference)
-        for round_ in range(args.repeats):
-            traced = args.profile if round_ == args.repeats - 1 else None
-            with measured_window(traced, "code2wav_qwen3/measured round", args.profile_python, round=round_):
-                for b, idx in batches.items():
-                    with scope(f"bench/code2wav_qwen3/batch {b}"):
-                        wall, waves, solve_s = _run_ours(pipe, work, idx)
-                    if wall < ours_best[b][0]:
-                        ours_best[b] = (wall, solve_s)
-                    if len(idx) == n:
-                        ours_audio = waves
-            if reference:
-                ref.measure(reference)
+        rounds = batch_rounds(
+            functools.partial(_run_ours, pipe, work),
+            batches,
+            args,
+            "code2wav_qwen3",
+            (functools.partial(ref.warm_up, reference), functools.partial(ref.measure, reference))
+            if reference
+            else None,
+        )
+    first, ours_best, ours_audio = rounds.first, rounds.best, rounds.audio
     dtype = param_dtype(pipe.stages[0].runner.state)
     peak = matmul_flops(dtype=dtype)
     flops = {b: sum(code2wav_flops(cfg, len(work.frames[i])) for i in idx) for b, idx in batches.items()}

@@ -1,6 +1,6 @@
 """``benchmarks.moe_lowering`` runs (a GPU session's MoE check) and its outputs agree with
-transformers' block in every lowering, at small widths and one token count (on a CPU both
-lowerings are XLA's dense expansion; the GPU is where they differ)."""
+transformers' block in every formulation and lowering, at small widths and one token count (on
+a CPU both ragged_dot lowerings are XLA's dense expansion; the GPU is where they differ)."""
 
 from __future__ import annotations
 

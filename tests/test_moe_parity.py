@@ -24,7 +24,15 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omni_jax.models.loading import build_model, torch_state_items
-from omni_jax.models.moe import EXPERT_RULES, MoESpec, SparseMoeBlock, route, stack_expert_arrays
+from omni_jax.models.moe import (
+    EXPERT_RULES,
+    MOE_SWITCH,
+    MoESpec,
+    SparseMoeBlock,
+    expert_path,
+    route,
+    stack_expert_arrays,
+)
 from omni_jax.models.param_map import ParamMismatchError
 from omni_jax.testing import randomize_weights
 
@@ -110,10 +118,14 @@ def reference(hf: torch.nn.Module, x: np.ndarray) -> np.ndarray:
         return hf(torch.from_numpy(x)).numpy()
 
 
+@pytest.mark.parametrize("path", ["grouped", "dense"])
 @pytest.mark.parametrize("name", ["thinker_norm_topk", "thinker_raw_topk", "talker_shared"])
-def test_block_matches_transformers(name: str) -> None:
+def test_block_matches_transformers(name: str, path: str, monkeypatch) -> None:
     """A ragged-looking ``[B, T, D]`` batch through the block, eager and jitted, from either
-    expert layout (transformers' fused in-memory tensors, checkpoints' per-expert ones)."""
+    expert layout (transformers' fused in-memory tensors, checkpoints' per-expert ones), with
+    the experts as grouped matmuls and as every expert on every row."""
+    monkeypatch.setenv(MOE_SWITCH, path)
+    assert expert_path() == path
     hf, spec = make_case(name)
     x = np.random.default_rng(1).standard_normal((3, 37, D)).astype(np.float32)
     want = reference(hf, x)
@@ -153,6 +165,18 @@ def test_route_matches_the_reference_router() -> None:
         weights, experts = route(logits, spec.top_k, spec.norm_topk_prob, jnp.float32)
         np.testing.assert_array_equal(np.asarray(experts), ref_experts.numpy())
         assert rel_err(weights, ref_weights.numpy()) < RTOL
+
+
+def test_expert_path_follows_the_switch_and_the_backend(monkeypatch) -> None:
+    """Unset or ``auto``: dense on a CPU backend (its ragged_dot is E times the routed FLOPs),
+    grouped elsewhere; a named path is taken as named; anything else is refused."""
+    monkeypatch.delenv(MOE_SWITCH, raising=False)
+    assert expert_path() == ("dense" if jax.default_backend() == "cpu" else "grouped")
+    monkeypatch.setenv(MOE_SWITCH, "auto")
+    assert expert_path() == ("dense" if jax.default_backend() == "cpu" else "grouped")
+    monkeypatch.setenv(MOE_SWITCH, "sparse")
+    with pytest.raises(ValueError, match="OMNI_JAX_MOE='sparse': expected grouped, dense or auto"):
+        expert_path()
 
 
 def test_missing_expert_is_refused() -> None:

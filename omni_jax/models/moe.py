@@ -20,7 +20,12 @@ runs is the backend's lowering of ``ragged_dot``: a grouped GEMM on TPUs (the ra
 instruction) and on GPUs with JAX's Pallas Triton lowering
 (``jax_ragged_dot_use_gpu_pallas_triton_lowering``) or an XLA with a grouped-GEMM ragged dot;
 otherwise, as on CPUs, XLA expands it into an exact masked dense product over all experts
-(``E`` times the FLOPs, ``E * N * k * D`` temporary values). The numbers are the same either way.
+(``E`` times the FLOPs, ``E * N * k * D`` temporary values). Where that is so, the block runs
+every expert on every row instead (:func:`dense_experts`: plain matmuls, ``E / k`` times the
+routed FLOPs, ``E * N * I`` temporary values) and weights each expert's output by the row's
+routing weight for it, zero where it was not chosen. :func:`expert_path` picks: ``dense`` on
+CPUs, ``grouped`` elsewhere, or what ``OMNI_JAX_MOE`` says. The numbers are the same either way
+(float32: up to summation order).
 
 Experts are stored stacked, ``gate_proj``/``up_proj`` ``[E, D, I]`` and ``down_proj``
 ``[E, I, D]``, so a mesh axis can split the experts (first axis) or their intermediate width.
@@ -33,6 +38,8 @@ lazily (:class:`StackedExperts`), which :data:`EXPERT_RULES` then map.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -83,6 +90,24 @@ class MoESpec:
         )
 
 
+MOE_SWITCH = "OMNI_JAX_MOE"
+"""Environment variable naming the experts' formulation, read when a block is traced:
+``grouped``, ``dense`` or ``auto`` (unset: ``auto``, :func:`expert_path`)."""
+
+
+def expert_path() -> str:
+    """How the experts run: ``OMNI_JAX_MOE`` when it names a formulation, else ``dense`` on a CPU
+    backend (whose ``ragged_dot`` is a masked dense product over every expert for every routed
+    row, ``E`` times the routed FLOPs, against ``E / k`` for dense) and ``grouped``
+    (``ragged_dot``) elsewhere. ``ValueError`` on another value."""
+    asked = os.environ.get(MOE_SWITCH, "auto")
+    if asked not in ("auto", "grouped", "dense"):
+        raise ValueError(f"{MOE_SWITCH}={asked!r}: expected grouped, dense or auto")
+    if asked != "auto":
+        return asked
+    return "dense" if jax.default_backend() == "cpu" else "grouped"
+
+
 def route(
     logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
@@ -121,12 +146,13 @@ class Experts(nnx.Module):
         mesh = jax.sharding.get_abstract_mesh()
         model = 1 if mesh.empty else dict(mesh.shape).get("model", 1)
         params = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        dense = expert_path() == "dense"
         if not experts_split(params[0].shape[0], model):
-            return grouped_experts(x, experts, weights, *params)
+            return (dense_experts if dense else grouped_experts)(x, experts, weights, *params)
         data = dict(mesh.shape).get("data", 1)
         rows = P("data") if x.shape[0] % data == 0 else P()
         return jax.shard_map(
-            _local_experts,
+            functools.partial(_local_experts, dense=dense),
             in_specs=(rows, rows, rows, P("model"), P("model"), P("model")),
             out_specs=rows,
             check_vma=False,
@@ -168,13 +194,41 @@ def grouped_experts(
     return jnp.sum(out, axis=1)
 
 
+def dense_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+) -> jax.Array:
+    """:meth:`Experts.__call__` with every expert of the stack on every row: ``E`` SwiGLUs as
+    batched matmuls, each output times the row's routing weight for that expert (zero where it
+    was not chosen), summed over the experts. An ``experts`` id outside ``[0, E)`` (another
+    device's) adds nothing."""
+    chosen = experts[..., None] == jnp.arange(gate.shape[0])  # [N, k, E]
+    combine = jnp.sum(jnp.where(chosen, weights[..., None], 0), axis=1).T  # [E, N]
+    h = jax.nn.silu(jnp.einsum("nd,edi->eni", x, gate)) * jnp.einsum("nd,edi->eni", x, up)
+    out = jnp.einsum("eni,eid->end", h, down)
+    return jnp.sum(out * combine[..., None].astype(out.dtype), axis=0)
+
+
 def _local_experts(
-    x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    dense: bool,
 ) -> jax.Array:
     """One device's part under :func:`jax.shard_map`: its experts' outputs (the others' slots
     zero), summed over the ``model`` axis."""
     per_device = gate.shape[0]
     local = experts - jax.lax.axis_index("model") * per_device
+    if dense:
+        return jax.lax.psum(dense_experts(x, local, weights, gate, up, down), "model")
     mine = (local >= 0) & (local < per_device)
     out = grouped_experts(x, jnp.where(mine, local, per_device), weights, gate, up, down, keep=mine)
     return jax.lax.psum(out, "model")

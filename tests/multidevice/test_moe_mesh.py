@@ -18,7 +18,7 @@ from parity import SPLIT_ROUNDING, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
 
 from omni_jax.full_forward import full_forward
-from omni_jax.models.moe import MoESpec, SparseMoeBlock, expert_partition_rules
+from omni_jax.models.moe import MOE_SWITCH, MoESpec, SparseMoeBlock, expert_partition_rules
 from omni_jax.models.qwen3_omni.text_decoder import (
     Qwen3OmniTextLM,
     Qwen3OmniTextSpec,
@@ -50,12 +50,16 @@ def run(block: SparseMoeBlock, x: np.ndarray, mesh: jax.sharding.Mesh | None = N
         return np.asarray(step(state, jax.device_put(x, NamedSharding(mesh, P()))))
 
 
+@pytest.mark.parametrize("path", ["grouped", "dense"])
 @pytest.mark.parametrize(
     ("experts", "shared", "rows"),
     [(8, 0, 48), (8, 0, 7), (8, 40, 48), (6, 0, 48)],
     ids=["experts_split", "rows_not_split", "shared_expert", "width_split"],
 )
-def test_moe_block_on_2x4_mesh_equals_one_device(experts: int, shared: int, rows: int) -> None:
+def test_moe_block_on_2x4_mesh_equals_one_device(
+    experts: int, shared: int, rows: int, path: str, monkeypatch
+) -> None:
+    monkeypatch.setenv(MOE_SWITCH, path)
     spec = MoESpec(32, 24, experts, 3, norm_topk_prob=True, shared_expert_size=shared)
     block = SparseMoeBlock(spec, rngs=nnx.Rngs(0))
     block.gate.kernel.set_value(block.gate.kernel.get_value() * 3.0)  # routing decided by the signal
