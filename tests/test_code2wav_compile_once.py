@@ -4,8 +4,8 @@ after it no request mix traces or compiles anything (docs/ARCHITECTURE.md, "Comp
 The bucket set itself (rows, code ladder, one reference length) is checked without a model,
 and so is the grouping's promise: whatever the cost fit, every solve it makes has a shape of the
 set. The end-to-end check runs the tiny Qwen2.5-Omni's code2wav stage with a smaller solve limit
-(``max_batch`` 4, ``max_codes`` 64: nine offline programs, and three streamed chunk programs,
-one per row count) so that its warm-up stays short; the full tiny limits give 28 offline
+(``max_batch`` 4, ``max_codes`` 64: nine offline programs, and six streamed chunk programs,
+one per row count and window) so that its warm-up stays short; the full tiny limits give 28 offline
 programs, Qwen2.5-Omni-7B's 60 (checked on the bucket set).
 """
 
