@@ -31,7 +31,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from omni_jax.full_forward import full_forward
 from omni_jax.models.loading import build_model, torch_state_items
-from omni_jax.models.moe import stack_expert_arrays
+from omni_jax.models.moe import MOE_SWITCH, stack_expert_arrays
 from omni_jax.models.qwen3_omni.text_decoder import (
     TEXT_LM_RULES,
     Deepstack,
@@ -286,3 +286,19 @@ def test_in_memory_names_attention_bias_and_sparse_step() -> None:
         ref_logits = head(hidden)[0].numpy()
     logits, _ = full_forward(ours, ids, page_size=PAGE)
     assert rel_err(logits, ref_logits) < RTOL
+
+
+@pytest.mark.parametrize("model", [1, 2, 4, 3])
+def test_activation_width_counts_the_experts_that_run(model: int, monkeypatch) -> None:
+    """A sparse row holds, per expert that runs it, its input row, gate and up outputs and output
+    row: the k chosen as grouped matmuls, every expert on the device when they run dense (whole
+    experts per device where the mesh splits them, 8 % 3 != 0 splits their width), beside the
+    router logits and three residual-width rows."""
+    spec = Qwen3OmniTextSpec.from_hf(Qwen3OmniMoeTextConfig(**text_config()))
+    lm = Qwen3OmniTextLM(spec, rngs=nnx.Rngs(0))
+    inner, experts, top_k = 40, 8, 3
+    monkeypatch.setenv(MOE_SWITCH, "grouped")
+    assert lm.activation_width(model) == experts + top_k * (2 * inner // model + 2 * D) + 3 * D
+    monkeypatch.setenv(MOE_SWITCH, "dense")
+    here, width = (experts // model, 2 * inner) if model in (2, 4) else (experts, 2 * inner // model)
+    assert lm.activation_width(model) == experts + here * (width + 2 * D) + 3 * D

@@ -31,7 +31,14 @@ from flax import nnx
 
 from omni_jax.models.attention import AttentionMetadata, Backend
 from omni_jax.models.layers import RMSNorm, SwiGLU
-from omni_jax.models.moe import EXPERT_RULES, MoESpec, SparseMoeBlock, expert_partition_rules
+from omni_jax.models.moe import (
+    EXPERT_RULES,
+    MoESpec,
+    SparseMoeBlock,
+    expert_partition_rules,
+    expert_path,
+    experts_split,
+)
 from omni_jax.models.param_map import ParamRule, linear_kernel, prefixed
 from omni_jax.models.qwen2 import (
     KVCache,
@@ -204,19 +211,22 @@ class Qwen3OmniTextLM(Qwen2ForCausalLM):
     def activation_width(self, model: int) -> int:
         """Float32 values one token row of a step holds at once on one device, when a ``model``
         mesh axis of that size splits the MLPs' intermediate width: the widest MLP (a dense
-        layer's gate and up outputs; a sparse layer's router logits and, for each of its ``k``
-        experts, the gathered input row, its gate and up outputs and its output row) beside
-        three residual-width vectors.
-
-        Where ``ragged_dot`` is expanded into a dense product (CPUs), a sparse layer briefly
-        holds ``E`` masked copies of each expert row too; that is not counted here."""
+        layer's gate and up outputs; a sparse layer's router logits and, for each expert that
+        runs the row, its input row, gate and up outputs and output row: the ``k`` chosen ones
+        as grouped matmuls, every expert on this device where they run dense,
+        :func:`~omni_jax.models.moe.expert_path`) beside three residual-width vectors."""
         spec = self.spec
         widths = [2 * spec.intermediate_size // model] if not all(spec.sparse_layers) else []
         if spec.moe is not None:
             moe = spec.moe
-            widths.append(
-                moe.num_experts + moe.top_k * (2 * moe.intermediate_size // model + 2 * moe.hidden_size)
-            )
+            inner = 2 * moe.intermediate_size // model
+            if expert_path() == "dense":
+                split = experts_split(moe.num_experts, model)
+                experts = moe.num_experts // model if split else moe.num_experts
+                inner = 2 * moe.intermediate_size if split else inner
+            else:
+                experts = moe.top_k
+            widths.append(moe.num_experts + experts * (inner + 2 * moe.hidden_size))
         return max(widths) + 3 * spec.hidden_size
 
     def forward(
