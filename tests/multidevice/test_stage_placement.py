@@ -109,19 +109,24 @@ def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None
 
 def test_code2wav_warmup_covers_its_mesh(omni_dir, tmp_path) -> None:
     """Warm-up compiles each solve as a real batch is placed (rows split over ``data``): after
-    it, batches of any size and length compile nothing."""
+    it, batches of any size and length, offline or streamed, compile nothing."""
     placed = code2wav_on(omni_dir, tmp_path, [6, 7], {"data": 2}, max_batch=4, max_codes=48)
     buckets = placed.stages[0].runner.buckets
     assert (buckets.rows, buckets.lengths) == ((2, 4), (32, 48))
-    # four offline solves, and the streamed chunk program of each row count (2 and 4)
+    # four offline solves, and the streamed chunk programs of each row count (2 and 4) and
+    # window (the first chunk's, the longest)
     assert placed.stages[0].decoder.buckets.rows == (2, 4)
-    assert placed.stages[0].warmup() == 4 + 2
-    params = Token2WavParams(num_steps=2, seed=0)
-    for lengths in ([1], [48, 3], [20, 33, 40], [5, 6, 7, 8, 9]):
-        with CompileCounter() as counted:
-            outs = placed.run([{"prompt_token_ids": [1] * n} for n in lengths], params, progress=False)
-        assert all(o.error is None for o in outs)
-        assert (counted.traces, counted.compiles) == (0, 0), lengths
+    assert len(placed.stages[0].decoder.buckets.lengths) == 2
+    assert placed.stages[0].warmup() == 4 + 2 * 2
+    offline = ([1], [48, 3], [20, 33, 40], [5, 6, 7, 8, 9])
+    streamed = ([1], [48, 3], [20, 33, 90], [5, 6, 7, 8, 100])  # streamed requests have no max_codes
+    for stream, mixes in ((False, offline), (True, streamed)):
+        params = Token2WavParams(num_steps=2, seed=0, stream=stream)
+        for lengths in mixes:
+            with CompileCounter() as counted:
+                outs = placed.run([{"prompt_token_ids": [1] * n} for n in lengths], params, progress=False)
+            assert all(o.error is None for o in outs)
+            assert (counted.traces, counted.compiles) == (0, 0), (stream, lengths)
 
 
 def test_overlapping_stage_devices_refused(omni_dir, tmp_path) -> None:
