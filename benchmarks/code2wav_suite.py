@@ -39,7 +39,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from benchmarks.harness import backends, batch_rounds, compile_entry, sized_code2wav_config, warmed_up
+from benchmarks.harness import (
+    backends,
+    batch_rounds,
+    compile_entry,
+    sized_code2wav_config,
+    torch_device,
+    torch_synchronize,
+    warmed_up,
+)
 from benchmarks.roofline import matmul_flops
 from omni_jax import OmniJaxPipeline, Token2WavParams
 
@@ -166,9 +174,14 @@ class Reference:
         from transformers import Qwen2_5OmniForConditionalGeneration
 
         self.torch = torch
+        self.device = torch_device()
         self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(
             str(path), dtype=torch.float32
         ).eval()
+        self.model.token2wav.to(self.device)
+        # float32 as on a CPU: cuDNN's default TF32 convolutions would round the vocoder to 10 bits.
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
 
     def run(self, work: Workload, i: int) -> tuple[float, float, np.ndarray]:
         """``(DiT seconds, vocoder seconds, waveform)`` of request ``i``.
@@ -177,23 +190,29 @@ class Reference:
         one after the other here so that each is timed. ``generate`` passes the voice's
         ``cond`` and ``ref_mel`` the same way.
         """
-        torch = self.torch
+        torch, device = self.torch, self.device
         token2wav, voice = self.model.token2wav, self.model.speaker_map[work.speaker]
-        start = torch.from_numpy(work.noise[i][None].copy())
+        start = torch.from_numpy(work.noise[i][None].copy()).to(device)
+        cond = voice["cond"].float().to(device).expand(1, -1)
+        ref_mel = voice["ref_mel"].float().to(device).expand(1, -1, -1)
+        codes = torch.tensor([work.codes[i]], device=device)
         with torch.no_grad(), mock.patch.object(torch, "randn", lambda *a, **k: start):
+            torch_synchronize(device)
             t0 = time.perf_counter()
             mel = token2wav.code2wav_dit_model.sample(
-                voice["cond"].float().expand(1, -1),
-                voice["ref_mel"].float().expand(1, -1, -1),
-                torch.tensor([work.codes[i]]),
+                cond,
+                ref_mel,
+                codes,
                 num_steps=work.num_steps,
                 guidance_scale=work.guidance_scale,
                 sway_coefficient=work.sway_coefficient,
             )
+            torch_synchronize(device)
             t1 = time.perf_counter()
             wave = token2wav.code2wav_bigvgan_model(mel)
+            torch_synchronize(device)
             t2 = time.perf_counter()
-        return t1 - t0, t2 - t1, wave.reshape(-1).float().numpy()
+        return t1 - t0, t2 - t1, wave.reshape(-1).float().cpu().numpy()
 
 
 def _figures(audio_s: float, wall_s: float, steps: int, solve_s: float) -> dict[str, float]:
@@ -279,6 +298,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         "ours": ours,
         "reference": None,
         "reference_mode": "token2wav one request at a time, as generate calls it (its only mode)",
+        "reference_device": reference.device if reference else None,
         "ratio": None,
         "compile": {"ours": compile_ours, "reference": None},
     }

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# One GPU session's checks in one call (device time is short): the environment, the MoE block's
-# formulations (grouped ragged_dot, XLA or Pallas Triton lowering; dense) at Qwen3-Omni's widths
-# against transformers (benchmarks/moe_lowering.py), the
-# real-width AR suite (benchmarks/shaped_suite.py, transformers on the same shapes first), then the
-# test suite on the GPU. Each part has its own time limit and writes its log and results under $OUT as it goes,
-# so a part cut short still reports what it measured.
-# Usage, from the repository root: OUT=/some/dir bash benchmarks/gpu.sh; MOE_S, SHAPED_S and TESTS_S
-# bound the three parts (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's,
-# REFERENCE= (empty) leaves transformers out.
+# One GPU session's checks in one call (device time is short). Parts, run in the order PARTS names
+# them (default: all four), each under its own time limit, each writing its log and results under
+# $OUT as it goes, so a part cut short still reports what it measured:
+#   moe       the MoE block's formulations (grouped ragged_dot, XLA or Pallas Triton lowering;
+#             dense) at Qwen3-Omni's widths against transformers (benchmarks/moe_lowering.py);
+#   shaped    the real-width AR suite (benchmarks/shaped_suite.py, transformers on the same shapes);
+#   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
+#             token2wav on the same GPU (benchmarks/code2wav_suite.py);
+#   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
+# Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
+# MOE_S, SHAPED_S, C2W_S and TESTS_S bound the parts (seconds), TESTS names test files (default:
+# all), WORKERS pytest-xdist's, C2W_BATCHES the code2wav batch sizes, REFERENCE= (empty) leaves
+# transformers out of the shaped and code2wav parts.
 set -u
 OUT=${OUT:-/tmp/omni_jax_gpu}
-MOE_S=${MOE_S:-90}
-SHAPED_S=${SHAPED_S:-300}
-TESTS_S=${TESTS_S:-200}
+PARTS=${PARTS:-moe shaped code2wav tests}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
+# JAX and torch share the GPU in the suites that run both: neither may take it all up front.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -23,19 +27,42 @@ jax.devices(), flax.__version__, transformers.__version__, torch.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
   || echo "editable install failed (PYTHONPATH still holds the tree): see install.log"
-echo "== MoE ragged_dot lowerings (limit ${MOE_S}s)"
-timeout -s INT "$MOE_S" python3 -m benchmarks.moe_lowering --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
-echo "moe lowering exit $?"
-grep -E "^N=" "$OUT/moe.log"
-echo "== shaped suite (limit ${SHAPED_S}s)"
-timeout -s INT "$SHAPED_S" python3 -m benchmarks.shaped_suite ${REFERENCE---reference} --json "$OUT/shaped.json" \
-  --batches "${BATCHES:-1,64,8,256}" --prefill "${PREFILL:-512,2048,8192}" >"$OUT/shaped.log" 2>&1
-echo "shaped suite exit $?"
-grep -E "^(ours|transformers)" "$OUT/shaped.log"
-tail -5 "$OUT/shaped.log"
-echo "== tests on the GPU (limit ${TESTS_S}s)"
-JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT "$TESTS_S" \
-  python3 -m pytest ${TESTS:-tests} -q -n "${WORKERS:-8}" -p no:cacheprovider --junitxml="$OUT/junit.xml" -rfE \
-  --durations=20 >"$OUT/tests.log" 2>&1
-echo "tests exit $?"
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
+
+moe() {
+  echo "== MoE formulations (limit ${MOE_S:-90}s)"
+  timeout -s INT "${MOE_S:-90}" python3 -m benchmarks.moe_lowering --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
+  echo "moe exit $?"
+  grep -E "^N=|cannot run" "$OUT/moe.log"
+}
+
+shaped() {
+  echo "== shaped suite (limit ${SHAPED_S:-300}s)"
+  timeout -s INT "${SHAPED_S:-300}" python3 -m benchmarks.shaped_suite ${REFERENCE---reference} \
+    --json "$OUT/shaped.json" --batches "${BATCHES:-1,64,8,256}" --prefill "${PREFILL:-512,2048,8192}" \
+    >"$OUT/shaped.log" 2>&1
+  echo "shaped suite exit $?"
+  grep -E "^(ours|transformers)" "$OUT/shaped.log"
+  tail -5 "$OUT/shaped.log"
+}
+
+code2wav() {
+  echo "== code2wav suite, small (limit ${C2W_S:-300}s)"
+  timeout -s INT "${C2W_S:-300}" python3 -m benchmarks.run --suite code2wav --model small \
+    ${REFERENCE---reference} --batch-sizes "${C2W_BATCHES:-1,8}" --cache-dir /tmp/omni_jax_bench \
+    --json "$OUT/c2w.json" >"$OUT/c2w.log" 2>&1
+  echo "code2wav suite exit $?"
+  grep -v -E "it/s\]|s/it\]|programs compiled\]" "$OUT/c2w.log" | tail -30
+}
+
+tests() {
+  echo "== tests on the GPU (limit ${TESTS_S:-200}s)"
+  JAX_PLATFORMS=cuda timeout -s INT "${TESTS_S:-200}" \
+    python3 -m pytest ${TESTS:-tests} -q -n "${WORKERS:-8}" -p no:cacheprovider --junitxml="$OUT/junit.xml" \
+    -rfE --durations=20 >"$OUT/tests.log" 2>&1
+  echo "tests exit $?"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
+}
+
+for part in $PARTS; do
+  "$part"
+done

@@ -95,6 +95,23 @@ def set_threads() -> None:
     torch.set_num_threads(cores())
 
 
+def torch_device() -> str:
+    """Where a reference runs: ``cuda`` when torch sees a GPU and JAX runs on one (both sides on
+    the same chip, transformers at its best), else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
+
+
+def torch_synchronize(device: str) -> None:
+    """Wait for the work torch has queued on ``device``: CUDA runs asynchronously, so a wall-clock
+    time taken without it would end before the kernels do."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def environment() -> dict[str, Any]:
     """The machine as both sides saw it: cores, each side's threads, the 1-minute load average
     (another busy process slows both sides, torch's waiting threads most), XLA's flags."""

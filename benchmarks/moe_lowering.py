@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from flax import nnx
 
+from benchmarks.harness import torch_device, torch_synchronize
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.moe import EXPERT_RULES, MOE_SWITCH, MoESpec, SparseMoeBlock, stack_expert_arrays
 
@@ -79,7 +80,7 @@ def reference_block(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
+    device = torch_device()
     ref = reference_block(args)
     spec = MoESpec(args.hidden, args.inner, args.experts, args.top_k, norm_topk_prob=True)
     ours = build_model(
@@ -108,8 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             def ref_call(tx: torch.Tensor = tx) -> None:
                 with torch.no_grad():
                     ref(tx[None])
-                if device == "cuda":
-                    torch.cuda.synchronize()
+                torch_synchronize(device)
 
             ms = best_ms(ref_call, args.repeats)
             if ms < best_ref:
