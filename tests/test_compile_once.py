@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from omni_jax import OmniJaxPipeline, SamplingParams
-from omni_jax.engine.compilation import CompileCounter
+from omni_jax.engine.compilation import (
+    MAX_COMPILE_THREADS,
+    CompileCounter,
+    ProgramCall,
+    compile_ahead,
+    compile_threads,
+)
 from omni_jax.engine.sampling import MAX_LOGPROBS, SUPPRESS_WIDTH
 
 
@@ -95,3 +101,30 @@ def test_counter_sees_a_new_shape(qwen2_dir) -> None:
             {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, logprobs=2), False
         )
     assert c.traces > 0 and c.compiles > 0
+
+
+def test_programs_compiled_ahead_are_the_ones_calls_run() -> None:
+    """``compile_ahead`` compiles each call's program on its threads, and the calls made after it
+    trace and compile nothing (jit's caches are shared), whatever the static arguments."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.jit, static_argnames="power")
+    def f(x: jax.Array, scale: jax.Array, power: int) -> jax.Array:
+        return jnp.tanh(x @ x.T) ** power * scale
+
+    calls = [
+        ProgramCall(f, (jnp.ones((rows, 24)), jnp.float32(2.0)), {"power": power})
+        for rows in (3, 5, 7)
+        for power in (1, 2)
+    ]
+    with CompileCounter() as ahead:
+        compile_ahead(calls)
+    with CompileCounter() as after:
+        outs = [call() for call in calls]
+    assert ahead.compiles == len(calls)  # six distinct programs, none compiled before in this process
+    assert after.traces == after.compiles == 0
+    np.testing.assert_allclose(np.asarray(outs[1]), np.tanh(np.full((3, 3), 24.0)) ** 2 * 2.0, rtol=1e-6)
+    assert compile_threads(1) == 1 and 1 <= compile_threads(100) <= MAX_COMPILE_THREADS

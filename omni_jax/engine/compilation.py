@@ -1,12 +1,16 @@
-"""XLA compilation: the persistent cache for warm starts and a counter that proves "compile once"
-(the static handle for a module's graph is :class:`omni_jax.jit.StaticGraph`)."""
+"""XLA compilation: the persistent cache for warm starts, programs compiled side by side at
+warm-up, and a counter that proves "compile once" (the static handle for a module's graph is
+:class:`omni_jax.jit.StaticGraph`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax import monitoring
@@ -14,6 +18,9 @@ from jax import monitoring
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 ENV_CACHE_DIR = "OMNI_JAX_COMPILATION_CACHE"
+MAX_COMPILE_THREADS = 8
+"""Most programs :func:`compile_ahead` compiles at once: each compilation holds its own
+working memory (a code2wav program's, on the host, about a gigabyte at real widths)."""
 
 
 def enable_persistent_cache(path: str | Path | None | bool = None) -> Path | None:
@@ -33,6 +40,47 @@ def enable_persistent_cache(path: str | Path | None | bool = None) -> Path | Non
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCall:
+    """One call of a jitted function, kept so that its program can be compiled ahead of the call
+    (:func:`compile_ahead`) and then the call made (it then finds the program compiled)."""
+
+    fn: Any  # a jax.jit-wrapped function (its ``lower`` and its call)
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __call__(self) -> Any:
+        return self.fn(*self.args, **self.kwargs)
+
+    def compile(self) -> None:
+        self.fn.lower(*self.args, **self.kwargs).compile()
+
+
+def compile_threads(programs: int) -> int:
+    """Threads for ``programs`` compilations: one per core this process may use, at most
+    :data:`MAX_COMPILE_THREADS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(programs, cores, MAX_COMPILE_THREADS))
+
+
+def compile_ahead(calls: Sequence[ProgramCall]) -> None:
+    """Compile the programs of ``calls`` side by side, running none of them.
+
+    Each thread traces and lowers one call (Python, one at a time under the GIL) and hands it to
+    XLA, whose compilation releases the GIL: with a minute of XLA work per code2wav program on a
+    GPU host, compilations overlapping is what makes a warm-up of dozens of programs take
+    minutes instead of half an hour. A program compiled ahead is the one the later call runs:
+    jit's trace, lowering and compilation caches are shared by ``lower(...).compile()`` and the
+    call, so the call compiles nothing. Running the programs is left to the caller, one at a
+    time, so warm-up never holds more than one program's working memory on the device.
+    """
+    if not calls:
+        return
+    with ThreadPoolExecutor(compile_threads(len(calls)), thread_name_prefix="compile") as pool:
+        for done in [pool.submit(call.compile) for call in calls]:
+            done.result()
 
 
 class CompileCounter:
@@ -55,14 +103,18 @@ class CompileCounter:
 
     @classmethod
     def _listener(cls, event: str, duration: float, **_: object) -> None:
+        """Counts under the lock: :func:`compile_ahead` compiles on several threads at once."""
         del duration
-        for c in cls._active:
-            if event == _TRACE_EVENT:
-                c.traces += 1
-            elif event == _COMPILE_EVENT:
-                c.compiles += 1
-            else:
-                continue
+        if event not in (_TRACE_EVENT, _COMPILE_EVENT):
+            return
+        with cls._lock:
+            active = list(cls._active)
+            for c in active:
+                if event == _TRACE_EVENT:
+                    c.traces += 1
+                else:
+                    c.compiles += 1
+        for c in active:
             if c.on_count is not None:
                 c.on_count(c)
 

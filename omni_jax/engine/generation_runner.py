@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from omni_jax.engine.buckets import bucket, padded_split, round_up
+from omni_jax.engine.compilation import ProgramCall, compile_ahead
 from omni_jax.engine.solve_cost import SolveCost
 from omni_jax.jit import StaticGraph
 from omni_jax.parallel.mesh import axis_size
@@ -225,15 +226,17 @@ class GenerationRunner(Generic[R, B]):
     def warmup(self) -> int:
         """Compile the program of every shape of :attr:`buckets`; returns how many there are.
 
-        Each is compiled by solving the padder's batch of that shape with no request in it,
-        placed as a real batch is (jit's cache, which later calls hit, holds only programs
-        compiled by calls).
+        Each program is that of solving the padder's batch of its shape with no request in it,
+        placed as a real batch is; they are compiled side by side (:func:`compile_ahead`), then
+        each solved once, one after the other.
         """
         shapes = self.buckets.shapes()
-        for rows, length in shapes:
+        batches = [self.padder.pad([], rows, length).arrays(self.mesh) for rows, length in shapes]
+        calls = [ProgramCall(self.solve, (self.graph, self.state, *arrays)) for arrays in batches]
+        compile_ahead(calls)
+        for (rows, length), call in zip(shapes, calls, strict=True):
             with scope(f"{self.name}/warmup", rows=rows, length=length):
-                batch = self.padder.pad([], rows, length)
-                out, _ = self.solve(self.graph, self.state, *batch.arrays(self.mesh))
+                out, _ = call()
                 jax.block_until_ready(out)
         return len(shapes)
 

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from omni_jax.engine.compilation import ProgramCall, compile_ahead
 from omni_jax.engine.generation_runner import PaddedBatch, SolveBuckets
 from omni_jax.jit import StaticGraph
 from omni_jax.parallel.mesh import axis_size
@@ -112,8 +113,12 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         ``window``; the other rows are placeholders that neither fail nor yield NaN."""
 
     @abc.abstractmethod
+    def program(self, batch: B) -> ProgramCall:
+        """The compiled call that solves ``batch``."""
+
+    @abc.abstractmethod
     def decode(self, batch: B) -> H:
-        """The solve of ``batch``, its results fetched to the host."""
+        """The solve of ``batch`` (its :meth:`program`), its results fetched to the host."""
 
     @abc.abstractmethod
     def emitted(self, solved: H, row: int, chunk: W) -> np.ndarray:
@@ -204,8 +209,10 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         return StreamedChunk(request.request_id, chunk, np.zeros(0, np.float32), True, solve_s, rows, error)
 
     def warmup(self) -> int:
-        """Compile the program of every ``(rows, window)``; returns how many."""
+        """Compile the program of every ``(rows, window)``, side by side
+        (:func:`compile_ahead`), then solve each once; returns how many."""
         shapes = self.buckets.shapes()
+        compile_ahead([self.program(self.pad([], rows, window)) for rows, window in shapes])
         for rows, window in shapes:
             self.decode(self.pad([], rows, window))
         return len(shapes)

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from omni_jax.engine.compilation import ProgramCall
 from omni_jax.engine.generation_runner import PaddedBatch
 from omni_jax.models.qwen2_5_omni.chunk_plan import Chunk, ChunkKind, ChunkPlanner
 from omni_jax.parallel.distributed import random_seed
@@ -213,12 +214,16 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
         """Codes in the chunk's DiT window (its ends are whole codes)."""
         return chunk.window // self.planner.repeats
 
-    def decode(self, batch: ChunkBatch) -> ChunkSolved:
+    def program(self, batch: ChunkBatch) -> ProgramCall:
         """The solve keeps at most what the batch's window holds: a first-chunk window is shorter
         than the most a chunk may keep."""
         window = batch.codes.shape[1] * self.planner.repeats
         keep_frames = min(self.planner.keep_frames, window)
-        wave, _, tail = self.solve(self.graph, self.state, *batch.arrays(self.mesh), keep_frames=keep_frames)
+        args = (self.graph, self.state, *batch.arrays(self.mesh))
+        return ProgramCall(self.solve, args, {"keep_frames": keep_frames})
+
+    def decode(self, batch: ChunkBatch) -> ChunkSolved:
+        wave, _, tail = self.program(batch)()
         return ChunkSolved(fetch(wave), fetch(tail))
 
     def emitted(self, solved: ChunkSolved, row: int, chunk: Chunk) -> np.ndarray:

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from omni_jax.engine.compilation import ProgramCall
 from omni_jax.engine.generation_runner import PaddedBatch
 from omni_jax.models.qwen3_omni.code2wav import ChunkWindow
 from omni_jax.parallel.rules import fetch
@@ -180,8 +181,11 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
         """Frames the chunk decodes, its context included (a first chunk has none)."""
         return chunk.frames
 
+    def program(self, batch: FrameBatch) -> ProgramCall:
+        return ProgramCall(self.solve, (self.graph, self.state, *batch.arrays(self.mesh)))
+
     def decode(self, batch: FrameBatch) -> FrameSolved:
-        wave, kept = self.solve(self.graph, self.state, *batch.arrays(self.mesh))
+        wave, kept = self.program(batch)()
         return FrameSolved(fetch(wave), fetch(kept))
 
     def emitted(self, solved: FrameSolved, row: int, chunk: ChunkWindow) -> np.ndarray:
