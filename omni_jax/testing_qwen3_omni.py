@@ -259,6 +259,24 @@ def tiny_qwen3_omni_config(tokenizer: Any, **overrides: Any) -> Any:
     return Qwen3OmniMoeConfig(**kw)
 
 
+def thinker_part(thinker: Any, name: str) -> Any:
+    """``audio_tower``, ``visual`` or ``language_model`` (the text decoder) of transformers'
+    Qwen3-Omni thinker, in either module layout: transformers 5.24 nests all three in
+    ``thinker.model``, 5.17 keeps the encoders on the thinker and its ``thinker.model`` is the text
+    decoder itself. Checkpoints name them the same in both (``thinker.audio_tower.*``,
+    ``thinker.model.layers.*``)."""
+    inner = thinker.model
+    if hasattr(inner, name):
+        return getattr(inner, name)
+    return inner if name == "language_model" else getattr(thinker, name)
+
+
+THINKER_PARTS = ("audio_tower", "visual", "language_model")
+"""The thinker's modules under ``thinker.model`` in transformers 5.24, in their registration order
+(so drawing their weights one part after the other draws what one pass over ``thinker.model``
+does)."""
+
+
 def init_talker_moe(talker: Any) -> None:
     """Draw the talker's expert and router weights, which transformers leaves undrawn.
 
@@ -311,8 +329,9 @@ def end_replies_at_punctuation(model: Any, tokenizer: Any) -> None:
         embed = thinker.get_input_embeddings().weight
         embed[:, f] = 0.0
         embed[ends, f] = 1.0
-        keep_channel(thinker.model.language_model.layers, f)
-        thinker.model.language_model.norm.weight[f] = 1.0
+        text = thinker_part(thinker, "language_model")
+        keep_channel(text.layers, f)
+        text.norm.weight[f] = 1.0
         head = thinker.lm_head.weight
         head[:, f] = 0.0
         head[ends] *= SENTENCE_END_BOOST
@@ -390,8 +409,8 @@ def build_tiny_qwen3_omni(
     cfg = tiny_qwen3_omni_config(tokenizer, **config_overrides)
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(cfg).float().eval()
-    randomize_weights(model.thinker.model.audio_tower, 1.0)
-    randomize_weights(model.thinker.model.visual, 1.0)
+    randomize_weights(thinker_part(model.thinker, "audio_tower"), 1.0)
+    randomize_weights(thinker_part(model.thinker, "visual"), 1.0)
     randomize_weights(model.code2wav, 1.0)
     # The ConvNet decoder amplifies steeply: at 0.7, with small biases, the waveform follows the
     # codes (two code sequences differ by about its own size) and peaks at 0.2 to 0.4 (code2wavs of

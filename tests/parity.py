@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import jax
@@ -134,3 +135,52 @@ class PagedSteps:
         )
         logits, hidden = np.asarray(self.model.logits(hidden)), np.asarray(hidden)
         return [logits[r, :n] for r, n in enumerate(lens)], [hidden[r, :n] for r, n in enumerate(lens)]
+
+
+QWEN3_OMNI_POSITIONS_PER_SECOND = 13
+"""Qwen3-Omni's ``position_id_per_seconds`` (its processor's default): M-RoPE time positions per
+second of video or audio."""
+
+
+def qwen3_video_audio_layout(
+    grid: tuple[int, int, int], seconds: float, audio_tokens: int, merge: int = 2
+) -> str:
+    """transformers' own interleaving of a video's placeholders with its audio track's, in the
+    vision brackets: ``B``/``E`` vision start/end, ``s``/``e`` audio start/end, ``v``/``a`` a
+    video/audio token. ``replace_video_with_audio_token`` where the processor has it
+    (transformers 5.24), else the video branch of ``replace_multimodal_special_tokens`` (5.17)."""
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
+
+    owner = types.SimpleNamespace(
+        image_processor=types.SimpleNamespace(merge_size=merge),
+        video_processor=types.SimpleNamespace(merge_size=merge),
+        vision_bos_token="B",
+        vision_eos_token="E",
+        audio_bos_token="s",
+        audio_eos_token="e",
+        image_token="i",
+        video_token="v",
+        audio_token="a",
+    )
+    if hasattr(Qwen3OmniMoeProcessor, "replace_video_with_audio_token"):
+        inner = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
+            owner,
+            {"video_grid_thw": np.array([grid]), "video_second_per_grid": [seconds]},
+            0,
+            {"num_audio_tokens": [audio_tokens]},
+            0,
+            position_id_per_seconds=QWEN3_OMNI_POSITIONS_PER_SECOND,
+        )
+        return "B" + inner + "E"
+    (layout,) = Qwen3OmniMoeProcessor.replace_multimodal_special_tokens(
+        owner,
+        ["BvE"],
+        iter([audio_tokens]),
+        iter([]),
+        iter([np.array(grid)]),
+        video_second_per_grid=iter([seconds]),
+        use_audio_in_video=True,
+        position_id_per_seconds=QWEN3_OMNI_POSITIONS_PER_SECOND,
+        seconds_per_chunk=None,
+    )
+    return layout

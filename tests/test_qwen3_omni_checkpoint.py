@@ -28,6 +28,7 @@ from omni_jax.testing_qwen3_omni import (
     QWEN3_OMNI_SPEAKERS,
     build_tiny_qwen3_omni,
     give_talker_audio_config,
+    thinker_part,
 )
 
 CHAT = [
@@ -152,7 +153,7 @@ def test_moe_routing_is_spread(loaded: tuple[Any, dict[str, Any]], inputs: Any) 
     routers = {
         f"{part}.{i}": layer.mlp.gate
         for part, layers in (
-            ("thinker", model.thinker.model.language_model.layers),
+            ("thinker", thinker_part(model.thinker, "language_model").layers),
             ("talker", model.talker.model.layers),
         )
         for i, layer in enumerate(layers)

@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from parity import qwen3_video_audio_layout
 from parity import random_tokens as text
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
@@ -19,6 +20,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
     Qwen3OmniMoeProcessor,
+    Qwen3OmniMoeProcessorKwargs,
     _get_feat_extract_output_lengths,
 )
 
@@ -72,32 +74,12 @@ def audio(frames: int) -> list[int]:
     return [AS] + [CFG.audio_token_id] * int(_get_feat_extract_output_lengths(frames, N_WINDOW)) + [AE]
 
 
-def reference_interleave(grid: tuple[int, int, int], seconds: float, audio_tokens: int) -> str:
-    """The processor's own interleaving of a video's and its audio track's placeholders
-    (``replace_video_with_audio_token``): ``s`` audio start, ``v``/``a`` video/audio, ``e`` end."""
-    owner = types.SimpleNamespace(
-        video_processor=types.SimpleNamespace(merge_size=MERGE),
-        audio_bos_token="s",
-        audio_eos_token="e",
-        video_token="v",
-        audio_token="a",
-    )
-    return Qwen3OmniMoeProcessor.replace_video_with_audio_token(
-        owner,
-        {"video_grid_thw": np.array([grid]), "video_second_per_grid": [seconds]},
-        0,
-        {"num_audio_tokens": [audio_tokens]},
-        0,
-        position_id_per_seconds=Qwen3OmniMoeProcessor.position_id_per_seconds,
-    )
-
-
 def video_with_audio(grid: tuple[int, int, int], seconds: float, frames: int) -> list[int]:
-    """:func:`reference_interleave` of a clip of ``frames`` mel frames, in the chat template's
-    vision start and end."""
-    chars = {"s": AS, "e": AE, "v": CFG.video_token_id, "a": CFG.audio_token_id}
-    layout = reference_interleave(grid, seconds, int(_get_feat_extract_output_lengths(frames, N_WINDOW)))
-    return [VS] + [chars[c] for c in layout] + [VE]
+    """The processor's own interleaving (:func:`parity.qwen3_video_audio_layout`) of a clip of
+    ``frames`` mel frames, in the chat template's vision start and end."""
+    chars = {"B": VS, "E": VE, "s": AS, "e": AE, "v": CFG.video_token_id, "a": CFG.audio_token_id}
+    tokens = int(_get_feat_extract_output_lengths(frames, N_WINDOW))
+    return [chars[c] for c in qwen3_video_audio_layout(grid, seconds, tokens, merge=MERGE)]
 
 
 CASES = {
@@ -231,7 +213,9 @@ def test_interleaving_is_the_processors(
 ) -> None:
     p = processor
     chars = {"s": p.audio_bos_id, "e": p.audio_eos_id, "v": p.video_id, "a": p.audio_id}
-    want = [chars[c] for c in reference_interleave(grid, seconds, audio_tokens)]
+    layout = qwen3_video_audio_layout(grid, seconds, audio_tokens, merge=MERGE)
+    assert layout[0] == "B" and layout[-1] == "E"
+    want = [chars[c] for c in layout[1:-1]]
     assert p.interleaved(grid, seconds, audio_tokens) == want
 
 
@@ -240,12 +224,20 @@ def test_audio_features_and_counts_are_the_processors(processor: Qwen3OmniProces
     longer clip, whose last frames so differ from a 30 s padding), each expanded to its count."""
     rng = np.random.default_rng(0)
     clips = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (36_800, 7_040)]
-    owner = types.SimpleNamespace(
-        feature_extractor=processor.feature_extractor,
-        n_window=N_WINDOW,
-        replace_audio_token=lambda inputs, audio_idx: "",
-    )
-    want, _ = Qwen3OmniMoeProcessor._process_audio(owner, clips, **Qwen3OmniMoeProcessor.audio_kwargs)
+    if hasattr(Qwen3OmniMoeProcessor, "audio_kwargs"):  # transformers 5.24: its _process_audio
+        owner = types.SimpleNamespace(
+            feature_extractor=processor.feature_extractor,
+            n_window=N_WINDOW,
+            replace_audio_token=lambda inputs, audio_idx: "",
+        )
+        want, _ = Qwen3OmniMoeProcessor._process_audio(owner, clips, **Qwen3OmniMoeProcessor.audio_kwargs)
+    else:  # transformers 5.17: the same steps inline in __call__, its kwargs in the defaults
+        kwargs = dict(Qwen3OmniMoeProcessorKwargs._defaults["audio_kwargs"])
+        n_window = kwargs.pop("n_window")
+        want = processor.feature_extractor(clips, **kwargs)
+        want["feature_attention_mask"] = want.pop("attention_mask")
+        counts = want["feature_attention_mask"].sum(-1)
+        want["num_audio_tokens"] = _get_feat_extract_output_lengths(counts, n_window)
     got = processor.audio_features(clips)
     for i, features in enumerate(got):
         frames = int(want["feature_attention_mask"][i].sum())

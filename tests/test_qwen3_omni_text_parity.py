@@ -42,6 +42,7 @@ from omni_jax.models.qwen3_omni.text_decoder import (
 )
 from omni_jax.safetensors_io import iter_checkpoint
 from omni_jax.testing import randomize_weights
+from omni_jax.testing_qwen3_omni import thinker_part
 
 RTOL = 1e-5  # float32, same math as the reference (the MoE sums its k experts in another order)
 VOCAB, D, LAYERS, PAGE = 128, 64, 4, 4
@@ -110,7 +111,7 @@ Pair = tuple[HFThinker, Qwen3OmniTextLM]
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     torch.manual_seed(0)
     hf = HFThinker(tiny_thinker_config()).eval()
-    randomize_text_model(hf.model.language_model, hf.lm_head)
+    randomize_text_model(thinker_part(hf, "language_model"), hf.lm_head)
     path = tmp_path_factory.mktemp("qwen3_omni_thinker")
     hf.save_pretrained(path)
     spec = Qwen3OmniTextSpec.from_hf(hf.config.text_config, tie_word_embeddings=hf.config.tie_word_embeddings)
@@ -134,7 +135,7 @@ def reference(
     """``(logits, final hidden)`` of ``Qwen3OmniMoeThinkerTextModel`` + ``lm_head`` for
     ``embeds [B, T, D]``, with 3-D ``positions [3, B, T]`` and DeepStack features when given."""
     with torch.no_grad():
-        out = hf.model.language_model(
+        out = thinker_part(hf, "language_model")(
             inputs_embeds=torch.from_numpy(embeds),
             position_ids=None if positions is None else torch.from_numpy(positions),
             visual_pos_masks=None if visual is None else torch.from_numpy(visual),
@@ -145,7 +146,7 @@ def reference(
 
 def token_embeds(hf: HFThinker, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
-        return hf.model.language_model.embed_tokens(torch.tensor([ids])).numpy()
+        return thinker_part(hf, "language_model").embed_tokens(torch.tensor([ids])).numpy()
 
 
 def test_ragged_batch_prefill_and_greedy_decode_match_transformers(pair: Pair) -> None:

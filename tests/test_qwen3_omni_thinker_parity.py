@@ -11,7 +11,7 @@ steps on its cache: every position's logits and the greedy tokens must agree.
 
 from __future__ import annotations
 
-import types
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import chunk_metadata, random_tokens, randomize_moe_layers, rel_err
+from parity import chunk_metadata, qwen3_video_audio_layout, random_tokens, randomize_moe_layers, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeThinkerForConditionalGeneration as HFThinker,
 )
-from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.models.loading import build_model
@@ -45,6 +44,7 @@ from omni_jax.models.qwen3_omni.thinker import (
 from omni_jax.models.qwen3_omni.vision_encoder import prepare_vision_batch
 from omni_jax.safetensors_io import iter_checkpoint
 from omni_jax.testing import randomize_weights
+from omni_jax.testing_qwen3_omni import THINKER_PARTS, thinker_part
 
 RTOL = 1e-5  # float32, same math as the reference
 VOCAB, D, MEL = 160, 64, 16
@@ -112,9 +112,10 @@ def tiny_thinker_config() -> Qwen3OmniMoeThinkerConfig:
 def randomize(hf: HFThinker) -> None:
     """Weights ~ 1/sqrt(fan_in) everywhere (the experts' fan-in is their last axis), router
     logits of order 3 so routing is decided by the signal, a peaky head so greedy choices are."""
-    randomize_weights(hf.model, 1.0)
+    for name in THINKER_PARTS:
+        randomize_weights(thinker_part(hf, name), 1.0)
     randomize_weights(hf.lm_head, 4.0)
-    randomize_moe_layers(hf.model.language_model.layers)
+    randomize_moe_layers(thinker_part(hf, "language_model").layers)
 
 
 Pair = tuple[HFThinker, Thinker, Path]
@@ -162,24 +163,9 @@ def video_span(grid: tuple[int, int, int]) -> list[int]:
 
 
 def video_with_audio_span(grid: tuple[int, int, int], seconds: float, frames: int) -> list[int]:
-    """The processor's own interleaving (``replace_video_with_audio_token``) in vision brackets."""
-    owner = types.SimpleNamespace(
-        video_processor=types.SimpleNamespace(merge_size=2),
-        audio_bos_token="s",
-        audio_eos_token="e",
-        video_token="v",
-        audio_token="a",
-    )
-    layout = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
-        owner,
-        {"video_grid_thw": np.array([grid]), "video_second_per_grid": [seconds]},
-        0,
-        {"num_audio_tokens": [audio_token_count(frames, 50)]},
-        0,
-        position_id_per_seconds=13,
-    )
-    chars = {"s": A_START, "e": A_END, "v": VIDEO, "a": AUDIO}
-    return [V_START] + [chars[c] for c in layout] + [V_END]
+    """The processor's own interleaving (:func:`parity.qwen3_video_audio_layout`) in vision brackets."""
+    chars = {"B": V_START, "E": V_END, "s": A_START, "e": A_END, "v": VIDEO, "a": AUDIO}
+    return [chars[c] for c in qwen3_video_audio_layout(grid, seconds, audio_token_count(frames, 50))]
 
 
 class Prompt:
@@ -277,6 +263,11 @@ PROMPTS = {
 # -- the two sides ---------------------------------------------------------------------------
 
 
+CACHE = "cache" if "cache" in inspect.signature(HFThinker.forward).parameters else "past_key_values"
+"""The reference's KV-cache argument and output field: ``cache`` in transformers 5.24,
+``past_key_values`` in 5.17."""
+
+
 def reference_greedy(hf: HFThinker, prompt: Prompt) -> tuple[np.ndarray, list[int]]:
     """The reference's prefill (its encoders, merge, DeepStack and positions) and greedy decode
     steps on its cache: ``(logits [P + steps - 1, V], generated tokens)``."""
@@ -288,12 +279,12 @@ def reference_greedy(hf: HFThinker, prompt: Prompt) -> tuple[np.ndarray, list[in
             use_cache=True,
             **prompt.reference_inputs(),
         )
-        logits, cache = [out.logits[0].numpy()], out.cache
+        logits, cache = [out.logits[0].numpy()], getattr(out, CACHE)
         tokens = [int(np.argmax(logits[-1][-1]))]
         for _ in range(DECODE_STEPS - 1):
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+            out = hf(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **{CACHE: cache})
             logits.append(out.logits[0].numpy())
-            cache = out.cache
+            cache = getattr(out, CACHE)
             tokens.append(int(np.argmax(logits[-1][-1])))
     return np.concatenate(logits), tokens
 
