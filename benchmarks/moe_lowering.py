@@ -4,11 +4,12 @@ formulation of the experts and lowering of ``jax.lax.ragged_dot``.
 Our block (:class:`omni_jax.models.moe.SparseMoeBlock`) runs each projection either as one
 grouped matmul, ``ragged_dot`` (``grouped``), whose speed is the backend's lowering, or as
 every expert on every row (``dense``, ``E / k`` times the routed FLOPs in plain matmuls);
-``OMNI_JAX_MOE`` picks, else :func:`omni_jax.models.moe.expert_path` (dense on CPUs). On a GPU,
-XLA's default lowering of ``ragged_dot`` may be a masked dense product over every expert for
-every routed row (``E`` times the routed FLOPs), while
-``jax_ragged_dot_use_gpu_pallas_triton_lowering`` makes it a grouped GEMM. This measures the
-three (grouped with either lowering, dense), at the released thinker's widths by default
+``OMNI_JAX_MOE`` picks, else :func:`omni_jax.models.moe.expert_path` (grouped on TPUs, dense
+elsewhere). On a GPU, XLA's default lowering of ``ragged_dot`` is a masked dense product over
+every expert for every routed row (``E`` times the routed FLOPs), while
+``jax_ragged_dot_use_gpu_pallas_triton_lowering`` would make it a grouped GEMM (a lowering this
+jax cannot build is reported as such in its row: jax 0.11.2's wheel lacks the module). This
+measures the three (grouped with either lowering, dense), at the released thinker's widths by default
 (hidden 2048, experts of width 768, 128 experts, top 8), for several token counts (a decode
 step's rows up to a prefill chunk's), and transformers' block on the same weights with each of
 its experts implementations it can run here (``eager``: a loop over the hit experts; ``grouped_mm`` /
@@ -35,6 +36,7 @@ import torch
 from flax import nnx
 
 from benchmarks.harness import torch_device, torch_synchronize
+from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.moe import EXPERT_RULES, MOE_SWITCH, MoESpec, SparseMoeBlock, stack_expert_arrays
 
@@ -89,7 +91,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         EXPERT_RULES,
     )
     graph, state = nnx.split(ours)
+
+    def exactly(s: nnx.State, v: jax.Array) -> jax.Array:
+        """Our block as the engine traces it: float32 products at full precision (not TF32)."""
+        with exact_matmuls(compute_dtype(s)):
+            return nnx.merge(graph, s)(v)
+
     ref = ref.to(device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products on both sides
     rows: list[dict[str, Any]] = []
     for n in args.tokens:
         x = np.random.default_rng(n).standard_normal((n, args.hidden), dtype=np.float32)
@@ -119,10 +128,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for lowering, (path, flag) in LOWERINGS.items():
             os.environ[MOE_SWITCH] = path
             jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", flag)
-            fn = jax.jit(lambda s, v: nnx.merge(graph, s)(v))  # a fresh jit: both are read when tracing
+            fn = jax.jit(exactly)  # a fresh jit: both are read when tracing
             xs = jnp.asarray(x)
             start = time.perf_counter()
-            out = np.asarray(jax.block_until_ready(fn(state, xs)))
+            try:
+                out = np.asarray(jax.block_until_ready(fn(state, xs)))
+            except (ModuleNotFoundError, NotImplementedError, RuntimeError) as e:
+                # A lowering this jax cannot build here (jax 0.11.2 lacks the Pallas Triton one).
+                row[lowering] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                continue
             compile_s = time.perf_counter() - start
             ms = best_ms(lambda fn=fn, xs=xs: jax.block_until_ready(fn(state, xs)), args.repeats)
             row[lowering] = {
@@ -146,7 +160,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def table_row(row: dict[str, Any]) -> str:
     ours = "  ".join(
-        f"{k}: {r['ms']:8.3f} ms {r['routed_tflops']:7.2f} TFLOP/s x{r['vs_transformers']:.2f} "
+        f"{k}: cannot run here ({r['error']})"
+        if "error" in r
+        else f"{k}: {r['ms']:8.3f} ms {r['routed_tflops']:7.2f} TFLOP/s x{r['vs_transformers']:.2f} "
         f"(diff {r['max_abs_diff']:.1e}, compile {r['compile_s']:.1f} s)"
         for k, r in ((k, row[k]) for k in LOWERINGS)
     )

@@ -168,12 +168,14 @@ def test_route_matches_the_reference_router() -> None:
 
 
 def test_expert_path_follows_the_switch_and_the_backend(monkeypatch) -> None:
-    """Unset or ``auto``: dense on a CPU backend (its ragged_dot is E times the routed FLOPs),
-    grouped elsewhere; a named path is taken as named; anything else is refused."""
+    """Unset or ``auto``: grouped on a TPU (its ragged dot is a grouped GEMM), dense on CPUs and
+    GPUs (theirs is E times the routed FLOPs); a named path is taken as named; anything else is
+    refused."""
+    auto = "grouped" if jax.default_backend() == "tpu" else "dense"
     monkeypatch.delenv(MOE_SWITCH, raising=False)
-    assert expert_path() == ("dense" if jax.default_backend() == "cpu" else "grouped")
+    assert expert_path() == auto
     monkeypatch.setenv(MOE_SWITCH, "auto")
-    assert expert_path() == ("dense" if jax.default_backend() == "cpu" else "grouped")
+    assert expert_path() == auto
     monkeypatch.setenv(MOE_SWITCH, "sparse")
     with pytest.raises(ValueError, match="OMNI_JAX_MOE='sparse': expected grouped, dense or auto"):
         expert_path()

@@ -17,14 +17,14 @@ Why a grouped matmul: it is the one formulation whose cost is the chosen experts
 whose memory is the activations' (a per-token gather of expert weights reads ``N * k`` weight
 matrices; computing every expert for every token costs ``E / k`` times the FLOPs). How fast it
 runs is the backend's lowering of ``ragged_dot``: a grouped GEMM on TPUs (the ragged-dot
-instruction) and on GPUs with JAX's Pallas Triton lowering
-(``jax_ragged_dot_use_gpu_pallas_triton_lowering``) or an XLA with a grouped-GEMM ragged dot;
-otherwise, as on CPUs, XLA expands it into an exact masked dense product over all experts
+instruction); on CPUs, and on GPUs with jax 0.11 (whose Pallas Triton lowering,
+``jax_ragged_dot_use_gpu_pallas_triton_lowering``, is missing from the wheel: it raises
+``ModuleNotFoundError``), XLA expands it into an exact masked dense product over all experts
 (``E`` times the FLOPs, ``E * N * k * D`` temporary values). Where that is so, the block runs
 every expert on every row instead (:func:`dense_experts`: plain matmuls, ``E / k`` times the
 routed FLOPs, ``E * N * I`` temporary values) and weights each expert's output by the row's
-routing weight for it, zero where it was not chosen. :func:`expert_path` picks: ``dense`` on
-CPUs, ``grouped`` elsewhere, or what ``OMNI_JAX_MOE`` says. The numbers are the same either way
+routing weight for it, zero where it was not chosen. :func:`expert_path` picks: ``grouped`` on
+TPUs, ``dense`` elsewhere, or what ``OMNI_JAX_MOE`` says. The numbers are the same either way
 (float32: up to summation order).
 
 Experts are stored stacked, ``gate_proj``/``up_proj`` ``[E, D, I]`` and ``down_proj``
@@ -96,16 +96,17 @@ MOE_SWITCH = "OMNI_JAX_MOE"
 
 
 def expert_path() -> str:
-    """How the experts run: ``OMNI_JAX_MOE`` when it names a formulation, else ``dense`` on a CPU
-    backend (whose ``ragged_dot`` is a masked dense product over every expert for every routed
-    row, ``E`` times the routed FLOPs, against ``E / k`` for dense) and ``grouped``
-    (``ragged_dot``) elsewhere. ``ValueError`` on another value."""
+    """How the experts run: ``OMNI_JAX_MOE`` when it names a formulation, else ``grouped``
+    (``ragged_dot``) on TPUs, whose ragged dot is a grouped GEMM, and ``dense`` on CPUs and GPUs,
+    whose ``ragged_dot`` XLA lowers to a masked dense product over every expert for every routed
+    row (``E`` times the routed FLOPs, against ``E / k`` for dense; on an H200 at Qwen3-Omni's
+    widths it was slower from 128 rows up, RESULTS.md). ``ValueError`` on another value."""
     asked = os.environ.get(MOE_SWITCH, "auto")
     if asked not in ("auto", "grouped", "dense"):
         raise ValueError(f"{MOE_SWITCH}={asked!r}: expected grouped, dense or auto")
     if asked != "auto":
         return asked
-    return "dense" if jax.default_backend() == "cpu" else "grouped"
+    return "grouped" if jax.default_backend() == "tpu" else "dense"
 
 
 def route(
