@@ -5,16 +5,18 @@
 #   moe       the MoE block's formulations (grouped ragged_dot, XLA or Pallas Triton lowering;
 #             dense) at Qwen3-Omni's widths against transformers (benchmarks/moe_lowering.py);
 #   shaped    the real-width AR suite (benchmarks/shaped_suite.py, transformers on the same shapes);
+#   compile   one code2wav program's compile time, whole and in parts, with and without XLA's GPU
+#             autotuning (benchmarks/compile_time.py);
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
 #             token2wav on the same GPU (benchmarks/code2wav_suite.py);
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
-# MOE_S, SHAPED_S, C2W_S and TESTS_S bound the parts (seconds), TESTS names test files (default:
+# MOE_S, SHAPED_S, COMPILE_S, C2W_S and TESTS_S bound the parts (seconds), TESTS names test files (default:
 # all), WORKERS pytest-xdist's, C2W_BATCHES the code2wav batch sizes, REFERENCE= (empty) leaves
 # transformers out of the shaped and code2wav parts.
 set -u
 OUT=${OUT:-/tmp/omni_jax_gpu}
-PARTS=${PARTS:-moe shaped code2wav tests}
+PARTS=${PARTS:-moe shaped compile code2wav tests}
 mkdir -p "$OUT"
 # JAX and torch share the GPU in the suites that run both: neither may take it all up front.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD \
@@ -43,6 +45,14 @@ shaped() {
   echo "shaped suite exit $?"
   grep -E "^(ours|transformers)" "$OUT/shaped.log"
   tail -5 "$OUT/shaped.log"
+}
+
+compile() {
+  echo "== code2wav compile time (limit ${COMPILE_S:-240}s)"
+  timeout -s INT "${COMPILE_S:-240}" python3 -m benchmarks.compile_time --codes 32 \
+    --option xla_gpu_autotune_level=0 --json "$OUT/compile.json" >"$OUT/compile.log" 2>&1
+  echo "compile time exit $?"
+  grep -E "lower_s" "$OUT/compile.log"
 }
 
 code2wav() {

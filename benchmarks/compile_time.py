@@ -1,0 +1,134 @@
+"""``python -m benchmarks.compile_time``: how long one code2wav program takes to compile, whole and
+in its two parts, on this backend.
+
+A pipeline's ``warmup()`` compiles one Qwen2.5-Omni token2wav program per bucket shape; on a GPU
+each took about a minute (RESULTS.md), which makes start-up the cost to cut. This lowers and
+compiles, for one ``rows x codes`` shape of a token2wav with ``small``'s widths by default
+(:data:`benchmarks.models.SMALL_TOKEN2WAV`; ``--tiny``: the test checkpoints'), three programs
+with random weights: the whole solve (``token2wav_compiled``: the DiT's ODE loop, then the
+vocoder), the DiT solve alone and the vocoder alone, each timed as lowering (tracing and
+StableHLO, Python) apart from XLA's compilation, and each compiled again under every
+``--option`` (an XLA compiler option, e.g. ``xla_gpu_autotune_level=0``) so that a flag's effect is
+measured in the same run. Nothing runs on the device but the weights' initialisation. ``--json``
+writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniToken2WavConfig
+
+from benchmarks.harness import device, versions
+from benchmarks.models import SMALL_TOKEN2WAV
+from omni_jax.jit import StaticGraph, exact_matmuls
+from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, sample_mel, token2wav_compiled
+from omni_jax.testing import TINY_BIGVGAN_CONFIG, TINY_DIT_CONFIG
+
+REFERENCE_FRAMES = 300
+"""Reference-mel frames of the solve (a voice's prompt mel; the stage pads every voice's to one
+length)."""
+
+
+def parse_option(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--option {text!r}: expected NAME=VALUE")
+    return name, value
+
+
+def timed_compile(lowered: jax.stages.Lowered, options: dict[str, str]) -> float:
+    start = time.perf_counter()
+    lowered.compile(compiler_options=options or None)
+    return time.perf_counter() - start
+
+
+def programs(
+    model: Token2Wav, speaker_dim: int, rows: int, codes: int
+) -> dict[str, Callable[[], jax.stages.Lowered]]:
+    """The three programs' lowerings, each a thunk (lowering is part of what is timed);
+    ``speaker_dim``: the width of a voice's speaker vector (the DiT's ``enc_emb_dim``)."""
+    graph, state = nnx.split(model)
+    dit = model.dit
+    inputs = (
+        jnp.zeros((rows, codes), jnp.int32),
+        jnp.ones(rows, jnp.int32),
+        jnp.zeros((rows, speaker_dim), jnp.float32),
+        jnp.zeros((rows, REFERENCE_FRAMES, dit.mel_dim), jnp.float32),
+        jnp.ones(rows, jnp.int32),
+        jnp.zeros((rows, codes * dit.repeats, dit.mel_dim), jnp.float32),
+        jnp.ones(rows, jnp.int32),
+        jnp.zeros(rows, jnp.float32),
+        jnp.zeros(rows, jnp.float32),
+    )
+    mel = jnp.zeros((rows, codes * dit.repeats, dit.mel_dim), jnp.float32)
+
+    @jax.jit
+    def vocoder(state: nnx.State, mel: jax.Array, frames: jax.Array) -> jax.Array:
+        with exact_matmuls(jnp.float32):
+            return nnx.merge(graph, state).bigvgan(mel, frames)
+
+    @jax.jit
+    def dit_solve(state: nnx.State, *solve_inputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        with exact_matmuls(jnp.float32):
+            return sample_mel(nnx.merge(graph, state).dit, *solve_inputs, True)
+
+    return {
+        "whole solve": lambda: token2wav_compiled.lower(StaticGraph(graph), state, *inputs, True),
+        "dit solve": lambda: dit_solve.lower(state, *inputs),
+        "vocoder": lambda: vocoder.lower(state, mel, jnp.ones(rows, jnp.int32)),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    tiny = dict(dit_config=TINY_DIT_CONFIG, bigvgan_config=TINY_BIGVGAN_CONFIG)
+    t2w = tiny if args.tiny else SMALL_TOKEN2WAV
+    start = time.perf_counter()
+    config = Qwen2_5OmniToken2WavConfig(**t2w)
+    model = Token2Wav(config, rngs=nnx.Rngs(0))
+    init_s = time.perf_counter() - start
+    options = dict(args.option)
+    rows: list[dict[str, Any]] = []
+    for name, lower in programs(model, config.dit_config.enc_emb_dim, args.rows, args.codes).items():
+        start = time.perf_counter()
+        lowered = lower()
+        lower_s = time.perf_counter() - start
+        row = {"program": name, "lower_s": lower_s, "compile_s": timed_compile(lowered, {})}
+        for key, value in options.items():
+            row[f"compile_s[{key}={value}]"] = timed_compile(lowered, {key: value})
+        rows.append(row)
+        print("  ".join(f"{k} {v:.1f} s" if isinstance(v, float) else v for k, v in row.items()), flush=True)
+    return {
+        "device": device(),
+        "versions": versions(),
+        "model": "tiny" if args.tiny else "small",
+        "shape": {"rows": args.rows, "codes": args.codes, "reference_frames": REFERENCE_FRAMES},
+        "init_s": init_s,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--codes", type=int, default=32)
+    p.add_argument("--tiny", action="store_true", help="the test checkpoints' token2wav widths")
+    p.add_argument("--option", type=parse_option, action="append", default=[], help="NAME=VALUE, repeatable")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    result = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
