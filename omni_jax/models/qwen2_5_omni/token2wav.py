@@ -1,7 +1,8 @@
 """Qwen2.5-Omni code2wav: codec tokens -> mel (DiT flow matching, RK4, CFG) -> waveform (BigVGAN).
 
-The whole solve is one XLA program: the RK4 steps run in a ``lax.fori_loop`` whose trip count is
-a traced value, so changing ``num_steps`` does not recompile. Every per-request knob
+The whole solve is one XLA program: the RK4 steps run in a ``lax.fori_loop``, one stage (one DiT
+call) an iteration, whose trip count is a traced value, so changing ``num_steps`` does not
+recompile. Every per-request knob
 (``num_steps``, ``guidance_scale``, ``sway_coefficient``) may differ across the batch; each
 request follows its own time grid and stops updating after its own last step, so its result is
 the one it gets alone.
@@ -154,20 +155,34 @@ def sample_mel(
 
     third, two_thirds = 1 / 3, 2 / 3
 
-    def rk4_step(i: jax.Array, x: jax.Array) -> jax.Array:
-        """One 3/8-rule RK4 step from grid point ``i`` to ``i + 1``, in the reference's op order."""
+    def rk4_stage(s: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        """Stage ``s % 4`` of the 3/8-rule RK4 step from grid point ``s // 4`` to the next, in
+        the reference's op order: one velocity (one DiT call) per iteration, so the program holds
+        the DiT once, not four times (XLA's compile time grows with the program, and on a GPU a
+        code2wav program's DiT solve was most of it). The stage's input and time are chosen
+        among the four formulas, each computed as the reference computes it."""
+        x, k1, k2, k3 = carry
+        i, stage = s // 4, s % 4
         t0 = time_point(i, num_steps, sway)
         t1 = time_point(i + 1, num_steps, sway)
         dt_t = t1 - t0
         dt = dt_t[:, None, None]
-        k1 = velocity(t0, x)
-        k2 = velocity(t0 + dt_t * third, x + dt * k1 * third)
-        k3 = velocity(t0 + dt_t * two_thirds, x + dt * (k2 - k1 * third))
-        k4 = velocity(t1, x + dt * (k1 - k2 + k3))
-        x_next = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
-        return jnp.where((i < num_steps - 1)[:, None, None], x_next, x)
+        t_in = jnp.select(
+            [stage == 0, stage == 1, stage == 2], [t0, t0 + dt_t * third, t0 + dt_t * two_thirds], t1
+        )
+        x_in = jnp.select(
+            [stage == 0, stage == 1, stage == 2],
+            [x, x + dt * k1 * third, x + dt * (k2 - k1 * third)],
+            x + dt * (k1 - k2 + k3),
+        )
+        k = velocity(t_in, x_in)
+        x_next = x + (k1 + 3 * (k2 + k3) + k) * dt / 8
+        x = jnp.where((stage == 3) & (i < num_steps - 1)[:, None, None], x_next, x)
+        return x, jnp.where(stage == 0, k, k1), jnp.where(stage == 1, k, k2), jnp.where(stage == 2, k, k3)
 
-    mel = jax.lax.fori_loop(0, jnp.max(num_steps) - 1, rk4_step, initial_noise)
+    zeros = jnp.zeros_like(initial_noise)
+    start = (initial_noise, zeros, zeros, zeros)
+    mel = jax.lax.fori_loop(0, 4 * (jnp.max(num_steps) - 1), rk4_stage, start)[0]
     valid = jnp.arange(mel.shape[1])[None, :, None] < frames[:, None, None]
     return jnp.where(valid, mel, 0.0), frames
 
