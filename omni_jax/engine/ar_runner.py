@@ -53,6 +53,7 @@ from omni_jax.engine.buckets import (
     max_token_rows,
     round_up,
 )
+from omni_jax.engine.compilation import ProgramCall, compile_ahead
 from omni_jax.engine.kv_cache import CacheConfig, init_kv_cache, pages_needed
 from omni_jax.engine.sampling import SamplingTensors, draw_tokens, pack_sampling, top_logprobs
 from omni_jax.engine.step import FlatStep, StepInputs, StepResult, StepRow, TokenInputs
@@ -301,8 +302,9 @@ class ARRunner:
         return sorted({self.sequences(n) for n, _ in self.step_shapes()})
 
     def warmup(self) -> int:
-        """Compile every program: the forward for each :meth:`step_shapes`, and per
-        :meth:`sequence_buckets` the sampler's greedy, sampling and penalty forms, the
+        """Compile every program: the forward for each :meth:`step_shapes` (side by side,
+        :func:`compile_ahead`, then each run once), and per :meth:`sequence_buckets` the
+        sampler's greedy, sampling and penalty forms, the
         log-probabilities and the draw hook's forms; then the scrub. Returns the number of
         programs.
 
@@ -310,6 +312,7 @@ class ARRunner:
         cache is untouched.
         """
         out_of: dict[int, tuple[jax.Array, Any]] = {}  # one forward's logits and last rows per bucket
+        compile_ahead([self._forward_program(*self._pack([], n, p)) for n, p in self.step_shapes()])
         for n, p in self.step_shapes():
             logits, _, _, last = self._run_forward(*self._pack([], n, p))
             out_of[self.sequences(n)] = logits, last
@@ -378,25 +381,33 @@ class ARRunner:
         host: Sequence[tuple[Any, int | None]],
         **static: Any,
     ) -> Any:
-        """``fn(*placed, *host, **static)``; on a mesh, each host array is put with its rows
-        (axis given beside it, ``None``: replicated) split over ``data``."""
-        if self.mesh is None:
-            return fn(*placed, *(a for a, _ in host), **static)
-        with jax.set_mesh(self.mesh):  # kernels that need the mesh (shard_map) read it here
-            args = [
-                put(a, NamedSharding(self.mesh, P() if axis is None else P(*[None] * axis, "data")))
-                for a, axis in host
-            ]
-            return fn(*placed, *args, **static)
+        """``fn(*placed, *host, **static)``: :meth:`_program`'s call, made."""
+        return self._program(fn, placed, host, **static)()
 
-    def _run_forward(
+    def _program(
+        self,
+        fn: Callable[..., Any],
+        placed: Sequence[Any],
+        host: Sequence[tuple[Any, int | None]],
+        **static: Any,
+    ) -> ProgramCall:
+        """The call ``fn(*placed, *host, **static)``; on a mesh, each host array is put with its
+        rows (axis given beside it, ``None``: replicated) split over ``data``, and the call is
+        traced and run under the mesh (kernels that need it, shard_map, read it there)."""
+        if self.mesh is None:
+            return ProgramCall(fn, (*placed, *(a for a, _ in host)), static)
+        args = [
+            put(a, NamedSharding(self.mesh, P() if axis is None else P(*[None] * axis, "data")))
+            for a, axis in host
+        ]
+        return ProgramCall(fn, (*placed, *args), static, mesh=self.mesh)
+
+    def _forward_program(
         self, tokens: Any, positions: Any, step: FlatStep, last: Any, extra: Any
-    ) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
-        """The forward program: ``(logits [S, V], finite [S], (hidden, embeds) or None, the
-        final hidden state of each sequence's last token [S, D] when a draw hook reads it)``,
-        all on device; the cache is replaced by the donated result."""
+    ) -> ProgramCall:
+        """The forward's call on these host inputs (:meth:`_pack`'s) and the current cache."""
         host = [(tokens, 0), (positions, len(self.position_shape)), (step, 0), (last, 0), (extra, None)]
-        logits, finite, hidden, last_rows, self.kv_cache = self._on_mesh(
+        return self._program(
             self._forward,
             [self._leaves, self.kv_cache],
             host,
@@ -406,6 +417,16 @@ class ARRunner:
             capture_layer=self.capture_layer,
             last_hidden=self.draw_hook is not None,
         )
+
+    def _run_forward(
+        self, tokens: Any, positions: Any, step: FlatStep, last: Any, extra: Any
+    ) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
+        """The forward program: ``(logits [S, V], finite [S], (hidden, embeds) or None, the
+        final hidden state of each sequence's last token [S, D] when a draw hook reads it)``,
+        all on device; the cache is replaced by the donated result."""
+        logits, finite, hidden, last_rows, self.kv_cache = self._forward_program(
+            tokens, positions, step, last, extra
+        )()
         return logits, finite, hidden, last_rows
 
     def _run_after(self, hidden: jax.Array | None, tokens: jax.Array, inputs: Any) -> Any:

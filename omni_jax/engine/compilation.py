@@ -4,6 +4,7 @@ warm-up, and a counter that proves "compile once" (the static handle for a modul
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -14,6 +15,7 @@ from typing import Any
 
 import jax
 from jax import monitoring
+from jax.sharding import Mesh
 
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -50,12 +52,18 @@ class ProgramCall:
     fn: Any  # a jax.jit-wrapped function (its ``lower`` and its call)
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    mesh: Mesh | None = None  # traced and run under ``jax.set_mesh`` (kernels that read it)
+
+    def _context(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def __call__(self) -> Any:
-        return self.fn(*self.args, **self.kwargs)
+        with self._context():
+            return self.fn(*self.args, **self.kwargs)
 
     def compile(self) -> None:
-        self.fn.lower(*self.args, **self.kwargs).compile()
+        with self._context():
+            self.fn.lower(*self.args, **self.kwargs).compile()
 
 
 def compile_threads(programs: int) -> int:
