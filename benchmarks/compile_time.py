@@ -17,7 +17,6 @@ points, guided), so that a change made for compile time is seen not to cost run 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ import numpy as np
 from flax import nnx
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniToken2WavConfig
 
-from benchmarks.harness import device, versions
+from benchmarks.harness import device, versions, write_json
 from benchmarks.models import SMALL_TOKEN2WAV
 from omni_jax.jit import StaticGraph, exact_matmuls
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, sample_mel, token2wav_compiled
@@ -157,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--option", type=parse_option, action="append", default=[], help="NAME=VALUE, repeatable")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    result = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, run(args))
     return 0
 
 

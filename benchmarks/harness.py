@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import json
 import math
 import os
 import platform
@@ -93,6 +94,13 @@ def set_threads() -> None:
     except ImportError:
         return
     torch.set_num_threads(cores())
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    """``result`` as indented JSON at ``path``; nothing when no path was asked for."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 def torch_device() -> str:

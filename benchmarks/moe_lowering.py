@@ -23,7 +23,6 @@ of our outputs from transformers' (float32 by default, so the lowerings must agr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from benchmarks.harness import torch_device, torch_synchronize
+from benchmarks.harness import torch_device, torch_synchronize, write_json
 from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.moe import EXPERT_RULES, MOE_SWITCH, MoESpec, SparseMoeBlock, stack_expert_arrays
@@ -182,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    result = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, run(args))
     return 0
 
 

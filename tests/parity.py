@@ -142,6 +142,23 @@ QWEN3_OMNI_POSITIONS_PER_SECOND = 13
 second of video or audio."""
 
 
+def placeholder_owner(merge: int, vision_bos: str = "B") -> types.SimpleNamespace:
+    """A stand-in ``self`` for an omni processor's placeholder methods, called unbound: merge
+    sizes and one-letter tokens (``vision_bos``/``E`` vision start/end, ``s``/``e`` audio
+    start/end, ``i``/``v``/``a`` image/video/audio), so the layout it writes reads as a string."""
+    return types.SimpleNamespace(
+        image_processor=types.SimpleNamespace(merge_size=merge),
+        video_processor=types.SimpleNamespace(merge_size=merge),
+        vision_bos_token=vision_bos,
+        vision_eos_token="E",
+        audio_bos_token="s",
+        audio_eos_token="e",
+        image_token="i",
+        video_token="v",
+        audio_token="a",
+    )
+
+
 def qwen3_video_audio_layout(
     grid: tuple[int, int, int], seconds: float, audio_tokens: int, merge: int = 2
 ) -> str:
@@ -151,17 +168,7 @@ def qwen3_video_audio_layout(
     (transformers 5.24), else the video branch of ``replace_multimodal_special_tokens`` (5.17)."""
     from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
-    owner = types.SimpleNamespace(
-        image_processor=types.SimpleNamespace(merge_size=merge),
-        video_processor=types.SimpleNamespace(merge_size=merge),
-        vision_bos_token="B",
-        vision_eos_token="E",
-        audio_bos_token="s",
-        audio_eos_token="e",
-        image_token="i",
-        video_token="v",
-        audio_token="a",
-    )
+    owner = placeholder_owner(merge)
     if hasattr(Qwen3OmniMoeProcessor, "replace_video_with_audio_token"):
         inner = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
             owner,

@@ -8,6 +8,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from parity import placeholder_owner
 from parity import random_tokens as text
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniThinkerConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
@@ -68,17 +69,7 @@ def video_with_audio(grid: tuple[int, int, int], seconds: float, frames: int) ->
     ``replace_video_with_audio_token``, or in transformers 5.17, which has no such method, the
     same code inside ``replace_multimodal_special_tokens`` (which also writes the vision start and end)."""
     chars = {"S": VS, "E": VE, "s": AS, "e": AE, "v": CFG.video_token_id, "a": CFG.audio_token_id}
-    owner = types.SimpleNamespace(
-        image_processor=types.SimpleNamespace(merge_size=MERGE),
-        video_processor=types.SimpleNamespace(merge_size=MERGE),
-        vision_bos_token="S",
-        vision_eos_token="E",
-        audio_bos_token="s",
-        audio_eos_token="e",
-        image_token="i",
-        video_token="v",
-        audio_token="a",
-    )
+    owner = placeholder_owner(MERGE, vision_bos="S")
     owner.get_chunked_index = functools.partial(Qwen2_5OmniProcessor.get_chunked_index, owner)
     num_audio = int(_get_feat_extract_output_lengths(frames))
     chunks = dict(

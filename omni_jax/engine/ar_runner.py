@@ -374,16 +374,6 @@ class ARRunner:
             history_len=self.geometry.max_model_len if history else 1,
         )
 
-    def _on_mesh(
-        self,
-        fn: Callable[..., Any],
-        placed: Sequence[Any],
-        host: Sequence[tuple[Any, int | None]],
-        **static: Any,
-    ) -> Any:
-        """``fn(*placed, *host, **static)``: :meth:`_program`'s call, made."""
-        return self._program(fn, placed, host, **static)()
-
     def _program(
         self,
         fn: Callable[..., Any],
@@ -433,13 +423,13 @@ class ARRunner:
         """The draw hook's program on a step's drawn ``tokens`` (a stage with a hook only)."""
         if self._after is None or hidden is None:
             raise RuntimeError("the draw hook's program runs only for a stage with a draw hook")
-        return self._on_mesh(self._after, [self._leaves, hidden, tokens], [(inputs, 0)])
+        return self._program(self._after, [self._leaves, hidden, tokens], [(inputs, 0)])()
 
     def _run_draw(self, logits: jax.Array, st: SamplingTensors, greedy: bool) -> jax.Array:
-        return self._on_mesh(self._draw, [logits], [(st, 0)], greedy=greedy)
+        return self._program(self._draw, [logits], [(st, 0)], greedy=greedy)()
 
     def _run_logprobs(self, logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self._on_mesh(self._logprobs, [logits, tokens], [])
+        return self._program(self._logprobs, [logits, tokens], [])()
 
     def embed_tokens(self, ids: Sequence[int]) -> np.ndarray:
         """``[len(ids), D]`` input embeddings of ``ids`` alone (no step inputs merged), for a
