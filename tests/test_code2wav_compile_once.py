@@ -4,7 +4,7 @@ after it no request mix traces or compiles anything (docs/ARCHITECTURE.md, "Comp
 The bucket set itself (rows, code ladder, one reference length) is checked without a model,
 and so is the grouping's promise: whatever the cost fit, every solve it makes has a shape of the
 set. The end-to-end check runs the tiny Qwen2.5-Omni's code2wav stage with a smaller solve limit
-(``max_batch`` 4, ``max_codes`` 64: nine offline programs, and six streamed chunk programs,
+(``max_batch`` 4, ``max_codes`` 48: six offline programs, and six streamed chunk programs,
 one per row count and window) so that its warm-up stays short; the full tiny limits give 28 offline
 programs, Qwen2.5-Omni-7B's 60 (checked on the bucket set).
 """
@@ -114,8 +114,8 @@ def test_reference_longer_than_the_bucket_is_refused() -> None:
         runner.pad([request("ok", 10), request("long-voice", 10, reference_frames=6)])
 
 
-SMALL = {"max_batch": 4, "max_codes": 64}
-"""The end-to-end stage's solve limits: rows 1, 2, 4 times codes 32, 48, 64."""
+SMALL = {"max_batch": 4, "max_codes": 48}
+"""The end-to-end stage's solve limits: rows 1, 2, 4 times codes 32, 48."""
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +141,11 @@ def warmed(omni_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[OmniJaxP
 def test_warmup_compiles_every_bucket(warmed) -> None:
     pipe, programs, counted = warmed
     buckets = pipe.stages[0].runner.buckets
-    assert (buckets.rows, buckets.lengths) == ((1, 2, 4), (32, 48, 64))
+    assert (buckets.rows, buckets.lengths) == ((1, 2, 4), (32, 48))
     # one offline solve program per shape, and one streamed chunk program per row count and
     # window (the first chunk's, the longest)
-    assert programs == len(buckets.shapes()) + len(pipe.stages[0].decoder.buckets.shapes()) == 9 + 6
-    assert token2wav_compiled._cache_size() == 9
+    assert programs == len(buckets.shapes()) + len(pipe.stages[0].decoder.buckets.shapes()) == 6 + 6
+    assert token2wav_compiled._cache_size() == 6
     assert token2wav_chunk_compiled._cache_size() == 6
     assert counted.compiles >= programs
 
@@ -184,7 +184,7 @@ def mixes() -> list[tuple[str, list[dict], list[Token2WavParams]]]:
             for i, n in enumerate(chunk)
         ]
         out.append((f"mixed {trial}", prompts, params))
-    unguided = [{"prompt_token_ids": codes(n, n)} for n in (5, 40, 64)]
+    unguided = [{"prompt_token_ids": codes(n, n)} for n in (5, 40, 48)]
     out.append(("unguided", unguided, [Token2WavParams(num_steps=2, guidance_scale=0.0, seed=3)] * 3))
     streamed = [{"prompt_token_ids": codes(n, n)} for n in (5, 40, 64, 100, 12, 33)]
     chunked = [
@@ -220,4 +220,4 @@ def test_nothing_compiles_after_warmup(warmed, overhead, monkeypatch: pytest.Mon
             assert out.error is None and out.finish_reason == "stop", (name, out.error)
             assert len(out.audio) == len(out.prompt_token_ids) * REPEATS * HOP, name
             assert np.isfinite(out.audio).all(), name
-    assert token2wav_compiled._cache_size() == 9
+    assert token2wav_compiled._cache_size() == 6
