@@ -126,5 +126,6 @@ def test_programs_compiled_ahead_are_the_ones_calls_run() -> None:
         outs = [call() for call in calls]
     assert ahead.compiles == len(calls)  # six distinct programs, none compiled before in this process
     assert after.traces == after.compiles == 0
-    np.testing.assert_allclose(np.asarray(outs[1]), np.tanh(np.full((3, 3), 24.0)) ** 2 * 2.0, rtol=1e-6)
+    # tanh(24) rounds to 1 in float32: (3 rows x 24 ones) @ its transpose, squared, times 2 is exactly 2
+    np.testing.assert_array_equal(np.asarray(outs[1]), np.full((3, 3), 2.0, np.float32))
     assert compile_threads(1) == 1 and 1 <= compile_threads(100) <= MAX_COMPILE_THREADS
