@@ -8,15 +8,19 @@
 #   compile   one code2wav program's compile time, whole and in parts, with and without XLA's GPU
 #             autotuning (benchmarks/compile_time.py);
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
-#             token2wav on the same GPU (benchmarks/code2wav_suite.py);
+#             token2wav on the same GPU (benchmarks/code2wav_suite.py), JAX's persistent
+#             compilation cache in $XLA_CACHE (a cold start: it begins empty);
+#   c2w_warm  the code2wav suite again, ours only, from the cache the code2wav part filled: the
+#             warm start's warm-up time;
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
 # MOE_S, SHAPED_S, COMPILE_S, C2W_S and TESTS_S bound the parts (seconds), TESTS names test files (default:
-# all), WORKERS pytest-xdist's, C2W_BATCHES the code2wav batch sizes, REFERENCE= (empty) leaves
-# transformers out of the shaped and code2wav parts.
+# all), WORKERS pytest-xdist's, C2W_BATCHES the code2wav batch sizes, C2W_MODEL its model (small),
+# REFERENCE= (empty) leaves transformers out of the shaped and code2wav parts.
 set -u
 OUT=${OUT:-/tmp/omni_jax_gpu}
 PARTS=${PARTS:-moe shaped compile code2wav tests}
+XLA_CACHE=${XLA_CACHE:-/tmp/omni_jax_xla_cache}
 mkdir -p "$OUT"
 # JAX and torch share the GPU in the suites that run both: neither may take it all up front.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD \
@@ -55,13 +59,23 @@ compile() {
   grep -E "lower_s|solve run" "$OUT/compile.log"
 }
 
+c2w_suite() {  # name, limit, reference flag
+  OMNI_JAX_COMPILATION_CACHE=$XLA_CACHE timeout -s INT "$2" python3 -m benchmarks.run --suite code2wav \
+    --model "${C2W_MODEL:-small}" $3 --batch-sizes "${C2W_BATCHES:-1,8}" --cache-dir /tmp/omni_jax_bench \
+    --json "$OUT/$1.json" >"$OUT/$1.log" 2>&1
+  echo "$1 exit $?"
+  grep -v -E "it/s\]|s/it\]|programs compiled\]" "$OUT/$1.log" | tail -30
+}
+
 code2wav() {
-  echo "== code2wav suite, small (limit ${C2W_S:-300}s)"
-  timeout -s INT "${C2W_S:-300}" python3 -m benchmarks.run --suite code2wav --model small \
-    ${REFERENCE---reference} --batch-sizes "${C2W_BATCHES:-1,8}" --cache-dir /tmp/omni_jax_bench \
-    --json "$OUT/c2w.json" >"$OUT/c2w.log" 2>&1
-  echo "code2wav suite exit $?"
-  grep -v -E "it/s\]|s/it\]|programs compiled\]" "$OUT/c2w.log" | tail -30
+  echo "== code2wav suite, cold start (limit ${C2W_S:-300}s)"
+  rm -rf "$XLA_CACHE"
+  c2w_suite c2w "${C2W_S:-300}" "${REFERENCE---reference}"
+}
+
+c2w_warm() {
+  echo "== code2wav suite, warm start from $XLA_CACHE, ours only (limit ${C2W_WARM_S:-150}s)"
+  c2w_suite c2w_warm "${C2W_WARM_S:-150}" ""
 }
 
 tests() {
