@@ -129,3 +129,27 @@ def test_programs_compiled_ahead_are_the_ones_calls_run() -> None:
     # tanh(24) rounds to 1 in float32: (3 rows x 24 ones) @ its transpose, squared, times 2 is exactly 2
     np.testing.assert_array_equal(np.asarray(outs[1]), np.full((3, 3), 2.0, np.float32))
     assert compile_threads(1) == 1 and 1 <= compile_threads(100) <= MAX_COMPILE_THREADS
+
+
+class _Call:
+    """A program call whose compilation is recorded (``fail``: it raises instead)."""
+
+    def __init__(self, log: list[int], index: int, fail: bool = False) -> None:
+        self.log, self.index, self.fail = log, index, fail
+
+    def compile(self) -> None:
+        self.log.append(self.index)
+        if self.fail:
+            raise KeyboardInterrupt  # what Ctrl-C raises in the waiting thread, here raised by a compilation
+
+
+def test_a_failed_compilation_cancels_the_queued_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One thread, the first program fails: the three queued behind it never start, and the
+    failure reaches the caller (an interrupted warm-up ends instead of compiling on)."""
+    import omni_jax.engine.compilation as compilation
+
+    monkeypatch.setattr(compilation, "compile_threads", lambda programs: 1)
+    log: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        compile_ahead([_Call(log, 0, fail=True), *(_Call(log, i) for i in (1, 2, 3))])  # type: ignore[list-item]
+    assert log == [0]

@@ -83,12 +83,19 @@ def compile_ahead(calls: Sequence[ProgramCall]) -> None:
     jit's trace, lowering and compilation caches are shared by ``lower(...).compile()`` and the
     call, so the call compiles nothing. Running the programs is left to the caller, one at a
     time, so warm-up never holds more than one program's working memory on the device.
+
+    A failed compilation or an interrupt (Ctrl-C during a server's warm-up) cancels the programs
+    not yet started and returns once the running ones end: XLA cannot stop a compilation, but
+    dozens of queued minute-long ones must not keep the process alive.
     """
     if not calls:
         return
-    with ThreadPoolExecutor(compile_threads(len(calls)), thread_name_prefix="compile") as pool:
+    pool = ThreadPoolExecutor(compile_threads(len(calls)), thread_name_prefix="compile")
+    try:
         for done in [pool.submit(call.compile) for call in calls]:
             done.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 class CompileCounter:
