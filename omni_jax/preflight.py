@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 
 from omni_jax.architectures import Architecture, architecture_of
 from omni_jax.engine.memory import STEP_ITEM, available_bytes, format_bytes, memory_pools, pool_key
+from omni_jax.models.loading import abstract_model
 from omni_jax.parallel.mesh import AXES, axis_size
 from omni_jax.parallel.rules import ShardRule, partition_spec
 from omni_jax.stages.ar import CachePlan, CacheShare, local_devices
@@ -123,7 +124,7 @@ def stage_demand(
     (generation), ``plan`` an AR stage's cache. ``engine``: :meth:`CachePlan.of`'s settings."""
     part = arch.part(sc.name)
     rules = part.shard_rules(hf_config, axis_size(mesh, "model"))  # refuses a split before tracing
-    model = nnx.eval_shape(part.make(hf_config, part_dtype(path, hf_config, part.dtype, dtype)))
+    model = abstract_model(part.make(hf_config, part_dtype(path, hf_config, part.dtype, dtype)))
     fixed = {f"stage {sc.name!r} weights": device_weight_bytes(model, rules, mesh)}
     plan = None
     if sc.kind == "ar":

@@ -22,6 +22,7 @@ import omni_jax.stages
 from omni_jax import OmniJaxPipeline
 from omni_jax.cli import main as cli_main
 from omni_jax.engine.memory import GIB
+from omni_jax.models.loading import abstract_model
 from omni_jax.parallel.placement import StagePlacement, stage_meshes
 from omni_jax.planning import MemoryPlan, plan_memory
 from omni_jax.stages.config import load_pipeline_config
@@ -177,6 +178,32 @@ def hf_parameter_bytes(cfg) -> dict[str, int]:  # noqa: ANN001
             p.numel() for name, p in params.items() if name.startswith(prefix) and not name.endswith(UNUSED)
         )
     return out
+
+
+def test_abstract_model_skips_the_tracer_origin_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``abstract_model`` is ``nnx.eval_shape`` (same abstract state) without jax walking every
+    traced equation at each parameter's random-key update (what made the 7B plan take a minute),
+    and leaves jax's tracers as they were."""
+    from jax._src.interpreters import partial_eval
+
+    tracer = partial_eval.DynamicJaxprTracer
+    walks = []
+    walk = tracer.__dict__["_origin_msg"]
+    monkeypatch.setattr(tracer, "_origin_msg", lambda self: walks.append(1) or walk(self))
+    counting = tracer.__dict__["_origin_msg"]
+
+    def ctor() -> nnx.Module:
+        rngs = nnx.Rngs(0)
+        return nnx.Sequential(*(nnx.Linear(8, 8, rngs=rngs) for _ in range(3)))
+
+    def shapes(model: nnx.Module) -> list:
+        return [(p, v.shape, v.dtype) for p, v in nnx.to_flat_state(nnx.state(model))]
+
+    expected = shapes(nnx.eval_shape(ctor))
+    assert walks  # jax 0.10-0.11 walk on every probe: the test sees the cost it removes
+    walks.clear()
+    assert shapes(abstract_model(ctor)) == expected and not walks
+    assert tracer.__dict__["_origin_msg"] is counting
 
 
 @pytest.fixture(scope="module")

@@ -1,25 +1,57 @@
 """Build NNX models from named tensors without materialising random weights first.
 
-The model is created abstractly (``nnx.eval_shape``), so its constructor allocates nothing;
+The model is created abstractly (:func:`abstract_model`), so its constructor allocates nothing;
 each parameter is then set from the checkpoint, straight onto its device (or into its shards).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import numpy as np
 from flax import nnx
+from jax._src.interpreters import partial_eval
 
 from omni_jax.models.param_map import FlaxPath, ParamRule, fill_params
 from omni_jax.parallel.rules import put_cast
 from omni_jax.safetensors_io import TensorReader
 
 
+@contextlib.contextmanager
+def _no_tracer_origin_messages() -> Iterator[None]:
+    """Tracers' error messages without their origin while the block traces.
+
+    flax NNX's ``Variable.set_value`` probes ``getattr(value, "sharding", None)`` on every
+    assignment, and under a trace that raises an ``AttributeError`` whose message walks every
+    equation traced so far (jax's ``_origin_msg``; jax-ml/jax#40041 removes the walk): building
+    a model abstractly, one random-number counter update per parameter, is then quadratic in its
+    parameters (Qwen2.5-Omni-7B's memory plan spent 95% of its time there). The message is
+    discarded by ``getattr``; only its origin part is skipped, and only here.
+    """
+    tracer = partial_eval.DynamicJaxprTracer
+    original = tracer.__dict__.get("_origin_msg")
+    if original is None:  # a jax without the walk
+        yield
+        return
+    tracer._origin_msg = lambda self: ""  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        tracer._origin_msg = original  # type: ignore[method-assign]
+
+
+def abstract_model(ctor: Callable[[], nnx.Module]) -> nnx.Module:
+    """``nnx.eval_shape(ctor)``: the model ``ctor`` builds, every array abstract (nothing
+    allocated), traced in time linear in its parameters (:func:`_no_tracer_origin_messages`)."""
+    with _no_tracer_origin_messages():
+        return nnx.eval_shape(ctor)
+
+
 def abstract_params(ctor: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable]]:
     """``(graphdef, {path: abstract variable})`` for the model ``ctor`` builds."""
-    graphdef, state = nnx.split(nnx.eval_shape(ctor))
+    graphdef, state = nnx.split(abstract_model(ctor))
     return graphdef, dict(nnx.to_flat_state(state))
 
 
