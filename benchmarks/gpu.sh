@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One GPU session's checks in one call (device time is short). Parts, run in the order PARTS names
-# them (default: all four), each under its own time limit, each writing its log and results under
-# $OUT as it goes, so a part cut short still reports what it measured:
+# them (default: all but c2w_warm), each under its own time limit, each writing its log and
+# results under $OUT as it goes, so a part cut short still reports what it measured:
 #   moe       the MoE block's formulations (grouped ragged_dot, XLA or Pallas Triton lowering;
 #             dense) at Qwen3-Omni's widths against transformers (benchmarks/moe_lowering.py);
 #   shaped    the real-width AR suite (benchmarks/shaped_suite.py, transformers on the same shapes);
 #   compile   one code2wav program's compile time, whole and in parts, with and without XLA's GPU
-#             autotuning (benchmarks/compile_time.py);
+#             autotuning, and the whole solve's run time under each (benchmarks/compile_time.py),
+#             JAX's persistent cache in $XLA_CACHE/compile (a cold start: it begins empty);
+#   compile_warm  the same programs again from that cache: a warm start's compile seconds (what
+#             is left is lowering, Python);
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
 #             token2wav on the same GPU (benchmarks/code2wav_suite.py), JAX's persistent
 #             compilation cache in $XLA_CACHE (a cold start: it begins empty);
@@ -14,12 +17,13 @@
 #             warm start's warm-up time;
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
-# MOE_S, SHAPED_S, COMPILE_S, C2W_S and TESTS_S bound the parts (seconds), TESTS names test files (default:
-# all), WORKERS pytest-xdist's, C2W_BATCHES the code2wav batch sizes, C2W_MODEL its model (small),
-# REFERENCE= (empty) leaves transformers out of the shaped and code2wav parts.
+# MOE_S, SHAPED_S, COMPILE_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S and TESTS_S bound the parts
+# (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's, C2W_BATCHES the code2wav
+# batch sizes, C2W_MODEL its model (small), XLA_CACHE the persistent caches' root, REFERENCE=
+# (empty) leaves transformers out of the shaped and code2wav parts.
 set -u
 OUT=${OUT:-/tmp/omni_jax_gpu}
-PARTS=${PARTS:-moe shaped compile code2wav tests}
+PARTS=${PARTS:-moe shaped compile compile_warm code2wav tests}
 XLA_CACHE=${XLA_CACHE:-/tmp/omni_jax_xla_cache}
 mkdir -p "$OUT"
 # JAX and torch share the GPU in the suites that run both: neither may take it all up front.
@@ -53,10 +57,20 @@ shaped() {
 
 compile() {
   echo "== code2wav compile time (limit ${COMPILE_S:-240}s)"
-  timeout -s INT "${COMPILE_S:-240}" python3 -m benchmarks.compile_time --codes 32 \
-    --runs 3 --option xla_gpu_autotune_level=0 --json "$OUT/compile.json" >"$OUT/compile.log" 2>&1
+  rm -rf "$XLA_CACHE/compile"
+  timeout -s INT "${COMPILE_S:-240}" python3 -m benchmarks.compile_time --codes 32 --runs 3 \
+    --option xla_gpu_autotune_level=0 --cache-dir "$XLA_CACHE/compile" --json "$OUT/compile.json" \
+    >"$OUT/compile.log" 2>&1
   echo "compile time exit $?"
   grep -E "lower_s|solve run" "$OUT/compile.log"
+}
+
+compile_warm() {
+  echo "== code2wav compile time, warm start from $XLA_CACHE/compile (limit ${COMPILE_WARM_S:-120}s)"
+  timeout -s INT "${COMPILE_WARM_S:-120}" python3 -m benchmarks.compile_time --codes 32 \
+    --cache-dir "$XLA_CACHE/compile" --json "$OUT/compile_warm.json" >"$OUT/compile_warm.log" 2>&1
+  echo "compile time (warm) exit $?"
+  grep -E "lower_s" "$OUT/compile_warm.log"
 }
 
 c2w_suite() {  # name, limit, reference flag
