@@ -175,9 +175,11 @@ class AttentionProbe:
 
 def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
     """The attention backend asked for and the paths it resolved to (``probe``), the CPU kernel's
-    switch and compiler, the pixel backend the processor resizes images and videos with, and how
-    MoE experts run (:func:`~omni_jax.models.moe.expert_path`)."""
+    switch and compiler, the pixel backend the processor resizes images and videos with, how
+    MoE experts run (:func:`~omni_jax.models.moe.expert_path`) and how the Qwen2.5-Omni vocoder
+    writes its ``sin^2`` (:func:`~omni_jax.models.qwen2_5_omni.bigvgan.sin_form`)."""
     from omni_jax.models.moe import expert_path
+    from omni_jax.models.qwen2_5_omni.bigvgan import sin_form
     from omni_jax.models.qwen2_5_omni.processor import default_pixel_backend
 
     return {
@@ -188,6 +190,7 @@ def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
         "cxx_compiler": cpu_kernels._compiler(),
         "pixels": default_pixel_backend(),
         "moe_experts": expert_path(),
+        "vocoder_sin": sin_form(),
     }
 
 
@@ -205,7 +208,8 @@ def describe(result: dict[str, Any]) -> str:
         lines.append(
             f"attention {b['attention']} traced as: {traced or 'none'} (CPU kernel ran: "
             f"{b['cpu_kernel_ran']}; {cpu_kernels.ENV_SWITCH}={b['cpu_kernels_switch']}, compiler "
-            f"{b['cxx_compiler']}); pixels {b['pixels']}; MoE experts {b['moe_experts']}"
+            f"{b['cxx_compiler']}); pixels {b['pixels']}; MoE experts {b['moe_experts']}; "
+            f"vocoder sin {b['vocoder_sin']}"
         )
     lines.append("versions: " + ", ".join(f"{k} {x}" for k, x in v.items()))
     return "\n".join(lines)

@@ -26,7 +26,13 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 from omni_jax.jit import StaticGraph
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.param_map import conv_transpose1d_kernel
-from omni_jax.models.qwen2_5_omni.bigvgan import BIGVGAN_RULES, BigVGAN, kaiser_sinc_filter
+from omni_jax.models.qwen2_5_omni.bigvgan import (
+    BIGVGAN_RULES,
+    SIN_SWITCH,
+    BigVGAN,
+    kaiser_sinc_filter,
+    sin_form,
+)
 from omni_jax.models.qwen2_5_omni.dit import DIT_RULES, DiT
 from omni_jax.models.qwen2_5_omni.token2wav import (
     MIN_GUIDANCE,
@@ -170,7 +176,14 @@ def test_dit_forward(reference: Qwen2_5OmniToken2WavModel, ours: Token2Wav) -> N
     assert err < 1e-5, err
 
 
-def test_bigvgan(reference: Qwen2_5OmniToken2WavModel, ours: Token2Wav) -> None:
+@pytest.mark.parametrize("sin", ["series", "native"])
+def test_bigvgan(
+    reference: Qwen2_5OmniToken2WavModel, ours: Token2Wav, monkeypatch: pytest.MonkeyPatch, sin: str
+) -> None:
+    """The vocoder against transformers' in both forms of SnakeBeta's ``sin^2`` (the series this
+    CPU runs, ``jnp.sin`` a GPU runs)."""
+    monkeypatch.setenv(SIN_SWITCH, sin)
+    assert sin_form() == sin
     torch.manual_seed(3)
     mel = torch.randn(2, MEL, 13) - 2
     with torch.no_grad():
@@ -181,6 +194,14 @@ def test_bigvgan(reference: Qwen2_5OmniToken2WavModel, ours: Token2Wav) -> None:
     assert np.mean(np.abs(want) >= 1.0) < 0.05, "test model saturates the clamp"
     err = rel_err(got, want)
     assert err < 1e-5, err
+
+
+def test_sin_form_is_the_series_on_cpu_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SIN_SWITCH, raising=False)
+    assert sin_form() == "series"  # this test bench is a CPU
+    monkeypatch.setenv(SIN_SWITCH, "fast")
+    with pytest.raises(ValueError, match="OMNI_JAX_SNAKE_SIN='fast': expected series, native or auto"):
+        sin_form()
 
 
 @pytest.mark.parametrize("guidance", [0.5, -0.5])
