@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -50,6 +49,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from omni_jax.models.formulation import formulation
 from omni_jax.models.layers import SwiGLU
 from omni_jax.models.param_map import ParamMismatchError, ParamRule, linear_kernel
 from omni_jax.parallel.rules import ShardRule
@@ -101,12 +101,8 @@ def expert_path() -> str:
     whose ``ragged_dot`` XLA lowers to a masked dense product over every expert for every routed
     row (``E`` times the routed FLOPs, against ``E / k`` for dense; on an H200 at Qwen3-Omni's
     widths it was slower from 128 rows up, RESULTS.md). ``ValueError`` on another value."""
-    asked = os.environ.get(MOE_SWITCH, "auto")
-    if asked not in ("auto", "grouped", "dense"):
-        raise ValueError(f"{MOE_SWITCH}={asked!r}: expected grouped, dense or auto")
-    if asked != "auto":
-        return asked
-    return "grouped" if jax.default_backend() == "tpu" else "dense"
+    default = "grouped" if jax.default_backend() == "tpu" else "dense"
+    return formulation(MOE_SWITCH, ("grouped", "dense"), default)
 
 
 def route(

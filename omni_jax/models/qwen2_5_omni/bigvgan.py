@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omni_jax.models.formulation import formulation
 from omni_jax.models.param_map import ParamRule, conv1d_kernel, conv_transpose1d_kernel
 
 RESAMPLE_RATIO = 2
@@ -173,12 +173,8 @@ def sin_form() -> str:
     ``native`` (``jnp.sin``) elsewhere: the series is 39% of the vocoder program's operations
     (17,888 of 45,863 at Qwen2.5-Omni-7B's widths), which every program's lowering and compilation
     pays, and a GPU's ``sin`` is one vectorised instruction. ``ValueError`` on another value."""
-    asked = os.environ.get(SIN_SWITCH, "auto")
-    if asked not in ("auto", "series", "native"):
-        raise ValueError(f"{SIN_SWITCH}={asked!r}: expected series, native or auto")
-    if asked != "auto":
-        return asked
-    return "series" if jax.default_backend() == "cpu" else "native"
+    default = "series" if jax.default_backend() == "cpu" else "native"
+    return formulation(SIN_SWITCH, ("series", "native"), default)
 
 
 def snake_sin_squared(u: jax.Array) -> jax.Array:
