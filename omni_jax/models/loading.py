@@ -7,6 +7,7 @@ each parameter is then set from the checkpoint, straight onto its device (or int
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 import jax
@@ -18,6 +19,11 @@ from omni_jax.models.param_map import FlaxPath, ParamRule, fill_params
 from omni_jax.parallel.rules import put_cast
 from omni_jax.safetensors_io import TensorReader
 
+_ORIGIN_PATCH = threading.RLock()
+"""Held while :func:`_no_tracer_origin_messages` has jax's method replaced: two threads building
+models at once take turns, so neither restores the other's replacement as the original (one
+thread may nest: the inner restores the outer's replacement, the outer the original)."""
+
 
 @contextlib.contextmanager
 def _no_tracer_origin_messages() -> Iterator[None]:
@@ -28,18 +34,20 @@ def _no_tracer_origin_messages() -> Iterator[None]:
     equation traced so far (jax's ``_origin_msg``; jax-ml/jax#40041 removes the walk): building
     a model abstractly, one random-number counter update per parameter, is then quadratic in its
     parameters (Qwen2.5-Omni-7B's memory plan spent 95% of its time there). The message is
-    discarded by ``getattr``; only its origin part is skipped, and only here.
+    discarded by ``getattr``; only its origin part is skipped, and only here (another thread
+    tracing meanwhile gets its messages without origin too).
     """
     tracer = partial_eval.DynamicJaxprTracer
-    original = tracer.__dict__.get("_origin_msg")
-    if original is None:  # a jax without the walk
-        yield
-        return
-    tracer._origin_msg = lambda self: ""  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        tracer._origin_msg = original  # type: ignore[method-assign]
+    with _ORIGIN_PATCH:
+        original = tracer.__dict__.get("_origin_msg")
+        if original is None:  # a jax without the walk
+            yield
+            return
+        tracer._origin_msg = lambda self: ""  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            tracer._origin_msg = original  # type: ignore[method-assign]
 
 
 def abstract_model(ctor: Callable[[], nnx.Module]) -> nnx.Module:
