@@ -29,8 +29,10 @@ Decode-step probes after the measured run: ``b`` copies of one prompt at batch 1
 workload's concurrency, their time per output token against the step's floor, the larger of the
 weights it reads over the measured memory bandwidth and its matmul FLOPs over the measured matmul
 ceiling (an MoE step reads the experts its rows route to, counted as under uniform routing, and
-each row multiplies its top-k: :class:`benchmarks.models.DecodeWeights`). ``--profile`` traces
-our measured run (not the probes, nor the reference).
+each row multiplies its top-k: :class:`benchmarks.models.DecodeWeights`). The whole workload's
+floor (:func:`workload_floor`) is the same arithmetic over every prompt token and decode step:
+transformers' time over it is the largest ratio this machine allows. ``--profile`` traces our
+measured run (not the probes, nor the reference).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import numpy as np
 
 from benchmarks import agreement
 from benchmarks.harness import backends, compile_entry, measured_window, transformers_quiet, warmed_up
-from benchmarks.models import QWEN3_OMNI, decode_weights, model_type
+from benchmarks.models import QWEN3_OMNI, DecodeWeights, decode_weights, model_type
 from benchmarks.roofline import matmul_flops, memory_bandwidth
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.outputs import OmniRequestOutput
@@ -319,6 +321,38 @@ def _reference(
     return figures, agree, failures
 
 
+@dataclasses.dataclass(frozen=True)
+class Ceilings:
+    """What the floors divide by: bytes/s and FLOP/s measured on this machine
+    (:mod:`benchmarks.roofline`), and the bytes of one parameter."""
+
+    bandwidth: float
+    flops: float
+    itemsize: int
+
+    def step_s(self, weights: DecodeWeights, batch: int) -> float:
+        """A decode step's floor at ``batch`` rows: the larger of the weights it reads over the
+        bandwidth and its matmul FLOPs over the matmul ceiling."""
+        read = weights.read(batch) * self.itemsize / self.bandwidth
+        return max(read, 2 * weights.active() * batch / self.flops)
+
+
+def workload_floor(
+    weights: DecodeWeights, head: int, prompts: list[int], max_new: int, max_num_seqs: int, ceil: Ceilings
+) -> dict[str, float]:
+    """The least time any engine could run the workload in on this machine: every prompt token's
+    matmul FLOPs at the ceiling (the ``head`` parameters of the LM head on each prompt's last
+    token only; attention's own FLOPs left out), then ``max_new - 1`` decode steps of each wave
+    of ``max_num_seqs`` requests at their floor (:meth:`Ceilings.step_s`). transformers' time over
+    it is the most any engine could beat transformers by here."""
+    body = weights.active() - head
+    prefill = 2 * (body * sum(prompts) + head * len(prompts)) / ceil.flops
+    full, rest = divmod(len(prompts), max_num_seqs)
+    waves = [max_num_seqs] * full + ([rest] if rest else [])
+    decode = (max_new - 1) * sum(ceil.step_s(weights, b) for b in waves)
+    return {"prefill_s": prefill, "decode_s": decode, "total_s": prefill + decode}
+
+
 def run(path: Path, args: Any) -> dict:
     from omni_jax.weights import load_hf_config
 
@@ -331,10 +365,18 @@ def run(path: Path, args: Any) -> dict:
     max_num_seqs = args.max_num_seqs or DEFAULT_MAX_NUM_SEQS
     ours, ours_ids = _ours(path, family, prompts, args, max_num_seqs)
     bw, peak = memory_bandwidth(), matmul_flops(dtype=args.dtype or "float32")
-    itemsize = 2 if args.dtype in ("bfloat16", "float16") else 4
+    ceil = Ceilings(bw, peak, 2 if args.dtype in ("bfloat16", "float16") else 4)
     weights = decode_weights(path, family.prefix, cfg)
-    read = {b: weights.read(int(b)) * itemsize for b in ours["decode_step_s"]}
-    floors = {b: max(read[b] / bw, 2 * weights.active() * int(b) / peak) for b in ours["decode_step_s"]}
+    read = {b: weights.read(int(b)) * ceil.itemsize for b in ours["decode_step_s"]}
+    floors = {b: ceil.step_s(weights, int(b)) for b in ours["decode_step_s"]}
+    floor = workload_floor(
+        weights,
+        cfg.vocab_size * cfg.hidden_size,
+        list(map(len, prompts)),
+        args.max_tokens,
+        max_num_seqs,
+        ceil,
+    )
     result: dict[str, Any] = {
         "suite": family.suite,
         "requests": len(prompts),
@@ -348,6 +390,8 @@ def run(path: Path, args: Any) -> dict:
         "decode_weight_bytes": read,
         "decode_floor_s": floors,
         "roofline_fraction": {b: floors[b] / s for b, s in ours["decode_step_s"].items()},
+        "workload_floor_s": floor,
+        "workload_floor_fraction": floor["total_s"] / ours["wall_s"],
         "backends": ours.pop("backends"),
         "failures": ours.pop("failures"),
         "compile": {"ours": ours.pop("compile"), "reference": None},
@@ -368,6 +412,7 @@ def run(path: Path, args: Any) -> dict:
         result["reference"] = ref
         result["compile"]["reference"] = ref["by_batch"][str(ref["best_batch"])]["compile"]
         result["ratio"] = ours["tokens_per_s"] / ref["tokens_per_s"]
+        result["ratio_at_floor"] = ref["wall_s"] / floor["total_s"]
         result["ratio_by_batch"] = {
             b: ours["tokens_per_s"] / r["tokens_per_s"] for b, r in ref["by_batch"].items()
         }
@@ -413,6 +458,15 @@ def table(result: dict[str, Any]) -> str:
             f"reads {read} of them a layer (uniform routing), {moe['active_params'] / 1e6:.3g}M "
             "parameters multiply each row"
         )
+    floor = result["workload_floor_s"]
+    line = (
+        f"workload floor {floor['total_s']:.2f} s (prompt FLOPs at the ceiling {floor['prefill_s']:.2f} s, "
+        f"decode steps at their floor {floor['decode_s']:.2f} s): "
+        f"ours at {result['workload_floor_fraction']:.0%} of it"
+    )
+    if ref:
+        line += f"; an engine at the floor would be {result['ratio_at_floor']:.2f}x transformers at its best"
+    lines.append(line)
     for b, s in ours["decode_step_s"].items():
         lines.append(
             f"decode step, batch {b}: {s * 1e3:.2f} ms, {result['roofline_fraction'][b]:.0%} of its floor "

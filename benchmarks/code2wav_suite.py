@@ -21,7 +21,9 @@ rounds in which the two sides take turns, because this machine may be shared and
 under any single measurement; ``--profile`` traces our runs of the last round. Our solve time is
 the pipeline's own solves (each output's ``metrics``: the solve's seconds and size), DiT and
 vocoder in one program; the reference's DiT and vocoder are timed apart. The DiT roofline is its
-useful FLOPs (unpadded frames) over that time and the measured matmul ceiling. Our audio must
+useful FLOPs (unpadded frames) over that time and the measured matmul ceiling; the solve floor
+adds the vocoder's FLOPs (:func:`vocoder_flops`) and is the least time any engine could decode
+the workload in at that ceiling, so the reference's time over it bounds the ratio. Our audio must
 equal the reference's to :data:`PARITY_RTOL` in float32, or the suite fails.
 """
 
@@ -131,6 +133,31 @@ def dit_flops(cfg: Any, frames: int) -> float:
     return frames * per_frame + per_row
 
 
+def vocoder_flops(cfg: Any, mel_frames: int) -> float:
+    """FLOPs of BigVGAN over ``mel_frames`` mel frames of one row: its convolutions (pre and post,
+    the transposed upsamplings, the AMP blocks' dilated pairs) and the anti-aliasing filters around
+    each SnakeBeta (a depthwise 2x upsampling of the replicate-padded input, then a 2x
+    downsampling), counted as torch's ``FlopCounterMode`` counts them, padding included, so the
+    count is the reference's own work; elementwise work (SnakeBeta, the residual sums) is not.
+    With :func:`dit_flops` it is the solve's floor at the matmul ceiling."""
+    up, down = 12, 12  # Qwen2_5OmniAntiAliasedActivation1d's filter taps
+    pad = up // 2 - 1  # Qwen2_5OmniUpSample1d's replicate padding (ratio 2) of each side
+
+    def activation(channels: int, length: int) -> int:
+        return 2 * channels * up * (length + 2 * pad) + 2 * channels * down * length
+
+    channels, length = cfg.upsample_initial_channel, mel_frames
+    flops = 2 * cfg.mel_dim * channels * 7 * length
+    for rate, kernel in zip(cfg.upsample_rates, cfg.upsample_kernel_sizes, strict=True):
+        flops += 2 * channels * (channels // 2) * kernel * length
+        channels, length = channels // 2, length * rate
+        for size, dilations in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes, strict=True):
+            flops += (
+                len(dilations) * 2 * (2 * channels * channels * size * length + activation(channels, length))
+            )
+    return flops + activation(channels, length) + 2 * channels * 7 * length
+
+
 def solve_flops(cfg: Any, work: Workload, indices: list[int]) -> float:
     """DiT FLOPs of the ODE solves of ``indices``: CFG pair x 4 RK4 stages x (num_steps - 1)."""
     evals = 2 * 4 * (work.num_steps - 1)
@@ -234,7 +261,8 @@ def param_dtype(state: nnx.State) -> str:
 def run(path: Path, args: Any) -> dict[str, Any]:
     from omni_jax.weights import load_hf_config
 
-    dit_cfg = load_hf_config(path).token2wav_config.dit_config
+    t2w_cfg = load_hf_config(path).token2wav_config
+    dit_cfg = t2w_cfg.dit_config
     config = sized_code2wav_config(Path(args.cache_dir), max(args.batch_sizes), args.max_codes)
     pipe = OmniJaxPipeline.from_pretrained(
         path, stages=["code2wav"], dtype=args.dtype, mesh=args.mesh, stage_config=config
@@ -274,6 +302,11 @@ def run(path: Path, args: Any) -> dict[str, Any]:
     dtype = param_dtype(pipe.stages[0].runner.state)
     peak = matmul_flops(dtype=dtype)
     flops = {b: solve_flops(dit_cfg, work, idx) for b, idx in batches.items()}
+    voc_flops = {
+        b: sum(vocoder_flops(t2w_cfg.bigvgan_config, len(work.codes[i]) * dit_cfg.repeats) for i in idx)
+        for b, idx in batches.items()
+    }
+    floor = {b: (flops[b] + voc_flops[b]) / peak for b in batches}
     ours = {
         b: _figures(audio[b], wall, steps[b], solves["solve_s"]) | {"solves": solves["solves"]}
         for b, (wall, solves) in ours_best.items()
@@ -291,8 +324,11 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         "repeats": args.repeats,
         "dit_layers": dit_cfg.num_hidden_layers,
         "dit_solve_gflop": {b: f / 1e9 for b, f in flops.items()},
+        "vocoder_gflop": {b: f / 1e9 for b, f in voc_flops.items()},
         "ceilings": {"matmul_GFLOPs": peak / 1e9},
         "roofline_fraction": {b: flops[b] / ours[b]["solve_s"] / peak for b in batches},
+        "floor_s": floor,
+        "floor_fraction": {b: floor[b] / ours[b]["solve_s"] for b in batches},
         "backends": backends(warm.probe),
         "failures": warm.failures(),
         "ours": ours,
@@ -314,6 +350,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
             b: ours[b]["audio_s_per_s"] / result["reference"][b]["audio_s_per_s"] for b in batches
         }
         result["reference_roofline_fraction"] = {b: flops[b] / float(per_batch[b][0]) / peak for b in batches}
+        result["ratio_at_floor"] = {b: float(per_batch[b][2]) / floor[b] for b in batches}
         err = max(rel_err(o, r) for o, r in zip(ours_audio, ref_audio, strict=True))
         result["max_rel_err_vs_reference"] = err
         if dtype == "float32" and not err <= PARITY_RTOL:
@@ -367,6 +404,14 @@ def table(result: dict[str, Any]) -> str:
         )
         if ref:
             line += f" (transformers, DiT alone: {result['reference_roofline_fraction'][b]:.0%})"
+        lines.append(line)
+    for b, floor in result["floor_s"].items():
+        line = (
+            f"solve floor, batch {b}: {floor:.2f} s (DiT and vocoder FLOPs at {peak:.0f} GFLOP/s); "
+            f"our solves at {result['floor_fraction'][b]:.0%} of it"
+        )
+        if ref:
+            line += f"; an engine at the floor would be {result['ratio_at_floor'][b]:.2f}x transformers"
         lines.append(line)
     if result["ratio"]:
         ratio = ", ".join(f"batch {b}: {r:.2f}x" for b, r in result["ratio"].items())

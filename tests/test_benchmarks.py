@@ -95,9 +95,51 @@ def test_code2wav_suite(tmp_path: Path) -> None:
     assert result["ours"]["2"]["solves"] == 1  # the pipeline's own solve, from its outputs' metrics
     assert result["ours"]["2"]["solve_s"] <= result["ours"]["2"]["wall_s"]
     assert all(f > 0 for f in _numbers(result["roofline_fraction"]))
+    floor = result["floor_s"]["2"]
+    assert floor == pytest.approx(
+        (result["dit_solve_gflop"]["2"] + result["vocoder_gflop"]["2"]) / result["ceilings"]["matmul_GFLOPs"]
+    )
+    assert result["floor_fraction"]["2"] == pytest.approx(floor / result["ours"]["2"]["solve_s"])
+    assert result["ratio_at_floor"]["2"] == pytest.approx(result["reference"]["2"]["solve_s"] / floor)
     assert result["max_rel_err_vs_reference"] < CODE2WAV_PARITY
     assert result["profile"] == str(prof / "code2wav")
     assert list((prof / "code2wav").glob("plugins/profile/*/*.xplane.pb"))
+
+
+@pytest.mark.parametrize("config", ["tiny", "released"])
+def test_vocoder_flops_count_what_the_reference_runs(config: str) -> None:
+    """The solve floor's vocoder term equals torch's own count of transformers' BigVGAN on the
+    same mel frames, the tiny test config and the released model's (transformers' defaults)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniBigVGANConfig
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavBigVGANModel
+
+    from benchmarks.code2wav_suite import vocoder_flops
+    from omni_jax.testing import TINY_BIGVGAN_CONFIG
+
+    cfg = Qwen2_5OmniBigVGANConfig(**(TINY_BIGVGAN_CONFIG if config == "tiny" else {}))
+    model = Qwen2_5OmniToken2WavBigVGANModel(cfg).eval()
+    for frames in (3, 10):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(torch.randn(1, cfg.mel_dim, frames))
+        assert vocoder_flops(cfg, frames) == counter.get_total_flops()
+
+
+def test_workload_floor_is_prompt_flops_then_decode_waves() -> None:
+    """Three requests, two at a time: prompt FLOPs at the ceiling (the head on each prompt's last
+    token only), then two waves of decode steps (2 rows, then 1), each step the larger of its
+    weight read and its FLOPs."""
+    from benchmarks.ar_suite import Ceilings, workload_floor
+    from benchmarks.models import DecodeWeights
+
+    weights = DecodeWeights(params=1000, dense=1000)  # 100 of them the head
+    ceil = Ceilings(bandwidth=4000.0, flops=8000.0, itemsize=4)  # a step reads for 1 s
+    floor = workload_floor(weights, 100, [10, 20, 30], max_new=5, max_num_seqs=2, ceil=ceil)
+    assert floor["prefill_s"] == pytest.approx(2 * (900 * 60 + 100 * 3) / 8000)
+    # 2 rows: FLOPs 2 * 1000 * 2 / 8000 = 0.5 s < the 1 s read; 4 steps a wave
+    assert floor["decode_s"] == pytest.approx(4 * (1.0 + 1.0))
+    assert ceil.step_s(weights, 8) == pytest.approx(2 * 1000 * 8 / 8000)  # compute-bound from here
 
 
 def test_ar_suite(tmp_path: Path) -> None:
@@ -121,6 +163,14 @@ def test_ar_suite(tmp_path: Path) -> None:
     assert set(ours["decode_step_s"]) == {"1", "2"} and all(
         f > 0 for f in _numbers(result["roofline_fraction"])
     )
+    floor = result["workload_floor_s"]
+    assert (
+        floor["total_s"] == pytest.approx(floor["prefill_s"] + floor["decode_s"]) and floor["prefill_s"] > 0
+    )
+    assert floor["decode_s"] > 0 and result["workload_floor_fraction"] == pytest.approx(
+        floor["total_s"] / ours["wall_s"]
+    )
+    assert result["ratio_at_floor"] == pytest.approx(best["wall_s"] / floor["total_s"])
     assert "token_ids" not in ours
     assert result["profile"] is None
 
@@ -448,7 +498,12 @@ def test_soak_suite(tmp_path: Path) -> None:
     for r in ours["rounds"]:
         assert r["preemptions"] > 0 and r["output_tokens"] >= 80 and r["tokens_per_s"] > 0
         assert r["deterministic_differ"] <= 1  # a float tie between programs, at most
-    assert ours["live_arrays_growth"] == 0
+    assert ours["live_arrays_growth"] == 0 and ours["unconstrained_s"] > 0
+    comp = result["compile"]["ours"]  # the tight rounds' first against their best: the same work
+    assert comp["first_run_s"] == ours["rounds"][0]["wall_s"]
+    assert (
+        comp["steady_run_s"] == min(r["wall_s"] for r in ours["rounds"]) and comp["compile_and_warmup_s"] >= 0
+    )
     assert ref["requests"] == ours["same_requests"]["requests"] == 40
     assert 0 < ref["greedy_requests"] < 40  # the ratio's work has sampled requests too
     _check_agreement(ref["agreement"], ref["greedy_requests"])
