@@ -29,7 +29,10 @@ Decode-step probes after the measured run: ``b`` copies of one prompt at batch 1
 workload's concurrency, their time per output token against the step's floor, the larger of the
 weights it reads over the measured memory bandwidth and its matmul FLOPs over the measured matmul
 ceiling (an MoE step reads the experts its rows route to, counted as under uniform routing, and
-each row multiplies its top-k: :class:`benchmarks.models.DecodeWeights`). The whole workload's
+each row multiplies its top-k: :class:`benchmarks.models.DecodeWeights`); for a dense decoder, also
+against XLA's own matmuls of the step's weight shapes at those rows alone
+(:func:`benchmarks.roofline.decoder_matmuls_s`), which a few rows run far below the square
+ceiling. The whole workload's
 floor (:func:`workload_floor`) is the same arithmetic over every prompt token and decode step:
 transformers' time over it is the largest ratio this machine allows. ``--profile`` traces our
 measured run (not the probes, nor the reference).
@@ -49,7 +52,7 @@ import numpy as np
 from benchmarks import agreement
 from benchmarks.harness import backends, compile_entry, measured_window, transformers_quiet, warmed_up
 from benchmarks.models import QWEN3_OMNI, DecodeWeights, decode_weights, model_type
-from benchmarks.roofline import matmul_flops, memory_bandwidth
+from benchmarks.roofline import decoder_matmuls_s, matmul_flops, memory_bandwidth
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.outputs import OmniRequestOutput
 
@@ -353,6 +356,15 @@ def workload_floor(
     return {"prefill_s": prefill, "decode_s": decode, "total_s": prefill + decode}
 
 
+def decode_matmul_shapes(cfg: Any) -> tuple[tuple[int, int], ...]:
+    """A dense decoder's weight products in a decode step, ``(in, out)`` in order: each layer's
+    fused QKV, output, fused gate-up and down projections, then the LM head."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    d, q, kv = cfg.hidden_size, cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    layer = ((d, q + 2 * kv), (q, d), (d, 2 * cfg.intermediate_size), (cfg.intermediate_size, d))
+    return layer * cfg.num_hidden_layers + ((d, cfg.vocab_size),)
+
+
 def run(path: Path, args: Any) -> dict:
     from omni_jax.weights import load_hf_config
 
@@ -390,6 +402,12 @@ def run(path: Path, args: Any) -> dict:
         "decode_weight_bytes": read,
         "decode_floor_s": floors,
         "roofline_fraction": {b: floors[b] / s for b, s in ours["decode_step_s"].items()},
+        "decode_matmuls_s": None
+        if weights.num_experts
+        else {
+            b: decoder_matmuls_s(decode_matmul_shapes(cfg), int(b), args.dtype or "float32")
+            for b in ours["decode_step_s"]
+        },
         "workload_floor_s": floor,
         "workload_floor_fraction": floor["total_s"] / ours["wall_s"],
         "backends": ours.pop("backends"),
@@ -467,11 +485,13 @@ def table(result: dict[str, Any]) -> str:
     if ref:
         line += f"; an engine at the floor would be {result['ratio_at_floor']:.2f}x transformers at its best"
     lines.append(line)
+    matmuls = result["decode_matmuls_s"]
     for b, s in ours["decode_step_s"].items():
         lines.append(
             f"decode step, batch {b}: {s * 1e3:.2f} ms, {result['roofline_fraction'][b]:.0%} of its floor "
             f"{result['decode_floor_s'][b] * 1e3:.2f} ms (max of weights / "
             f"{ceil['memory_bandwidth_GBps']:.1f} GB/s and FLOPs / {ceil['matmul_GFLOPs']:.0f} GFLOP/s, "
             "both measured)"
+            + (f"; its weight matmuls alone in XLA {matmuls[b] * 1e3:.2f} ms" if matmuls else "")
         )
     return "\n".join(lines)

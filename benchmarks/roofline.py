@@ -60,3 +60,28 @@ def matmul_flops(n: int | None = None, dtype: str = "float32") -> float:
     a = jnp.ones((n, n), jnp.dtype(dtype))
     mm = jax.jit(lambda x, y: x @ y)
     return 2 * n**3 / _best_of(lambda: mm(a, a))
+
+
+@functools.cache
+def decoder_matmuls_s(shapes: tuple[tuple[int, int], ...], rows: int, dtype: str = "float32") -> float:
+    """Seconds of one jitted chain of matmuls of ``rows`` rows through weights of ``shapes``
+    (``(in, out)`` each, in order, each input the previous output's first ``in`` columns padded
+    or cut): what XLA's own matmuls take for a decode step's weight products, nothing else.
+
+    The matmul ceiling (:func:`matmul_flops`) is a large square product; a decode step multiplies
+    a few rows, where a device's matmul runs far below it. The step's time against this chain
+    separates the engine's overhead (attention, sampling, dispatch) from the matmul's own speed
+    at that shape."""
+    key = jax.random.PRNGKey(0)
+    weights = [jax.random.normal(key, s, jnp.dtype(dtype)) * 0.02 for s in shapes]
+
+    def chain(x: jax.Array, ws: list[jax.Array]) -> jax.Array:
+        for w in ws:
+            width = w.shape[0]
+            x = x[:, :width] if x.shape[1] >= width else jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+            x = x @ w
+        return x
+
+    x = jnp.ones((rows, shapes[0][0]), jnp.dtype(dtype))
+    run = jax.jit(chain)
+    return _best_of(lambda: run(x, weights))

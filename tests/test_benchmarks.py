@@ -126,6 +126,26 @@ def test_vocoder_flops_count_what_the_reference_runs(config: str) -> None:
         assert vocoder_flops(cfg, frames) == counter.get_total_flops()
 
 
+def test_decode_matmul_shapes_are_the_decoders_weights() -> None:
+    """The chain timed against a decode step multiplies by every projection and the LM head of
+    the decoder: as many weights as transformers' Qwen2 holds in them, no more."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from benchmarks.ar_suite import decode_matmul_shapes
+
+    cfg = Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    linear = sum(
+        p.numel() for n, p in model.named_parameters() if n.endswith(("proj.weight", "lm_head.weight"))
+    )
+    assert sum(i * o for i, o in decode_matmul_shapes(cfg)) == linear
+
+
 def test_workload_floor_is_prompt_flops_then_decode_waves() -> None:
     """Three requests, two at a time: prompt FLOPs at the ceiling (the head on each prompt's last
     token only), then two waves of decode steps (2 rows, then 1), each step the larger of its
@@ -163,6 +183,9 @@ def test_ar_suite(tmp_path: Path) -> None:
     assert set(ours["decode_step_s"]) == {"1", "2"} and all(
         f > 0 for f in _numbers(result["roofline_fraction"])
     )
+    assert set(result["decode_matmuls_s"]) == {"1", "2"} and all(
+        s > 0 for s in result["decode_matmuls_s"].values()
+    )
     floor = result["workload_floor_s"]
     assert (
         floor["total_s"] == pytest.approx(floor["prefill_s"] + floor["decode_s"]) and floor["prefill_s"] > 0
@@ -196,6 +219,7 @@ def test_ar_qwen3_suite(tmp_path: Path) -> None:
     )
     for b in ("2", "3"):
         _check_agreement(result["agreement"][b], 3)
+    assert result["decode_matmuls_s"] is None  # a dense chain would not be the MoE step's work
     moe = result["moe"]  # the tiny thinker: 2 of its 3 layers MoE, 8 experts, top-2
     assert (moe["layers"], moe["experts"], moe["top_k"]) == (2, 8, 2)
     assert moe["experts_read_by_batch"]["1"] == pytest.approx(2.0) and moe["experts_read_by_batch"]["2"] > 2
