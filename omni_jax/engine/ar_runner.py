@@ -264,12 +264,12 @@ class ARRunner:
 
     def rows_bucket(self, n: int) -> int:
         """Token rows of a step with ``n`` tokens, a multiple of ``data`` so each data shard
-        gets the same number of rows, at least :data:`MIN_ROWS`: two sizes an octave up to the
-        budget's largest step, so a step pads at most a third. A prompt step's rows are paid in
-        compute, and the last prompt step of a burst is a partial one (1300 tokens of a 2048
-        budget, say), which powers of two would pad by up to half; the second size an octave
-        costs one program an octave."""
-        b = fine_bucket(n, MIN_ROWS)
+        gets the same number of rows, at least :data:`MIN_ROWS`. Up to ``max_rows`` (decode
+        steps, and prompt steps of a few sequences) two sizes an octave, at most a third
+        padding; above, powers of two up to the budget's largest step: prompt steps that
+        long are mostly filled to the budget by chunked prefill, and each octave's second
+        size would cost another program."""
+        b = fine_bucket(n, MIN_ROWS) if n <= self.max_rows else bucket(n)
         return min(round_up(b, self.data), self.most_rows)
 
     def sequences(self, rows: int) -> int:
