@@ -25,6 +25,7 @@ from omni_jax.engine.generation_runner import GenerationRunner, SolveBuckets
 from omni_jax.engine.solve_cost import MIN_OVERHEAD
 from omni_jax.models.qwen2_5_omni.token2wav import token2wav_compiled
 from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
+from omni_jax.stages.code2wav import DEFAULT_MAX_SOLVE_CODES
 from omni_jax.stages.code2wav_batch import Code2WavRequest, SolveGeometry, code2wav_runner, code_buckets
 
 TINY_LADDER = (32, 48, 64, 96, 128, 192, 256)
@@ -33,16 +34,20 @@ NUM_EMBEDS, REPEATS, HOP = 64, 2, 60  # the tiny DiT's codec ids, mel frames per
 
 def test_tiny_and_7b_bucket_sets(omni_dir) -> None:
     """Rows powers of two to ``max_batch``, codes two an octave from 32 to ``max_codes``, and the
-    longest voice's reference length."""
+    longest voice's reference length; at the 7B's sizes, rows x codes at most the shipped
+    ``max_solve_codes`` (one row at any length): 54 programs where all rows at all lengths made 60."""
     stage = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"]).stages[0]
     tiny = stage.runner.buckets  # the shipped YAML's limits: max_batch 8, max_codes 256 (the DiT's)
     longest = max(len(s.ref_mel) for s in stage.voices.speakers.values())
     assert (tiny.rows, tiny.lengths) == ((1, 2, 4, 8), TINY_LADDER)
     assert stage.runner.padder.reference_frames == longest
     assert len(tiny.shapes()) == 28
-    big = SolveBuckets.build(max_batch=8, lengths=code_buckets(4096))  # Qwen2.5-Omni-7B
+    cap = DEFAULT_MAX_SOLVE_CODES
+    big = SolveBuckets.build(max_batch=8, lengths=code_buckets(4096), max_cells=cap)  # Qwen2.5-Omni-7B
     assert big.lengths == (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-    assert len(big.shapes()) == 60
+    assert len(big.shapes()) == 54 and all(r * n <= cap for r, n in big.shapes())
+    assert {n for r, n in big.shapes() if r == 1} == set(big.lengths)
+    assert [r for r, n in big.shapes() if n == 4096] == [1, 2] and (8, 1024) in big.shapes()
 
 
 @pytest.mark.parametrize(
@@ -71,7 +76,9 @@ class _NoWeights(nnx.Module):
     pass
 
 
-def stand_in_runner(max_batch: int = 8, max_codes: int = 256) -> GenerationRunner:
+def stand_in_runner(
+    max_batch: int = 8, max_codes: int = 256, max_solve_codes: int | None = None
+) -> GenerationRunner:
     """A runner whose solve returns zeros: what is tested is which shapes it is asked for."""
 
     def solve(graph, state, codes, code_lengths, *rest):  # noqa: ANN001, ANN002, ANN202 - a stand-in
@@ -79,7 +86,14 @@ def stand_in_runner(max_batch: int = 8, max_codes: int = 256) -> GenerationRunne
         return np.zeros((codes.shape[0], codes.shape[1] * REPEATS * HOP), np.float32), frames * HOP
 
     geometry = SolveGeometry(repeats=REPEATS, mel_dim=4, speaker_dim=3, max_codes=max_codes)
-    return code2wav_runner(solve, _NoWeights(), geometry, reference_frames=5, max_batch=max_batch)
+    return code2wav_runner(
+        solve,
+        _NoWeights(),
+        geometry,
+        reference_frames=5,
+        max_batch=max_batch,
+        max_solve_codes=max_solve_codes,
+    )
 
 
 def request(name: str, num_codes: int, reference_frames: int = 5) -> Code2WavRequest:
@@ -92,10 +106,14 @@ def request(name: str, num_codes: int, reference_frames: int = 5) -> Code2WavReq
     )
 
 
+@pytest.mark.parametrize("max_solve_codes", [None, 512])
 @pytest.mark.parametrize("overhead", [MIN_OVERHEAD, 37.0, 500.0, 5000.0, 8.0 * 256])
-def test_grouping_chooses_only_among_the_buckets(overhead, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever one more solve is thought to cost, each group pads to a shape of the set."""
-    runner = stand_in_runner()
+def test_grouping_chooses_only_among_the_buckets(
+    overhead, max_solve_codes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever one more solve is thought to cost, each group pads to a shape of the set (with
+    rows x codes capped too)."""
+    runner = stand_in_runner(max_solve_codes=max_solve_codes)
     monkeypatch.setattr(runner.cost, "overhead", lambda: overhead)
     shapes = set(runner.buckets.shapes())
     rng = np.random.default_rng(0)

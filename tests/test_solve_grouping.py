@@ -23,7 +23,9 @@ class _NoWeights(nnx.Module):
     pass
 
 
-def make_runner(calls: list[list[int]], max_batch: int = 8) -> GenerationRunner:
+def make_runner(
+    calls: list[list[int]], max_batch: int = 8, max_solve_codes: int | None = None
+) -> GenerationRunner:
     def solve(graph, state, codes, code_lengths, *rest):  # noqa: ANN001, ANN002, ANN202 - a stand-in
         lengths = np.asarray(code_lengths)
         calls.append(lengths.tolist())
@@ -31,7 +33,14 @@ def make_runner(calls: list[list[int]], max_batch: int = 8) -> GenerationRunner:
         return wave, lengths * 2 * SAMPLES_PER_FRAME
 
     geometry = SolveGeometry(repeats=2, mel_dim=4, speaker_dim=3, max_codes=512)
-    return code2wav_runner(solve, _NoWeights(), geometry, reference_frames=5, max_batch=max_batch)
+    return code2wav_runner(
+        solve,
+        _NoWeights(),
+        geometry,
+        reference_frames=5,
+        max_batch=max_batch,
+        max_solve_codes=max_solve_codes,
+    )
 
 
 def request(name: str, num_codes: int) -> Code2WavRequest:
@@ -96,3 +105,29 @@ def test_a_step_runs_the_oldest_requests_solve_and_keeps_the_rest_in_order(
     second = runner.step()
     assert [r.request.request_id for r in second] == ["short", "short2", "short3"]
     assert not runner.has_work() and calls == [[100, 100], [20, 20, 30, 1]]
+
+
+def test_long_requests_are_solved_a_few_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With at most 512 rows x codes a solve, eight requests of 100 codes (bucket 128) go four at
+    a time even when one solve for all would be cheapest, and one of 500 codes (bucket 512)
+    alone; the short ones still share. Steps run them all, oldest first, none lost."""
+    calls: list[list[int]] = []
+    runner = make_runner(calls, max_solve_codes=512)
+    assert (8, 128) not in runner.buckets.shapes() and (4, 128) in runner.buckets.shapes()
+    assert [r for r, n in runner.buckets.shapes() if n == 512] == [1]
+    monkeypatch.setattr(runner.cost, "overhead", lambda: 1e9)  # dear solves: as few as allowed
+    waiting = [request(f"mid{i}", 100) for i in range(6)] + [request("long", 500), request("short", 20)]
+    groups = runner.groups(waiting)
+    assert all(runner.buckets.fits(*runner.shape(g)) for g in groups)
+    assert sorted(len(g) for g in groups) == [1, 3, 4] and ids(groups)[-1] == ["long"]
+    for r in waiting:
+        runner.add(r)
+    done = []
+    while runner.has_work():
+        done += [r.request.request_id for r in runner.step()]
+    assert sorted(done) == sorted(r.request_id for r in waiting)
+    assert all(len(c) <= 4 for c in calls) and [500] in calls
+    with pytest.raises(
+        ValueError, match=r"a solve of 5 requests padded to 128 is 8 x 128, more than the 512"
+    ):
+        runner.shape([request(f"x{i}", 100) for i in range(5)])

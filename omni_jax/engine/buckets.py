@@ -85,20 +85,31 @@ def ladder(minimum: int, maximum: int, steps: int = 2) -> tuple[int, ...]:
     return (*sizes, maximum)
 
 
-def padded_split(sizes: Sequence[int], rows: Callable[[int], int], overhead: float) -> list[tuple[int, int]]:
+def padded_split(
+    sizes: Sequence[int],
+    rows: Callable[[int], int],
+    overhead: float,
+    fits: Callable[[int, int], bool] | None = None,
+) -> list[tuple[int, int]]:
     """Bounds ``[a, b)`` of the contiguous groups that run items of padded ``sizes`` (sorted,
     ascending) most cheaply, one program call each.
 
     A group of ``k`` items costs ``rows(k) * sizes[b - 1]`` (its rows bucketed, each padded to
     its longest item) plus ``overhead`` per call; the split is exact, a dynamic program over the
-    items. Ties go to the earlier cut, so to fewer, larger groups at the front.
+    items. Ties go to the earlier cut, so to fewer, larger groups at the front. ``fits(rows,
+    size)``: whether a group of that shape may run at all (default: any); a group of one item
+    must always fit.
     """
     n = len(sizes)
     row_buckets = [0] + [rows(k) for k in range(1, n + 1)]
     best = [0.0] * (n + 1)
     cut = [0] * (n + 1)
     for b in range(1, n + 1):
-        best[b], cut[b] = min((best[a] + row_buckets[b - a] * sizes[b - 1] + overhead, a) for a in range(b))
+        best[b], cut[b] = min(
+            (best[a] + row_buckets[b - a] * sizes[b - 1] + overhead, a)
+            for a in range(b)
+            if fits is None or a == b - 1 or fits(row_buckets[b - a], sizes[b - 1])
+        )
     bounds, b = [], n
     while b:
         bounds.append((cut[b], b))

@@ -112,19 +112,30 @@ class SolveBuckets:
     rounded up to a multiple of the mesh's ``data`` axis (every shard the same rows).
     lengths: the padded lengths the stage asks for (e.g. a
     :func:`~omni_jax.engine.buckets.ladder`), ascending; the last is the longest request.
+    max_cells: the most ``rows * length`` a solve may have (``None``: no limit), so that long
+    requests are solved a few at a time: a solve's work and temporaries grow with its cells,
+    and past a size that fills the device, more rows at once only add programs and memory. The
+    smallest row count runs at every length whatever the limit, so every request fits.
     """
 
     rows: tuple[int, ...]
     lengths: tuple[int, ...]
+    max_cells: int | None = None
 
     @classmethod
-    def build(cls, max_batch: int, lengths: Sequence[int], data: int = 1) -> SolveBuckets:
+    def build(
+        cls, max_batch: int, lengths: Sequence[int], data: int = 1, max_cells: int | None = None
+    ) -> SolveBuckets:
         rows = {round_up(bucket(n, 1, max_batch), data) for n in range(1, max_batch + 1)}
-        return cls(tuple(sorted(rows)), tuple(lengths))
+        return cls(tuple(sorted(rows)), tuple(lengths), max_cells)
+
+    def fits(self, rows: int, length: int) -> bool:
+        """Whether a solve of ``rows`` x ``length`` is within :attr:`max_cells`."""
+        return self.max_cells is None or rows == self.rows[0] or rows * length <= self.max_cells
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every ``(rows, length)`` of a solve: one compiled program each."""
-        return [(rows, length) for rows in self.rows for length in self.lengths]
+        return [(r, n) for r in self.rows for n in self.lengths if self.fits(r, n)]
 
     def rows_for(self, requests: int) -> int:
         """Rows of a solve of ``requests`` requests."""
@@ -153,10 +164,12 @@ class GenerationRunner(Generic[R, B]):
         *,
         lengths: Sequence[int],
         max_batch: int = 8,
+        max_cells: int | None = None,
         mesh: Mesh | None = None,
         name: str = "generation",
     ):
         """``lengths``: the padded lengths a solve may have (:attr:`SolveBuckets.lengths`);
+        ``max_cells``: the most rows x length of a solve (:attr:`SolveBuckets.max_cells`);
         ``mesh``: the stage's ``("data", "model")`` mesh, the model's weights already placed on
         it (replicated); ``None`` on one device. ``name`` (the stage's) prefixes the profiling
         spans: ``<name>/warmup``, ``<name>/pad``, ``<name>/solve``, ``<name>/split``."""
@@ -170,9 +183,9 @@ class GenerationRunner(Generic[R, B]):
         self.mesh = mesh
         self.name = name
         self.data = axis_size(mesh, "data")
-        self.buckets = SolveBuckets.build(max_batch, lengths, self.data)
+        self.buckets = SolveBuckets.build(max_batch, lengths, self.data, max_cells)
         self._waiting: collections.deque[R] = collections.deque()
-        self.cost = SolveCost(cap=float(max_batch * self.buckets.lengths[-1]))
+        self.cost = SolveCost(cap=float(max(r * n for r, n in self.buckets.shapes())))
 
     def add(self, request: R) -> None:
         self._waiting.append(request)
@@ -205,19 +218,25 @@ class GenerationRunner(Generic[R, B]):
         (:func:`~omni_jax.engine.buckets.padded_split`). With little overhead a group holds one
         length bucket (or splits where its rows would pad to the next bucket); the larger a
         solve's fixed cost, the more lengths share one. Whatever the fit, every group's shape is
-        one of the buckets'.
+        one of the buckets' (within :attr:`SolveBuckets.max_cells`).
         """
         order = sorted(requests, key=self.padder.length)
         lengths = [self.buckets.length_for(self.padder.length(r)) for r in order]
-        return [order[a:b] for a, b in padded_split(lengths, self.buckets.rows_for, self.cost.overhead())]
+        split = padded_split(lengths, self.buckets.rows_for, self.cost.overhead(), self.buckets.fits)
+        return [order[a:b] for a, b in split]
 
     def shape(self, requests: Sequence[R]) -> tuple[int, int]:
         """``(rows, length)``: the smallest bucket that holds ``requests``."""
         if not 1 <= len(requests) <= self.max_batch:
             raise ValueError(f"a batch holds 1 to {self.max_batch} requests, got {len(requests)}")
-        return self.buckets.rows_for(len(requests)), self.buckets.length_for(
-            max(self.padder.length(r) for r in requests)
-        )
+        rows = self.buckets.rows_for(len(requests))
+        length = self.buckets.length_for(max(self.padder.length(r) for r in requests))
+        if not self.buckets.fits(rows, length):
+            raise ValueError(
+                f"a solve of {len(requests)} requests padded to {length} is {rows} x {length}, more than "
+                f"the {self.buckets.max_cells} rows x length a solve may have"
+            )
+        return rows, length
 
     def pad(self, requests: Sequence[R]) -> B:
         """The solve's inputs for ``requests``, padded to the smallest bucket that holds them."""

@@ -22,13 +22,19 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from omni_jax.engine.generation_runner import GenerationRunner
+from omni_jax.engine.generation_runner import GenerationRunner, SolveBuckets
 from omni_jax.models.qwen2_5_omni.chunk_plan import ChunkPlanner
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
 from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
 from omni_jax.stages.base import StageInput, StageResult, check_ids
-from omni_jax.stages.code2wav_batch import Code2WavBatch, Code2WavRequest, SolveGeometry, code2wav_runner
+from omni_jax.stages.code2wav_batch import (
+    Code2WavBatch,
+    Code2WavRequest,
+    SolveGeometry,
+    code2wav_runner,
+    code_buckets,
+)
 from omni_jax.stages.code2wav_common import Code2WavStageBase, stream_setting
 from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.code2wav_stream import ChunkedDecoder
@@ -41,7 +47,16 @@ DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_CODES = 4096
 """Codes per request when the stage YAML sets no ``max_codes``: the talker's default
 ``max_tokens`` (transformers' ``talker_max_new_tokens``), 82 s of audio at 50 codes per second.
-With ``max_batch`` it bounds the largest solve, which the start-up check must find room for."""
+With ``max_batch`` and :data:`DEFAULT_MAX_SOLVE_CODES` it bounds the largest solve, which the
+start-up check must find room for."""
+
+DEFAULT_MAX_SOLVE_CODES = 8192
+"""Rows x codes of one solve at most when the stage YAML sets no ``max_solve_codes``: two requests
+of :data:`DEFAULT_MAX_CODES`, or eight of 1024 codes. A solve's DiT and vocoder work and its
+temporaries grow with its codes, and 8192 codes (16384 mel frames, twice that with guidance)
+fill a GPU, so larger solves would only add programs (eight rows at every length: 60 at the
+default limits, 54 with this one) and memory (the default 8 x 4096 solve alone needed about
+21 GiB at the 7B's widths). Longer requests are solved a few at a time instead."""
 
 
 def voiced_codes(tokens: list[int], upstream: StageResult | None) -> list[int]:
@@ -63,6 +78,15 @@ def solve_limits(sc: StageConfig, model: Token2Wav) -> tuple[int, int]:
     if max_batch < 1 or max_codes < 1:
         raise ValueError(f"stage {sc.name!r}: max_batch={max_batch} and max_codes={max_codes} must be >= 1")
     return max_batch, max_codes
+
+
+def max_solve_codes(sc: StageConfig) -> int:
+    """The stage YAML's ``engine.max_solve_codes`` (default :data:`DEFAULT_MAX_SOLVE_CODES`): the
+    most rows x codes of one offline solve (a request alone always runs, whatever its length)."""
+    cells = int(sc.engine.get("max_solve_codes", DEFAULT_MAX_SOLVE_CODES))
+    if cells < 1:
+        raise ValueError(f"stage {sc.name!r}: max_solve_codes={cells} must be >= 1")
+    return cells
 
 
 STREAM_KEYS = {
@@ -92,8 +116,10 @@ def solve_demand(sc: StageConfig, model: Token2Wav) -> dict[str, int]:
     """The largest solve's temporaries, for the start-up memory check (an estimate: see
     :func:`omni_jax.models.qwen2_5_omni.token2wav.solve_bytes_per_code`)."""
     max_batch, max_codes = solve_limits(sc, model)
-    what = f"stage {sc.name!r} largest solve ({max_batch} requests of {max_codes} codes, estimate)"
-    return {what: model.solve_bytes_per_code * max_batch * max_codes}
+    shapes = SolveBuckets.build(max_batch, code_buckets(max_codes), max_cells=max_solve_codes(sc)).shapes()
+    rows, codes = max(shapes, key=lambda s: (s[0] * s[1], s[1]))
+    what = f"stage {sc.name!r} largest solve ({rows} requests of {codes} codes, estimate)"
+    return {what: model.solve_bytes_per_code * rows * codes}
 
 
 class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDecoder]):
@@ -102,7 +128,8 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
     Codes index the DiT's codec embedding: valid ids are ``0 .. num_embeds`` inclusive (the
     table has ``num_embeds + 1`` rows, as in transformers). A request may hold at most the
     engine option ``max_codes`` codes (default :data:`DEFAULT_MAX_CODES`), never more than
-    ``max_position_embeddings // repeats``, the reference's limit on mel length. A prompt
+    ``max_position_embeddings // repeats``, the reference's limit on mel length; waiting requests
+    share a solve of at most ``max_solve_codes`` rows x codes (:func:`max_solve_codes`). A prompt
     without ``"speaker"`` uses :attr:`default_speaker`: the YAML's ``default_speaker`` when the
     checkpoint has that voice, else the checkpoint's first voice.
     """
@@ -151,6 +178,7 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
             geometry,
             reference_frames=max(len(s.ref_mel) for s in speakers.values()),
             max_batch=max_batch,
+            max_solve_codes=max_solve_codes(sc),
             mesh=mesh,
             name=sc.name,
         )

@@ -180,12 +180,14 @@ def code2wav_runner(
     *,
     reference_frames: int,
     max_batch: int = 8,
+    max_solve_codes: int | None = None,
     mesh: Mesh | None = None,
     name: str = "code2wav",
 ) -> GenerationRunner[Code2WavRequest, Code2WavBatch]:
     """The engine's runner for code2wav: ``solve`` (``token2wav_compiled``) over buckets of up to
-    ``max_batch`` rows by :func:`code_buckets` of ``geometry.max_codes``; ``reference_frames``:
-    the longest reference mel a request may bring (every one pads to it)."""
+    ``max_batch`` rows by :func:`code_buckets` of ``geometry.max_codes``, at most
+    ``max_solve_codes`` rows x codes a solve; ``reference_frames``: the longest reference mel a
+    request may bring (every one pads to it)."""
     padder = Code2WavPadder(geometry, reference_frames)
     return GenerationRunner(
         solve,
@@ -193,6 +195,7 @@ def code2wav_runner(
         padder,
         lengths=code_buckets(geometry.max_codes),
         max_batch=max_batch,
+        max_cells=max_solve_codes,
         mesh=mesh,
         name=name,
     )
