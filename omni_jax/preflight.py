@@ -174,8 +174,8 @@ def check_memory_before_loading(needs: list[StageNeeds], num_pages: int | None) 
             raise ValueError(
                 f"the pipeline needs {format_bytes(total)} but {where} has {format_bytes(available)} "
                 f"available [{listed}]; lower num_pages, max_model_len, max_num_seqs or "
-                "max_num_batched_tokens (code2wav: the stage's max_batch or max_codes), use a smaller "
-                "dtype, or spread the stages over more devices"
+                "max_num_batched_tokens (code2wav: the stage's max_batch, max_codes or max_solve_codes), "
+                "use a smaller dtype, or spread the stages over more devices"
             )
 
 

@@ -177,17 +177,26 @@ def test_from_pretrained_refuses_before_reading_weights(omni_dir, monkeypatch) -
 
 def test_code2wav_largest_solve_refused_with_the_numbers(omni_dir) -> None:
     """A code2wav batch the memory cannot hold (``max_batch`` x ``max_codes`` from the stage's
-    engine options) is refused before loading, its largest solve listed."""
+    engine options, within ``max_solve_codes``) is refused before loading, its largest solve
+    listed; the default ``max_solve_codes`` keeps the same ``max_batch`` within memory."""
     hf_config, stages, meshes = meshes_for(omni_dir, ["code2wav"])
     check(omni_dir, hf_config, stages, meshes, None)  # fits
-    huge = [dataclasses.replace(stages[0], engine={"max_batch": 10**6, "max_codes": 200})]
+    uncapped = {"max_solve_codes": 10**9}
+    huge = [dataclasses.replace(stages[0], engine={"max_batch": 10**6, "max_codes": 200, **uncapped})]
     with pytest.raises(ValueError, match="the pipeline needs ") as e:
         check(omni_dir, hf_config, huge, meshes, None)
     needed, available = numbers(str(e.value))
     assert needed > available
     assert "stage 'code2wav' largest solve (1000000 requests of 200 codes, estimate)" in str(e.value)
-    assert "max_batch or max_codes" in str(e.value)
-    capped = [dataclasses.replace(stages[0], engine={"max_batch": 10**6, "max_codes": 10**9})]
+    assert "max_batch, max_codes or max_solve_codes" in str(e.value)
+    check(
+        omni_dir,
+        hf_config,
+        [dataclasses.replace(stages[0], engine={"max_batch": 10**6, "max_codes": 200})],
+        meshes,
+        None,
+    )
+    capped = [dataclasses.replace(stages[0], engine={"max_batch": 10**6, "max_codes": 10**9, **uncapped})]
     with pytest.raises(ValueError, match=r"1000000 requests of 256 codes"):  # the DiT's positions cap it
         check(omni_dir, hf_config, capped, meshes, None)
 
