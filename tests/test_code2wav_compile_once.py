@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from flax import nnx
+from stand_ins import stand_in_code2wav_runner
 
 from omni_jax import OmniJaxPipeline, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
@@ -26,7 +26,7 @@ from omni_jax.engine.solve_cost import MIN_OVERHEAD
 from omni_jax.models.qwen2_5_omni.token2wav import token2wav_compiled
 from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
 from omni_jax.stages.code2wav import DEFAULT_MAX_SOLVE_CODES
-from omni_jax.stages.code2wav_batch import Code2WavRequest, SolveGeometry, code2wav_runner, code_buckets
+from omni_jax.stages.code2wav_batch import Code2WavRequest, code_buckets
 
 TINY_LADDER = (32, 48, 64, 96, 128, 192, 256)
 NUM_EMBEDS, REPEATS, HOP = 64, 2, 60  # the tiny DiT's codec ids, mel frames per code, samples per frame
@@ -72,28 +72,9 @@ def test_buckets_are_capped_and_closed(max_batch, max_codes, data, rows, codes) 
         b.length_for(max_codes + 1)
 
 
-class _NoWeights(nnx.Module):
-    pass
-
-
-def stand_in_runner(
-    max_batch: int = 8, max_codes: int = 256, max_solve_codes: int | None = None
-) -> GenerationRunner:
+def stand_in_runner(max_solve_codes: int | None = None) -> GenerationRunner:
     """A runner whose solve returns zeros: what is tested is which shapes it is asked for."""
-
-    def solve(graph, state, codes, code_lengths, *rest):  # noqa: ANN001, ANN002, ANN202 - a stand-in
-        frames = np.asarray(code_lengths) * REPEATS
-        return np.zeros((codes.shape[0], codes.shape[1] * REPEATS * HOP), np.float32), frames * HOP
-
-    geometry = SolveGeometry(repeats=REPEATS, mel_dim=4, speaker_dim=3, max_codes=max_codes)
-    return code2wav_runner(
-        solve,
-        _NoWeights(),
-        geometry,
-        reference_frames=5,
-        max_batch=max_batch,
-        max_solve_codes=max_solve_codes,
-    )
+    return stand_in_code2wav_runner(samples_per_frame=HOP, max_codes=256, max_solve_codes=max_solve_codes)
 
 
 def request(name: str, num_codes: int, reference_frames: int = 5) -> Code2WavRequest:
@@ -113,7 +94,7 @@ def test_grouping_chooses_only_among_the_buckets(
 ) -> None:
     """Whatever one more solve is thought to cost, each group pads to a shape of the set (with
     rows x codes capped too)."""
-    runner = stand_in_runner(max_solve_codes=max_solve_codes)
+    runner = stand_in_runner(max_solve_codes)
     monkeypatch.setattr(runner.cost, "overhead", lambda: overhead)
     shapes = set(runner.buckets.shapes())
     rng = np.random.default_rng(0)

@@ -9,35 +9,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flax import nnx
+from stand_ins import stand_in_code2wav_runner
 
 from omni_jax.engine.generation_runner import GenerationRunner
 from omni_jax.engine.solve_cost import MIN_OVERHEAD, SolveCost
-from omni_jax.stages.code2wav_batch import Code2WavRequest, SolveGeometry, code2wav_runner
+from omni_jax.stages.code2wav_batch import Code2WavRequest
 from omni_jax.stages.code2wav_params import Token2WavParams
 
 SAMPLES_PER_FRAME = 3
 
 
-class _NoWeights(nnx.Module):
-    pass
-
-
 def make_runner(
     calls: list[list[int]], max_batch: int = 8, max_solve_codes: int | None = None
 ) -> GenerationRunner:
-    def solve(graph, state, codes, code_lengths, *rest):  # noqa: ANN001, ANN002, ANN202 - a stand-in
-        lengths = np.asarray(code_lengths)
-        calls.append(lengths.tolist())
-        wave = np.zeros((codes.shape[0], 2 * codes.shape[1] * SAMPLES_PER_FRAME), np.float32)
-        return wave, lengths * 2 * SAMPLES_PER_FRAME
-
-    geometry = SolveGeometry(repeats=2, mel_dim=4, speaker_dim=3, max_codes=512)
-    return code2wav_runner(
-        solve,
-        _NoWeights(),
-        geometry,
-        reference_frames=5,
+    return stand_in_code2wav_runner(
+        calls,
+        samples_per_frame=SAMPLES_PER_FRAME,
+        max_codes=512,
         max_batch=max_batch,
         max_solve_codes=max_solve_codes,
     )

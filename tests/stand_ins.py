@@ -1,0 +1,48 @@
+"""A code2wav runner with no model: its solve returns silence of the right length and records
+each call's code lengths, so tests of grouping and bucketing see which shapes the runner asks
+for without compiling anything."""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+from omni_jax.engine.generation_runner import GenerationRunner
+from omni_jax.stages.code2wav_batch import Code2WavBatch, Code2WavRequest, SolveGeometry, code2wav_runner
+
+REPEATS = 2
+"""Mel frames per code, as the tiny DiT's."""
+
+
+class _NoWeights(nnx.Module):
+    pass
+
+
+def stand_in_code2wav_runner(
+    calls: list[list[int]] | None = None,
+    *,
+    samples_per_frame: int,
+    max_codes: int,
+    max_batch: int = 8,
+    max_solve_codes: int | None = None,
+) -> GenerationRunner[Code2WavRequest, Code2WavBatch]:
+    """The runner of :func:`~omni_jax.stages.code2wav_batch.code2wav_runner` over a stand-in
+    solve: zeros, ``samples_per_frame`` a mel frame; each call's code lengths (padding rows
+    included) appended to ``calls`` when given."""
+
+    def solve(graph, state, codes, code_lengths, *rest):  # noqa: ANN001, ANN002, ANN202 - a stand-in
+        lengths = np.asarray(code_lengths)
+        if calls is not None:
+            calls.append(lengths.tolist())
+        wave = np.zeros((codes.shape[0], codes.shape[1] * REPEATS * samples_per_frame), np.float32)
+        return wave, lengths * REPEATS * samples_per_frame
+
+    geometry = SolveGeometry(repeats=REPEATS, mel_dim=4, speaker_dim=3, max_codes=max_codes)
+    return code2wav_runner(
+        solve,
+        _NoWeights(),
+        geometry,
+        reference_frames=5,
+        max_batch=max_batch,
+        max_solve_codes=max_solve_codes,
+    )
