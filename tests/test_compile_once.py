@@ -153,3 +153,25 @@ def test_a_failed_compilation_cancels_the_queued_ones(monkeypatch: pytest.Monkey
     with pytest.raises(KeyboardInterrupt):
         compile_ahead([_Call(log, 0, fail=True), *(_Call(log, i) for i in (1, 2, 3))])  # type: ignore[list-item]
     assert log == [0]
+
+
+def test_qwen2_5_omni_stages_hold_at_most_64_programs_at_the_default_sizes(omni_dir) -> None:
+    """Every stage of the whole Qwen2.5-Omni graph at the engine defaults (64 sequences,
+    2048-token steps) warms up at most 64 programs, counted from its bucket sets (nothing
+    compiled): the thinker's AR programs with its encoders' (the processor's bounds: Qwen2.5-Omni's
+    image sizes), the talker's, code2wav's offline solves and streamed chunks."""
+    pipe = OmniJaxPipeline.from_pretrained(omni_dir, max_num_seqs=64, max_num_batched_tokens=2048)
+    thinker, talker, code2wav = pipe.stages
+
+    def ar_programs(stage) -> int:  # noqa: ANN001 - an AR stage
+        runner = stage.engine.runner
+        return len(runner.step_shapes()) + 4 * len(runner.sequence_buckets()) + 1
+
+    encoders = thinker.frontend.step_inputs.buckets
+    counts = {
+        "thinker": ar_programs(thinker) + len(encoders.audio_chunks) + len(encoders.vision_tokens),
+        "talker": ar_programs(talker),
+        "code2wav": len(code2wav.runner.buckets.shapes()) + len(code2wav.decoder.buckets.shapes()),
+    }
+    assert counts == {"thinker": 41 + 5 + 17, "talker": 41, "code2wav": 28 + 8}
+    assert max(counts.values()) <= 64

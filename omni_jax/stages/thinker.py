@@ -71,6 +71,14 @@ PROCESSOR_KWARGS = ("use_audio_in_video", "fps")
 """Keys a prompt's ``mm_processor_kwargs`` may hold (vLLM's name for per-prompt processor options)."""
 
 
+SMALLEST_VISION_CALL = 256
+"""Tokens (patches) of the smallest vision call :meth:`EncoderBuckets.for_processor` makes: a
+224x224 image. Images smaller than that, which a processor's ``min_pixels`` allows but video
+frames never are, pad to it. The sizes below it (64, 128 and 192 at Qwen2.5-Omni's band tile)
+would be programs of their own for the cheapest calls, and with them the thinker stage held
+more than 64 programs at the default engine sizes (41 AR and 25 encoder ones)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EncoderBuckets:
     """The call sizes the thinker's encoders are compiled for, ascending.
@@ -90,12 +98,12 @@ class EncoderBuckets:
         """Sized to the processor's own bounds: the feature extractor's longest clip (its
         ``chunk_length``), and the most pixels its image processor or the video path
         (``video_pixels``: the family's bound) resizes a frame to, so that any input it accepts
-        fits one call."""
+        fits one call; vision calls from :data:`SMALLEST_VISION_CALL` tokens."""
         patch = spec.vision.patch_size
         pixels = max(int(processor.image_processor.size["longest_edge"]), video_pixels)
         return cls(
             audio_chunks=audio_chunk_buckets(int(processor.feature_extractor.nb_max_frames), spec.audio),
-            vision_tokens=vision_token_buckets(spec.vision, pixels // (patch * patch)),
+            vision_tokens=vision_token_buckets(spec.vision, pixels // (patch * patch), SMALLEST_VISION_CALL),
         )
 
     def check(self, index: int, inputs: OmniInputs, spec: ThinkerSpec) -> None:

@@ -314,11 +314,13 @@ the smallest sizes a lone frame's call is at most a third padding (half with one
 the programs."""
 
 
-def vision_token_buckets(spec: CallUnit, largest_frame: int) -> tuple[int, ...]:
-    """The call sizes (tokens) of the vision encoder: from one token unit (this family's band
-    tile) up to the first size that holds a frame of ``largest_frame`` patches,
-    :data:`PER_OCTAVE` sizes a doubling."""
-    return size_ladder(spec.token_unit, max(largest_frame, 1), PER_OCTAVE)
+def vision_token_buckets(spec: CallUnit, largest_frame: int, smallest: int = 1) -> tuple[int, ...]:
+    """The call sizes (tokens) of the vision encoder: a ladder of :data:`PER_OCTAVE` sizes a
+    doubling from one token unit (this family's band tile) up to the first size that holds a
+    frame of ``largest_frame`` patches, without the sizes under ``smallest`` (the last size is
+    kept whatever it is)."""
+    sizes = size_ladder(spec.token_unit, max(largest_frame, 1), PER_OCTAVE)
+    return tuple(s for s in sizes if s >= min(smallest, sizes[-1]))
 
 
 @dataclasses.dataclass(frozen=True)
