@@ -32,10 +32,9 @@ ceiling (an MoE step reads the experts its rows route to, counted as under unifo
 each row multiplies its top-k: :class:`benchmarks.models.DecodeWeights`); for a dense decoder, also
 against XLA's own matmuls of the step's weight shapes at those rows alone
 (:func:`benchmarks.roofline.decoder_matmuls_s`), which a few rows run far below the square
-ceiling. The whole workload's
-floor (:func:`workload_floor`) is the same arithmetic over every prompt token and decode step:
-transformers' time over it is the largest ratio this machine allows. ``--profile`` traces our
-measured run (not the probes, nor the reference).
+ceiling. The whole workload's floor (:func:`workload_floor`) is the same arithmetic over every
+prompt token and decode step: transformers' time over it is the largest ratio this machine
+allows. ``--profile`` traces our measured run (not the probes, nor the reference).
 """
 
 from __future__ import annotations

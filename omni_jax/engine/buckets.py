@@ -97,8 +97,8 @@ def padded_split(
     A group of ``k`` items costs ``rows(k) * sizes[b - 1]`` (its rows bucketed, each padded to
     its longest item) plus ``overhead`` per call; the split is exact, a dynamic program over the
     items. Ties go to the earlier cut, so to fewer, larger groups at the front. ``fits(rows,
-    size)``: whether a group of that shape may run at all (default: any); a group of one item
-    must always fit.
+    size)``: whether a group of that shape may run at all (default: any); it must accept a
+    group of one item, so that every split has a way through.
     """
     n = len(sizes)
     row_buckets = [0] + [rows(k) for k in range(1, n + 1)]
@@ -108,7 +108,7 @@ def padded_split(
         best[b], cut[b] = min(
             (best[a] + row_buckets[b - a] * sizes[b - 1] + overhead, a)
             for a in range(b)
-            if fits is None or a == b - 1 or fits(row_buckets[b - a], sizes[b - 1])
+            if fits is None or fits(row_buckets[b - a], sizes[b - 1])
         )
     bounds, b = [], n
     while b:

@@ -137,6 +137,11 @@ class SolveBuckets:
         """Every ``(rows, length)`` of a solve: one compiled program each."""
         return [(r, n) for r in self.rows for n in self.lengths if self.fits(r, n)]
 
+    def largest(self) -> tuple[int, int]:
+        """The shape of most rows x length (the longer one on a tie): the solve whose work and
+        temporaries bound the others'."""
+        return max(self.shapes(), key=lambda s: (s[0] * s[1], s[1]))
+
     def rows_for(self, requests: int) -> int:
         """Rows of a solve of ``requests`` requests."""
         return _smallest(self.rows, requests, f"{requests} requests exceed")
@@ -185,7 +190,8 @@ class GenerationRunner(Generic[R, B]):
         self.data = axis_size(mesh, "data")
         self.buckets = SolveBuckets.build(max_batch, lengths, self.data, max_cells)
         self._waiting: collections.deque[R] = collections.deque()
-        self.cost = SolveCost(cap=float(max(r * n for r, n in self.buckets.shapes())))
+        rows, length = self.buckets.largest()
+        self.cost = SolveCost(cap=float(rows * length))
 
     def add(self, request: R) -> None:
         self._waiting.append(request)

@@ -116,8 +116,8 @@ def solve_demand(sc: StageConfig, model: Token2Wav) -> dict[str, int]:
     """The largest solve's temporaries, for the start-up memory check (an estimate: see
     :func:`omni_jax.models.qwen2_5_omni.token2wav.solve_bytes_per_code`)."""
     max_batch, max_codes = solve_limits(sc, model)
-    shapes = SolveBuckets.build(max_batch, code_buckets(max_codes), max_cells=max_solve_codes(sc)).shapes()
-    rows, codes = max(shapes, key=lambda s: (s[0] * s[1], s[1]))
+    buckets = SolveBuckets.build(max_batch, code_buckets(max_codes), max_cells=max_solve_codes(sc))
+    rows, codes = buckets.largest()
     what = f"stage {sc.name!r} largest solve ({rows} requests of {codes} codes, estimate)"
     return {what: model.solve_bytes_per_code * rows * codes}
 
