@@ -77,6 +77,10 @@ def test_default_engine_sizes_make_few_programs(qwen2_dir) -> None:
     forward = [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048]
     assert runner.step_shapes() == [(n, 32) for n in forward]
     assert runner.sequence_buckets() == [2, 4, 8, 16, 32, 64]
+    # The scheduler cuts prompt steps back to these rather than pad to the next: it relies on
+    # a step running as the smallest size that holds it.
+    assert pipe.stages[0].engine.scheduler.cfg.row_edges == (64, 128, 256, 512, 1024, 2048)
+    assert all(runner.rows_bucket(n) == min(s for s in forward if s >= n) for n in range(1, 2049))
 
 
 def test_too_many_held_back_stop_ids_are_refused(qwen2_dir) -> None:

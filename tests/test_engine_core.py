@@ -24,7 +24,8 @@ def prompt(n: int, seed: int) -> dict[str, list[int]]:
 
 def test_streamed_requests_report_each_step_others_only_their_end(pipe) -> None:
     core = pipe.core
-    streamed, whole = pipe.intake.admit([prompt(9, 0), prompt(9, 0)], greedy(6), ["s", "w"])
+    # 16 prompt tokens, a row edge: both prompts in the first step (18 would be cut back to 16).
+    streamed, whole = pipe.intake.admit([prompt(8, 0), prompt(8, 0)], greedy(6), ["s", "w"])
     core.add(streamed, stream=True)
     core.add(whole)
     steps = []

@@ -50,6 +50,7 @@ def scheduler_config(
     max_num_batched_tokens: int,
     page_size: int,
     max_prefill_chunk: int,
+    row_edges: tuple[int, ...] = (),
 ) -> SchedulerConfig:
     """A scheduler's limits over a cache of ``page_size``-token pages and ``max_model_len``-token
     sequences (its layers and heads, which the scheduler never reads, one of each)."""
@@ -57,6 +58,7 @@ def scheduler_config(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_prefill_chunk=max_prefill_chunk,
+        row_edges=row_edges,
         cache=CacheGeometry(
             num_layers=1,
             num_kv_heads=1,
@@ -197,10 +199,12 @@ def drive(
     specs: list[Spec],
     aborts: dict[int, list[int]] | None = None,
     check_priority: bool = False,
+    step_tokens: list[int] | None = None,
 ) -> tuple[list[ARRequest], Scheduler, dict[str, ARRequest]]:
     """Run every request to the end as ``AREngine`` + the pipeline loop do, checking each step.
 
     ``aborts``: ``{step: [request index]}`` aborted before that step (when still unfinished).
+    ``step_tokens``: when given, each step's number of tokens is appended to it.
     """
     aborts = aborts or {}
     alloc = PageAllocator(num_pages)
@@ -239,6 +243,8 @@ def drive(
         step = sched.schedule()
         assert step, "the scheduler has work but scheduled nothing (the run would spin forever)"
         check_step(sched, step)
+        if step_tokens is not None:
+            step_tokens.append(sum(len(row.token_ids) for _, row in step))
         if check_priority:
             check_preemptions(before, sched, step)
         check_pages(sched, alloc, reqs)
@@ -260,17 +266,20 @@ def workloads(draw: st.DrawFn, with_aborts: bool = False, chunked: bool = False)
     """A scheduler configuration, a page budget and requests arriving over time.
 
     ``chunked``: prompt chunks smaller than the token budget (``AREngine`` always uses the
-    budget as the chunk; the scheduler takes any).
+    budget as the chunk; the scheduler takes any). Half the configurations cut steps at row
+    edges (any ascending sizes up to the budget, not only the runner's).
     """
     page_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     max_model_len = draw(st.integers(4, 96))
     budget = draw(st.sampled_from([16, 32, 64]))
+    edges = draw(st.one_of(st.just(()), st.sets(st.integers(1, budget), max_size=6)))
     cfg = scheduler_config(
         max_num_seqs=draw(st.integers(1, 8)),
         max_model_len=max_model_len,
         max_num_batched_tokens=budget,
         page_size=page_size,
         max_prefill_chunk=draw(st.sampled_from([2, 3, 5, 8])) if chunked else budget,
+        row_edges=tuple(sorted(edges)),
     )
     per_seq = pages_needed(max_model_len, page_size)
     # From one sequence's worth of pages (constant preemption) to enough for everyone.
@@ -376,3 +385,41 @@ def test_chunked_prefill_keeps_priority_and_finishes(workload) -> None:
     reqs, _, _ = drive(cfg, num_pages, specs, check_priority=True)
     for req, spec in zip(reqs, specs, strict=True):
         assert (req.output_ids, req.finish_reason) == alone(spec, cfg.cache.max_model_len)
+
+
+def test_a_step_just_past_a_row_edge_defers_its_newest_prompt_tokens() -> None:
+    """The AR suite's case in small: a step of 1317 prompt tokens beside 20 decode rows ran as
+    2048 rows. With row edges a step just past one (nearer it than the next) leaves its newest
+    prompt tokens to the next step, an admission cut to nothing goes back to the front of the
+    waiting queue, and every request still ends with its own tokens."""
+    cfg = scheduler_config(
+        max_num_seqs=4,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        page_size=4,
+        max_prefill_chunk=64,
+        row_edges=(4, 8, 16, 32, 64),
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    specs = [Spec(tuple(range(20)), params, seed=i, eos_at=None, arrive_step=0) for i in range(2)]
+    tokens: list[int] = []
+    reqs, _, _ = drive(cfg, 64, specs, step_tokens=tokens)
+    # 40 tokens: 8 past 32, 24 short of 64, so 32 now (the second prompt's newest 8 wait);
+    # then 1 decode + 8 = 9, 1 past 8: 8 now, the second prompt's last token beside the
+    # first's third and last decode row, then the second's two decode rows alone.
+    assert tokens == [32, 8, 2, 1, 1]
+    for req, spec in zip(reqs, specs, strict=True):
+        assert (req.output_ids, req.finish_reason) == alone(spec, cfg.cache.max_model_len)
+
+    sched = Scheduler(cfg, PageAllocator(64))
+    first, second, third = (
+        ARRequest(f"r{i}", i, list(range(n)), params, i, eos_token_ids=(EOS,))
+        for i, n in enumerate((32, 1, 5))
+    )
+    for r in (first, second, third):
+        sched.add(r)
+    step = sched.schedule()  # 32 + 1 + 5 = 38: 6 past 32, so both newcomers wait
+    assert [(r.request_id, len(row.token_ids)) for r, row in step] == [("r0", 32)]
+    assert list(sched.waiting) == [second, third]
+    assert second.status is third.status is Status.WAITING and second.pages == third.pages == []
+    assert sched.running == [first]

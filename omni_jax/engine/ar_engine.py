@@ -44,6 +44,7 @@ class AREngine(Generic[S]):
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_prefill_chunk=max_num_batched_tokens,
                 cache=runner.cache_cfg.geometry,
+                row_edges=runner.row_edges(),
             ),
             PageAllocator(runner.cache_cfg.num_pages),
             self.inputs.positions,

@@ -272,6 +272,19 @@ class ARRunner:
         b = fine_bucket(n, MIN_ROWS) if n <= self.max_rows else bucket(n)
         return min(round_up(b, self.data), self.most_rows)
 
+    def row_sizes(self) -> list[int]:
+        """Every token-row size of a step, ascending (:meth:`rows_bucket`'s values)."""
+        return sorted({self.rows_bucket(n) for n in range(1, self.most_rows + 1)})
+
+    def row_edges(self) -> tuple[int, ...]:
+        """The token-row sizes from ``max_rows`` up, where a step with prompt tokens is better
+        cut than padded (:class:`~omni_jax.engine.scheduler.SchedulerConfig`'s ``row_edges``):
+        sizes there are an octave apart, so a step just past one would run nearly twice its
+        rows, and its prompt tokens are compute the deferral moves, not adds. Below, the sizes
+        are two an octave and a step costs about its weight read whatever its rows, so cutting
+        would add steps for nothing."""
+        return tuple(n for n in self.row_sizes() if n >= self.max_rows)
+
     def sequences(self, rows: int) -> int:
         """Sequence rows (logits and sampling) of a step of ``rows`` token rows: a power of two
         (a multiple of ``data``) covering them, up to the most sequences a step can hold. A
@@ -294,8 +307,7 @@ class ARRunner:
         """Every ``(token rows, pages)`` forward shape the scheduler can produce: any step up to
         the budget's tokens (a prompt step) or ``max_rows`` (a decode step), any table width."""
         widths = sorted({self.pages_bucket(p) for p in range(1, self.geometry.pages_per_seq + 1)})
-        rows = sorted({self.rows_bucket(n) for n in range(1, self.most_rows + 1)})
-        return [(n, p) for n in rows for p in widths]
+        return [(n, p) for n in self.row_sizes() for p in widths]
 
     def sequence_buckets(self) -> list[int]:
         """Every sequence-row count of a step (the sampler's shapes)."""

@@ -10,6 +10,7 @@ its prompt plus what it had generated, so its results equal an unconstrained run
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import time
@@ -104,12 +105,21 @@ class StepUpdate(Generic[S]):
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """A step's limits (sequences, tokens, tokens of one prompt chunk) over the stage's cache,
-    whose page size pages requests and whose ``max_model_len`` ends them."""
+    whose page size pages requests and whose ``max_model_len`` ends them.
+
+    ``row_edges``: ascending token-row sizes of the runner's programs at which a step holding
+    prompt tokens is better cut than padded (the runner's sizes from its decode rows up,
+    :meth:`~omni_jax.engine.ar_runner.ARRunner.row_edges`). A step of ``n`` tokens between two
+    edges ``lo < n < hi`` runs as ``hi`` rows; when its newest prompt tokens past ``lo`` are
+    fewer than the ``hi - n`` rows of padding, they wait for the next step instead, which
+    computes them beside rows it runs anyway. Empty: steps are never cut.
+    """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_prefill_chunk: int
     cache: CacheGeometry
+    row_edges: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -184,35 +194,39 @@ class Scheduler:
         Steps are flat (see :mod:`omni_jax.engine.ar_runner`): a row costs its tokens and
         nothing more, so every decoding request runs each step, and prompt chunks (running
         requests' first, then admissions in FIFO order) share what is left of the
-        ``max_num_batched_tokens`` budget, a long prompt in chunks.
+        ``max_num_batched_tokens`` budget, a long prompt in chunks. A step that would pad far
+        past its tokens is cut at a row edge (:class:`SchedulerConfig`'s ``row_edges``).
         """
         cfg = self.cfg
-        plan = [(r, 1) for r in self.running if r.remaining == 1]
-        budget = cfg.max_num_batched_tokens - len(plan)
-
+        decode = [(r, 1) for r in self.running if r.remaining == 1]
+        budget = cfg.max_num_batched_tokens - len(decode)
+        prompt: list[tuple[ARRequest, int]] = []
         for req in self.running:
             if req.remaining == 1:
                 continue
             chunk = min(req.remaining, cfg.max_prefill_chunk, budget)
             if chunk < 1:
                 break
-            plan.append((req, chunk))
+            prompt.append((req, chunk))
             budget -= chunk
         # A waiting request is admitted only into pages no running request needs for its next
         # tokens (those may preempt newer requests; a newcomer may not).
-        spare = self.allocator.num_free - sum(self._growth(r, c) for r, c in plan)
+        spare = self.allocator.num_free - sum(self._growth(r, c) for r, c in decode + prompt)
+        admitted: list[ARRequest] = []
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
             chunk = min(req.remaining, cfg.max_prefill_chunk, budget)
             need = pages_needed(chunk, cfg.cache.page_size)
             if need > spare:
                 break
-            plan.append((req, chunk))
+            prompt.append((req, chunk))
             budget -= chunk
             spare -= need
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
+            admitted.append(req)
+        plan = decode + self._cut_at_edge(len(decode), prompt, admitted)
         plan.sort(key=lambda rc: rc[0].arrival)
         step: list[tuple[ARRequest, StepRow]] = []
         for req, chunk in plan:
@@ -223,6 +237,35 @@ class Scheduler:
             else:
                 self._preempt(req)
         return step
+
+    def _cut_at_edge(
+        self, decode: int, prompt: list[tuple[ARRequest, int]], admitted: list[ARRequest]
+    ) -> list[tuple[ARRequest, int]]:
+        """The ``prompt`` chunks (running requests', then the ``admitted``, oldest first) of a
+        step beside ``decode`` one-token rows, less the newest prompt tokens when a row edge
+        below the step's tokens is nearer than the one above (see :class:`SchedulerConfig`).
+        A chunk cut to nothing leaves the step; an admission cut to nothing goes back to the
+        front of the waiting queue, as if never admitted."""
+        edges = self.cfg.row_edges
+        n = decode + sum(c for _, c in prompt)
+        i = bisect.bisect_left(edges, n)
+        if i == 0 or i == len(edges) or edges[i] == n:
+            return prompt
+        defer = n - edges[i - 1]
+        if defer >= edges[i] - n or defer > n - decode:
+            return prompt
+        kept = list(prompt)
+        while defer:
+            req, chunk = kept.pop()
+            take = min(chunk, defer)
+            defer -= take
+            if take < chunk:
+                kept.append((req, chunk - take))
+            elif any(req is a for a in admitted):
+                self.running.remove(req)
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
+        return kept
 
     def _growth(self, req: ARRequest, chunk: int) -> int:
         """Pages ``req`` lacks for its next ``chunk`` tokens."""
