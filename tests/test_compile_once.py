@@ -159,23 +159,42 @@ def test_a_failed_compilation_cancels_the_queued_ones(monkeypatch: pytest.Monkey
     assert log == [0]
 
 
-def test_qwen2_5_omni_stages_hold_at_most_64_programs_at_the_default_sizes(omni_dir) -> None:
-    """Every stage of the whole Qwen2.5-Omni graph at the engine defaults (64 sequences,
-    2048-token steps) warms up at most 64 programs, counted from its bucket sets (nothing
-    compiled): the thinker's AR programs with its encoders' (the processor's bounds: Qwen2.5-Omni's
-    image sizes), the talker's, code2wav's offline solves and streamed chunks."""
-    pipe = OmniJaxPipeline.from_pretrained(omni_dir, max_num_seqs=64, max_num_batched_tokens=2048)
+def ar_programs(stage) -> int:  # noqa: ANN001 - an AR stage
+    """What ``ARRunner.warmup`` compiles for ``stage``: a forward per step shape, four sampler
+    programs per sequence bucket and the draw hook's forms there, the scrub."""
+    runner = stage.engine.runner
+    hooked = 0 if runner.draw_hook is None else len(runner.draw_hook.warmup_inputs(2))
+    return len(runner.step_shapes()) + (4 + hooked) * len(runner.sequence_buckets()) + 1
+
+
+def stage_programs(pipe: OmniJaxPipeline) -> dict[str, int]:
+    """Each stage's warm-up programs, counted from its bucket sets (nothing compiled): the
+    thinker's AR programs with its encoders' (the processor's bounds), the talker's,
+    code2wav's offline solves and streamed chunks."""
     thinker, talker, code2wav = pipe.stages
-
-    def ar_programs(stage) -> int:  # noqa: ANN001 - an AR stage
-        runner = stage.engine.runner
-        return len(runner.step_shapes()) + 4 * len(runner.sequence_buckets()) + 1
-
     encoders = thinker.frontend.step_inputs.buckets
-    counts = {
+    return {
         "thinker": ar_programs(thinker) + len(encoders.audio_chunks) + len(encoders.vision_tokens),
         "talker": ar_programs(talker),
         "code2wav": len(code2wav.runner.buckets.shapes()) + len(code2wav.decoder.buckets.shapes()),
     }
+
+
+def test_qwen2_5_omni_stages_hold_at_most_64_programs_at_the_default_sizes(omni_dir) -> None:
+    """Every stage of the whole Qwen2.5-Omni graph at the engine defaults (64 sequences,
+    2048-token steps) warms up at most 64 programs (Qwen2.5-Omni's image sizes bound the
+    vision calls)."""
+    pipe = OmniJaxPipeline.from_pretrained(omni_dir, max_num_seqs=64, max_num_batched_tokens=2048)
+    counts = stage_programs(pipe)
     assert counts == {"thinker": 41 + 5 + 17, "talker": 41, "code2wav": 28 + 8}
+    assert max(counts.values()) <= 64
+
+
+def test_qwen3_omni_stages_hold_at_most_64_programs_at_the_default_sizes(qwen3_omni_dir) -> None:
+    """The same bound for Qwen3-Omni: its talker adds the code predictor's two forms (greedy,
+    sampled) per sequence bucket, its code2wav offline decodes of 16 to 300 frames (two sizes an
+    octave) at 1 to 8 rows and streamed windows of the first frame and of 25 + 25 frames."""
+    pipe = OmniJaxPipeline.from_pretrained(qwen3_omni_dir, max_num_seqs=64, max_num_batched_tokens=2048)
+    counts = stage_programs(pipe)
+    assert counts == {"thinker": 41 + 6 + 17, "talker": 41 + 2 * 6, "code2wav": 40 + 8}
     assert max(counts.values()) <= 64
