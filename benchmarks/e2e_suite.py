@@ -149,6 +149,8 @@ def make_workload(pipe: OmniJaxPipeline, speakers: list[str], args: Any) -> Work
         raise SystemExit("--num-requests must be >= 1")
     if args.talker_max_tokens < 1:
         raise SystemExit("--talker-max-tokens must be >= 1")
+    if not 0 <= args.talker_min_tokens <= args.talker_max_tokens:
+        raise SystemExit("--talker-min-tokens must be in [0, --talker-max-tokens]")
     if args.num_steps < 2:
         raise SystemExit("--num-steps must be >= 2 (grid points; RK4 steps are num_steps - 1)")
     prompts, kinds = [], []
@@ -168,7 +170,13 @@ def make_workload(pipe: OmniJaxPipeline, speakers: list[str], args: Any) -> Work
         prompts.append(prompt)
         kinds.append(kind)
     return Workload(
-        prompts, kinds, args.max_tokens, args.talker_max_tokens, args.num_steps, args.guidance_scale
+        prompts,
+        kinds,
+        args.max_tokens,
+        args.talker_max_tokens,
+        args.num_steps,
+        args.guidance_scale,
+        talker_min_tokens=args.talker_min_tokens,
     )
 
 
@@ -695,7 +703,7 @@ def run(path: Path, args: Any, family: Family | None = None) -> dict[str, Any]:
             "thinker": f"greedy, {work.thinker_min_tokens} to {work.thinker_max_tokens} new tokens, "
             "stop on <|im_end|>",
             "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, "
-            f"max {work.talker_max_tokens} {family.talker_unit}",
+            f"{work.talker_min_tokens} to {work.talker_max_tokens} {family.talker_unit}",
             "token2wav": family.token2wav_settings(work),
         },
         "repeats": args.repeats,

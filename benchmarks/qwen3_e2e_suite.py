@@ -145,9 +145,10 @@ class Qwen3Reference(Reference):
                 thinker_do_sample=False,
                 thinker_eos_token_id=self.eos,
                 thinker_pad_token_id=self.pad,
-                # one more token: generate drops the frame of a last token it never feeds back
+                # one more token: generate drops the frame of a last token it never feeds back;
+                # its minimum holds back the stop code from the first m + 1 tokens, m frames
                 talker_max_new_tokens=work.talker_max_tokens + 1,
-                talker_min_new_tokens=work.talker_min_tokens + 1 if work.talker_min_tokens else 0,
+                talker_min_new_tokens=work.talker_min_tokens,
                 talker_do_sample=False,
                 talker_repetition_penalty=REPETITION_PENALTY,
             )

@@ -212,6 +212,13 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         "--talker-max-tokens", type=int, default=128, help="codec tokens per request at most (50 per second)"
     )
     e2e.add_argument(
+        "--talker-min-tokens",
+        type=int,
+        default=0,
+        help="codec tokens (e2e_qwen3: frames) per request at least, on both sides: random-weight "
+        "talkers stop after a few, far shorter than real replies",
+    )
+    e2e.add_argument(
         "--audio-seconds", type=float, default=None, help="every audio request's clip (default 0.5 to 1.5 s)"
     )
     e2e.add_argument(

@@ -335,14 +335,15 @@ def test_e2e_qwen3_suite(tmp_path: Path) -> None:
     """``--suite e2e_qwen3``: four requests (text, text + image, text + audio, text; requests 0 and 3
     in one voice) through Qwen3-Omni's thinker, talker and code2wav, against
     ``generate(return_audio=True)`` request by request and in a per-voice batch; thinker tokens held
-    in both, talker frames (every codebook) to request by request, reported for the batch."""
+    in both, talker frames (every codebook) to request by request, reported for the batch. The talker
+    speaks at least 3 frames on both sides (``--talker-min-tokens``)."""
     argv = "--suite e2e_qwen3 --model tiny --reference --num-requests 4 --max-tokens 4 --talker-max-tokens 4"
-    argv += " --repeats 1 --max-num-seqs 2 --max-model-len 128 --max-num-batched-tokens 32"
+    argv += " --talker-min-tokens 3 --repeats 1 --max-num-seqs 2 --max-model-len 128 --max-num-batched-tokens 32"
     result = run_suite(tmp_path, argv)
     _check_common(result, "e2e_qwen3")
     assert result["requests"] == 4 and result["kinds"] == {"text": 2, "image": 1, "audio": 1}
     assert (
-        result["speakers"] == ["aiden", "chelsie", "ethan"] and "max 4 frames" in result["settings"]["talker"]
+        result["speakers"] == ["aiden", "chelsie", "ethan"] and "3 to 4 frames" in result["settings"]["talker"]
     )
     ref = result["reference"]
     assert ref["engine"] == "transformers Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)"
@@ -353,8 +354,8 @@ def test_e2e_qwen3_suite(tmp_path: Path) -> None:
         assert figures["requests_per_s"] > 0 and figures["audio_s"] > 0
         assert set(figures["stage_s"]) == {"thinker", "talker", "code2wav"}
         assert 4 * 2 <= figures["thinker_tokens"] <= 4 * 4
-    # 4 codes a frame, at most 4 frames (a reply of n tokens voices n - 1), the stop code after each
-    assert 4 * (4 + 1) <= result["ours"]["codec_tokens"] <= 4 * (4 * 4 + 1)
+    # 4 codes a frame, 3 to 4 frames (a reply of n tokens voices n - 1), the stop code after each
+    assert 4 * 3 * 4 <= result["ours"]["codec_tokens"] <= 4 * (4 * 4 + 1)
     assert result["ratio"]["requests_per_s"] == pytest.approx(
         result["ours"]["requests_per_s"] / ref["by_config"][ref["best"]]["requests_per_s"]
     )
