@@ -338,12 +338,15 @@ def test_e2e_qwen3_suite(tmp_path: Path) -> None:
     in both, talker frames (every codebook) to request by request, reported for the batch. The talker
     speaks at least 3 frames on both sides (``--talker-min-tokens``)."""
     argv = "--suite e2e_qwen3 --model tiny --reference --num-requests 4 --max-tokens 4 --talker-max-tokens 4"
-    argv += " --talker-min-tokens 3 --repeats 1 --max-num-seqs 2 --max-model-len 128 --max-num-batched-tokens 32"
+    argv += (
+        " --talker-min-tokens 3 --repeats 1 --max-num-seqs 2 --max-model-len 128 --max-num-batched-tokens 32"
+    )
     result = run_suite(tmp_path, argv)
     _check_common(result, "e2e_qwen3")
     assert result["requests"] == 4 and result["kinds"] == {"text": 2, "image": 1, "audio": 1}
     assert (
-        result["speakers"] == ["aiden", "chelsie", "ethan"] and "3 to 4 frames" in result["settings"]["talker"]
+        result["speakers"] == ["aiden", "chelsie", "ethan"]
+        and "3 to 4 frames" in result["settings"]["talker"]
     )
     ref = result["reference"]
     assert ref["engine"] == "transformers Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)"
