@@ -34,7 +34,10 @@ against XLA's own matmuls of the step's weight shapes at those rows alone
 (:func:`benchmarks.roofline.decoder_matmuls_s`), which a few rows run far below the square
 ceiling. The whole workload's floor (:func:`workload_floor`) is the same arithmetic over every
 prompt token and decode step: transformers' time over it is the largest ratio this machine
-allows. ``--profile`` traces our measured run (not the probes, nor the reference).
+allows. Our measured run's steps are logged (:class:`StepLog`): how many ran at each token-row
+size, the tokens they held and their time, so the padding the row sizes cost and where the time
+goes are figures of the run. ``--profile`` traces our measured run (not the probes, nor the
+reference).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from benchmarks.harness import backends, compile_entry, measured_window, transfo
 from benchmarks.models import QWEN3_OMNI, DecodeWeights, decode_weights, model_type
 from benchmarks.roofline import decoder_matmuls_s, matmul_flops, memory_bandwidth
 from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax.engine.ar_runner import ARRunner
+from omni_jax.engine.step import StepResult, StepRow
 from omni_jax.outputs import OmniRequestOutput
 
 PROBE_PROMPT = 32
@@ -136,6 +141,53 @@ def _step_s(outs: list[OmniRequestOutput], max_new: int, stage: str) -> float:
     return max((o.metrics[stage]["wall_s"] - o.metrics[stage]["ttft_s"]) / (max_new - 1) for o in outs)
 
 
+class StepLog:
+    """The AR steps ``runner`` executes while active: each one's tokens, the token rows it ran as
+    (:meth:`ARRunner.rows_bucket`) and its seconds (``execute`` returns once the step's tokens are
+    on the host, so a step's seconds are its whole cost). It wraps the runner instance's
+    ``execute`` and takes the wrapper off at exit."""
+
+    def __init__(self, runner: ARRunner):
+        self.runner = runner
+        self.steps: list[tuple[int, int, float]] = []
+
+    def __enter__(self) -> StepLog:
+        execute = self.runner.execute
+
+        def timed(rows: list[StepRow]) -> StepResult:
+            t0 = time.perf_counter()
+            result = execute(rows)
+            tokens = sum(len(r.token_ids) for r in rows)
+            self.steps.append((tokens, self.runner.rows_bucket(tokens), time.perf_counter() - t0))
+            return result
+
+        self.runner.execute = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.runner.execute
+
+    def summary(self) -> dict[str, Any]:
+        """Steps, tokens, token rows, the padding share and seconds, in all and by row size
+        (largest first)."""
+        by_rows: dict[str, dict[str, float]] = {}
+        for tokens, rows, seconds in sorted(self.steps, key=lambda step: -step[1]):
+            entry = by_rows.setdefault(str(rows), {"steps": 0, "tokens": 0, "s": 0.0})
+            entry["steps"] += 1
+            entry["tokens"] += tokens
+            entry["s"] += seconds
+        tokens = sum(t for t, _, _ in self.steps)
+        rows = sum(r for _, r, _ in self.steps)
+        return {
+            "steps": len(self.steps),
+            "tokens": tokens,
+            "rows": rows,
+            "padding": 1 - tokens / rows if rows else 0.0,
+            "s": sum(s for _, _, s in self.steps),
+            "by_rows": by_rows,
+        }
+
+
 def _ours(
     path: Path, family: Family, prompts: list[list[int]], args: Any, max_num_seqs: int
 ) -> tuple[dict[str, Any], list[list[int]]]:
@@ -157,7 +209,8 @@ def _ours(
         t0 = time.perf_counter()
         pipe.run(batch, params, progress=False)
         first_s = time.perf_counter() - t0
-        with measured_window(args.profile, "ar/measured run", args.profile_python, requests=len(batch)):
+        window = measured_window(args.profile, "ar/measured run", args.profile_python, requests=len(batch))
+        with window, StepLog(pipe.stages[0].engine.runner) as steps:
             t0 = time.perf_counter()
             outs = pipe.run(batch, params, progress=False)
             wall = time.perf_counter() - t0
@@ -184,6 +237,7 @@ def _ours(
             )
         ),
         "decode_step_s": probe,
+        "steps": steps.summary(),
         "compile": warm.entry(first_s, wall),
         "failures": warm.failures(),
         "backends": backends(warm.probe),
@@ -392,6 +446,7 @@ def run(path: Path, args: Any) -> dict:
         "suite": family.suite,
         "requests": len(prompts),
         "prompt_len_range": [args.min_prompt, args.max_prompt],
+        "prompt_tokens": sum(map(len, prompts)),
         "max_tokens": args.max_tokens,
         "max_num_seqs": max_num_seqs,
         "dtype": args.dtype,
@@ -465,6 +520,14 @@ def table(result: dict[str, Any]) -> str:
         f"our warmup(): {comp['warmup_programs']} programs, {comp['warmup_s']:.1f} s "
         f"(XLA compile {comp['xla_compile_s']:.1f} s); first run after it {comp['first_run_s']:.2f} s; "
         f"compilations after warmup(): {comp['compiles_after_warmup']}; all excluded from the figures above"
+    )
+    steps = ours["steps"]
+    sizes = ", ".join(
+        f"{rows} x{e['steps']} ({e['tokens']} tokens) {e['s']:.2f} s" for rows, e in steps["by_rows"].items()
+    )
+    lines.append(
+        f"our steps: {steps['steps']}, {steps['tokens']} tokens in {steps['rows']} token rows "
+        f"({steps['padding']:.0%} padding), {steps['s']:.2f} s; by rows: {sizes}"
     )
     ceil = result["ceilings"]
     if "moe" in result:

@@ -194,6 +194,20 @@ def test_ar_suite(tmp_path: Path) -> None:
         floor["total_s"] / ours["wall_s"]
     )
     assert result["ratio_at_floor"] == pytest.approx(best["wall_s"] / floor["total_s"])
+    # Every prompt token and every output token but each request's last is computed once (the
+    # pages hold every request: no preemption), in steps of the runner's row sizes.
+    steps = ours["steps"]
+    assert steps["tokens"] == result["prompt_tokens"] + 9 - 3
+    by_rows = steps["by_rows"]
+    assert sum(e["steps"] for e in by_rows.values()) == steps["steps"]
+    assert sum(e["tokens"] for e in by_rows.values()) == steps["tokens"]
+    assert steps["rows"] == sum(int(r) * e["steps"] for r, e in by_rows.items())
+    assert all(e["tokens"] <= int(r) * e["steps"] for r, e in by_rows.items())
+    assert set(map(int, by_rows)) <= {2, 4, 8, 16} and list(map(int, by_rows)) == sorted(
+        map(int, by_rows), reverse=True
+    )
+    assert steps["padding"] == pytest.approx(1 - steps["tokens"] / steps["rows"])
+    assert 0 < steps["s"] <= ours["wall_s"]
     assert "token_ids" not in ours
     assert result["profile"] is None
 
