@@ -38,14 +38,21 @@ def mixed_params(rs: np.random.RandomState, n: int) -> list[SamplingParams]:
     return out
 
 
+def ar_programs(stage) -> int:  # noqa: ANN001 - an AR stage
+    """What ``ARRunner.warmup`` compiles for ``stage``: a forward per step shape, four sampler
+    programs per sequence bucket and the draw hook's forms there, the scrub."""
+    runner = stage.engine.runner
+    hooked = 0 if runner.draw_hook is None else len(runner.draw_hook.warmup_inputs(2))
+    return len(runner.step_shapes()) + (4 + hooked) * len(runner.sequence_buckets()) + 1
+
+
 def test_long_ragged_workload_after_warmup_never_compiles(qwen2_dir) -> None:
     pipe = OmniJaxPipeline.from_pretrained(
         qwen2_dir, max_num_seqs=4, page_size=8, max_model_len=128, max_num_batched_tokens=64
     )
     with CompileCounter() as warm:
         report = pipe.warmup(progress=False)
-    runner = pipe.stages[0].engine.runner
-    assert report.programs == len(runner.step_shapes()) + 4 * len(runner.sequence_buckets()) + 1
+    assert report.programs == ar_programs(pipe.stages[0])
     assert report.compiles == warm.compiles  # fewer than programs when an earlier test compiled some
     rs = np.random.RandomState(11)
     for _ in range(2):  # a second mix: the first may have left nothing that the second reuses
@@ -157,14 +164,6 @@ def test_a_failed_compilation_cancels_the_queued_ones(monkeypatch: pytest.Monkey
     with pytest.raises(KeyboardInterrupt):
         compile_ahead([_Call(log, 0, fail=True), *(_Call(log, i) for i in (1, 2, 3))])  # type: ignore[list-item]
     assert log == [0]
-
-
-def ar_programs(stage) -> int:  # noqa: ANN001 - an AR stage
-    """What ``ARRunner.warmup`` compiles for ``stage``: a forward per step shape, four sampler
-    programs per sequence bucket and the draw hook's forms there, the scrub."""
-    runner = stage.engine.runner
-    hooked = 0 if runner.draw_hook is None else len(runner.draw_hook.warmup_inputs(2))
-    return len(runner.step_shapes()) + (4 + hooked) * len(runner.sequence_buckets()) + 1
 
 
 def stage_programs(pipe: OmniJaxPipeline) -> dict[str, int]:
