@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ from benchmarks.harness import backends, compile_entry, measured_window, transfo
 from benchmarks.models import QWEN3_OMNI, DecodeWeights, decode_weights, model_type
 from benchmarks.roofline import decoder_matmuls_s, matmul_flops, memory_bandwidth
 from omni_jax import OmniJaxPipeline, SamplingParams
-from omni_jax.engine.ar_runner import ARRunner
+from omni_jax.engine.ar_runner import ARRunner, Dispatched
 from omni_jax.engine.step import StepResult, StepRow
 from omni_jax.outputs import OmniRequestOutput
 
@@ -142,30 +142,42 @@ def _step_s(outs: list[OmniRequestOutput], max_new: int, stage: str) -> float:
 
 
 class StepLog:
-    """The AR steps ``runner`` executes while active: each one's tokens, the token rows it ran as
-    (:meth:`ARRunner.rows_bucket`) and its seconds (``execute`` returns once the step's tokens are
-    on the host, so a step's seconds are its whole cost). It wraps the runner instance's
-    ``execute`` and takes the wrapper off at exit."""
+    """The AR steps ``runner`` runs while active: each one's tokens, the token rows it ran as
+    (:meth:`ARRunner.rows_bucket`) and its seconds: from its dispatch, or from when the host read
+    the step before if that came later, to when the host has its results (with steps
+    overlapped, the next one is dispatched before this one is read, so a step's seconds are the
+    time it held the device, not counting the host's work the overlap hides). It wraps the
+    runner instance's ``dispatch`` and ``fetch`` and takes the wrappers off at exit."""
 
     def __init__(self, runner: ARRunner):
         self.runner = runner
         self.steps: list[tuple[int, int, float]] = []
 
     def __enter__(self) -> StepLog:
-        execute = self.runner.execute
+        dispatch, fetch = self.runner.dispatch, self.runner.fetch
+        started: dict[int, tuple[int, float]] = {}  # id(Dispatched) -> (tokens, dispatched at)
+        last_read = [0.0]
 
-        def timed(rows: list[StepRow]) -> StepResult:
+        def timed_dispatch(rows: Sequence[StepRow], sources: Sequence[int] = ()) -> Dispatched:
             t0 = time.perf_counter()
-            result = execute(rows)
-            tokens = sum(len(r.token_ids) for r in rows)
-            self.steps.append((tokens, self.runner.rows_bucket(tokens), time.perf_counter() - t0))
+            step = dispatch(rows, sources)
+            started[id(step)] = (sum(len(r.token_ids) for r in rows), t0)
+            return step
+
+        def timed_fetch(step: Dispatched) -> StepResult:
+            result = fetch(step)
+            now = time.perf_counter()
+            tokens, t0 = started.pop(id(step))
+            self.steps.append((tokens, self.runner.rows_bucket(tokens), now - max(t0, last_read[0])))
+            last_read[0] = now
             return result
 
-        self.runner.execute = timed  # type: ignore[method-assign]
+        self.runner.dispatch = timed_dispatch  # type: ignore[method-assign]
+        self.runner.fetch = timed_fetch  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self.runner.execute
+        del self.runner.dispatch, self.runner.fetch
 
     def summary(self) -> dict[str, Any]:
         """Steps, tokens, token rows, the padding share and seconds, in all and by row size
@@ -202,6 +214,8 @@ def _ours(
         max_model_len=args.max_model_len or max(512, -(-(max(map(len, prompts)) + max_new) // 16) * 16),
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    engine = pipe.stages[0].engine
+    engine.overlap = engine.overlap and not args.sequential_steps
     params = _params(max_new)
     batch = [{"prompt_token_ids": p} for p in prompts]
     concurrency = min(len(prompts), max_num_seqs)
@@ -210,7 +224,7 @@ def _ours(
         pipe.run(batch, params, progress=False)
         first_s = time.perf_counter() - t0
         window = measured_window(args.profile, "ar/measured run", args.profile_python, requests=len(batch))
-        with window, StepLog(pipe.stages[0].engine.runner) as steps:
+        with window, StepLog(engine.runner) as steps:
             t0 = time.perf_counter()
             outs = pipe.run(batch, params, progress=False)
             wall = time.perf_counter() - t0
@@ -238,6 +252,7 @@ def _ours(
         ),
         "decode_step_s": probe,
         "steps": steps.summary(),
+        "overlapped_steps": engine.overlap,
         "compile": warm.entry(first_s, wall),
         "failures": warm.failures(),
         "backends": backends(warm.probe),
@@ -526,7 +541,8 @@ def table(result: dict[str, Any]) -> str:
         f"{rows} x{e['steps']} ({e['tokens']} tokens) {e['s']:.2f} s" for rows, e in steps["by_rows"].items()
     )
     lines.append(
-        f"our steps: {steps['steps']}, {steps['tokens']} tokens in {steps['rows']} token rows "
+        f"our steps ({'overlapped' if ours['overlapped_steps'] else 'each read before the next'}): "
+        f"{steps['steps']}, {steps['tokens']} tokens in {steps['rows']} token rows "
         f"({steps['padding']:.0%} padding), {steps['s']:.2f} s; by rows: {sizes}"
     )
     ceil = result["ceilings"]

@@ -186,6 +186,12 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     ar.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="our engine's tokens per step (default 2048)"
     )
+    ar.add_argument(
+        "--sequential-steps",
+        action="store_true",
+        help="ar: read each of our steps before scheduling the next (AREngine overlap off), to "
+        "measure what overlapping them saves",
+    )
     c2w = p.add_argument_group(
         "code2wav suites (--num-steps, --guidance-scale: Qwen2.5-Omni's only; --repeats: e2e too)"
     )

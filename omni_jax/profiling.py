@@ -5,8 +5,9 @@ XProf), so the time between device programs is attributed to a phase: scheduling
 dispatch, waiting for a result, splitting outputs. Names are ``"<component>/<phase>"``:
 
 - ``stage/<stage>``: one stage's turn in the pipeline's loop (:mod:`omni_jax.pipeline`);
-- ``<stage>/schedule``, ``<stage>/prefill`` or ``<stage>/decode`` (a step with any prompt row
-  is a prefill), ``<stage>/update``: an AR stage's engine step (``thinker/decode``, ...);
+- ``<stage>/schedule``, ``<stage>/prefill`` or ``<stage>/decode`` (a step's dispatch; a step
+  with any prompt row is a prefill), ``<stage>/update`` (reading a step's results, waiting for
+  the device, and applying them): an AR stage's engine step (``thinker/decode``, ...);
 - ``<stage>/warmup``, ``<stage>/pad``, ``<stage>/solve``, ``<stage>/split``: a generation
   stage's runner (``code2wav/solve``, ...);
 - ``bench/<name>``: a benchmark's measured region (``benchmarks/``).

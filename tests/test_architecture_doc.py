@@ -129,7 +129,7 @@ def test_the_check_catches_a_name_that_does_not_exist(text):
 
 
 def test_the_check_accepts_names_that_exist():
-    text = "`ARRunner.execute`, `Scheduler`, `omni_jax/engine/`, `nnx.eval_shape`, `warmup()`"
+    text = "`ARRunner.dispatch`, `Scheduler`, `omni_jax/engine/`, `nnx.eval_shape`, `warmup()`"
     assert unresolved(text) == []
 
 

@@ -95,7 +95,10 @@ def test_a_failed_step_keeps_what_it_finished_and_fails_the_rest(pipe, monkeypat
     prompts = [chat(pipe, "what is the time", modalities=["text"]), chat(pipe, "tell me a story")]
     for admission in pipe.intake.admit(prompts, [thinker, PARAMS[1], PARAMS[2]], ["written", "spoken"]):
         core.add(admission, stream=True)
-    for _ in range(3):  # "spoken" leaves the thinker at the second step
+    # The thinker's steps overlap (each read during the next call): "spoken" leaves the thinker
+    # when its second step is read, in the third call; "written" ends when its fourth is, in the
+    # fifth call, the one whose talker step raises.
+    for _ in range(4):
         core.step()
 
     def fault():

@@ -197,6 +197,7 @@ def test_ar_suite(tmp_path: Path) -> None:
     # Every prompt token and every output token but each request's last is computed once (the
     # pages hold every request: no preemption), in steps of the runner's row sizes.
     steps = ours["steps"]
+    assert ours["overlapped_steps"] is True  # the engine's default
     assert steps["tokens"] == result["prompt_tokens"] + 9 - 3
     by_rows = steps["by_rows"]
     assert sum(e["steps"] for e in by_rows.values()) == steps["steps"]

@@ -1,5 +1,6 @@
-"""``EngineCore`` stepped by hand (no thread): what each step reports, and abort from an AR stage
-(its KV pages back at once) and from the code2wav queue."""
+"""``EngineCore`` stepped by hand (no thread): what each step reports, with the AR engine's steps
+overlapped (a step read during the next call) and not, and abort from an AR stage (its KV pages
+back at once) and from the code2wav queue."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ def prompt(n: int, seed: int) -> dict[str, list[int]]:
     return {"prompt_token_ids": [int(t) for t in np.random.RandomState(seed).randint(3, 200, size=n)]}
 
 
-def test_streamed_requests_report_each_step_others_only_their_end(pipe) -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_streamed_requests_report_each_step_others_only_their_end(pipe, monkeypatch, overlap) -> None:
     core = pipe.core
+    monkeypatch.setattr(pipe.stages[0].engine, "overlap", overlap)
     # 16 prompt tokens, a row edge: both prompts in the first step (18 would be cut back to 16).
     streamed, whole = pipe.intake.admit([prompt(8, 0), prompt(8, 0)], greedy(6), ["s", "w"])
     core.add(streamed, stream=True)
@@ -31,7 +34,11 @@ def test_streamed_requests_report_each_step_others_only_their_end(pipe) -> None:
     steps = []
     while core.has_work():
         steps.append({u.request_id: u for u in core.step()})
-    assert [sorted(s) for s in steps] == [["s"]] * 5 + [["s", "w"]]
+    # Overlapped, the first call only dispatches its step; the call that dispatches the sixth
+    # token's step reads the fifth, and the next one, with nothing left to schedule, the sixth.
+    lag = [[]] if overlap else []
+    assert [sorted(s) for s in steps] == lag + [["s"]] * 5 + [["s", "w"]]
+    steps = steps[len(lag) :]
     last_s, last_w = steps[-1]["s"], steps[-1]["w"]
     assert last_s.finished and last_w.finished and not any(s["s"].finished for s in steps[:-1])
     assert [s["s"].token_ids_delta for s in steps] == [[t] for t in last_w.token_ids]
@@ -47,13 +54,15 @@ def test_abort_frees_the_requests_pages_at_once(pipe) -> None:
     streamed = []
     for _ in range(4):
         streamed += [t for u in core.step() if u.request_id == "doomed" for t in u.token_ids_delta]
-    (held,) = [len(r.pages) for r in scheduler.running if r.request_id == "doomed"]
-    free = scheduler.allocator.num_free
+    (request,) = [r for r in scheduler.running if r.request_id == "doomed"]
+    held, free = len(request.pages), scheduler.allocator.num_free
+    assert request.pending == 1  # its fourth token's step is in flight, still writing its pages
     out = core.abort("doomed")
     assert out is not None and out.finished and out.finish_reason == "abort"
-    assert held > 0 and scheduler.allocator.num_free == free + held
-    assert out.token_ids == streamed and len(streamed) == 4  # one token a step, the first with the prompts
-    assert "doomed" not in core.request_ids and core.abort("doomed") is None
+    # The abort read that step first: the pages are back at once.
+    assert held > 0 and request.pages == [] and scheduler.allocator.num_free == free + held
+    # One token a call after the first (which only dispatched), the first with the prompts.
+    assert out.token_ids == streamed and len(streamed) == 3
     rest = []
     while core.has_work():
         rest += core.step()

@@ -150,7 +150,7 @@ def test_ragged_steps_are_flat(qwen2_dir, hf_qwen2, prompts, monkeypatch) -> Non
     calls: list[tuple[list[int], int]] = []
     pack = ARRunner._pack
 
-    def seen(self, rows, n, p):  # noqa: ANN001, ANN202
+    def seen(self, rows, n, p, sources=()):  # noqa: ANN001, ANN202
         if rows:
             lengths = [len(r.token_ids) for r in rows]
             calls.append((lengths, n))
@@ -159,7 +159,7 @@ def test_ragged_steps_are_flat(qwen2_dir, hf_qwen2, prompts, monkeypatch) -> Non
             # Two sizes an octave up to max_rows; above, powers of two, but a step padding past
             # a third of its tokens was cut back to the edge below (the scheduler's row edges).
             assert n < (1.5 if sum(lengths) <= self.max_rows else 4 / 3) * sum(lengths) + 2
-        return pack(self, rows, n, p)
+        return pack(self, rows, n, p, sources)
 
     monkeypatch.setattr(ARRunner, "_pack", seen)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -102,27 +102,38 @@ def alone(spec: Spec, max_model_len: int) -> tuple[list[int], str]:
 
 
 class FakeRunner:
-    """Writes rows into a host page cache and samples from what it reads back."""
+    """Writes rows into a host page cache and samples from what it reads back; a row's pending
+    token (see ``omni_jax.engine.scheduler``) is read from the step before's draw, as the
+    device does."""
 
     def __init__(self, num_pages: int, page_size: int, specs: dict[str, Spec]):
         self.cache = np.full((num_pages, page_size), -1, np.int64)
         self.page_size = page_size
         self.specs = specs
+        self.drawn = np.zeros(0, np.int64)  # the last step's tokens
 
     def slots(self, pages: list[int], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         idx = np.arange(start, end)
         return np.asarray(pages, np.int64)[idx // self.page_size], idx % self.page_size
 
-    def execute(self, step: list[tuple[ARRequest, StepRow]]) -> StepResult:
+    def execute(self, step: list[tuple[ARRequest, StepRow]], sources: list[int]) -> StepResult:
+        """The step's results (before the scheduler commits it); ``sources``: each pending
+        token's row in the step before."""
         tokens = np.zeros(len(step), np.int64)
-        for req, row in step:
+        wants = []
+        for (req, row), source in zip(step, sources, strict=True):
             assert row.start == req.num_computed and row.end <= req.num_tokens
             assert len(row.pages) * self.page_size >= row.end, "row writes past its pages"
             np.testing.assert_array_equal(row.positions, np.arange(row.start, row.end))
-            self.cache[self.slots(list(row.pages), row.start, row.end)] = row.token_ids
+            ids = list(row.token_ids)
+            assert row.pending_token == (source >= 0)
+            if row.pending_token:
+                ids[-1] = int(self.drawn[source])
+            self.cache[self.slots(list(row.pages), row.start, row.end)] = ids
+            wants.append(list(row.history[: row.start]) + ids)
         for i, (req, row) in enumerate(step):  # reads after every row of the step has written
             context = self.cache[self.slots(list(row.pages), 0, row.end)].tolist()
-            assert context == list(row.history[: row.end]), f"{req.request_id}: KV cache context corrupted"
+            assert context == wants[i], f"{req.request_id}: KV cache context corrupted"
             if row.sample:
                 spec = self.specs[req.request_id]
                 tokens[i] = fake_token(spec.seed, context, row.draw_index, spec.eos_at, set(row.suppress))
@@ -131,20 +142,25 @@ class FakeRunner:
         outputs.update(
             tokens=tokens, finite=np.ones(n, bool), logprob_ids=np.zeros((n, 1)), logprobs=np.zeros((n, 1))
         )
+        self.drawn = tokens
         return StepResult(**outputs)
 
 
 def check_pages(sched: Scheduler, alloc: PageAllocator, reqs: list[ARRequest]) -> None:
-    """Every page is either free or held by exactly one running request; nobody else holds any."""
+    """Every page is either free or held by exactly one running request, or by a finished one
+    with a row still in flight; nobody else holds any."""
     held: list[int] = []
     for r in sched.running:
         assert r.status is Status.RUNNING
         assert len(r.pages) >= pages_needed(r.num_computed, sched.cfg.cache.page_size)
         held += r.pages
-    assert len(held) == len(set(held)), f"a page is held by two running requests: {sorted(held)}"
     for r in reqs:
-        if r not in sched.running:
+        if r.status is Status.FINISHED and r.pending:
+            held += r.pages
+        elif r not in sched.running:
             assert r.pages == [], f"{r.request_id} ({r.status}) holds pages {r.pages}"
+            assert not r.pending, f"{r.request_id} ({r.status}) has a pending token"
+    assert len(held) == len(set(held)), f"a page is held by two requests: {sorted(held)}"
     assert set(held) == alloc._used
     assert not set(held) & set(alloc._free)
     assert alloc.num_free + len(held) == alloc.num_pages
@@ -165,8 +181,15 @@ def check_step(sched: Scheduler, step: list[tuple[ARRequest, StepRow]]) -> None:
     # token rows up to the larger of the budget and the row bucket of max_num_seqs).
     decodes = sum(1 for n in lengths if n == 1)
     assert sum(lengths) <= max(cfg.max_num_batched_tokens, decodes), (lengths, cfg.max_num_batched_tokens)
-    idle = [r.request_id for r in sched.running if r.remaining == 1 and all(r is not q for q in reqs)]
+    max_len = cfg.cache.max_model_len
+    idle = [
+        r.request_id
+        for r in sched.running
+        if r.remaining == 1 and all(r is not q for q in reqs) and not r.ends_by_length(max_len)
+    ]
     assert not idle, f"decoding requests left out of the step: {idle}"
+    ended = [r.request_id for r in reqs if r.ends_by_length(max_len) and r.remaining == 1]
+    assert not ended, f"requests whose pending tokens end them scheduled again: {ended}"
 
 
 def check_preemptions(
@@ -200,11 +223,14 @@ def drive(
     aborts: dict[int, list[int]] | None = None,
     check_priority: bool = False,
     step_tokens: list[int] | None = None,
+    overlap: bool = False,
 ) -> tuple[list[ARRequest], Scheduler, dict[str, ARRequest]]:
     """Run every request to the end as ``AREngine`` + the pipeline loop do, checking each step.
 
     ``aborts``: ``{step: [request index]}`` aborted before that step (when still unfinished).
-    ``step_tokens``: when given, each step's number of tokens is appended to it.
+    ``step_tokens``: when given, each step's number of tokens is appended to it. ``overlap``:
+    each step is scheduled before the one before it is read, as ``AREngine(overlap=True)``
+    does (reading it first when :meth:`Scheduler.needs_results`).
     """
     aborts = aborts or {}
     alloc = PageAllocator(num_pages)
@@ -221,6 +247,14 @@ def drive(
     # token beyond any request's high-water mark for this long goes round in circles.
     stall_limit = 2 * len(specs) * cfg.cache.max_model_len + 50
     high_water, last_progress = [0] * len(reqs), 0
+    in_flight: tuple[list[tuple[ARRequest, StepRow]], StepResult] | None = None
+
+    def read(flight: tuple[list[tuple[ARRequest, StepRow]], StepResult]) -> None:
+        for r in sched.update(*flight).finished:
+            assert r.request_id not in finished, f"{r.request_id} finished twice"
+            assert r.status is Status.FINISHED and (r.pages == []) == (r.pending == 0)
+            finished[r.request_id] = r
+
     clock = 0
     for clock in range(10**6):
         if clock - last_progress > stall_limit:
@@ -234,24 +268,38 @@ def drive(
                 assert sched.abort(r.request_id) is r
                 finished[r.request_id] = r
         check_pages(sched, alloc, reqs)
-        if not sched.has_work():
+        if not sched.has_work() and in_flight is None:
             if submitted == len(reqs):
                 break
             last_progress = clock  # idle until the next arrival
             continue
+        if in_flight is not None and sched.needs_results():
+            read(in_flight)
+            in_flight = None
         before = {id(r): len(r.pages) for r in sched.running}
         step = sched.schedule()
-        assert step, "the scheduler has work but scheduled nothing (the run would spin forever)"
+        assert step or in_flight, "the scheduler has work but scheduled nothing (the run would spin forever)"
         check_step(sched, step)
-        if step_tokens is not None:
+        if step_tokens is not None and step:
             step_tokens.append(sum(len(row.token_ids) for _, row in step))
         if check_priority:
             check_preemptions(before, sched, step)
         check_pages(sched, alloc, reqs)
-        for r in sched.update(step, runner.execute(step)).finished:
-            assert r.request_id not in finished, f"{r.request_id} finished twice"
-            assert r.status is Status.FINISHED and r.pages == []
-            finished[r.request_id] = r
+        previous = in_flight
+        if step:
+            drew = (
+                {} if previous is None else {id(r): i for i, (r, row) in enumerate(previous[0]) if row.sample}
+            )
+            result = runner.execute(step, [drew[id(r)] if row.pending_token else -1 for r, row in step])
+            sched.commit(step)
+            in_flight = (step, result)
+        else:
+            in_flight = None
+        if previous is not None:
+            read(previous)
+        if in_flight is not None and not overlap:
+            read(in_flight)
+            in_flight = None
         for i, r in enumerate(reqs):
             if len(r.output_ids) > high_water[i]:
                 high_water[i], last_progress = len(r.output_ids), clock
@@ -308,12 +356,14 @@ def workloads(draw: st.DrawFn, with_aborts: bool = False, chunked: bool = False)
 
 
 @SETTINGS
-@given(workloads())
-def test_every_request_ends_as_if_run_alone(workload) -> None:
+@given(workloads(), st.booleans())
+def test_every_request_ends_as_if_run_alone(workload, overlap) -> None:
     """Pages never shared, all returned, limits kept, and each request's tokens and finish
-    reason equal its solo run, whatever preemption happened on the way."""
+    reason equal its solo run, whatever preemption happened on the way, with each step read
+    before the next is scheduled or after (``overlap``: pending tokens, requests ending while a
+    row of theirs is in flight)."""
     cfg, num_pages, specs, _ = workload
-    reqs, _, finished = drive(cfg, num_pages, specs)
+    reqs, _, finished = drive(cfg, num_pages, specs, overlap=overlap)
     for req, spec in zip(reqs, specs, strict=True):
         want, reason = alone(spec, cfg.cache.max_model_len)
         assert req.output_ids == want, req.request_id
@@ -324,10 +374,10 @@ def test_every_request_ends_as_if_run_alone(workload) -> None:
 
 
 @SETTINGS
-@given(workloads(with_aborts=True))
-def test_aborts_free_their_pages_and_leave_the_others_untouched(workload) -> None:
+@given(workloads(with_aborts=True), st.booleans())
+def test_aborts_free_their_pages_and_leave_the_others_untouched(workload, overlap) -> None:
     cfg, num_pages, specs, aborts = workload
-    reqs, _, _ = drive(cfg, num_pages, specs, aborts)
+    reqs, _, _ = drive(cfg, num_pages, specs, aborts, overlap=overlap)
     for req, spec in zip(reqs, specs, strict=True):
         want, reason = alone(spec, cfg.cache.max_model_len)
         if req.finish_reason == "abort":
@@ -377,12 +427,12 @@ def test_small_prefill_chunks_do_not_livelock() -> None:
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, phases=[Phase.generate])
-@given(workloads(chunked=True))
-def test_chunked_prefill_keeps_priority_and_finishes(workload) -> None:
+@given(workloads(chunked=True), st.booleans())
+def test_chunked_prefill_keeps_priority_and_finishes(workload, overlap) -> None:
     """The properties above plus strict priority, with prompt chunks below the token budget.
     Fixed examples, no shrinking: fast and deterministic."""
     cfg, num_pages, specs, _ = workload
-    reqs, _, _ = drive(cfg, num_pages, specs, check_priority=True)
+    reqs, _, _ = drive(cfg, num_pages, specs, check_priority=True, overlap=overlap)
     for req, spec in zip(reqs, specs, strict=True):
         assert (req.output_ids, req.finish_reason) == alone(spec, cfg.cache.max_model_len)
 

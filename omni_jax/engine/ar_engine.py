@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Generic
 
-from omni_jax.engine.ar_runner import ARRunner
+from omni_jax.engine.ar_runner import ARRunner, Dispatched
 from omni_jax.engine.kv_cache import PageAllocator
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.engine.scheduler import ARRequest, Scheduler, SchedulerConfig
-from omni_jax.engine.step import S
+from omni_jax.engine.step import S, StepRow
 from omni_jax.parallel.distributed import random_seed
 from omni_jax.profiling import scope
 
 
 class AREngine(Generic[S]):
-    """Continuous batching over an :class:`ARRunner`; model-agnostic.
+    """Continuous batching over an :class:`ARRunner`; model-agnostic. By default the host
+    schedules each step while the device runs the one before (``overlap``).
 
     ``S`` is the stage's per-request state type: the engine carries it, typed, from
     :meth:`add_request` to the stage's step inputs (the runner's
@@ -30,10 +32,18 @@ class AREngine(Generic[S]):
         max_num_batched_tokens: int,
         eos_token_ids: Sequence[int] = (),
         name: str = "ar",
+        overlap: bool = True,
     ):
         """``name`` (the stage's) prefixes the engine's profiler spans: ``<name>/schedule``,
-        ``<name>/prefill`` or ``<name>/decode`` (a step with any prompt row is a prefill),
-        ``<name>/update``."""
+        ``<name>/prefill`` or ``<name>/decode`` (a step with any prompt row is a prefill: its
+        dispatch), ``<name>/update`` (reading a step's results, waiting for the device, and
+        applying them).
+
+        ``overlap``: schedule and dispatch each step while the device still runs the one
+        before, reading that one's results after (vLLM's async scheduling): the host's work of
+        a step then hides behind the device's. Off, or for a stage whose step inputs read what
+        the host records of each drawn token (a :class:`~omni_jax.engine.step.DrawHook`), each
+        step is read as soon as it is dispatched. Both give the same tokens."""
         self.name = name
         self.runner = runner
         self.inputs = runner.step_inputs
@@ -50,6 +60,9 @@ class AREngine(Generic[S]):
             self.inputs.positions,
         )
         self._arrivals = 0
+        self.overlap = overlap and self.inputs.draw_hook is None
+        self._in_flight: _InFlight[S] | None = None
+        self._read: list[ARRequest[S]] = []  # finished in a step an abort read, for the next step()
 
     def add_request(
         self,
@@ -90,33 +103,76 @@ class AREngine(Generic[S]):
         return self.runner.warmup()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._read)
 
     def abort(self, request_id: str) -> bool:
         """End the request (``finish_reason="abort"``) wherever it is queued or running; its
-        pages go back to the allocator at once. False when the engine does not hold it."""
-        return self.scheduler.abort(request_id) is not None
+        pages go back to the allocator at once: when a row of it is in flight (it still writes
+        them), that step is read first, and what it finished is returned by the next
+        :meth:`step` (the aborted request not among it, even if it ended there). False when
+        the engine does not hold it."""
+        flight = self._in_flight
+        if flight is not None and any(req.request_id == request_id for req, _ in flight.step):
+            self._read += self._resolve(flight)
+            self._in_flight = None
+        if self.scheduler.abort(request_id) is not None:
+            return True
+        ended = [r for r in self._read if r.request_id == request_id]
+        for r in ended:
+            self._read.remove(r)
+        return bool(ended)
 
     def step(self) -> list[ARRequest[S]]:
-        """Run one step; return the requests that finished in it."""
+        """Schedule and dispatch one step, then read the step dispatched before it (or this one,
+        when steps do not overlap); return the requests that finished in the step read."""
+        done, self._read = self._read, []
+        if self._in_flight is not None and self.scheduler.needs_results():
+            done += self._resolve(self._in_flight)
+            self._in_flight = None
         with scope(f"{self.name}/schedule"):
             step = self.scheduler.schedule()
-        if not step:
-            return []
-        failed = self.inputs.prepare([row for _, row in step])
-        done: list[ARRequest[S]] = []
+        failed = self.inputs.prepare([row for _, row in step]) if step else {}
         for i, message in failed.items():  # e.g. an encoder fault: only that request ends
             self.scheduler.fail(step[i][0], message)
             done.append(step[i][0])
         step = [s for i, s in enumerate(step) if i not in failed]
-        if not step:
-            return done
-        rows = [row for _, row in step]
-        kind = "decode" if all(len(r.token_ids) == 1 for r in rows) else "prefill"
-        with scope(f"{self.name}/{kind}", rows=len(rows)):
-            result = self.runner.execute(rows)
+        dispatched = None
+        if step:
+            sources = self._sources(step)
+            self.scheduler.commit(step)
+            rows = [row for _, row in step]
+            kind = "decode" if all(len(r.token_ids) == 1 for r in rows) else "prefill"
+            with scope(f"{self.name}/{kind}", rows=len(rows)):
+                dispatched = _InFlight(step, self.runner.dispatch(rows, sources))
+        previous, self._in_flight = self._in_flight, dispatched
+        if previous is not None:
+            done += self._resolve(previous)
+        if self._in_flight is not None and not self.overlap:
+            done += self._resolve(self._in_flight)
+            self._in_flight = None
+        return done
+
+    def _sources(self, step: list[tuple[ARRequest[S], StepRow[S]]]) -> list[int]:
+        """For each row of ``step`` with a pending token, its request's row in the step in flight
+        (whose draw holds the token), else -1."""
+        if self._in_flight is None:
+            return [-1] * len(step)
+        drew = {id(req): i for i, (req, row) in enumerate(self._in_flight.step) if row.sample}
+        return [drew[id(req)] if row.pending_token else -1 for req, row in step]
+
+    def _resolve(self, flight: _InFlight[S]) -> list[ARRequest[S]]:
+        """Read a dispatched step's results and apply them; the requests it finished."""
         with scope(f"{self.name}/update"):
-            update = self.scheduler.update(step, result)
+            update = self.scheduler.update(flight.step, self.runner.fetch(flight.dispatched))
         if update.scrub:  # a failed request's pages may hold NaN: zero them before reuse
             self.runner.scrub(update.scrub)
-        return done + update.finished
+        return update.finished
+
+
+@dataclasses.dataclass
+class _InFlight(Generic[S]):
+    """A step dispatched and not yet read: its rows with their requests, and the runner's
+    handle on its outputs."""
+
+    step: list[tuple[ARRequest[S], StepRow[S]]]
+    dispatched: Dispatched

@@ -5,9 +5,12 @@ for them. The forward is a pure function of ``(params, kv_cache, inputs, metadat
 donates the cache, so the cache is updated in place on device; it returns the logits of each
 sequence's last token (kept on device), whether each of them is finite, and, when the stage
 captures them (:attr:`ARRunner.capture_hidden`), every token's final hidden state and input
-embedding. The sampler draws from the logits. The host reads the sampled tokens and the
-finite flags, and log-probabilities, hidden states and input embeddings only for steps with a
-request that asked for them. What is particular to a model (rotary positions, the extra
+embedding. The sampler draws from the logits. A step is dispatched (:meth:`ARRunner.dispatch`)
+and read later (:meth:`ARRunner.fetch`), so the engine may schedule the next step in between;
+a row whose input token the step before drew and the host has not read takes it from that
+step's draw on the device. The host reads the sampled tokens and the finite flags, and
+log-probabilities, hidden states and input embeddings only for steps with a request that asked
+for them. What is particular to a model (rotary positions, the extra
 inputs its embedding merges) comes from the stage's :class:`~omni_jax.engine.step.StepInputs`.
 
 Compile once: the programs are a small closed set, all compiled by :meth:`ARRunner.warmup`.
@@ -34,6 +37,7 @@ its own chunk.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -116,7 +120,9 @@ def _forward_fn(
     treedef: Any,
     leaves: list[jax.Array],
     kv_cache: Any,
+    drawn: jax.Array,
     tokens: jax.Array,
+    source: jax.Array,
     positions: jax.Array,
     step: FlatStep,
     logits_idx: jax.Array,
@@ -129,6 +135,8 @@ def _forward_fn(
     last_hidden: bool,
 ) -> tuple[Any, ...]:
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    # A pending token (``source >= 0``) is the one the step before drew, still on the device.
+    tokens = jnp.where(source[:, None] >= 0, drawn[jnp.maximum(source, 0)][:, None], tokens)
     with exact_matmuls(compute_dtype(leaves)):
         embeds = model.embed(tokens, extra)
         md = step.metadata(chunk_bytes)
@@ -158,6 +166,15 @@ def _after_draw_fn(
         return run(model, hidden, tokens, inputs)
 
 
+def _draw_fn(
+    logits: jax.Array, st: SamplingTensors, *, greedy: bool, width: int
+) -> tuple[jax.Array, jax.Array]:
+    """The step's tokens ``[S]``, and the same padded to ``width`` (``max_rows``), the fixed
+    shape the next step's forward reads its pending tokens from."""
+    tokens = draw_tokens(logits, st, greedy=greedy)
+    return tokens, jnp.pad(tokens, (0, width - tokens.shape[0]))
+
+
 def _logprobs_fn(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     return top_logprobs(logits, tokens)
 
@@ -166,6 +183,22 @@ def _scrub_fn(kv_cache: Any, pages: jax.Array) -> Any:
     """Zero ``pages`` of every layer (out-of-range ids are dropped): a failed request's pages
     may hold NaN, which attention over a later owner's unwritten tail would read as ``0 * NaN``."""
     return [(k.at[:, pages].set(0, mode="drop"), v.at[:, pages].set(0, mode="drop")) for k, v in kv_cache]
+
+
+@dataclasses.dataclass
+class Dispatched:
+    """A step on its way through the device (:meth:`ARRunner.dispatch`): its rows, each row's
+    tokens, and its outputs, still device arrays: tokens ``[S]``, finite flags ``[S]``, the
+    log-probabilities' ``(ids, logprobs)`` when a row asked, the hidden states and input
+    embeddings when a row captures them, the draw hook's outputs for a stage with one."""
+
+    rows: list[StepRow[Any]]
+    lengths: list[int]
+    tokens: jax.Array
+    finite: jax.Array
+    logprobs: tuple[jax.Array, jax.Array] | None
+    hidden: tuple[jax.Array, jax.Array] | None
+    drawn: Any
 
 
 class ARRunner:
@@ -248,7 +281,14 @@ class ARRunner:
                 functools.partial(_after_draw_fn, self.graphdef, treedef, self.draw_hook.run), **out_layout
             )
         )
-        self._draw = jax.jit(draw_tokens, static_argnames=("greedy",), **out_layout)
+        self._draw = jax.jit(_draw_fn, static_argnames=("greedy", "width"), **out_layout)
+        # The last step's drawn tokens, ``[max_rows]``, where the next step reads its pending
+        # tokens; placed (committed) as the sampler's output is, so every step's forward gets
+        # the same argument layout.
+        self._drawn = jax.device_put(
+            np.zeros((self.max_rows,), np.int32),
+            self.kv_cache[0][0].sharding if mesh is None else NamedSharding(mesh, P()),
+        )
         self._logprobs = jax.jit(_logprobs_fn, **out_layout)
         self._scrub = jax.jit(_scrub_fn, donate_argnames=("kv_cache",))
 
@@ -331,7 +371,7 @@ class ARRunner:
         hooked = 0
         for s, (logits, last) in sorted(out_of.items()):
             for greedy, history in ((True, False), (False, False), (False, True)):
-                tokens = self._run_draw(logits, self._sampling([], s, history), greedy)
+                tokens, self._drawn = self._run_draw(logits, self._sampling([], s, history), greedy)
             self._run_logprobs(logits, tokens)
             if self.draw_hook is not None:
                 for inputs in self.draw_hook.warmup_inputs(s):
@@ -340,12 +380,14 @@ class ARRunner:
         self.scrub([self.cache_cfg.num_pages + 1])
         return len(self.step_shapes()) + 4 * len(out_of) + hooked + 1
 
-    def _pack(self, rows: Sequence[StepRow], n: int, p: int) -> tuple[Any, ...]:
+    def _pack(self, rows: Sequence[StepRow], n: int, p: int, sources: Sequence[int] = ()) -> tuple[Any, ...]:
         """Host arrays of one flat step's forward: ``rows``' tokens in order, padded to ``n``
-        token rows, with :meth:`sequences` ``p``-page tables and logits rows."""
+        token rows, with :meth:`sequences` ``p``-page tables and logits rows; ``sources``: for
+        each row with a pending token, the row of the step before that drew it (else -1)."""
         c, page_size = self.cache_cfg, self.geometry.page_size
         s = self.sequences(n)
         tokens = np.zeros((n, 1), np.int32)
+        source = np.full((n,), -1, np.int32)
         positions = np.zeros((*self.position_shape, n, 1), np.int32)
         slots = np.full((n, 1), c.dropped_slot, np.int32)
         tables = np.full((s, p), c.null_page, np.int32)
@@ -369,8 +411,10 @@ class ARRunner:
             qlen[seg] = 1
             offset += m
             last[i] = offset - 1
+            if r.pending_token:
+                source[offset - 1] = sources[i]
         extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
-        return tokens, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, extra
+        return tokens, source, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, extra
 
     def _sampling(self, rows: Sequence[StepRow], s: int, history: bool) -> SamplingTensors:
         """The sampler's rows for ``rows``, padded to ``s``; ``history``: the penalty form,
@@ -405,13 +449,21 @@ class ARRunner:
         return ProgramCall(fn, (*placed, *args), static, mesh=self.mesh)
 
     def _forward_program(
-        self, tokens: Any, positions: Any, step: FlatStep, last: Any, extra: Any
+        self, tokens: Any, source: Any, positions: Any, step: FlatStep, last: Any, extra: Any
     ) -> ProgramCall:
-        """The forward's call on these host inputs (:meth:`_pack`'s) and the current cache."""
-        host = [(tokens, 0), (positions, len(self.position_shape)), (step, 0), (last, 0), (extra, None)]
+        """The forward's call on these host inputs (:meth:`_pack`'s), the current cache and the
+        last step's drawn tokens."""
+        host = [
+            (tokens, 0),
+            (source, 0),
+            (positions, len(self.position_shape)),
+            (step, 0),
+            (last, 0),
+            (extra, None),
+        ]
         return self._program(
             self._forward,
-            [self._leaves, self.kv_cache],
+            [self._leaves, self.kv_cache, self._drawn],
             host,
             backend=self.backend,
             chunk_bytes=self.chunk_bytes,
@@ -421,13 +473,13 @@ class ARRunner:
         )
 
     def _run_forward(
-        self, tokens: Any, positions: Any, step: FlatStep, last: Any, extra: Any
+        self, tokens: Any, source: Any, positions: Any, step: FlatStep, last: Any, extra: Any
     ) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
         """The forward program: ``(logits [S, V], finite [S], (hidden, embeds) or None, the
         final hidden state of each sequence's last token [S, D] when a draw hook reads it)``,
         all on device; the cache is replaced by the donated result."""
         logits, finite, hidden, last_rows, self.kv_cache = self._forward_program(
-            tokens, positions, step, last, extra
+            tokens, source, positions, step, last, extra
         )()
         return logits, finite, hidden, last_rows
 
@@ -437,8 +489,10 @@ class ARRunner:
             raise RuntimeError("the draw hook's program runs only for a stage with a draw hook")
         return self._program(self._after, [self._leaves, hidden, tokens], [(inputs, 0)])()
 
-    def _run_draw(self, logits: jax.Array, st: SamplingTensors, greedy: bool) -> jax.Array:
-        return self._program(self._draw, [logits], [(st, 0)], greedy=greedy)()
+    def _run_draw(self, logits: jax.Array, st: SamplingTensors, greedy: bool) -> tuple[jax.Array, jax.Array]:
+        """The sampler: the step's tokens ``[S]`` and the same in the ``[max_rows]`` buffer the
+        next step reads its pending tokens from."""
+        return self._program(self._draw, [logits], [(st, 0)], greedy=greedy, width=self.max_rows)()
 
     def _run_logprobs(self, logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self._program(self._logprobs, [logits, tokens], [])()
@@ -454,39 +508,49 @@ class ARRunner:
         with jax.set_mesh(self.mesh):
             return np.asarray(model.embed(tokens)[0])
 
-    def execute(self, rows: Sequence[StepRow[Any]]) -> StepResult:
-        """One scheduler step: the forward, then the sampler; results in ``rows``' order.
-        The step's hidden states and input embeddings (returned by the forward whenever
-        :attr:`capture_hidden`) are fetched to the host when a row's request captures them, and
-        stay on device otherwise."""
-        n_rows = len(rows)
+    def dispatch(self, rows: Sequence[StepRow[Any]], sources: Sequence[int] = ()) -> Dispatched:
+        """Start one scheduler step on the device: the forward, then the sampler (and the draw
+        hook's and log-probabilities' programs when asked); nothing waits for the device, so
+        the host may schedule the next step meanwhile. ``sources``: per row, for a row with a
+        pending token (:attr:`StepRow.pending_token`), its row in the step dispatched just
+        before, whose draw it reads on the device. Read the results with :meth:`fetch`, in
+        dispatch order."""
         lengths = [len(r.token_ids) for r in rows]
         n = self.rows_bucket(sum(lengths))
         p = self.pages_bucket(max(pages_needed(r.end, self.geometry.page_size) for r in rows))
-        logits, finite, hidden, last = self._run_forward(*self._pack(rows, n, p))
-        penalised = any(
-            r.params.repetition_penalty != 1 or r.params.presence_penalty or r.params.frequency_penalty
-            for r in rows
-        )
+        logits, finite, hidden, last = self._run_forward(*self._pack(rows, n, p, sources))
+        penalised = any(r.params.penalised for r in rows)
         st = self._sampling(rows, logits.shape[0], penalised)
-        toks = self._run_draw(logits, st, greedy=not penalised and all(r.params.greedy for r in rows))
+        greedy = not penalised and all(r.params.greedy for r in rows)
+        toks, self._drawn = self._run_draw(logits, st, greedy=greedy)
         drawn = None
         if self.draw_hook is not None:
             drawn = self._run_after(last, toks, self.draw_hook.pack(rows, logits.shape[0]))
-        ids = lps = None
+        logprobs = None
         if any(r.params.logprobs is not None for r in rows):
-            ids, lps = self._run_logprobs(logits, toks)
-        hidden, embeds = (
-            (self._per_row(h, lengths) for h in hidden)
-            if hidden is not None and any(r.capture_hidden for r in rows)
-            else (None, None)
-        )
-        tokens = np.asarray(toks)[:n_rows]
+            logprobs = self._run_logprobs(logits, toks)
+        if hidden is None or not any(r.capture_hidden for r in rows):
+            hidden = None  # stays on device, unread
+        for a in (toks, finite):
+            a.copy_to_host_async()
+        return Dispatched(list(rows), lengths, toks, finite, logprobs, hidden, drawn)
+
+    def fetch(self, step: Dispatched) -> StepResult:
+        """A dispatched step's results on the host, in its rows' order (waits for the device).
+        The step's hidden states and input embeddings are fetched when a row's request captures
+        them; a draw hook records its outputs in the rows' states here."""
+        n_rows = len(step.rows)
+        tokens = np.asarray(step.tokens)[:n_rows]
         if self.draw_hook is not None:
-            self.draw_hook.record(rows, tokens, jax.tree.map(lambda a: np.asarray(a)[:n_rows], drawn))
+            outputs = jax.tree.map(lambda a: np.asarray(a)[:n_rows], step.drawn)
+            self.draw_hook.record(step.rows, tokens, outputs)
+        ids, lps = (None, None) if step.logprobs is None else step.logprobs
+        hidden, embeds = (
+            (None, None) if step.hidden is None else (self._per_row(h, step.lengths) for h in step.hidden)
+        )
         return StepResult(
             tokens=tokens,
-            finite=np.asarray(finite)[:n_rows],
+            finite=np.asarray(step.finite)[:n_rows],
             logprob_ids=None if ids is None else np.asarray(ids)[:n_rows],
             logprobs=None if lps is None else np.asarray(lps)[:n_rows],
             hidden=hidden,

@@ -82,6 +82,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty reads the request's ids (the sampler's history form)."""
+        return self.repetition_penalty != 1 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

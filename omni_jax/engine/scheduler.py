@@ -6,6 +6,17 @@ preemption, or the one token sampled last step). A row whose chunk reaches the e
 list samples the next token. When pages run out, the newest running request is preempted:
 its pages are freed and it re-enters the waiting queue at the front, to be recomputed from
 its prompt plus what it had generated, so its results equal an unconstrained run.
+
+A step is committed when it is dispatched (:meth:`Scheduler.commit`: its tokens count as
+computed, and each sampling row's token as *pending*, drawn on the device but not yet read)
+and updated when its results reach the host (:meth:`Scheduler.update`). The engine may
+schedule the next step in between, while the device still runs this one: a pending token is
+then the input of its request's next row (:attr:`~omni_jax.engine.step.StepRow.pending_token`,
+the runner reads it on the device), a request whose pending token ends it by length is not
+scheduled again, and one that turns out to have stopped (EOS, a stop id, an abort) while a
+row of it was in flight keeps its pages until that row's results are read, then drops them.
+Preemption never meets a pending token: the engine reads the step in flight first whenever
+the next one might preempt (:meth:`Scheduler.needs_results`).
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import numpy as np
 
 from omni_jax.engine.kv_cache import CacheGeometry, PageAllocator, pages_needed
 from omni_jax.engine.sampling import SamplingParams
-from omni_jax.engine.step import S, StepResult, StepRow, text_positions
+from omni_jax.engine.step import PENDING_TOKEN, S, StepResult, StepRow, text_positions
 
 
 class Status(enum.Enum):
@@ -57,6 +68,7 @@ class ARRequest(Generic[S]):
     error: str | None = None  # why it ended with finish_reason "error"
     num_preemptions: int = 0
     first_token_time: float | None = None  # perf_counter() when the first output token arrived
+    pending: int = 0  # tokens drawn by dispatched steps whose values the host has not read
     state: S | None = None
     suppress_ids: tuple[int, ...] = ()  # never sampled (e.g. the talker's codec BOS)
     capture_hidden: bool = False
@@ -64,11 +76,13 @@ class ARRequest(Generic[S]):
 
     @property
     def all_ids(self) -> list[int]:
+        """The ids the host knows: the prompt and every output token read back."""
         return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """The request's tokens, its pending ones included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     @property
     def remaining(self) -> int:
@@ -79,6 +93,14 @@ class ARRequest(Generic[S]):
         (the last sampled token was never computed)."""
         hidden, embeds = zip(*self.captured, strict=True)
         return np.concatenate(hidden), np.concatenate(embeds)
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Its tokens, the pending ones included, reach ``max_tokens`` or ``max_model_len``: it
+        finishes when they are read, so it has no further row to run."""
+        drawn = len(self.output_ids) + self.pending
+        if self.params.max_tokens is not None and drawn >= self.params.max_tokens:
+            return True
+        return len(self.prompt_ids) + drawn >= max_model_len
 
     def stop_ids(self) -> set[int]:
         ids = set(self.params.stop_token_ids or [])
@@ -141,6 +163,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def needs_results(self) -> bool:
+        """Whether the next :meth:`schedule` needs the results of the step in flight first: a
+        request with a pending token samples with penalties (which read its ids), or the step
+        may preempt (:meth:`may_preempt`; a request with a pending token is never preempted)."""
+        pending = (r for r in self.running if r.pending)
+        return any(r.params.penalised for r in pending) or self.may_preempt()
+
+    def may_preempt(self) -> bool:
+        """Whether the next :meth:`schedule` could preempt: the running requests' next chunks
+        (each as long as one may be) need more pages than are free. An upper bound: the token
+        budget only shortens chunks, and admissions take only pages nobody running needs."""
+        cfg = self.cfg
+        need = sum(
+            self._growth(r, min(r.remaining, cfg.max_prefill_chunk))
+            for r in self.running
+            if not r.ends_by_length(cfg.cache.max_model_len)
+        )
+        return need > self.allocator.num_free
+
     def abort(self, request_id: str) -> ARRequest | None:
         for req in list(self.running) + list(self.waiting):
             if req.request_id == request_id:
@@ -155,16 +196,25 @@ class Scheduler:
         self._finish(req, "error")
 
     def _finish(self, req: ARRequest, reason: str) -> None:
+        """End ``req``; its pages go back to the allocator, or, while a row of it that samples
+        is still in flight, when that row's results are read (:meth:`update`): the row still
+        writes to them, and its logits may prove them non-finite."""
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self.allocator.free(req.pages)
-        req.pages = []
+        if not req.pending:
+            self.allocator.free(req.pages)
+            req.pages = []
         req.status = Status.FINISHED
         req.finish_reason = reason
 
     def _preempt(self, req: ARRequest) -> None:
+        if req.pending:
+            raise RuntimeError(
+                f"request {req.request_id!r} preempted with a token in flight: the engine reads the "
+                "step in flight first when a step may preempt (Scheduler.needs_results)"
+            )
         self.running.remove(req)
         self.allocator.free(req.pages)
         req.pages, req.num_computed = [], 0
@@ -198,7 +248,11 @@ class Scheduler:
         past its tokens is cut at a row edge (:class:`SchedulerConfig`'s ``row_edges``).
         """
         cfg = self.cfg
-        decode = [(r, 1) for r in self.running if r.remaining == 1]
+        decode = [
+            (r, 1)
+            for r in self.running
+            if r.remaining == 1 and not (r.pending and r.ends_by_length(cfg.cache.max_model_len))
+        ]
         budget = cfg.max_num_batched_tokens - len(decode)
         prompt: list[tuple[ARRequest, int]] = []
         for req in self.running:
@@ -272,41 +326,58 @@ class Scheduler:
         return max(0, pages_needed(req.num_computed + chunk, self.cfg.cache.page_size) - len(req.pages))
 
     def _row(self, req: ARRequest, chunk: int) -> StepRow:
+        """The row of ``req``'s next ``chunk`` tokens. A pending token (its decode row's input
+        in a step scheduled before the one drawing it was read) is the placeholder
+        :data:`PENDING_TOKEN`, which the runner replaces on the device."""
         start, end = req.num_computed, req.num_computed + chunk
         ids = req.all_ids
         sample = end == req.num_tokens
+        drawn = len(req.output_ids) + req.pending
         suppress = set(req.suppress_ids) if sample else set()
-        if sample and len(req.output_ids) < req.params.min_tokens:
+        if sample and drawn < req.params.min_tokens:
             suppress |= req.stop_ids()
         return StepRow(
-            token_ids=ids[start:end],
+            token_ids=ids[start:end] + [PENDING_TOKEN] * (end - max(start, len(ids))),
             positions=self.positions(req.state, start, end),
             pages=req.pages,
             start=start,
             sample=sample,
             params=req.params,
             seed=req.seed,
-            draw_index=len(req.output_ids),
+            draw_index=drawn,
             history=ids,
             prompt_len=len(req.prompt_ids),
             suppress=sorted(suppress),
             capture_hidden=req.capture_hidden,
             state=req.state,
+            pending_token=end > len(ids),
         )
 
+    def commit(self, step: Sequence[tuple[ARRequest[S], StepRow[S]]]) -> None:
+        """``step`` is dispatched: its rows' tokens are computed, and each sampling row's next
+        token is pending until :meth:`update` reads it."""
+        for req, row in step:
+            req.num_computed = row.end
+            req.pending += row.sample
+
     def update(self, step: Sequence[tuple[ARRequest[S], StepRow[S]]], result: StepResult) -> StepUpdate[S]:
-        """Apply a step's sampled tokens (and captured states); return what finished and what
-        must be scrubbed."""
+        """Apply a committed step's sampled tokens (and captured states), in dispatch order;
+        return what finished and what must be scrubbed. The rows of a request that finished
+        while they were in flight are dropped, and its pages released with its last one."""
         done: list[ARRequest[S]] = []
         scrub: list[int] = []
         for i, (req, row) in enumerate(step):
-            req.num_computed = row.end
+            if req.status is Status.FINISHED:
+                if row.sample:
+                    self._drop_pending(req, bool(result.finite[i]), scrub)
+                continue
             if req.capture_hidden and result.hidden is not None and result.embeds is not None:
                 if row.start == 0:  # computed afresh (after a preemption too): drop stale rows
                     req.captured = []
                 req.captured.append((result.hidden[i], result.embeds[i]))
             if not row.sample:
                 continue
+            req.pending -= 1
             if not result.finite[i]:
                 scrub += req.pages
                 self.fail(req, f"non-finite logits at output token {len(req.output_ids)}")
@@ -326,11 +397,21 @@ class Scheduler:
                 done.append(req)
         return StepUpdate(done, scrub)
 
+    def _drop_pending(self, req: ARRequest, finite: bool, scrub: list[int]) -> None:
+        """A finished request's in-flight row is read: its token is dropped, its pages are
+        scrubbed when its logits were not finite, and released with its last pending token."""
+        req.pending -= 1
+        if not finite:
+            scrub += req.pages
+        if not req.pending:
+            self.allocator.free(req.pages)
+            req.pages = []
+
     def _stop_reason(self, req: ARRequest, tok: int) -> str | None:
         if tok in req.stop_ids():  # stop ids were suppressed while under min_tokens
             return "stop"
         if req.params.max_tokens is not None and len(req.output_ids) >= req.params.max_tokens:
             return "length"
-        if req.num_tokens >= self.cfg.cache.max_model_len:
+        if len(req.prompt_ids) + len(req.output_ids) >= self.cfg.cache.max_model_len:
             return "length"
         return None

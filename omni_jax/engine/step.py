@@ -19,6 +19,10 @@ import numpy as np
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.models.attention import AttentionMetadata
 
+PENDING_TOKEN = 0
+"""A pending token's place in a row's ``token_ids``: the runner replaces it on the device with
+the token the step before drew (:attr:`StepRow.pending_token`)."""
+
 S = TypeVar("S")
 S_contra = TypeVar("S_contra", contravariant=True)
 
@@ -29,7 +33,10 @@ class StepRow(Generic[S]):
 
     ``capture_hidden``: the request keeps each computed token's hidden state and input
     embedding. ``state``: the stage's record of the request (``None`` for a stage that keeps
-    none), for its :class:`StepInputs`.
+    none), for its :class:`StepInputs`. ``pending_token``: the row's last token was drawn by
+    the step dispatched before this one and not yet read by the host (``token_ids`` holds
+    :data:`PENDING_TOKEN` there, ``history`` lacks it): the runner takes it from that step's
+    draw on the device.
     """
 
     token_ids: Sequence[int]
@@ -45,6 +52,7 @@ class StepRow(Generic[S]):
     suppress: Sequence[int]
     capture_hidden: bool = False
     state: S | None = None
+    pending_token: bool = False
 
     @property
     def end(self) -> int:
@@ -63,6 +71,7 @@ class StepRow(Generic[S]):
                 positions=self.positions[..., j : j + 1],
                 start=self.start + j,
                 sample=self.sample and j == m - 1,
+                pending_token=self.pending_token and j == m - 1,
             )
             for j in range(m)
         ]

@@ -142,8 +142,8 @@ def test_hidden_states_come_back_whole(gqa_dir, pipes) -> None:
     rows = _prompt_rows(runner, [[5, 6, 7], [8, 9, 10, 11, 12]])
     try:
         runner.capture_hidden = single.capture_hidden = True  # as when a later stage reads them
-        got = runner.execute(rows)
-        want = single.execute(_prompt_rows(single, [[5, 6, 7], [8, 9, 10, 11, 12]]))
+        got = runner.fetch(runner.dispatch(rows))
+        want = single.fetch(single.dispatch(_prompt_rows(single, [[5, 6, 7], [8, 9, 10, 11, 12]])))
     finally:
         runner.capture_hidden = single.capture_hidden = False
     np.testing.assert_array_equal(got.tokens, want.tokens)
