@@ -146,12 +146,16 @@ class StepLog:
     (:meth:`ARRunner.rows_bucket`) and its seconds: from its dispatch, or from when the host read
     the step before if that came later, to when the host has its results (with steps
     overlapped, the next one is dispatched before this one is read, so a step's seconds are the
-    time it held the device, not counting the host's work the overlap hides). It wraps the
-    runner instance's ``dispatch`` and ``fetch`` and takes the wrappers off at exit."""
+    time it held the device, not counting the host's work the overlap hides). Beside them, the
+    host's seconds in ``dispatch`` (packing and launching the step's programs) and in ``fetch``
+    (mostly waiting for the device). It wraps the runner instance's ``dispatch`` and ``fetch``
+    and takes the wrappers off at exit."""
 
     def __init__(self, runner: ARRunner):
         self.runner = runner
         self.steps: list[tuple[int, int, float]] = []
+        self.dispatch_s = 0.0
+        self.fetch_s = 0.0
 
     def __enter__(self) -> StepLog:
         dispatch, fetch = self.runner.dispatch, self.runner.fetch
@@ -162,11 +166,14 @@ class StepLog:
             t0 = time.perf_counter()
             step = dispatch(rows, sources)
             started[id(step)] = (sum(len(r.token_ids) for r in rows), t0)
+            self.dispatch_s += time.perf_counter() - t0
             return step
 
         def timed_fetch(step: Dispatched) -> StepResult:
+            t_in = time.perf_counter()
             result = fetch(step)
             now = time.perf_counter()
+            self.fetch_s += now - t_in
             tokens, t0 = started.pop(id(step))
             self.steps.append((tokens, self.runner.rows_bucket(tokens), now - max(t0, last_read[0])))
             last_read[0] = now
@@ -196,6 +203,8 @@ class StepLog:
             "rows": rows,
             "padding": 1 - tokens / rows if rows else 0.0,
             "s": sum(s for _, _, s in self.steps),
+            "dispatch_s": self.dispatch_s,
+            "fetch_s": self.fetch_s,
             "by_rows": by_rows,
         }
 
@@ -543,7 +552,8 @@ def table(result: dict[str, Any]) -> str:
     lines.append(
         f"our steps ({'overlapped' if ours['overlapped_steps'] else 'each read before the next'}): "
         f"{steps['steps']}, {steps['tokens']} tokens in {steps['rows']} token rows "
-        f"({steps['padding']:.0%} padding), {steps['s']:.2f} s; by rows: {sizes}"
+        f"({steps['padding']:.0%} padding), {steps['s']:.2f} s (host: {steps['dispatch_s']:.2f} s "
+        f"dispatching, {steps['fetch_s']:.2f} s reading results); by rows: {sizes}"
     )
     ceil = result["ceilings"]
     if "moe" in result:

@@ -203,6 +203,11 @@ def test_ar_suite(tmp_path: Path) -> None:
     assert sum(e["steps"] for e in by_rows.values()) == steps["steps"]
     assert sum(e["tokens"] for e in by_rows.values()) == steps["tokens"]
     assert steps["rows"] == sum(int(r) * e["steps"] for r, e in by_rows.items())
+    assert (
+        0 < steps["dispatch_s"]
+        and 0 < steps["fetch_s"]
+        and steps["dispatch_s"] + steps["fetch_s"] < ours["wall_s"]
+    )
     assert all(e["tokens"] <= int(r) * e["steps"] for r, e in by_rows.items())
     assert set(map(int, by_rows)) <= {2, 4, 8, 16} and list(map(int, by_rows)) == sorted(
         map(int, by_rows), reverse=True
