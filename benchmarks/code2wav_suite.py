@@ -16,9 +16,10 @@ with the stage's engine sized to the workload (``max_batch`` the largest batch s
 ``max_codes`` ``--max-codes``: :func:`benchmarks.harness.sized_code2wav_config`), after
 ``warmup()``: every XLA compilation after it is counted, and any fails the suite. Both sides then
 decode the whole workload once to warm up (each batch for ours, each request for the
-reference; reported apart as ``compile``), and the measured figures are the best of ``--repeats``
-rounds in which the two sides take turns, because this machine may be shared and its load moves
-under any single measurement; ``--profile`` traces our runs of the last round. Our solve time is
+reference; reported apart as ``compile``), and the measured figures are the best of each side's
+``--repeats`` rounds, all of ours first, then the reference's
+(:func:`benchmarks.harness.batch_rounds`: torch's threads spinning after its calls slowed the XLA
+rounds that followed them); ``--profile`` traces our runs of the last round. Our solve time is
 the pipeline's own solves (each output's ``metrics``: the solve's seconds and size), DiT and
 vocoder in one program; the reference's DiT and vocoder are timed apart. The DiT roofline is its
 useful FLOPs (unpadded frames) over that time and the measured matmul ceiling; the solve floor

@@ -374,14 +374,14 @@ def batch_rounds(
     reference: tuple[Callable[[], None], Callable[[], None]] | None = None,
 ) -> BatchRounds[T]:
     """The code2wav suites' measurement, inside :func:`warmed_up`: each batch (name -> request
-    indices; the largest is every request) run once, then the ``reference``'s warm-up (its
-    ``(warm_up, round)`` callables), then ``--repeats`` rounds in which the two sides take turns,
-    ours under :func:`measured_window` (``--profile`` traces the last round's). ``run_batch``
-    runs one batch: ``(wall s, waveforms, what it reports)``."""
+    indices; the largest is every request) run once, then ``--repeats`` rounds of ours, under
+    :func:`measured_window` (``--profile`` traces the last round's), then the ``reference``'s
+    warm-up and ``--repeats`` rounds (its ``(warm_up, round)`` callables). All of ours first, as
+    the e2e suites do: torch's threads, still spinning after its calls, slowed the XLA rounds
+    that followed them on a 2-core machine. ``run_batch`` runs one batch: ``(wall s, waveforms,
+    what it reports)``."""
     every = max(len(idx) for idx in batches.values())
     first = {b: run_batch(idx)[0] for b, idx in batches.items()}
-    if reference:
-        reference[0]()
     best: dict[str, tuple[float, T]] = {}
     audio: list[np.ndarray] = []
     for round_ in range(args.repeats):
@@ -394,8 +394,11 @@ def batch_rounds(
                     best[b] = (wall, reported)
                 if len(idx) == every:
                     audio = waves
-        if reference:
-            reference[1]()
+    if reference:
+        warm_up, round_of_reference = reference
+        warm_up()
+        for _ in range(args.repeats):
+            round_of_reference()
     return BatchRounds(first, best, audio)
 
 

@@ -22,9 +22,9 @@ with default ``Token2WavParams`` (offline decoding), the stage's engine sized to
 (``max_batch`` the largest batch size, ``max_frames`` ``--max-codes``:
 :func:`benchmarks.harness.sized_code2wav_config`), after ``warmup()``: every XLA compilation after
 it is counted and any fails the suite. Both sides then decode the whole workload once to warm up
-(reported apart as ``compile``), and the measured figures are the best of ``--repeats`` rounds in
-which the two sides take turns, as in :mod:`benchmarks.code2wav_suite`; ``--profile`` traces our
-runs of the last round. Our solve time is the pipeline's own solves (each output's ``metrics``).
+(reported apart as ``compile``), and the measured figures are the best of each side's ``--repeats``
+rounds, ours first, as in :mod:`benchmarks.code2wav_suite`; ``--profile`` traces our runs of the
+last round. Our solve time is the pipeline's own solves (each output's ``metrics``).
 The roofline is the decode's useful FLOPs (:func:`code2wav_flops`, unpadded frames) over that time
 and the measured matmul ceiling. In float32 our audio must equal the reference's in every mode to
 :data:`PARITY_RTOL`, or the suite fails. ``--num-steps`` and ``--guidance-scale`` do not apply
