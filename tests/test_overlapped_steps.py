@@ -3,7 +3,7 @@ before the one before it is read, a pending token taken from that step's draw on
 give exactly the tokens and log-probabilities of steps read one at a time.
 
 The workload mixes what overlap must handle: greedy and seeded sampled requests, penalties
-(which make the engine read the step in flight first), log-probabilities, EOS and stop ids
+(which read a pending token on the device too), log-probabilities, EOS and stop ids
 ending requests while their next row is already in flight (a dropped row), ``min_tokens``, and
 more requests than ``max_num_seqs``. The greedy tests against transformers
 (``test_run_greedy.py``, ``test_omni_pipeline.py``) run overlapped too, the default.
@@ -87,8 +87,7 @@ def test_overlapped_steps_give_the_tokens_of_steps_read_one_at_a_time(pipe, monk
         assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), a.request_id
         assert a.logprobs == b.logprobs
     assert none == [0, 0]
-    # Rows read their token on the device (not while a penalised request runs: then each step
-    # is read first), and requests stopped with a row in flight.
+    # Rows read their token on the device, and requests stopped with a row in flight.
     assert pending > 20 and dropped > 0
     reasons = {o.finish_reason for o in overlapped}
     assert reasons == {"stop", "length"}  # some requests end on a stop id while overlapped
@@ -97,22 +96,29 @@ def test_overlapped_steps_give_the_tokens_of_steps_read_one_at_a_time(pipe, monk
     assert not pipe.stages[0].engine.has_work()
 
 
-def test_a_penalised_request_reads_the_step_in_flight_first(pipe, monkeypatch) -> None:
-    """Penalties read a request's ids, pending one included: the engine reads the step in flight
-    before scheduling the next, and the request's tokens are those read one at a time."""
+def test_a_penalised_request_reads_its_pending_token_on_the_device(pipe, monkeypatch) -> None:
+    """Penalties read a request's ids, its pending token included: the sampler adds it to them
+    on the device, and the tokens are those of steps read one at a time (where the host has
+    it), greedy and sampled."""
     engine = pipe.stages[0].engine
     prompt = {"prompt_token_ids": [5, 6, 7, 8]}
-    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=8, ignore_eos=True)
-    monkeypatch.setattr(engine, "overlap", False)
-    want = pipe.run(prompt, params, progress=False)[0].token_ids
-    monkeypatch.setattr(engine, "overlap", True)
-    needs = engine.scheduler.needs_results
-    asked: list[bool] = []
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=3.0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0, max_tokens=16),
+        SamplingParams(temperature=1.0, repetition_penalty=2.0, seed=5, max_tokens=16),
+    ]
+    prompts = [prompt] * len(params)
+    runs, pending = [], []
+    dispatch = ARRunner.dispatch
 
-    def recorded() -> bool:
-        asked.append(needs())
-        return asked[-1]
+    def counted(self: ARRunner, rows, sources=()) -> Dispatched:  # noqa: ANN001
+        pending[-1] += sum(r.pending_token for r in rows)
+        return dispatch(self, rows, sources)
 
-    monkeypatch.setattr(engine.scheduler, "needs_results", recorded)
-    assert pipe.run(prompt, params, progress=False)[0].token_ids == want
-    assert asked and all(asked)  # every step after the first read the one before first
+    monkeypatch.setattr(ARRunner, "dispatch", counted)
+    for overlap in (False, True):
+        monkeypatch.setattr(engine, "overlap", overlap)
+        pending.append(0)
+        runs.append([o.token_ids for o in pipe.run(prompts, params, progress=False)])
+    assert runs[1] == runs[0]
+    assert pending == [0, 45]  # every decode row after the first of each request

@@ -190,6 +190,35 @@ def test_sampled_frames_are_batch_invariant(pipe) -> None:
     np.testing.assert_array_equal(batched[0].audio, alone.audio)
 
 
+def test_overlapped_talker_steps_draw_the_same_frames(pipe, monkeypatch) -> None:
+    """The talker's steps overlapped (each scheduled before the one before is read; a pending
+    first code's frame sum, the code predictor's, read on the device through
+    ``FrameHook.feed``) draw the frames of steps read one at a time, sampled and greedy."""
+    engine = pipe.stages[1].engine
+    requests = prompts(pipe)
+    talker = [
+        SamplingParams(temperature=0.9, top_k=50, max_tokens=TALKER_TOKENS, seed=7),
+        SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS),
+    ] * 2
+    runs, pending = [], []
+    dispatch = engine.runner.dispatch
+
+    def counted(rows, sources=()):  # noqa: ANN001, ANN202
+        pending[-1] += sum(r.pending_token for r in rows)
+        return dispatch(rows, sources)
+
+    monkeypatch.setattr(engine.runner, "dispatch", counted)
+    for overlap in (False, True):
+        monkeypatch.setattr(engine, "overlap", overlap)
+        pending.append(0)
+        runs.append(pipe.run(requests, [THINKER, talker, None], progress=False))
+    assert pending[0] == 0 and pending[1] > 20
+    for one_at_a_time, overlapped in zip(*runs, strict=True):
+        want, got = (o.stage_outputs["talker"] for o in (one_at_a_time, overlapped))
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+        np.testing.assert_array_equal(overlapped.audio, one_at_a_time.audio)
+
+
 def test_streamed_audio_adds_up_and_nothing_compiles_after_warmup(pipe) -> None:
     """After ``warmup()``, greedy and sampled requests, offline and streamed, compile nothing;
     the streamed request's audio arrives in pieces that add up to its whole (a chunked decode:

@@ -230,7 +230,7 @@ def drive(
     ``aborts``: ``{step: [request index]}`` aborted before that step (when still unfinished).
     ``step_tokens``: when given, each step's number of tokens is appended to it. ``overlap``:
     each step is scheduled before the one before it is read, as ``AREngine(overlap=True)``
-    does (reading it first when :meth:`Scheduler.needs_results`).
+    does (reading it first when :meth:`Scheduler.may_preempt`).
     """
     aborts = aborts or {}
     alloc = PageAllocator(num_pages)
@@ -273,7 +273,7 @@ def drive(
                 break
             last_progress = clock  # idle until the next arrival
             continue
-        if in_flight is not None and sched.needs_results():
+        if in_flight is not None and sched.may_preempt():
             read(in_flight)
             in_flight = None
         before = {id(r): len(r.pages) for r in sched.running}

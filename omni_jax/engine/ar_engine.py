@@ -41,9 +41,9 @@ class AREngine(Generic[S]):
 
         ``overlap``: schedule and dispatch each step while the device still runs the one
         before, reading that one's results after (vLLM's async scheduling): the host's work of
-        a step then hides behind the device's. Off, or for a stage whose step inputs read what
-        the host records of each drawn token (a :class:`~omni_jax.engine.step.DrawHook`), each
-        step is read as soon as it is dispatched. Both give the same tokens."""
+        a step then hides behind the device's (a :class:`~omni_jax.engine.step.DrawHook`'s
+        feedback, what the next step reads of a drawn token beyond it, comes from the device
+        too). Off, each step is read as soon as it is dispatched. Both give the same tokens."""
         self.name = name
         self.runner = runner
         self.inputs = runner.step_inputs
@@ -60,7 +60,7 @@ class AREngine(Generic[S]):
             self.inputs.positions,
         )
         self._arrivals = 0
-        self.overlap = overlap and self.inputs.draw_hook is None
+        self.overlap = overlap
         self._in_flight: _InFlight[S] | None = None
         self._read: list[ARRequest[S]] = []  # finished in a step an abort read, for the next step()
 
@@ -126,7 +126,7 @@ class AREngine(Generic[S]):
         """Schedule and dispatch one step, then read the step dispatched before it (or this one,
         when steps do not overlap); return the requests that finished in the step read."""
         done, self._read = self._read, []
-        if self._in_flight is not None and self.scheduler.needs_results():
+        if self._in_flight is not None and self.scheduler.may_preempt():
             done += self._resolve(self._in_flight)
             self._in_flight = None
         with scope(f"{self.name}/schedule"):

@@ -60,7 +60,7 @@ from omni_jax.engine.buckets import (
 from omni_jax.engine.compilation import ProgramCall, compile_ahead
 from omni_jax.engine.kv_cache import CacheConfig, init_kv_cache, pages_needed
 from omni_jax.engine.sampling import SamplingTensors, draw_tokens, pack_sampling, top_logprobs
-from omni_jax.engine.step import FlatStep, StepInputs, StepResult, StepRow, TokenInputs
+from omni_jax.engine.step import DrawHook, FlatStep, StepInputs, StepResult, StepRow, TokenInputs
 from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.attention import AttentionMetadata, Backend
 from omni_jax.parallel.mesh import axis_size
@@ -121,6 +121,7 @@ def _forward_fn(
     leaves: list[jax.Array],
     kv_cache: Any,
     drawn: jax.Array,
+    feedback: jax.Array | None,
     tokens: jax.Array,
     source: jax.Array,
     positions: jax.Array,
@@ -128,6 +129,7 @@ def _forward_fn(
     logits_idx: jax.Array,
     extra: Any,
     *,
+    feed: Callable[[Any, jax.Array, jax.Array], Any] | None,
     backend: Backend,
     chunk_bytes: int | None,
     capture_hidden: bool,
@@ -135,8 +137,12 @@ def _forward_fn(
     last_hidden: bool,
 ) -> tuple[Any, ...]:
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    # A pending token (``source >= 0``) is the one the step before drew, still on the device.
-    tokens = jnp.where(source[:, None] >= 0, drawn[jnp.maximum(source, 0)][:, None], tokens)
+    # A pending token (``source >= 0``) is the one the step before drew, still on the device,
+    # and so is what a draw hook made of it (its feedback).
+    pending, index = source >= 0, jnp.maximum(source, 0)
+    tokens = jnp.where(pending[:, None], drawn[index][:, None], tokens)
+    if feed is not None and feedback is not None:
+        extra = feed(extra, feedback[index], pending)
     with exact_matmuls(compute_dtype(leaves)):
         embeds = model.embed(tokens, extra)
         md = step.metadata(chunk_bytes)
@@ -154,24 +160,42 @@ def _forward_fn(
 def _after_draw_fn(
     graphdef: nnx.GraphDef,
     treedef: Any,
-    run: Callable[[Any, jax.Array, jax.Array, Any], Any],
+    hook: DrawHook[Any],
     leaves: list[jax.Array],
     hidden: jax.Array,
     tokens: jax.Array,
     inputs: Any,
-) -> Any:
-    """A :class:`~omni_jax.engine.step.DrawHook`'s device work on a step's drawn ``tokens``."""
+    *,
+    width: int,
+) -> tuple[Any, jax.Array]:
+    """A :class:`~omni_jax.engine.step.DrawHook`'s device work on a step's drawn ``tokens``: its
+    outputs, and their feedback padded to ``width`` (``max_rows``) rows, the fixed shape the next
+    step's forward reads a pending token's from."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     with exact_matmuls(compute_dtype(leaves)):
-        return run(model, hidden, tokens, inputs)
+        outputs = hook.run(model, hidden, tokens, inputs)
+    feedback = hook.feedback(outputs)
+    pad = [(0, width - feedback.shape[0])] + [(0, 0)] * (feedback.ndim - 1)
+    return outputs, jnp.pad(feedback, pad)
 
 
 def _draw_fn(
-    logits: jax.Array, st: SamplingTensors, *, greedy: bool, width: int
+    logits: jax.Array,
+    drawn: jax.Array,
+    st: SamplingTensors,
+    pending_at: jax.Array,
+    pending_from: jax.Array,
+    *,
+    greedy: bool,
+    width: int,
 ) -> tuple[jax.Array, jax.Array]:
     """The step's tokens ``[S]``, and the same padded to ``width`` (``max_rows``), the fixed
-    shape the next step's forward reads its pending tokens from."""
-    tokens = draw_tokens(logits, st, greedy=greedy)
+    shape the next step's forward reads its pending tokens from. A row's pending token, drawn
+    by the step before (``drawn``, its row ``pending_from``), joins its ids for the penalties
+    at ``pending_at`` (out of range: no pending token, or no penalties)."""
+    rows = jnp.arange(pending_at.shape[0])
+    history = st.history.at[rows, pending_at].set(drawn[pending_from], mode="drop")
+    tokens = draw_tokens(logits, dataclasses.replace(st, history=history), greedy=greedy)
     return tokens, jnp.pad(tokens, (0, width - tokens.shape[0]))
 
 
@@ -269,7 +293,12 @@ class ARRunner:
             fwd_layout["out_shardings"] = (rep, rep, rep, rep, self.kv_cache[0][0].sharding)
             out_layout["out_shardings"] = rep
         self._forward = jax.jit(
-            functools.partial(_forward_fn, self.graphdef, treedef),
+            functools.partial(
+                _forward_fn,
+                self.graphdef,
+                treedef,
+                feed=None if self.draw_hook is None else self.draw_hook.feed,
+            ),
             donate_argnames=("kv_cache",),
             static_argnames=("backend", "chunk_bytes", "capture_hidden", "capture_layer", "last_hidden"),
             **fwd_layout,
@@ -278,16 +307,25 @@ class ARRunner:
             None
             if self.draw_hook is None
             else jax.jit(
-                functools.partial(_after_draw_fn, self.graphdef, treedef, self.draw_hook.run), **out_layout
+                functools.partial(_after_draw_fn, self.graphdef, treedef, self.draw_hook),
+                static_argnames=("width",),
+                **out_layout,
             )
         )
         self._draw = jax.jit(_draw_fn, static_argnames=("greedy", "width"), **out_layout)
         # The last step's drawn tokens, ``[max_rows]``, where the next step reads its pending
         # tokens; placed (committed) as the sampler's output is, so every step's forward gets
         # the same argument layout.
-        self._drawn = jax.device_put(
-            np.zeros((self.max_rows,), np.int32),
-            self.kv_cache[0][0].sharding if mesh is None else NamedSharding(mesh, P()),
+        placed = self.kv_cache[0][0].sharding if mesh is None else NamedSharding(mesh, P())
+        self._drawn = jax.device_put(np.zeros((self.max_rows,), np.int32), placed)
+        # The last step's draw hook feedback, ``[max_rows, ...]``, likewise (a stage with a hook).
+        self._feedback = (
+            None
+            if self.draw_hook is None
+            else jax.device_put(
+                np.zeros((self.max_rows, *self.draw_hook.feedback_shape), self.draw_hook.feedback_dtype),
+                placed,
+            )
         )
         self._logprobs = jax.jit(_logprobs_fn, **out_layout)
         self._scrub = jax.jit(_scrub_fn, donate_argnames=("kv_cache",))
@@ -371,7 +409,7 @@ class ARRunner:
         hooked = 0
         for s, (logits, last) in sorted(out_of.items()):
             for greedy, history in ((True, False), (False, False), (False, True)):
-                tokens, self._drawn = self._run_draw(logits, self._sampling([], s, history), greedy)
+                tokens, self._drawn = self._run_draw(logits, self._sampling([], [], s, history), greedy)
             self._run_logprobs(logits, tokens)
             if self.draw_hook is not None:
                 for inputs in self.draw_hook.warmup_inputs(s):
@@ -416,18 +454,30 @@ class ARRunner:
         extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
         return tokens, source, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, extra
 
-    def _sampling(self, rows: Sequence[StepRow], s: int, history: bool) -> SamplingTensors:
+    def _sampling(
+        self, rows: Sequence[StepRow], sources: Sequence[int], s: int, history: bool
+    ) -> tuple[SamplingTensors, np.ndarray, np.ndarray]:
         """The sampler's rows for ``rows``, padded to ``s``; ``history``: the penalty form,
-        with each row's ids up to ``max_model_len``."""
-        return pack_sampling(
-            [r.params for r in rows],
-            [r.history if history else [] for r in rows],
-            [r.prompt_len for r in rows],
-            [r.seed for r in rows],
-            [r.draw_index for r in rows],
-            [r.suppress for r in rows],
-            batch=s,
-            history_len=self.geometry.max_model_len if history else 1,
+        with each row's ids up to ``max_model_len``, where a row's pending token goes (its index
+        in the ids, else out of range) and its row in the step before (``sources``)."""
+        width = self.geometry.max_model_len if history else 1
+        at, source = np.full((s,), width, np.int32), np.zeros((s,), np.int32)
+        for i, r in enumerate(rows):
+            if history and r.pending_token:
+                at[i], source[i] = len(r.history), sources[i]
+        return (
+            pack_sampling(
+                [r.params for r in rows],
+                [r.history if history else [] for r in rows],
+                [r.prompt_len for r in rows],
+                [r.seed for r in rows],
+                [r.draw_index for r in rows],
+                [r.suppress for r in rows],
+                batch=s,
+                history_len=width,
+            ),
+            at,
+            source,
         )
 
     def _program(
@@ -463,7 +513,7 @@ class ARRunner:
         ]
         return self._program(
             self._forward,
-            [self._leaves, self.kv_cache, self._drawn],
+            [self._leaves, self.kv_cache, self._drawn, self._feedback],
             host,
             backend=self.backend,
             chunk_bytes=self.chunk_bytes,
@@ -483,16 +533,23 @@ class ARRunner:
         )()
         return logits, finite, hidden, last_rows
 
-    def _run_after(self, hidden: jax.Array | None, tokens: jax.Array, inputs: Any) -> Any:
-        """The draw hook's program on a step's drawn ``tokens`` (a stage with a hook only)."""
+    def _run_after(self, hidden: jax.Array | None, tokens: jax.Array, inputs: Any) -> tuple[Any, jax.Array]:
+        """The draw hook's program on a step's drawn ``tokens`` (a stage with a hook only): its
+        outputs, and their feedback in the ``[max_rows, ...]`` buffer the next step reads."""
         if self._after is None or hidden is None:
             raise RuntimeError("the draw hook's program runs only for a stage with a draw hook")
-        return self._program(self._after, [self._leaves, hidden, tokens], [(inputs, 0)])()
+        return self._program(
+            self._after, [self._leaves, hidden, tokens], [(inputs, 0)], width=self.max_rows
+        )()
 
-    def _run_draw(self, logits: jax.Array, st: SamplingTensors, greedy: bool) -> tuple[jax.Array, jax.Array]:
-        """The sampler: the step's tokens ``[S]`` and the same in the ``[max_rows]`` buffer the
-        next step reads its pending tokens from."""
-        return self._program(self._draw, [logits], [(st, 0)], greedy=greedy, width=self.max_rows)()
+    def _run_draw(
+        self, logits: jax.Array, sampling: tuple[SamplingTensors, np.ndarray, np.ndarray], greedy: bool
+    ) -> tuple[jax.Array, jax.Array]:
+        """The sampler on :meth:`_sampling`'s rows: the step's tokens ``[S]`` and the same in the
+        ``[max_rows]`` buffer the next step reads its pending tokens from."""
+        st, at, source = sampling
+        host = [(st, 0), (at, 0), (source, 0)]
+        return self._program(self._draw, [logits, self._drawn], host, greedy=greedy, width=self.max_rows)()
 
     def _run_logprobs(self, logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self._program(self._logprobs, [logits, tokens], [])()
@@ -520,12 +577,12 @@ class ARRunner:
         p = self.pages_bucket(max(pages_needed(r.end, self.geometry.page_size) for r in rows))
         logits, finite, hidden, last = self._run_forward(*self._pack(rows, n, p, sources))
         penalised = any(r.params.penalised for r in rows)
-        st = self._sampling(rows, logits.shape[0], penalised)
+        sampling = self._sampling(rows, sources, logits.shape[0], penalised)
         greedy = not penalised and all(r.params.greedy for r in rows)
-        toks, self._drawn = self._run_draw(logits, st, greedy=greedy)
+        toks, self._drawn = self._run_draw(logits, sampling, greedy=greedy)
         drawn = None
         if self.draw_hook is not None:
-            drawn = self._run_after(last, toks, self.draw_hook.pack(rows, logits.shape[0]))
+            drawn, self._feedback = self._run_after(last, toks, self.draw_hook.pack(rows, logits.shape[0]))
         logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             logprobs = self._run_logprobs(logits, toks)

@@ -16,7 +16,7 @@ the runner reads it on the device), a request whose pending token ends it by len
 scheduled again, and one that turns out to have stopped (EOS, a stop id, an abort) while a
 row of it was in flight keeps its pages until that row's results are read, then drops them.
 Preemption never meets a pending token: the engine reads the step in flight first whenever
-the next one might preempt (:meth:`Scheduler.needs_results`).
+the next one might preempt (:meth:`Scheduler.may_preempt`).
 """
 
 from __future__ import annotations
@@ -163,17 +163,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def needs_results(self) -> bool:
-        """Whether the next :meth:`schedule` needs the results of the step in flight first: a
-        request with a pending token samples with penalties (which read its ids), or the step
-        may preempt (:meth:`may_preempt`; a request with a pending token is never preempted)."""
-        pending = (r for r in self.running if r.pending)
-        return any(r.params.penalised for r in pending) or self.may_preempt()
-
     def may_preempt(self) -> bool:
         """Whether the next :meth:`schedule` could preempt: the running requests' next chunks
         (each as long as one may be) need more pages than are free. An upper bound: the token
-        budget only shortens chunks, and admissions take only pages nobody running needs."""
+        budget only shortens chunks, and admissions take only pages nobody running needs. The
+        engine then reads the step in flight first: a request with a pending token is never
+        preempted."""
         cfg = self.cfg
         need = sum(
             self._growth(r, min(r.remaining, cfg.max_prefill_chunk))
@@ -213,7 +208,7 @@ class Scheduler:
         if req.pending:
             raise RuntimeError(
                 f"request {req.request_id!r} preempted with a token in flight: the engine reads the "
-                "step in flight first when a step may preempt (Scheduler.needs_results)"
+                "step in flight first when a step may preempt (Scheduler.may_preempt)"
             )
         self.running.remove(req)
         self.allocator.free(req.pages)

@@ -166,7 +166,20 @@ class DrawHook(Protocol[S_contra]):
     appends the tokens, and the one besides :meth:`StepInputs.prepare` that may change a
     request's state. ``outputs(state, ids, start)`` is what the request's stage outputs for its
     drawn ``ids[start:]`` (``ids``: all it drew; e.g. each frame's codes, frame-major).
+
+    What the next step's input reads of a drawn token besides the token (the frame's codebook
+    embeddings, summed) is its *feedback*: ``feedback(outputs)`` picks it out of ``run``'s
+    outputs, ``[S, *feedback_shape]`` of ``feedback_dtype``, traced; the runner keeps the last
+    step's in a fixed ``[max_rows, ...]`` buffer, so that a row whose token is still pending
+    (:attr:`StepRow.pending_token`: its step scheduled before the one that drew it was read)
+    gets it on the device: ``feed(extra, feedback, pending)``, traced in the forward, returns
+    the packed step inputs ``extra`` with each token row where ``pending [N]`` is set reading
+    its ``feedback [N, ...]`` row (which :meth:`StepInputs.pack` left empty there, not having
+    it yet).
     """
+
+    feedback_shape: tuple[int, ...]
+    feedback_dtype: Any
 
     def run(self, model: Any, hidden: jax.Array, tokens: jax.Array, inputs: Any) -> Any: ...
 
@@ -177,6 +190,10 @@ class DrawHook(Protocol[S_contra]):
     def record(self, rows: Sequence[StepRow[S_contra]], tokens: np.ndarray, outputs: Any) -> None: ...
 
     def outputs(self, state: S_contra | None, ids: Sequence[int], start: int) -> list[int]: ...
+
+    def feedback(self, outputs: Any) -> jax.Array: ...
+
+    def feed(self, extra: Any, feedback: jax.Array, pending: jax.Array) -> Any: ...
 
 
 def text_positions(state: object, start: int, end: int) -> np.ndarray:

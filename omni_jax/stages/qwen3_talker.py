@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from omni_jax.engine.sampling import seed_words
@@ -129,7 +130,7 @@ class TalkerStepInputs(TalkerPositions):
         self.thinker_width = spec.thinker_hidden_size
         self.dtype = dtype
         self.pad_row = np.zeros((self.thinker_width,), dtype)
-        self.draw_hook = FrameHook(spec)
+        self.draw_hook = FrameHook(spec, dtype)
 
     def pack(self, rows: Sequence[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
         sums = np.zeros((batch, tokens, self.width), self.dtype)
@@ -146,7 +147,8 @@ class TalkerStepInputs(TalkerPositions):
                     add_codec[i, t] = req.add_codec[p]
                     continue
                 j = p - prompt
-                sums[i, t] = req.sums[j]
+                if j < len(req.sums):  # else its frame is still on the device (FrameHook.feed)
+                    sums[i, t] = req.sums[j]
                 thinker[i, t] = req.trailing[j] if j < len(req.trailing) else self.pad_row
                 project[i, t] = PROJECT_TEXT
         return TalkerEmbeds(sums, add_codec, ThinkerRows(thinker, project))
@@ -158,11 +160,23 @@ class FrameHook:
     truncation (:data:`PREDICTOR_TOP_K`, :data:`PREDICTOR_TOP_P`) from a key of its own per frame
     (the request's seed, salted, and the frame's index: batch-invariant)."""
 
-    def __init__(self, spec: TalkerSpec):
+    def __init__(self, spec: TalkerSpec, dtype: np.dtype):
         self.spec = spec
+        self.feedback_shape = (spec.text.hidden_size,)
+        self.feedback_dtype = dtype
 
     def run(self, model: Talker, hidden: jax.Array, tokens: jax.Array, inputs: FrameSampling | None) -> Any:
         return model.frame(hidden, tokens, inputs)
+
+    def feedback(self, outputs: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """Each frame's codebook-embedding sum ``[S, D]``: the next step's codec input."""
+        return outputs[1].astype(self.feedback_dtype)
+
+    def feed(self, extra: TalkerEmbeds, feedback: jax.Array, pending: jax.Array) -> TalkerEmbeds:
+        """A pending first code's step reads its frame's sum from the device (``feedback [N, D]``)
+        where the host packed none (:meth:`TalkerStepInputs.pack`)."""
+        rows = jnp.where(pending[:, None, None], feedback[:, None, :].astype(extra.rows.dtype), extra.rows)
+        return dataclasses.replace(extra, rows=rows)
 
     def pack(self, rows: Sequence[StepRow[TalkerRequest]], sequences: int) -> FrameSampling | None:
         """``None`` (the greedy program) when no row samples, else every row's draw."""
