@@ -501,8 +501,8 @@ class ARRunner:
     def _forward_program(
         self, tokens: Any, source: Any, positions: Any, step: FlatStep, last: Any, extra: Any
     ) -> ProgramCall:
-        """The forward's call on these host inputs (:meth:`_pack`'s), the current cache and the
-        last step's drawn tokens."""
+        """The forward's call on these host inputs (:meth:`_pack`'s), the current cache, and the
+        last step's drawn tokens and draw hook feedback (what a pending row reads)."""
         host = [
             (tokens, 0),
             (source, 0),
