@@ -588,7 +588,7 @@ class ARRunner:
             logprobs = self._run_logprobs(logits, toks)
         if hidden is None or not any(r.capture_hidden for r in rows):
             hidden = None  # stays on device, unread
-        for a in (toks, finite):
+        for a in jax.tree.leaves((toks, finite, logprobs, hidden, drawn)):  # all that fetch reads
             a.copy_to_host_async()
         return Dispatched(list(rows), lengths, toks, finite, logprobs, hidden, drawn)
 
