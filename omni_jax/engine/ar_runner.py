@@ -141,7 +141,7 @@ def _forward_fn(
     # and so is what a draw hook made of it (its feedback).
     pending, index = source >= 0, jnp.maximum(source, 0)
     tokens = jnp.where(pending[:, None], drawn[index][:, None], tokens)
-    if feed is not None and feedback is not None:
+    if feed is not None:  # a stage with a draw hook, whose runner keeps its feedback
         extra = feed(extra, feedback[index], pending)
     with exact_matmuls(compute_dtype(leaves)):
         embeds = model.embed(tokens, extra)
@@ -462,9 +462,9 @@ class ARRunner:
         in the ids, else out of range) and its row in the step before (``sources``)."""
         width = self.geometry.max_model_len if history else 1
         at, source = np.full((s,), width, np.int32), np.zeros((s,), np.int32)
-        for i, r in enumerate(rows):
-            if history and r.pending_token:
-                at[i], source[i] = len(r.history), sources[i]
+        pending = [i for i, r in enumerate(rows) if r.pending_token] if history else []
+        for i in pending:
+            at[i], source[i] = len(rows[i].history), sources[i]
         return (
             pack_sampling(
                 [r.params for r in rows],

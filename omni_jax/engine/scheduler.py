@@ -244,9 +244,7 @@ class Scheduler:
         """
         cfg = self.cfg
         decode = [
-            (r, 1)
-            for r in self.running
-            if r.remaining == 1 and not (r.pending and r.ends_by_length(cfg.cache.max_model_len))
+            (r, 1) for r in self.running if r.remaining == 1 and not r.ends_by_length(cfg.cache.max_model_len)
         ]
         budget = cfg.max_num_batched_tokens - len(decode)
         prompt: list[tuple[ARRequest, int]] = []

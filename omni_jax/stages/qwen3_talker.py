@@ -175,7 +175,7 @@ class FrameHook:
     def feed(self, extra: TalkerEmbeds, feedback: jax.Array, pending: jax.Array) -> TalkerEmbeds:
         """A pending first code's step reads its frame's sum from the device (``feedback [N, D]``)
         where the host packed none (:meth:`TalkerStepInputs.pack`)."""
-        rows = jnp.where(pending[:, None, None], feedback[:, None, :].astype(extra.rows.dtype), extra.rows)
+        rows = jnp.where(pending[:, None, None], feedback[:, None, :], extra.rows)
         return dataclasses.replace(extra, rows=rows)
 
     def pack(self, rows: Sequence[StepRow[TalkerRequest]], sequences: int) -> FrameSampling | None:
