@@ -5,8 +5,9 @@ pipeline in process.
 talker -> code2wav through ``AsyncOmniJaxPipeline.generate`` with ``modalities`` text and audio,
 once with code2wav offline (``Token2WavParams(stream=False)``: the whole reply decoded once the
 talker has finished it) and once streamed (``stream=True``: decoded chunk by chunk while the
-talker speaks, the shipped stage YAML's ``engine.stream``, Qwen's constants: 36 new codes a
-chunk, 24 codes of DiT context before it, 12 after, 20 mel frames of vocoder overlap;
+talker speaks, the shipped stage YAML's ``engine.stream``: a first chunk of 24 new codes, then
+36 doubling up to 144 (36 throughout is Qwen's schedule: ``--stream-sizes max_chunk_codes=36``),
+24 codes of DiT context before each, 12 after, 20 mel frames of vocoder overlap;
 ``--stream-sizes`` overrides them, e.g. for a quick check). Both modes
 run the same requests in the same process on the same warmed-up pipeline, one after the other,
 taking turns over ``--repeats`` rounds (the first mode alternates), and do the same work:
@@ -573,7 +574,10 @@ def run(path: Path, args: Any) -> dict[str, Any]:
             f"{SEED} + request index; max_batch {max_batch}, max_codes {args.codes}",
         },
         "stream": {
+            "first_chunk_codes": planner.first_chunk // planner.repeats,
             "chunk_codes": planner.chunk // planner.repeats,
+            "max_chunk_codes": planner.largest_chunk // planner.repeats,
+            "request_chunks_codes": [c.keep_len // planner.repeats for c in planner.split(args.codes)],
             "past_codes": planner.past // planner.repeats,
             "future_codes": planner.future // planner.repeats,
             "overlap_frames": planner.overlap,
@@ -688,8 +692,10 @@ def table(result: dict[str, Any]) -> str:
         f"each request: {result['text_tokens_per_request']} text tokens, "
         f"{result['codes_per_request']} codes = {result['speech_s_per_request']:g} s of speech at the "
         "7B's 50 codes/s (speech s/s and RTF count these; this checkpoint's vocoder makes "
-        f"{_fmt(result['audio_s_per_request'], '.2f')} s of audio of them); streamed chunks: "
-        f"{s['chunk_codes']} codes, DiT context {s['past_codes']} before / {s['future_codes']} after, "
+        f"{_fmt(result['audio_s_per_request'], '.2f')} s of audio of them); streamed chunks of "
+        f"{', '.join(map(str, s['request_chunks_codes']))} codes (first {s['first_chunk_codes']}, then "
+        f"{s['chunk_codes']} doubling up to {s['max_chunk_codes']}), DiT context {s['past_codes']} before / "
+        f"{s['future_codes']} after, "
         f"vocoder overlap {s['overlap_frames']} frames ({s['source']})"
     )
     return "\n".join(lines + closing_lines(result))

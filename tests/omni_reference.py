@@ -113,22 +113,22 @@ def chunked_reference(
     transformers' ``Qwen2_5OmniToken2WavModel`` ``t2w``: its DiT's ``sample`` on each chunk's
     window, ``torch.randn`` replaced by the window's rows of ``noise`` (``[codes * repeats, mel]``),
     then its BigVGAN with the previous chunk's last ``2 * overlap`` kept frames before the kept
-    ones. Returns the emitted pieces, in order. Only ``sizes``' chunk, first chunk, past, future
-    and overlap are read (never its windows): the loop is written out here, with the first chunk
-    ``first`` frames long (Qwen's loop: ``first == chunk``) and the others ``chunk``."""
+    ones. Returns the emitted pieces, in order. Only ``sizes``' chunk, first chunk, largest chunk,
+    past, future and overlap are read (never its windows): the loop is written out here, with the
+    first chunk ``first`` frames long (Qwen's loop: ``first == chunk``) and the others ``chunk``,
+    doubling up to ``largest`` (Qwen's loop: ``largest == chunk``)."""
     chunk, past, future, overlap = sizes.chunk, sizes.past, sizes.future, sizes.overlap
-    first = sizes.first_chunk
+    first, largest = sizes.first_chunk, sizes.largest_chunk
     repeats = t2w.config.dit_config.repeats
     hop = math.prod(t2w.config.bigvgan_config.upsample_rates)
     codes_t = torch.from_numpy(np.asarray(codes, np.int64))[None]
     cond, ref = torch.from_numpy(speaker)[None], torch.from_numpy(ref_mel)[None]
     n = repeats * codes_t.shape[1]
-    n_iter = 1 if n <= first + future else 1 + math.ceil((n - future - first) / chunk)
-    out, prev = [], None
-    for p in range(n_iter):
-        final = p == n_iter - 1
-        begin, size = (0, first) if p == 0 else (first + (p - 1) * chunk, chunk)  # kept frames
-        start = 0 if n_iter == 1 else max(begin - past, 0)
+    out, prev, begin, p, final = [], None, 0, 0, False  # begin: the chunk's first kept frame
+    while not final:
+        size = first if p == 0 else min(chunk * 2 ** (p - 1), largest)
+        final = n <= begin + size + future
+        start = 0 if p == 0 else max(begin - past, 0)
         end = n if final else begin + size + future
         window = torch.from_numpy(noise[start:end][None].copy())
         with mock.patch.object(torch, "randn", lambda *a, window=window, **k: window), torch.no_grad():
@@ -145,7 +145,7 @@ def chunked_reference(
             voc_in = keep if p == 0 else torch.cat([prev[..., -2 * overlap :], keep], -1)
             wav = t2w.code2wav_bigvgan_model(voc_in).numpy()
         out.append(wav[(0 if p == 0 else overlap * hop) : (len(wav) if final else len(wav) - overlap * hop)])
-        prev = keep
+        prev, begin, p = keep, begin + size, p + 1
     return out
 
 

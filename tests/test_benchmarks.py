@@ -465,13 +465,15 @@ def test_stream_suite(tmp_path: Path) -> None:
     figures, identical talker codes, nothing compiled after warm-up, the waveform distances, and
     the first audio sooner streamed than offline."""
     argv = "--suite e2e --stream --model tiny --concurrency 1,2 --codes 32 --requests-per-client 1"
-    argv += " --stream-sizes chunk_codes=6,past_codes=4,future_codes=2,overlap_frames=4 --max-tokens 2"
+    argv += " --stream-sizes chunk_codes=6,max_chunk_codes=6,past_codes=4,future_codes=2,overlap_frames=4"
+    argv += " --max-tokens 2"
     argv += " --num-steps 2 --repeats 1 --max-num-seqs 2 --max-model-len 128 --max-num-batched-tokens 16"
     result = run_suite(tmp_path, argv)
     _check_stream_common(result, "e2e_stream", "--suite e2e --stream")
     assert result["reference"] is None and result["backends"]["cpu_kernel_ran"]
     assert result["concurrency"] == [1, 2] and result["codes_per_request"] == 32
     assert result["stream"]["chunk_codes"] == 6 and result["audio_s_per_request"] == 32 * 2 * 60 / 24_000
+    assert result["stream"]["request_chunks_codes"] == [6, 6, 6, 6, 8]
     c = result["compile"]["ours"]
     # rows 1, 2: one offline length, and chunks in the first chunk's window and the longest
     assert c["warmup_programs"] > 0 and c["warmup_stages"]["code2wav"]["programs"] == 2 * 1 + 2 * 2

@@ -4,9 +4,9 @@ after it no request mix traces or compiles anything (docs/ARCHITECTURE.md, "Comp
 The bucket set itself (rows, code ladder, one reference length) is checked without a model,
 and so is the grouping's promise: whatever the cost fit, every solve it makes has a shape of the
 set. The end-to-end check runs the tiny Qwen2.5-Omni's code2wav stage with a smaller solve limit
-(``max_batch`` 4, ``max_codes`` 48: six offline programs, and six streamed chunk programs,
-one per row count and window) so that its warm-up stays short; the full tiny limits give 28 offline
-programs, Qwen2.5-Omni-7B's 60 (checked on the bucket set).
+(``max_batch`` 4, ``max_codes`` 48: six offline programs, and twelve streamed chunk programs,
+one per row count and window of the shipped streaming sizes) so that its warm-up stays short;
+the full tiny limits give 28 offline programs, Qwen2.5-Omni-7B's 60 (checked on the bucket set).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def warmed(omni_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[OmniJaxP
     src = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
     for s in src["stages"]:
         if s["name"] == "code2wav":
-            s["engine"] = dict(SMALL)
+            s["engine"] = {**SMALL, "stream": s["engine"]["stream"]}
     cfg = tmp_path_factory.mktemp("code2wav_small") / "omni.yaml"
     cfg.write_text(yaml.safe_dump(src))
     pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
@@ -142,10 +142,11 @@ def test_warmup_compiles_every_bucket(warmed) -> None:
     buckets = pipe.stages[0].runner.buckets
     assert (buckets.rows, buckets.lengths) == ((1, 2, 4), (32, 48))
     # one offline solve program per shape, and one streamed chunk program per row count and
-    # window (the first chunk's, the longest)
-    assert programs == len(buckets.shapes()) + len(pipe.stages[0].decoder.buckets.shapes()) == 6 + 6
+    # window (the first chunk's, and one per later chunk size: 36, 72, 144 codes)
+    assert pipe.stages[0].decoder.buckets.lengths == (36, 72, 108, 180)
+    assert programs == len(buckets.shapes()) + len(pipe.stages[0].decoder.buckets.shapes()) == 6 + 12
     assert token2wav_compiled._cache_size() == 6
-    assert token2wav_chunk_compiled._cache_size() == 6
+    assert token2wav_chunk_compiled._cache_size() == 12
     assert counted.compiles >= programs
 
 
@@ -185,14 +186,14 @@ def mixes() -> list[tuple[str, list[dict], list[Token2WavParams]]]:
         out.append((f"mixed {trial}", prompts, params))
     unguided = [{"prompt_token_ids": codes(n, n)} for n in (5, 40, 48)]
     out.append(("unguided", unguided, [Token2WavParams(num_steps=2, guidance_scale=0.0, seed=3)] * 3))
-    streamed = [{"prompt_token_ids": codes(n, n)} for n in (5, 40, 64, 100, 12, 33)]
+    streamed = [{"prompt_token_ids": codes(n, n)} for n in (5, 40, 300, 100, 12, 33)]
     chunked = [
         Token2WavParams(
             stream=True,
             num_steps=1 + i % 2,
             guidance_scale=(0.5, 0.0)[i % 2],
             seed=i,
-            chunk_codes=(None, 24)[i // 3],  # the stage's 36, or a smaller chunk
+            chunk_codes=(None, 24)[i // 3],  # the stage's growing chunks, or a fixed one
         )
         for i in range(len(streamed))
     ]

@@ -162,8 +162,8 @@ BAD_REQUESTS = [
     ),
     (
         TWO,
-        Token2WavParams(stream=True, chunk_codes=37),
-        "stage 'code2wav': chunk_codes=37 exceeds the stage's chunk of 36 codes",
+        Token2WavParams(stream=True, chunk_codes=146),
+        "stage 'code2wav': chunk_codes=146 exceeds the stage's largest chunk of 144 codes",
     ),
     (
         TWO,

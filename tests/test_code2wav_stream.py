@@ -48,8 +48,11 @@ from omni_jax.models.qwen2_5_omni.token2wav import (
     token2wav_compiled,
 )
 from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
+from omni_jax.stages.chunk_loop import GATHER
+from omni_jax.stages.code2wav import stream_planner
 from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.code2wav_stream import ChunkedDecoder, ChunkOutput, NoiseRows
+from omni_jax.stages.config import StageConfig
 from omni_jax.testing import TINY_BIGVGAN_CONFIG, TINY_DIT_CONFIG, randomize_weights
 
 NUM_EMBEDS = TINY_DIT_CONFIG["num_embeds"]
@@ -75,6 +78,12 @@ PLANNER = ChunkPlanner(
 
 QWEN = ChunkPlanner(repeats=2, block_size=24, look_backward_blocks=2, look_ahead_blocks=1, hop=240)
 """Qwen2.5-Omni-7B's constants: chunk 72, past 48, future 24, overlap 20 frames."""
+
+GROWING = dataclasses.replace(QWEN, first=48, max_chunk=288)
+"""The shipped stage YAML's: a first chunk of 48 frames, then 72, 144, 288, 288, ..."""
+
+TINY_GROWING = dataclasses.replace(PLANNER, first=8, max_chunk=48)
+"""The tiny sizes growing: a first chunk of 8 frames, then 12, 24, 48, 48, ..."""
 
 COUNTS = (3, 8, 9, 14, 15, 77)
 """Code counts: little (3; 8 at its upper edge, C + F frames), first + final (9: the final keeps 6
@@ -152,9 +161,10 @@ def hf_stream(
     sway_coefficient: float,
     chunk: int = C,
     first: int | None = None,
+    largest: int | None = None,
 ) -> list[np.ndarray]:
     """The reference's pieces for one of :func:`make_request`'s requests, at the scaled sizes
-    (``first``: a shorter first chunk)."""
+    (``first``: a shorter first chunk; ``largest``: later chunks doubling up to it)."""
     return chunked_reference(
         t2w,
         req["codes"],
@@ -164,7 +174,7 @@ def hf_stream(
         num_steps,
         guidance_scale,
         sway_coefficient,
-        dataclasses.replace(PLANNER, chunk=chunk, first=first),
+        dataclasses.replace(PLANNER, chunk=chunk, first=first, max_chunk=largest),
     )
 
 
@@ -301,6 +311,32 @@ def test_a_shorter_first_chunk_runs_sooner() -> None:
     assert dataclasses.replace(QWEN, first=96).split(150) == QWEN.split(150)
 
 
+def test_growing_chunks_double_up_to_the_largest() -> None:
+    """The shipped YAML's planner: chunks keep 48, 72, 144, 288, 288 frames; each runs once its
+    window's end (its last kept frame + 24) is passed; the windows a solve pads to are the first
+    chunk's and one per size; a request's own chunk is fixed, the first no longer."""
+    assert [GROWING.chunk_size(p) for p in range(6)] == [48, 72, 144, 288, 288, 288]
+    assert [GROWING.chunk_start(p) for p in range(6)] == [0, 48, 120, 264, 552, 840]
+    assert GROWING.windows == [72, 144, 216, 360] and GROWING.growing == [72, 144]
+    for ends, p in ((72, 0), (144, 1), (288, 2), (576, 3), (864, 4)):
+        assert [c.index for c in GROWING.ready(ends // 2, finished=False, done=p)] == []
+        assert [c.index for c in GROWING.ready(ends // 2 + 1, finished=False, done=p)] == [p]
+    chunks = GROWING.split(500)  # 1000 frames: chunk 4 keeps [552, 840), the final [840, 1000)
+    assert [(c.kind, c.start, c.end, c.keep_len) for c in chunks] == [
+        (ChunkKind.FIRST, 0, 72, 48),
+        (ChunkKind.MIDDLE, 0, 144, 72),
+        (ChunkKind.MIDDLE, 72, 288, 144),
+        (ChunkKind.MIDDLE, 216, 576, 288),
+        (ChunkKind.MIDDLE, 504, 864, 288),
+        (ChunkKind.FINAL, 792, 1000, 160),
+    ]
+    assert sum(c.window for c in chunks) == 1360  # against 1936 frames with Qwen's fixed chunks
+    assert sum(c.window for c in dataclasses.replace(GROWING, max_chunk=None).split(500)) == 1936
+    asked = GROWING.with_chunk(48)
+    assert (asked.first_chunk, asked.largest_chunk, asked.growing) == (48, 48, [])
+    assert [(c.start, c.end) for c in asked.split(100)] == [(0, 72), (0, 120), (48, 168), (96, 200)]
+
+
 @pytest.mark.parametrize(
     "planner",
     [
@@ -310,14 +346,35 @@ def test_a_shorter_first_chunk_runs_sooner() -> None:
         dataclasses.replace(QWEN, first=48),
         PLANNER,
         dataclasses.replace(PLANNER, first=8),
+        GROWING,
+        dataclasses.replace(QWEN, first=48, max_chunk=216),
+        dataclasses.replace(PLANNER, first=8, max_chunk=48),
     ],
-    ids=["qwen", "qwen-chunk-48", "qwen-chunk-96", "qwen-first-48", "tiny", "tiny-first-8"],
+    ids=[
+        "qwen",
+        "qwen-chunk-48",
+        "qwen-chunk-96",
+        "qwen-first-48",
+        "tiny",
+        "tiny-first-8",
+        "qwen-growing",
+        "qwen-growing-216",
+        "tiny-growing",
+    ],
 )
 def test_split_depends_only_on_the_count(planner: ChunkPlanner) -> None:
     """Codes arriving in any increments give the chunks of the final count; emitted pieces tile
-    the request's N * hop samples in order, and every window and vocoder input fits the bucket."""
+    the request's N * hop samples in order, and every window and vocoder input fits the bucket:
+    the smallest window that holds a chunk, which also holds what it keeps, for the stage's
+    chunks and for a request's own (smaller, fixed) chunk."""
     rng = np.random.default_rng(planner.chunk)
     hop = planner.hop
+    unit = math.lcm(planner.block_size, planner.repeats)
+    for c in range(-(-2 * planner.overlap // unit) * unit, planner.largest_chunk + 1, unit):
+        for n in range(1, 200):
+            for chunk in planner.with_chunk(c).split(n):
+                bucket = min(w for w in planner.windows if w >= chunk.window)
+                assert chunk.keep_len <= planner.keep_bound(bucket), (c, n, chunk)
     for n in range(1, 260):
         split = planner.split(n)
         for _ in range(3):
@@ -332,6 +389,8 @@ def test_split_depends_only_on_the_count(planner: ChunkPlanner) -> None:
         for c in split:
             assert c.start % planner.block_size == 0 and c.window <= planner.window_frames
             assert c.keep_lo + c.keep_len <= c.window and c.vocoded <= planner.vocoder_frames
+            bucket = min(w for w in planner.windows if w >= c.window)
+            assert c.keep_len <= planner.keep_bound(bucket), (n, c)
             if c.kind in (ChunkKind.LITTLE, ChunkKind.FINAL):
                 assert c.keep_lo + c.keep_len == c.window
             assert 0 <= c.emit_lo < c.emit_hi <= c.vocoded * hop
@@ -351,6 +410,8 @@ def test_split_depends_only_on_the_count(planner: ChunkPlanner) -> None:
         (dict(overlap=-1), "overlap=-1 must be >= 0"),
         (dict(first=36), "first_chunk=36 must be at least 2 \\* overlap=40"),
         (dict(first=70), r"first_chunk=70 must be a multiple of the DiT's block_size \(4\)"),
+        (dict(max_chunk=48), "max_chunk=48 must be at least chunk=72"),
+        (dict(max_chunk=150), r"max_chunk=150 must be a multiple of the DiT's block_size \(4\)"),
     ],
 )
 def test_constants_are_validated(kwargs, match) -> None:
@@ -363,6 +424,27 @@ def test_planner_of_the_model(ours: Token2Wav) -> None:
     assert ChunkPlanner.for_model(ours, chunk=C, past=P, future=F, overlap=V) == PLANNER
     assert ChunkPlanner.for_model(ours) == dataclasses.replace(QWEN, block_size=4, hop=HOP)
     assert (QWEN.window_frames, QWEN.keep_frames, QWEN.vocoder_frames) == (144, 96, 136)
+
+
+@pytest.mark.parametrize(
+    "stream,match",
+    [
+        ({"chunk_frames": 6}, r"unknown engine.stream keys \['chunk_frames'\]"),
+        ({"max_chunk_codes": 12}, "engine.stream: max_chunk=24 must be at least chunk=72"),
+        (
+            {"max_chunk_codes": 240},
+            r"the longest chunk window, 552 mel frames, exceeds the DiT's max_position",
+        ),
+    ],
+)
+def test_stage_stream_settings_are_checked(ours: Token2Wav, stream: dict, match: str) -> None:
+    """The stage YAML's ``engine.stream`` is refused at build time, naming the stage, for an
+    unknown key, a largest chunk under the chunk, or a window longer than the DiT's positions."""
+    config = StageConfig("code2wav", "generation", "talker", engine={"stream": stream})
+    with pytest.raises(ValueError, match=f"stage 'code2wav': .*{match}"):
+        stream_planner(config, ours)
+    grown = StageConfig("code2wav", "generation", "talker", engine={"stream": {"max_chunk_codes": 216}})
+    assert stream_planner(grown, ours).window_frames == 504  # 48 + 432 + 24, within 512
 
 
 def test_noise_rows_are_the_offline_draw() -> None:
@@ -417,6 +499,22 @@ def test_a_shorter_first_chunk_matches_reference(ours, reference) -> None:
     check_pieces(outputs[n], want, n)
     asked = decoder(ours, planner=dataclasses.replace(PLANNER, first=12)).plan(params(n, chunk_codes=4))
     assert (asked.chunk, asked.first_chunk) == (8, 8)
+
+
+def test_growing_chunks_match_reference(ours, reference) -> None:
+    """A stage whose chunks grow (8, 12, 24, 48, 48 frames): the pieces equal the chunked
+    reference cut the same way, batched with a request that asks for its own fixed chunk (4
+    codes), each solve padded to the smallest window that holds its chunks."""
+    dec = decoder(ours, planner=TINY_GROWING)
+    assert dec.buckets.lengths == (6, 12, 18, 30)
+    counts = {77: params(77), SMALL: params(SMALL, chunk_codes=4)}
+    outputs, _ = stream(dec, counts, trickle(list(counts), 5))
+    want = hf_stream(reference, make_request(77), **KNOBS[77], first=8, largest=48)
+    assert [len(w) // HOP for w in want] == [4, 12, 24, 48, 48, 18]
+    check_pieces(outputs[77], want, 77)
+    want = hf_stream(reference, make_request(SMALL), **KNOBS[SMALL], chunk=8)
+    assert len(want) == 10
+    check_pieces(outputs[SMALL], want, SMALL)
 
 
 @pytest.mark.parametrize("fault", ["device error", "non-finite"])
@@ -491,8 +589,12 @@ def test_little_equals_offline(ours, expected, n: int) -> None:
 def test_decoder_refuses_what_it_cannot_stream(ours) -> None:
     dec = decoder(ours)
     voice = (np.zeros(SPK, np.float32), np.zeros((4, MEL), np.float32))
-    with pytest.raises(ValueError, match="chunk_codes=7 exceeds the stage's chunk of 6 codes"):
+    with pytest.raises(ValueError, match="chunk_codes=7 exceeds the stage's largest chunk of 6 codes"):
         dec.add("a", *voice, Token2WavParams(stream=True, chunk_codes=7))
+    grows = decoder(ours, planner=TINY_GROWING)
+    with pytest.raises(ValueError, match="chunk_codes=26 exceeds the stage's largest chunk of 24 codes"):
+        grows.add("a", *voice, Token2WavParams(stream=True, chunk_codes=26))
+    assert grows.plan(Token2WavParams(stream=True, chunk_codes=24)) == TINY_GROWING.with_chunk(48)
     with pytest.raises(ValueError, match="chunk_codes=2: chunk=4 must be at least 2 \\* overlap=8"):
         dec.add("a", *voice, Token2WavParams(stream=True, chunk_codes=2))
     with pytest.raises(ValueError, match="chunk_codes=5: chunk=10 must be a multiple"):
@@ -507,6 +609,37 @@ def test_decoder_refuses_what_it_cannot_stream(ours) -> None:
     with pytest.raises(ValueError, match="'a' finished without a code"):
         dec.extend("a", [], finished=True)
     assert dec.remove("a") and not dec.remove("a")
+
+
+def test_ready_chunks_wait_briefly_to_share_a_solve(ours) -> None:
+    """A request's later chunk waits up to ``GATHER`` steps for another request's chunk due within
+    ``GATHER`` codes, then both share one solve; a first chunk never waits, nor a chunk whose
+    partner is further off, nor one that has waited ``GATHER`` steps. Chunks run at 9, 15, 21,
+    27 codes here (first 6 codes, chunks of 6, future 2)."""
+    assert [PLANNER.codes_ready(p) for p in range(4)] == [9, 15, 21, 27] and GATHER == 2
+    dec = decoder(ours)
+    reqs = {n: make_request(n) for n in (77, 40, 15)}
+    sent = dict.fromkeys(reqs, 0)
+    for n in (77, 40):
+        dec.add(str(n), reqs[n]["speaker"], reqs[n]["ref_mel"], params(n))
+
+    def step(**have: int) -> list[tuple[str, int, int]]:
+        for key, upto in have.items():
+            n = int(key[1:])
+            dec.extend(str(n), reqs[n]["codes"][sent[n] : upto].tolist())
+            sent[n] = upto
+        return [(o.request_id, o.chunk.index, o.batch_size) for o in dec.step()]
+
+    assert step(a77=9, a40=9) == [("77", 0, 2), ("40", 0, 2)]
+    assert step(a77=15, a40=14) == []  # 40 is one code short of its chunk 1: 77's waits
+    assert dec.has_work()
+    assert step(a40=15) == [("77", 1, 2), ("40", 1, 2)]
+    assert step(a77=21) == [("77", 2, 1)]  # 40 is 6 codes short: no wait
+    assert step(a77=27, a40=19) == [] and step() == []  # 40 is 2 codes short, then stalls
+    assert step() == [("77", 3, 1)]  # waited GATHER steps
+    assert step(a77=33, a40=20) == []  # 40 is one code short of its chunk 2 (21)
+    dec.add("15", reqs[15]["speaker"], reqs[15]["ref_mel"], params(15))
+    assert step(a15=9) == [("77", 4, 2), ("15", 0, 2)]  # 15's first chunk: no wait
 
 
 def test_first_chunks_alone_solve_in_the_first_window(ours) -> None:
@@ -529,7 +662,8 @@ def test_first_chunks_alone_solve_in_the_first_window(ours) -> None:
     outputs, _ = stream(dec, counts, [{15: 9}, {15: 15, 9: 9}])
     first, longest = PLANNER.first_window_frames, PLANNER.window_frames
     assert (first // REPEATS, longest // REPEATS) == (8, 12)
-    keep = min(PLANNER.keep_frames, first)
+    keep = PLANNER.keep_bound(first)
+    assert (keep, PLANNER.keep_bound(longest)) == (first, PLANNER.keep_frames)
     assert shapes == [
         (1, first // REPEATS, keep),
         (2, longest // REPEATS, PLANNER.keep_frames),
@@ -543,17 +677,20 @@ def test_first_chunks_alone_solve_in_the_first_window(ours) -> None:
             assert rel_err(o.audio, w.audio) < 1e-5, (n, o.chunk.index)
 
 
-def test_nothing_compiles_after_warmup(ours) -> None:
-    """``warmup`` compiles one program per row count and window (the first chunk's, the longest);
-    mixes of chunk kinds, chunk sizes, knobs and batch sizes then compile nothing."""
+@pytest.mark.parametrize("planner", [PLANNER, TINY_GROWING], ids=["fixed", "growing"])
+def test_nothing_compiles_after_warmup(ours, planner: ChunkPlanner) -> None:
+    """``warmup`` compiles one program per row count and window (the first chunk's, and a middle
+    chunk's of each size: the longest alone when chunks do not grow); mixes of chunk kinds, chunk
+    sizes, knobs and batch sizes then compile nothing."""
     token2wav_chunk_compiled.clear_cache()
-    dec = decoder(ours, max_batch=2)
+    dec = decoder(ours, max_batch=2, planner=planner)
     with CompileCounter() as counted:
         programs = dec.warmup()
-    windows = (PLANNER.first_window_frames // PLANNER.repeats, PLANNER.window_frames // PLANNER.repeats)
-    assert dec.buckets.lengths == windows and windows[0] < windows[1]
-    assert programs == len(dec.buckets.shapes()) == 4 and counted.compiles >= 4
-    assert token2wav_chunk_compiled._cache_size() == 4
+    windows = tuple(w // planner.repeats for w in planner.windows)
+    assert dec.buckets.lengths == windows and len(windows) == 2 + len(planner.growing)
+    shapes = 2 * len(windows)
+    assert programs == len(dec.buckets.shapes()) == shapes and counted.compiles >= shapes
+    assert token2wav_chunk_compiled._cache_size() == shapes
     mixes = [
         {3: params(3)},
         {9: params(9), 14: params(14, chunk_codes=4)},
@@ -567,4 +704,4 @@ def test_nothing_compiles_after_warmup(ours) -> None:
         for n in mix:
             assert sum(len(o.audio) for o in outputs[n]) == n * REPEATS * HOP
             assert all(np.isfinite(o.audio).all() for o in outputs[n])
-    assert token2wav_chunk_compiled._cache_size() == 4
+    assert token2wav_chunk_compiled._cache_size() == shapes

@@ -222,6 +222,26 @@ def drain(stage) -> tuple[list[np.ndarray], StageResult]:
     return pieces, result
 
 
+def test_a_chunk_waits_for_a_frame_due_soon(pipe) -> None:
+    """A later chunk ready while another request's is one frame short waits a step and then
+    shares its solve (``StreamedDecoder.gathering`` with the frames ``FrameDecoder.short_of``
+    counts); first chunks run at once."""
+    dec = pipe.stages[0].decoder
+    a, b = dec.add("a"), dec.add("b")
+    f = frames(5, 12).reshape(-1).tolist()
+
+    def step(**upto: int) -> list[tuple[str, int]]:
+        for rid, n in upto.items():
+            have = len(dec._requests[rid].codes)
+            dec.extend(rid, f[have : n * Q])
+        return [(o.request_id, o.batch_size) for o in dec.step()]
+
+    assert step(a=2, b=2) == [("a", 2), ("b", 2)]  # first chunks: FIRST frames
+    assert step(a=7, b=6) == [] and (dec.short_of(a), dec.short_of(b)) == (None, 1)
+    assert step(b=7) == [("a", 2), ("b", 2)]
+    assert dec.remove("a") and dec.remove("b")
+
+
 def test_fed_frames_stream_as_they_come(pipe, monkeypatch) -> None:
     """Fed as a talker feeds it (one frame and a half at a time, so a feed may end inside a frame),
     the stage voices chunks as they complete and ends with the same audio as the request submitted

@@ -31,15 +31,24 @@ from omni_jax.engine.generation_runner import PaddedBatch, SolveBuckets
 from omni_jax.jit import StaticGraph
 from omni_jax.parallel.mesh import axis_size
 
+GATHER = 2
+"""Talker steps a ready chunk may wait, when it is not its request's first, for chunks of other
+requests that are due within that many codes (frames), so that they share its solve. Requests a
+step or two apart (their talker prompts admitted in different steps) otherwise never share a
+solve, and on an accelerator a solve of several rows costs about what one row costs. Never more:
+the wait delays the request's next audio, and its audio so far plays meanwhile."""
+
 
 @dataclasses.dataclass
 class StreamState:
     """What the loop reads and writes of a streamed request: its id, the codes received so far
-    and whether they are all. A family's record adds its own fields (its plan, its progress)."""
+    and whether they are all, and how many chunks were decoded (``done``). A family's record
+    adds its own fields (its plan, its progress)."""
 
     request_id: str
     codes: list[int] = dataclasses.field(default_factory=list, kw_only=True)
     finished: bool = dataclasses.field(default=False, kw_only=True)
+    done: int = dataclasses.field(default=0, kw_only=True)
 
 
 R = TypeVar("R", bound=StreamState)
@@ -90,6 +99,7 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         self.mesh = mesh
         self.buckets = SolveBuckets.build(max_batch, sorted(set(windows)), axis_size(mesh, "data"))
         self._requests: dict[str, R] = {}
+        self._held: dict[str, int] = {}  # steps a request's ready chunk has waited (GATHER)
 
     @abc.abstractmethod
     def next_window(self, request: R) -> W | None:
@@ -99,6 +109,12 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         """Finished with every code voiced by an earlier chunk: it ends with no chunk (never, for
         a model whose last chunk is always a solve)."""
         return False
+
+    def short_of(self, request: R) -> int | None:
+        """The codes (frames) the request still needs before its next chunk is ready; ``None``
+        when it needs none: a chunk is ready, or it has finished (never known, by default: then
+        no chunk waits for it)."""
+        return None
 
     def check_codes(self, request: R, codes: Sequence[int], finished: bool) -> None:
         """``ValueError`` when ``codes`` cannot follow the request's (before they are taken)."""
@@ -153,6 +169,7 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
 
     def remove(self, request_id: str) -> bool:
         """Forget a request (aborted); ``False`` when it is not streaming."""
+        self._held.pop(request_id, None)
         return self._requests.pop(request_id, None) is not None
 
     def ready(self) -> list[tuple[R, W]]:
@@ -165,13 +182,31 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
 
     def step(self) -> list[StreamedChunk[W]]:
         """Requests that finished with nothing left to decode end (empty audio); then one solve:
-        the next chunk of each of the oldest ``max_batch`` requests with one ready."""
+        the next chunk of each of the oldest ``max_batch`` requests with one ready, unless they
+        wait for others' (:meth:`gathering`)."""
         outputs: list[StreamedChunk[W]] = []
         for request in [r for r in self._requests.values() if self.drained(r)]:
             del self._requests[request.request_id]
             outputs.append(StreamedChunk(request.request_id, None, np.zeros(0, np.float32), True))
         ready = self.ready()[: self.max_batch]
-        return outputs + (self.run(ready) if ready else [])
+        if not ready or self.gathering(ready):
+            return outputs
+        return outputs + self.run(ready)
+
+    def gathering(self, ready: Sequence[tuple[R, W]]) -> bool:
+        """Whether the ``ready`` chunks wait this step for another request's, due within
+        :data:`GATHER` codes (frames), to share their solve: never while the solve has room for
+        no more, for a request's first chunk (its first audio), or past ``GATHER`` steps."""
+        if len(ready) >= self.max_batch or any(
+            r.done == 0 or self._held.get(r.request_id, 0) >= GATHER for r, _ in ready
+        ):
+            return False
+        short = (self.short_of(r) for r in self._requests.values())
+        if not any(n is not None and n <= GATHER for n in short):
+            return False
+        for request, _ in ready:
+            self._held[request.request_id] = self._held.get(request.request_id, 0) + 1
+        return True
 
     def run(self, ready: Sequence[tuple[R, W]]) -> list[StreamedChunk[W]]:
         """One padded solve of ``ready`` chunks, each request advanced by its chunk.
@@ -180,6 +215,8 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         is retried one request at a time and a row with non-finite audio fails alone: a failed
         request gets an ``error`` output and is forgotten, the others go on.
         """
+        for request, _ in ready:
+            self._held.pop(request.request_id, None)
         window = self.buckets.length_for(max(self.width(chunk) for _, chunk in ready))
         batch = self.pad(ready, self.buckets.rows_for(len(ready)), window)
         t0 = time.perf_counter()
@@ -199,6 +236,7 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
                 outputs.append(self._fail(request, chunk, error, dt, len(ready)))
                 continue
             last = self.advance(request, chunk, solved, i)
+            request.done += 1
             if last:
                 del self._requests[request.request_id]
             outputs.append(StreamedChunk(request.request_id, chunk, audio.copy(), last, dt, len(ready)))

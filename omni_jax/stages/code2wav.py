@@ -95,6 +95,7 @@ STREAM_KEYS = {
     "past_codes": "past",
     "future_codes": "future",
     "overlap_frames": "overlap",
+    "max_chunk_codes": "max_chunk",
 }
 """The stage YAML's ``engine.stream`` keys and the :class:`ChunkPlanner` constants they set
 (codes for the DiT's chunks and context, mel frames for the vocoder's overlap)."""
@@ -102,12 +103,19 @@ STREAM_KEYS = {
 
 def stream_planner(sc: StageConfig, model: Token2Wav) -> ChunkPlanner:
     """The streamed decoding constants: Qwen's, or those of the stage YAML's ``engine.stream``
-    (e.g. ``{chunk_codes: 36}``; a request's ``chunk_codes`` may only be smaller)."""
+    (e.g. ``{chunk_codes: 36}``; a request's ``chunk_codes`` may be at most its largest chunk)."""
 
     def build(given: dict[str, int]) -> ChunkPlanner:
         scale = {"overlap_frames": 1}
         chosen = {STREAM_KEYS[k]: v * scale.get(k, model.dit.repeats) for k, v in given.items()}
-        return ChunkPlanner.for_model(model, **chosen)
+        planner = ChunkPlanner.for_model(model, **chosen)
+        positions = model.dit.max_position_embeddings
+        if planner.window_frames > positions:
+            raise ValueError(
+                f"the longest chunk window, {planner.window_frames} mel frames, exceeds the DiT's "
+                f"max_position_embeddings ({positions})"
+            )
+        return planner
 
     return stream_setting(sc, STREAM_KEYS, build)
 

@@ -13,9 +13,10 @@ import numpy as np
 class Token2WavParams:
     """Solver settings; ``initial_noise [mel_frames, mel_dim]`` replaces the random start.
 
-    ``stream``: decode in chunks as the codes arrive (``chunk_codes`` new codes each, default
-    the stage's) instead of once the request's codes are all there; a streamed request's noise
-    comes from its seed, since its length is unknown when its first chunk is solved.
+    ``stream``: decode in chunks as the codes arrive (the stage's chunk sizes, or every chunk
+    ``chunk_codes`` new codes, none longer than the stage's largest) instead of once the
+    request's codes are all there; a streamed request's noise comes from its seed, since its
+    length is unknown when its first chunk is solved.
     """
 
     num_steps: int = 10

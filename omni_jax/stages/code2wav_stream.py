@@ -7,9 +7,10 @@ whatever their kinds. Where a request is cut is the
 :class:`~omni_jax.models.qwen2_5_omni.chunk_plan.ChunkPlanner`'s business; the loop (the request
 table, batching, the failure rules, warm-up) is :class:`~omni_jax.stages.chunk_loop.StreamedDecoder`'s.
 
-Shapes are closed: a solve of first chunks alone pads to the first chunk's window
-(``first + future`` frames, no past), any other to the planner's longest (``past + chunk +
-future``), the vocoder input to ``2 * overlap`` frames and the most the window keeps, the voices'
+Shapes are closed: a solve pads to the smallest of the planner's windows that holds its chunks
+(:attr:`~omni_jax.models.qwen2_5_omni.chunk_plan.ChunkPlanner.windows`: the first chunk's,
+``first + future`` frames, and ``past + size + future`` for each size later chunks have), the
+vocoder input to ``2 * overlap`` frames and the most a chunk in that window keeps, the voices'
 one reference length, and a row count from
 :class:`~omni_jax.engine.generation_runner.SolveBuckets`; :meth:`warmup` compiles one program per
 (row count, window), after which nothing compiles.
@@ -84,7 +85,6 @@ class StreamRequest(StreamState):
     planner: ChunkPlanner
     seed: int
     noise: NoiseRows
-    done: int = 0
     tail: np.ndarray | None = None
 
     def next_chunk(self) -> Chunk | None:
@@ -129,7 +129,7 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
     """Streamed requests: :meth:`add`, :meth:`extend` with codes as they come, :meth:`step`.
 
     ``solve`` is ``token2wav_chunk_compiled`` (or a stand-in with its signature); ``planner`` the
-    stage's constants, whose chunk is the longest a request may ask for (``chunk_codes``);
+    stage's constants, whose largest chunk is the longest a request may ask for (``chunk_codes``);
     ``speaker_dim`` the voices' vector width, ``reference_frames`` their longest reference mel
     (every one pads to it); ``mesh`` as for the
     :class:`~omni_jax.engine.generation_runner.GenerationRunner`.
@@ -147,7 +147,7 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
         max_batch: int = 8,
         mesh: Mesh | None = None,
     ):
-        windows = (planner.first_window_frames // planner.repeats, planner.window_frames // planner.repeats)
+        windows = [frames // planner.repeats for frames in planner.windows]
         super().__init__(model, windows=windows, max_batch=max_batch, mesh=mesh)
         self.solve = solve
         self.planner = planner
@@ -163,7 +163,7 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
         params: Token2WavParams,
     ) -> StreamRequest:
         """Start a streamed request (no codes yet). ``ValueError`` when its ``chunk_codes`` does
-        not suit the model or exceeds the stage's chunk, or its reference mel is too long."""
+        not suit the model or exceeds the stage's largest chunk, or its reference mel is too long."""
         if len(reference_mel) > self.reference_frames:
             raise ValueError(
                 f"request {request_id!r}: reference mel of {len(reference_mel)} frames, more than "
@@ -189,36 +189,41 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
         )
 
     def plan(self, params: Token2WavParams) -> ChunkPlanner:
-        """The planner of a request with ``params``: the stage's, its chunk ``chunk_codes`` when
-        given (its first chunk then no longer, :attr:`ChunkPlanner.first_chunk`). ``ValueError``
-        when ``chunk_codes`` exceeds the stage's chunk or breaks the algorithm (not a multiple of
-        the DiT block in codes, shorter than two overlaps)."""
+        """The planner of a request with ``params``: the stage's, or with ``chunk_codes`` every
+        chunk after the first that many codes (:meth:`ChunkPlanner.with_chunk`: none grow, the
+        first no longer). ``ValueError`` when ``chunk_codes`` exceeds the stage's largest chunk
+        or breaks the algorithm (not a multiple of the DiT block in codes, shorter than two
+        overlaps)."""
         planner = self.planner
         if params.chunk_codes is None:
             return planner
-        frames = params.chunk_codes * planner.repeats
-        if frames > planner.chunk:
+        if params.chunk_codes * planner.repeats > planner.largest_chunk:
             raise ValueError(
-                f"chunk_codes={params.chunk_codes} exceeds the stage's chunk of "
-                f"{planner.chunk // planner.repeats} codes"
+                f"chunk_codes={params.chunk_codes} exceeds the stage's largest chunk of "
+                f"{planner.largest_chunk // planner.repeats} codes"
             )
         try:
-            return dataclasses.replace(planner, chunk=frames)
+            return planner.with_chunk(params.chunk_codes * planner.repeats)
         except ValueError as e:
             raise ValueError(f"chunk_codes={params.chunk_codes}: {e}") from None
 
     def next_window(self, request: StreamRequest) -> Chunk | None:
         return request.next_chunk()
 
+    def short_of(self, request: StreamRequest) -> int | None:
+        if request.finished:
+            return None
+        return max(0, request.planner.codes_ready(request.done) - len(request.codes)) or None
+
     def width(self, chunk: Chunk) -> int:
         """Codes in the chunk's DiT window (its ends are whole codes)."""
         return chunk.window // self.planner.repeats
 
     def program(self, batch: ChunkBatch) -> ProgramCall:
-        """The solve keeps at most what the batch's window holds: a first-chunk window is shorter
-        than the most a chunk may keep."""
-        window = batch.codes.shape[1] * self.planner.repeats
-        keep_frames = min(self.planner.keep_frames, window)
+        """The solve vocodes at most what a chunk padded to the batch's window keeps
+        (:meth:`ChunkPlanner.keep_bound`): a small chunk's window is shorter than the most the
+        largest chunk keeps."""
+        keep_frames = self.planner.keep_bound(batch.codes.shape[1] * self.planner.repeats)
         args = (self.graph, self.state, *batch.arrays(self.mesh))
         return ProgramCall(self.solve, args, {"keep_frames": keep_frames})
 
@@ -232,7 +237,6 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
     def advance(self, request: StreamRequest, chunk: Chunk, solved: ChunkSolved, row: int) -> bool:
         """The chunk's vocoder tail becomes the next one's prefix; a little or final chunk is the
         request's last."""
-        request.done += 1
         request.tail = solved.tail[row].copy()
         return chunk.kind in (ChunkKind.LITTLE, ChunkKind.FINAL)
 

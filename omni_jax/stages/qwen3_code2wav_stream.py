@@ -61,10 +61,14 @@ class StreamPlan:
         """The widest window: a whole chunk after a whole context; every solve pads to it."""
         return self.left_context + self.chunk
 
+    def chunk_end(self, start: int) -> int:
+        """The end of the whole chunk starting at frame ``start``."""
+        return start + (self.first_chunk if start == 0 else self.chunk)
+
     def window(self, start: int, available: int, finished: bool) -> ChunkWindow | None:
         """The chunk starting at frame ``start`` when ``available`` frames are there (all of the
         request's when ``finished``); ``None`` while it is not complete."""
-        end = start + (self.first_chunk if start == 0 else self.chunk)
+        end = self.chunk_end(start)
         if available < end:
             if not finished or available <= start:
                 return None
@@ -176,6 +180,11 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
 
     def drained(self, request: FrameStream) -> bool:
         return request.drained()
+
+    def short_of(self, request: FrameStream) -> int | None:
+        if request.finished:
+            return None
+        return max(0, request.plan.chunk_end(request.voiced) - request.frames) or None
 
     def width(self, chunk: ChunkWindow) -> int:
         """Frames the chunk decodes, its context included (a first chunk has none)."""

@@ -12,16 +12,22 @@ and ``overlap`` frames of audio are dropped at each inner edge (overlap-and-disc
 crossfade), so every emitted sample had ``overlap`` frames of mel context on both sides.
 
 The first chunk may be shorter (``first`` frames, capped at ``chunk``): it needs fewer codes
-before it can run, so the first audio comes sooner (vLLM-omni does the same for Qwen3-Omni);
-chunk ``p >= 1`` then keeps frames ``[first + (p - 1) * chunk, first + p * chunk)``. With
-``first == chunk`` (the default) the grid is the reference's.
+before it can run, so the first audio comes sooner (vLLM-omni does the same for Qwen3-Omni).
+Later chunks may grow (``max_chunk``): chunk ``p >= 1`` keeps ``min(chunk * 2 ** (p - 1),
+max_chunk)`` frames. Why: every chunk re-solves ``past + future`` frames of context, so Qwen's
+fixed 72-frame chunks cost the DiT twice the offline work and the vocoder a prefix of
+``2 * overlap`` frames a chunk; doubling chunks keep the first audio as early while the context
+becomes a small share of the work. The cost is buffer margin: chunk ``p + 1`` needs about as
+many new codes as all chunks before it voiced, so the talker must run faster than real time by
+that factor for playback not to wait. With ``first == chunk`` and no ``max_chunk`` (the
+defaults) the grid is the reference's.
 
-A request of ``N`` mel frames has ``1 + max(0, ceil((N - future - first) / chunk))`` chunks; one
-chunk (a "little" request, ``N <= first + future``) is the offline solve. The split depends on
-``N`` only, never on how the codes arrived: chunk ``p`` is known not to be the last, and runs,
-once more frames exist than its window's end (``first + p * chunk + future``; the reference
-runs it at exactly that many, so a request that then stops would have a different split), or
-when the request has finished.
+A request of ``N`` mel frames is one chunk (a "little" request, ``N <= first + future``: the
+offline solve) or several: chunk ``p`` is the last when ``N`` is at most its window's end
+(its last kept frame plus ``future``). The split depends on ``N`` only, never on how the codes
+arrived: chunk ``p`` is known not to be the last, and runs, once more frames exist than its
+window's end (the reference runs it at exactly that many, so a request that then stops would
+have a different split), or when the request has finished.
 """
 
 from __future__ import annotations
@@ -107,9 +113,10 @@ class ChunkPlanner:
     Sizes are mel frames. From the model: ``repeats`` (mel frames per code), ``block_size`` (the
     DiT's attention block), ``look_backward_blocks`` / ``look_ahead_blocks`` (how many of its
     layers look one block back / ahead), ``hop`` (waveform samples per mel frame). Chosen:
-    ``chunk``, ``past``, ``future`` (DiT), ``overlap`` (vocoder), Qwen's by default, and
-    ``first``, the first chunk's frames (``None``: ``chunk``; capped at ``chunk``). Raises
-    ``ValueError`` naming the first constant that breaks the algorithm.
+    ``chunk``, ``past``, ``future`` (DiT), ``overlap`` (vocoder), Qwen's by default,
+    ``first``, the first chunk's frames (``None``: ``chunk``; capped at ``chunk``), and
+    ``max_chunk``, the most frames a later chunk grows to (``None``: ``chunk``, every later chunk
+    the same). Raises ``ValueError`` naming the first constant that breaks the algorithm.
     """
 
     repeats: int
@@ -122,6 +129,7 @@ class ChunkPlanner:
     future: int = FUTURE_FRAMES
     overlap: int = OVERLAP_FRAMES
     first: int | None = None
+    max_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("repeats", "block_size", "hop", "chunk", "first_chunk"):
@@ -130,7 +138,10 @@ class ChunkPlanner:
         for name in ("look_backward_blocks", "look_ahead_blocks", "past", "future", "overlap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("chunk", "first_chunk", "past", "future"):
+        if self.largest_chunk < self.chunk:
+            raise ValueError(f"max_chunk={self.max_chunk} must be at least chunk={self.chunk}")
+        grows = ("max_chunk",) if self.max_chunk is not None else ()
+        for name in ("chunk", "first_chunk", *grows, "past", "future"):
             # Windows then start and end on the offline block grid and on whole codes.
             _check_multiple(name, getattr(self, name), self.block_size, "DiT's block_size")
             _check_multiple(name, getattr(self, name), self.repeats, "mel frames per code (repeats)")
@@ -156,8 +167,8 @@ class ChunkPlanner:
     @classmethod
     def for_model(cls, model: Token2Wav, **chosen: int) -> ChunkPlanner:
         """The constants of ``model`` (a ``Token2Wav``), with ``chosen`` ones (``chunk``, ``past``,
-        ``future``, ``overlap``) in place of Qwen's. ``ValueError`` when the vocoder's output is
-        not a whole number of samples per mel frame."""
+        ``future``, ``overlap``, ``first``, ``max_chunk``) in place of Qwen's. ``ValueError`` when
+        the vocoder's output is not a whole number of samples per mel frame."""
         layers = [block.attn for block in model.dit.transformer_blocks]
         hop = math.prod(stride for stride, _, _ in model.bigvgan.upsample_geometry)
         for frames in (1, 2):
@@ -181,14 +192,39 @@ class ChunkPlanner:
         that asks for a smaller chunk gets a first chunk no longer), or ``chunk`` when unset."""
         return self.chunk if self.first is None else min(self.first, self.chunk)
 
+    @property
+    def largest_chunk(self) -> int:
+        """The most frames a chunk keeps before its last: ``max_chunk``, or ``chunk``."""
+        return self.chunk if self.max_chunk is None else self.max_chunk
+
+    @property
+    def growing(self) -> list[int]:
+        """The frames of chunks ``1, 2, ...`` while they are shorter than :attr:`largest_chunk`
+        (empty when chunks do not grow); every later chunk is the largest."""
+        sizes = []
+        while self.chunk * 2 ** len(sizes) < self.largest_chunk:
+            sizes.append(self.chunk * 2 ** len(sizes))
+        return sizes
+
+    def chunk_size(self, index: int) -> int:
+        """The frames chunk ``index`` keeps when it is not the last."""
+        if index == 0:
+            return self.first_chunk
+        growing = self.growing
+        return growing[index - 1] if index <= len(growing) else self.largest_chunk
+
     def chunk_start(self, index: int) -> int:
-        """The first frame chunk ``index`` keeps."""
-        return 0 if index == 0 else self.first_chunk + (index - 1) * self.chunk
+        """The first frame chunk ``index`` keeps: the sizes of the chunks before it."""
+        if index == 0:
+            return 0
+        growing = self.growing
+        grown = min(index - 1, len(growing))
+        return self.first_chunk + sum(growing[:grown]) + (index - 1 - grown) * self.largest_chunk
 
     @property
     def window_frames(self) -> int:
-        """The longest DiT window: a middle chunk's."""
-        return self.past + self.chunk + self.future
+        """The longest DiT window: a middle chunk's of the largest size."""
+        return self.past + self.largest_chunk + self.future
 
     @property
     def first_window_frames(self) -> int:
@@ -197,14 +233,44 @@ class ChunkPlanner:
         return self.first_chunk + self.future
 
     @property
+    def windows(self) -> list[int]:
+        """The DiT windows a solve pads to, shortest first: the first chunk's and a middle chunk's
+        of each size, so a solve of small chunks need not pay for the largest window."""
+        middles = (self.past + size + self.future for size in [*self.growing, self.largest_chunk])
+        return sorted({self.first_window_frames, *middles})
+
+    @property
     def keep_frames(self) -> int:
-        """The most frames a chunk keeps: a final (or little) chunk's ``chunk + future``."""
-        return self.chunk + self.future
+        """The most frames a chunk keeps: a final (or little) chunk's ``largest_chunk + future``."""
+        return self.largest_chunk + self.future
+
+    def keep_bound(self, window: int) -> int:
+        """The most frames a chunk whose DiT window pads to ``window`` keeps (its solve's static
+        vocoder length): a first or little chunk up to its whole window, no more than the first
+        chunk's; a later one all but the frames before its first kept frame, at least
+        ``min(past, 2 * overlap)`` (its first kept frame is at or after the end of a first chunk,
+        which is at least ``2 * overlap`` long, and the window starts ``past`` before it or at 0).
+        Holds for a request's own planner too (:meth:`with_chunk`: the same context, a smaller
+        chunk)."""
+        later = min(window - min(self.past, 2 * self.overlap), self.keep_frames)
+        return max(min(window, self.first_window_frames), later)
 
     @property
     def vocoder_frames(self) -> int:
         """The longest vocoder input: a prefix and the most kept frames."""
         return 2 * self.overlap + self.keep_frames
+
+    def with_chunk(self, chunk: int) -> ChunkPlanner:
+        """This planner with every chunk after the first ``chunk`` frames (none grow; the first
+        no longer than them): a request's own ``chunk_codes``, which its caller keeps within
+        :attr:`largest_chunk` (the windows here must hold it). ``ValueError`` when ``chunk``
+        breaks the algorithm."""
+        return dataclasses.replace(self, chunk=chunk, max_chunk=None)
+
+    def codes_ready(self, index: int) -> int:
+        """The codes with which chunk ``index`` runs before its request has finished: one more
+        than its window's end holds (it is then known not to be the last)."""
+        return (self.chunk_start(index + 1) + self.future) // self.repeats + 1
 
     def num_chunks(self, num_codes: int) -> int:
         """How many chunks a finished request of ``num_codes`` codes has."""
@@ -212,8 +278,14 @@ class ChunkPlanner:
 
     def _not_last(self, frames: int) -> int:
         """How many chunks are known not to be the last once ``frames`` frames exist: those
-        whose window ends before them, ``first + p * chunk + future < frames``."""
-        return max(0, math.ceil((frames - self.future - self.first_chunk) / self.chunk))
+        whose window ends before them (chunk ``p``: ``chunk_start(p + 1) + future < frames``)."""
+        rest = frames - self.future - self.first_chunk
+        count, covered = 0, 0  # chunks counted, and the frames of chunks 1 .. count
+        for size in self.growing:
+            if covered >= rest:
+                return count
+            count, covered = count + 1, covered + size
+        return count + max(0, math.ceil((rest - covered) / self.largest_chunk))
 
     def ready(self, num_codes: int, finished: bool, done: int = 0) -> list[Chunk]:
         """The chunks from index ``done`` on that can run with ``num_codes`` codes so far
@@ -231,7 +303,7 @@ class ChunkPlanner:
 
     def chunk_of(self, index: int, frames: int, final: bool) -> Chunk:
         """Chunk ``index`` of a request; ``final`` when it is the last, of ``frames`` frames."""
-        c, v, hop = (self.first_chunk if index == 0 else self.chunk), self.overlap, self.hop
+        c, v, hop = self.chunk_size(index), self.overlap, self.hop
         lo = self.chunk_start(index)  # the chunk's first kept frame
         start = max(lo - self.past, 0)
         end = frames if final else lo + c + self.future
