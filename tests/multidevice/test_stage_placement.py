@@ -114,12 +114,12 @@ def test_code2wav_warmup_covers_its_mesh(omni_dir, tmp_path) -> None:
     buckets = placed.stages[0].runner.buckets
     assert (buckets.rows, buckets.lengths) == ((2, 4), (32, 48))
     # four offline solves, and the streamed chunk programs of each row count (2 and 4) and
-    # window (the first chunk's, the longest)
+    # window (the first chunk's, and one per chunk size: 36, 72 and 144 codes)
     assert placed.stages[0].decoder.buckets.rows == (2, 4)
-    assert len(placed.stages[0].decoder.buckets.lengths) == 2
-    assert placed.stages[0].warmup() == 4 + 2 * 2
+    assert placed.stages[0].decoder.buckets.lengths == (36, 72, 108, 180)
+    assert placed.stages[0].warmup() == 4 + 2 * 4
     offline = ([1], [48, 3], [20, 33, 40], [5, 6, 7, 8, 9])
-    streamed = ([48, 3], [5, 6, 7, 8, 100])  # streamed requests have no max_codes
+    streamed = ([48, 3], [5, 6, 7, 8, 300])  # streamed requests have no max_codes
     for stream, mixes in ((False, offline), (True, streamed)):
         params = Token2WavParams(num_steps=2, seed=0, stream=stream)
         for lengths in mixes:
