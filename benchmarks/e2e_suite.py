@@ -72,7 +72,14 @@ from typing import Any
 import numpy as np
 
 from benchmarks import agreement
-from benchmarks.harness import backends, compile_entry, measured_window, sized_code2wav_config, warmed_up
+from benchmarks.harness import (
+    backends,
+    compile_entry,
+    measured_window,
+    sized_code2wav_config,
+    talker_start,
+    warmed_up,
+)
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.profiling import scope
 from omni_jax.testing import reference_omni_processor
@@ -642,7 +649,7 @@ def run(path: Path, args: Any, family: Family | None = None) -> dict[str, Any]:
     """The suite on ``family`` (default: Qwen2.5-Omni's)."""
     family = family or Family(path)
     stage_config = sized_code2wav_config(
-        Path(args.cache_dir), E2E_MAX_BATCH, args.talker_max_tokens, family.stage_yaml
+        Path(args.cache_dir), E2E_MAX_BATCH, args.talker_max_tokens, family.stage_yaml, not args.late_talker
     )
     pipe = build_pipeline(path, args, stage_config, args.max_num_seqs, family.suite)
     speakers = family.speakers(pipe)
@@ -705,7 +712,8 @@ def run(path: Path, args: Any, family: Family | None = None) -> dict[str, Any]:
             "thinker": f"greedy, {work.thinker_min_tokens} to {work.thinker_max_tokens} new tokens, "
             "stop on <|im_end|>",
             "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, "
-            f"{work.talker_min_tokens} to {work.talker_max_tokens} {family.talker_unit}",
+            f"{work.talker_min_tokens} to {work.talker_max_tokens} {family.talker_unit}, "
+            f"{talker_start(args)}",
             "token2wav": family.token2wav_settings(work),
         },
         "repeats": args.repeats,

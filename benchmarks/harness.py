@@ -444,20 +444,33 @@ CODE2WAV_LENGTH_KEY = {"qwen2_5_omni": "max_codes", "qwen3_omni": "max_frames"}
 offline request: Qwen2.5-Omni counts codes, Qwen3-Omni codec frames."""
 
 
+def talker_start(args: Any) -> str:
+    """When the talker starts, as the settings say it."""
+    return (
+        "started when the thinker ends (--late-talker)"
+        if args.late_talker
+        else "started on the thinker's first tokens"
+    )
+
+
 def sized_code2wav_config(
-    workdir: Path, max_batch: int, max_codes: int, family: str = "qwen2_5_omni"
+    workdir: Path, max_batch: int, max_codes: int, family: str = "qwen2_5_omni", early_start: bool = True
 ) -> Path:
     """The shipped stage YAML of ``family`` (a :data:`CODE2WAV_LENGTH_KEY` key) with code2wav's
     ``engine`` sized to a suite's workload (``max_batch`` requests of at most ``max_codes`` codes,
     or frames for Qwen3-Omni), written under ``workdir``: what a serving user sets for their
     traffic. The shipped defaults (Qwen2.5-Omni: 8 requests of up to 4096 codes) make
     ``warmup()`` compile solves of that size and the start-up memory check reserve for them, far
-    past a benchmark's requests."""
+    past a benchmark's requests. ``early_start`` false: the talker starts when the thinker ends
+    (``--late-talker``)."""
     raw = yaml.safe_load((SHIPPED_DIR / f"{family}.yaml").read_text())
     (code2wav,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
     length = CODE2WAV_LENGTH_KEY[family]
     code2wav["engine"] = {**code2wav.get("engine", {}), "max_batch": max_batch, length: max_codes}
-    path = workdir / f"{family}-code2wav-{max_batch}x{max_codes}.yaml"
+    for talker in (s for s in raw["stages"] if s["name"] == "talker"):
+        talker["engine"] = {**talker.get("engine", {}), "early_start": early_start}
+    late = "" if early_start else "-late-talker"
+    path = workdir / f"{family}-code2wav-{max_batch}x{max_codes}{late}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path

@@ -63,7 +63,7 @@ from benchmarks.e2e_suite import (
     token_agreement,
 )
 from benchmarks.e2e_suite import Workload as ReferenceWork
-from benchmarks.harness import sized_code2wav_config
+from benchmarks.harness import sized_code2wav_config, talker_start
 from benchmarks.qwen3_e2e_suite import Qwen3Reference
 from benchmarks.stream_suite import (
     MAX_CODE2WAV_BATCH,
@@ -181,7 +181,9 @@ def run(path: Path, args: Any) -> dict[str, Any]:
     if args.frames < 1 or args.requests_per_client < 1 or args.max_tokens < 2:
         raise SystemExit("--frames and --requests-per-client must be >= 1, --max-tokens >= 2")
     max_batch = min(MAX_CODE2WAV_BATCH, max(levels))
-    stage_config = sized_code2wav_config(Path(args.cache_dir), max_batch, args.frames, "qwen3_omni")
+    stage_config = sized_code2wav_config(
+        Path(args.cache_dir), max_batch, args.frames, "qwen3_omni", not args.late_talker
+    )
     pipe = build_pipeline(path, args, stage_config, args.max_num_seqs or max(levels), "e2e_qwen3 --stream")
     groups = pipe.stages[1].frontend.spec.num_code_groups
     speakers = sorted(pipe.stages[1].frontend.speakers)
@@ -225,7 +227,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         "settings": {
             "thinker": f"greedy, exactly {args.max_tokens} tokens (min_tokens = max_tokens)",
             "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, exactly {args.frames} frames "
-            "(min_tokens = max_tokens)",
+            f"(min_tokens = max_tokens), {talker_start(args)}",
             "code2wav": f"max_batch {max_batch}, max_frames {args.frames}; streamed: "
             + ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(pipe.stages[-1].decoder.plan).items()),
         },

@@ -225,6 +225,12 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         "talkers stop after a few, far shorter than real replies",
     )
     e2e.add_argument(
+        "--late-talker",
+        action="store_true",
+        help="e2e suites: start the talker when the thinker ends (engine.early_start false), not on its "
+        "first tokens",
+    )
+    e2e.add_argument(
         "--audio-seconds", type=float, default=None, help="every audio request's clip (default 0.5 to 1.5 s)"
     )
     e2e.add_argument(

@@ -79,7 +79,14 @@ import numpy as np
 import yaml
 
 from benchmarks.e2e_suite import QUESTIONS, REPETITION_PENALTY, StageClock, build_pipeline
-from benchmarks.harness import Warmup, backends, measured_window, sized_code2wav_config, warmed_up
+from benchmarks.harness import (
+    Warmup,
+    backends,
+    measured_window,
+    sized_code2wav_config,
+    talker_start,
+    warmed_up,
+)
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, SamplingParams, Token2WavParams
 
 MODES = ("offline", "streamed")
@@ -519,7 +526,9 @@ def run(path: Path, args: Any) -> dict[str, Any]:
     if args.max_tokens < 1:
         raise SystemExit("--max-tokens must be >= 1")
     max_batch = min(MAX_CODE2WAV_BATCH, max(levels))
-    stage_config = sized_code2wav_config(Path(args.cache_dir), max_batch, args.codes)
+    stage_config = sized_code2wav_config(
+        Path(args.cache_dir), max_batch, args.codes, early_start=not args.late_talker
+    )
     if args.stream_sizes:  # the same YAML, engine.stream keys replaced
         raw = yaml.safe_load(stage_config.read_text())
         (c2w,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
@@ -569,7 +578,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         "settings": {
             "thinker": f"greedy, exactly {args.max_tokens} tokens (ignore_eos)",
             "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, exactly {args.codes} codes "
-            "(min_tokens = max_tokens)",
+            f"(min_tokens = max_tokens), {talker_start(args)}",
             "code2wav": f"num_steps {args.num_steps}, guidance {args.guidance_scale}, sway -1, seed "
             f"{SEED} + request index; max_batch {max_batch}, max_codes {args.codes}",
         },

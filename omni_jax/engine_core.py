@@ -7,10 +7,13 @@ finishes moves on to the next stage at once, so different requests are in differ
 the same time and a request added between steps joins the running batch at the next one.
 :meth:`EngineCore.abort` takes a request out of whichever stage holds it.
 
-A stage that takes streamed input (a :class:`~omni_jax.stages.base.FedStage`, e.g. code2wav for
-a request with ``Token2WavParams(stream=True)``) holds the request at the same time as the stage
-before it: it is opened when that stage takes the request and fed its new tokens after every
-step, so the two stages work on the request together.
+A stage that takes streamed input (a :class:`~omni_jax.stages.base.FedStage`: the talker, which
+starts on the thinker's first tokens, and code2wav for a request with
+``Token2WavParams(stream=True)``) holds the request at the same time as the stage before it: it
+is opened when that stage takes the request and fed its new tokens (and hidden states) after
+every step, so the stages work on the request together, a chain of them at once. A fed stage
+may finish the request before the stage feeding it (the talker's last code before the
+thinker's last token): the request ends when no stage holds it.
 
 Each step returns typed per-request updates (:class:`~omni_jax.outputs.OmniRequestOutput`): for
 a streamed request the text stage's new tokens and text as they come and the audio as it is
@@ -29,23 +32,37 @@ import numpy as np
 from omni_jax.intake import Admission
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.profiling import scope
-from omni_jax.stages.base import FedStage, Stage, StageInput, StageLoad, StageResult
+from omni_jax.stages.base import FedStage, HiddenHandoff, Stage, StageInput, StageLoad, StageResult
 from omni_jax.text_stream import TextStream
 
 
 @dataclasses.dataclass
 class _Flight:
-    """A request on its way through the stage graph: the stage holding it, its output so far,
-    and when streamed, the text stage's tokens delivered so far. ``fed``: the later stage that
-    also holds it, fed its tokens as ``stage`` makes them."""
+    """A request on its way through the stage graph: the stages holding it (``holders``, in
+    order: the one it was submitted to, then those fed as the stage before each makes its
+    tokens), those that took it (``taken``), its output so far, and when streamed, the text
+    stage's tokens delivered so far."""
 
     admission: Admission
     output: OmniRequestOutput
-    stage: int = 0
+    holders: list[int] = dataclasses.field(default_factory=list)
+    taken: set[int] = dataclasses.field(default_factory=set)
     stream: bool = False
     reply: list[int] = dataclasses.field(default_factory=list)
     text: TextStream | None = None
-    fed: int | None = None
+
+    @property
+    def stage(self) -> int:
+        """The first stage holding it (the last one's index past the end once none does)."""
+        return self.holders[0] if self.holders else max(self.taken, default=0) + 1
+
+    def hold(self, stage: int) -> None:
+        self.holders = sorted({*self.holders, stage})
+        self.taken.add(stage)
+
+    def fed(self, stage: int) -> bool:
+        """Whether ``stage`` holds it fed: after another stage that still holds it."""
+        return stage in self.holders and stage != self.holders[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,17 +138,24 @@ class EngineCore:
                 for request_id, ids in done.new_tokens.items():
                     self._stream_tokens(self._flights[request_id], ids)
             finished = {result.request_id for result in done.finished}
-            for request_id, ids in done.new_tokens.items():
-                flight = self._flights[request_id]
-                if flight.fed == si + 1 and request_id not in finished:
-                    self._feed(flight, ids)
+            fed = dict.fromkeys([*done.new_tokens, *done.new_rows])  # in order: every process feeds alike
+            for request_id in (r for r in fed if r not in finished):
+                flight = self._flights.get(request_id)
+                if flight is not None and flight.fed(si + 1):
+                    self._feed(
+                        flight, si + 1, done.new_tokens.get(request_id, []), done.new_rows.get(request_id)
+                    )
             for request_id, samples in done.new_audio.items():
-                self._stream_audio(self._flights[request_id], samples, stage.sample_rate)
+                if request_id in self._flights:
+                    self._stream_audio(self._flights[request_id], samples, stage.sample_rate)
             for result in done.finished:
-                flight = self._flights[result.request_id]
+                flight = self._flights.get(result.request_id)
+                if flight is None:  # ended this step, by a stage after this one
+                    continue
                 self._stage_done(flight, si, result)
                 if stage.config.kind == "ar":
                     self.generated_tokens += int(result.metrics["num_output_tokens"])
+                flight.holders.remove(si)
                 if not self._hand_on(flight, si, result, done.new_tokens.get(result.request_id, [])):
                     self._updates[result.request_id] = self._end(flight)
         updates, self._updates = list(self._updates.values()), {}
@@ -145,7 +169,6 @@ class EngineCore:
         flight = self._flights.get(request_id)
         if flight is None:
             return None
-        self.stages[flight.stage].abort(request_id)
         out = flight.output
         out.finish_reason, out.error = ("abort", None) if error is None else ("error", error)
         if flight.stream and self.text_stage is not None and flight.stage <= self.text_stage:
@@ -188,27 +211,30 @@ class EngineCore:
         update.audio_delta = samples if previous is None else np.concatenate([previous, samples])
         update.sample_rate = sample_rate
 
-    def _feed(self, flight: _Flight, ids: list[int]) -> None:
-        """Hand a fed stage the request's new tokens; when it cannot take them, the request ends
-        with its message (``finish_reason="error"``) and both stages drop it."""
-        stage = cast(FedStage, self.stages[cast(int, flight.fed)])
+    def _feed(self, flight: _Flight, si: int, ids: list[int], rows: HiddenHandoff | None) -> None:
+        """Hand fed stage ``si`` the request's new tokens (and hidden states); when it cannot
+        take them, the request ends with its message (``finish_reason="error"``) and every stage
+        drops it."""
+        stage = cast(FedStage, self.stages[si])
         admission = flight.admission
         try:
-            stage.feed(admission.index, admission.request_id, ids, None)
+            more = stage.feed(admission.index, admission.request_id, ids, None, rows)
         except ValueError as e:
             self._updates[admission.request_id] = self.abort(
                 admission.request_id, f"stage {stage.config.name!r}: {e}"
             )
+            return
+        if not more:  # ended with nothing to do before the stage feeding it did (not by now)
+            raise RuntimeError(f"stage {stage.config.name!r} dropped a request before its input ended")
 
     def _end(self, flight: _Flight) -> OmniRequestOutput:
         """The request is done: its last update, the whole output with the deltas this step
-        gathered for it. While it was held by two stages (a fed one and the one feeding it),
-        whichever did not end it drops it: the fed stage when the one before failed or was
-        aborted, the feeding stage when the fed one failed."""
+        gathered for it. The stages still holding it (it failed, was aborted, or one of them
+        ended it) drop it."""
         out = flight.output
-        if flight.fed is not None and flight.stage < flight.fed:
-            for si in (flight.stage, flight.fed):
-                self.stages[si].abort(out.request_id)
+        for si in flight.holders:
+            self.stages[si].abort(out.request_id)
+        flight.holders = []
         del self._flights[out.request_id]
         update = self._updates.pop(out.request_id, None)
         if update is not None:
@@ -218,54 +244,73 @@ class EngineCore:
         return out
 
     def _hand_on(self, flight: _Flight, si: int, result: StageResult, last_ids: list[int]) -> bool:
-        """Submit a request stage ``si`` finished to the next stage (or, when the next stage is
-        fed, feed it ``last_ids``, the tokens of the step that finished it, with the result);
-        False when it is done.
+        """Hand a request stage ``si`` finished on to the next stage: feed it ``last_ids``, the
+        tokens of the step that finished it, with the result when it holds the request fed, else
+        submit it there (unless it took it already: a fed stage that finished first). False when
+        the request is done: no stage holds it, or it failed.
 
         The next stage's input processor may find nothing to do (the request ends with empty
         output, e.g. no audio when the talker stopped before its first code) or input it
         cannot take (the request alone ends with ``finish_reason="error"``).
         """
-        if si == len(self.stages) - 1 or result.error is not None or self._done_after(flight, si):
+        nxt = si + 1
+        if result.error is not None:
             return False
-        nxt = self.stages[si + 1]
+        if nxt == len(self.stages) or self._done_after(flight, si):
+            return bool(flight.holders)
+        if nxt in flight.taken and nxt not in flight.holders:  # it took the request fed, and finished first
+            return bool(flight.holders)
+        stage = self.stages[nxt]
         admission = flight.admission
         try:
-            if flight.fed == si + 1:
+            if nxt in flight.holders:
                 request = None
-                more = cast(FedStage, nxt).feed(admission.index, result.request_id, last_ids, result)
+                more = cast(FedStage, stage).feed(admission.index, result.request_id, last_ids, result)
             else:
-                request = nxt.accept(admission.index, result, admission.prompt)
+                request = stage.accept(admission.index, result, admission.prompt)
                 if request is not None:
-                    nxt.validate(admission.index, request, admission.stage_params[si + 1])
+                    stage.validate(admission.index, request, admission.stage_params[nxt])
                 more = request is not None
         except ValueError as e:
-            flight.output.finish_reason, flight.output.error = "error", f"stage {nxt.config.name!r}: {e}"
+            flight.output.finish_reason, flight.output.error = "error", f"stage {stage.config.name!r}: {e}"
             return False
-        if not more:
-            flight.stage = si + 1  # a fed stage has dropped it already
-            self._end_empty(flight, si + 1)
-            return False
-        if request is None:
-            flight.stage = si + 1
-        else:
-            self._submit(flight, si + 1, request)
+        if not more:  # done, once a stage before that still holds it (the thinker) is
+            if nxt in flight.holders:
+                flight.holders.remove(nxt)  # the fed stage has dropped it already
+            self._end_empty(flight, nxt)
+            return bool(flight.holders)
+        if request is not None:
+            self._submit(flight, nxt, request)
         return True
 
     def _submit(self, flight: _Flight, si: int, request: StageInput) -> None:
-        """Submit the request to stage ``si``, and open it on the next stage when that one takes
-        it fed (:class:`~omni_jax.stages.base.FedStage`) with the request's params."""
+        """Submit the request to stage ``si``, and open it on each next stage that takes it fed
+        (:class:`~omni_jax.stages.base.FedStage`) with the request's params, in a chain: the talker
+        fed by the thinker, code2wav by the talker."""
         admission = flight.admission
+        fed = self._fed_chain(flight, si)
         request.capture_hidden = self._capture_hidden(flight, si)
+        request.stream_hidden = request.capture_hidden and bool(fed)
         self.stages[si].submit(admission.request_id, request, admission.stage_params[si])
-        flight.stage = si
-        nxt = si + 1
-        if nxt == len(self.stages) or self._done_after(flight, si):
-            return
-        stage = self.stages[nxt]
-        if isinstance(stage, FedStage) and stage.streams(admission.stage_params[nxt]):
-            stage.open(admission.request_id, admission.prompt, admission.stage_params[nxt])
-            flight.fed = nxt
+        flight.hold(si)
+        for nxt in fed:
+            cast(FedStage, self.stages[nxt]).open(
+                admission.request_id, admission.prompt, admission.stage_params[nxt]
+            )
+            flight.hold(nxt)
+
+    def _fed_chain(self, flight: _Flight, si: int) -> list[int]:
+        """The stages after ``si`` that take the request fed, each by the one before it."""
+        chain = []
+        for nxt in range(si + 1, len(self.stages)):
+            stage = self.stages[nxt]
+            params = flight.admission.stage_params[nxt]
+            if self._done_after(flight, nxt - 1) or not (
+                isinstance(stage, FedStage) and stage.streams(params)
+            ):
+                break
+            chain.append(nxt)
+        return chain
 
     def _capture_hidden(self, flight: _Flight, si: int) -> bool:
         """Whether stage ``si`` captures the request's hidden states: the next stage reads them

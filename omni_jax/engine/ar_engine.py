@@ -58,6 +58,7 @@ class AREngine(Generic[S]):
             ),
             PageAllocator(runner.cache_cfg.num_pages),
             self.inputs.positions,
+            self.inputs.available,
         )
         self._arrivals = 0
         self.overlap = overlap

@@ -17,6 +17,10 @@ scheduled again, and one that turns out to have stopped (EOS, a stop id, an abor
 row of it was in flight keeps its pages until that row's results are read, then drops them.
 Preemption never meets a pending token: the engine reads the step in flight first whenever
 the next one might preempt (:meth:`Scheduler.may_preempt`).
+
+A request's tokens run only as far as their inputs are there (the stage's
+:meth:`~omni_jax.engine.step.StepInputs.available`): a talker taken while the thinker still
+generates waits, running, for the thinker rows its next token reads.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 
 from omni_jax.engine.kv_cache import CacheGeometry, PageAllocator, pages_needed
 from omni_jax.engine.sampling import SamplingParams
-from omni_jax.engine.step import PENDING_TOKEN, S, StepResult, StepRow, text_positions
+from omni_jax.engine.step import PENDING_TOKEN, S, StepResult, StepRow, all_available, text_positions
 
 
 class Status(enum.Enum):
@@ -94,6 +98,22 @@ class ARRequest(Generic[S]):
         hidden, embeds = zip(*self.captured, strict=True)
         return np.concatenate(hidden), np.concatenate(embeds)
 
+    def captured_since(self, row: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(hidden [K, D], embeds [K, D])`` of the computed tokens from ``row`` on, as captured
+        so far; ``None`` when there are none past it. After a preemption the rows are captured
+        afresh from the first token, and those before ``row`` are not returned again."""
+        have = sum(len(h) for h, _ in self.captured)
+        if have <= row:
+            return None
+        blocks = []
+        for block in reversed(self.captured):
+            blocks.append(block)
+            have -= len(block[0])
+            if have <= row:
+                break
+        hidden, embeds = (np.concatenate(part[::-1]) for part in zip(*blocks, strict=True))
+        return hidden[row - have :], embeds[row - have :]
+
     def ends_by_length(self, max_model_len: int) -> bool:
         """Its tokens, the pending ones included, reach ``max_tokens`` or ``max_model_len``: it
         finishes when they are read, so it has no further row to run."""
@@ -112,6 +132,10 @@ class ARRequest(Generic[S]):
 PositionFn = Callable[[S | None, int, int], np.ndarray]
 """A request's rotary positions of tokens ``[start, end)`` from its stage state
 (:meth:`~omni_jax.engine.step.StepInputs.positions`)."""
+
+AvailableFn = Callable[[S | None], int | None]
+"""How many of a request's tokens have their inputs now, ``None``: all
+(:meth:`~omni_jax.engine.step.StepInputs.available`)."""
 
 
 @dataclasses.dataclass
@@ -148,11 +172,16 @@ class Scheduler:
     """Decides each step's rows; owns the page allocator; applies sampled tokens."""
 
     def __init__(
-        self, cfg: SchedulerConfig, allocator: PageAllocator, positions: PositionFn = text_positions
+        self,
+        cfg: SchedulerConfig,
+        allocator: PageAllocator,
+        positions: PositionFn = text_positions,
+        available: AvailableFn = all_available,
     ):
         self.cfg = cfg
         self.allocator = allocator
         self.positions = positions
+        self.available = available
         self.waiting: deque[ARRequest] = deque()
         self.running: list[ARRequest] = []
 
@@ -244,16 +273,20 @@ class Scheduler:
         """
         cfg = self.cfg
         decode = [
-            (r, 1) for r in self.running if r.remaining == 1 and not r.ends_by_length(cfg.cache.max_model_len)
+            (r, 1)
+            for r in self.running
+            if r.remaining == 1 and not r.ends_by_length(cfg.cache.max_model_len) and self._inputs(r) > 0
         ]
         budget = cfg.max_num_batched_tokens - len(decode)
         prompt: list[tuple[ARRequest, int]] = []
         for req in self.running:
             if req.remaining == 1:
                 continue
-            chunk = min(req.remaining, cfg.max_prefill_chunk, budget)
-            if chunk < 1:
+            if budget < 1:
                 break
+            chunk = min(req.remaining, cfg.max_prefill_chunk, budget, self._inputs(req))
+            if chunk < 1:  # its inputs are not there yet
+                continue
             prompt.append((req, chunk))
             budget -= chunk
         # A waiting request is admitted only into pages no running request needs for its next
@@ -262,9 +295,9 @@ class Scheduler:
         admitted: list[ARRequest] = []
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            chunk = min(req.remaining, cfg.max_prefill_chunk, budget)
+            chunk = min(req.remaining, cfg.max_prefill_chunk, budget, self._inputs(req))
             need = pages_needed(chunk, cfg.cache.page_size)
-            if need > spare:
+            if chunk < 1 or need > spare:
                 break
             prompt.append((req, chunk))
             budget -= chunk
@@ -313,6 +346,11 @@ class Scheduler:
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
         return kept
+
+    def _inputs(self, req: ARRequest) -> int:
+        """How many of ``req``'s next tokens have their inputs (:attr:`available`)."""
+        limit = self.available(req.state)
+        return req.remaining if limit is None else max(0, min(req.remaining, limit - req.num_computed))
 
     def _growth(self, req: ARRequest, chunk: int) -> int:
         """Pages ``req`` lacks for its next ``chunk`` tokens."""

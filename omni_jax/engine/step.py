@@ -137,12 +137,19 @@ class StepInputs(Protocol[S_contra]):
 
     ``draw_hook``: device work on each step's drawn tokens (:class:`DrawHook`), ``None`` for
     a model that draws its tokens and nothing more.
+
+    ``available`` is how many of a request's tokens have their inputs now (``None``: all of
+    them): a request taken while the stage feeding it still runs (the talker started on the
+    thinker's first tokens) reads inputs that arrive as that stage makes them, so its row of a
+    token past them waits (the scheduler leaves it out of the step).
     """
 
     position_shape: tuple[int, ...]
     draw_hook: DrawHook[S_contra] | None
 
     def positions(self, state: S_contra | None, start: int, end: int) -> np.ndarray: ...
+
+    def available(self, state: S_contra | None) -> int | None: ...
 
     def prepare(self, rows: Sequence[StepRow[S_contra]]) -> dict[int, str]: ...
 
@@ -202,6 +209,12 @@ def text_positions(state: object, start: int, end: int) -> np.ndarray:
     return np.arange(start, end, dtype=np.int32)
 
 
+def all_available(state: object) -> None:
+    """Every token's inputs are there (:meth:`StepInputs.available` of a stage whose requests
+    have all their inputs when they are submitted)."""
+    del state
+
+
 class TokenInputs:
     """The step inputs of a model that embeds its token ids alone, with 1-D rotary positions."""
 
@@ -210,6 +223,9 @@ class TokenInputs:
 
     def positions(self, state: object, start: int, end: int) -> np.ndarray:
         return text_positions(state, start, end)
+
+    def available(self, state: object) -> None:
+        return all_available(state)
 
     def prepare(self, rows: Sequence[StepRow[Any]]) -> dict[int, str]:
         return {}

@@ -6,10 +6,11 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Generic, Protocol
+from typing import Any, Generic, Protocol, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -56,6 +57,13 @@ class ARFrontend(Protocol[S]):
     hidden states. ``eos_token_ids``: the stage's stop tokens (``None``: the checkpoint's
     ``generation_config.json``, which describes the first stage); ``suppress_ids``: tokens
     never sampled.
+
+    A frontend that reads hidden states can take a request while the previous stage still
+    generates it (the stage is then a :class:`~omni_jax.stages.base.FedStage`): ``start`` makes
+    the request from the part of the previous stage's handoff computed so far, ``None`` until
+    it holds what the prompt needs; ``grow`` adds what that stage computes next (``final``: its
+    result's whole handoff), to the state the step inputs read (their ``available`` says how
+    far it reaches).
     """
 
     step_inputs: StepInputs[S]
@@ -73,6 +81,10 @@ class ARFrontend(Protocol[S]):
 
     def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput[S] | None: ...
 
+    def start(self, index: int, part: HiddenHandoff, prompt: dict[str, Any]) -> StageInput[S] | None: ...
+
+    def grow(self, state: S, part: HiddenHandoff, final: bool) -> None: ...
+
     def describe(self, state: S | None) -> str: ...
 
     def media(self, state: S | None) -> PromptMedia: ...
@@ -80,7 +92,13 @@ class ARFrontend(Protocol[S]):
 
 class ARStage(Generic[S]):
     """Token ids in, token ids out; ``engine`` schedules and runs the steps. ``S``: the
-    frontend's per-request state (``None`` without a frontend)."""
+    frontend's per-request state (``None`` without a frontend).
+
+    A stage whose frontend reads the previous stage's hidden states is a
+    :class:`~omni_jax.stages.base.FedStage` unless its YAML's ``engine.early_start`` is false:
+    it takes a request while that stage still generates it, submits it once the rows its
+    prompt reads are there (the talker: the thinker's prompt and first reply token) and runs
+    each of its tokens once the rows it reads are (:meth:`feed`)."""
 
     params_type = SamplingParams
     accepts_text = True
@@ -103,6 +121,7 @@ class ARStage(Generic[S]):
         self.frontend = frontend
         self.reads_hidden = frontend is not None and frontend.reads_hidden
         self._submitted: dict[str, _Submitted[S]] = {}
+        self._fed: dict[str, _Fed[S]] = {}
 
     @classmethod
     def build(
@@ -129,6 +148,7 @@ class ARStage(Generic[S]):
         numbers (:meth:`CachePlan.num_pages`), before anything is allocated. ``share``: what a
         default cache leaves to the stages built after this one on the same memory.
         """
+        check_engine_options(sc)
         plan = CachePlan.of(
             model,
             mesh,
@@ -247,12 +267,65 @@ class ARStage(Generic[S]):
             suppress_ids=() if self.frontend is None else self.frontend.suppress_ids,
             capture_hidden=request.capture_hidden,
         )
-        self._submitted[request_id] = _Submitted(req, started)
+        self._submitted[request_id] = _Submitted(req, started, request.stream_hidden)
+
+    # -- fed (FedStage) -----------------------------------------------------------------
+    def streams(self, params: SamplingParams) -> bool:
+        """Whether requests are taken while the previous stage generates them: when the frontend
+        reads its hidden states, unless the stage YAML's ``engine.early_start`` is false."""
+        return self.reads_hidden and self.config.engine.get("early_start", True)
+
+    def open(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
+        self._fed[request_id] = _Fed(prompt, params)
+
+    def feed(
+        self,
+        index: int,
+        request_id: str,
+        tokens: list[int],
+        upstream: StageResult | None,
+        rows: HiddenHandoff | None = None,
+    ) -> bool:
+        """The previous stage's new rows (``rows``) or its result (``upstream``, when it
+        finished): before the request is submitted they gather until the frontend can
+        :meth:`~ARFrontend.start` it (or, at the end, :meth:`~ARFrontend.accept` it: False when
+        there is nothing to do), after they :meth:`~ARFrontend.grow` its state. ``ValueError``
+        (naming request ``index``) when they cannot make its input."""
+        del tokens  # the rows' handoff holds the reply so far
+        fed, frontend = self._fed[request_id], cast("ARFrontend[S]", self.frontend)
+        final = upstream is not None
+        if final and cast(StageResult, upstream).handoff is None:
+            raise ValueError(f"request {index}: the previous stage kept no hidden states for it")
+        part = cast(StageResult, upstream).handoff if final else rows
+        if fed.state is None:
+            if final:
+                request = frontend.accept(index, cast(StageResult, upstream), fed.prompt)
+            elif part is None:
+                return True
+            else:
+                fed.parts.append(part)
+                if part.end <= len(part.prompt_ids):  # it speaks the reply: no start before its first row
+                    return True
+                request = frontend.start(index, fed.gathered(), fed.prompt)
+            if request is None:
+                if final:
+                    del self._fed[request_id]
+                return not final
+            self.validate(index, request, fed.params)
+            self.submit(request_id, request, fed.params)
+            fed.state, fed.parts = cast(S, request.state), []
+        elif part is not None:
+            frontend.grow(fed.state, part, final)
+        if final:
+            del self._fed[request_id]
+        return True
 
     def abort(self, request_id: str) -> bool:
-        """End the request in the engine, which frees its KV pages at once."""
+        """End the request in the engine, which frees its KV pages at once (or forget a fed
+        request not yet submitted)."""
+        fed = self._fed.pop(request_id, None) is not None
         if self._submitted.pop(request_id, None) is None:
-            return False
+            return fed
         return self.engine.abort(request_id)
 
     def has_work(self) -> bool:
@@ -276,15 +349,21 @@ class ARStage(Generic[S]):
     def step(self) -> StageStep:
         """One engine step: the tokens each request sampled in it, and the requests it finished."""
         finished = self.engine.step()
-        new_tokens = {}
+        new_tokens, new_rows = {}, {}
+        ended = {req.request_id for req in finished}
         for request_id, submitted in self._submitted.items():
             drawn = submitted.request.output_ids
             if len(drawn) > submitted.reported:
                 new_tokens[request_id] = self._outputs(submitted.request, submitted.reported)
                 submitted.reported = len(drawn)
+            if submitted.stream_hidden and request_id not in ended:
+                part = self._part(submitted)
+                if part is not None:
+                    new_rows[request_id] = part
         results = []
         for req in finished:
             now = time.perf_counter()
+            self._fed.pop(req.request_id, None)  # it finished before the stage feeding it
             started = self._submitted.pop(req.request_id).started
             metrics = {
                 "wall_s": now - started,
@@ -304,7 +383,20 @@ class ARStage(Generic[S]):
                     list(req.prompt_ids), list(req.output_ids), hidden, embeds, media
                 )
             results.append(result)
-        return StageStep(results, new_tokens)
+        return StageStep(results, new_tokens, new_rows=new_rows)
+
+    def _part(self, submitted: _Submitted[S]) -> HiddenHandoff | None:
+        """The hidden states a streamed request's tokens added since they were last reported."""
+        req = submitted.request
+        rows = req.captured_since(submitted.reported_rows)
+        if rows is None:
+            return None
+        media = PromptMedia() if self.frontend is None else self.frontend.media(req.state)
+        part = HiddenHandoff(
+            list(req.prompt_ids), list(req.output_ids), *rows, media, submitted.reported_rows
+        )
+        submitted.reported_rows = part.end
+        return part
 
     def _outputs(self, request: ARRequest[S], start: int) -> list[int]:
         """The stage's outputs for the request's drawn tokens from ``start`` on: the tokens, or
@@ -317,11 +409,55 @@ class ARStage(Generic[S]):
 @dataclasses.dataclass
 class _Submitted(Generic[S]):
     """A request the stage holds: the engine's record of it, when it was submitted, and how many
-    of its output tokens :meth:`ARStage.step` has reported."""
+    of its output tokens :meth:`ARStage.step` has reported; when it streams its hidden states
+    (``stream_hidden``), how many rows of them."""
 
     request: ARRequest[S]
     started: float
+    stream_hidden: bool = False
     reported: int = 0
+    reported_rows: int = 0
+
+
+@dataclasses.dataclass
+class _Fed(Generic[S]):
+    """A request taken while the previous stage still generates it: its prompt and params, the
+    parts of that stage's handoff gathered before it could start, then its state once submitted."""
+
+    prompt: dict[str, Any]
+    params: SamplingParams
+    parts: list[HiddenHandoff] = dataclasses.field(default_factory=list)
+    state: S | None = None
+
+    def gathered(self) -> HiddenHandoff:
+        """The parts so far as one handoff of every row from the first token."""
+        last = self.parts[-1]
+        return HiddenHandoff(
+            last.prompt_ids,
+            last.reply_ids,
+            np.concatenate([p.hidden_states for p in self.parts]),
+            np.concatenate([p.embeds for p in self.parts]),
+            last.media,
+        )
+
+
+AR_ENGINE_OPTIONS = ("early_start",)
+"""The stage YAML's ``engine`` keys of an AR stage (the engine's sizes are
+``from_pretrained``'s arguments): ``early_start``, a bool (:meth:`ARStage.streams`)."""
+
+
+def check_engine_options(sc: StageConfig) -> None:
+    """``ValueError`` naming the stage for an ``engine`` key an AR stage does not read, or an
+    ``early_start`` that is not a bool."""
+    unknown = sorted(set(sc.engine) - set(AR_ENGINE_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"stage {sc.name!r}: unknown engine keys {unknown} (known: {list(AR_ENGINE_OPTIONS)})"
+        )
+    if not isinstance(sc.engine.get("early_start", True), bool):
+        raise ValueError(
+            f"stage {sc.name!r}: engine.early_start={sc.engine['early_start']!r} must be true or false"
+        )
 
 
 def local_devices(mesh: Mesh | None) -> list[jax.Device]:

@@ -27,7 +27,8 @@ class StageInput(Generic[S]):
     positions, or what :meth:`Stage.accept` derived from the previous stage's result).
     ``capture_hidden``: keep the request's hidden states for the next stage, set by the
     pipeline when the next stage reads them (:attr:`Stage.reads_hidden`) and the request goes on
-    to it.
+    to it. ``stream_hidden``: also report them as they are computed (:attr:`StageStep.new_rows`),
+    set when that stage takes the request fed (:class:`FedStage`).
     """
 
     token_ids: list[int]
@@ -35,6 +36,7 @@ class StageInput(Generic[S]):
     upstream: StageResult | None = None
     state: S | None = None
     capture_hidden: bool = False
+    stream_hidden: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,9 @@ class HiddenHandoff:
     embedding of each of the ``N = len(prompt_ids) + len(reply_ids) - 1`` computed tokens: the
     prompt's, then the reply's but the last (never computed). ``media``: the layout of the
     prompt's media.
+
+    While the stage still runs the request, a part of it (:attr:`StageStep.new_rows`): the rows
+    of computed tokens ``[start, start + len(hidden_states))`` and the reply drawn so far.
     """
 
     prompt_ids: list[int]
@@ -68,6 +73,21 @@ class HiddenHandoff:
     hidden_states: np.ndarray
     embeds: np.ndarray
     media: PromptMedia = PromptMedia()
+    start: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past the last computed token whose rows it holds."""
+        return self.start + len(self.hidden_states)
+
+    def since(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(hidden, embeds)`` of computed tokens ``row`` on; ``ValueError`` when rows before
+        them are missing (a part that starts after ``row``)."""
+        if row < self.start:
+            raise ValueError(
+                f"the thinker's rows from token {row} were never handed on (these start at {self.start})"
+            )
+        return self.hidden_states[row - self.start :], self.embeds[row - self.start :]
 
 
 @dataclasses.dataclass
@@ -93,11 +113,15 @@ class StageStep:
     included; empty for a stage that makes no tokens one by one). A request's new tokens over
     all its steps are its result's ``token_ids``, in order. ``new_audio``, of a stage that makes
     audio: request id -> the samples it made in this step (a chunk of a streamed request, or a
-    whole waveform); over all steps they are its result's ``audio``, in order."""
+    whole waveform); over all steps they are its result's ``audio``, in order. ``new_rows``, of
+    an AR stage, for each request that streams its hidden states (:attr:`StageInput.stream_hidden`)
+    and computed tokens in this step: the part of its :class:`HiddenHandoff` they added (not of
+    the requests it finished: their results carry the whole)."""
 
     finished: list[StageResult]
     new_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     new_audio: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    new_rows: dict[str, HiddenHandoff] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +191,15 @@ class Stage(Protocol):
 @runtime_checkable
 class FedStage(Stage, Protocol):
     """A stage that can take a request while the previous stage still makes its tokens
-    (streamed input: code2wav voicing the talker's codes chunk by chunk).
+    (streamed input: code2wav voicing the talker's codes chunk by chunk, the talker speaking the
+    thinker's reply as it is written).
 
     For a request whose params it :meth:`streams`, the engine core calls :meth:`open` when the
     previous stage takes the request, then :meth:`feed` after each of that stage's steps with
-    the request's new tokens, and a last time with its result when it finishes, instead of
-    :meth:`Stage.accept` and :meth:`Stage.submit` on the finished result."""
+    the request's new tokens (and, to a stage that :attr:`~Stage.reads_hidden`, the part of its
+    hidden states they added), and a last time with its result when it finishes, instead of
+    :meth:`Stage.accept` and :meth:`Stage.submit` on the finished result. A fed stage may finish
+    the request before the stage feeding it does."""
 
     def streams(self, params: Any) -> bool:
         """Whether a request with ``params`` (validated) is fed to this stage as it is made."""
@@ -180,11 +207,19 @@ class FedStage(Stage, Protocol):
     def open(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
         """Take the request, before any of its tokens; its params and prompt were validated."""
 
-    def feed(self, index: int, request_id: str, tokens: list[int], upstream: StageResult | None) -> bool:
-        """The request's new tokens from the previous stage; ``upstream``: its result when these
-        were its last. Returns False when the request ended with nothing for this stage to do
-        (it is then dropped, as :meth:`Stage.accept` returning ``None``). ``ValueError`` naming
-        request ``index`` when the tokens cannot feed this stage."""
+    def feed(
+        self,
+        index: int,
+        request_id: str,
+        tokens: list[int],
+        upstream: StageResult | None,
+        rows: HiddenHandoff | None = None,
+    ) -> bool:
+        """The request's new tokens from the previous stage (``rows``: the hidden states its
+        step added, to a stage that reads them); ``upstream``: its result when these were its
+        last. Returns False when the request ended with nothing for this stage to do (it is then
+        dropped, as :meth:`Stage.accept` returning ``None``). ``ValueError`` naming request
+        ``index`` when the tokens cannot feed this stage."""
 
 
 def require_state(state: S | None, stage: str) -> S:

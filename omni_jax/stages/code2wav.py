@@ -27,7 +27,7 @@ from omni_jax.models.qwen2_5_omni.chunk_plan import ChunkPlanner
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
 from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
-from omni_jax.stages.base import StageInput, StageResult, check_ids
+from omni_jax.stages.base import HiddenHandoff, StageInput, StageResult, check_ids
 from omni_jax.stages.code2wav_batch import (
     Code2WavBatch,
     Code2WavRequest,
@@ -217,7 +217,14 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
         request = self.decoder.add(request_id, speaker.cond, speaker.ref_mel, dataclasses.replace(params))
         self._opened(request_id, request.codes, {"seed": request.seed})
 
-    def feed(self, index: int, request_id: str, tokens: list[int], upstream: StageResult | None) -> bool:
+    def feed(
+        self,
+        index: int,
+        request_id: str,
+        tokens: list[int],
+        upstream: StageResult | None,
+        rows: HiddenHandoff | None = None,
+    ) -> bool:
         """The talker's new codes (its stop token cut, :func:`voiced_codes`), each checked against
         the codec vocabulary, then queued for the request's chunks."""
         codes = voiced_codes(tokens, upstream)

@@ -25,7 +25,7 @@ class StageConfig:
     ``default_sampling``: fields of the stage's params (``SamplingParams`` / ``Token2WavParams``)
     used when ``run()`` gets none. ``default_speaker``: the voice when a prompt names none.
     ``engine``: engine settings (``max_batch``, ``max_codes``, ``max_solve_codes`` for a
-    generation stage).
+    generation stage; ``early_start`` for an AR stage that reads the previous one's hidden states).
     ``mesh``: ``{"data": D, "model": M}`` for this stage (default: ``from_pretrained(mesh=...)``).
     ``devices``: indices into ``jax.devices()`` the stage runs on (default: the first ``D * M``);
     without ``mesh`` they are all split over ``model``.

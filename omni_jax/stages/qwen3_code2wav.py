@@ -36,7 +36,7 @@ from omni_jax.engine.buckets import ladder
 from omni_jax.engine.generation_runner import GenerationRunner, PaddedBatch
 from omni_jax.models.qwen3_omni.code2wav import Code2Wav, code2wav_chunk_compiled, code2wav_compiled
 from omni_jax.models.qwen3_omni.code2wav_layers import Code2WavSpec
-from omni_jax.stages.base import StageInput, StageResult, check_ids
+from omni_jax.stages.base import HiddenHandoff, StageInput, StageResult, check_ids
 from omni_jax.stages.code2wav_common import Code2WavStageBase, stream_setting
 from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.config import StageConfig
@@ -239,7 +239,14 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
     def open(self, request_id: str, prompt: dict[str, Any], params: Token2WavParams) -> None:
         self._opened(request_id, self.decoder.add(request_id, params.chunk_codes).codes)
 
-    def feed(self, index: int, request_id: str, tokens: list[int], upstream: StageResult | None) -> bool:
+    def feed(
+        self,
+        index: int,
+        request_id: str,
+        tokens: list[int],
+        upstream: StageResult | None,
+        rows: HiddenHandoff | None = None,
+    ) -> bool:
         """The talker's new codes (frame-major, no stop token), each checked against the
         codebook, then queued for the request's chunks; ``upstream`` set: they were its last."""
         if tokens:

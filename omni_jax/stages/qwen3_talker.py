@@ -57,7 +57,15 @@ from omni_jax.models.qwen3_omni.talker import (
     TalkerSpec,
     ThinkerRows,
 )
-from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult, require_state
+from omni_jax.stages.base import (
+    HiddenHandoff,
+    PromptMedia,
+    Stage,
+    StageInput,
+    StageResult,
+    require_state,
+)
+from omni_jax.stages.rows import GrowingRows
 from omni_jax.stages.talker import TalkerPositions
 
 PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8
@@ -103,7 +111,10 @@ class TalkerRequest:
         reads each (:data:`~omni_jax.models.qwen3_omni.talker.PROJECT_TEXT` or ``_HIDDEN``).
     add_codec: ``[P]`` whether the prompt position adds its codec id's embedding.
     trailing: ``[R, D_thinker]`` the text rows generated steps read (then the text pad).
+    taken: the thinker's computed tokens whose rows it holds (the prompt's and ``trailing``'s).
     positions, rope_delta: the prompt's M-RoPE positions and the decode offset.
+    final: ``trailing`` is whole (it ends with the text EOS); while the thinker still writes
+        the reply it grows (:meth:`Qwen3TalkerFrontend.grow`), and a step waits for its row.
     frames, sums: per drawn first code, its frame's codes ``[G]`` and codebook-embedding sum
         ``[D]`` (what the next step reads), filled by :class:`FrameHook`.
     """
@@ -111,11 +122,17 @@ class TalkerRequest:
     thinker: np.ndarray
     project: np.ndarray
     add_codec: np.ndarray
-    trailing: np.ndarray
+    trailing: GrowingRows
+    taken: int
     positions: np.ndarray
     rope_delta: int
+    final: bool = True
     frames: list[np.ndarray] = dataclasses.field(default_factory=list)
     sums: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+    def available(self) -> int | None:
+        """Tokens whose rows are there (``None``: all, ``trailing`` is whole)."""
+        return None if self.final else len(self.project) + len(self.trailing)
 
 
 class TalkerStepInputs(TalkerPositions):
@@ -309,7 +326,6 @@ class Qwen3TalkerFrontend:
         handoff = upstream.handoff
         if handoff is None:
             raise ValueError("the thinker kept no hidden states for this request")
-        ids = np.asarray(handoff.prompt_ids + handoff.reply_ids)
         n, g = len(handoff.prompt_ids), len(handoff.reply_ids)
         if g < 2:
             return None
@@ -318,19 +334,53 @@ class Qwen3TalkerFrontend:
             raise ValueError(
                 f"the thinker kept {len(handoff.hidden_states)} hidden states, expected {computed}"
             )
-        t, dtype = self.tokens, self.step_inputs.dtype
-        prompt_ids = ids[:n]
-        starts = np.flatnonzero((prompt_ids[:-1] == t.im_start) & (prompt_ids[1:] == t.assistant))
+        request = self._request(index, handoff, prompt, True)
+        request.upstream = upstream
+        return request
+
+    def start(
+        self, index: int, part: HiddenHandoff, prompt: dict[str, Any]
+    ) -> StageInput[TalkerRequest] | None:
+        """The talker's prompt from the thinker's rows so far (``part``, from the first token),
+        once its reply has two tokens (a shorter one is not voiced) and the rows of the last
+        assistant turn's first four tokens are computed (the prompt reads them); ``None`` before."""
+        if len(part.reply_ids) < 2 or part.end < self._assistant(part.prompt_ids) + 4:
+            return None
+        return self._request(index, part, prompt, False)
+
+    def grow(self, state: TalkerRequest, part: HiddenHandoff, final: bool) -> None:
+        """Append the input embeddings of the thinker's tokens computed since (``part``) to the
+        text rows; ``final``: ``part`` is its whole handoff, and the text EOS ends them."""
+        _, embeds = part.since(state.taken)
+        state.trailing.extend(np.asarray(embeds, self.step_inputs.dtype))
+        state.taken += len(embeds)
+        if final:
+            state.trailing.extend(self.text_embeds[self.tokens.tts_eos][None])
+            state.final = True
+
+    def _assistant(self, prompt_ids: list[int]) -> int:
+        """Where the last assistant turn starts (its ``<|im_start|>``); ``ValueError`` when none."""
+        ids, t = np.asarray(prompt_ids), self.tokens
+        starts = np.flatnonzero((ids[:-1] == t.im_start) & (ids[1:] == t.assistant))
         if not len(starts):
             raise ValueError("the thinker prompt has no assistant turn (<|im_start|>assistant) to voice")
-        a = int(starts[-1])
+        return int(starts[-1])
+
+    def _request(
+        self, index: int, handoff: HiddenHandoff, prompt: dict[str, Any], final: bool
+    ) -> StageInput[TalkerRequest]:
+        """The request from ``handoff``'s rows (every computed token's from the first, those of
+        the last assistant turn's first four tokens among them); ``final``: they are all."""
+        t, dtype = self.tokens, self.step_inputs.dtype
+        prompt_ids = np.asarray(handoff.prompt_ids)
+        a = self._assistant(handoff.prompt_ids)
         user = np.flatnonzero(self._user_mask(prompt_ids))
         media = np.isin(prompt_ids[user], self.placeholders)
         embeds = np.asarray(handoff.embeds, dtype)
         hidden = np.asarray(handoff.hidden_states, dtype)
         user_rows = np.where(media[:, None], hidden[user], embeds[user])
-        pad, bos, eos = (self.text_embeds[k] for k in (t.tts_pad, t.tts_bos, t.tts_eos))
-        assistant = embeds[a:computed]
+        pad, bos = self.text_embeds[t.tts_pad], self.text_embeds[t.tts_bos]
+        assistant = embeds[a : a + 4]
         thinker = np.concatenate([user_rows, assistant[:3], [pad] * 4, [bos], assistant[3:4]])
         project = np.full(len(thinker), PROJECT_TEXT, np.int32)
         project[: len(user)][media] = PROJECT_HIDDEN
@@ -341,7 +391,6 @@ class Qwen3TalkerFrontend:
         talker_ids[-len(codec) :] = codec
         add_codec = np.zeros(len(thinker), bool)
         add_codec[-len(codec) :] = True
-        trailing = np.concatenate([assistant[4:], [eos]])
         rope_ids = [*prompt_ids[user].tolist(), *[t.tts_pad] * (len(thinker) - len(user))]
         try:
             positions, delta = media_rope_index(
@@ -351,8 +400,10 @@ class Qwen3TalkerFrontend:
             raise ValueError(str(e) or "the thinker prompt's placeholders do not match its media") from None
         if isinstance(delta, float):
             raise ValueError("the talker's positions are fractional (the thinker's video time steps are)")
-        state = TalkerRequest(thinker, project, add_codec, trailing, positions, delta)
-        return StageInput(talker_ids.tolist(), prompt, upstream=upstream, state=state)
+        trailing = GrowingRows(np.zeros((0, thinker.shape[1]), dtype))
+        state = TalkerRequest(thinker, project, add_codec, trailing, a + 4, positions, delta, final=False)
+        self.grow(state, handoff, final)
+        return StageInput(talker_ids.tolist(), prompt, state=state)
 
     def _user_mask(self, ids: np.ndarray) -> np.ndarray:
         """Whether each prompt token is in a user turn: the token after its last

@@ -36,7 +36,8 @@ from omni_jax.engine.step import StepRow
 from omni_jax.models.qwen2_5_omni.rope_index import media_rope_index, positions_for
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.talker import Talker, TalkerEmbeds
-from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult, require_state
+from omni_jax.stages.base import HiddenHandoff, PromptMedia, Stage, StageInput, StageResult, require_state
+from omni_jax.stages.rows import GrowingRows
 
 
 @dataclasses.dataclass
@@ -45,33 +46,45 @@ class TalkerRequest:
 
     ``table``: ``[P + G, E]`` the ``P = L + 2`` prompt embeddings, then the ``G`` reply rows;
     token ``p`` reads row ``min(p, P + G - 1)``. ``codec_from``: tokens from ``L`` on also add
-    their codec embedding.
+    their codec embedding. ``final``: the table is whole; while the thinker still writes the
+    reply, it grows (:meth:`TalkerFrontend.grow`) and token ``p`` waits for row ``p``.
     """
 
-    table: np.ndarray
+    table: GrowingRows
     codec_from: int
     positions: np.ndarray
     rope_delta: int
+    final: bool = True
+
+    def available(self) -> int | None:
+        """Tokens whose rows are there (``None``: all, the table is whole)."""
+        return None if self.final else len(self.table)
 
 
 class PromptPositions(Protocol):
     """A talker request's state as its positions read it: the prompt's M-RoPE positions and
-    the decode offset."""
+    the decode offset; and how many of its tokens have their inputs."""
 
     positions: np.ndarray
     rope_delta: int
 
+    def available(self) -> int | None: ...
+
 
 class TalkerPositions:
     """What the talkers' step inputs share (Qwen2.5-Omni's and Qwen3-Omni's): M-RoPE positions
-    from the request's prompt positions and decode offset, and nothing to prepare, as every
-    row's inputs are on the host once the request is accepted."""
+    from the request's prompt positions and decode offset, the tokens whose thinker rows are
+    there (all, once the thinker has finished), and nothing to prepare, as every row's inputs
+    are on the host once they are there."""
 
     position_shape = (3,)
 
     def positions(self, state: PromptPositions | None, start: int, end: int) -> np.ndarray:
         t = require_state(state, "talker")
         return positions_for(t.positions, t.rope_delta, start, end)
+
+    def available(self, state: PromptPositions | None) -> int | None:
+        return require_state(state, "talker").available()
 
     def prepare(self, rows: Sequence[StepRow[Any]]) -> dict[int, str]:
         return {}
@@ -160,40 +173,64 @@ class TalkerFrontend:
     ) -> StageInput[TalkerRequest] | None:
         """The thinker's :class:`~omni_jax.stages.base.HiddenHandoff` as the talker's prompt (see
         the module docstring); ``None`` when the reply is too short to voice."""
-        spec = self.spec
         handoff = upstream.handoff
         if handoff is None:
             raise ValueError("the thinker kept no hidden states for this request")
-        prompt_ids, generated = handoff.prompt_ids, handoff.reply_ids
-        if len(generated) < 2:
+        n, g = len(handoff.prompt_ids), len(handoff.reply_ids)
+        if g < 2:
             return None
-        n, g = len(prompt_ids), len(generated)
         if len(handoff.hidden_states) != n + g - 1:
             raise ValueError(
                 f"the thinker kept {len(handoff.hidden_states)} hidden states, expected {n + g - 1}"
             )
-        embeds = np.array(handoff.embeds, self.step_inputs.dtype)
-        embeds[:n][np.isin(prompt_ids, self.placeholders)] = 0  # the reference voices no media rows
-        states = (handoff.hidden_states + embeds).astype(self.step_inputs.dtype)
+        request = self._request(index, handoff, prompt, final=True)
+        request.upstream = upstream
+        return request
+
+    def start(
+        self, index: int, part: HiddenHandoff, prompt: dict[str, Any]
+    ) -> StageInput[TalkerRequest] | None:
+        """The talker's prompt from the thinker's rows so far (``part``, from the first token),
+        once its reply has two tokens (a shorter one is not voiced) and the first is computed:
+        the prompt reads the rows up to it; ``None`` before."""
+        if len(part.reply_ids) < 2 or part.end < len(part.prompt_ids) + 1:
+            return None
+        return self._request(index, part, prompt, final=False)
+
+    def grow(self, state: TalkerRequest, part: HiddenHandoff, final: bool) -> None:
+        """Append the rows of the thinker's tokens computed since (``part``); ``final``: ``part``
+        is its whole handoff, and the text EOS and pad rows end the table."""
+        spec, dtype = self.spec, self.step_inputs.dtype
+        hidden, embeds = part.since(len(state.table) - 1)  # the table holds the BOS beside the rows
+        state.table.extend((hidden + np.asarray(embeds, dtype)).astype(dtype))
+        if final:
+            state.table.extend(np.stack([self.text_embeds[spec.text_eos], self.text_embeds[spec.text_pad]]))
+            state.final = True
+
+    def _request(
+        self, index: int, handoff: HiddenHandoff, prompt: dict[str, Any], final: bool
+    ) -> StageInput[TalkerRequest]:
+        """The request from ``handoff``'s rows (every computed token's from the first, the
+        reply's first token among them); ``final``: they are all."""
+        spec, dtype = self.spec, self.step_inputs.dtype
+        prompt_ids, generated = handoff.prompt_ids, handoff.reply_ids
+        n = len(prompt_ids)
+        embeds = np.array(handoff.embeds[:n], dtype)
+        embeds[np.isin(prompt_ids, self.placeholders)] = 0  # the reference voices no media rows
         bos = self._bos(index, prompt)
-        table = np.concatenate(
-            [
-                states[:n],
-                self.text_embeds[bos][None],
-                states[n : n + 1],
-                states[n + 1 :],
-                self.text_embeds[spec.text_eos][None],
-                self.text_embeds[spec.text_pad][None],
-            ]
-        )
         try:
             positions, delta = media_rope_index(
                 spec.rope_index, [*prompt_ids, bos, generated[0]], handoff.media
             )
         except (ValueError, IndexError) as e:
             raise ValueError(str(e) or "the thinker prompt's placeholders do not match its media") from None
+        rows = np.concatenate(
+            [(handoff.hidden_states[:n] + embeds).astype(dtype), self.text_embeds[bos][None]]
+        )
+        state = TalkerRequest(GrowingRows(rows), n, positions, delta, final=False)
+        self.grow(state, handoff, final)
         ids = [spec.codec_mask] * n + [spec.codec_pad, spec.codec_bos]
-        return StageInput(ids, prompt, upstream=upstream, state=TalkerRequest(table, n, positions, delta))
+        return StageInput(ids, prompt, state=state)
 
     def describe(self, state: TalkerRequest | None) -> str:
         """Nothing to add: the talker's prompt is codec ids, one per thinker prompt token."""

@@ -43,7 +43,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from omni_jax.engine.step import StepRow
+from omni_jax.engine.step import StepRow, all_available
 from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     AudioBatch,
@@ -295,6 +295,10 @@ class ThinkerStepInputs:
     def positions(self, state: ThinkerRequest | None, start: int, end: int) -> np.ndarray:
         t = require_state(state, "thinker")
         return positions_for(t.positions, t.rope_delta, start, end)
+
+    def available(self, state: ThinkerRequest | None) -> None:
+        """All: the prompt is whole when the request is submitted."""
+        return all_available(state)
 
     def prepare(self, rows: Sequence[StepRow[ThinkerRequest]]) -> dict[int, str]:
         """The step's requests' encoder rows: those of requests now past their prompt are
