@@ -53,7 +53,9 @@ class _Flight:
 
     @property
     def stage(self) -> int:
-        """The first stage holding it (the last one's index past the end once none does)."""
+        """The first stage holding it; past the last one it took when none does (a step that
+        raised between a stage finishing it and the next taking it, which :meth:`EngineCore.fail`
+        then ends)."""
         return self.holders[0] if self.holders else max(self.taken, default=0) + 1
 
     def hold(self, stage: int) -> None:

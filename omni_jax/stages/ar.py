@@ -392,9 +392,8 @@ class ARStage(Generic[S]):
         if rows is None:
             return None
         media = PromptMedia() if self.frontend is None else self.frontend.media(req.state)
-        part = HiddenHandoff(
-            list(req.prompt_ids), list(req.output_ids), *rows, media, submitted.reported_rows
-        )
+        # The prompt's ids never change: shared, not copied each step (the reply so far is).
+        part = HiddenHandoff(req.prompt_ids, list(req.output_ids), *rows, media, submitted.reported_rows)
         submitted.reported_rows = part.end
         return part
 

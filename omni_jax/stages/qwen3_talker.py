@@ -126,7 +126,7 @@ class TalkerRequest:
     taken: int
     positions: np.ndarray
     rope_delta: int
-    final: bool = True
+    final: bool
     frames: list[np.ndarray] = dataclasses.field(default_factory=list)
     sums: list[np.ndarray] = dataclasses.field(default_factory=list)
 

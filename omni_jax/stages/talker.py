@@ -54,7 +54,7 @@ class TalkerRequest:
     codec_from: int
     positions: np.ndarray
     rope_delta: int
-    final: bool = True
+    final: bool
 
     def available(self) -> int | None:
         """Tokens whose rows are there (``None``: all, the table is whole)."""
