@@ -454,7 +454,12 @@ def talker_start(args: Any) -> str:
 
 
 def sized_code2wav_config(
-    workdir: Path, max_batch: int, max_codes: int, family: str = "qwen2_5_omni", early_start: bool = True
+    workdir: Path,
+    max_batch: int,
+    max_codes: int,
+    family: str = "qwen2_5_omni",
+    early_start: bool = True,
+    stream_sizes: dict[str, int] | None = None,
 ) -> Path:
     """The shipped stage YAML of ``family`` (a :data:`CODE2WAV_LENGTH_KEY` key) with code2wav's
     ``engine`` sized to a suite's workload (``max_batch`` requests of at most ``max_codes`` codes,
@@ -462,15 +467,19 @@ def sized_code2wav_config(
     traffic. The shipped defaults (Qwen2.5-Omni: 8 requests of up to 4096 codes) make
     ``warmup()`` compile solves of that size and the start-up memory check reserve for them, far
     past a benchmark's requests. ``early_start`` false: the talker starts when the thinker ends
-    (``--late-talker``)."""
+    (``--late-talker``). ``stream_sizes``: ``engine.stream`` keys set over the shipped ones
+    (``--stream-sizes``; the stage refuses a key not its family's)."""
     raw = yaml.safe_load((SHIPPED_DIR / f"{family}.yaml").read_text())
     (code2wav,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
     length = CODE2WAV_LENGTH_KEY[family]
     code2wav["engine"] = {**code2wav.get("engine", {}), "max_batch": max_batch, length: max_codes}
+    if stream_sizes:
+        code2wav["engine"]["stream"] = {**code2wav["engine"].get("stream", {}), **stream_sizes}
     for talker in (s for s in raw["stages"] if s["name"] == "talker"):
         talker["engine"] = {**talker.get("engine", {}), "early_start": early_start}
     late = "" if early_start else "-late-talker"
-    path = workdir / f"{family}-code2wav-{max_batch}x{max_codes}{late}.yaml"
+    sizes = "".join(f"-{k}{v}" for k, v in (stream_sizes or {}).items())
+    path = workdir / f"{family}-code2wav-{max_batch}x{max_codes}{late}{sizes}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path

@@ -121,13 +121,17 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def parse_stream_sizes(text: str) -> dict[str, int]:
+    """``KEY=N,...``: code2wav ``engine.stream`` keys of either family (its stage refuses the
+    other's)."""
     from omni_jax.stages.code2wav import STREAM_KEYS
+    from omni_jax.stages.qwen3_code2wav import STREAM_KEYS as QWEN3_KEYS
 
+    keys = sorted({*STREAM_KEYS, *QWEN3_KEYS})
     sizes: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in STREAM_KEYS or not value.isdigit():
-            raise argparse.ArgumentTypeError(f"{text!r}: KEY=N items, KEY one of {sorted(STREAM_KEYS)}")
+        if key not in keys or not value.isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: KEY=N items, KEY one of {keys}")
         sizes[key] = int(value)
     return sizes
 
@@ -260,7 +264,8 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         "--stream-sizes",
         type=parse_stream_sizes,
         default={},
-        help="code2wav engine.stream keys to set, e.g. chunk_codes=6,past_codes=4 (default: shipped)",
+        help="code2wav engine.stream keys to set, e.g. chunk_codes=6,past_codes=4 or max_chunk_frames=25 "
+        "(default: shipped)",
     )
     soak = p.add_argument_group("soak suite (--num-requests: 5000 by default)")
     soak.add_argument("--soak-rounds", type=int, default=3, help="rounds under the tight page budget")

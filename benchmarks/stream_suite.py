@@ -76,7 +76,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import yaml
 
 from benchmarks.e2e_suite import QUESTIONS, REPETITION_PENALTY, StageClock, build_pipeline
 from benchmarks.harness import (
@@ -527,15 +526,12 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         raise SystemExit("--max-tokens must be >= 1")
     max_batch = min(MAX_CODE2WAV_BATCH, max(levels))
     stage_config = sized_code2wav_config(
-        Path(args.cache_dir), max_batch, args.codes, early_start=not args.late_talker
+        Path(args.cache_dir),
+        max_batch,
+        args.codes,
+        early_start=not args.late_talker,
+        stream_sizes=args.stream_sizes,
     )
-    if args.stream_sizes:  # the same YAML, engine.stream keys replaced
-        raw = yaml.safe_load(stage_config.read_text())
-        (c2w,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
-        c2w["engine"]["stream"] = {**c2w["engine"].get("stream", {}), **args.stream_sizes}
-        tag = "-".join(str(v) for v in c2w["engine"]["stream"].values())
-        stage_config = stage_config.with_name(f"{stage_config.stem}-stream-{tag}.yaml")
-        stage_config.write_text(yaml.safe_dump(raw, sort_keys=False))
     pipe = build_pipeline(path, args, stage_config, args.max_num_seqs or max(levels), "stream")
     code2wav = pipe.stages[-1]
     if code2wav.geometry.max_codes < args.codes:

@@ -4,10 +4,10 @@ Qwen3-Omni, against transformers' ``model.code2wav`` of the same checkpoint (flo
 Offline requests are whole decodes (``Qwen3OmniMoeCode2Wav.forward``); streamed ones are the
 reference's chunk loop (``forward`` on each window, the new frames' samples kept, as
 ``chunked_decode`` does) with a smaller first chunk. The stage YAML is the shipped one with small
-sizes: 4 rows, offline solves of at most 24 frames (buckets 16 and 24), streamed chunks of 5 new
-frames, the first of 2, after up to 3 frames of context (windows of 2 for first chunks, 8 for
-any other). The pipeline is warmed once: 2 x 3 offline programs and 2 x 3 chunk programs, and
-nothing compiles after.
+sizes: 4 rows, offline solves of at most 24 frames (buckets 16 and 24), streamed chunks of 2 new
+frames first, then 5 doubling up to 10 (2, 5, 10, 10, ...), after up to 3 frames of context
+(windows of 2 for first chunks, 8 and 13 for the others). The pipeline is warmed once: 2 x 3
+offline programs and 3 x 3 chunk programs, and nothing compiles after.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from omni_jax.engine.compilation import CompileCounter
 from omni_jax.models.qwen3_omni.code2wav import code2wav_chunk_compiled, code2wav_compiled
 from omni_jax.outputs import WarmupReport
 from omni_jax.stages.base import StageResult
-from omni_jax.stages.qwen3_code2wav import solve_bytes
+from omni_jax.stages.config import StageConfig
+from omni_jax.stages.qwen3_code2wav import solve_bytes, stream_plan
 from omni_jax.stages.qwen3_code2wav_stream import StreamPlan
 from omni_jax.testing_qwen3_omni import CODEBOOK_SIZE, NUM_CODE_GROUPS
 
 Q = NUM_CODE_GROUPS
 HOP, SHORTFALL = 48, 15  # the tiny code2wav: 2 * 2 * 4 * 3 samples a frame, (4 + 4 * 3) - 1 short
-CHUNK, FIRST, LEFT = 5, 2, 3
+CHUNK, FIRST, LEFT, MAX_CHUNK = 5, 2, 3, 10
 MAX_FRAMES = 24
 
 
@@ -50,7 +51,12 @@ def warmed(qwen3_omni_dir, tmp_path_factory) -> tuple[OmniJaxPipeline, WarmupRep
     config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen3_omni.yaml").read_text())
     code2wav = config["stages"][2]
     assert code2wav["name"] == "code2wav"
-    stream = {"chunk_frames": CHUNK, "first_chunk_frames": FIRST, "left_context_frames": LEFT}
+    stream = {
+        "chunk_frames": CHUNK,
+        "first_chunk_frames": FIRST,
+        "left_context_frames": LEFT,
+        "max_chunk_frames": MAX_CHUNK,
+    }
     code2wav["engine"] = {"max_batch": 4, "max_frames": MAX_FRAMES, "stream": stream}
     path = tmp_path_factory.mktemp("qwen3_code2wav") / "stages.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -82,15 +88,66 @@ def forward(reference: torch.nn.Module, f: np.ndarray) -> np.ndarray:
 
 
 def chunk_loop(reference: torch.nn.Module, f: np.ndarray, plan: StreamPlan) -> tuple[np.ndarray, int]:
-    """``chunked_decode``'s loop with ``plan``'s first chunk: ``forward`` on each window, the samples
-    of its new frames kept. Returns the waveform and the number of chunks."""
+    """``chunked_decode``'s loop with ``plan``'s first chunk and later chunks doubling from
+    ``plan.chunk`` up to ``plan.largest_chunk``: ``forward`` on each window, the samples of its
+    new frames kept. Returns the waveform and the number of chunks."""
     pieces, start = [], 0
     while start < len(f):
-        end = min(start + (plan.first_chunk if start == 0 else plan.chunk), len(f))
+        size = (
+            plan.first_chunk if not pieces else min(plan.chunk * 2 ** (len(pieces) - 1), plan.largest_chunk)
+        )
+        end = min(start + size, len(f))
         context = min(plan.left_context, start)
         pieces.append(forward(reference, f[start - context : end])[context * HOP :])
         start = end
     return np.concatenate(pieces), len(pieces)
+
+
+def padded(plan: StreamPlan, n: int) -> tuple[int, int]:
+    """The chunks of a finished ``n``-frame request and the frames their solves decode, each
+    window padded to the smallest of the plan's that holds it."""
+    chunks, frames_decoded, start = 0, 0, 0
+    while start < n:
+        w = plan.window(chunks, start, n, True)
+        frames_decoded += min(x for x in plan.windows if x >= w.frames)
+        chunks, start = chunks + 1, w.end
+    return chunks, frames_decoded
+
+
+def test_shipped_chunks_grow_from_vllm_omnis() -> None:
+    """The shipped YAML's plan: vLLM-omni's first chunk of 1 frame, then 25 after 25 of context,
+    doubling up to 100; its windows (a solve pads to the smallest holding its chunks) are the
+    first chunk's and a context before each size. A 125-frame (10 s) reply is 4 chunks decoding
+    201 padded frames (1, 25 + 25, 25 + 50, 25 + 49 -> 75), against 6 decoding 251 with
+    vLLM-omni's fixed chunks; 375 frames, 6 chunks and 501 against 16 and 751. A request's own
+    chunk fixes every later chunk."""
+    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen3_omni.yaml").read_text())
+    plan = stream_plan(StageConfig(**config["stages"][2]), 8000)
+    assert (plan.first_chunk, plan.chunk, plan.left_context, plan.largest_chunk) == (1, 25, 25, 100)
+    assert [plan.chunk_size(i) for i in range(6)] == [1, 25, 50, 100, 100, 100]
+    assert plan.windows == [1, 50, 75, 125] and plan.window_frames == 125
+    assert (padded(plan, 125), padded(plan, 375)) == ((4, 201), (6, 501))
+    fixed = plan.with_chunk(25)
+    assert (padded(fixed, 125), padded(fixed, 375)) == ((6, 251), (16, 751))
+    assert [fixed.chunk_size(i) for i in range(4)] == [1, 25, 25, 25] and fixed.windows == [1, 50]
+    small = plan.with_chunk(4)
+    assert (small.first_chunk, small.chunk_size(3), small.windows) == (1, 4, [1, 29])
+
+
+@pytest.mark.parametrize(
+    "stream,match",
+    [
+        ({"max_chunk_frames": 20}, "max_chunk=20 must be at least chunk=25"),
+        ({"chunk_codes": 5}, r"unknown engine.stream keys \['chunk_codes'\]"),
+        ({"max_chunk_frames": 1000}, r"the widest chunk window, 1025 frames, exceeds the transformer's"),
+    ],
+)
+def test_stream_settings_are_checked(stream: dict, match: str) -> None:
+    """The stage YAML's ``engine.stream`` is refused naming the stage: a largest chunk under the
+    chunk, an unknown key, a window past the transformer's positions (1024 here)."""
+    config = StageConfig("code2wav", "generation", "talker", engine={"stream": stream})
+    with pytest.raises(ValueError, match=f"stage 'code2wav': .*{match}"):
+        stream_plan(config, 1024)
 
 
 def test_offline_batch_matches_transformers(pipe, reference, monkeypatch) -> None:
@@ -114,7 +171,8 @@ def test_offline_batch_matches_transformers(pipe, reference, monkeypatch) -> Non
 
 STREAMED = [(1, None), (2, None), (6, None), (13, 3), (30, None)]
 """``(frames, chunk_codes)`` of the streamed requests: one frame, exactly the first chunk, a short
-last chunk, a smaller chunk asked for, and more frames than an offline request may hold."""
+last chunk, a fixed chunk asked for, and more frames than an offline request may hold (chunks of
+2, 5, 10, 10 and 3 frames)."""
 
 
 def test_streamed_matches_the_chunk_loop(pipe, reference) -> None:
@@ -132,7 +190,7 @@ def test_streamed_matches_the_chunk_loop(pipe, reference) -> None:
         assert err < 1e-5, (n, err)
         metrics = out.metrics["code2wav"]
         assert (metrics["chunks"], metrics["num_frames"]) == (chunks, n)
-    assert [o.metrics["code2wav"]["chunks"] for o in outs] == [1, 1, 2, 5, 7]
+    assert [o.metrics["code2wav"]["chunks"] for o in outs] == [1, 1, 2, 5, 5]
 
 
 def test_first_chunk_as_large_is_transformers_chunked_decode(pipe, reference) -> None:
@@ -161,15 +219,16 @@ def test_batched_stream_equals_alone(pipe) -> None:
 
 
 def test_nothing_compiles_after_warmup(warmed) -> None:
-    """Warm-up compiles 2 frame buckets x 3 row counts offline and 2 chunk windows (a first
-    chunk's, the longest) x 3 row counts; a mix of offline and streamed requests then compiles
-    nothing."""
+    """Warm-up compiles 2 frame buckets x 3 row counts offline and 3 chunk windows (a first
+    chunk's, a whole context before each chunk size) x 3 row counts; a mix of offline and
+    streamed requests then compiles nothing."""
     pipe, report = warmed
     stage = pipe.stages[0]
     assert stage.runner.buckets.shapes() == [(r, n) for r in (1, 2, 4) for n in (16, 24)]
-    assert stage.decoder.buckets.shapes() == [(r, n) for r in (1, 2, 4) for n in (FIRST, LEFT + CHUNK)]
-    assert report.programs == report.compiles == 12
-    lengths = [3, 24, 11, 40, 1, 17]
+    windows = (FIRST, LEFT + CHUNK, LEFT + MAX_CHUNK)
+    assert stage.decoder.buckets.shapes() == [(r, n) for r in (1, 2, 4) for n in windows]
+    assert report.programs == report.compiles == 15
+    lengths = [3, 24, 11, 40, 1, 37]
     params = [Token2WavParams(stream=i % 2 == 1, chunk_codes=4 if i == 3 else None) for i in range(6)]
     with CompileCounter() as counted:
         outs = pipe.run([prompt(n, n) for n in lengths], params, progress=False)
@@ -186,8 +245,8 @@ BAD_REQUESTS = [
     (prompt(0, MAX_FRAMES + 1), None, "25 frames exceed the limit of 24 .*max_frames"),
     (
         FOUR,
-        Token2WavParams(stream=True, chunk_codes=6),
-        "stage 'code2wav': chunk_codes=6 exceeds the stage's chunk of 5 frames",
+        Token2WavParams(stream=True, chunk_codes=11),
+        "stage 'code2wav': chunk_codes=11 exceeds the stage's largest chunk of 10 frames",
     ),
     (FOUR, Token2WavParams(chunk_codes=3), "stage 'code2wav': chunk_codes=3 needs stream=True"),
     (FOUR, Token2WavParams(stream=True, chunk_codes=0), "stage 'code2wav': chunk_codes=0 must be"),
@@ -247,9 +306,9 @@ def test_fed_frames_stream_as_they_come(pipe, monkeypatch) -> None:
     the stage voices chunks as they complete and ends with the same audio as the request submitted
     whole; a last feed with no new codes after every frame was voiced ends it with no more audio.
     The first chunk's solve decodes its own frames only (the first-chunk program), the later ones
-    pad to the longest window."""
+    pad to their size's window."""
     stage = pipe.stages[0]
-    f = frames(3, 12).reshape(-1).tolist()
+    f = frames(3, 17).reshape(-1).tolist()
     whole = pipe.run({"prompt_token_ids": f}, Token2WavParams(stream=True), progress=False)[0]
     solve, widths = stage.decoder.solve, []
 
@@ -264,8 +323,8 @@ def test_fed_frames_stream_as_they_come(pipe, monkeypatch) -> None:
         assert stage.feed(0, "fed", f[i : i + 6], None)
         while stage.has_work():
             pieces += list(stage.step().new_audio.values())
-    assert len(pieces) == 3  # frames 0-2, 2-7 and 7-12, each as soon as its frames are there
-    assert widths == [FIRST, LEFT + CHUNK, LEFT + CHUNK]
+    assert len(pieces) == 3  # frames 0-2, 2-7 and 7-17, each as soon as its frames are there
+    assert widths == [FIRST, LEFT + CHUNK, LEFT + MAX_CHUNK]
     assert stage.feed(0, "fed", [], talker_result("fed", f))
     more, result = drain(stage)
     assert more == [] and result.finish_reason == "stop"

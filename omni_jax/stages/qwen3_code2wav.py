@@ -62,13 +62,19 @@ FRAME_STEPS = 2
 code buckets: a decode's work is linear in its frames, so two sizes an octave waste at most a
 third of a padded solve for twice the programs of powers of two."""
 
-STREAM_KEYS = {"chunk_frames": 25, "first_chunk_frames": 1, "left_context_frames": 25}
+STREAM_KEYS: dict[str, int | None] = {
+    "chunk_frames": 25,
+    "first_chunk_frames": 1,
+    "left_context_frames": 25,
+    "max_chunk_frames": None,
+}
 """The stage YAML's ``engine.stream`` keys and their defaults, vLLM-omni's for Qwen3-Omni
 (``talker2code2wav_async_chunk`` in ``vllm_omni/model_executor/stage_input_processors/qwen3_omni.py``:
 ``codec_chunk_frames`` 25 new frames per chunk, 2 s at 12.5 frames per second, after
 ``codec_left_context_frames`` 25; its ``initial_codec_chunk_frames`` makes the first chunk
 smaller, 1 frame in the configuration where the talker voices the first frame itself,
-``first_frame_decoder.py``): audio from the first frame, as the model is built for."""
+``first_frame_decoder.py``): audio from the first frame, as the model is built for. Its chunks do
+not grow (``max_chunk_frames`` unset); set, they double up to it, as in the shipped YAML."""
 
 
 def frame_buckets(max_frames: int) -> tuple[int, ...]:
@@ -87,14 +93,27 @@ def solve_limits(sc: StageConfig, spec: Code2WavSpec) -> tuple[int, int]:
     return max_batch, max_frames
 
 
-def stream_plan(sc: StageConfig) -> StreamPlan:
+def stream_plan(sc: StageConfig, positions: int) -> StreamPlan:
     """The streamed decoding constants: :data:`STREAM_KEYS`, or those the stage YAML's
-    ``engine.stream`` sets (e.g. ``{chunk_frames: 12}``; a request's ``chunk_codes`` may only be
-    smaller)."""
+    ``engine.stream`` sets (e.g. ``{chunk_frames: 12}``: chunks grow only when ``max_chunk_frames``
+    is set above ``chunk_frames``; a request's ``chunk_codes`` may be at most the largest chunk).
+    ``ValueError`` when the widest window exceeds the transformer's ``positions``, as an offline
+    request may not."""
 
     def build(given: dict[str, int]) -> StreamPlan:
         values = {**STREAM_KEYS, **given}
-        return StreamPlan(values["chunk_frames"], values["first_chunk_frames"], values["left_context_frames"])
+        plan = StreamPlan(
+            values["chunk_frames"],
+            values["first_chunk_frames"],
+            values["left_context_frames"],
+            values["max_chunk_frames"],
+        )
+        if plan.window_frames > positions:
+            raise ValueError(
+                f"the widest chunk window, {plan.window_frames} frames, exceeds the transformer's "
+                f"max_position_embeddings ({positions})"
+            )
+        return plan
 
     return stream_setting(sc, STREAM_KEYS, build)
 
@@ -129,7 +148,7 @@ def solve_demand(sc: StageConfig, model: Code2Wav) -> dict[str, int]:
     """The largest solve's temporaries (:func:`solve_bytes`, an estimate): ``max_batch`` rows of
     the longer of ``max_frames`` and the streamed window."""
     max_batch, max_frames = solve_limits(sc, model.spec)
-    frames = max(max_frames, stream_plan(sc).window_frames)
+    frames = max(max_frames, stream_plan(sc, model.spec.max_position_embeddings).window_frames)
     what = f"stage {sc.name!r} largest solve ({max_batch} requests of {frames} frames, estimate)"
     return {what: solve_bytes(model.spec, max_batch, frames)}
 
@@ -222,7 +241,7 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
         decoder = FrameDecoder(
             code2wav_chunk_compiled,
             model,
-            stream_plan(sc),
+            stream_plan(sc, spec.max_position_embeddings),
             num_quantizers=spec.num_quantizers,
             max_batch=max_batch,
             mesh=mesh,

@@ -4,15 +4,18 @@ Qwen3-Omni's code2wav is causal end to end (sliding-window transformer, causal C
 chunk needs no look-ahead: its new frames are decoded after up to ``left_context`` earlier ones
 and only the new frames' samples are kept, as transformers' ``chunked_decode`` does. The first
 chunk is smaller (``first_chunk``), so a request's first audio comes after a frame or a few
-rather than a whole chunk: streaming from the first frame is what the model was built for.
+rather than a whole chunk: streaming from the first frame is what the model was built for. Later
+chunks may double up to ``max_chunk``, so the context decoded again becomes a small share of the
+work (:mod:`omni_jax.chunk_growth`).
 
 :class:`FrameDecoder` holds each streamed request's frames and progress and runs the ready
 chunks of up to ``max_batch`` requests in one call of
 :func:`~omni_jax.models.qwen3_omni.code2wav.code2wav_chunk_compiled`, whatever their kinds
 (first, middle, last), through :class:`~omni_jax.stages.chunk_loop.StreamedDecoder`'s loop.
-Shapes are closed: a solve's windows pad to the first chunk's frames when it holds only first
-chunks (a one-frame first chunk then decodes one frame, not a whole chunk after its context),
-to ``left_context + chunk`` otherwise, and the rows to a count of
+Shapes are closed: a solve's windows pad to the smallest of :attr:`StreamPlan.windows` that
+holds them: the first chunk's frames when it holds only first chunks (a one-frame first chunk
+then decodes one frame, not a whole chunk after its context), else a whole context before a
+chunk of each size, and the rows to a count of
 :class:`~omni_jax.engine.generation_runner.SolveBuckets`, so :meth:`FrameDecoder.warmup`
 compiles one program per (row count, window) and nothing compiles after.
 """
@@ -28,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from omni_jax.chunk_growth import doubling
 from omni_jax.engine.compilation import ProgramCall
 from omni_jax.engine.generation_runner import PaddedBatch
 from omni_jax.models.qwen3_omni.code2wav import ChunkWindow
@@ -41,13 +45,15 @@ count [B])``: ``code2wav_chunk_compiled``'s signature."""
 
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
-    """Where a streamed request is cut: chunks of ``chunk`` new frames, the first of
-    ``first_chunk``, each decoded after up to ``left_context`` earlier frames (the last chunk
-    holds what is left)."""
+    """Where a streamed request is cut: a first chunk of ``first_chunk`` new frames, then chunks
+    of ``chunk`` doubling up to ``max_chunk`` (``None``: ``chunk`` throughout, vLLM-omni's
+    schedule; :func:`~omni_jax.chunk_growth.doubling` says why they grow), each decoded after up
+    to ``left_context`` earlier frames (the last chunk holds what is left)."""
 
     chunk: int
     first_chunk: int
     left_context: int
+    max_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.chunk < 1 or not 1 <= self.first_chunk <= self.chunk or self.left_context < 0:
@@ -55,20 +61,52 @@ class StreamPlan:
                 f"need chunk >= 1, 1 <= first_chunk <= chunk and left_context >= 0, got chunk={self.chunk}, "
                 f"first_chunk={self.first_chunk}, left_context={self.left_context}"
             )
+        if self.largest_chunk < self.chunk:
+            raise ValueError(f"max_chunk={self.max_chunk} must be at least chunk={self.chunk}")
+
+    @property
+    def largest_chunk(self) -> int:
+        """The most new frames a chunk decodes: ``max_chunk``, or ``chunk``."""
+        return self.chunk if self.max_chunk is None else self.max_chunk
+
+    @property
+    def growing(self) -> list[int]:
+        """The new frames of chunks ``1, 2, ...`` while they are smaller than the largest (empty
+        when chunks do not grow)."""
+        return doubling(self.chunk, self.largest_chunk)
+
+    def chunk_size(self, index: int) -> int:
+        """The new frames of chunk ``index`` when it is not the last."""
+        if index == 0:
+            return self.first_chunk
+        growing = self.growing
+        return growing[index - 1] if index <= len(growing) else self.largest_chunk
 
     @property
     def window_frames(self) -> int:
-        """The widest window: a whole chunk after a whole context; every solve pads to it."""
-        return self.left_context + self.chunk
+        """The widest window: a largest chunk after a whole context."""
+        return self.left_context + self.largest_chunk
 
-    def chunk_end(self, start: int) -> int:
-        """The end of the whole chunk starting at frame ``start``."""
-        return start + (self.first_chunk if start == 0 else self.chunk)
+    @property
+    def windows(self) -> list[int]:
+        """The windows a solve pads to, shortest first: the first chunk's (no context) and a
+        whole context before a chunk of each size, so a solve of small chunks need not pay for
+        the largest window."""
+        later = (self.left_context + size for size in [*self.growing, self.largest_chunk])
+        return sorted({self.first_chunk, *later})
 
-    def window(self, start: int, available: int, finished: bool) -> ChunkWindow | None:
-        """The chunk starting at frame ``start`` when ``available`` frames are there (all of the
-        request's when ``finished``); ``None`` while it is not complete."""
-        end = self.chunk_end(start)
+    def with_chunk(self, chunk: int) -> StreamPlan:
+        """This plan with every chunk after the first of ``chunk`` frames (none grow; the first no
+        longer than them): a request's own ``chunk_codes``, which its caller keeps within
+        :attr:`largest_chunk` (the windows must hold it)."""
+        return dataclasses.replace(
+            self, chunk=chunk, first_chunk=min(self.first_chunk, chunk), max_chunk=None
+        )
+
+    def window(self, index: int, start: int, available: int, finished: bool) -> ChunkWindow | None:
+        """Chunk ``index``, starting at frame ``start``, when ``available`` frames are there (all
+        of the request's when ``finished``); ``None`` while it is not complete."""
+        end = start + self.chunk_size(index)
         if available < end:
             if not finished or available <= start:
                 return None
@@ -92,7 +130,7 @@ class FrameStream(StreamState):
 
     def next_window(self) -> ChunkWindow | None:
         """The chunk to decode next, when it is ready."""
-        return self.plan.window(self.voiced, self.frames, self.finished)
+        return self.plan.window(self.done, self.voiced, self.frames, self.finished)
 
     def drained(self) -> bool:
         """Finished, and every frame voiced by an earlier chunk: nothing left to decode."""
@@ -146,8 +184,7 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
         max_batch: int = 8,
         mesh: Mesh | None = None,
     ):
-        windows = (plan.first_chunk, plan.window_frames)
-        super().__init__(model, windows=windows, max_batch=max_batch, mesh=mesh)
+        super().__init__(model, windows=plan.windows, max_batch=max_batch, mesh=mesh)
         self.solve = solve
         self.plan = plan
         self.num_quantizers = num_quantizers
@@ -155,12 +192,14 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
     def plan_for(self, chunk: int | None) -> StreamPlan:
         """The plan of a request asking for ``chunk`` new frames per chunk (``None``: the
         stage's); its first chunk is the stage's, or the request's chunk when smaller.
-        ``ValueError`` when ``chunk`` exceeds the stage's (its windows would not fit)."""
+        ``ValueError`` when ``chunk`` exceeds the stage's largest (its windows would not fit)."""
         if chunk is None:
             return self.plan
-        if chunk > self.plan.chunk:
-            raise ValueError(f"chunk_codes={chunk} exceeds the stage's chunk of {self.plan.chunk} frames")
-        return dataclasses.replace(self.plan, chunk=chunk, first_chunk=min(self.plan.first_chunk, chunk))
+        if chunk > self.plan.largest_chunk:
+            raise ValueError(
+                f"chunk_codes={chunk} exceeds the stage's largest chunk of {self.plan.largest_chunk} frames"
+            )
+        return self.plan.with_chunk(chunk)
 
     def add(self, request_id: str, chunk: int | None = None) -> FrameStream:
         """Start a streamed request (no codes yet) with :meth:`plan_for` ``(chunk)``."""
@@ -184,7 +223,8 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
     def short_of(self, request: FrameStream) -> int | None:
         if request.finished:
             return None
-        return max(0, request.plan.chunk_end(request.voiced) - request.frames) or None
+        end = request.voiced + request.plan.chunk_size(request.done)
+        return max(0, end - request.frames) or None
 
     def width(self, chunk: ChunkWindow) -> int:
         """Frames the chunk decodes, its context included (a first chunk has none)."""

@@ -37,6 +37,8 @@ import enum
 import math
 from typing import TYPE_CHECKING
 
+from omni_jax.chunk_growth import doubling
+
 if TYPE_CHECKING:
     from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav
 
@@ -201,10 +203,7 @@ class ChunkPlanner:
     def growing(self) -> list[int]:
         """The frames of chunks ``1, 2, ...`` while they are shorter than :attr:`largest_chunk`
         (empty when chunks do not grow); every later chunk is the largest."""
-        sizes = []
-        while self.chunk * 2 ** len(sizes) < self.largest_chunk:
-            sizes.append(self.chunk * 2 ** len(sizes))
-        return sizes
+        return doubling(self.chunk, self.largest_chunk)
 
     def chunk_size(self, index: int) -> int:
         """The frames chunk ``index`` keeps when it is not the last."""
