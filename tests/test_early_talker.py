@@ -204,6 +204,46 @@ def test_omni_reply_too_short_to_voice(omni_pipes) -> None:
     check_idle(early)
 
 
+def test_omni_two_token_reply_starts_the_talker_at_the_end(omni_pipes, monkeypatch) -> None:
+    """A two-token reply ends before the talker can start (it needs two drawn tokens and the
+    first one's rows): the talker is built from the rows the thinker streamed and those of its
+    last step (the thinker released the others), and says what the late start says."""
+    early, late = omni_pipes
+    starts = watch_starts(early, monkeypatch)
+    params = omni_params(1)
+    params[0] = [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)]
+    prompts = omni_prompts(early)[:1]
+    (got,) = early.run(prompts, params, progress=False)
+    (want,) = late.run(prompts, params, progress=False)
+    assert list(starts.values()) == [None]  # the thinker had finished it
+    same_speech(got, want)
+    check_idle(early)
+
+
+def test_thinker_keeps_no_row_the_talker_took(omni_pipes, monkeypatch) -> None:
+    """While the talker reads the thinker's rows as they come, the thinker releases each step's
+    rows once reported: after every step it holds none (a long multimodal prompt's rows are not
+    held twice); the speech is unchanged."""
+    early, late = omni_pipes
+    thinker, held = early.stages[0], []
+    step = thinker.step
+
+    def spy() -> StageStep:
+        done = step()
+        streamed = [s.request for s in thinker._submitted.values() if s.stream_hidden]
+        held.extend(sum(len(h) for h, _ in r.captured) for r in streamed)
+        return done
+
+    monkeypatch.setattr(thinker, "step", spy)
+    prompts = omni_prompts(early)
+    got = early.run(prompts, omni_params(len(prompts)), progress=False)
+    want = late.run(prompts, omni_params(len(prompts)), progress=False)
+    assert len(held) >= len(prompts) * (THINKER_TOKENS - 1) and set(held) == {0}, held
+    for g, w in zip(got, want, strict=True):
+        same_speech(g, w)
+    check_idle(early)
+
+
 def test_omni_abort_while_both_run(omni_pipes, monkeypatch) -> None:
     """Aborted once the talker runs beside the thinker (streamed code2wav open too): every stage
     drops it and frees its pages at once."""
@@ -287,6 +327,37 @@ def test_captured_rows_are_reported_once_across_a_preemption() -> None:
     req.captured.append((rows[5:9], -rows[5:9]))
     hidden, _ = req.captured_since(7)
     np.testing.assert_array_equal(hidden, rows[7:9])
+
+
+def test_released_rows_are_gone_and_refused() -> None:
+    """``ARRequest.release_captured``: blocks wholly before the row go (the last keeps its widths,
+    no rows), rows past it are still returned, released ones are refused; a preemption captures
+    afresh from the first token."""
+    from omni_jax.engine.sampling import SamplingParams as Params
+    from omni_jax.engine.scheduler import ARRequest
+
+    rows = np.arange(20, dtype=np.float32).reshape(10, 2)
+    req = ARRequest("r", 0, [1, 2, 3], Params(), 0)
+    for lo, hi in ((0, 3), (3, 4), (4, 7)):
+        req.captured.append((rows[lo:hi], -rows[lo:hi]))
+    req.release_captured(5)  # 0-3 and 3-4 go; 4-7 holds row 5
+    assert req.captured_start == 4 and [len(h) for h, _ in req.captured] == [3]
+    np.testing.assert_array_equal(req.captured_since(5)[0], rows[5:7])
+    with pytest.raises(ValueError, match="request 'r': rows before 4 were released"):
+        req.captured_since(3)
+    with pytest.raises(ValueError, match="rows before 4 were released"):
+        req.captured_states()
+    req.release_captured(7)
+    assert req.captured_start == 7 and [h.shape for h, _ in req.captured] == [(0, 2)]
+    assert req.captured_since(7) is None
+    req.captured.append((rows[7:9], -rows[7:9]))
+    np.testing.assert_array_equal(req.captured_since(7)[1], -rows[7:9])
+    req.release_captured(9)
+    assert req.captured_start == 9 and [h.shape for h, _ in req.captured] == [(0, 2)]
+    req.capture(rows[0:6], -rows[0:6], 0)  # preempted: recomputed from the first token
+    assert req.captured_start == 0 and req.captured_since(9) is None
+    req.capture(rows[6:10], -rows[6:10], 6)
+    np.testing.assert_array_equal(req.captured_since(9)[0], rows[9:10])
 
 
 def test_growing_rows_and_handoff_parts() -> None:

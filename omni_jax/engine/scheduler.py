@@ -77,6 +77,7 @@ class ARRequest(Generic[S]):
     suppress_ids: tuple[int, ...] = ()  # never sampled (e.g. the talker's codec BOS)
     capture_hidden: bool = False
     captured: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    captured_start: int = 0  # the computed token of the first row ``captured`` holds (earlier ones released)
 
     @property
     def all_ids(self) -> list[int]:
@@ -94,17 +95,22 @@ class ARRequest(Generic[S]):
 
     def captured_states(self) -> tuple[np.ndarray, np.ndarray]:
         """``(hidden [N, D], embeds [N, D])`` of the ``N`` computed tokens, in sequence order
-        (the last sampled token was never computed)."""
+        (the last sampled token was never computed); ``ValueError`` once rows were released."""
+        if self.captured_start:
+            raise ValueError(f"request {self.request_id!r}: rows before {self.captured_start} were released")
         hidden, embeds = zip(*self.captured, strict=True)
         return np.concatenate(hidden), np.concatenate(embeds)
 
     def captured_since(self, row: int) -> tuple[np.ndarray, np.ndarray] | None:
         """``(hidden [K, D], embeds [K, D])`` of the computed tokens from ``row`` on, as captured
         so far; ``None`` when there are none past it. After a preemption the rows are captured
-        afresh from the first token, and those before ``row`` are not returned again."""
-        have = sum(len(h) for h, _ in self.captured)
+        afresh from the first token, and those before ``row`` are not returned again.
+        ``ValueError`` when rows from ``row`` on were released."""
+        have = self.captured_start + sum(len(h) for h, _ in self.captured)
         if have <= row:
             return None
+        if row < self.captured_start:
+            raise ValueError(f"request {self.request_id!r}: rows before {self.captured_start} were released")
         blocks = []
         for block in reversed(self.captured):
             blocks.append(block)
@@ -113,6 +119,27 @@ class ARRequest(Generic[S]):
                 break
         hidden, embeds = (np.concatenate(part[::-1]) for part in zip(*blocks, strict=True))
         return hidden[row - have :], embeds[row - have :]
+
+    def capture(self, hidden: np.ndarray, embeds: np.ndarray, start: int) -> None:
+        """Keep a step's rows of the tokens from ``start`` on; rows computed afresh from the first
+        token (after a preemption too) replace every earlier one, released or not."""
+        if start == 0:
+            self.captured, self.captured_start = [], 0
+        self.captured.append((hidden, embeds))
+
+    def release_captured(self, row: int) -> None:
+        """Forget the captured blocks wholly before computed token ``row``: a stage that reads
+        them as they come (the talker started early) took them, and a long multimodal prompt's
+        rows are held once, not twice. The last block keeps its widths (no rows), so the rows
+        from ``row`` on can be empty."""
+        start, blocks = self.captured_start, self.captured
+        while len(blocks) > 1 and start + len(blocks[0][0]) <= row:
+            start += len(blocks.pop(0)[0])
+        if len(blocks) == 1 and start + len(blocks[0][0]) <= row:
+            hidden, embeds = blocks[0]
+            start += len(hidden)
+            blocks[0] = (hidden[:0].copy(), embeds[:0].copy())
+        self.captured_start = start
 
     def ends_by_length(self, max_model_len: int) -> bool:
         """Its tokens, the pending ones included, reach ``max_tokens`` or ``max_model_len``: it
@@ -403,9 +430,7 @@ class Scheduler:
                     self._drop_pending(req, bool(result.finite[i]), scrub)
                 continue
             if req.capture_hidden and result.hidden is not None and result.embeds is not None:
-                if row.start == 0:  # computed afresh (after a preemption too): drop stale rows
-                    req.captured = []
-                req.captured.append((result.hidden[i], result.embeds[i]))
+                req.capture(result.hidden[i], result.embeds[i], row.start)
             if not row.sample:
                 continue
             req.pending -= 1

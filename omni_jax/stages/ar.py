@@ -299,7 +299,11 @@ class ARStage(Generic[S]):
         part = cast(StageResult, upstream).handoff if final else rows
         if fed.state is None:
             if final:
-                request = frontend.accept(index, cast(StageResult, upstream), fed.prompt)
+                whole = cast(StageResult, upstream)
+                if fed.parts:  # the result holds the rows since the parts; accept reads them all
+                    fed.parts.append(cast(HiddenHandoff, part))
+                    whole = dataclasses.replace(whole, handoff=fed.gathered())
+                request = frontend.accept(index, whole, fed.prompt)
             elif part is None:
                 return True
             else:
@@ -364,29 +368,40 @@ class ARStage(Generic[S]):
         for req in finished:
             now = time.perf_counter()
             self._fed.pop(req.request_id, None)  # it finished before the stage feeding it
-            started = self._submitted.pop(req.request_id).started
+            ending = self._submitted.pop(req.request_id)
             metrics = {
-                "wall_s": now - started,
+                "wall_s": now - ending.started,
                 "num_prompt_tokens": len(req.prompt_ids),
                 "num_output_tokens": len(req.output_ids),
                 "num_preemptions": req.num_preemptions,
-                "ttft_s": (req.first_token_time or now) - started,
+                "ttft_s": (req.first_token_time or now) - ending.started,
             }
             logprobs = req.logprobs if req.params.logprobs is not None else None
             result = StageResult(
                 req.request_id, self._outputs(req, 0), req.finish_reason, metrics, logprobs, error=req.error
             )
             if req.capture_hidden and req.error is None:
-                hidden, embeds = req.captured_states()
-                media = PromptMedia() if self.frontend is None else self.frontend.media(req.state)
-                result.handoff = HiddenHandoff(
-                    list(req.prompt_ids), list(req.output_ids), hidden, embeds, media
-                )
+                result.handoff = self._handoff(ending)
             results.append(result)
         return StageStep(results, new_tokens, new_rows=new_rows)
 
+    def _handoff(self, submitted: _Submitted[S]) -> HiddenHandoff:
+        """A finished request's hidden states: every row, or for a request that streamed them
+        the rows since those last reported (its next stage took the others; they are released)."""
+        req = submitted.request
+        media = PromptMedia() if self.frontend is None else self.frontend.media(req.state)
+        if not submitted.stream_hidden:
+            return HiddenHandoff(list(req.prompt_ids), list(req.output_ids), *req.captured_states(), media)
+        start = submitted.reported_rows
+        rows = req.captured_since(start)
+        if rows is None:
+            hidden, embeds = req.captured[-1]
+            rows = hidden[:0], embeds[:0]
+        return HiddenHandoff(list(req.prompt_ids), list(req.output_ids), *rows, media, start)
+
     def _part(self, submitted: _Submitted[S]) -> HiddenHandoff | None:
-        """The hidden states a streamed request's tokens added since they were last reported."""
+        """The hidden states a streamed request's tokens added since they were last reported;
+        the request then releases them (its next stage keeps what it takes)."""
         req = submitted.request
         rows = req.captured_since(submitted.reported_rows)
         if rows is None:
@@ -395,6 +410,7 @@ class ARStage(Generic[S]):
         # The prompt's ids never change: shared, not copied each step (the reply so far is).
         part = HiddenHandoff(req.prompt_ids, list(req.output_ids), *rows, media, submitted.reported_rows)
         submitted.reported_rows = part.end
+        req.release_captured(part.end)
         return part
 
     def _outputs(self, request: ARRequest[S], start: int) -> list[int]:

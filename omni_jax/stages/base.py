@@ -65,7 +65,10 @@ class HiddenHandoff:
     prompt's media.
 
     While the stage still runs the request, a part of it (:attr:`StageStep.new_rows`): the rows
-    of computed tokens ``[start, start + len(hidden_states))`` and the reply drawn so far.
+    of computed tokens ``[start, start + len(hidden_states))`` and the reply drawn so far. A
+    request whose rows were reported so (:attr:`StageInput.stream_hidden`) ends with a part too:
+    the rows its last step computed, with its whole reply; the stage released the earlier rows,
+    which the next stage took as they came.
     """
 
     prompt_ids: list[int]
