@@ -18,3 +18,12 @@ def doubling(chunk: int, largest: int) -> list[int]:
     while chunk * 2 ** len(sizes) < largest:
         sizes.append(chunk * 2 ** len(sizes))
     return sizes
+
+
+def grown_size(index: int, first: int, chunk: int, largest: int) -> int:
+    """The size of chunk ``index`` when it is not its request's last: ``first``, then the
+    :func:`doubling` sizes from ``chunk``, then ``largest``."""
+    if index == 0:
+        return first
+    growing = doubling(chunk, largest)
+    return growing[index - 1] if index <= len(growing) else largest

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from omni_jax.chunk_growth import doubling
+from omni_jax.chunk_growth import doubling, grown_size
 from omni_jax.engine.compilation import ProgramCall
 from omni_jax.engine.generation_runner import PaddedBatch
 from omni_jax.models.qwen3_omni.code2wav import ChunkWindow
@@ -77,10 +77,7 @@ class StreamPlan:
 
     def chunk_size(self, index: int) -> int:
         """The new frames of chunk ``index`` when it is not the last."""
-        if index == 0:
-            return self.first_chunk
-        growing = self.growing
-        return growing[index - 1] if index <= len(growing) else self.largest_chunk
+        return grown_size(index, self.first_chunk, self.chunk, self.largest_chunk)
 
     @property
     def window_frames(self) -> int:

@@ -37,7 +37,7 @@ import enum
 import math
 from typing import TYPE_CHECKING
 
-from omni_jax.chunk_growth import doubling
+from omni_jax.chunk_growth import doubling, grown_size
 
 if TYPE_CHECKING:
     from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav
@@ -207,10 +207,7 @@ class ChunkPlanner:
 
     def chunk_size(self, index: int) -> int:
         """The frames chunk ``index`` keeps when it is not the last."""
-        if index == 0:
-            return self.first_chunk
-        growing = self.growing
-        return growing[index - 1] if index <= len(growing) else self.largest_chunk
+        return grown_size(index, self.first_chunk, self.chunk, self.largest_chunk)
 
     def chunk_start(self, index: int) -> int:
         """The first frame chunk ``index`` keeps: the sizes of the chunks before it."""
