@@ -62,8 +62,8 @@ class ARFrontend(Protocol[S]):
     generates it (the stage is then a :class:`~omni_jax.stages.base.FedStage`): ``start`` makes
     the request from the part of the previous stage's handoff computed so far, ``None`` until
     it holds what the prompt needs; ``grow`` adds what that stage computes next (``final``: its
-    result's whole handoff), to the state the step inputs read (their ``available`` says how
-    far it reaches).
+    result's handoff, the rows of its last step), to the state the step inputs read (their
+    ``available`` says how far it reaches).
     """
 
     step_inputs: StepInputs[S]

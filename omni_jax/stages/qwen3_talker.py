@@ -350,7 +350,8 @@ class Qwen3TalkerFrontend:
 
     def grow(self, state: TalkerRequest, part: HiddenHandoff, final: bool) -> None:
         """Append the input embeddings of the thinker's tokens computed since (``part``) to the
-        text rows; ``final``: ``part`` is its whole handoff, and the text EOS ends them."""
+        text rows; ``final``: ``part`` is its result's (every row, or the last step's when it
+        streamed them), and the text EOS ends them."""
         _, embeds = part.since(state.taken)
         state.trailing.extend(np.asarray(embeds, self.step_inputs.dtype))
         state.taken += len(embeds)

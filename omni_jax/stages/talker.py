@@ -199,7 +199,8 @@ class TalkerFrontend:
 
     def grow(self, state: TalkerRequest, part: HiddenHandoff, final: bool) -> None:
         """Append the rows of the thinker's tokens computed since (``part``); ``final``: ``part``
-        is its whole handoff, and the text EOS and pad rows end the table."""
+        is its result's (every row, or the last step's when it streamed them), and the text EOS and
+        pad rows end the table."""
         spec, dtype = self.spec, self.step_inputs.dtype
         hidden, embeds = part.since(len(state.table) - 1)  # the table holds the BOS beside the rows
         state.table.extend((hidden + np.asarray(embeds, dtype)).astype(dtype))
