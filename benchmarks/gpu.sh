@@ -15,12 +15,20 @@
 #             compilation cache in $XLA_CACHE (a cold start: it begins empty);
 #   c2w_warm  the code2wav suite again, ours only, from the cache the code2wav part filled: the
 #             warm start's warm-up time;
+#   overlap   the AR suite on `small`, ours only, overlapped steps (the default) and
+#             --sequential-steps taking turns, OVERLAP_RUNS times each (issue 18's A/B on a GPU);
+#   stream    Qwen2.5-Omni's streamed speech on `small` (--suite e2e --stream): TTFA, RTF and
+#             throughput, streamed against offline, at STREAM_LEVELS clients (issue 22);
+#   stream3   Qwen3-Omni's (--suite e2e_qwen3 --stream) on `small`, transformers' generate as the
+#             reference (REFERENCE): TTFA against vLLM-omni's published 523 ms at c = 1 (issue 23);
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
-# MOE_S, SHAPED_S, COMPILE_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S and TESTS_S bound the parts
-# (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's, C2W_BATCHES the code2wav
-# batch sizes, C2W_MODEL its model (small), XLA_CACHE the persistent caches' root, REFERENCE=
-# (empty) leaves transformers out of the shaped and code2wav parts.
+# MOE_S, SHAPED_S, COMPILE_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each run), STREAM_S,
+# STREAM3_S and TESTS_S bound the parts (seconds), TESTS names test files (default: all), WORKERS
+# pytest-xdist's, C2W_BATCHES the code2wav batch sizes, C2W_MODEL its model (small), XLA_CACHE the
+# persistent caches' root, SUITE_MODEL the overlap and stream parts' model (small; tiny for a quick
+# check of the script on a CPU), REFERENCE= (empty) leaves transformers out of the shaped, code2wav
+# and stream3 parts.
 set -u
 OUT=${OUT:-/tmp/omni_jax_gpu}
 PARTS=${PARTS:-moe shaped compile compile_warm code2wav tests}
@@ -90,6 +98,37 @@ code2wav() {
 c2w_warm() {
   echo "== code2wav suite, warm start from $XLA_CACHE, ours only (limit ${C2W_WARM_S:-150}s)"
   c2w_suite c2w_warm "${C2W_WARM_S:-150}" ""
+}
+
+overlap() {
+  for i in $(seq "${OVERLAP_RUNS:-2}"); do
+    for mode in overlapped sequential; do
+      flag=$([ "$mode" = sequential ] && echo --sequential-steps)
+      echo "== AR suite, ${SUITE_MODEL:-small}, $mode, run $i (limit ${OVERLAP_S:-120}s)"
+      timeout -s INT "${OVERLAP_S:-120}" python3 -m benchmarks.run --suite ar --model "${SUITE_MODEL:-small}" $flag \
+        --cache-dir /tmp/omni_jax_bench --json "$OUT/ar_${mode}_$i.json" >"$OUT/ar_${mode}_$i.log" 2>&1
+      echo "ar $mode $i exit $?"
+      grep -E "^omni_jax|^TTFT" "$OUT/ar_${mode}_$i.log"
+    done
+  done
+}
+
+stream() {
+  echo "== e2e --stream, ${SUITE_MODEL:-small} (limit ${STREAM_S:-420}s)"
+  timeout -s INT "${STREAM_S:-420}" python3 -m benchmarks.run --suite e2e --stream --model "${SUITE_MODEL:-small}" \
+    --concurrency "${STREAM_LEVELS:-1,4,16}" --repeats 1 --cache-dir /tmp/omni_jax_bench \
+    --json "$OUT/stream.json" >"$OUT/stream.log" 2>&1
+  echo "stream exit $?"
+  grep -v -E "it/s\]|s/it\]|programs compiled\]|^\[transformers\]" "$OUT/stream.log" | tail -25
+}
+
+stream3() {
+  echo "== e2e_qwen3 --stream, ${SUITE_MODEL:-small} (limit ${STREAM3_S:-420}s)"
+  timeout -s INT "${STREAM3_S:-420}" python3 -m benchmarks.run --suite e2e_qwen3 --stream --model "${SUITE_MODEL:-small}" \
+    ${REFERENCE---reference} --concurrency "${STREAM_LEVELS:-1,4,16}" --requests-per-client 1 --repeats 1 \
+    --cache-dir /tmp/omni_jax_bench --json "$OUT/stream3.json" >"$OUT/stream3.log" 2>&1
+  echo "stream3 exit $?"
+  grep -v -E "it/s\]|s/it\]|programs compiled\]|^\[transformers\]" "$OUT/stream3.log" | tail -25
 }
 
 tests() {
