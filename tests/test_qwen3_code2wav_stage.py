@@ -118,7 +118,7 @@ def test_shipped_chunks_grow_from_vllm_omnis() -> None:
     """The shipped YAML's plan: vLLM-omni's first chunk of 1 frame, then 25 after 25 of context,
     doubling up to 100; its windows (a solve pads to the smallest holding its chunks) are the
     first chunk's and a context before each size. A 125-frame (10 s) reply is 4 chunks decoding
-    201 padded frames (1, 25 + 25, 25 + 50, 25 + 49 -> 75), against 6 decoding 251 with
+    201 padded frames (1, 1 + 25 -> 50, 25 + 50, 25 + 49 -> 75), against 6 decoding 251 with
     vLLM-omni's fixed chunks; 375 frames, 6 chunks and 501 against 16 and 751. A request's own
     chunk fixes every later chunk."""
     config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen3_omni.yaml").read_text())
