@@ -16,11 +16,15 @@
 #   c2w_warm  the code2wav suite again, ours only, from the cache the code2wav part filled: the
 #             warm start's warm-up time;
 #   overlap   the AR suite on `small`, ours only, overlapped steps (the default) and
-#             --sequential-steps taking turns, OVERLAP_RUNS times each (issue 18's A/B on a GPU);
+#             --sequential-steps taking turns, OVERLAP_RUNS times each (issue 18's A/B on a GPU),
+#             sharing a persistent cache in $XLA_CACHE/ar: the first run compiles (cold, over
+#             100 s on an H200), the others load its programs (about 10 s);
 #   stream    Qwen2.5-Omni's streamed speech on `small` (--suite e2e --stream): TTFA, RTF and
 #             throughput, streamed against offline, at STREAM_LEVELS clients (issue 22);
 #   stream3   Qwen3-Omni's (--suite e2e_qwen3 --stream) on `small`, transformers' generate as the
 #             reference (REFERENCE): TTFA against vLLM-omni's published 523 ms at c = 1 (issue 23);
+#             its cold warm-up did not end in 330 s on an H200 at c = 1 (RESULTS.md): give it a
+#             whole call;
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
 # MOE_S, SHAPED_S, COMPILE_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each run), STREAM_S,
@@ -104,8 +108,8 @@ overlap() {
   for i in $(seq "${OVERLAP_RUNS:-2}"); do
     for mode in overlapped sequential; do
       flag=$([ "$mode" = sequential ] && echo --sequential-steps)
-      echo "== AR suite, ${SUITE_MODEL:-small}, $mode, run $i (limit ${OVERLAP_S:-120}s)"
-      timeout -s INT "${OVERLAP_S:-120}" python3 -m benchmarks.run --suite ar --model "${SUITE_MODEL:-small}" $flag \
+      echo "== AR suite, ${SUITE_MODEL:-small}, $mode, run $i (limit ${OVERLAP_S:-180}s)"
+      OMNI_JAX_COMPILATION_CACHE=$XLA_CACHE/ar timeout -s INT "${OVERLAP_S:-180}" python3 -m benchmarks.run --suite ar --model "${SUITE_MODEL:-small}" $flag \
         --cache-dir /tmp/omni_jax_bench --json "$OUT/ar_${mode}_$i.json" >"$OUT/ar_${mode}_$i.log" 2>&1
       echo "ar $mode $i exit $?"
       grep -E "^omni_jax|^TTFT" "$OUT/ar_${mode}_$i.log"

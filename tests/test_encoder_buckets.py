@@ -5,6 +5,7 @@ compiles an encoder after it; what no call can hold is refused at validation."""
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import numpy as np
@@ -130,6 +131,27 @@ def test_warmup_compiles_every_encoder_program(warm) -> None:
     with CompileCounter() as again:
         assert frontend_of(pipe).warmup() == 22
     assert (again.traces, again.compiles) == (0, 0)
+
+
+def test_encoder_programs_compile_side_by_side(warm) -> None:
+    """A frontend's warm-up compiles its encoder programs on :func:`compile_ahead`'s threads
+    (each traced and compiled there, none on the caller's), and the calls after it compile
+    nothing: the programs compiled ahead are the ones the encoders run."""
+    pipe, _, _ = warm
+    frontend = frontend_of(pipe)
+    runner = pipe.stages[0].engine.runner
+    fresh = ThinkerFrontend(
+        frontend.processor, nnx.merge(runner.graphdef, runner.state), EncoderBuckets((1, 2), (64, 256))
+    )
+    threads: list[str] = []
+    with CompileCounter(on_count=lambda _: threads.append(threading.current_thread().name)) as counter:
+        assert fresh.warmup() == 4
+    assert (counter.traces, counter.compiles) == (4, 4)
+    assert len(threads) == 8 and all(name.startswith("compile") for name in threads), threads
+    request = prepared(pipe, user(audio(3.0, 11), image(56, 84, 1)))
+    with CompileCounter() as after:
+        fresh.step_inputs.encode([request])
+    assert (after.traces, after.compiles) == (0, 0)
 
 
 def test_default_buckets_take_anything_the_processor_emits(warm) -> None:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 from jax import monitoring
@@ -44,6 +44,12 @@ def enable_persistent_cache(path: str | Path | None | bool = None) -> Path | Non
     return path
 
 
+class Compilable(Protocol):
+    """A program that can be compiled without running it: what :func:`compile_ahead` takes."""
+
+    def compile(self) -> object: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramCall:
     """One call of a jitted function, kept so that its program can be compiled ahead of the call
@@ -73,7 +79,7 @@ def compile_threads(programs: int) -> int:
     return max(1, min(programs, cores, MAX_COMPILE_THREADS))
 
 
-def compile_ahead(calls: Sequence[ProgramCall]) -> None:
+def compile_ahead(calls: Sequence[Compilable]) -> None:
     """Compile the programs of ``calls`` side by side, running none of them.
 
     Each thread traces and lowers one call (Python, one at a time under the GIL) and hands it to

@@ -43,6 +43,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from omni_jax.engine.compilation import compile_ahead
 from omni_jax.engine.step import StepRow, all_available
 from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
@@ -149,11 +150,28 @@ class EncoderPrograms:
             self._compiled[key] = self._jit.lower(state, batch).compile()
         return self._compiled[key]
 
+    def ahead(self, state: nnx.State, batch: Any) -> EncoderCall:
+        """``batch``'s program as a :func:`compile_ahead` call (compiled on its threads,
+        side by side with the others)."""
+        return EncoderCall(self, state, batch)
+
     def __call__(self, state: nnx.State, batch: Any) -> jax.Array:
         return self.compile(state, batch)(state, batch)
 
     def __len__(self) -> int:
         return len(self._compiled)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderCall:
+    """One encoder program to compile ahead of traffic: its programs, weights and input shapes."""
+
+    programs: EncoderPrograms
+    state: nnx.State
+    batch: Any  # the encoder's batch record, of arrays or jax.ShapeDtypeStruct
+
+    def compile(self) -> jax.stages.Compiled:
+        return self.programs.compile(self.state, self.batch)
 
 
 @dataclasses.dataclass
@@ -330,12 +348,24 @@ class ThinkerStepInputs:
         return failed
 
     def warmup(self) -> int:
-        """Compile every program of :attr:`buckets` (from shapes: nothing runs); returns how many
-        encoder programs there are."""
-        for chunks in self.buckets.audio_chunks:
-            self._audio.compile(self._audio_state, self.audio_batch_class.shapes(self.spec.audio, chunks))
-        for tokens in self.buckets.vision_tokens:
-            self._vision.compile(self._vision_state, self.vision_batch_class.shapes(self.spec.vision, tokens))
+        """Compile every program of :attr:`buckets` (from shapes: nothing runs), side by side
+        (:func:`compile_ahead`: on a GPU host an encoder program at real widths compiles for
+        seconds, one at a time that is minutes of start-up); returns how many encoder programs
+        there are."""
+        compile_ahead(
+            [
+                *(
+                    self._audio.ahead(self._audio_state, self.audio_batch_class.shapes(self.spec.audio, n))
+                    for n in self.buckets.audio_chunks
+                ),
+                *(
+                    self._vision.ahead(
+                        self._vision_state, self.vision_batch_class.shapes(self.spec.vision, n)
+                    )
+                    for n in self.buckets.vision_tokens
+                ),
+            ]
+        )
         return len(self._audio) + len(self._vision)
 
     def pack(self, rows: Sequence[StepRow[ThinkerRequest]], batch: int, tokens: int) -> PromptMerge:
