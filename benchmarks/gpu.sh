@@ -19,6 +19,10 @@
 #             --sequential-steps taking turns, OVERLAP_RUNS times each (issue 18's A/B on a GPU),
 #             sharing a persistent cache in $XLA_CACHE/ar: the first run compiles (cold, over
 #             100 s on an H200), the others load its programs (about 10 s);
+#   profile   the AR suite on `small` with a jax.profiler trace of its measured run (issue 18: on
+#             an H200 its steps were the host's, 2.4 to 4.2 ms against 0.4 ms of weight matmuls):
+#             benchmarks/trace_summary.py's text summary (host spans, device streams, costliest
+#             kernels) and the trace itself (for Perfetto) come back;
 #   stream    Qwen2.5-Omni's streamed speech on `small` (--suite e2e --stream): TTFA, RTF and
 #             throughput, streamed against offline, at STREAM_LEVELS clients (issue 22);
 #   stream3   Qwen3-Omni's (--suite e2e_qwen3 --stream) on `small`, transformers' generate as the
@@ -27,7 +31,7 @@
 #             whole call;
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
-# MOE_S, SHAPED_S, COMPILE_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each run), STREAM_S,
+# MOE_S, SHAPED_S, COMPILE_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each run), PROFILE_S, STREAM_S,
 # STREAM3_S and TESTS_S bound the parts (seconds), TESTS names test files (default: all), WORKERS
 # pytest-xdist's, C2W_BATCHES the code2wav batch sizes, C2W_MODEL its model (small), XLA_CACHE the
 # persistent caches' root, SUITE_MODEL the overlap and stream parts' model (small; tiny for a quick
@@ -115,6 +119,18 @@ overlap() {
       grep -E "^omni_jax|^TTFT" "$OUT/ar_${mode}_$i.log"
     done
   done
+}
+
+profile() {
+  echo "== AR suite, ${SUITE_MODEL:-small}, profiled (limit ${PROFILE_S:-240}s)"
+  rm -rf "$XLA_CACHE/profile"
+  OMNI_JAX_COMPILATION_CACHE=$XLA_CACHE/ar timeout -s INT "${PROFILE_S:-240}" python3 -m benchmarks.run --suite ar \
+    --model "${SUITE_MODEL:-small}" --profile "$XLA_CACHE/profile" --cache-dir /tmp/omni_jax_bench \
+    --json "$OUT/ar_profiled.json" >"$OUT/ar_profiled.log" 2>&1
+  echo "profiled ar exit $?"
+  python3 -m benchmarks.trace_summary "$XLA_CACHE/profile" --top 15 >"$OUT/ar_trace.txt" 2>&1
+  head -60 "$OUT/ar_trace.txt"
+  find "$XLA_CACHE/profile" -name "*.trace.json.gz" -exec cp {} "$OUT/ar_trace.json.gz" \;
 }
 
 stream() {
