@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from omni_jax import OmniJaxPipeline, SamplingParams
-from omni_jax.engine.sampling import draw_tokens, first_argmax, pack_sampling, processed_logits
+from omni_jax.engine.sampling import draw_tokens, first_argmax, pack_sampling, processed_logits, seed_words
 
 V = 50
 ROWS = [
@@ -55,6 +55,36 @@ def test_first_argmax_is_argmax() -> None:
     x = jax.numpy.asarray(x)
     np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(x)), np.asarray(jax.numpy.argmax(x, -1)))
     assert int(jax.jit(first_argmax)(x)[1]) == 7
+
+
+def test_packed_rows_hold_each_rows_own_values() -> None:
+    """Every row's seed words (``seed_words``: the full 63-bit range), history and suppressed
+    ids land in its own row, padding rows stay neutral, and a row past the suppression width
+    is refused."""
+    seeds = [0, 1, 2**32 + 5, 2**63 - 1, 123456789012345]
+    rows = pack_sampling(
+        [SamplingParams(temperature=0.5 + i) for i in range(5)],
+        [[], [3, 4], [], [9], []],
+        [0, 1, 0, 1, 0],
+        seeds,
+        [0, 1, 2, 3, 4],
+        [[], [7], [], [1, 2], []],
+        batch=8,
+        history_len=3,
+    )
+    np.testing.assert_array_equal(rows.seeds, np.array([*map(seed_words, seeds), *[(0, 0)] * 3], np.uint32))
+    np.testing.assert_array_equal(
+        rows.history[:5], [[-1, -1, -1], [3, 4, -1], [-1] * 3, [9, -1, -1], [-1] * 3]
+    )
+    assert (rows.history[5:] == -1).all() and (rows.suppress[5:] == -1).all()
+    assert (
+        rows.suppress[1, 0] == 7
+        and list(rows.suppress[3, :2]) == [1, 2]
+        and (rows.suppress[[0, 2, 4]] == -1).all()
+    )
+    np.testing.assert_array_equal(rows.temperature, [0.5, 1.5, 2.5, 3.5, 4.5, 0, 0, 0])
+    with pytest.raises(ValueError, match="token ids to suppress in one row"):
+        pack_sampling([SamplingParams()], [[]], [0], [0], [0], [list(range(1000))], batch=1, history_len=1)
 
 
 def test_processed_logits_match_transformers_per_row() -> None:

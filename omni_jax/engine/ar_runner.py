@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -433,24 +434,28 @@ class ARRunner:
         ctx = np.zeros((n,), np.int32)
         qlen = np.zeros((n,), np.int32)
         last = np.zeros((s,), np.int32)
-        offset = 0
-        for i, r in enumerate(rows):
-            m = len(r.token_ids)
-            seg = slice(offset, offset + m)
-            tokens[seg, 0] = r.token_ids
-            positions[..., seg, 0] = r.positions
-            idx = np.arange(r.start, r.end)
-            pages = np.asarray(r.pages, np.int32)
-            slots[seg, 0] = pages[idx // page_size] * page_size + idx % page_size
-            used = pages_needed(r.end, page_size)
-            tables[i, :used] = pages[:used]
-            sequence[seg] = i
-            ctx[seg] = idx + 1  # each token's causal horizon
-            qlen[seg] = 1
-            offset += m
-            last[i] = offset - 1
-            if r.pending_token:
-                source[offset - 1] = sources[i]
+        if rows:
+            # Vectorised over the step's token rows (a decode step has hundreds of rows, each a
+            # row's worth of numpy calls in a loop): only the page tables and pending sources
+            # are written row by row.
+            lengths = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+            starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
+            ends = np.cumsum(lengths)
+            total = int(ends[-1])
+            row_of = np.repeat(np.arange(len(rows)), lengths)
+            idx = np.arange(total) - (ends - lengths)[row_of] + starts[row_of]  # each token's index
+            for i, r in enumerate(rows):
+                used = pages_needed(r.end, page_size)
+                tables[i, :used] = r.pages[:used]
+                if r.pending_token:
+                    source[ends[i] - 1] = sources[i]
+            tokens[:total, 0] = list(itertools.chain.from_iterable(r.token_ids for r in rows))
+            positions[..., :total, 0] = np.concatenate([r.positions for r in rows], axis=-1)
+            slots[:total, 0] = tables[row_of, idx // page_size] * page_size + idx % page_size
+            sequence[:total] = row_of
+            ctx[:total] = idx + 1  # each token's causal horizon
+            qlen[:total] = 1
+            last[: len(rows)] = ends - 1
         extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
         return tokens, source, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, extra
 

@@ -248,15 +248,18 @@ def pack_sampling(
 
     hist = np.full((batch, history_len), -1, np.int32)
     for i, h in enumerate(histories):
-        hist[i, : len(h)] = h
+        if h:  # a step's rows carry no history unless a row is penalised
+            hist[i, : len(h)] = h
     supp = np.full((batch, SUPPRESS_WIDTH), -1, np.int32)
     for i, s in enumerate(suppress):
         if len(s) > SUPPRESS_WIDTH:
             raise ValueError(f"{len(s)} token ids to suppress in one row, at most {SUPPRESS_WIDTH}")
-        supp[i, : len(s)] = s
+        if s:
+            supp[i, : len(s)] = s
+    words = np.fromiter(seeds, np.uint64, n)  # seed_words, for every row at once
     seed_rows = np.zeros((batch, 2), np.uint32)
-    for i, s in enumerate(seeds):
-        seed_rows[i] = seed_words(s)
+    seed_rows[:n, 0] = words >> np.uint64(32)
+    seed_rows[:n, 1] = words & np.uint64(0xFFFFFFFF)
     return SamplingTensors(
         temperature=col([p.temperature for p in params], np.float32, 0.0),
         top_k=col([p.top_k for p in params], np.int32, -1),
