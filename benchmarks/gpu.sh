@@ -23,6 +23,8 @@
 #             an H200 its steps were the host's, 2.4 to 4.2 ms against 0.4 ms of weight matmuls):
 #             benchmarks/trace_summary.py's text summary (host spans, device streams, costliest
 #             kernels) and the trace itself (for Perfetto) come back;
+#   host      the host's share of a decode step by phase (schedule, pack, sampling, update) at
+#             1, 32 and 256 rows, no device work (benchmarks/host_step.py): seconds;
 #   stream    Qwen2.5-Omni's streamed speech on `small` (--suite e2e --stream): TTFA, RTF and
 #             throughput, streamed against offline, at STREAM_LEVELS clients (issue 22);
 #   stream3   Qwen3-Omni's (--suite e2e_qwen3 --stream) on `small`, transformers' generate as the
@@ -131,6 +133,13 @@ profile() {
   python3 -m benchmarks.trace_summary "$XLA_CACHE/profile" --top 15 >"$OUT/ar_trace.txt" 2>&1
   head -60 "$OUT/ar_trace.txt"
   find "$XLA_CACHE/profile" -name "*.trace.json.gz" -exec cp {} "$OUT/ar_trace.json.gz" \;
+}
+
+host() {
+  echo "== host phases of a decode step"
+  timeout -s INT 120 python3 -m benchmarks.host_step --json "$OUT/host_step.json" >"$OUT/host_step.log" 2>&1
+  echo "host step exit $?"
+  tail -5 "$OUT/host_step.log"
 }
 
 stream() {

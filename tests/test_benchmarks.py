@@ -709,3 +709,28 @@ def test_shaped_suite_on_small_widths(tmp_path: Path) -> None:
     assert result["ours"]["backends"]["attention_traced"]
     with pytest.raises(SystemExit, match="other widths"):
         shaped_suite.main([*argv[:6], "--config", json.dumps(small | {"hidden_size": 128})])
+
+
+def test_host_step_times_each_phase(tmp_path: Path) -> None:
+    """The host phases of a decode step at two batch sizes: every phase timed, on steps that hold
+    every request (the benchmark refuses a step that does not), the requests gone after."""
+    from benchmarks import host_step
+
+    out = tmp_path / "host.json"
+    argv = [
+        "--rows",
+        "1,4",
+        "--repeats",
+        "3",
+        "--prompt",
+        "20",
+        "--cache-dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
+    assert host_step.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["prompt"] == 20 and set(result["s"]) == {"1", "4"}
+    for phases in result["s"].values():
+        assert set(phases) == set(host_step.PHASES) and all(0 < t < 1 for t in phases.values())
