@@ -51,7 +51,7 @@ from omni_jax.stages.qwen3_code2wav import solve_demand as qwen3_code2wav_demand
 from omni_jax.stages.qwen3_talker import Qwen3TalkerFrontend
 from omni_jax.stages.qwen3_thinker import Qwen3ThinkerFrontend
 from omni_jax.stages.talker import TalkerFrontend
-from omni_jax.stages.thinker import ThinkerFrontend
+from omni_jax.stages.thinker import MediaLimits, ThinkerFrontend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +200,7 @@ def _talker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
 
 
 def _thinker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig) -> ARFrontend[Any]:
-    return ThinkerFrontend.build(model, path)
+    return ThinkerFrontend.build(model, path, MediaLimits.from_engine(stage_config.name, stage_config.engine))
 
 
 def _talker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig) -> ARFrontend[Any]:
@@ -265,7 +265,9 @@ def _qwen3_thinker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
 def _qwen3_thinker_frontend(
     cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig
 ) -> ARFrontend[Any]:
-    return Qwen3ThinkerFrontend.build(model, path)
+    return Qwen3ThinkerFrontend.build(
+        model, path, MediaLimits.from_engine(stage_config.name, stage_config.engine)
+    )
 
 
 def _qwen3_talker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:

@@ -379,7 +379,8 @@ def test_growing_rows_and_handoff_parts() -> None:
     [
         (
             {"early_strat": True},
-            r"stage 'talker': unknown engine keys \['early_strat'\] \(known: \['early_start'\]\)",
+            r"stage 'talker': unknown engine keys \['early_strat'\] "
+            r"\(known: \['early_start', 'limit_mm_per_prompt'\]\)",
         ),
         ({"early_start": "yes"}, "stage 'talker': engine.early_start='yes' must be true or false"),
     ],

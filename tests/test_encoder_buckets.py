@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import itertools
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 from omni_reference import frames, picture, tone
 
@@ -18,7 +20,7 @@ from omni_jax.engine.compilation import CompileCounter
 from omni_jax.engine.step import StepRow
 from omni_jax.models.qwen2_5_omni.encoder_calls import plan_calls, size_ladder, smallest_fit
 from omni_jax.stages.base import StageInput
-from omni_jax.stages.thinker import EncoderBuckets, ThinkerFrontend, ThinkerRequest
+from omni_jax.stages.thinker import EncoderBuckets, MediaLimits, ThinkerFrontend, ThinkerRequest
 
 AUDIO_BUCKETS = (1, 2, 4, 8, 16)
 """A 30 s clip (the feature extractor's chunk_length) is 3000 mel frames: 15 chunks of 200."""
@@ -306,3 +308,62 @@ def test_pack_reads_rows_and_prepare_drops_them_past_the_prompt(warm) -> None:
     assert len(image_rows) > 0
     np.testing.assert_array_equal(np.asarray(merge.rows)[: len(image_rows)], image_rows)
     assert step_inputs.prepare([row(n, n + 1)]) == {} and state.rows is None
+
+
+def limited(omni_dir: Path, tmp_path: Path, limits: dict[str, int]) -> OmniJaxPipeline:
+    """The thinker alone, its stage YAML's ``engine.limit_mm_per_prompt`` set to ``limits``."""
+    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
+    (thinker,) = [s for s in config["stages"] if s["name"] == "thinker"]
+    thinker["engine"] = {**thinker.get("engine", {}), "limit_mm_per_prompt": limits}
+    path = tmp_path / "limited.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], max_num_seqs=4, stage_config=path)
+
+
+def test_media_turned_off_compile_no_encoder(omni_dir, tmp_path: Path) -> None:
+    """With every kind limited to 0 the thinker's warm-up compiles no encoder program, a text
+    prompt still runs, and a prompt with media is refused before any work, naming the limit."""
+    pipe = limited(omni_dir, tmp_path, {"audio": 0, "image": 0, "video": 0})
+    frontend = frontend_of(pipe)
+    assert frontend.step_inputs.buckets == EncoderBuckets((), ())
+    with CompileCounter() as counter:
+        assert frontend.warmup() == 0
+    assert counter.compiles == 0
+    (out,) = pipe.run([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=2), False)
+    assert out.finish_reason == "length"
+    with pytest.raises(ValueError, match=r"request 0: 1 image item\(s\), more than the 0 a prompt may hold"):
+        pipe.run([pipe.chat_prompt(user(image(56, 84, 1)))], SamplingParams(max_tokens=2), False)
+    with pytest.raises(ValueError, match=r"request 0: 1 audio item\(s\), more than the 0"):
+        prepared(pipe, user(audio(1.0, 1)))
+
+
+def test_media_limits_count_items(omni_dir, tmp_path: Path) -> None:
+    """A kind limited to 1: its encoder stays (the vision buckets while images are on, videos
+    off), one item is taken and two are refused; kinds not named are unlimited."""
+    pipe = limited(omni_dir, tmp_path, {"image": 1, "video": 0})
+    assert frontend_of(pipe).step_inputs.buckets == EncoderBuckets(AUDIO_BUCKETS, VISION_BUCKETS)
+    assert prepared(pipe, user(image(56, 84, 1), audio(1.0, 2), audio(2.0, 3))).has_media
+    with pytest.raises(ValueError, match=r"request 0: 2 image item\(s\), more than the 1"):
+        prepared(pipe, user(image(56, 84, 1), image(90, 90, 2)))
+    with pytest.raises(ValueError, match=r"request 0: 1 video item\(s\), more than the 0"):
+        prepared(pipe, user({"type": "video", "video": frames(6, 60, 80, 8)}))
+
+
+@pytest.mark.parametrize(
+    "given,match",
+    [
+        ([0], "engine.limit_mm_per_prompt must be a mapping"),
+        (
+            {"images": 0},
+            r"engine.limit_mm_per_prompt has unknown kinds \['images'\] "
+            r"\(known: \['audio', 'image', 'video'\]\)",
+        ),
+        ({"audio": -1}, "engine.limit_mm_per_prompt.audio=-1 must be a non-negative integer"),
+        ({"video": True}, "engine.limit_mm_per_prompt.video=True must be a non-negative integer"),
+    ],
+)
+def test_media_limits_are_checked(given: Any, match: str) -> None:
+    assert MediaLimits.from_engine("thinker", {}) == MediaLimits()
+    assert MediaLimits.from_engine("thinker", {"limit_mm_per_prompt": {"image": 2}}) == MediaLimits(image=2)
+    with pytest.raises(ValueError, match=f"stage 'thinker': {match}"):
+        MediaLimits.from_engine("thinker", {"limit_mm_per_prompt": given})

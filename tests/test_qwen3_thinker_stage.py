@@ -16,11 +16,13 @@ compared.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from omni_reference import StandInVideoProcessor, frames, picture, reference_inputs, tone
 
 from omni_jax import OmniJaxPipeline, SamplingParams
@@ -216,3 +218,21 @@ def test_clips_are_padded_as_their_own_requests_reference_call(pipe) -> None:
     together = requests[1].rows[audio_id]
     frontend.step_inputs.encode(requests[1:])
     np.testing.assert_allclose(together, requests[1].rows[audio_id], rtol=1e-5, atol=1e-5)
+
+
+def test_media_limits_apply_to_qwen3_omni(qwen3_omni_dir, tmp_path: Path) -> None:
+    """``engine.limit_mm_per_prompt`` in Qwen3-Omni's stage YAML: images and videos off leave
+    the vision encoder's programs out of warm-up (audio's stay), and an image is refused."""
+    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen3_omni.yaml").read_text())
+    (thinker,) = [s for s in config["stages"] if s["name"] == "thinker"]
+    thinker["engine"] = {**thinker.get("engine", {}), "limit_mm_per_prompt": {"image": 0, "video": 0}}
+    path = tmp_path / "limited.yaml"
+    path.write_text(yaml.safe_dump(config))
+    pipe = OmniJaxPipeline.from_pretrained(
+        qwen3_omni_dir, stages=["thinker"], max_num_seqs=4, stage_config=path
+    )
+    buckets = pipe.stages[0].frontend.step_inputs.buckets
+    assert buckets.vision_tokens == () and buckets.audio_chunks
+    assert pipe.stages[0].frontend.warmup() == len(buckets.audio_chunks)
+    with pytest.raises(ValueError, match=r"request 0: 1 image item\(s\), more than the 0"):
+        pipe.run([pipe.chat_prompt(user({"type": "image", "image": picture(56, 56, 1)}))], None, False)

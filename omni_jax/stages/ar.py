@@ -456,9 +456,11 @@ class _Fed(Generic[S]):
         )
 
 
-AR_ENGINE_OPTIONS = ("early_start",)
+AR_ENGINE_OPTIONS = ("early_start", "limit_mm_per_prompt")
 """The stage YAML's ``engine`` keys of an AR stage (the engine's sizes are
-``from_pretrained``'s arguments): ``early_start``, a bool (:meth:`ARStage.streams`)."""
+``from_pretrained``'s arguments): ``early_start``, a bool (:meth:`ARStage.streams`);
+``limit_mm_per_prompt``, a thinker's media per prompt (:class:`~omni_jax.stages.thinker.MediaLimits`,
+which checks it)."""
 
 
 def check_engine_options(sc: StageConfig) -> None:

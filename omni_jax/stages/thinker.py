@@ -128,6 +128,64 @@ class EncoderBuckets:
                     )
 
 
+MEDIA_KINDS = ("audio", "image", "video")
+"""The media a prompt's ``multi_modal_data`` may hold, in :class:`MediaLimits`' names."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaLimits:
+    """The most items of each kind of media one prompt may hold: vLLM's ``limit_mm_per_prompt``,
+    from the thinker stage YAML's ``engine.limit_mm_per_prompt`` (e.g. ``{image: 0, video: 0}``);
+    a kind not named has no limit. A kind limited to 0 is off, and its encoder's programs are
+    not compiled at warm-up (the vision encoder's when images and videos are both off): a
+    deployment that takes no such media does not pay their start-up, which on a GPU host is
+    seconds a program. A prompt past a limit is refused at validation, naming it."""
+
+    audio: int | None = None
+    image: int | None = None
+    video: int | None = None
+
+    @classmethod
+    def from_engine(cls, stage: str, engine: dict[str, Any]) -> MediaLimits:
+        """The limits of a stage YAML's ``engine`` (none when it has no ``limit_mm_per_prompt``);
+        ``ValueError`` naming the stage for a kind it does not know or a count that is not a
+        non-negative integer."""
+        given = engine.get("limit_mm_per_prompt") or {}
+        if not isinstance(given, dict):
+            raise ValueError(f"stage {stage!r}: engine.limit_mm_per_prompt must be a mapping, got {given!r}")
+        unknown = sorted(set(given) - set(MEDIA_KINDS))
+        if unknown:
+            raise ValueError(
+                f"stage {stage!r}: engine.limit_mm_per_prompt has unknown kinds {unknown} "
+                f"(known: {list(MEDIA_KINDS)})"
+            )
+        for kind, n in given.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(
+                    f"stage {stage!r}: engine.limit_mm_per_prompt.{kind}={n!r} must be a non-negative integer"
+                )
+        return cls(**given)
+
+    def buckets(self, buckets: EncoderBuckets) -> EncoderBuckets:
+        """``buckets`` less the encoder calls of the kinds that are off."""
+        return EncoderBuckets(
+            audio_chunks=() if self.audio == 0 else buckets.audio_chunks,
+            vision_tokens=() if self.image == 0 and self.video == 0 else buckets.vision_tokens,
+        )
+
+    def check(self, index: int, inputs: OmniInputs) -> None:
+        """``ValueError`` naming request ``index`` when its prompt holds more of a kind than
+        allowed (a video's audio track counts as audio)."""
+        counts = (len(inputs.audio_features), len(inputs.image_grid_thw), len(inputs.video_grid_thw))
+        for kind, n in zip(MEDIA_KINDS, counts, strict=True):
+            limit = getattr(self, kind)
+            if limit is not None and n > limit:
+                raise ValueError(
+                    f"request {index}: {n} {kind} item(s), more than the {limit} a prompt may hold here "
+                    "(the thinker stage's engine.limit_mm_per_prompt)"
+                )
+
+
 class EncoderPrograms:
     """One encoder's compiled programs, one per input shape: compiled ahead of traffic by
     :meth:`compile` (warm-up, from shapes alone) or at a shape's first call, then reused.
@@ -425,27 +483,32 @@ class ThinkerFrontend:
     video_pixels: int = VIDEO_SIZE["longest_edge"]
 
     def __init__(
-        self, processor: OmniProcessor | None, model: Thinker, buckets: EncoderBuckets | None = None
+        self,
+        processor: OmniProcessor | None,
+        model: Thinker,
+        buckets: EncoderBuckets | None = None,
+        limits: MediaLimits = MediaLimits(),
     ):
         """``buckets``: the encoders' call sizes; default :meth:`EncoderBuckets.for_processor`
-        (none without a processor: text prompts only)."""
+        (none without a processor: text prompts only), less the kinds ``limits`` turns off."""
         self.processor = processor
         self.spec = model.thinker_spec
         self.rope_spec = self.spec.rope_index
+        self.limits = limits
         if buckets is None:
             buckets = (
                 EncoderBuckets()
                 if processor is None
                 else EncoderBuckets.for_processor(processor, self.spec, self.video_pixels)
             )
-        self.step_inputs = self.step_inputs_class(model, buckets)
+        self.step_inputs = self.step_inputs_class(model, limits.buckets(buckets))
 
     @classmethod
-    def build(cls, model: Thinker, path: Path) -> ThinkerFrontend:
+    def build(cls, model: Thinker, path: Path, limits: MediaLimits = MediaLimits()) -> ThinkerFrontend:
         """With the checkpoint's processor files; without ``preprocessor_config.json`` the stage
         takes text prompts only."""
         has_processor = (Path(path) / "preprocessor_config.json").exists()
-        return cls(cls.processor_class.from_pretrained(path) if has_processor else None, model)
+        return cls(cls.processor_class.from_pretrained(path) if has_processor else None, model, limits=limits)
 
     def prepare(self, index: int, request: StageInput) -> StageInput:
         prompt = request.prompt
@@ -462,6 +525,7 @@ class ThinkerFrontend:
             inputs = OmniInputs(input_ids=list(request.token_ids))
         else:
             inputs = self.processor.process(index, request.token_ids, data, **kwargs)
+            self.limits.check(index, inputs)
             self.step_inputs.buckets.check(index, inputs, self.spec)
         try:
             positions, delta = self.rope_index(inputs)
