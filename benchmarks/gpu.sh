@@ -29,8 +29,9 @@
 #             throughput, streamed against offline, at STREAM_LEVELS clients (issue 22);
 #   stream3   Qwen3-Omni's (--suite e2e_qwen3 --stream) on `small`, transformers' generate as the
 #             reference (REFERENCE): TTFA against vLLM-omni's published 523 ms at c = 1 (issue 23);
-#             its cold warm-up did not end in 330 s on an H200 at c = 1 (RESULTS.md): give it a
-#             whole call;
+#             its cold warm-up did not end in 330 s on an H200 at c = 1 (RESULTS.md), its thinker's
+#             encoders then compiling one at a time; since then they compile side by side, and
+#             the stream suites (text prompts) turn them off: give it a whole call all the same;
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
 # MOE_S, SHAPED_S, COMPILE_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each run), PROFILE_S, STREAM_S,

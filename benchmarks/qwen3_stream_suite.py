@@ -182,7 +182,13 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         raise SystemExit("--frames and --requests-per-client must be >= 1, --max-tokens >= 2")
     max_batch = min(MAX_CODE2WAV_BATCH, max(levels))
     stage_config = sized_code2wav_config(
-        Path(args.cache_dir), max_batch, args.frames, "qwen3_omni", not args.late_talker, args.stream_sizes
+        Path(args.cache_dir),
+        max_batch,
+        args.frames,
+        "qwen3_omni",
+        not args.late_talker,
+        args.stream_sizes,
+        text_only=True,
     )
     pipe = build_pipeline(path, args, stage_config, args.max_num_seqs or max(levels), "e2e_qwen3 --stream")
     groups = pipe.stages[1].frontend.spec.num_code_groups
@@ -225,7 +231,8 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         "codes_per_frame": groups,
         "speech_s_per_request": args.frames / FRAMES_PER_SECOND,
         "settings": {
-            "thinker": f"greedy, exactly {args.max_tokens} tokens (min_tokens = max_tokens)",
+            "thinker": f"greedy, exactly {args.max_tokens} tokens (min_tokens = max_tokens); text prompts, "
+            "media off (limit_mm_per_prompt 0: no encoder compiled)",
             "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, exactly {args.frames} frames "
             f"(min_tokens = max_tokens), {talker_start(args)}",
             "code2wav": f"max_batch {max_batch}, max_frames {args.frames}; streamed: "

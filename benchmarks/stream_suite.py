@@ -531,6 +531,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         args.codes,
         early_start=not args.late_talker,
         stream_sizes=args.stream_sizes,
+        text_only=True,
     )
     pipe = build_pipeline(path, args, stage_config, args.max_num_seqs or max(levels), "stream")
     code2wav = pipe.stages[-1]
@@ -572,7 +573,8 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         "codes_per_request": args.codes,
         "speech_s_per_request": args.codes / CODES_PER_SPEECH_SECOND,
         "settings": {
-            "thinker": f"greedy, exactly {args.max_tokens} tokens (ignore_eos)",
+            "thinker": f"greedy, exactly {args.max_tokens} tokens (ignore_eos); text prompts, media off "
+            "(limit_mm_per_prompt 0: no encoder compiled)",
             "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, exactly {args.codes} codes "
             f"(min_tokens = max_tokens), {talker_start(args)}",
             "code2wav": f"num_steps {args.num_steps}, guidance {args.guidance_scale}, sway -1, seed "

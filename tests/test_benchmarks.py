@@ -734,3 +734,19 @@ def test_host_step_times_each_phase(tmp_path: Path) -> None:
     assert result["prompt"] == 20 and set(result["s"]) == {"1", "4"}
     for phases in result["s"].values():
         assert set(phases) == set(host_step.PHASES) and all(0 < t < 1 for t in phases.values())
+
+
+def test_text_only_config_turns_the_encoders_off(tmp_path: Path) -> None:
+    """The stream suites' prompts are text: their stage YAML caps every kind of media at 0 (no
+    encoder compiled at warm-up), beside code2wav's sizes; without ``text_only`` the thinker's
+    engine is the shipped one."""
+    import yaml
+
+    text = yaml.safe_load(
+        harness.sized_code2wav_config(tmp_path, 2, 50, "qwen3_omni", text_only=True).read_text()
+    )
+    shipped = yaml.safe_load(harness.sized_code2wav_config(tmp_path, 2, 50, "qwen3_omni").read_text())
+    stages = {s["name"]: s for s in text["stages"]}
+    assert stages["thinker"]["engine"]["limit_mm_per_prompt"] == {"audio": 0, "image": 0, "video": 0}
+    assert stages["code2wav"]["engine"]["max_batch"] == 2
+    assert "limit_mm_per_prompt" not in {s["name"]: s for s in shipped["stages"]}["thinker"].get("engine", {})
