@@ -30,9 +30,10 @@ from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.preflight import cache_shares, check_memory_before_loading, engine_settings, stage_needs
 from omni_jax.progress import RequestsBar, WarmupBar
-from omni_jax.stages.ar import ARStage
+from omni_jax.stages.ar import ARStage, check_engine_options
 from omni_jax.stages.base import Stage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
+from omni_jax.stages.thinker import MediaLimits
 from omni_jax.weights import load_part
 
 
@@ -82,6 +83,7 @@ class OmniJaxPipeline:
         attention_backend: str = "auto",
         compilation_cache: str | Path | bool | None = None,
         progress: bool = False,
+        limit_mm_per_prompt: dict[str, int] | None = None,
     ) -> OmniJaxPipeline:
         """Build the pipeline from an HF checkpoint dir or a ``checkpoints_convert`` dir.
 
@@ -95,6 +97,11 @@ class OmniJaxPipeline:
 
         ``compilation_cache``: a directory for JAX's persistent compilation cache (default
         ``~/.cache/omni_jax/xla`` or ``$OMNI_JAX_COMPILATION_CACHE``); ``False`` turns it off.
+
+        ``limit_mm_per_prompt``: vLLM's, e.g. ``{"image": 0, "video": 0}``: the most media items
+        of each kind a prompt may hold, in place of the thinker YAML's ``engine`` entry
+        (:class:`~omni_jax.stages.thinker.MediaLimits`: a kind capped at 0 is off, its encoder
+        not compiled at warm-up).
         """
         path = Path(path)
         dtype = dtype_name(dtype)
@@ -115,6 +122,12 @@ class OmniJaxPipeline:
         hf_config = load_hf_config(path)
         arch = architecture_of(hf_config)
         config = load_pipeline_config(stage_config or arch.stage_yaml).select(stages)
+        if limit_mm_per_prompt is not None:
+            config = config.with_media_limits(limit_mm_per_prompt)
+        for sc in config.stages:  # the AR stages' YAML engine keys, refused before anything loads
+            if sc.kind == "ar":
+                check_engine_options(sc)
+                MediaLimits.from_engine(sc.name, sc.engine)
         missing = arch.missing_files(path, [sc.name for sc in config.stages])
         if missing is not None:
             raise ValueError(missing)

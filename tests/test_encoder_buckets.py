@@ -310,13 +310,19 @@ def test_pack_reads_rows_and_prepare_drops_them_past_the_prompt(warm) -> None:
     assert step_inputs.prepare([row(n, n + 1)]) == {} and state.rows is None
 
 
-def limited(omni_dir: Path, tmp_path: Path, limits: dict[str, int]) -> OmniJaxPipeline:
-    """The thinker alone, its stage YAML's ``engine.limit_mm_per_prompt`` set to ``limits``."""
+def limited_yaml(tmp_path: Path, limits: dict[str, int]) -> Path:
+    """The shipped stage YAML with the thinker's ``engine.limit_mm_per_prompt`` set to ``limits``."""
     config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
     (thinker,) = [s for s in config["stages"] if s["name"] == "thinker"]
     thinker["engine"] = {**thinker.get("engine", {}), "limit_mm_per_prompt": limits}
     path = tmp_path / "limited.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def limited(omni_dir: Path, tmp_path: Path, limits: dict[str, int]) -> OmniJaxPipeline:
+    """The thinker alone, its stage YAML's ``engine.limit_mm_per_prompt`` set to ``limits``."""
+    path = limited_yaml(tmp_path, limits)
     return OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], max_num_seqs=4, stage_config=path)
 
 
@@ -367,3 +373,42 @@ def test_media_limits_are_checked(given: Any, match: str) -> None:
     assert MediaLimits.from_engine("thinker", {"limit_mm_per_prompt": {"image": 2}}) == MediaLimits(image=2)
     with pytest.raises(ValueError, match=f"stage 'thinker': {match}"):
         MediaLimits.from_engine("thinker", {"limit_mm_per_prompt": given})
+
+
+def test_from_pretrained_limits_replace_the_yaml(
+    omni_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``from_pretrained(limit_mm_per_prompt=...)`` (and ``omni-jax serve --limit-mm-per-prompt``)
+    sets the thinker's limits over its YAML's, and a mistake in them is refused before any
+    weight is read: one line and exit 2 on the command line."""
+    pipe = OmniJaxPipeline.from_pretrained(
+        omni_dir, stages=["thinker"], max_num_seqs=4, limit_mm_per_prompt={"audio": 0, "video": 0}
+    )
+    assert frontend_of(pipe).step_inputs.buckets == EncoderBuckets((), VISION_BUCKETS)
+    assert frontend_of(pipe).limits == MediaLimits(audio=0, video=0)
+    replaced = OmniJaxPipeline.from_pretrained(
+        omni_dir,
+        stages=["thinker"],
+        max_num_seqs=4,
+        stage_config=limited_yaml(tmp_path, {"image": 0}),
+        limit_mm_per_prompt={"audio": 1},
+    )
+    assert frontend_of(replaced).limits == MediaLimits(audio=1)
+
+    import omni_jax.pipeline as pipeline_module
+    from omni_jax.cli import main as cli_main
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights were read before the limits were checked")
+
+    monkeypatch.setattr(pipeline_module, "load_part", no_loading)
+    with pytest.raises(
+        ValueError, match=r"stage 'thinker': engine.limit_mm_per_prompt has unknown kinds \['images'\]"
+    ):
+        OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], limit_mm_per_prompt={"images": 0})
+    assert cli_main(["serve", str(omni_dir), "--limit-mm-per-prompt", '{"image": -1}']) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "limit_mm_per_prompt.image=-1 must be a non-negative integer" in err
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["serve", str(omni_dir), "--limit-mm-per-prompt", "image=0"])
+    assert exit_info.value.code == 2 and "must be a JSON object" in capsys.readouterr().err

@@ -9,6 +9,7 @@ warms up.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
@@ -20,6 +21,18 @@ def _positive(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return n
+
+
+def _media_limits(value: str) -> dict[str, int]:
+    """``--limit-mm-per-prompt``'s JSON object (vLLM's form, e.g. ``{"image": 0, "video": 0}``);
+    its kinds and counts are checked by ``from_pretrained``."""
+    try:
+        limits = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"image\": 0}}': {e}") from None
+    if not isinstance(limits, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"image\": 0}}', got {value}")
+    return limits
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,6 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=_positive, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--stage-config", default=None, help="a stage YAML in place of the architecture's")
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_media_limits,
+        default=None,
+        help='most media items of each kind a prompt may hold, e.g. \'{"image": 0, "video": 0}\' '
+        "(a kind at 0 is off: its encoder is not compiled)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -93,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         stage_config=args.stage_config,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
         max_waiting=args.max_queue,
         progress=True,
     )

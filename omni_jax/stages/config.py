@@ -94,6 +94,20 @@ class PipelineConfig:
                 )
         return dataclasses.replace(self, stages=chosen)
 
+    def with_media_limits(self, limits: dict[str, int]) -> PipelineConfig:
+        """The config with ``limits`` as the ``engine.limit_mm_per_prompt`` of each AR stage that
+        reads the user's prompt (the thinker; a text model's stage has no media to limit), in
+        place of its YAML's."""
+        return dataclasses.replace(
+            self,
+            stages=tuple(
+                dataclasses.replace(s, engine={**s.engine, "limit_mm_per_prompt": dict(limits)})
+                if s.kind == "ar" and s.input == "prompt"
+                else s
+                for s in self.stages
+            ),
+        )
+
 
 def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:
     """A shipped YAML by file name, or a user's own YAML by path."""
