@@ -403,6 +403,10 @@ def test_from_pretrained_limits_replace_the_yaml(
 
     monkeypatch.setattr(pipeline_module, "load_part", no_loading)
     with pytest.raises(
+        ValueError, match=r"stage 'thinker': engine.limit_mm_per_prompt must be a mapping, got \[0\]"
+    ):
+        OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], limit_mm_per_prompt=[0])  # type: ignore[arg-type]
+    with pytest.raises(
         ValueError, match=r"stage 'thinker': engine.limit_mm_per_prompt has unknown kinds \['images'\]"
     ):
         OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], limit_mm_per_prompt={"images": 0})

@@ -101,7 +101,7 @@ class PipelineConfig:
         return dataclasses.replace(
             self,
             stages=tuple(
-                dataclasses.replace(s, engine={**s.engine, "limit_mm_per_prompt": dict(limits)})
+                dataclasses.replace(s, engine={**s.engine, "limit_mm_per_prompt": limits})
                 if s.kind == "ar" and s.input == "prompt"
                 else s
                 for s in self.stages
