@@ -82,6 +82,7 @@ from benchmarks.harness import (
 )
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.profiling import scope
+from omni_jax.stages.thinker import MEDIA_KINDS
 from omni_jax.testing import reference_omni_processor
 
 SAMPLE_RATE = 24_000
@@ -592,12 +593,22 @@ def _tokens(run: SideRun) -> tuple[list[list[int]], list[list[int]]]:
     return run.thinker_tokens, run.talker_tokens
 
 
+TEXT_PROMPTS = dict.fromkeys(MEDIA_KINDS, 0)
+"""``limit_mm_per_prompt`` of a suite whose prompts are text: every kind of media off, so the
+thinker's encoders are not compiled at warm-up (as a text-in deployment sets it)."""
+
+
 def build_pipeline(
-    path: Path, args: Any, stage_config: Path, max_num_seqs: int | None, suite: str
+    path: Path,
+    args: Any,
+    stage_config: Path,
+    max_num_seqs: int | None,
+    suite: str,
+    limit_mm_per_prompt: dict[str, int] | None = None,
 ) -> OmniJaxPipeline:
     """Our whole pipeline as a speech suite (``suite``, for the message) builds it from its
-    arguments (dtype, mesh, the AR stages' sizes) and ``stage_config``; SystemExit unless its
-    stages are :data:`STAGES`."""
+    arguments (dtype, mesh, the AR stages' sizes), ``stage_config`` and ``limit_mm_per_prompt``
+    (e.g. :data:`TEXT_PROMPTS`); SystemExit unless its stages are :data:`STAGES`."""
     pipe = OmniJaxPipeline.from_pretrained(
         path,
         dtype=args.dtype,
@@ -606,6 +617,7 @@ def build_pipeline(
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         stage_config=stage_config,
+        limit_mm_per_prompt=limit_mm_per_prompt,
     )
     names = [s.config.name for s in pipe.stages]
     if names != list(STAGES):

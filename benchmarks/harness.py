@@ -35,7 +35,6 @@ from omni_jax.kernels import cpu as cpu_kernels
 from omni_jax.outputs import WarmupReport
 from omni_jax.profiling import scope
 from omni_jax.stages.config import SHIPPED_DIR
-from omni_jax.stages.thinker import MEDIA_KINDS
 
 SUITE_FIELDS = ("suite", "ours", "reference", "ratio", "roofline_fraction", "ceilings", "compile")
 """``ours`` / ``reference``: measured figures, steady state (the reference is None without
@@ -461,7 +460,6 @@ def sized_code2wav_config(
     family: str = "qwen2_5_omni",
     early_start: bool = True,
     stream_sizes: dict[str, int] | None = None,
-    text_only: bool = False,
 ) -> Path:
     """The shipped stage YAML of ``family`` (a :data:`CODE2WAV_LENGTH_KEY` key) with code2wav's
     ``engine`` sized to a suite's workload (``max_batch`` requests of at most ``max_codes`` codes,
@@ -470,9 +468,7 @@ def sized_code2wav_config(
     ``warmup()`` compile solves of that size and the start-up memory check reserve for them, far
     past a benchmark's requests. ``early_start`` false: the talker starts when the thinker ends
     (``--late-talker``). ``stream_sizes``: ``engine.stream`` keys set over the shipped ones
-    (``--stream-sizes``; the stage refuses a key not its family's). ``text_only``: the thinker
-    takes no media (``engine.limit_mm_per_prompt`` 0 for every kind), so its encoders are not
-    compiled at warm-up: for suites whose prompts are text, as a text-in deployment sets it."""
+    (``--stream-sizes``; the stage refuses a key not its family's)."""
     raw = yaml.safe_load((SHIPPED_DIR / f"{family}.yaml").read_text())
     (code2wav,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
     length = CODE2WAV_LENGTH_KEY[family]
@@ -481,13 +477,7 @@ def sized_code2wav_config(
         code2wav["engine"]["stream"] = {**code2wav["engine"].get("stream", {}), **stream_sizes}
     for talker in (s for s in raw["stages"] if s["name"] == "talker"):
         talker["engine"] = {**talker.get("engine", {}), "early_start": early_start}
-    if text_only:
-        (thinker,) = [s for s in raw["stages"] if s["name"] == "thinker"]
-        thinker["engine"] = {
-            **thinker.get("engine", {}),
-            "limit_mm_per_prompt": dict.fromkeys(MEDIA_KINDS, 0),
-        }
-    late = ("" if early_start else "-late-talker") + ("-text" if text_only else "")
+    late = "" if early_start else "-late-talker"
     sizes = "".join(f"-{k}{v}" for k, v in (stream_sizes or {}).items())
     path = workdir / f"{family}-code2wav-{max_batch}x{max_codes}{late}{sizes}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

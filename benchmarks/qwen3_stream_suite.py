@@ -57,6 +57,7 @@ from benchmarks.e2e_suite import (
     QUESTIONS,
     REPETITION_PENALTY,
     STAGES,
+    TEXT_PROMPTS,
     SideRun,
     build_pipeline,
     run_reference,
@@ -182,15 +183,11 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         raise SystemExit("--frames and --requests-per-client must be >= 1, --max-tokens >= 2")
     max_batch = min(MAX_CODE2WAV_BATCH, max(levels))
     stage_config = sized_code2wav_config(
-        Path(args.cache_dir),
-        max_batch,
-        args.frames,
-        "qwen3_omni",
-        not args.late_talker,
-        args.stream_sizes,
-        text_only=True,
+        Path(args.cache_dir), max_batch, args.frames, "qwen3_omni", not args.late_talker, args.stream_sizes
     )
-    pipe = build_pipeline(path, args, stage_config, args.max_num_seqs or max(levels), "e2e_qwen3 --stream")
+    pipe = build_pipeline(
+        path, args, stage_config, args.max_num_seqs or max(levels), "e2e_qwen3 --stream", TEXT_PROMPTS
+    )
     groups = pipe.stages[1].frontend.spec.num_code_groups
     speakers = sorted(pipe.stages[1].frontend.speakers)
     prompts = []

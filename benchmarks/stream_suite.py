@@ -77,7 +77,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from benchmarks.e2e_suite import QUESTIONS, REPETITION_PENALTY, StageClock, build_pipeline
+from benchmarks.e2e_suite import QUESTIONS, REPETITION_PENALTY, TEXT_PROMPTS, StageClock, build_pipeline
 from benchmarks.harness import (
     Warmup,
     backends,
@@ -531,9 +531,8 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         args.codes,
         early_start=not args.late_talker,
         stream_sizes=args.stream_sizes,
-        text_only=True,
     )
-    pipe = build_pipeline(path, args, stage_config, args.max_num_seqs or max(levels), "stream")
+    pipe = build_pipeline(path, args, stage_config, args.max_num_seqs or max(levels), "stream", TEXT_PROMPTS)
     code2wav = pipe.stages[-1]
     if code2wav.geometry.max_codes < args.codes:
         raise SystemExit(

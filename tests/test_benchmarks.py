@@ -736,17 +736,23 @@ def test_host_step_times_each_phase(tmp_path: Path) -> None:
         assert set(phases) == set(host_step.PHASES) and all(0 < t < 1 for t in phases.values())
 
 
-def test_text_only_config_turns_the_encoders_off(tmp_path: Path) -> None:
-    """The stream suites' prompts are text: their stage YAML caps every kind of media at 0 (no
-    encoder compiled at warm-up), beside code2wav's sizes; without ``text_only`` the thinker's
-    engine is the shipped one."""
-    import yaml
+def test_text_prompts_turn_the_encoders_off(omni_dir: Path, tmp_path: Path) -> None:
+    """The stream suites' prompts are text: they build the pipeline with every kind of media
+    capped at 0 (no encoder compiled at warm-up), beside code2wav's sizes from their stage YAML;
+    without it the thinker's media are the shipped ones (no limit)."""
+    import argparse
 
-    text = yaml.safe_load(
-        harness.sized_code2wav_config(tmp_path, 2, 50, "qwen3_omni", text_only=True).read_text()
+    from benchmarks.e2e_suite import TEXT_PROMPTS, build_pipeline
+    from omni_jax.stages.thinker import EncoderBuckets, MediaLimits
+
+    assert TEXT_PROMPTS == {"audio": 0, "image": 0, "video": 0}
+    args = argparse.Namespace(
+        dtype=None, mesh=None, max_model_len=None, max_num_batched_tokens=None, model="tiny"
     )
-    shipped = yaml.safe_load(harness.sized_code2wav_config(tmp_path, 2, 50, "qwen3_omni").read_text())
-    stages = {s["name"]: s for s in text["stages"]}
-    assert stages["thinker"]["engine"]["limit_mm_per_prompt"] == {"audio": 0, "image": 0, "video": 0}
-    assert stages["code2wav"]["engine"]["max_batch"] == 2
-    assert "limit_mm_per_prompt" not in {s["name"]: s for s in shipped["stages"]}["thinker"].get("engine", {})
+    config = harness.sized_code2wav_config(tmp_path, 2, 50)
+    text = build_pipeline(omni_dir, args, config, 2, "stream", TEXT_PROMPTS)
+    assert text.stages[0].frontend.step_inputs.buckets == EncoderBuckets((), ())
+    assert text.stages[-1].config.engine["max_batch"] == 2
+    shipped = build_pipeline(omni_dir, args, config, 2, "stream")
+    assert shipped.stages[0].frontend.limits == MediaLimits()
+    assert shipped.stages[0].frontend.step_inputs.buckets.vision_tokens
