@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ import numpy as np
 MAX_LOGPROBS = 20
 """The most top log-probabilities a request may ask for (vLLM's ``max_logprobs`` default):
 every step that returns any computes this many, so one program serves every request."""
+
+SeedT = TypeVar("SeedT", int, np.ndarray)
 
 SUPPRESS_WIDTH = 16
 """Token ids one row may have suppressed in one step (its stop ids under ``min_tokens``, a
@@ -224,8 +227,9 @@ def top_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.A
     return ids, jnp.concatenate([token_lp, top_lp], axis=-1)
 
 
-def seed_words(seed: int) -> tuple[int, int]:
-    """A 63-bit seed as the two uint32 words of a raw threefry key."""
+def seed_words(seed: SeedT) -> tuple[SeedT, SeedT]:
+    """A 63-bit seed as the two uint32 words of a raw threefry key (an int, or a uint64 array of
+    seeds: every row's at once)."""
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 
@@ -256,10 +260,8 @@ def pack_sampling(
             raise ValueError(f"{len(s)} token ids to suppress in one row, at most {SUPPRESS_WIDTH}")
         if s:
             supp[i, : len(s)] = s
-    words = np.fromiter(seeds, np.uint64, n)  # seed_words, for every row at once
     seed_rows = np.zeros((batch, 2), np.uint32)
-    seed_rows[:n, 0] = words >> np.uint64(32)
-    seed_rows[:n, 1] = words & np.uint64(0xFFFFFFFF)
+    seed_rows[:n, 0], seed_rows[:n, 1] = seed_words(np.fromiter(seeds, np.uint64, n))
     return SamplingTensors(
         temperature=col([p.temperature for p in params], np.float32, 0.0),
         top_k=col([p.top_k for p in params], np.int32, -1),
