@@ -9,7 +9,7 @@ change to the host path shows here however noisy the device side is: ``schedule`
 (the sampler's rows, ``ARRunner._sampling``) and ``update`` (:meth:`Scheduler.commit` and
 :meth:`Scheduler.update` on a step's drawn tokens). Requests decode greedily after prompts of
 ``--prompt`` tokens on the tiny Qwen2 checkpoint; medians over ``--repeats`` steps.
-Usage: ``python -m benchmarks.host_step [--rows 1,32,256] [--json FILE]``.
+Usage: ``python -m benchmarks.host_step [--rows 1,32,256] [--prompt 100] [--penalty 1.05] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -40,12 +40,21 @@ def drawn(rows: int, token: int = 5) -> StepResult:
     return StepResult(np.full(rows, token), np.ones(rows, bool), None, None, None, None)
 
 
-def decode_phases(pipe: OmniJaxPipeline, rows: int, prompt: int, repeats: int) -> dict[str, float]:
-    """Median seconds of each phase of a step of ``rows`` decoding requests."""
+def decode_phases(
+    pipe: OmniJaxPipeline, rows: int, prompt: int, repeats: int, penalty: float = 1.0
+) -> dict[str, float]:
+    """Median seconds of each phase of a step of ``rows`` decoding requests; ``penalty`` other
+    than 1: a repetition penalty, so the sampler's rows carry each request's ids (its history
+    form, as every talker step with its default penalty)."""
     engine = pipe.stages[0].engine
     scheduler: Scheduler = engine.scheduler
     runner = engine.runner
-    params = SamplingParams(temperature=0, max_tokens=repeats + PROMPT_STEPS_MARGIN, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0,
+        repetition_penalty=penalty,
+        max_tokens=repeats + PROMPT_STEPS_MARGIN,
+        ignore_eos=True,
+    )
     for k in range(rows):
         scheduler.add(ARRequest(f"host-{rows}-{k}", k, list(range(10, 10 + prompt)), params, seed=k))
     while scheduler.waiting or any(r.num_computed < prompt for r in scheduler.running):
@@ -66,7 +75,7 @@ def decode_phases(pipe: OmniJaxPipeline, rows: int, prompt: int, repeats: int) -
         t2 = time.perf_counter()
         runner._pack(step_rows, n, p, sources)
         t3 = time.perf_counter()
-        runner._sampling(step_rows, sources, runner.sequences(n), False)
+        runner._sampling(step_rows, sources, runner.sequences(n), params.penalised)
         t4 = time.perf_counter()
         scheduler.commit(step)
         scheduler.update(step, drawn(rows))
@@ -83,6 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,32,256", help="decoding requests a step, comma-separated")
     parser.add_argument("--prompt", type=int, default=100, help="prompt tokens of each request")
     parser.add_argument("--repeats", type=int, default=50, help="steps timed per batch size")
+    parser.add_argument(
+        "--penalty",
+        type=float,
+        default=1.0,
+        help="repetition penalty of every request (the talker's 1.05: the sampler's rows carry the ids)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/omni_jax_bench"))
     parser.add_argument("--json", type=Path, help="write the medians (seconds) here")
     args = parser.parse_args(argv)
@@ -90,16 +105,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = resolve_model("tiny", args.cache_dir, "qwen2")
     max_len = -(-(args.prompt + args.repeats + PROMPT_STEPS_MARGIN + 1) // 64) * 64
     pipe = OmniJaxPipeline.from_pretrained(path, max_num_seqs=sizes[-1], max_model_len=max(max_len, 256))
-    print(f"host phases of one decode step, ms (median of {args.repeats}; prompts of {args.prompt} tokens)")
+    print(
+        f"host phases of one decode step, ms (median of {args.repeats}; prompts of {args.prompt} tokens; "
+        f"repetition penalty {args.penalty})"
+    )
     print(f"{'rows':>6} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'total':>9}")
     result = {}
     for rows in sizes:
-        phases = decode_phases(pipe, rows, args.prompt, args.repeats)
+        phases = decode_phases(pipe, rows, args.prompt, args.repeats, args.penalty)
         result[str(rows)] = phases
         cells = " ".join(f"{phases[p] * 1e3:9.3f}" for p in PHASES)
         print(f"{rows:>6} {cells} {sum(phases.values()) * 1e3:9.3f}")
     if args.json:
-        args.json.write_text(json.dumps({"suite": "host_step", "prompt": args.prompt, "s": result}, indent=1))
+        record = {"suite": "host_step", "prompt": args.prompt, "penalty": args.penalty, "s": result}
+        args.json.write_text(json.dumps(record, indent=1))
     return 0
 
 

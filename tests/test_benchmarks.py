@@ -713,7 +713,8 @@ def test_shaped_suite_on_small_widths(tmp_path: Path) -> None:
 
 def test_host_step_times_each_phase(tmp_path: Path) -> None:
     """The host phases of a decode step at two batch sizes: every phase timed, on steps that hold
-    every request (the benchmark refuses a step that does not), the requests gone after."""
+    every request (the benchmark refuses a step that does not), the requests gone after; with a
+    repetition penalty, so the sampler's rows carry the requests' ids (the talker's form)."""
     from benchmarks import host_step
 
     out = tmp_path / "host.json"
@@ -724,6 +725,8 @@ def test_host_step_times_each_phase(tmp_path: Path) -> None:
         "3",
         "--prompt",
         "20",
+        "--penalty",
+        "1.05",
         "--cache-dir",
         str(tmp_path),
         "--json",
@@ -731,7 +734,7 @@ def test_host_step_times_each_phase(tmp_path: Path) -> None:
     ]
     assert host_step.main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["prompt"] == 20 and set(result["s"]) == {"1", "4"}
+    assert result["prompt"] == 20 and result["penalty"] == 1.05 and set(result["s"]) == {"1", "4"}
     for phases in result["s"].values():
         assert set(phases) == set(host_step.PHASES) and all(0 < t < 1 for t in phases.values())
 

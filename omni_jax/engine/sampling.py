@@ -235,7 +235,7 @@ def seed_words(seed: SeedT) -> tuple[SeedT, SeedT]:
 
 def pack_sampling(
     params: Sequence[SamplingParams],
-    histories: Sequence[Sequence[int]],
+    histories: Sequence[Sequence[int] | np.ndarray],
     prompt_lens: Sequence[int],
     seeds: Sequence[int],
     draw_index: Sequence[int],
@@ -252,7 +252,7 @@ def pack_sampling(
 
     hist = np.full((batch, history_len), -1, np.int32)
     for i, h in enumerate(histories):
-        if h:  # a step's rows carry no history unless a row is penalised
+        if len(h):  # a step's rows carry no history unless a row is penalised
             hist[i, : len(h)] = h
     supp = np.full((batch, SUPPRESS_WIDTH), -1, np.int32)
     for i, s in enumerate(suppress):

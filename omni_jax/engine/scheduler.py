@@ -79,10 +79,44 @@ class ARRequest(Generic[S]):
     captured: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     captured_start: int = 0  # the computed token of the first row ``captured`` holds (earlier ones released)
 
+    _known: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, np.int32), init=False, repr=False, compare=False
+    )
+    _num_known: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+    _stop: frozenset[int] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
     @property
-    def all_ids(self) -> list[int]:
-        """The ids the host knows: the prompt and every output token read back."""
-        return self.prompt_ids + self.output_ids
+    def num_known(self) -> int:
+        """How many ids the host knows: the prompt's and every output token read back."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def known_ids(self) -> np.ndarray:
+        """The ids the host knows (the prompt, then every output token read back), ``int32``: a
+        view of a buffer that grows as outputs are read, so a step's rows hold their request's
+        history without copying it (a copy a row a step is quadratic in a reply's length)."""
+        n, done = self.num_known, self._num_known
+        if n > len(self._known):
+            grown = np.empty(max(n, 2 * len(self._known)), np.int32)
+            grown[:done] = self._known[:done]
+            self._known = grown
+        if n > done:
+            prompt = len(self.prompt_ids)
+            if done < prompt:
+                self._known[done:prompt] = self.prompt_ids[done:]
+            start = max(done, prompt)
+            self._known[start:n] = self.output_ids[start - prompt :]
+            self._num_known = n
+        return self._known[:n]
+
+    def ids(self, start: int, end: int) -> list[int]:
+        """Known ids ``[start, end)`` (``end`` at most :attr:`num_known`), sliced from the prompt
+        and the outputs without joining them."""
+        prompt = len(self.prompt_ids)
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        if start >= prompt:
+            return self.output_ids[start - prompt : end - prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - prompt]
 
     @property
     def num_tokens(self) -> int:
@@ -149,11 +183,15 @@ class ARRequest(Generic[S]):
             return True
         return len(self.prompt_ids) + drawn >= max_model_len
 
-    def stop_ids(self) -> set[int]:
-        ids = set(self.params.stop_token_ids or [])
-        if not self.params.ignore_eos:
-            ids.update(self.eos_token_ids)
-        return ids
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end it (its stop ids, and its EOS ids unless it ignores them); built once,
+        as it is read every step while it is under ``min_tokens`` and for every token it draws."""
+        if self._stop is None:
+            ids = set(self.params.stop_token_ids or [])
+            if not self.params.ignore_eos:
+                ids.update(self.eos_token_ids)
+            self._stop = frozenset(ids)
+        return self._stop
 
 
 PositionFn = Callable[[S | None, int, int], np.ndarray]
@@ -388,14 +426,15 @@ class Scheduler:
         in a step scheduled before the one drawing it was read) is the placeholder
         :data:`PENDING_TOKEN`, which the runner replaces on the device."""
         start, end = req.num_computed, req.num_computed + chunk
-        ids = req.all_ids
-        sample = end == req.num_tokens
+        known = req.num_known
+        sample = end == known + req.pending
         drawn = len(req.output_ids) + req.pending
-        suppress = set(req.suppress_ids) if sample else set()
-        if sample and drawn < req.params.min_tokens:
-            suppress |= req.stop_ids()
+        suppress: Sequence[int] = ()
+        if sample and (req.suppress_ids or drawn < req.params.min_tokens):
+            held = req.stop_ids() if drawn < req.params.min_tokens else frozenset()
+            suppress = sorted(held.union(req.suppress_ids))
         return StepRow(
-            token_ids=ids[start:end] + [PENDING_TOKEN] * (end - max(start, len(ids))),
+            token_ids=req.ids(start, min(end, known)) + [PENDING_TOKEN] * (end - max(start, known)),
             positions=self.positions(req.state, start, end),
             pages=req.pages,
             start=start,
@@ -403,12 +442,12 @@ class Scheduler:
             params=req.params,
             seed=req.seed,
             draw_index=drawn,
-            history=ids,
+            history=req.known_ids(),
             prompt_len=len(req.prompt_ids),
-            suppress=sorted(suppress),
+            suppress=suppress,
             capture_hidden=req.capture_hidden,
             state=req.state,
-            pending_token=end > len(ids),
+            pending_token=end > known,
         )
 
     def commit(self, step: Sequence[tuple[ARRequest[S], StepRow[S]]]) -> None:

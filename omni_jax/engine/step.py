@@ -47,7 +47,7 @@ class StepRow(Generic[S]):
     params: SamplingParams
     seed: int
     draw_index: int
-    history: Sequence[int]
+    history: Sequence[int] | np.ndarray
     prompt_len: int
     suppress: Sequence[int]
     capture_hidden: bool = False
