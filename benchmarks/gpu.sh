@@ -24,7 +24,8 @@
 #             benchmarks/trace_summary.py's text summary (host spans, device streams, costliest
 #             kernels) and the trace itself (for Perfetto) come back;
 #   host      the host's share of a decode step by phase (schedule, pack, sampling, update) at
-#             1, 32 and 256 rows, no device work (benchmarks/host_step.py): seconds;
+#             1, 32 and 256 rows, no device work (benchmarks/host_step.py), and penalised as
+#             the talker's (400-token ids, 1 / 32 / 128 rows): seconds;
 #   stream    Qwen2.5-Omni's streamed speech on `small` (--suite e2e --stream): TTFA, RTF and
 #             throughput, streamed against offline, at STREAM_LEVELS clients (issue 22);
 #   stream3   Qwen3-Omni's (--suite e2e_qwen3 --stream) on `small`, transformers' generate as the
@@ -141,6 +142,11 @@ host() {
   timeout -s INT 120 python3 -m benchmarks.host_step --json "$OUT/host_step.json" >"$OUT/host_step.log" 2>&1
   echo "host step exit $?"
   tail -5 "$OUT/host_step.log"
+  # The talker's form: a repetition penalty, so the sampler's rows carry each request's ids.
+  timeout -s INT 120 python3 -m benchmarks.host_step --prompt 400 --rows 1,32,128 --penalty 1.05 \
+    --json "$OUT/host_step_penalty.json" >"$OUT/host_step_penalty.log" 2>&1
+  echo "host step (penalised) exit $?"
+  tail -5 "$OUT/host_step_penalty.log"
 }
 
 stream() {
