@@ -15,6 +15,7 @@ from omni_jax.engine.step import PENDING_TOKEN, StepResult
 
 
 def test_known_ids_and_slices_follow_the_outputs():
+    """Ids read one at a time: each view holds the ids of its time, the slices any range."""
     req = ARRequest("r", 0, [7, 8, 9], SamplingParams(), seed=0)
     views = []
     for tok in range(20, 60):  # past several doublings of the buffer
@@ -29,9 +30,11 @@ def test_known_ids_and_slices_follow_the_outputs():
             assert req.ids(start, end) == every[start:end], (start, end)
 
 
-def test_stop_ids_are_built_once_and_suppressed_under_min_tokens():
+def test_stop_ids_are_built_once():
+    """Stop ids and EOS ids, EOS left out when ignored; one set a request (read every step while
+    under ``min_tokens`` and for every drawn token)."""
     params = SamplingParams(stop_token_ids=[5], min_tokens=2)
-    req = ARRequest("r", 0, [1, 2], params, seed=0, eos_token_ids=(3,), suppress_ids=(9,))
+    req = ARRequest("r", 0, [1, 2], params, seed=0, eos_token_ids=(3,))
     assert req.stop_ids() == {3, 5} and req.stop_ids() is req.stop_ids()
     ignoring = ARRequest(
         "s", 1, [1], SamplingParams(stop_token_ids=[5], ignore_eos=True), seed=0, eos_token_ids=(3,)
