@@ -121,7 +121,7 @@ class ARRequest(Generic[S]):
     @property
     def num_tokens(self) -> int:
         """The request's tokens, its pending ones included."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+        return self.num_known + self.pending
 
     @property
     def remaining(self) -> int:
@@ -427,7 +427,7 @@ class Scheduler:
         :data:`PENDING_TOKEN`, which the runner replaces on the device."""
         start, end = req.num_computed, req.num_computed + chunk
         known = req.num_known
-        sample = end == known + req.pending
+        sample = end == req.num_tokens
         drawn = len(req.output_ids) + req.pending
         suppress: Sequence[int] = ()
         if sample and (req.suppress_ids or drawn < req.params.min_tokens):
