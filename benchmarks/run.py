@@ -9,7 +9,8 @@ streamed, against transformers' time to its audio and our offline decoding
 suite names the model family: ``ar`` runs Qwen2, ``code2wav`` and ``e2e`` Qwen2.5-Omni,
 ``ar_qwen3`` Qwen3-Omni's thinker, ``code2wav_qwen3`` its code2wav and ``e2e_qwen3`` all of it (a
 PATH must be of the suite's ``model_type``: ``--suite ar_qwen3 --model /ckpt/Qwen3-Omni-30B-A3B-Instruct``).
-``all`` runs every registered suite but the soak (with a PATH, those whose ``model_type`` it is). Each suite
+``all`` runs every registered suite but the soak (with a PATH, those whose ``model_type`` it is),
+each in a process of its own (:func:`run_isolated`). Each suite
 warms up (compile time reported on its own), measures ours and, with ``--reference``, the
 transformers / PyTorch reference on the same requests in this process, prints a table and, with
 ``--json``, writes the result (a list of results for ``all``); the schema is in
@@ -300,6 +301,48 @@ def suites_for(name: str, model: str) -> list[str]:
     return matching
 
 
+def run_isolated(names: list[str], argv: list[str], command: str, json_path: str | None) -> int:
+    """Run each suite of ``names`` in a process of its own, one after the other: ``argv`` with
+    ``--suite NAME --json FILE`` appended (argparse keeps an option's last value). Each child's
+    table streams through; the results are gathered into ``json_path`` (a list, ``command`` the
+    one given here). A suite whose process dies is a failure; the suites after it still run.
+
+    Why: XLA keeps a process's programs loaded while jit's caches hold them, and each XLA CPU
+    executable maps memory regions of its own, so one process running every suite at ``small``
+    (about 180 programs by the third suite's warm-up) reached the kernel's ``vm.max_map_count``:
+    LLVM's "Cannot allocate memory", then a segmentation fault that lost the rest of the run. A
+    process per suite also starts each suite with fresh torch and XLA thread pools, as a user
+    running one suite gets them."""
+    import subprocess
+    import tempfile
+
+    import benchmarks
+
+    env = dict(os.environ)
+    root = str(Path(benchmarks.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    results: list[dict[str, Any]] = []
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="omni_jax_bench_") as tmp:
+        for name in names:
+            out = Path(tmp) / f"{name}.json"
+            child = [sys.executable, "-m", "benchmarks.run", *argv, "--suite", name, "--json", str(out)]
+            code = subprocess.run(child, env=env, check=False).returncode
+            if out.exists():
+                result = json.loads(out.read_text())
+                result["command"] = command
+            else:
+                result = {"suite": name, "command": command, "failures": []}
+            if code != 0 and not result["failures"]:
+                result["failures"].append(f"its process exited with status {code} before writing a result")
+                print(f"FAILED {name}: {result['failures'][-1]}", file=sys.stderr, flush=True)
+            failed = failed or bool(result["failures"])
+            results.append(result)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser(prog).parse_args(argv)
@@ -315,9 +358,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
     suite_name = STREAMED.get(args.suite, args.suite) if args.stream else args.suite
     command = " ".join(shlex.quote(a) for a in [*prog.split(), *argv])
     harness.set_threads()
+    names = suites_for(suite_name, args.model)
+    if len(names) > 1:
+        return run_isolated(names, argv, command, args.json)
     results = []
     failed = False
-    for name in suites_for(suite_name, args.model):
+    for name in names:
         suite = SUITES[name]
         module = importlib.import_module(suite.module)
         suite_args = copy.copy(args)

@@ -642,6 +642,46 @@ def test_a_failure_exits_non_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert json.loads(out.read_text())["failures"] == ["tokens disagree"]
 
 
+def test_suite_all_runs_each_suite_in_its_own_process(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys,  # noqa: ANN001
+) -> None:
+    """``--suite all`` starts one process per suite, in order, each told its suite and its JSON
+    last (argparse keeps the last value); their results are gathered with the command given; a
+    suite whose process dies without a result is a failure, and the suites after it still run."""
+    import subprocess
+
+    import benchmarks
+
+    launched: list[str] = []
+
+    def child(cmd: list[str], env: dict[str, str], check: bool) -> subprocess.CompletedProcess:
+        assert cmd[1:3] == ["-m", "benchmarks.run"] and not check
+        assert str(Path(benchmarks.__file__).resolve().parent.parent) in env["PYTHONPATH"].split(":")
+        args = parser().parse_args(cmd[3:])
+        assert args.reference and args.model == "tiny"
+        launched.append(args.suite)
+        if args.suite == "code2wav":
+            return subprocess.CompletedProcess(cmd, -11)  # killed before it wrote anything
+        record = {"suite": args.suite, "command": "the child's", "failures": []}
+        Path(args.json).write_text(json.dumps(record))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", child)
+    out = tmp_path / "all.json"
+    argv = ["--suite", "all", "--model", "tiny", "--reference", "--json", str(out)]
+    assert main(argv) == 1
+    expected = ["ar", "code2wav", "e2e", "ar_qwen3", "code2wav_qwen3", "e2e_qwen3"]
+    assert launched == expected
+    results = json.loads(out.read_text())
+    assert [r["suite"] for r in results] == expected
+    assert {r["command"] for r in results} == {"python -m benchmarks.run " + " ".join(argv)}
+    assert results[1]["failures"] == ["its process exited with status -11 before writing a result"]
+    assert all(not r["failures"] for i, r in enumerate(results) if i != 1)
+    assert "FAILED code2wav: its process exited with status -11" in capsys.readouterr().err
+
+
 def test_suite_choices() -> None:
     """``--suite all`` runs the registered suites marked for it (not the soak nor the memory
     suite); one Suite line registers another."""
