@@ -308,11 +308,12 @@ def run_isolated(names: list[str], argv: list[str], command: str, json_path: str
     one given here). A suite whose process dies is a failure; the suites after it still run.
 
     Why: XLA keeps a process's programs loaded while jit's caches hold them, and each XLA CPU
-    executable maps memory regions of its own, so one process running every suite at ``small``
-    (about 180 programs by the third suite's warm-up) reached the kernel's ``vm.max_map_count``:
-    LLVM's "Cannot allocate memory", then a segmentation fault that lost the rest of the run. A
-    process per suite also starts each suite with fresh torch and XLA thread pools, as a user
-    running one suite gets them."""
+    executable maps memory regions of its own. One process running every suite at ``small``
+    failed in the third suite's warm-up, about 180 programs in: LLVM "Cannot allocate memory"
+    with most of the RAM free (the kernel's ``vm.max_map_count``, as one pipeline's warm-up once
+    met it), then a segmentation fault that lost the rest of the run. A process per suite also
+    starts each suite with fresh torch and XLA thread pools, as a user running one suite gets
+    them."""
     import subprocess
     import tempfile
 
