@@ -310,10 +310,10 @@ def run_isolated(names: list[str], argv: list[str], command: str, json_path: str
     Why: XLA keeps a process's programs loaded while jit's caches hold them, and each XLA CPU
     executable maps memory regions of its own. One process running every suite at ``small``
     failed in the third suite's warm-up, about 180 programs in: LLVM "Cannot allocate memory"
-    with most of the RAM free (the kernel's ``vm.max_map_count``, as one pipeline's warm-up once
-    met it), then a segmentation fault that lost the rest of the run. A process per suite also
-    starts each suite with fresh torch and XLA thread pools, as a user running one suite gets
-    them."""
+    with most of the RAM free (the signature of the kernel's ``vm.max_map_count``, which one
+    pipeline's warm-up once reached), then a segmentation fault that lost the rest of the run.
+    A process per suite also starts each suite with fresh torch and XLA thread pools, as a user
+    running one suite gets them."""
     import subprocess
     import tempfile
 
@@ -335,7 +335,8 @@ def run_isolated(names: list[str], argv: list[str], command: str, json_path: str
             else:
                 result = {"suite": name, "command": command, "failures": []}
             if code != 0 and not result["failures"]:
-                result["failures"].append(f"its process exited with status {code} before writing a result")
+                unwritten = "" if out.exists() else " before writing a result"
+                result["failures"].append(f"its process exited with status {code}{unwritten}")
                 print(f"FAILED {name}: {result['failures'][-1]}", file=sys.stderr, flush=True)
             failed = failed or bool(result["failures"])
             results.append(result)
