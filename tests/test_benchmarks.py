@@ -649,7 +649,8 @@ def test_suite_all_runs_each_suite_in_its_own_process(
 ) -> None:
     """``--suite all`` starts one process per suite, in order, each told its suite and its JSON
     last (argparse keeps the last value); their results are gathered with the command given; a
-    suite whose process dies without a result is a failure, and the suites after it still run."""
+    suite whose process dies (before or after writing its result) is a failure, and the suites
+    after it still run."""
     import subprocess
 
     import benchmarks
@@ -666,7 +667,7 @@ def test_suite_all_runs_each_suite_in_its_own_process(
             return subprocess.CompletedProcess(cmd, -11)  # killed before it wrote anything
         record = {"suite": args.suite, "command": "the child's", "failures": []}
         Path(args.json).write_text(json.dumps(record))
-        return subprocess.CompletedProcess(cmd, 0)
+        return subprocess.CompletedProcess(cmd, 1 if args.suite == "e2e" else 0)  # e2e: died after
 
     monkeypatch.setattr(subprocess, "run", child)
     out = tmp_path / "all.json"
@@ -678,7 +679,8 @@ def test_suite_all_runs_each_suite_in_its_own_process(
     assert [r["suite"] for r in results] == expected
     assert {r["command"] for r in results} == {"python -m benchmarks.run " + " ".join(argv)}
     assert results[1]["failures"] == ["its process exited with status -11 before writing a result"]
-    assert all(not r["failures"] for i, r in enumerate(results) if i != 1)
+    assert results[2]["failures"] == ["its process exited with status 1"]
+    assert all(not r["failures"] for i, r in enumerate(results) if i not in (1, 2))
     assert "FAILED code2wav: its process exited with status -11" in capsys.readouterr().err
 
 
