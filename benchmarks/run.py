@@ -24,7 +24,6 @@ beyond the parity bound): each is printed on stderr after its table, and the JSO
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import importlib
 import json
@@ -363,37 +362,32 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
     names = suites_for(suite_name, args.model)
     if len(names) > 1:
         return run_isolated(names, argv, command, args.json)
-    results = []
-    failed = False
-    for name in names:
-        suite = SUITES[name]
-        module = importlib.import_module(suite.module)
-        suite_args = copy.copy(args)
-        suite_args.profile = str(Path(args.profile) / name) if args.profile else None
-        if suite_args.num_requests is None:
-            suite_args.num_requests = getattr(module, "DEFAULT_NUM_REQUESTS", 32)
-        path = resolve_model(args.model, Path(args.cache_dir), suite.kind(args.model))
-        result: dict[str, Any] = module.run(path, suite_args)
-        result.update(
-            model=args.model,
-            device=harness.device(),
-            versions=harness.versions(),
-            command=command,
-            date_utc=harness.now_utc(),
-            profile=suite_args.profile,
-            persistent_cache=harness.persistent_cache(),
-            environment=harness.environment(),
-        )
-        result.setdefault("failures", [])
-        harness.check_result(result)
-        print(module.table(result), harness.describe(result), sep="\n", flush=True)
-        for failure in result["failures"]:
-            print(f"FAILED {name}: {failure}", file=sys.stderr, flush=True)
-        failed = failed or bool(result["failures"])
-        results.append(result)
+    (name,) = names
+    suite = SUITES[name]
+    module = importlib.import_module(suite.module)
+    args.profile = str(Path(args.profile) / name) if args.profile else None
+    if args.num_requests is None:
+        args.num_requests = getattr(module, "DEFAULT_NUM_REQUESTS", 32)
+    path = resolve_model(args.model, Path(args.cache_dir), suite.kind(args.model))
+    result: dict[str, Any] = module.run(path, args)
+    result.update(
+        model=args.model,
+        device=harness.device(),
+        versions=harness.versions(),
+        command=command,
+        date_utc=harness.now_utc(),
+        profile=args.profile,
+        persistent_cache=harness.persistent_cache(),
+        environment=harness.environment(),
+    )
+    result.setdefault("failures", [])
+    harness.check_result(result)
+    print(module.table(result), harness.describe(result), sep="\n", flush=True)
+    for failure in result["failures"]:
+        print(f"FAILED {name}: {failure}", file=sys.stderr, flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=1))
-    return 1 if failed else 0
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 1 if result["failures"] else 0
 
 
 if __name__ == "__main__":
