@@ -140,6 +140,14 @@ def decoder(model: Token2Wav, max_batch: int = 8, planner: ChunkPlanner = PLANNE
     )
 
 
+def rows_nearly_free(dec: ChunkedDecoder, monkeypatch: pytest.MonkeyPatch) -> ChunkedDecoder:
+    """``dec`` splitting ready chunks as where a solve's rows cost next to nothing (an
+    accelerator): the fitted overhead of one more solve at its cap, so every ready chunk shares
+    one solve, whatever this CPU's timings."""
+    monkeypatch.setattr(dec.cost, "overhead", lambda: dec.cost.cap)
+    return dec
+
+
 def make_request(n: int) -> dict:
     """Codes, voice and seed of the request of ``n`` codes, and the noise its seed draws."""
     rng = np.random.default_rng(n)
@@ -467,7 +475,7 @@ def test_alone_matches_reference(ours, expected, n: int) -> None:
     check_pieces(outputs[n], expected[n], n)
 
 
-def test_batched_matches_reference(ours, reference, expected) -> None:
+def test_batched_matches_reference(ours, reference, expected, monkeypatch) -> None:
     """All requests in one decoder, every chunk kind in one solve, and a request with a smaller
     chunk (4 codes) riding along."""
     counts = {n: params(n) for n in COUNTS}
@@ -477,7 +485,7 @@ def test_batched_matches_reference(ours, reference, expected) -> None:
         {3: 3, 14: 14, 77: 40, SMALL: 30},
         {8: 8, 15: 15, 77: 77, SMALL: SMALL},
     ]
-    outputs, kinds = stream(decoder(ours), counts, rounds)
+    outputs, kinds = stream(rows_nearly_free(decoder(ours), monkeypatch), counts, rounds)
     every = set(ChunkKind)
     assert kinds[:3] == [{ChunkKind.FIRST}, every, every], kinds[:3]
     for n in COUNTS:
@@ -611,13 +619,14 @@ def test_decoder_refuses_what_it_cannot_stream(ours) -> None:
     assert dec.remove("a") and not dec.remove("a")
 
 
-def test_ready_chunks_wait_briefly_to_share_a_solve(ours) -> None:
-    """A request's later chunk waits up to ``GATHER`` steps for another request's chunk due within
-    ``GATHER`` codes, then both share one solve; a first chunk never waits, nor a chunk whose
-    partner is further off, nor one that has waited ``GATHER`` steps. Chunks run at 9, 15, 21,
+def test_ready_chunks_wait_briefly_to_share_a_solve(ours, monkeypatch) -> None:
+    """Where rows are nearly free, a request's later chunk waits up to ``GATHER`` steps for another
+    request's chunk due within ``GATHER`` codes, then both share one solve; a first chunk never
+    waits, nor a chunk whose partner is further off, nor one that has waited ``GATHER`` steps,
+    nor any where a solve costs little more than its cells. Chunks run at 9, 15, 21,
     27 codes here (first 6 codes, chunks of 6, future 2)."""
     assert [PLANNER.codes_ready(p) for p in range(4)] == [9, 15, 21, 27] and GATHER == 2
-    dec = decoder(ours)
+    dec = rows_nearly_free(decoder(ours), monkeypatch)
     reqs = {n: make_request(n) for n in (77, 40, 15)}
     sent = dict.fromkeys(reqs, 0)
     for n in (77, 40):
@@ -640,9 +649,11 @@ def test_ready_chunks_wait_briefly_to_share_a_solve(ours) -> None:
     assert step(a77=33, a40=20) == []  # 40 is one code short of its chunk 2 (21)
     dec.add("15", reqs[15]["speaker"], reqs[15]["ref_mel"], params(15))
     assert step(a15=9) == [("77", 4, 2), ("15", 0, 2)]  # 15's first chunk: no wait
+    monkeypatch.setattr(dec.cost, "overhead", lambda: 1.0)  # a solve costs its cells: nothing waits
+    assert step(a77=45, a40=20) == [("77", 5, 1)]  # 40 is one code short again: 77's does not wait
 
 
-def test_first_chunks_alone_solve_in_the_first_window(ours) -> None:
+def test_first_chunks_alone_solve_in_the_first_window(ours, monkeypatch) -> None:
     """A solve pads to the smallest window that holds its chunks: first chunks (no past: 8 codes
     here, against a middle chunk's 12) and short final chunks run in the first chunk's window,
     keeping what it holds; a middle chunk pads to the longest. The audio is the same as when every
@@ -653,7 +664,7 @@ def test_first_chunks_alone_solve_in_the_first_window(ours) -> None:
         shapes.append((codes.shape[0], codes.shape[1], keep_frames))
         return token2wav_chunk_compiled(graph, state, codes, *rest, keep_frames=keep_frames)
 
-    dec = decoder(ours)
+    dec = rows_nearly_free(decoder(ours), monkeypatch)
     dec.solve = spy
     counts = {15: params(15), 9: params(9)}
     # 15 has its first chunk's window (first + future = 16 frames) and one code more: it runs alone;
@@ -669,11 +680,41 @@ def test_first_chunks_alone_solve_in_the_first_window(ours) -> None:
         (2, longest // REPEATS, PLANNER.keep_frames),
         (2, first // REPEATS, keep),
     ]
-    wide = decoder(ours)
+    wide = rows_nearly_free(decoder(ours), monkeypatch)
     wide.buckets = dataclasses.replace(wide.buckets, lengths=wide.buckets.lengths[1:])
     everything_wide, _ = stream(wide, counts, [{15: 9}, {15: 15, 9: 9}])
     for n in counts:
         for o, w in zip(outputs[n], everything_wide[n], strict=True):
+            assert rel_err(o.audio, w.audio) < 1e-5, (n, o.chunk.index)
+
+
+def test_chunks_of_different_windows_solve_apart_where_rows_cost(ours, monkeypatch) -> None:
+    """Where a solve costs its padded rows x window and little more (this CPU's fit: one more
+    solve's overhead a cell), ready chunks of different windows solve apart, a first chunk (its
+    request's first audio) before an older request's middle chunk, which runs the next step
+    without waiting (``GATHER``); chunks of one window still share a solve. The audio is what
+    the shared solves of an accelerator give."""
+    shapes = []
+
+    def spy(graph, state, codes, *rest, keep_frames):
+        shapes.append((codes.shape[0], codes.shape[1]))
+        return token2wav_chunk_compiled(graph, state, codes, *rest, keep_frames=keep_frames)
+
+    dec = decoder(ours)
+    monkeypatch.setattr(dec.cost, "overhead", lambda: 1.0)
+    dec.solve = spy
+    counts = {15: params(15), 9: params(9)}
+    rounds = [{15: 9}, {15: 15, 9: 9}]
+    outputs, _ = stream(dec, counts, rounds)
+    first, longest = PLANNER.first_window_frames // REPEATS, PLANNER.window_frames // REPEATS
+    # 15's first; 9's first (urgent) apart from 15's middle; 15's middle (the older) apart from
+    # 9's final (7 codes: the first chunk's window); then both finals in that window together.
+    assert shapes == [(1, first), (1, first), (1, longest), (2, first)]
+    assert [o.chunk.kind for o in outputs[9]] == [ChunkKind.FIRST, ChunkKind.FINAL]
+    shared, _ = stream(rows_nearly_free(decoder(ours), monkeypatch), counts, rounds)
+    for n in counts:
+        assert len(outputs[n]) == len(shared[n])
+        for o, w in zip(outputs[n], shared[n], strict=True):
             assert rel_err(o.audio, w.audio) < 1e-5, (n, o.chunk.index)
 
 

@@ -4,8 +4,10 @@ their codes arrive, the ready chunks of several requests in one padded solve.
 :class:`StreamedDecoder` owns what does not depend on the model: the table of streamed requests,
 taking their codes, choosing the oldest ``max_batch`` with a chunk ready, one padded solve of a
 ``(rows, window)`` pair of :class:`~omni_jax.engine.generation_runner.SolveBuckets` (the window the
-smallest of the family's that holds every ready chunk: a first chunk, shorter, need not pay for a
-whole middle chunk's window, which is most of a request's first-audio time), the failure rules of
+smallest of the family's that holds every chunk of the solve: a first chunk, shorter, need not pay
+for a whole middle chunk's window, which is most of a request's first-audio time), ready chunks
+split into solves as the offline runner splits requests (:func:`~omni_jax.engine.buckets.padded_split`
+weighing padding against the fitted cost of one more solve), the failure rules of
 :meth:`~omni_jax.engine.generation_runner.GenerationRunner.run` (a device error retried one
 request at a time, a row with non-finite audio failing alone) and warm-up (one program per
 ``(rows, window)``). A subclass supplies the model: where a request's next chunk is and how
@@ -26,8 +28,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from omni_jax.engine.buckets import padded_split
 from omni_jax.engine.compilation import ProgramCall, compile_ahead
 from omni_jax.engine.generation_runner import PaddedBatch, SolveBuckets
+from omni_jax.engine.solve_cost import SolveCost
 from omni_jax.jit import StaticGraph
 from omni_jax.parallel.mesh import axis_size
 
@@ -98,6 +102,8 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         self.max_batch = max_batch
         self.mesh = mesh
         self.buckets = SolveBuckets.build(max_batch, sorted(set(windows)), axis_size(mesh, "data"))
+        rows, window = self.buckets.largest()
+        self.cost = SolveCost(cap=float(rows * window))
         self._requests: dict[str, R] = {}
         self._held: dict[str, int] = {}  # steps a request's ready chunk has waited (GATHER)
 
@@ -182,8 +188,9 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
 
     def step(self) -> list[StreamedChunk[W]]:
         """Requests that finished with nothing left to decode end (empty audio); then one solve:
-        the next chunk of each of the oldest ``max_batch`` requests with one ready, unless they
-        wait for others' (:meth:`gathering`)."""
+        the next chunks of the oldest ``max_batch`` requests with one ready, unless they wait for
+        others' (:meth:`gathering`), or the first of their :meth:`groups` when a shared solve
+        would pay more in padding than a solve of their own costs."""
         outputs: list[StreamedChunk[W]] = []
         for request in [r for r in self._requests.values() if self.drained(r)]:
             del self._requests[request.request_id]
@@ -191,15 +198,39 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         ready = self.ready()[: self.max_batch]
         if not ready or self.gathering(ready):
             return outputs
-        return outputs + self.run(ready)
+        first, *later = self.groups(ready)
+        for request, _ in (pair for group in later for pair in group):
+            self._held[request.request_id] = GATHER  # split off to run next step, not to wait more
+        return outputs + self.run(first)
+
+    def groups(self, ready: Sequence[tuple[R, W]]) -> list[list[tuple[R, W]]]:
+        """``ready`` chunks split into solves, most urgent first: sorted by padded window, cut
+        where padding every chunk to a longer window (or rows to the next bucket) would cost
+        more than one more solve (:func:`~omni_jax.engine.buckets.padded_split`, with the
+        overhead :class:`~omni_jax.engine.solve_cost.SolveCost` fits to this decoder's own
+        timings: where a solve's rows are nearly free, as on an accelerator, it is one solve).
+        The group holding a request's first chunk (its first audio) comes first, else the
+        group of the oldest request."""
+        order = sorted(range(len(ready)), key=lambda i: self.width(ready[i][1]))
+        windows = [self.buckets.length_for(self.width(ready[i][1])) for i in order]
+        split = padded_split(windows, self.buckets.rows_for, self.cost.overhead(), self.buckets.fits)
+        groups = [sorted(order[a:b]) for a, b in split]  # each in the requests' order
+        urgent = min(range(len(ready)), key=lambda i: ready[i][0].done > 0)  # the oldest on a tie
+        groups.sort(key=lambda group: urgent not in group)
+        return [[ready[i] for i in group] for group in groups]
 
     def gathering(self, ready: Sequence[tuple[R, W]]) -> bool:
         """Whether the ``ready`` chunks wait this step for another request's, due within
         :data:`GATHER` codes (frames), to share their solve: never while the solve has room for
-        no more, for a request's first chunk (its first audio), or past ``GATHER`` steps."""
+        no more, for a request's first chunk (its first audio), past ``GATHER`` steps, or where
+        one more solve costs less than a row of their window (the fitted
+        :meth:`~omni_jax.engine.solve_cost.SolveCost.overhead`, as on a CPU): sharing would then
+        save less than a row's work, and the wait would only delay their audio."""
         if len(ready) >= self.max_batch or any(
             r.done == 0 or self._held.get(r.request_id, 0) >= GATHER for r, _ in ready
         ):
+            return False
+        if self.cost.overhead() < self.buckets.length_for(max(self.width(w) for _, w in ready)):
             return False
         short = (self.short_of(r) for r in self._requests.values())
         if not any(n is not None and n <= GATHER for n in short):
@@ -218,7 +249,8 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         for request, _ in ready:
             self._held.pop(request.request_id, None)
         window = self.buckets.length_for(max(self.width(chunk) for _, chunk in ready))
-        batch = self.pad(ready, self.buckets.rows_for(len(ready)), window)
+        rows = self.buckets.rows_for(len(ready))
+        batch = self.pad(ready, rows, window)
         t0 = time.perf_counter()
         try:
             solved = self.decode(batch)
@@ -227,6 +259,7 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
                 return [out for pair in ready for out in self.run([pair])]
             return [self._fail(*ready[0], f"solve failed: {e}", time.perf_counter() - t0, 1)]
         dt = time.perf_counter() - t0
+        self.cost.record((rows, window), rows * window, dt)
         outputs = []
         for i, (request, chunk) in enumerate(ready):
             audio = self.emitted(solved, i, chunk)
