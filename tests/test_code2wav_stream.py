@@ -689,8 +689,8 @@ def test_first_chunks_alone_solve_in_the_first_window(ours, monkeypatch) -> None
 
 
 def test_chunks_of_different_windows_solve_apart_where_rows_cost(ours, monkeypatch) -> None:
-    """Where a solve costs its padded rows x window and little more (this CPU's fit: one more
-    solve's overhead a cell), ready chunks of different windows solve apart, a first chunk (its
+    """Where a solve costs its padded rows x window and little more (a fitted overhead of one
+    cell for one more solve), ready chunks of different windows solve apart, a first chunk (its
     request's first audio) before an older request's middle chunk, which runs the next step
     without waiting (``GATHER``); chunks of one window still share a solve. The audio is what
     the shared solves of an accelerator give."""

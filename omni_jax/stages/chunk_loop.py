@@ -224,8 +224,8 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         :data:`GATHER` codes (frames), to share their solve: never while the solve has room for
         no more, for a request's first chunk (its first audio), past ``GATHER`` steps, or where
         one more solve costs less than a row of their window (the fitted
-        :meth:`~omni_jax.engine.solve_cost.SolveCost.overhead`: a compute-bound solve): sharing would then
-        save less than a row's work, and the wait would only delay their audio."""
+        :meth:`~omni_jax.engine.solve_cost.SolveCost.overhead`; a compute-bound solve): sharing
+        would then save less than a row's work, and the wait would only delay their audio."""
         if len(ready) >= self.max_batch or any(
             r.done == 0 or self._held.get(r.request_id, 0) >= GATHER for r, _ in ready
         ):
