@@ -222,15 +222,10 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
     def gathering(self, ready: Sequence[tuple[R, W]]) -> bool:
         """Whether the ``ready`` chunks wait this step for another request's, due within
         :data:`GATHER` codes (frames), to share their solve: never while the solve has room for
-        no more, for a request's first chunk (its first audio), past ``GATHER`` steps, or where
-        one more solve costs less than a row of their window (the fitted
-        :meth:`~omni_jax.engine.solve_cost.SolveCost.overhead`; a compute-bound solve): sharing
-        would then save less than a row's work, and the wait would only delay their audio."""
+        no more, for a request's first chunk (its first audio), or past ``GATHER`` steps."""
         if len(ready) >= self.max_batch or any(
             r.done == 0 or self._held.get(r.request_id, 0) >= GATHER for r, _ in ready
         ):
-            return False
-        if self.cost.overhead() < self.buckets.length_for(max(self.width(w) for _, w in ready)):
             return False
         short = (self.short_of(r) for r in self._requests.values())
         if not any(n is not None and n <= GATHER for n in short):
