@@ -68,6 +68,8 @@ class PaddedBatch:
         return tuple(put(getattr(self, name), rows) for name in fields)
 
 
+T = TypeVar("T")
+"""Whatever :meth:`SolveBuckets.split` cuts into solves (requests, chunks)."""
 R = TypeVar("R")
 """A stage's request: the runner only queues it and hands it to the padder."""
 B = TypeVar("B", bound=PaddedBatch)
@@ -150,6 +152,15 @@ class SolveBuckets:
         """Padded length of a solve whose longest request is ``length`` long."""
         return _smallest(self.lengths, length, f"a length of {length} exceeds")
 
+    def split(self, items: Sequence[T], length: Callable[[T], int], overhead: float) -> list[list[T]]:
+        """``items`` cut into solves, shortest first, each item in one: sorted by ``length``, cut
+        into the contiguous groups that minimise the padded rows x length (both to these buckets)
+        plus ``overhead`` per solve (:func:`~omni_jax.engine.buckets.padded_split`); every group's
+        shape is one of the set's (within :attr:`max_cells`)."""
+        order = sorted(items, key=length)
+        lengths = [self.length_for(length(item)) for item in order]
+        return [order[a:b] for a, b in padded_split(lengths, self.rows_for, overhead, self.fits)]
+
 
 def _smallest(sizes: tuple[int, ...], n: int, too_large: str) -> int:
     i = bisect.bisect_left(sizes, n)
@@ -226,10 +237,7 @@ class GenerationRunner(Generic[R, B]):
         solve's fixed cost, the more lengths share one. Whatever the fit, every group's shape is
         one of the buckets' (within :attr:`SolveBuckets.max_cells`).
         """
-        order = sorted(requests, key=self.padder.length)
-        lengths = [self.buckets.length_for(self.padder.length(r)) for r in order]
-        split = padded_split(lengths, self.buckets.rows_for, self.cost.overhead(), self.buckets.fits)
-        return [order[a:b] for a, b in split]
+        return self.buckets.split(requests, self.padder.length, self.cost.overhead())
 
     def shape(self, requests: Sequence[R]) -> tuple[int, int]:
         """``(rows, length)``: the smallest bucket that holds ``requests``."""

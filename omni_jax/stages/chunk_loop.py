@@ -6,8 +6,9 @@ taking their codes, choosing the oldest ``max_batch`` with a chunk ready, one pa
 ``(rows, window)`` pair of :class:`~omni_jax.engine.generation_runner.SolveBuckets` (the window the
 smallest of the family's that holds every chunk of the solve: a first chunk, shorter, need not pay
 for a whole middle chunk's window, which is most of a request's first-audio time), ready chunks
-split into solves as the offline runner splits requests (:func:`~omni_jax.engine.buckets.padded_split`
-weighing padding against the fitted cost of one more solve), the failure rules of
+split into solves as the offline runner splits requests
+(:meth:`~omni_jax.engine.generation_runner.SolveBuckets.split`, weighing padding against the
+fitted cost of one more solve), the failure rules of
 :meth:`~omni_jax.engine.generation_runner.GenerationRunner.run` (a device error retried one
 request at a time, a row with non-finite audio failing alone) and warm-up (one program per
 ``(rows, window)``). A subclass supplies the model: where a request's next chunk is and how
@@ -28,7 +29,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from omni_jax.engine.buckets import padded_split
 from omni_jax.engine.compilation import ProgramCall, compile_ahead
 from omni_jax.engine.generation_runner import PaddedBatch, SolveBuckets
 from omni_jax.engine.solve_cost import SolveCost
@@ -206,15 +206,14 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
     def groups(self, ready: Sequence[tuple[R, W]]) -> list[list[tuple[R, W]]]:
         """``ready`` chunks split into solves, most urgent first: sorted by padded window, cut
         where padding every chunk to a longer window (or rows to the next bucket) would cost
-        more than one more solve (:func:`~omni_jax.engine.buckets.padded_split`, with the
+        more than one more solve (:meth:`SolveBuckets.split
+        <omni_jax.engine.generation_runner.SolveBuckets.split>`, the offline runner's, with the
         overhead :class:`~omni_jax.engine.solve_cost.SolveCost` fits to this decoder's own
         timings: where a solve's rows are nearly free, as on an accelerator, it is one solve).
         The group holding a request's first chunk (its first audio) comes first, else the
         group of the oldest request."""
-        order = sorted(range(len(ready)), key=lambda i: self.width(ready[i][1]))
-        windows = [self.buckets.length_for(self.width(ready[i][1])) for i in order]
-        split = padded_split(windows, self.buckets.rows_for, self.cost.overhead(), self.buckets.fits)
-        groups = [sorted(order[a:b]) for a, b in split]  # each in the requests' order
+        split = self.buckets.split(range(len(ready)), lambda i: self.width(ready[i][1]), self.cost.overhead())
+        groups = [sorted(group) for group in split]  # each in the requests' order
         urgent = min(range(len(ready)), key=lambda i: ready[i][0].done > 0)  # the oldest on a tie
         groups.sort(key=lambda group: urgent not in group)
         return [[ready[i] for i in group] for group in groups]
