@@ -142,7 +142,7 @@ host() {
   timeout -s INT 120 python3 -m benchmarks.host_step --json "$OUT/host_step.json" >"$OUT/host_step.log" 2>&1
   echo "host step exit $?"
   tail -5 "$OUT/host_step.log"
-  # The talker's form: a repetition penalty, so the sampler's rows carry each request's ids.
+  # The talker's form: a repetition penalty, whose ids the device keeps (the id table).
   timeout -s INT 120 python3 -m benchmarks.host_step --prompt 400 --rows 1,32,128 --penalty 1.05 \
     --json "$OUT/host_step_penalty.json" >"$OUT/host_step_penalty.log" 2>&1
   echo "host step (penalised) exit $?"

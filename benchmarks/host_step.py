@@ -44,8 +44,8 @@ def decode_phases(
     pipe: OmniJaxPipeline, rows: int, prompt: int, repeats: int, penalty: float = 1.0
 ) -> dict[str, float]:
     """Median seconds of each phase of a step of ``rows`` decoding requests; ``penalty`` other
-    than 1: a repetition penalty, so the sampler's rows carry each request's ids (its history
-    form, as every talker step with its default penalty)."""
+    than 1: a repetition penalty (every talker step's, by default), whose ids the penalties
+    read from the runner's id table on the device, not from the sampler's rows."""
     engine = pipe.stages[0].engine
     scheduler: Scheduler = engine.scheduler
     runner = engine.runner
@@ -75,7 +75,7 @@ def decode_phases(
         t2 = time.perf_counter()
         runner._pack(step_rows, n, p, sources)
         t3 = time.perf_counter()
-        runner._sampling(step_rows, sources, runner.sequences(n), params.penalised)
+        runner._sampling(step_rows, runner.sequences(n))
         t4 = time.perf_counter()
         scheduler.commit(step)
         scheduler.update(step, drawn(rows))
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--penalty",
         type=float,
         default=1.0,
-        help="repetition penalty of every request (the talker's 1.05: the sampler's rows carry the ids)",
+        help="repetition penalty of every request (the talker's 1.05)",
     )
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/omni_jax_bench"))
     parser.add_argument("--json", type=Path, help="write the medians (seconds) here")

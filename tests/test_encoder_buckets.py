@@ -292,7 +292,7 @@ def test_pack_reads_rows_and_prepare_drops_them_past_the_prompt(warm) -> None:
             params=SamplingParams(),
             seed=0,
             draw_index=0,
-            history=ids,
+            id_row=0,
             prompt_len=n,
             suppress=[],
             state=state,

@@ -11,8 +11,16 @@ from omni_jax import OmniJaxPipeline, SamplingParams
 LENGTHS = (3, 61, 17, 1, 40, 9, 100, 25)
 
 
-def hf_greedy(hf, ids: list[int], max_new: int, eos: int | None) -> list[int]:
-    kw = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
+def hf_greedy(
+    hf, ids: list[int], max_new: int, eos: int | None, repetition_penalty: float = 1.0
+) -> list[int]:
+    kw = dict(
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=eos,
+        pad_token_id=0,
+        repetition_penalty=repetition_penalty,
+    )
     if eos is None:
         kw["min_new_tokens"] = max_new
     with torch.no_grad():
@@ -90,6 +98,27 @@ def test_tiny_page_budget_preempts_and_still_matches(qwen2_dir, prompts) -> None
     assert sum(o.metrics["llm"]["num_preemptions"] for o in got) > 0
     sched = tight.stages[0].engine.scheduler
     assert sched.allocator.num_free == sched.allocator.num_pages
+
+
+def test_repetition_penalty_equals_generate_through_reused_id_rows_and_preemption(
+    qwen2_dir, hf_qwen2, prompts
+):
+    """The penalties read each request's ids from the runner's id table on the device: with
+    more requests than its rows (each row serves several requests in turn) and pages so few that
+    requests are preempted and recomputed, penalised greedy replies beside plain ones equal
+    transformers' ``generate`` with the same ``repetition_penalty``."""
+    tight = OmniJaxPipeline.from_pretrained(
+        qwen2_dir, max_num_seqs=3, page_size=4, max_model_len=160, num_pages=45
+    )
+    penalties = [1.5 if i % 3 else 1.0 for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=r)
+        for r in penalties
+    ]
+    got = tight.run([{"prompt_token_ids": p} for p in prompts], params, progress=False)
+    for p, r, o in zip(prompts, penalties, got, strict=True):
+        assert o.token_ids == hf_greedy(hf_qwen2, p, 30, None, repetition_penalty=r)
+    assert sum(o.metrics["llm"]["num_preemptions"] for o in got) > 0
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -15,7 +17,14 @@ from transformers.generation.logits_process import (
 )
 
 from omni_jax import OmniJaxPipeline, SamplingParams
-from omni_jax.engine.sampling import draw_tokens, first_argmax, pack_sampling, processed_logits, seed_words
+from omni_jax.engine.sampling import (
+    SamplingTensors,
+    draw_tokens,
+    first_argmax,
+    pack_sampling,
+    processed_logits,
+    seed_words,
+)
 
 V = 50
 ROWS = [
@@ -57,26 +66,31 @@ def test_first_argmax_is_argmax() -> None:
     assert int(jax.jit(first_argmax)(x)[1]) == 7
 
 
+def with_history(st: SamplingTensors, histories: list[list[int]]) -> SamplingTensors:
+    """``st`` with each row's ids for the penalties (``-1`` padded), as the AR runner reads
+    them from its id table on the device."""
+    width = max(len(h) for h in histories)
+    history = np.full((st.temperature.shape[0], width), -1, np.int32)
+    for i, h in enumerate(histories):
+        history[i, : len(h)] = h
+    return dataclasses.replace(st, history=history)
+
+
 def test_packed_rows_hold_each_rows_own_values() -> None:
-    """Every row's seed words (``seed_words``: the full 63-bit range), history and suppressed
-    ids land in its own row, padding rows stay neutral, and a row past the suppression width
-    is refused."""
+    """Every row's seed words (``seed_words``: the full 63-bit range) and suppressed ids land
+    in its own row, padding rows stay neutral, the ids the penalties read are left to the
+    device (one ``-1`` column), and a row past the suppression width is refused."""
     seeds = [0, 1, 2**32 + 5, 2**63 - 1, 123456789012345]
     rows = pack_sampling(
         [SamplingParams(temperature=0.5 + i) for i in range(5)],
-        [[], [3, 4], [], [9], []],
         [0, 1, 0, 1, 0],
         seeds,
         [0, 1, 2, 3, 4],
         [[], [7], [], [1, 2], []],
         batch=8,
-        history_len=3,
     )
     np.testing.assert_array_equal(rows.seeds, np.array([*map(seed_words, seeds), *[(0, 0)] * 3], np.uint32))
-    np.testing.assert_array_equal(
-        rows.history[:5], [[-1, -1, -1], [3, 4, -1], [-1] * 3, [9, -1, -1], [-1] * 3]
-    )
-    assert (rows.history[5:] == -1).all() and (rows.suppress[5:] == -1).all()
+    assert rows.history.shape == (8, 1) and (rows.history == -1).all() and (rows.suppress[5:] == -1).all()
     assert (
         rows.suppress[1, 0] == 7
         and list(rows.suppress[3, :2]) == [1, 2]
@@ -84,22 +98,15 @@ def test_packed_rows_hold_each_rows_own_values() -> None:
     )
     np.testing.assert_array_equal(rows.temperature, [0.5, 1.5, 2.5, 3.5, 4.5, 0, 0, 0])
     with pytest.raises(ValueError, match="token ids to suppress in one row"):
-        pack_sampling([SamplingParams()], [[]], [0], [0], [0], [list(range(1000))], batch=1, history_len=1)
+        pack_sampling([SamplingParams()], [0], [0], [0], [list(range(1000))], batch=1)
 
 
 def test_processed_logits_match_transformers_per_row() -> None:
     rs = np.random.RandomState(0)
     logits = (rs.randn(len(ROWS), V) * 3).astype(np.float32)
     histories = [list(rs.randint(0, V, size=rs.randint(1, 12))) for _ in ROWS]
-    st = pack_sampling(
-        ROWS,
-        histories,
-        [len(h) for h in histories],
-        [0] * 6,
-        [0] * 6,
-        [[]] * 6,
-        batch=8,
-        history_len=16,
+    st = with_history(
+        pack_sampling(ROWS, [len(h) for h in histories], [0] * 6, [0] * 6, [[]] * 6, batch=8), histories
     )
     padded = np.concatenate([logits, np.zeros((2, V), np.float32)])
     got = np.asarray(jax.jit(processed_logits)(padded, st))[: len(ROWS)]
@@ -126,7 +133,7 @@ def test_all_greedy_step_picks_the_processed_argmax() -> None:
     ]
     histories = [list(rs.randint(0, V, size=8)) for _ in rows]
     suppress = [[int(np.argmax(logits[i]))] if i % 2 else [] for i in range(len(rows))]
-    st = pack_sampling(rows, histories, [3] * 6, [0] * 6, [0] * 6, suppress, batch=6, history_len=8)
+    st = with_history(pack_sampling(rows, [3] * 6, [0] * 6, [0] * 6, suppress, batch=6), histories)
     tokens = jax.jit(draw_tokens, static_argnames="greedy")(logits, st, greedy=True)
     want = np.argmax(np.asarray(jax.jit(processed_logits)(logits, st)), axis=-1)
     np.testing.assert_array_equal(np.asarray(tokens), want)
@@ -140,7 +147,7 @@ def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
     logits = np.zeros((1, 8), np.float32)
     p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
     history = [3, 3, 5, 1, 1, 1]  # prompt [3, 3], output [5, 1, 1, 1]
-    st = pack_sampling([p], [history], [2], [0], [0], [[]], batch=1, history_len=8)
+    st = with_history(pack_sampling([p], [2], [0], [0], [[]], batch=1), [history])
     got = np.asarray(processed_logits(logits, st))[0]
     want = np.zeros(8, np.float32)
     want[5] -= 0.5 + 0.25
@@ -153,7 +160,7 @@ def test_draws_follow_the_distribution() -> None:
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
     n = 4000
     p = SamplingParams(temperature=1.0)
-    st = pack_sampling([p] * n, [[]] * n, [0] * n, list(range(n)), [0] * n, [[]] * n, n, 1)
+    st = pack_sampling([p] * n, [0] * n, list(range(n)), [0] * n, [[]] * n, n)
     toks = jax.jit(draw_tokens, static_argnames="greedy")(np.repeat(logits, n, 0), st, greedy=False)
     freq = np.bincount(np.asarray(toks), minlength=4) / n
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)

@@ -106,8 +106,11 @@ class FakeRunner:
     token (see ``omni_jax.engine.scheduler``) is read from the step before's draw, as the
     device does."""
 
-    def __init__(self, num_pages: int, page_size: int, specs: dict[str, Spec]):
+    def __init__(self, num_pages: int, cfg: SchedulerConfig, specs: dict[str, Spec]):
+        page_size = cfg.cache.page_size
         self.cache = np.full((num_pages, page_size), -1, np.int64)
+        # The runner's id table: a row per running request, which the penalties read.
+        self.ids = np.full((cfg.max_num_seqs, cfg.cache.max_model_len), -1, np.int64)
         self.page_size = page_size
         self.specs = specs
         self.drawn = np.zeros(0, np.int64)  # the last step's tokens
@@ -130,10 +133,12 @@ class FakeRunner:
             if row.pending_token:
                 ids[-1] = int(self.drawn[source])
             self.cache[self.slots(list(row.pages), row.start, row.end)] = ids
-            wants.append(list(row.history[: row.start]) + ids)
+            self.ids[row.id_row, row.start : row.end] = ids
+            wants.append((req.prompt_ids + req.output_ids)[: row.start] + ids)
         for i, (req, row) in enumerate(step):  # reads after every row of the step has written
             context = self.cache[self.slots(list(row.pages), 0, row.end)].tolist()
             assert context == wants[i], f"{req.request_id}: KV cache context corrupted"
+            assert self.ids[row.id_row, : row.end].tolist() == context, f"{req.request_id}: id table differs"
             if row.sample:
                 spec = self.specs[req.request_id]
                 tokens[i] = fake_token(spec.seed, context, row.draw_index, spec.eos_at, set(row.suppress))
@@ -165,6 +170,9 @@ def check_pages(sched: Scheduler, alloc: PageAllocator, reqs: list[ARRequest]) -
     assert not set(held) & set(alloc._free)
     assert alloc.num_free + len(held) == alloc.num_pages
     assert len(sched.running) <= sched.cfg.max_num_seqs
+    rows = [r.id_row for r in sched.running]
+    assert len(rows) == len(set(rows)) and all(0 <= k < sched.cfg.max_num_seqs for k in rows), rows
+    assert all(r.id_row == -1 for r in reqs if r not in sched.running)
 
 
 def check_step(sched: Scheduler, step: list[tuple[ARRequest, StepRow]]) -> None:
@@ -236,7 +244,7 @@ def drive(
     alloc = PageAllocator(num_pages)
     sched = Scheduler(cfg, alloc)
     by_id = {f"r{i}": s for i, s in enumerate(specs)}
-    runner = FakeRunner(num_pages, cfg.cache.page_size, by_id)
+    runner = FakeRunner(num_pages, cfg, by_id)
     reqs = [
         ARRequest(f"r{i}", i, list(s.prompt), s.params, s.seed, eos_token_ids=(EOS,))
         for i, s in enumerate(specs)

@@ -38,7 +38,7 @@ def step_rows(page_size: int) -> tuple[list[StepRow], list[int]]:
                 params=params,
                 seed=k,
                 draw_index=0,
-                history=[],
+                id_row=7 - k,  # not the row's index in the step
                 prompt_len=start + m,
                 suppress=[],
                 pending_token=pending,
@@ -54,7 +54,7 @@ def test_pack_lays_out_every_token_row(qwen2_dir) -> None:
     rows, sources = step_rows(page_size)
     n = runner.rows_bucket(sum(len(r.token_ids) for r in rows))
     p = runner.pages_bucket(max(-(-r.end // page_size) for r in rows))
-    tokens, source, positions, step, last, _ = runner._pack(rows, n, p, sources)
+    tokens, source, positions, step, last, id_rows, _ = runner._pack(rows, n, p, sources)
     cache = runner.cache_cfg
     s = runner.sequences(n)
     want_tables = np.full((s, p), cache.null_page, np.int32)
@@ -90,5 +90,6 @@ def test_pack_lays_out_every_token_row(qwen2_dir) -> None:
     np.testing.assert_array_equal(step.query, [1] * total + [0] * pad)
     np.testing.assert_array_equal(source, want["source"] + [-1] * pad)
     np.testing.assert_array_equal(last, want["last"] + [0] * (s - len(rows)))
+    np.testing.assert_array_equal(id_rows, [r.id_row for r in rows] + [0] * (s - len(rows)))
     empty = runner._pack([], n, p)
     assert (empty[3].slots == cache.dropped_slot).all() and (empty[3].query == 0).all()

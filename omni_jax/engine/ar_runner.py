@@ -121,6 +121,7 @@ def _forward_fn(
     treedef: Any,
     leaves: list[jax.Array],
     kv_cache: Any,
+    ids: jax.Array,
     drawn: jax.Array,
     feedback: jax.Array | None,
     tokens: jax.Array,
@@ -128,6 +129,7 @@ def _forward_fn(
     positions: jax.Array,
     step: FlatStep,
     logits_idx: jax.Array,
+    id_rows: jax.Array,
     extra: Any,
     *,
     feed: Callable[[Any, jax.Array, jax.Array], Any] | None,
@@ -142,6 +144,10 @@ def _forward_fn(
     # and so is what a draw hook made of it (its feedback).
     pending, index = source >= 0, jnp.maximum(source, 0)
     tokens = jnp.where(pending[:, None], drawn[index][:, None], tokens)
+    # Each computed token goes to its sequence's row of the id table, at its index, where the
+    # penalties read it (padding rows' writes are dropped).
+    table_row = jnp.where(step.query > 0, id_rows[step.sequence], ids.shape[0])
+    ids = ids.at[table_row, jnp.maximum(step.context - 1, 0)].set(tokens[:, 0], mode="drop")
     if feed is not None:  # a stage with a draw hook, whose runner keeps its feedback
         extra = feed(extra, feedback[index], pending)
     with exact_matmuls(compute_dtype(leaves)):
@@ -155,7 +161,7 @@ def _forward_fn(
         logits = model.logits(last)
     finite = jnp.isfinite(logits).all(axis=-1)  # one pass over [rows, vocab]: a fault ends one row
     captured = ((hidden if tapped is None else tapped), embeds) if capture_hidden else None
-    return logits, finite, captured, (last if last_hidden else None), kv_cache
+    return logits, finite, captured, (last if last_hidden else None), kv_cache, ids
 
 
 def _after_draw_fn(
@@ -182,21 +188,23 @@ def _after_draw_fn(
 
 def _draw_fn(
     logits: jax.Array,
-    drawn: jax.Array,
+    ids: jax.Array,
     st: SamplingTensors,
-    pending_at: jax.Array,
-    pending_from: jax.Array,
+    id_rows: jax.Array,
+    lengths: jax.Array,
     *,
     greedy: bool,
+    penalised: bool,
     width: int,
 ) -> tuple[jax.Array, jax.Array]:
     """The step's tokens ``[S]``, and the same padded to ``width`` (``max_rows``), the fixed
-    shape the next step's forward reads its pending tokens from. A row's pending token, drawn
-    by the step before (``drawn``, its row ``pending_from``), joins its ids for the penalties
-    at ``pending_at`` (out of range: no pending token, or no penalties)."""
-    rows = jnp.arange(pending_at.shape[0])
-    history = st.history.at[rows, pending_at].set(drawn[pending_from], mode="drop")
-    tokens = draw_tokens(logits, dataclasses.replace(st, history=history), greedy=greedy)
+    shape the next step's forward reads its pending tokens from. ``penalised``: the penalties
+    read each row's first ``lengths`` ids from its row ``id_rows`` of the id table ``ids``
+    (which the step's forward has just brought up to date)."""
+    if penalised:
+        known = jnp.arange(ids.shape[1])[None, :] < lengths[:, None]
+        st = dataclasses.replace(st, history=jnp.where(known, ids[id_rows], -1))
+    tokens = draw_tokens(logits, st, greedy=greedy)
     return tokens, jnp.pad(tokens, (0, width - tokens.shape[0]))
 
 
@@ -291,7 +299,7 @@ class ARRunner:
         out_layout: dict[str, Any] = {}
         if mesh is not None:  # outputs replicated: every process reads the sampled tokens
             rep = NamedSharding(mesh, P())
-            fwd_layout["out_shardings"] = (rep, rep, rep, rep, self.kv_cache[0][0].sharding)
+            fwd_layout["out_shardings"] = (rep, rep, rep, rep, self.kv_cache[0][0].sharding, rep)
             out_layout["out_shardings"] = rep
         self._forward = jax.jit(
             functools.partial(
@@ -300,7 +308,7 @@ class ARRunner:
                 treedef,
                 feed=None if self.draw_hook is None else self.draw_hook.feed,
             ),
-            donate_argnames=("kv_cache",),
+            donate_argnames=("kv_cache", "ids"),
             static_argnames=("backend", "chunk_bytes", "capture_hidden", "capture_layer", "last_hidden"),
             **fwd_layout,
         )
@@ -313,12 +321,16 @@ class ARRunner:
                 **out_layout,
             )
         )
-        self._draw = jax.jit(_draw_fn, static_argnames=("greedy", "width"), **out_layout)
+        self._draw = jax.jit(_draw_fn, static_argnames=("greedy", "penalised", "width"), **out_layout)
         # The last step's drawn tokens, ``[max_rows]``, where the next step reads its pending
         # tokens; placed (committed) as the sampler's output is, so every step's forward gets
         # the same argument layout.
         placed = self.kv_cache[0][0].sharding if mesh is None else NamedSharding(mesh, P())
         self._drawn = jax.device_put(np.zeros((self.max_rows,), np.int32), placed)
+        # Each running request's token ids, ``[max_num_seqs, max_model_len]``, in its row
+        # (:attr:`StepRow.id_row`): every forward writes the tokens it computes, the penalties
+        # read them, and no step sends a request's ids from the host.
+        self._ids = jax.device_put(np.zeros((max_num_seqs, g.max_model_len), np.int32), placed)
         # The last step's draw hook feedback, ``[max_rows, ...]``, likewise (a stage with a hook).
         self._feedback = (
             None
@@ -395,12 +407,12 @@ class ARRunner:
     def warmup(self) -> int:
         """Compile every program: the forward for each :meth:`step_shapes` (side by side,
         :func:`compile_ahead`, then each run once), and per :meth:`sequence_buckets` the
-        sampler's greedy, sampling and penalty forms, the
+        sampler's greedy, sampling and penalised forms, the
         log-probabilities and the draw hook's forms; then the scrub. Returns the number of
         programs.
 
-        The inputs are all padding: every cache write lands on the dropped slot, so the
-        cache is untouched.
+        The inputs are all padding: every cache and id-table write is dropped, so both are
+        untouched.
         """
         out_of: dict[int, tuple[jax.Array, Any]] = {}  # one forward's logits and last rows per bucket
         compile_ahead([self._forward_program(*self._pack([], n, p)) for n, p in self.step_shapes()])
@@ -409,8 +421,8 @@ class ARRunner:
             out_of[self.sequences(n)] = logits, last
         hooked = 0
         for s, (logits, last) in sorted(out_of.items()):
-            for greedy, history in ((True, False), (False, False), (False, True)):
-                tokens, self._drawn = self._run_draw(logits, self._sampling([], [], s, history), greedy)
+            for greedy, penalised in ((True, False), (False, False), (False, True)):
+                tokens, self._drawn = self._run_draw(logits, self._sampling([], s), greedy, penalised)
             self._run_logprobs(logits, tokens)
             if self.draw_hook is not None:
                 for inputs in self.draw_hook.warmup_inputs(s):
@@ -421,8 +433,9 @@ class ARRunner:
 
     def _pack(self, rows: Sequence[StepRow], n: int, p: int, sources: Sequence[int] = ()) -> tuple[Any, ...]:
         """Host arrays of one flat step's forward: ``rows``' tokens in order, padded to ``n``
-        token rows, with :meth:`sequences` ``p``-page tables and logits rows; ``sources``: for
-        each row with a pending token, the row of the step before that drew it (else -1)."""
+        token rows, with :meth:`sequences` ``p``-page tables, logits rows and id-table rows;
+        ``sources``: for each row with a pending token, the row of the step before that drew it
+        (else -1)."""
         c, page_size = self.cache_cfg, self.geometry.page_size
         s = self.sequences(n)
         tokens = np.zeros((n, 1), np.int32)
@@ -434,6 +447,7 @@ class ARRunner:
         ctx = np.zeros((n,), np.int32)
         qlen = np.zeros((n,), np.int32)
         last = np.zeros((s,), np.int32)
+        id_rows = np.zeros((s,), np.int32)
         if rows:
             # Vectorised over the step's token rows (a decode step has hundreds of rows, each a
             # row's worth of numpy calls in a loop): only the page tables and pending sources
@@ -456,33 +470,27 @@ class ARRunner:
             ctx[:total] = idx + 1  # each token's causal horizon
             qlen[:total] = 1
             last[: len(rows)] = ends - 1
+            id_rows[: len(rows)] = [r.id_row for r in rows]
         extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
-        return tokens, source, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, extra
+        return tokens, source, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, id_rows, extra
 
-    def _sampling(
-        self, rows: Sequence[StepRow], sources: Sequence[int], s: int, history: bool
-    ) -> tuple[SamplingTensors, np.ndarray, np.ndarray]:
-        """The sampler's rows for ``rows``, padded to ``s``; ``history``: the penalty form,
-        with each row's ids up to ``max_model_len``, where a row's pending token goes (its index
-        in the ids, else out of range) and its row in the step before (``sources``)."""
-        width = self.geometry.max_model_len if history else 1
-        at, source = np.full((s,), width, np.int32), np.zeros((s,), np.int32)
-        pending = [i for i, r in enumerate(rows) if r.pending_token] if history else []
-        for i in pending:
-            at[i], source[i] = len(rows[i].history), sources[i]
+    def _sampling(self, rows: Sequence[StepRow], s: int) -> tuple[SamplingTensors, np.ndarray, np.ndarray]:
+        """The sampler's rows for ``rows``, padded to ``s``, with each row's id-table row and
+        length (its ids the penalties read; padding rows read none)."""
+        id_rows, lengths = np.zeros((s,), np.int32), np.zeros((s,), np.int32)
+        id_rows[: len(rows)] = [r.id_row for r in rows]
+        lengths[: len(rows)] = [r.end for r in rows]
         return (
             pack_sampling(
                 [r.params for r in rows],
-                [r.history if history else [] for r in rows],
                 [r.prompt_len for r in rows],
                 [r.seed for r in rows],
                 [r.draw_index for r in rows],
                 [r.suppress for r in rows],
                 batch=s,
-                history_len=width,
             ),
-            at,
-            source,
+            id_rows,
+            lengths,
         )
 
     def _program(
@@ -504,21 +512,23 @@ class ARRunner:
         return ProgramCall(fn, (*placed, *args), static, mesh=self.mesh)
 
     def _forward_program(
-        self, tokens: Any, source: Any, positions: Any, step: FlatStep, last: Any, extra: Any
+        self, tokens: Any, source: Any, positions: Any, step: FlatStep, last: Any, id_rows: Any, extra: Any
     ) -> ProgramCall:
-        """The forward's call on these host inputs (:meth:`_pack`'s), the current cache, and the
-        last step's drawn tokens and draw hook feedback (what a pending row reads)."""
+        """The forward's call on these host inputs (:meth:`_pack`'s), the current cache and id
+        table, and the last step's drawn tokens and draw hook feedback (what a pending row
+        reads)."""
         host = [
             (tokens, 0),
             (source, 0),
             (positions, len(self.position_shape)),
             (step, 0),
             (last, 0),
+            (id_rows, None),
             (extra, None),
         ]
         return self._program(
             self._forward,
-            [self._leaves, self.kv_cache, self._drawn, self._feedback],
+            [self._leaves, self.kv_cache, self._ids, self._drawn, self._feedback],
             host,
             backend=self.backend,
             chunk_bytes=self.chunk_bytes,
@@ -528,13 +538,13 @@ class ARRunner:
         )
 
     def _run_forward(
-        self, tokens: Any, source: Any, positions: Any, step: FlatStep, last: Any, extra: Any
+        self, tokens: Any, source: Any, positions: Any, step: FlatStep, last: Any, id_rows: Any, extra: Any
     ) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
         """The forward program: ``(logits [S, V], finite [S], (hidden, embeds) or None, the
         final hidden state of each sequence's last token [S, D] when a draw hook reads it)``,
-        all on device; the cache is replaced by the donated result."""
-        logits, finite, hidden, last_rows, self.kv_cache = self._forward_program(
-            tokens, source, positions, step, last, extra
+        all on device; the cache and the id table are replaced by the donated results."""
+        logits, finite, hidden, last_rows, self.kv_cache, self._ids = self._forward_program(
+            tokens, source, positions, step, last, id_rows, extra
         )()
         return logits, finite, hidden, last_rows
 
@@ -548,13 +558,24 @@ class ARRunner:
         )()
 
     def _run_draw(
-        self, logits: jax.Array, sampling: tuple[SamplingTensors, np.ndarray, np.ndarray], greedy: bool
+        self,
+        logits: jax.Array,
+        sampling: tuple[SamplingTensors, np.ndarray, np.ndarray],
+        greedy: bool,
+        penalised: bool,
     ) -> tuple[jax.Array, jax.Array]:
         """The sampler on :meth:`_sampling`'s rows: the step's tokens ``[S]`` and the same in the
         ``[max_rows]`` buffer the next step reads its pending tokens from."""
-        st, at, source = sampling
-        host = [(st, 0), (at, 0), (source, 0)]
-        return self._program(self._draw, [logits, self._drawn], host, greedy=greedy, width=self.max_rows)()
+        st, id_rows, lengths = sampling
+        host = [(st, 0), (id_rows, 0), (lengths, 0)]
+        return self._program(
+            self._draw,
+            [logits, self._ids],
+            host,
+            greedy=greedy,
+            penalised=penalised,
+            width=self.max_rows,
+        )()
 
     def _run_logprobs(self, logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         return self._program(self._logprobs, [logits, tokens], [])()
@@ -582,9 +603,8 @@ class ARRunner:
         p = self.pages_bucket(max(pages_needed(r.end, self.geometry.page_size) for r in rows))
         logits, finite, hidden, last = self._run_forward(*self._pack(rows, n, p, sources))
         penalised = any(r.params.penalised for r in rows)
-        sampling = self._sampling(rows, sources, logits.shape[0], penalised)
         greedy = not penalised and all(r.params.greedy for r in rows)
-        toks, self._drawn = self._run_draw(logits, sampling, greedy=greedy)
+        toks, self._drawn = self._run_draw(logits, self._sampling(rows, logits.shape[0]), greedy, penalised)
         drawn = None
         if self.draw_hook is not None:
             drawn, self._feedback = self._run_after(last, toks, self.draw_hook.pack(rows, logits.shape[0]))

@@ -7,7 +7,9 @@ cache (its :class:`~omni_jax.engine.kv_cache.CacheGeometry`'s pages) and the tem
 its largest step, estimated from the jnp attention path: steps are flat (every token a row of
 its own, :mod:`omni_jax.engine.ar_runner`), and that path gathers each row's K and V pages and
 scores them in chunks of rows (one layer at a time), plus each token row's activations (as
-wide as the model says, ``activation_width``) and the step's float32 logits.
+wide as the model says, ``activation_width``), the step's float32 logits, and what the
+penalties read: the id table the runner keeps between steps (``max_num_seqs x max_model_len``
+ids, on every device) and a penalised step's rows of it with their token counts.
 
 What a device has left: ``bytes_limit - bytes_in_use`` from ``memory_stats()`` on accelerators;
 CPU devices report no statistics and allocate from host memory, so they count against the
@@ -84,6 +86,7 @@ class ARMemory:
     num_heads: int  # query heads on one device
     vocab_size: int
     max_rows: int  # sequences (logits rows) of the largest step on one device
+    max_num_seqs: int  # rows of the runner's token-id table (every device holds all)
     max_token_rows: int  # token rows of the largest step on one device
     chunk_bytes: int  # what the jnp path gathers and scores at once (attention.chunk_bytes)
     activation_width: int  # float32 values a token row holds at once on one device (see step_bytes)
@@ -95,13 +98,16 @@ class ARMemory:
     @property
     def step_bytes(self) -> int:
         """The largest step's temporaries: one chunk of token rows' gathered K/V and float32
-        scores (the jnp path, one layer at a time), every token row's activations, and the
-        step's float32 logits."""
+        scores (the jnp path, one layer at a time), every token row's activations, the step's
+        float32 logits, and for the penalties the id table (int32) with a penalised step's rows
+        of it and their counts (float32) and seen flags."""
         context = self.cache.table_tokens
         per_row = context * self.cache.token_bytes + self.num_heads * context * 4
         rows = min(self.max_token_rows, max(1, self.chunk_bytes // per_row))
         activations = self.max_token_rows * self.activation_width * 4
-        return rows * per_row + activations + self.max_rows * self.vocab_size * 4
+        length = self.cache.max_model_len
+        penalties = self.max_num_seqs * length * 4 + self.max_rows * (length * 4 + self.vocab_size * 5)
+        return rows * per_row + activations + self.max_rows * self.vocab_size * 4 + penalties
 
     def kv_item(self, num_pages: int) -> tuple[str, int]:
         """The cache as one line of a refusal: ``(what, bytes)``."""

@@ -96,7 +96,9 @@ class SamplingParams:
 class SamplingTensors:
     """Per-row sampling inputs of one step, ``[B]`` unless noted.
 
-    history: ``[B, L]`` prompt + output token ids (padded with ``-1``) for the penalties.
+    history: ``[B, L]`` prompt + output token ids (padded with ``-1``) for the penalties; the
+    AR runner reads them from its id table on the device (:func:`pack_sampling` leaves one
+    ``-1`` column, for the forms without penalties).
     prompt_lens: how many leading ``history`` entries are prompt (penalties differ).
     seeds: ``[B, 2]`` uint32 raw threefry keys made from each request's seed.
     draw_index: which output token of its request each row draws (folded into its key).
@@ -235,13 +237,11 @@ def seed_words(seed: SeedT) -> tuple[SeedT, SeedT]:
 
 def pack_sampling(
     params: Sequence[SamplingParams],
-    histories: Sequence[Sequence[int] | np.ndarray],
     prompt_lens: Sequence[int],
     seeds: Sequence[int],
     draw_index: Sequence[int],
     suppress: Sequence[Sequence[int]],
     batch: int,
-    history_len: int,
 ) -> SamplingTensors:
     """Host-side numpy rows for :func:`draw_tokens`, padded to ``batch`` rows (bucketed);
     suppression :data:`SUPPRESS_WIDTH` wide."""
@@ -250,10 +250,6 @@ def pack_sampling(
     def col(values: list[float], dtype: type, pad: float) -> np.ndarray:
         return np.asarray(values + [pad] * (batch - n), dtype)
 
-    hist = np.full((batch, history_len), -1, np.int32)
-    for i, h in enumerate(histories):
-        if len(h):  # a step's rows carry no history unless a row is penalised
-            hist[i, : len(h)] = h
     supp = np.full((batch, SUPPRESS_WIDTH), -1, np.int32)
     for i, s in enumerate(suppress):
         if len(s) > SUPPRESS_WIDTH:
@@ -270,7 +266,7 @@ def pack_sampling(
         repetition_penalty=col([p.repetition_penalty for p in params], np.float32, 1.0),
         presence_penalty=col([p.presence_penalty for p in params], np.float32, 0.0),
         frequency_penalty=col([p.frequency_penalty for p in params], np.float32, 0.0),
-        history=hist,
+        history=np.full((batch, 1), -1, np.int32),
         prompt_lens=col(list(prompt_lens), np.int32, 0),
         seeds=seed_rows,
         draw_index=col(list(draw_index), np.int32, 0),

@@ -18,6 +18,12 @@ row of it was in flight keeps its pages until that row's results are read, then 
 Preemption never meets a pending token: the engine reads the step in flight first whenever
 the next one might preempt (:meth:`Scheduler.may_preempt`).
 
+A running request holds one of ``max_num_seqs`` rows of the runner's token-id table, where its
+steps write the ids they compute and the penalties read them (:attr:`StepRow.id_row`). The row
+goes back when the request stops running; a later owner's steps overwrite the ids its draws
+read (those up to its own length) before any draw reads them, since the device runs the steps
+in dispatch order and a recomputed request starts from its first token.
+
 A request's tokens run only as far as their inputs are there (the stage's
 :meth:`~omni_jax.engine.step.StepInputs.available`): a talker taken while the thinker still
 generates waits, running, for the thinker rows its next token reads.
@@ -78,35 +84,13 @@ class ARRequest(Generic[S]):
     capture_hidden: bool = False
     captured: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     captured_start: int = 0  # the computed token of the first row ``captured`` holds (earlier ones released)
-
-    _known: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros(0, np.int32), init=False, repr=False, compare=False
-    )
-    _num_known: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+    id_row: int = -1  # its row of the runner's token-id table while running (StepRow.id_row), else -1
     _stop: frozenset[int] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_known(self) -> int:
         """How many ids the host knows: the prompt's and every output token read back."""
         return len(self.prompt_ids) + len(self.output_ids)
-
-    def known_ids(self) -> np.ndarray:
-        """The ids the host knows (the prompt, then every output token read back), ``int32``: a
-        view of a buffer that grows as outputs are read, so a step's rows hold their request's
-        history without copying it (a copy a row a step is quadratic in a reply's length)."""
-        n, done = self.num_known, self._num_known
-        if n > len(self._known):
-            grown = np.empty(max(n, 2 * len(self._known)), np.int32)
-            grown[:done] = self._known[:done]
-            self._known = grown
-        if n > done:
-            prompt = len(self.prompt_ids)
-            if done < prompt:
-                self._known[done:prompt] = self.prompt_ids[done:]
-            start = max(done, prompt)
-            self._known[start:n] = self.output_ids[start - prompt :]
-            self._num_known = n
-        return self._known[:n]
 
     def ids(self, start: int, end: int) -> list[int]:
         """Known ids ``[start, end)`` (``end`` at most :attr:`num_known`), sliced from the prompt
@@ -249,6 +233,7 @@ class Scheduler:
         self.available = available
         self.waiting: deque[ARRequest] = deque()
         self.running: list[ARRequest] = []
+        self._free_id_rows = list(range(cfg.max_num_seqs - 1, -1, -1))  # popped from the end: 0 first
 
     # -- queue management -------------------------------------------------------------
     def add(self, req: ARRequest) -> None:
@@ -289,7 +274,7 @@ class Scheduler:
         is still in flight, when that row's results are read (:meth:`update`): the row still
         writes to them, and its logits may prove them non-finite."""
         if req in self.running:
-            self.running.remove(req)
+            self._leave(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if not req.pending:
@@ -304,12 +289,18 @@ class Scheduler:
                 f"request {req.request_id!r} preempted with a token in flight: the engine reads the "
                 "step in flight first when a step may preempt (Scheduler.may_preempt)"
             )
-        self.running.remove(req)
+        self._leave(req)
         self.allocator.free(req.pages)
         req.pages, req.num_computed = [], 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _leave(self, req: ARRequest) -> None:
+        """Take ``req`` out of the running requests; its token-id row goes back."""
+        self.running.remove(req)
+        self._free_id_rows.append(req.id_row)
+        req.id_row = -1
 
     def _reserve(self, req: ARRequest, end: int, step: Sequence[tuple[ARRequest, StepRow]]) -> bool:
         """Give ``req`` pages up to token ``end``, preempting newer requests if needed (never
@@ -369,6 +360,7 @@ class Scheduler:
             spare -= need
             self.waiting.popleft()
             req.status = Status.RUNNING
+            req.id_row = self._free_id_rows.pop()
             self.running.append(req)
             admitted.append(req)
         plan = decode + self._cut_at_edge(len(decode), prompt, admitted)
@@ -407,7 +399,7 @@ class Scheduler:
             if take < chunk:
                 kept.append((req, chunk - take))
             elif any(req is a for a in admitted):
-                self.running.remove(req)
+                self._leave(req)
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
         return kept
@@ -442,7 +434,7 @@ class Scheduler:
             params=req.params,
             seed=req.seed,
             draw_index=drawn,
-            history=req.known_ids(),
+            id_row=req.id_row,
             prompt_len=len(req.prompt_ids),
             suppress=suppress,
             capture_hidden=req.capture_hidden,

@@ -35,8 +35,10 @@ class StepRow(Generic[S]):
     embedding. ``state``: the stage's record of the request (``None`` for a stage that keeps
     none), for its :class:`StepInputs`. ``pending_token``: the row's last token was drawn by
     the step dispatched before this one and not yet read by the host (``token_ids`` holds
-    :data:`PENDING_TOKEN` there, ``history`` lacks it): the runner takes it from that step's
-    draw on the device.
+    :data:`PENDING_TOKEN` there): the runner takes it from that step's draw on the device.
+    ``id_row``: the request's row of the runner's token-id table (``[max_num_seqs,
+    max_model_len]``, on device), which every step writes its tokens to and the penalties read,
+    so no step sends a request's ids from the host.
     """
 
     token_ids: Sequence[int]
@@ -47,7 +49,7 @@ class StepRow(Generic[S]):
     params: SamplingParams
     seed: int
     draw_index: int
-    history: Sequence[int] | np.ndarray
+    id_row: int
     prompt_len: int
     suppress: Sequence[int]
     capture_hidden: bool = False
@@ -74,7 +76,7 @@ class StepRow(Generic[S]):
                 params=self.params,
                 seed=self.seed,
                 draw_index=self.draw_index,
-                history=self.history,
+                id_row=self.id_row,
                 prompt_len=self.prompt_len,
                 suppress=self.suppress,
                 capture_hidden=self.capture_hidden,

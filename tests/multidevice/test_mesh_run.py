@@ -167,7 +167,7 @@ def _prompt_rows(runner, prompts: list[list[int]]) -> list:  # noqa: ANN001
             params=SamplingParams(temperature=0.0),
             seed=0,
             draw_index=0,
-            history=p,
+            id_row=i,
             prompt_len=len(p),
             suppress=[],
             capture_hidden=True,
