@@ -27,6 +27,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from omni_jax.testing import build_tiny_qwen2, build_tiny_qwen2_5_omni  # noqa: E402
 
+MAX_WORKERS = 4
+"""Test worker processes at most (``-n auto``): one a core up to this. Each holds its own JAX
+runtime and tiny checkpoints (a few GB at its peak), and the tests' XLA programs run on the
+cores the others compile on, so more workers than this add memory more than speed."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
 
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory: pytest.TempPathFactory):
