@@ -28,7 +28,6 @@ class AREngine(Generic[S]):
         self,
         runner: ARRunner,
         *,
-        max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_token_ids: Sequence[int] = (),
         name: str = "ar",
@@ -50,7 +49,7 @@ class AREngine(Generic[S]):
         self.eos_token_ids = tuple(eos_token_ids)
         self.scheduler: Scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=max_num_seqs,
+                max_num_seqs=runner.max_num_seqs,  # the rows of its id table the scheduler hands out
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_prefill_chunk=max_num_batched_tokens,
                 cache=runner.cache_cfg.geometry,

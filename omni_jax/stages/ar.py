@@ -174,7 +174,6 @@ class ARStage(Generic[S]):
             eos_ids, overrides = generation_defaults(path)
         engine: AREngine[Any] = AREngine(
             runner,
-            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=eos_ids,
             name=sc.name,
