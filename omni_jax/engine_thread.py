@@ -113,6 +113,9 @@ class EngineThread:
             self._deliver(self._ended(self.core.request_ids))
         except Exception as e:  # noqa: BLE001 - a bug in the engine itself: its state is not to be trusted
             log.exception("the engine thread failed; ending its requests")
+            # Closed before the consumers hear of it: one that reads ``alive`` on its last update
+            # must see the engine stopped, not race the ``finally`` below.
+            self._closed = True
             self._orphan(f"the engine thread failed: {e!r}")
         finally:
             self._closed = True
