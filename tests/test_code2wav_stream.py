@@ -30,6 +30,7 @@ import torch
 from flax import nnx
 from omni_reference import chunked_reference
 from parity import rel_err
+from stand_ins import rows_nearly_free
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
     Qwen2_5OmniBigVGANConfig,
     Qwen2_5OmniDiTConfig,
@@ -140,11 +141,9 @@ def decoder(model: Token2Wav, max_batch: int = 8, planner: ChunkPlanner = PLANNE
     )
 
 
-def rows_nearly_free(dec: ChunkedDecoder, monkeypatch: pytest.MonkeyPatch) -> ChunkedDecoder:
-    """``dec`` splitting ready chunks as where a solve's rows cost next to nothing (an
-    accelerator): the fitted overhead of one more solve at its cap, so every ready chunk shares
-    one solve, whatever this CPU's timings."""
-    monkeypatch.setattr(dec.cost, "overhead", lambda: dec.cost.cap)
+def sharing(dec: ChunkedDecoder, monkeypatch: pytest.MonkeyPatch) -> ChunkedDecoder:
+    """``dec`` with every ready chunk in one solve (:func:`stand_ins.rows_nearly_free`)."""
+    rows_nearly_free(dec.cost, monkeypatch)
     return dec
 
 
@@ -485,7 +484,7 @@ def test_batched_matches_reference(ours, reference, expected, monkeypatch) -> No
         {3: 3, 14: 14, 77: 40, SMALL: 30},
         {8: 8, 15: 15, 77: 77, SMALL: SMALL},
     ]
-    outputs, kinds = stream(rows_nearly_free(decoder(ours), monkeypatch), counts, rounds)
+    outputs, kinds = stream(sharing(decoder(ours), monkeypatch), counts, rounds)
     every = set(ChunkKind)
     assert kinds[:3] == [{ChunkKind.FIRST}, every, every], kinds[:3]
     for n in COUNTS:
@@ -626,7 +625,7 @@ def test_ready_chunks_wait_briefly_to_share_a_solve(ours, monkeypatch) -> None:
     has waited ``GATHER`` steps. Chunks run at 9, 15, 21,
     27 codes here (first 6 codes, chunks of 6, future 2)."""
     assert [PLANNER.codes_ready(p) for p in range(4)] == [9, 15, 21, 27] and GATHER == 2
-    dec = rows_nearly_free(decoder(ours), monkeypatch)
+    dec = sharing(decoder(ours), monkeypatch)
     reqs = {n: make_request(n) for n in (77, 40, 15)}
     sent = dict.fromkeys(reqs, 0)
     for n in (77, 40):
@@ -662,7 +661,7 @@ def test_first_chunks_alone_solve_in_the_first_window(ours, monkeypatch) -> None
         shapes.append((codes.shape[0], codes.shape[1], keep_frames))
         return token2wav_chunk_compiled(graph, state, codes, *rest, keep_frames=keep_frames)
 
-    dec = rows_nearly_free(decoder(ours), monkeypatch)
+    dec = sharing(decoder(ours), monkeypatch)
     dec.solve = spy
     counts = {15: params(15), 9: params(9)}
     # 15 has its first chunk's window (first + future = 16 frames) and one code more: it runs alone;
@@ -678,7 +677,7 @@ def test_first_chunks_alone_solve_in_the_first_window(ours, monkeypatch) -> None
         (2, longest // REPEATS, PLANNER.keep_frames),
         (2, first // REPEATS, keep),
     ]
-    wide = rows_nearly_free(decoder(ours), monkeypatch)
+    wide = sharing(decoder(ours), monkeypatch)
     wide.buckets = dataclasses.replace(wide.buckets, lengths=wide.buckets.lengths[1:])
     everything_wide, _ = stream(wide, counts, [{15: 9}, {15: 15, 9: 9}])
     for n in counts:
@@ -709,7 +708,7 @@ def test_chunks_of_different_windows_solve_apart_where_rows_cost(ours, monkeypat
     # 9's final (7 codes: the first chunk's window); then both finals in that window together.
     assert shapes == [(1, first), (1, first), (1, longest), (2, first)]
     assert [o.chunk.kind for o in outputs[9]] == [ChunkKind.FIRST, ChunkKind.FINAL]
-    shared, _ = stream(rows_nearly_free(decoder(ours), monkeypatch), counts, rounds)
+    shared, _ = stream(sharing(decoder(ours), monkeypatch), counts, rounds)
     for n in counts:
         assert len(outputs[n]) == len(shared[n])
         for o, w in zip(outputs[n], shared[n], strict=True):

@@ -20,10 +20,10 @@ import pytest
 import torch
 import yaml
 from parity import rel_err
+from stand_ins import rows_nearly_free
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
-from omni_jax.engine.solve_cost import SolveCost
 from omni_jax.models.qwen3_omni.code2wav import code2wav_chunk_compiled, code2wav_compiled
 from omni_jax.outputs import WarmupReport
 from omni_jax.stages.base import StageResult
@@ -149,13 +149,6 @@ def test_stream_settings_are_checked(stream: dict, match: str) -> None:
     config = StageConfig("code2wav", "generation", "talker", engine={"stream": stream})
     with pytest.raises(ValueError, match=f"stage 'code2wav': .*{match}"):
         stream_plan(config, 1024)
-
-
-def rows_nearly_free(cost: SolveCost, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fitted overhead of one more solve at its cap, as where a solve's rows cost next to
-    nothing (an accelerator): requests, and ready chunks, share one solve whatever this CPU's
-    timings (under the test workers' load they may fit either way)."""
-    monkeypatch.setattr(cost, "overhead", lambda: cost.cap)
 
 
 def test_offline_batch_matches_transformers(pipe, reference, monkeypatch) -> None:
