@@ -242,15 +242,21 @@ def reference_argv(path: Path, args: Any, port: int) -> list[str]:
 
 
 def warmup_log(log: str) -> dict[str, Any]:
-    """Our server's warm-up as its log tells it: programs and XLA compilations of ``warmup()``,
-    and the XLA compilations logged after it (``JAX_LOG_COMPILES``), which must be none."""
-    m = re.search(r"warm-up compiled (\d+) programs \((\d+) XLA compilations\)", log)
+    """Our server's warm-up as its log tells it: programs, XLA compilations and persistent-cache
+    loads of ``warmup()``, and the XLA compilations logged after it (``JAX_LOG_COMPILES``), which
+    must be none."""
+    m = re.search(
+        r"warm-up compiled (\d+) programs \((\d+) XLA compilations, (\d+) loaded from the cache\)", log
+    )
     if m is None:
-        return {"warmup_programs": None, "warmup_xla_compiles": None, "compiles_after_warmup": None}
+        return dict.fromkeys(
+            ("warmup_programs", "warmup_xla_compiles", "warmup_cache_loads", "compiles_after_warmup")
+        )
     after = log[m.end() :].count("Finished XLA compilation")
     return {
         "warmup_programs": int(m.group(1)),
         "warmup_xla_compiles": int(m.group(2)),
+        "warmup_cache_loads": int(m.group(3)),
         "compiles_after_warmup": after,
     }
 
@@ -569,7 +575,8 @@ def table(result: dict[str, Any]) -> str:
     c, rc = result["compile"]["ours"], result["compile"]["reference"]
     lines.append(
         f"start-up, apart from every figure: ours {c['ready_s']:.1f} s to /health 200 (build, warmup(): "
-        f"{c['warmup_programs']} programs, {c['warmup_xla_compiles']} XLA compilations; after it: "
+        f"{c['warmup_programs']} programs, {c['warmup_xla_compiles']} XLA compilations, "
+        f"{c['warmup_cache_loads']} cache loads; after it: "
         f"{c['compiles_after_warmup']}), first request {c['first_request_s']:.3f} s against "
         f"{c['steady_request_s']:.3f} s unloaded p50; transformers {rc['ready_s']:.1f} s to load, first "
         f"request {rc['first_request_s']:.3f} s against {rc['steady_request_s']:.3f} s"

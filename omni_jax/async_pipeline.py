@@ -79,9 +79,10 @@ class AsyncOmniJaxPipeline:
 
     @property
     def xla_compilations(self) -> int:
-        """XLA compilations in this process since the pipeline started serving (warm-up's
-        included): after :meth:`warmup` it must stay put, whatever the traffic."""
-        return self._compiles.compiles
+        """XLA programs built in this process since the pipeline started serving (warm-up's
+        included), compiled or loaded from the persistent compilation cache: after
+        :meth:`warmup` it must stay put, whatever the traffic."""
+        return self._compiles.programs
 
     @property
     def waiting(self) -> int:

@@ -74,11 +74,13 @@ class StageWarmup:
 
     programs: the programs its bucket set holds, every one compiled (or loaded from the
     persistent compilation cache) by the warm-up; compiles: the XLA compilations counted
-    meanwhile (fewer than ``programs`` when the cache held some); seconds: its wall time.
+    meanwhile (fewer than ``programs`` when the cache held some); loads: the executables loaded
+    from that cache instead; seconds: its wall time.
     """
 
     programs: int
     compiles: int
+    loads: int
     seconds: float
 
 
@@ -95,6 +97,10 @@ class WarmupReport:
     @property
     def compiles(self) -> int:
         return sum(s.compiles for s in self.stages.values())
+
+    @property
+    def loads(self) -> int:
+        return sum(s.loads for s in self.stages.values())
 
     @property
     def seconds(self) -> float:

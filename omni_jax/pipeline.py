@@ -220,7 +220,9 @@ class OmniJaxPipeline:
                 with CompileCounter() as counted:
                     t0 = time.perf_counter()
                     programs = stage.warmup()
-                stages[stage.config.name] = StageWarmup(programs, counted.compiles, time.perf_counter() - t0)
+                stages[stage.config.name] = StageWarmup(
+                    programs, counted.compiles, counted.loads, time.perf_counter() - t0
+                )
                 bar.stage_done()
         return WarmupReport(stages)
 

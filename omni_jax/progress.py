@@ -18,6 +18,12 @@ from tqdm.auto import tqdm
 from omni_jax.engine.compilation import CompileCounter
 
 
+def loaded(counter: CompileCounter) -> str:
+    """``", N loaded from the cache"`` when JAX's persistent cache gave programs instead of XLA
+    compiling them (a warm start compiles few or none: the bar must not look stuck), else ``""``."""
+    return f", {counter.loads} loaded from the cache" if counter.loads else ""
+
+
 class _CountingBar:
     """A tqdm bar with a :class:`CompileCounter` active while it is open (none when disabled)."""
 
@@ -51,7 +57,7 @@ class RequestsBar(_CountingBar):
     def _compiling(self, counter: CompileCounter) -> None:
         """A trace just ended (its program is being compiled) or a compilation just did."""
         self._noting = True
-        self._bar.set_postfix_str(f"compiling XLA programs ({counter.compiles} compiled)")
+        self._bar.set_postfix_str(f"compiling XLA programs ({counter.compiles} compiled{loaded(counter)})")
 
     def _show_rate(self) -> None:
         """Output tokens per second once a request has finished, and the programs compiled."""
@@ -60,6 +66,8 @@ class RequestsBar(_CountingBar):
             parts.append(f"tok_s={self._tokens / max(time.perf_counter() - self._t0, 1e-9):.1f}")
         if self._counter is not None and self._counter.compiles:
             parts.append(f"compiled={self._counter.compiles}")
+        if self._counter is not None and self._counter.loads:
+            parts.append(f"loaded={self._counter.loads}")
         self._bar.set_postfix_str(", ".join(parts))
 
     def step_done(self) -> None:
@@ -88,7 +96,7 @@ class WarmupBar(_CountingBar):
 
     def _show(self, counter: CompileCounter) -> None:
         stage = self._names[min(self._bar.n, len(self._names) - 1)] if self._names else ""
-        self._bar.set_postfix_str(f"{stage}: {counter.compiles} XLA programs compiled")
+        self._bar.set_postfix_str(f"{stage}: {counter.compiles} XLA programs compiled{loaded(counter)}")
 
     def stage_done(self) -> None:
         self._bar.update(1)

@@ -147,7 +147,7 @@ def test_warmup_compiles_every_bucket(warmed) -> None:
     assert programs == len(buckets.shapes()) + len(pipe.stages[0].decoder.buckets.shapes()) == 6 + 12
     assert token2wav_compiled._cache_size() == 6
     assert token2wav_chunk_compiled._cache_size() == 12
-    assert counted.compiles >= programs
+    assert counted.programs >= programs
 
 
 def codes(seed: int, n: int) -> list[int]:

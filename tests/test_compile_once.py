@@ -111,7 +111,7 @@ def test_counter_sees_a_new_shape(qwen2_dir) -> None:
         pipe.run(
             {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2, logprobs=2), False
         )
-    assert c.traces > 0 and c.compiles > 0
+    assert c.traces > 0 and c.programs > 0  # compiled, or loaded from the persistent cache
 
 
 def test_programs_compiled_ahead_are_the_ones_calls_run() -> None:
@@ -135,7 +135,7 @@ def test_programs_compiled_ahead_are_the_ones_calls_run() -> None:
         compile_ahead(calls)
     with CompileCounter() as after:
         outs = [call() for call in calls]
-    assert ahead.compiles == len(calls)  # six distinct programs, none compiled before in this process
+    assert ahead.programs == len(calls)  # six distinct programs, none built before in this process
     assert after.traces == after.compiles == 0
     # tanh(24) rounds to 1 in float32: (3 rows x 24 ones) @ its transpose, squared, times 2 is exactly 2
     np.testing.assert_array_equal(np.asarray(outs[1]), np.full((3, 3), 2.0, np.float32))
@@ -199,3 +199,35 @@ def test_qwen3_omni_stages_hold_at_most_64_programs_at_the_default_sizes(qwen3_o
     counts = stage_programs(pipe)
     assert counts == {"thinker": 41 + 6 + 17, "talker": 41 + 2 * 6, "code2wav": 40 + 4 * 4}
     assert max(counts.values()) <= 64
+
+
+def test_a_program_from_the_persistent_cache_counts_as_a_load(tmp_path) -> None:
+    """A program JAX's persistent cache holds is traced, then loaded instead of compiled: the
+    counter tells the two apart, and :attr:`CompileCounter.programs` counts both. Run in a fresh
+    interpreter, which sets its own cache (the suite's processes share the session's)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import jax, jax.numpy as jnp
+        from omni_jax.engine.compilation import CompileCounter, enable_persistent_cache
+        enable_persistent_cache({str(tmp_path)!r})
+        f = jax.jit(lambda x: jnp.tanh(x) * 3.0)
+        x = jnp.ones(5)
+        counts = []
+        for _ in range(2):
+            with CompileCounter() as c:
+                f(x).block_until_ready()
+            counts.append((c.traces, c.compiles, c.loads, c.programs))
+            f.clear_cache()  # the in-memory cache: the second call must go to the persistent one
+        print(counts)
+        """
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMNI_JAX_COMPILATION_CACHE"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[(1, 1, 0, 1), (1, 0, 1, 1)]", proc.stdout

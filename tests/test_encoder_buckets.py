@@ -129,7 +129,7 @@ def test_warmup_compiles_every_encoder_program(warm) -> None:
     buckets = frontend_of(pipe).step_inputs.buckets
     assert buckets == EncoderBuckets(AUDIO_BUCKETS, VISION_BUCKETS)
     assert programs == len(AUDIO_BUCKETS) + len(VISION_BUCKETS) == 22
-    assert (counter.traces, counter.compiles) == (22, 22)
+    assert (counter.traces, counter.programs) == (22, 22)  # compiled, or loaded from the cache
     with CompileCounter() as again:
         assert frontend_of(pipe).warmup() == 22
     assert (again.traces, again.compiles) == (0, 0)
@@ -148,8 +148,9 @@ def test_encoder_programs_compile_side_by_side(warm) -> None:
     threads: list[str] = []
     with CompileCounter(on_count=lambda _: threads.append(threading.current_thread().name)) as counter:
         assert fresh.warmup() == 4
-    assert (counter.traces, counter.compiles) == (4, 4)
-    assert len(threads) == 8 and all(name.startswith("compile") for name in threads), threads
+    assert (counter.traces, counter.programs) == (4, 4)
+    # a trace and a compilation a program, and a load before the latter where the cache had it
+    assert len(threads) == 8 + counter.loads and all(name.startswith("compile") for name in threads), threads
     request = prepared(pipe, user(audio(3.0, 11), image(56, 84, 1)))
     with CompileCounter() as after:
         fresh.step_inputs.encode([request])
@@ -334,7 +335,7 @@ def test_media_turned_off_compile_no_encoder(omni_dir, tmp_path: Path) -> None:
     assert frontend.step_inputs.buckets == EncoderBuckets((), ())
     with CompileCounter() as counter:
         assert frontend.warmup() == 0
-    assert counter.compiles == 0
+    assert counter.programs == 0
     (out,) = pipe.run([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=2), False)
     assert out.finish_reason == "length"
     with pytest.raises(ValueError, match=r"request 0: 1 image item\(s\), more than the 0 a prompt may hold"):

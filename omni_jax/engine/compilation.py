@@ -19,6 +19,8 @@ from jax.sharding import Mesh
 
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_LOAD_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"  # a persistent-cache hit's, before its
+# _COMPILE_EVENT: JAX times compiling or loading a program as one backend compilation
 ENV_CACHE_DIR = "OMNI_JAX_COMPILATION_CACHE"
 MAX_COMPILE_THREADS = 8
 """Most programs :func:`compile_ahead` compiles at once: each compilation holds its own
@@ -105,12 +107,16 @@ def compile_ahead(calls: Sequence[Compilable]) -> None:
 
 
 class CompileCounter:
-    """Counts traces and backend compilations while active (``with CompileCounter() as c``).
+    """Counts traces, backend compilations and persistent-cache loads while active
+    (``with CompileCounter() as c``).
 
     A jitted function that hits its in-memory cache neither traces nor compiles, so a
-    steady state that never recompiles leaves both counts at zero. ``on_count(counter)`` runs
-    after each counted event, in the thread that compiles: a trace ends just before its
-    program is lowered and compiled, so a progress display can say "compiling" while it is.
+    steady state that never recompiles leaves all counts at zero. A program found in JAX's
+    persistent compilation cache is traced and lowered, then loaded instead of compiled: it
+    counts in ``loads``, not ``compiles``, and :attr:`programs` counts both (what a warm-up
+    built, wherever the executables came from). ``on_count(counter)`` runs after each counted
+    event, in the thread that compiles: a trace ends just before its program is lowered and
+    compiled, so a progress display can say "compiling" while it is.
     """
 
     _lock = threading.Lock()
@@ -119,22 +125,35 @@ class CompileCounter:
 
     def __init__(self, on_count: Callable[[CompileCounter], None] | None = None) -> None:
         self.traces = 0
-        self.compiles = 0
+        self.loads = 0
+        self._backend = 0  # backend "compilations": JAX times a load from the cache as one too
         self.on_count = on_count
+
+    @property
+    def compiles(self) -> int:
+        """XLA compilations while active (persistent-cache loads are not among them)."""
+        return self._backend - self.loads
+
+    @property
+    def programs(self) -> int:
+        """Executables built while active: compiled, or loaded from the persistent cache."""
+        return self._backend
 
     @classmethod
     def _listener(cls, event: str, duration: float, **_: object) -> None:
         """Counts under the lock: :func:`compile_ahead` compiles on several threads at once."""
         del duration
-        if event not in (_TRACE_EVENT, _COMPILE_EVENT):
+        if event not in (_TRACE_EVENT, _COMPILE_EVENT, _LOAD_EVENT):
             return
         with cls._lock:
             active = list(cls._active)
             for c in active:
                 if event == _TRACE_EVENT:
                     c.traces += 1
+                elif event == _COMPILE_EVENT:
+                    c._backend += 1
                 else:
-                    c.compiles += 1
+                    c.loads += 1
         for c in active:
             if c.on_count is not None:
                 c.on_count(c)

@@ -95,9 +95,10 @@ class _Server:
             f"{n}: {s.programs} programs in {s.seconds:.1f} s" for n, s in report.stages.items()
         )
         log.info(
-            "warm-up compiled %d programs (%d XLA compilations): %s",
+            "warm-up compiled %d programs (%d XLA compilations, %d loaded from the cache): %s",
             report.programs,
             report.compiles,
+            report.loads,
             per_stage,
         )
         self.ready = True

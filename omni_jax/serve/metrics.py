@@ -59,7 +59,8 @@ class _EngineLoad(Collector):
         )
         yield CounterMetricFamily(
             "omni_jax:xla_compilations",
-            "XLA compilations since the server started, warm-up's included: flat after warm-up",
+            "XLA programs built (compiled, or loaded from the persistent compilation cache) since the "
+            "server started, warm-up's included: flat after warm-up",
             value=self._compilations(),
         )
 
