@@ -19,8 +19,9 @@ from jax.sharding import Mesh
 
 _TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_LOAD_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"  # a persistent-cache hit's, before its
-# _COMPILE_EVENT: JAX times compiling or loading a program as one backend compilation
+_LOAD_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"  # a persistent-cache hit's, recorded
+# in the loading thread just before its _COMPILE_EVENT: JAX times compiling or loading a program as
+# one backend compilation
 ENV_CACHE_DIR = "OMNI_JAX_COMPILATION_CACHE"
 MAX_COMPILE_THREADS = 8
 """Most programs :func:`compile_ahead` compiles at once: each compilation holds its own
@@ -122,38 +123,40 @@ class CompileCounter:
     _lock = threading.Lock()
     _active: list[CompileCounter] = []
     _installed = False
+    _loading = threading.local()  # ``hit``: this thread's next backend compilation is a cache load
 
     def __init__(self, on_count: Callable[[CompileCounter], None] | None = None) -> None:
         self.traces = 0
+        self.compiles = 0
         self.loads = 0
-        self._backend = 0  # backend "compilations": JAX times a load from the cache as one too
         self.on_count = on_count
-
-    @property
-    def compiles(self) -> int:
-        """XLA compilations while active (persistent-cache loads are not among them)."""
-        return self._backend - self.loads
 
     @property
     def programs(self) -> int:
         """Executables built while active: compiled, or loaded from the persistent cache."""
-        return self._backend
+        return self.compiles + self.loads
 
     @classmethod
     def _listener(cls, event: str, duration: float, **_: object) -> None:
         """Counts under the lock: :func:`compile_ahead` compiles on several threads at once."""
         del duration
-        if event not in (_TRACE_EVENT, _COMPILE_EVENT, _LOAD_EVENT):
+        if event == _LOAD_EVENT:
+            cls._loading.hit = True
             return
+        if event not in (_TRACE_EVENT, _COMPILE_EVENT):
+            return
+        loaded = event == _COMPILE_EVENT and getattr(cls._loading, "hit", False)
+        if loaded:
+            cls._loading.hit = False
         with cls._lock:
             active = list(cls._active)
             for c in active:
                 if event == _TRACE_EVENT:
                     c.traces += 1
-                elif event == _COMPILE_EVENT:
-                    c._backend += 1
-                else:
+                elif loaded:
                     c.loads += 1
+                else:
+                    c.compiles += 1
         for c in active:
             if c.on_count is not None:
                 c.on_count(c)
