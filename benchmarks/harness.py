@@ -18,7 +18,6 @@ import json
 import math
 import os
 import platform
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -27,7 +26,6 @@ from unittest import mock
 import jax
 import numpy as np
 import yaml
-from jax import monitoring
 
 from omni_jax import OmniJaxPipeline
 from omni_jax.engine.compilation import CompileCounter
@@ -224,54 +222,10 @@ def persistent_cache() -> str | None:
     return jax.config.jax_compilation_cache_dir or None
 
 
-class CompileStats:
-    """XLA work done while active: programs compiled, compile and jaxpr-trace seconds, cache hits.
-
-    ``with CompileStats() as c: first_run()``. With JAX's persistent cache on, a hit is counted
-    in ``persistent_cache_hits`` and its load time in ``xla_compile_s``.
-    """
-
-    _lock = threading.Lock()
-    _active: list[CompileStats] = []
-    _installed = False
-
-    def __init__(self) -> None:
-        self.compiles = 0
-        self.compile_s = 0.0
-        self.trace_s = 0.0
-        self.cache_hits = 0
-
-    @classmethod
-    def _on_duration(cls, event: str, duration: float, **_: object) -> None:
-        for c in cls._active:
-            if event == "/jax/core/compile/backend_compile_duration":
-                c.compiles += 1
-                c.compile_s += duration
-            elif event == "/jax/core/compile/jaxpr_trace_duration":
-                c.trace_s += duration
-
-    @classmethod
-    def _on_event(cls, event: str, **_: object) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            for c in cls._active:
-                c.cache_hits += 1
-
-    def __enter__(self) -> CompileStats:
-        with self._lock:
-            if not CompileStats._installed:
-                monitoring.register_event_duration_secs_listener(CompileStats._on_duration)
-                monitoring.register_event_listener(CompileStats._on_event)
-                CompileStats._installed = True
-            CompileStats._active.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            CompileStats._active.remove(self)
-
-
-def compile_entry(first_run_s: float, steady_run_s: float, stats: CompileStats | None = None) -> dict:
-    """One side's compile figures: its first run against its best steady run of the same work."""
+def compile_entry(first_run_s: float, steady_run_s: float, stats: CompileCounter | None = None) -> dict:
+    """One side's compile figures: its first run against its best steady run of the same work,
+    and, from ``stats`` (active over what built the programs), XLA's compilations and their
+    seconds apart from the programs loaded from JAX's persistent cache."""
     out: dict[str, Any] = {
         "first_run_s": first_run_s,
         "steady_run_s": steady_run_s,
@@ -282,7 +236,8 @@ def compile_entry(first_run_s: float, steady_run_s: float, stats: CompileStats |
             xla_compiles=stats.compiles,
             xla_compile_s=stats.compile_s,
             jaxpr_trace_s=stats.trace_s,
-            persistent_cache_hits=stats.cache_hits,
+            persistent_cache_loads=stats.loads,
+            persistent_cache_load_s=stats.load_s,
         )
     return out
 
@@ -294,7 +249,7 @@ class Warmup:
     it (``after``: active from the end of ``warmup()`` until the suite's last measured run)."""
 
     report: WarmupReport
-    stats: CompileStats
+    stats: CompileCounter
     probe: AttentionProbe
     after: CompileCounter
 
@@ -324,7 +279,7 @@ def warmed_up(pipe: OmniJaxPipeline) -> Iterator[Warmup]:
     accounting, then every compilation counted until the block ends; the attention probe watches
     both, so a program traced after ``warmup()`` (which must not happen) still counts."""
     with AttentionProbe() as probe:
-        with CompileStats() as stats:
+        with CompileCounter() as stats:
             report = pipe.warmup()
         with CompileCounter() as after:
             yield Warmup(report, stats, probe, after)

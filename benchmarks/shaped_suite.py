@@ -164,13 +164,13 @@ class Recorder:
     out: Path | None
 
     def decode(self, b: int) -> None:
-        from benchmarks.harness import CompileStats
         from omni_jax import SamplingParams
+        from omni_jax.engine.compilation import CompileCounter
 
         args, cfg = self.args, self.cfg
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
         batch = [{"prompt_token_ids": p} for p in prompts(cfg.vocab_size, b, args.prompt, seed=b)]
-        with CompileStats() as stats:
+        with CompileCounter() as stats:
             t0 = time.perf_counter()
             self.pipe.run(batch, params, progress=False)
             first_s = time.perf_counter() - t0
@@ -195,13 +195,13 @@ class Recorder:
         print(f"ours decode b={b}: step {step * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms", flush=True)
 
     def prefill(self, n: int) -> None:
-        from benchmarks.harness import CompileStats
         from omni_jax import SamplingParams
+        from omni_jax.engine.compilation import CompileCounter
 
         cfg = self.cfg
         one = SamplingParams(temperature=0.0, max_tokens=1)
         batch = [{"prompt_token_ids": prompts(cfg.vocab_size, 1, n, seed=n)[0]}]
-        with CompileStats() as stats:
+        with CompileCounter() as stats:
             t0 = time.perf_counter()
             self.pipe.run(batch, one, progress=False)
             first_s = time.perf_counter() - t0
@@ -224,9 +224,10 @@ class Recorder:
 
 def ours(path: Path, args: argparse.Namespace, result: dict[str, Any], out: Path | None) -> None:
     """Load the checkpoint into our engine and measure each batch size, then each prompt length."""
-    from benchmarks.harness import AttentionProbe, CompileStats, backends, device, environment, versions
+    from benchmarks.harness import AttentionProbe, backends, device, environment, versions
     from benchmarks.roofline import matmul_flops, memory_bandwidth
     from omni_jax import OmniJaxPipeline
+    from omni_jax.engine.compilation import CompileCounter
 
     result["environment"] = environment() | {"device": device(), "versions": versions()}
     bw, peak = memory_bandwidth(), matmul_flops(dtype="bfloat16")
@@ -238,7 +239,7 @@ def ours(path: Path, args: argparse.Namespace, result: dict[str, Any], out: Path
     max_len = -(-(max([args.prompt + args.max_tokens, *(n + 2 for n in lengths)])) // page) * page
     pages = max(batches) * -(-(args.prompt + args.max_tokens) // page) + max_len // page + max(batches)
     t0 = time.perf_counter()
-    with CompileStats() as load_stats:
+    with CompileCounter() as load_stats:
         pipe = OmniJaxPipeline.from_pretrained(
             path,
             dtype="bfloat16",

@@ -46,6 +46,9 @@ def _check_common(result: dict, suite: str) -> None:
     assert backends["moe_experts"] == expert_path() and backends["vocoder_sin"] == "series"  # a CPU
     ours = result["compile"]["ours"]
     assert ours["warmup_programs"] > 0 and ours["warmup_s"] > 0 and ours["xla_compiles"] > 0
+    assert (
+        ours["xla_compile_s"] > 0 and ours["persistent_cache_loads"] == ours["persistent_cache_load_s"] == 0
+    )
     assert ours["compiles_after_warmup"] == 0
     assert ours["first_run_s"] > 0 and ours["steady_run_s"] > 0
     assert result["reference"] is not None

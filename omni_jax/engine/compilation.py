@@ -115,7 +115,9 @@ class CompileCounter:
     steady state that never recompiles leaves all counts at zero. A program found in JAX's
     persistent compilation cache is traced and lowered, then loaded instead of compiled: it
     counts in ``loads``, not ``compiles``, and :attr:`programs` counts both (what a warm-up
-    built, wherever the executables came from). ``on_count(counter)`` runs after each counted
+    built, wherever the executables came from). ``trace_s``, ``compile_s`` and ``load_s`` sum
+    the seconds JAX recorded for each (what a benchmark reports as compile time apart).
+    ``on_count(counter)`` runs after each counted
     event, in the thread that compiles: a trace ends just before its program is lowered and
     compiled, so a progress display can say "compiling" while it is.
     """
@@ -129,6 +131,9 @@ class CompileCounter:
         self.traces = 0
         self.compiles = 0
         self.loads = 0
+        self.trace_s = 0.0
+        self.compile_s = 0.0
+        self.load_s = 0.0
         self.on_count = on_count
 
     @property
@@ -139,7 +144,6 @@ class CompileCounter:
     @classmethod
     def _listener(cls, event: str, duration: float, **_: object) -> None:
         """Counts under the lock: :func:`compile_ahead` compiles on several threads at once."""
-        del duration
         if event == _LOAD_EVENT:
             cls._loading.hit = True
             return
@@ -153,10 +157,13 @@ class CompileCounter:
             for c in active:
                 if event == _TRACE_EVENT:
                     c.traces += 1
+                    c.trace_s += duration
                 elif loaded:
                     c.loads += 1
+                    c.load_s += duration
                 else:
                     c.compiles += 1
+                    c.compile_s += duration
         for c in active:
             if c.on_count is not None:
                 c.on_count(c)
