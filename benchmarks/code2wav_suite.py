@@ -13,7 +13,7 @@ calls ``token2wav.float()``).
 
 Ours runs the product path, ``OmniJaxPipeline.from_pretrained(path, stages=["code2wav"]).run``,
 with the stage's engine sized to the workload (``max_batch`` the largest batch size,
-``max_codes`` ``--max-codes``: :func:`benchmarks.harness.sized_code2wav_config`), after
+``max_codes`` ``--max-codes``, offline only: :func:`benchmarks.harness.sized_code2wav_config`), after
 ``warmup()``: every XLA compilation after it is counted, and any fails the suite. Both sides then
 decode the whole workload once to warm up (each batch for ours, each request for the
 reference; reported apart as ``compile``), and the measured figures are the best of each side's
@@ -264,7 +264,9 @@ def run(path: Path, args: Any) -> dict[str, Any]:
 
     t2w_cfg = load_hf_config(path).token2wav_config
     dit_cfg = t2w_cfg.dit_config
-    config = sized_code2wav_config(Path(args.cache_dir), max(args.batch_sizes), args.max_codes)
+    config = sized_code2wav_config(
+        Path(args.cache_dir), max(args.batch_sizes), args.max_codes, streaming=False
+    )
     pipe = OmniJaxPipeline.from_pretrained(
         path, stages=["code2wav"], dtype=args.dtype, mesh=args.mesh, stage_config=config
     )

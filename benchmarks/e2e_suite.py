@@ -18,7 +18,8 @@ speakers; every request asks for text and speech. Both sides run the same settin
   10 / 0.5 / -1).
 
 Ours is the product path: every request in one ``OmniJaxPipeline.run`` (continuous batching in
-each AR stage, code2wav batching, requests in different stages at once), after ``warmup()``
+each AR stage, code2wav batching, requests in different stages at once; code2wav offline only,
+as the workload never streams), after ``warmup()``
 (every XLA compilation after it is counted, and any fails the suite) and one run of the workload
 that warms up the rest. transformers runs ``Qwen2_5OmniForConditionalGeneration.generate``, which
 takes one voice per call, each call after its processor, in three configurations
@@ -661,7 +662,12 @@ def run(path: Path, args: Any, family: Family | None = None) -> dict[str, Any]:
     """The suite on ``family`` (default: Qwen2.5-Omni's)."""
     family = family or Family(path)
     stage_config = sized_code2wav_config(
-        Path(args.cache_dir), E2E_MAX_BATCH, args.talker_max_tokens, family.stage_yaml, not args.late_talker
+        Path(args.cache_dir),
+        E2E_MAX_BATCH,
+        args.talker_max_tokens,
+        family.stage_yaml,
+        not args.late_talker,
+        streaming=False,
     )
     pipe = build_pipeline(path, args, stage_config, args.max_num_seqs, family.suite)
     speakers = family.speakers(pipe)

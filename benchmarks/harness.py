@@ -415,6 +415,7 @@ def sized_code2wav_config(
     family: str = "qwen2_5_omni",
     early_start: bool = True,
     stream_sizes: dict[str, int] | None = None,
+    streaming: bool = True,
 ) -> Path:
     """The shipped stage YAML of ``family`` (a :data:`CODE2WAV_LENGTH_KEY` key) with code2wav's
     ``engine`` sized to a suite's workload (``max_batch`` requests of at most ``max_codes`` codes,
@@ -423,17 +424,21 @@ def sized_code2wav_config(
     ``warmup()`` compile solves of that size and the start-up memory check reserve for them, far
     past a benchmark's requests. ``early_start`` false: the talker starts when the thinker ends
     (``--late-talker``). ``stream_sizes``: ``engine.stream`` keys set over the shipped ones
-    (``--stream-sizes``; the stage refuses a key not its family's)."""
+    (``--stream-sizes``; the stage refuses a key not its family's). ``streaming`` false: an
+    offline-only stage (``engine.stream: false``), for a suite whose requests never stream, so
+    that warm-up compiles no chunk program its traffic cannot use."""
     raw = yaml.safe_load((SHIPPED_DIR / f"{family}.yaml").read_text())
     (code2wav,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
     length = CODE2WAV_LENGTH_KEY[family]
     code2wav["engine"] = {**code2wav.get("engine", {}), "max_batch": max_batch, length: max_codes}
     if stream_sizes:
         code2wav["engine"]["stream"] = {**code2wav["engine"].get("stream", {}), **stream_sizes}
+    if not streaming:
+        code2wav["engine"]["stream"] = False
     for talker in (s for s in raw["stages"] if s["name"] == "talker"):
         talker["engine"] = {**talker.get("engine", {}), "early_start": early_start}
     late = "" if early_start else "-late-talker"
-    sizes = "".join(f"-{k}{v}" for k, v in (stream_sizes or {}).items())
+    sizes = "".join(f"-{k}{v}" for k, v in (stream_sizes or {}).items()) if streaming else "-offline"
     path = workdir / f"{family}-code2wav-{max_batch}x{max_codes}{late}{sizes}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))

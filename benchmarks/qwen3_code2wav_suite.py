@@ -19,7 +19,7 @@ runs in float32 unless ``--dtype`` says otherwise (``generate`` decodes in the m
 
 Ours runs the product path, ``OmniJaxPipeline.from_pretrained(path, stages=["code2wav"]).run``
 with default ``Token2WavParams`` (offline decoding), the stage's engine sized to the workload
-(``max_batch`` the largest batch size, ``max_frames`` ``--max-codes``:
+(``max_batch`` the largest batch size, ``max_frames`` ``--max-codes``, streaming off:
 :func:`benchmarks.harness.sized_code2wav_config`), after ``warmup()``: every XLA compilation after
 it is counted and any fails the suite. Both sides then decode the whole workload once to warm up
 (reported apart as ``compile``), and the measured figures are the best of each side's ``--repeats``
@@ -229,7 +229,9 @@ def run(path: Path, args: Any) -> dict[str, Any]:
 
     cfg = load_hf_config(path).code2wav_config
     work = make_workload(cfg, args)
-    config = sized_code2wav_config(Path(args.cache_dir), max(args.batch_sizes), args.max_codes, "qwen3_omni")
+    config = sized_code2wav_config(
+        Path(args.cache_dir), max(args.batch_sizes), args.max_codes, "qwen3_omni", streaming=False
+    )
     pipe = OmniJaxPipeline.from_pretrained(
         path, stages=["code2wav"], dtype=args.dtype, mesh=args.mesh, stage_config=config
     )

@@ -139,14 +139,23 @@ def test_streamed_requests_have_no_code_limit(voicer) -> None:
     assert out.finish_reason == "stop" and out.audio.size == 33 * REPEATS * hop
 
 
+def small_code2wav(
+    omni_dir: Path, tmp_path: Path, engine_stream: object, **sampling: object
+) -> OmniJaxPipeline:
+    """The code2wav stage alone, its solves small (2 requests of at most 8 codes), its
+    ``engine.stream`` (``engine_stream``) and ``default_sampling`` keys set as given."""
+    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
+    config["stages"][2]["engine"] = {"max_batch": 2, "max_codes": 8, "stream": engine_stream}
+    config["stages"][2]["default_sampling"].update(sampling)
+    path = tmp_path / "stages.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=path)
+
+
 def test_nothing_compiles_after_the_stage_warmup(omni_dir, tmp_path) -> None:
     """The stage's warm-up compiles the chunk program of each row count beside the offline ones;
     streamed and offline requests then compile nothing."""
-    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
-    config["stages"][2]["engine"] = {"max_batch": 2, "max_codes": 8, "stream": STREAM}
-    path = tmp_path / "stages.yaml"
-    path.write_text(yaml.safe_dump(config))
-    small = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=path)
+    small = small_code2wav(omni_dir, tmp_path, STREAM)
     stage = small.stages[0]
     token2wav_chunk_compiled.clear_cache()
     report = small.warmup(progress=False)
@@ -163,6 +172,38 @@ def test_nothing_compiles_after_the_stage_warmup(omni_dir, tmp_path) -> None:
         outs = small.run(prompts, params, progress=False)
     assert [o.finish_reason for o in outs] == ["stop"] * 4
     assert (counted.traces, counted.compiles) == (0, 0)
+
+
+def test_a_stage_with_streaming_off_warms_and_takes_offline_requests_only(omni_dir, tmp_path) -> None:
+    """``engine.stream: false``: warm-up compiles the offline solves and no chunk program, and a
+    request asking to stream is refused before any work, naming the request and the stage."""
+    offline_only = small_code2wav(omni_dir, tmp_path, False)
+    stage = offline_only.stages[0]
+    assert not stage.streaming
+    token2wav_chunk_compiled.clear_cache()
+    assert offline_only.warmup(progress=False).programs == len(stage.runner.buckets.shapes())
+    assert token2wav_chunk_compiled._cache_size() == 0
+    prompts = [{"prompt_token_ids": codes(n, n)} for n in (3, 8)]
+    params = [Token2WavParams(seed=2, num_steps=3), Token2WavParams(stream=True, seed=1)]
+    with pytest.raises(ValueError, match="request 1: stage 'code2wav' decodes offline only"):
+        offline_only.run(prompts, params, progress=False)
+    assert stage.runner.num_waiting == 0 and not stage.has_work()
+
+
+@pytest.mark.parametrize(
+    "engine_stream,sampling,match",
+    [
+        ("off", {}, "stage 'code2wav': engine.stream must be a mapping of streaming constants or false"),
+        (
+            False,
+            {"stream": True},
+            "stage 'code2wav': default_sampling.stream is true but engine.stream is false",
+        ),
+    ],
+)
+def test_streaming_settings_are_checked(omni_dir, tmp_path, engine_stream, sampling, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        small_code2wav(omni_dir, tmp_path, engine_stream, **sampling)
 
 
 # --- the pipeline: the talker's codes fed to code2wav as they come --------------------------------

@@ -41,11 +41,34 @@ W = TypeVar("W")
 T = TypeVar("T")
 
 
+def streaming_on(sc: StageConfig) -> bool:
+    """Whether the stage decodes streamed requests: unless the stage YAML's ``engine.stream`` is
+    ``false``, which makes an offline-only stage (its warm-up compiles no chunk program, and a
+    request with ``stream=True`` is refused). ``ValueError`` naming the stage when ``engine.stream``
+    is neither ``false`` nor a mapping of constants, or when the stage's own default asks to stream
+    with streaming off."""
+    given = sc.engine.get("stream")
+    if given is False:
+        if sc.default_sampling.get("stream"):
+            raise ValueError(
+                f"stage {sc.name!r}: default_sampling.stream is true but engine.stream is false "
+                "(streamed decoding off)"
+            )
+        return False
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(
+            f"stage {sc.name!r}: engine.stream must be a mapping of streaming constants or false, "
+            f"got {given!r}"
+        )
+    return True
+
+
 def stream_setting(sc: StageConfig, keys: Collection[str], build: Callable[[dict[str, int]], T]) -> T:
     """The stage YAML's ``engine.stream`` (each value an int) made into the stage's streamed
-    decoding constants by ``build``; ``ValueError`` naming the stage for a key not in ``keys`` or
-    constants ``build`` refuses."""
-    given = dict(sc.engine.get("stream") or {})
+    decoding constants by ``build`` (the family's own when it is ``false``: the decoder is built,
+    and never used); ``ValueError`` naming the stage for a key not in ``keys`` or constants
+    ``build`` refuses."""
+    given = dict(sc.engine.get("stream") or {}) if streaming_on(sc) else {}
     unknown = set(given) - set(keys)
     if unknown:
         raise ValueError(
@@ -95,6 +118,7 @@ class Code2WavStageBase(Generic[Q, B, D]):
         self.runner = runner
         self.decoder = decoder
         self.defaults = defaults
+        self.streaming = streaming_on(config)
         self._submitted: dict[str, tuple[float, int]] = {}
         self._streamed: dict[str, Streamed] = {}
 
@@ -117,6 +141,11 @@ class Code2WavStageBase(Generic[Q, B, D]):
     def _check_params(self, index: int, params: Any) -> None:
         """:func:`~omni_jax.stages.base.check_params`, then whether a streamed request can be cut."""
         check_params(self, index, params)
+        if params.stream and not self.streaming:
+            raise ValueError(
+                f"request {index}: stage {self.config.name!r} decodes offline only (its stage YAML "
+                "sets engine.stream: false): stream=True cannot be served"
+            )
         if params.stream:
             try:
                 self._check_stream(params)
@@ -160,9 +189,10 @@ class Code2WavStageBase(Generic[Q, B, D]):
         return StageLoad(running=self.decoder.num_streaming, waiting=self.runner.num_waiting)
 
     def warmup(self) -> int:
-        """Compile every program: the offline solves' (the runner's shapes) and the streamed
-        ones' (one per rows bucket). Returns how many. After it no request mix compiles."""
-        return self.runner.warmup() + self.decoder.warmup()
+        """Compile every program: the offline solves' (the runner's shapes) and, unless streaming
+        is off, the streamed ones' (one per rows bucket and window). Returns how many. After it no
+        request mix the stage accepts compiles."""
+        return self.runner.warmup() + (self.decoder.warmup() if self.streaming else 0)
 
     def step(self) -> StageStep:
         """One chunk solve of the streamed requests with a chunk ready, then one offline solve;
