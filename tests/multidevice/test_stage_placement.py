@@ -52,23 +52,42 @@ def test_llm_stage_on_devices_4_to_7(gqa_dir, gqa_prompts, reference, tmp_path) 
 
 
 def code2wav_on(
-    omni_dir: Path, tmp_path: Path, devices: list[int], mesh: dict[str, int], **engine: int
+    omni_dir: Path,
+    tmp_path: Path,
+    devices: list[int],
+    mesh: dict[str, int],
+    stream: dict[str, int] | None = None,
+    **engine: int,
 ) -> OmniJaxPipeline:
+    """The shipped Qwen2.5-Omni code2wav stage alone on ``devices`` as ``mesh``, its ``engine``
+    keys (and ``engine.stream`` keys) set over the shipped ones."""
     src = yaml.safe_load((Path(__file__).parents[2] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
     for s in src["stages"]:
         if s["name"] == "code2wav":
             s["devices"], s["mesh"] = devices, mesh
             s["engine"].update(engine)
+            s["engine"]["stream"].update(stream or {})
     cfg = tmp_path / "omni.yaml"
     cfg.write_text(yaml.safe_dump(src))
     return OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
+
+
+SPLIT_PROMPTS = [{"prompt_token_ids": [1, 5, 9, 2, 7, 3][: 3 + i]} for i in range(3)]
+SPLIT_PARAMS = Token2WavParams(num_steps=3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def code2wav_alone(omni_dir: Path) -> list:
+    """The waveforms of :data:`SPLIT_PROMPTS` from the stage on one device, for every mesh."""
+    alone = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
+    return alone.run(SPLIT_PROMPTS, SPLIT_PARAMS, progress=False)
 
 
 @pytest.mark.parametrize(
     "devices,mesh",
     [([6, 7], {"data": 2}), ([6, 7], {"model": 2}), ([4, 5, 6, 7], {"data": 2, "model": 2})],
 )
-def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None:
+def test_code2wav_split_over_its_mesh(omni_dir, code2wav_alone, tmp_path, devices, mesh) -> None:
     """The stage's weights live only on its devices. A solve's rows are split over ``data``
     (each device solves its own requests, rows padded to a multiple of it) and the DiT's
     blocks over ``model`` (q/k/v/ff-in/modulation columns, out/ff-out rows); every request's
@@ -76,7 +95,6 @@ def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None
     from omni_jax.stages.code2wav_batch import Code2WavRequest
 
     placed = code2wav_on(omni_dir, tmp_path, devices, mesh)
-    alone = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
     runner = placed.stages[0].runner
     assert devices_of(nnx.to_pure_dict(runner.state)) == {jax.devices()[i] for i in devices}
     model = mesh.get("model", 1)
@@ -85,40 +103,40 @@ def test_code2wav_split_over_its_mesh(omni_dir, tmp_path, devices, mesh) -> None
     assert block["ff"]["ff_out"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("model", None)
     shard = block["attn"]["to_q"]["kernel"].addressable_shards[0].data.shape
     assert shard[1] * model == block["attn"]["to_q"]["kernel"].shape[1]
-    params = Token2WavParams(num_steps=3, seed=0)
     geometry = placed.stages[0].geometry
     request = Code2WavRequest.new(
         "r",
         np.array([1, 2, 3]),
         np.zeros(geometry.speaker_dim, np.float32),
         np.zeros((2, geometry.mel_dim), np.float32),
-        params,
+        SPLIT_PARAMS,
     )
     batch = runner.pad([request])
     assert batch.codes.shape[0] == mesh.get("data", 1)  # one request: a row per data shard
     arrays = batch.arrays(runner.mesh)
     assert all(a.sharding.spec == jax.sharding.PartitionSpec("data") for a in arrays)
     assert all(a.sharding.device_set == {jax.devices()[i] for i in devices} for a in arrays)
-    prompts = [{"prompt_token_ids": [1, 5, 9, 2, 7, 3][: 3 + i]} for i in range(3)]
-    got = placed.run(prompts, params, progress=False)
-    want = alone.run(prompts, params, progress=False)
-    for g, w in zip(got, want, strict=True):
+    got = placed.run(SPLIT_PROMPTS, SPLIT_PARAMS, progress=False)
+    for g, w in zip(got, code2wav_alone, strict=True):
         assert g.error is None and g.audio.shape == w.audio.shape
         assert rel_err(g.audio, w.audio) < SPLIT_ROUNDING
 
 
 def test_code2wav_warmup_covers_its_mesh(omni_dir, tmp_path) -> None:
     """Warm-up compiles each solve as a real batch is placed (rows split over ``data``): after
-    it, batches of any size and length, offline or streamed, compile nothing."""
-    placed = code2wav_on(omni_dir, tmp_path, [6, 7], {"data": 2}, max_batch=4, max_codes=48)
+    it, batches of any size, offline or streamed, compile nothing. One offline length and fixed
+    stream chunks keep the programs few (the single-device tests cover every length and chunk
+    size; what the mesh adds is the placement of rows)."""
+    fixed_chunks = {"max_chunk_codes": 36}
+    placed = code2wav_on(omni_dir, tmp_path, [6, 7], {"data": 2}, fixed_chunks, max_batch=4, max_codes=32)
     buckets = placed.stages[0].runner.buckets
-    assert (buckets.rows, buckets.lengths) == ((2, 4), (32, 48))
-    # four offline solves, and the streamed chunk programs of each row count (2 and 4) and
-    # window (the first chunk's, and one per chunk size: 36, 72 and 144 codes)
+    assert (buckets.rows, buckets.lengths) == ((2, 4), (32,))
+    # two offline solves, and the streamed chunk programs of each row count (2 and 4) and
+    # window (the first chunk's, 36 codes, and the fixed chunks', 72)
     assert placed.stages[0].decoder.buckets.rows == (2, 4)
-    assert placed.stages[0].decoder.buckets.lengths == (36, 72, 108, 180)
-    assert placed.stages[0].warmup() == 4 + 2 * 4
-    offline = ([1], [48, 3], [20, 33, 40], [5, 6, 7, 8, 9])
+    assert placed.stages[0].decoder.buckets.lengths == (36, 72)
+    assert placed.stages[0].warmup() == 2 + 2 * 2
+    offline = ([1], [32, 3], [20, 31, 12], [5, 6, 7, 8, 9])
     streamed = ([48, 3], [5, 6, 7, 8, 300])  # streamed requests have no max_codes
     for stream, mixes in ((False, offline), (True, streamed)):
         params = Token2WavParams(num_steps=2, seed=0, stream=stream)
