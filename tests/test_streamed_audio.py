@@ -174,20 +174,24 @@ def test_nothing_compiles_after_the_stage_warmup(omni_dir, tmp_path) -> None:
     assert (counted.traces, counted.compiles) == (0, 0)
 
 
-def test_a_stage_with_streaming_off_warms_and_takes_offline_requests_only(omni_dir, tmp_path) -> None:
+def test_a_stage_with_streaming_off_warms_and_decodes_offline_only(omni_dir, tmp_path) -> None:
     """``engine.stream: false``: warm-up compiles the offline solves and no chunk program, and a
-    request asking to stream is refused before any work, naming the request and the stage."""
+    request asking to stream is decoded whole, as the same request offline (a server's streamed
+    reply then sends its text as it comes and its audio in one piece), compiling nothing."""
     offline_only = small_code2wav(omni_dir, tmp_path, False)
     stage = offline_only.stages[0]
-    assert not stage.streaming
+    assert not stage.streaming and not stage.streams(Token2WavParams(stream=True))
     token2wav_chunk_compiled.clear_cache()
     assert offline_only.warmup(progress=False).programs == len(stage.runner.buckets.shapes())
     assert token2wav_chunk_compiled._cache_size() == 0
-    prompts = [{"prompt_token_ids": codes(n, n)} for n in (3, 8)]
-    params = [Token2WavParams(seed=2, num_steps=3), Token2WavParams(stream=True, seed=1)]
-    with pytest.raises(ValueError, match="request 1: stage 'code2wav' decodes offline only"):
-        offline_only.run(prompts, params, progress=False)
-    assert stage.runner.num_waiting == 0 and not stage.has_work()
+    prompt = [{"prompt_token_ids": codes(8, 8)}]
+    with CompileCounter() as counted:
+        (asked,) = offline_only.run(prompt, Token2WavParams(stream=True, seed=1, num_steps=2), progress=False)
+        (whole,) = offline_only.run(prompt, Token2WavParams(seed=1, num_steps=2), progress=False)
+    assert (counted.traces, counted.compiles) == (0, 0) and token2wav_chunk_compiled._cache_size() == 0
+    assert asked.finish_reason == whole.finish_reason == "stop"
+    np.testing.assert_array_equal(asked.audio, whole.audio)
+    assert len(asked.audio) == 8 * REPEATS * 60
 
 
 @pytest.mark.parametrize(

@@ -249,7 +249,7 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
         codes = request.token_ids
         check_ids(index, codes, self.codec_vocab_size, kind="codec")
         geometry = self.geometry
-        if len(codes) > geometry.max_codes and not params.stream:
+        if len(codes) > geometry.max_codes and not self.streams(params):
             raise ValueError(
                 f"request {index}: {len(codes)} codes exceed the limit of {geometry.max_codes} "
                 f"(engine option max_codes of stage {self.config.name!r}, at most the DiT's "
@@ -267,7 +267,7 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
     def submit(self, request_id: str, request: StageInput, params: Token2WavParams) -> None:
         """Queue the request for an offline solve, or with ``stream=True`` decode its codes (all
         there) chunk by chunk."""
-        if params.stream:
+        if self.streams(params):
             self.open(request_id, request.prompt, params)
             self.feed(0, request_id, request.token_ids, None)
             self.decoder.extend(request_id, [], finished=True)

@@ -42,11 +42,12 @@ T = TypeVar("T")
 
 
 def streaming_on(sc: StageConfig) -> bool:
-    """Whether the stage decodes streamed requests: unless the stage YAML's ``engine.stream`` is
-    ``false``, which makes an offline-only stage (its warm-up compiles no chunk program, and a
-    request with ``stream=True`` is refused). ``ValueError`` naming the stage when ``engine.stream``
-    is neither ``false`` nor a mapping of constants, or when the stage's own default asks to stream
-    with streaming off."""
+    """Whether the stage decodes requests with ``stream=True`` in chunks: unless the stage YAML's
+    ``engine.stream`` is ``false``, which makes an offline-only stage (its warm-up compiles no
+    chunk program, and it decodes every request whole: a streamed reply's audio comes in one
+    piece at its end, its text still streamed). ``ValueError`` naming the stage when
+    ``engine.stream`` is neither ``false`` nor a mapping of constants, or when the stage's own
+    default asks to stream with streaming off."""
     given = sc.engine.get("stream")
     if given is False:
         if sc.default_sampling.get("stream"):
@@ -141,12 +142,7 @@ class Code2WavStageBase(Generic[Q, B, D]):
     def _check_params(self, index: int, params: Any) -> None:
         """:func:`~omni_jax.stages.base.check_params`, then whether a streamed request can be cut."""
         check_params(self, index, params)
-        if params.stream and not self.streaming:
-            raise ValueError(
-                f"request {index}: stage {self.config.name!r} decodes offline only (its stage YAML "
-                "sets engine.stream: false): stream=True cannot be served"
-            )
-        if params.stream:
+        if self.streams(params):
             try:
                 self._check_stream(params)
             except ValueError as e:
@@ -159,7 +155,8 @@ class Code2WavStageBase(Generic[Q, B, D]):
         """Reads only the upstream's tokens: nothing to take from it at build time."""
 
     def streams(self, params: Token2WavParams) -> bool:
-        return params.stream
+        """Whether the request is decoded in chunks: it asks to stream, and streaming is on."""
+        return params.stream and self.streaming
 
     def _opened(self, request_id: str, codes: list[int], tags: dict[str, int] | None = None) -> None:
         """Record a streamed request the decoder took (``codes``: its list of them)."""

@@ -294,17 +294,18 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
                 "(frame-major: each frame's codes consecutive)"
             )
         frames = len(codes) // q
-        if frames > self.max_frames and not params.stream:
+        if frames > self.max_frames and not self.streams(params):
+            remedy = "stream it (Token2WavParams(stream=True)) to decode it in chunks"
             raise ValueError(
                 f"request {index}: {frames} frames exceed the limit of {self.max_frames} (engine option "
                 f"max_frames of stage {self.config.name!r}, at most the model's max_position_embeddings); "
-                "stream it (Token2WavParams(stream=True)) to decode it in chunks"
+                + (remedy if self.streaming else "the stage decodes offline only (engine.stream: false)")
             )
 
     def submit(self, request_id: str, request: StageInput, params: Token2WavParams) -> None:
         """Queue the request for an offline solve, or with ``stream=True`` decode its frames
         (all there) chunk by chunk."""
-        if params.stream:
+        if self.streams(params):
             self.open(request_id, request.prompt, params)
             self.decoder.extend(request_id, request.token_ids, finished=True)
             return
