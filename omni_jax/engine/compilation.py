@@ -117,9 +117,9 @@ class CompileCounter:
     counts in ``loads``, not ``compiles``, and :attr:`programs` counts both (what a warm-up
     built, wherever the executables came from). ``trace_s``, ``compile_s`` and ``load_s`` sum
     the seconds JAX recorded for each (what a benchmark reports as compile time apart).
-    ``on_count(counter)`` runs after each counted
-    event, in the thread that compiles: a trace ends just before its program is lowered and
-    compiled, so a progress display can say "compiling" while it is.
+    ``on_count(counter)`` runs after each counted event, in the thread that compiles: a trace
+    ends just before its program is lowered and compiled, so a progress display can say
+    "compiling" while it is.
     """
 
     _lock = threading.Lock()
