@@ -715,18 +715,20 @@ def test_chunks_of_different_windows_solve_apart_where_rows_cost(ours, monkeypat
             assert rel_err(o.audio, w.audio) < 1e-5, (n, o.chunk.index)
 
 
-@pytest.mark.parametrize("planner", [PLANNER, TINY_GROWING], ids=["fixed", "growing"])
-def test_nothing_compiles_after_warmup(ours, planner: ChunkPlanner) -> None:
+@pytest.mark.parametrize("planner,max_batch", [(PLANNER, 2), (TINY_GROWING, 1)], ids=["fixed", "growing"])
+def test_nothing_compiles_after_warmup(ours, planner: ChunkPlanner, max_batch: int) -> None:
     """``warmup`` compiles one program per row count and window (the first chunk's, and a middle
     chunk's of each size: the longest alone when chunks do not grow); mixes of chunk kinds, chunk
-    sizes, knobs and batch sizes then compile nothing."""
+    sizes, knobs and batch sizes then compile nothing. Row counts are the fixed chunks' dimension
+    here, windows the growing ones' (one row: half the programs)."""
     token2wav_chunk_compiled.clear_cache()
-    dec = decoder(ours, max_batch=2, planner=planner)
+    dec = decoder(ours, max_batch=max_batch, planner=planner)
     with CompileCounter() as counted:
         programs = dec.warmup()
     windows = tuple(w // planner.repeats for w in planner.windows)
     assert dec.buckets.lengths == windows and len(windows) == 2 + len(planner.growing)
-    shapes = 2 * len(windows)
+    assert dec.buckets.rows == (1, 2)[:max_batch]
+    shapes = max_batch * len(windows)
     assert programs == len(dec.buckets.shapes()) == shapes and counted.programs >= shapes
     assert token2wav_chunk_compiled._cache_size() == shapes
     mixes = [
