@@ -201,21 +201,32 @@ def test_code2wav_largest_solve_refused_with_the_numbers(omni_dir) -> None:
         check(omni_dir, hf_config, capped, meshes, None)
 
 
-@pytest.mark.parametrize("rows,codes", [(1, 256), (4, 64), (8, 128)])
-def test_solve_estimate_against_xla(omni_dir, rows, codes) -> None:
+@pytest.mark.parametrize(
+    "widths,rows,codes", [("tiny", 1, 256), ("tiny", 4, 64), ("tiny", 8, 128), ("7b", 1, 64)]
+)
+def test_solve_estimate_against_xla(omni_dir, widths, rows, codes) -> None:
     """The per-code estimate the check multiplies, against XLA's own count of the compiled
-    solve's temporaries for the tiny checkpoint: at least as large, at most 3x."""
+    solve's temporaries, for the tiny checkpoint and at Qwen2.5-Omni-7B's widths (transformers'
+    default ``Qwen2_5OmniToken2WavConfig``; traced from shapes, no weights): at least as large,
+    at most 3x."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from transformers import Qwen2_5OmniToken2WavConfig
 
     from omni_jax.jit import StaticGraph
     from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
 
-    hf_config = load_hf_config(omni_dir)
-    model = nnx.eval_shape(lambda: Token2Wav(hf_config.token2wav_config, rngs=nnx.Rngs(0)))
+    if widths == "tiny":
+        config = load_hf_config(omni_dir).token2wav_config
+    else:
+        config = Qwen2_5OmniToken2WavConfig()
+        assert (
+            config.bigvgan_config.upsample_initial_channel == 1536 and config.dit_config.hidden_size == 1024
+        )
+    model = nnx.eval_shape(lambda: Token2Wav(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    dit = hf_config.token2wav_config.dit_config
+    dit = config.dit_config
     i32, f32 = jnp.int32, jnp.float32
     args = [
         jax.ShapeDtypeStruct(shape, dtype)
