@@ -11,7 +11,7 @@ import yaml
 from flax import nnx
 from parity import SPLIT_ROUNDING, rel_err
 
-from omni_jax import OmniJaxPipeline, Token2WavParams
+from omni_jax import OmniJaxPipeline, OmniRequestOutput, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
 
 from .conftest import PIPE_KW, greedy
@@ -77,7 +77,7 @@ SPLIT_PARAMS = Token2WavParams(num_steps=3, seed=0)
 
 
 @pytest.fixture(scope="module")
-def code2wav_alone(omni_dir: Path) -> list:
+def code2wav_alone(omni_dir: Path) -> list[OmniRequestOutput]:
     """The waveforms of :data:`SPLIT_PROMPTS` from the stage on one device, for every mesh."""
     alone = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
     return alone.run(SPLIT_PROMPTS, SPLIT_PARAMS, progress=False)
