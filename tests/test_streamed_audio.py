@@ -142,10 +142,11 @@ def test_streamed_requests_have_no_code_limit(voicer) -> None:
 def small_code2wav(
     omni_dir: Path, tmp_path: Path, engine_stream: object, **sampling: object
 ) -> OmniJaxPipeline:
-    """The code2wav stage alone, its solves small (2 requests of at most 8 codes), its
-    ``engine.stream`` (``engine_stream``) and ``default_sampling`` keys set as given."""
+    """The code2wav stage alone, its solves small (one request of at most 8 codes: the row
+    counts are ``tests/test_code2wav_compile_once.py``'s to cover), its ``engine.stream``
+    (``engine_stream``) and ``default_sampling`` keys set as given."""
     config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
-    config["stages"][2]["engine"] = {"max_batch": 2, "max_codes": 8, "stream": engine_stream}
+    config["stages"][2]["engine"] = {"max_batch": 1, "max_codes": 8, "stream": engine_stream}
     config["stages"][2]["default_sampling"].update(sampling)
     path = tmp_path / "stages.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -153,14 +154,14 @@ def small_code2wav(
 
 
 def test_nothing_compiles_after_the_stage_warmup(omni_dir, tmp_path) -> None:
-    """The stage's warm-up compiles the chunk program of each row count beside the offline ones;
-    streamed and offline requests then compile nothing."""
+    """The stage's warm-up compiles the chunk program of each window (the first chunk's and the
+    others') beside the offline ones; streamed and offline requests then compile nothing."""
     small = small_code2wav(omni_dir, tmp_path, STREAM)
     stage = small.stages[0]
     token2wav_chunk_compiled.clear_cache()
     report = small.warmup(progress=False)
     offline = len(stage.runner.buckets.shapes())
-    assert report.programs == offline + len(stage.decoder.buckets.shapes()) == offline + 4
+    assert report.programs == offline + len(stage.decoder.buckets.shapes()) == offline + 2
     prompts = [{"prompt_token_ids": codes(n, n)} for n in (3, 8, 20, 31)]
     params = [
         Token2WavParams(stream=True, seed=1, num_steps=2),
