@@ -39,16 +39,24 @@ def seed_noise(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n * REPEATS, MEL), dtype=np.float32)
 
 
-@pytest.fixture(scope="module")
-def stream_yaml(tmp_path_factory) -> Path:
-    """The architecture's stage YAML at the test's streaming sizes, with small offline solves."""
+def code2wav_yaml(directory: Path, engine: dict[str, object], **sampling: object) -> Path:
+    """The architecture's stage YAML, written under ``directory``, with the code2wav stage's
+    ``engine`` replaced and its ``default_sampling`` keys set as given."""
     config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
     code2wav = config["stages"][2]
     assert code2wav["name"] == "code2wav"
-    code2wav["engine"] = {"max_batch": 4, "max_codes": 32, "stream": STREAM}
-    path = tmp_path_factory.mktemp("stream_yaml") / "stages.yaml"
+    code2wav["engine"] = engine
+    code2wav["default_sampling"].update(sampling)
+    path = directory / "stages.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+@pytest.fixture(scope="module")
+def stream_yaml(tmp_path_factory) -> Path:
+    """The architecture's stage YAML at the test's streaming sizes, with small offline solves."""
+    engine = {"max_batch": 4, "max_codes": 32, "stream": STREAM}
+    return code2wav_yaml(tmp_path_factory.mktemp("stream_yaml"), engine)
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +153,8 @@ def small_code2wav(
     """The code2wav stage alone, its solves small (one request of at most 8 codes: the row
     counts are ``tests/test_code2wav_compile_once.py``'s to cover), its ``engine.stream``
     (``engine_stream``) and ``default_sampling`` keys set as given."""
-    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
-    config["stages"][2]["engine"] = {"max_batch": 1, "max_codes": 8, "stream": engine_stream}
-    config["stages"][2]["default_sampling"].update(sampling)
-    path = tmp_path / "stages.yaml"
-    path.write_text(yaml.safe_dump(config))
+    engine = {"max_batch": 1, "max_codes": 8, "stream": engine_stream}
+    path = code2wav_yaml(tmp_path, engine, **sampling)
     return OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=path)
 
 
