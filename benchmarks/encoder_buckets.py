@@ -4,7 +4,8 @@ encoders' program set, what it takes to compile, and what its padding costs.
 Measured on the checkpoint (``tiny``: built locally, :mod:`benchmarks.models`): the encoder
 programs ``ThinkerFrontend.warmup()`` compiles (each audio chunk count and vision token count of
 its ``EncoderBuckets``) with their compile seconds, then a mix of media encoded after it (images
-of several sizes, a video, clips up to 30 s, all in one step), whose compilations must be none.
+of several sizes, a video, clips up to 30 s, all in one step; those longer than the stage's
+``max_model_len`` left out, as the stage refuses them), whose compilations must be none.
 
 Counted, not measured: the FLOPs each vision ladder (powers of two, and the two sizes a doubling
 in use) spends beyond the reference's exact segment cost, at Qwen2.5-Omni-7B's vision sizes
@@ -151,11 +152,19 @@ def measured(path: Path) -> list[str]:
         [item("audio", tone(12.0))],
         [item("audio", tone(29.9))],
     ]
-    requests = []
+    requests, refused = [], []
     for i, items in enumerate(media):
         prompt = pipe.chat_prompt([{"role": "user", "content": [*items, {"type": "text", "text": "x"}]}])
         ids = list(pipe.tokenizer(prompt["prompt"])["input_ids"])
-        requests.append(frontend.prepare(i, StageInput(ids, prompt)).state)
+        prepared = frontend.prepare(i, StageInput(ids, prompt))
+        if len(prepared.token_ids) < pipe.stages[0].max_model_len:
+            requests.append(prepared.state)
+        else:  # the stage refuses it at validation; its frames may exceed the vision calls
+            refused.append(f"request {i} ({len(prepared.token_ids)} tokens)")
+    if refused:
+        lines.append(
+            f"longer than max_model_len {pipe.stages[0].max_model_len}, not encoded: {', '.join(refused)}"
+        )
     with CompileCounter() as counter:
         start = time.perf_counter()
         frontend.step_inputs.encode(requests)

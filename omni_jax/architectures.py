@@ -75,11 +75,12 @@ class ModelPart:
     caller asks (transformers always runs Qwen2.5-Omni's token2wav in float32).
     ``partition(hf_config, model_axis_size)`` gives its tensor-parallel :class:`ShardRule` s
     (``None``: every parameter replicated over the stage's mesh).
-    ``frontend(hf_config, model, path, stage_config)``, for an AR part that needs more than
-    token ids (a multimodal processor, M-RoPE positions, encoder rows merged into its
-    embeddings, another stage's hidden states), builds the stage's
-    :class:`~omni_jax.stages.ar.ARFrontend`. ``generation``, for a part the stage YAML runs as a
-    generation stage, builds that stage (:class:`GenerationStage`).
+    ``frontend(hf_config, model, path, stage_config, max_model_len)``, for an AR part that
+    needs more than token ids (a multimodal processor, M-RoPE positions, encoder rows merged
+    into its embeddings, another stage's hidden states), builds the stage's
+    :class:`~omni_jax.stages.ar.ARFrontend` for prompts of at most ``max_model_len`` tokens.
+    ``generation``, for a part the stage YAML runs as a generation stage, builds that stage
+    (:class:`GenerationStage`).
     """
 
     stage: str
@@ -88,7 +89,7 @@ class ModelPart:
     ignore: Callable[[Any], tuple[str, ...]]
     dtype: str | None = None
     partition: PartitionRules | None = None
-    frontend: Callable[[Any, nnx.Module, Path, StageConfig], ARFrontend[Any]] | None = None
+    frontend: Callable[[Any, nnx.Module, Path, StageConfig, int], ARFrontend[Any]] | None = None
     generation: GenerationStage | None = None
 
     def generation_stage(self) -> GenerationStage:
@@ -199,11 +200,16 @@ def _talker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
     return lambda: Talker(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
 
 
-def _thinker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig) -> ARFrontend[Any]:
-    return ThinkerFrontend.build(model, path, MediaLimits.from_engine(stage_config.name, stage_config.engine))
+def _thinker_frontend(
+    cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig, max_model_len: int
+) -> ARFrontend[Any]:
+    limits = MediaLimits.from_engine(stage_config.name, stage_config.engine)
+    return ThinkerFrontend.build(model, path, limits, max_model_len)
 
 
-def _talker_frontend(cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig) -> ARFrontend[Any]:
+def _talker_frontend(
+    cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig, max_model_len: int
+) -> ARFrontend[Any]:
     return TalkerFrontend.build(model, path, stage_config.default_speaker)
 
 
@@ -263,11 +269,10 @@ def _qwen3_thinker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
 
 
 def _qwen3_thinker_frontend(
-    cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig
+    cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig, max_model_len: int
 ) -> ARFrontend[Any]:
-    return Qwen3ThinkerFrontend.build(
-        model, path, MediaLimits.from_engine(stage_config.name, stage_config.engine)
-    )
+    limits = MediaLimits.from_engine(stage_config.name, stage_config.engine)
+    return Qwen3ThinkerFrontend.build(model, path, limits, max_model_len)
 
 
 def _qwen3_talker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
@@ -276,7 +281,7 @@ def _qwen3_talker_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
 
 
 def _qwen3_talker_frontend(
-    cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig
+    cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig, max_model_len: int
 ) -> ARFrontend[Any]:
     return Qwen3TalkerFrontend.build(model, path, cfg, stage_config.default_speaker)
 

@@ -30,7 +30,7 @@ from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.preflight import cache_shares, check_memory_before_loading, engine_settings, stage_needs
 from omni_jax.progress import RequestsBar, WarmupBar
-from omni_jax.stages.ar import ARStage, check_engine_options
+from omni_jax.stages.ar import ARStage, check_engine_options, resolve_max_model_len
 from omni_jax.stages.base import Stage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
 from omni_jax.stages.thinker import MediaLimits
@@ -157,7 +157,10 @@ class OmniJaxPipeline:
             if sc.kind == "generation":
                 built.append(part.generation_stage().build(sc, model, path, stage_mesh))
                 continue
-            frontend = None if part.frontend is None else part.frontend(hf_config, model, path, sc)
+            frontend = None
+            if part.frontend is not None:
+                prompt_limit = resolve_max_model_len(model, engine["max_model_len"])
+                frontend = part.frontend(hf_config, model, path, sc, prompt_limit)
             built.append(
                 ARStage.build(
                     sc,

@@ -4,9 +4,10 @@ after it no request mix traces or compiles anything (docs/ARCHITECTURE.md, "Comp
 The bucket set itself (rows, code ladder, one reference length) is checked without a model,
 and so is the grouping's promise: whatever the cost fit, every solve it makes has a shape of the
 set. The end-to-end check runs the tiny Qwen2.5-Omni's code2wav stage with a smaller solve limit
-(``max_batch`` 4, ``max_codes`` 48: six offline programs, and twelve streamed chunk programs,
-one per row count and window of the shipped streaming sizes) so that its warm-up stays short;
-the full tiny limits give 28 offline programs, Qwen2.5-Omni-7B's 60 (checked on the bucket set).
+(``max_batch`` 4, ``max_codes`` 48: six offline programs, and nine streamed chunk programs,
+one per row count and window, the shipped streaming sizes with chunks growing to 72 codes, not
+144) so that its warm-up stays short; the full tiny limits give 28 offline programs,
+Qwen2.5-Omni-7B's 60 (checked on the bucket set).
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def test_reference_longer_than_the_bucket_is_refused() -> None:
 
 SMALL = {"max_batch": 4, "max_codes": 48}
 """The end-to-end stage's solve limits: rows 1, 2, 4 times codes 32, 48."""
+SMALL_STREAM = {"max_chunk_codes": 72}
+"""Its streamed chunks: 24, 36, then 72 codes (windows of 36, 72 and 108 codes)."""
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +127,7 @@ def warmed(omni_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[OmniJaxP
     src = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
     for s in src["stages"]:
         if s["name"] == "code2wav":
-            s["engine"] = {**SMALL, "stream": s["engine"]["stream"]}
+            s["engine"] = {**SMALL, "stream": {**s["engine"]["stream"], **SMALL_STREAM}}
     cfg = tmp_path_factory.mktemp("code2wav_small") / "omni.yaml"
     cfg.write_text(yaml.safe_dump(src))
     pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
@@ -142,11 +145,11 @@ def test_warmup_compiles_every_bucket(warmed) -> None:
     buckets = pipe.stages[0].runner.buckets
     assert (buckets.rows, buckets.lengths) == ((1, 2, 4), (32, 48))
     # one offline solve program per shape, and one streamed chunk program per row count and
-    # window (the first chunk's, and one per later chunk size: 36, 72, 144 codes)
-    assert pipe.stages[0].decoder.buckets.lengths == (36, 72, 108, 180)
-    assert programs == len(buckets.shapes()) + len(pipe.stages[0].decoder.buckets.shapes()) == 6 + 12
+    # window (the first chunk's, and one per later chunk size: 36 and 72 codes)
+    assert pipe.stages[0].decoder.buckets.lengths == (36, 72, 108)
+    assert programs == len(buckets.shapes()) + len(pipe.stages[0].decoder.buckets.shapes()) == 6 + 9
     assert token2wav_compiled._cache_size() == 6
-    assert token2wav_chunk_compiled._cache_size() == 12
+    assert token2wav_chunk_compiled._cache_size() == 9
     assert counted.programs >= programs
 
 

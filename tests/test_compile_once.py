@@ -181,23 +181,25 @@ def stage_programs(pipe: OmniJaxPipeline) -> dict[str, int]:
 
 def test_qwen2_5_omni_stages_hold_at_most_64_programs_at_the_default_sizes(omni_dir) -> None:
     """Every stage of the whole Qwen2.5-Omni graph at the engine defaults (64 sequences,
-    2048-token steps) warms up at most 64 programs (Qwen2.5-Omni's image sizes bound the
-    vision calls; code2wav's streamed chunks: 4 row counts x 4 windows, the first chunk's and
-    one per chunk size, 36, 72 and 144 codes)."""
+    2048-token steps) warms up at most 64 programs (the tiny thinker's 512 positions bound the
+    vision calls at 2048 patches: 7 sizes, where the processor's largest image would take 17;
+    code2wav's streamed chunks: 4 row counts x 4 windows, the first chunk's and one per chunk
+    size, 36, 72 and 144 codes)."""
     pipe = OmniJaxPipeline.from_pretrained(omni_dir, max_num_seqs=64, max_num_batched_tokens=2048)
     counts = stage_programs(pipe)
-    assert counts == {"thinker": 41 + 5 + 17, "talker": 41, "code2wav": 28 + 4 * 4}
+    assert counts == {"thinker": 41 + 5 + 7, "talker": 41, "code2wav": 28 + 4 * 4}
     assert max(counts.values()) <= 64
 
 
 def test_qwen3_omni_stages_hold_at_most_64_programs_at_the_default_sizes(qwen3_omni_dir) -> None:
     """The same bound for Qwen3-Omni: its talker adds the code predictor's two forms (greedy,
-    sampled) per sequence bucket, its code2wav offline decodes of 16 to 300 frames (two sizes an
-    octave) at 1 to 8 rows and streamed windows of the first frame and of 25 frames of context
-    before each chunk size, 25, 50 and 100 frames."""
+    sampled) per sequence bucket, its thinker's vision calls up to a frame of its 1024
+    positions (4096 patches: 9 sizes), its code2wav offline decodes of 16 to 300 frames (two
+    sizes an octave) at 1 to 8 rows and streamed windows of the first frame and of 25 frames of
+    context before each chunk size, 25, 50 and 100 frames."""
     pipe = OmniJaxPipeline.from_pretrained(qwen3_omni_dir, max_num_seqs=64, max_num_batched_tokens=2048)
     counts = stage_programs(pipe)
-    assert counts == {"thinker": 41 + 6 + 17, "talker": 41 + 2 * 6, "code2wav": 40 + 4 * 4}
+    assert counts == {"thinker": 41 + 6 + 9, "talker": 41 + 2 * 6, "code2wav": 40 + 4 * 4}
     assert max(counts.values()) <= 64
 
 

@@ -28,8 +28,10 @@ AUDIO_BUCKETS = (1, 2, 4, 8, 16)
 VISION_LADDER = (64, 128, *(64 * m * 2**k for k in range(9) for m in (3, 4)))
 """The band tile (a 112-pixel window is 64 patches) times 1, 2, 3, 4, 6, 8, ... up to 65536
 patches, the image processor's max_pixels (28 * 28 * 16384) in 14-pixel patches."""
-VISION_BUCKETS = VISION_LADDER[3:]
+PROCESSOR_VISION_BUCKETS = VISION_LADDER[3:]
 """The ladder from 256 patches (a 224x224 image; smaller ones pad to it): 17 sizes."""
+VISION_BUCKETS = PROCESSOR_VISION_BUCKETS[:7]
+"""The tiny thinker's: up to 2048 patches, a frame of its 512 positions (4 patches a token)."""
 
 
 def user(*items: dict[str, Any]) -> list[dict[str, Any]]:
@@ -49,7 +51,7 @@ MEDIA = [
     user(image(56, 84, 1)),
     user(image(300, 90, 2)),  # non-square both ways
     user(image(90, 500, 3)),
-    user(image(720, 1280, 4)),
+    user(image(480, 640, 4)),  # 34x46 patches: most of the 2048 a prompt of 512 tokens can hold
     user(image(100, 100, 5), image(200, 120, 6), image(64, 300, 7)),  # several images in one prompt
     user({"type": "video", "video": frames(6, 60, 80, 8)}),
     user({"type": "video", "video": frames(16, 448, 448, 9)}),
@@ -59,8 +61,8 @@ MEDIA = [
     user(audio(29.9, 13)),  # the longest clip the feature extractor takes
     user(audio(2.0, 14), image(150, 150, 15)),
 ]
-"""What one step may admit (beyond what the tiny thinker's 512 positions hold: the encoders
-are called directly)."""
+"""What one step may admit (every frame within what the tiny thinker's 512 positions hold, some
+prompts beyond them: the encoders are called directly)."""
 
 
 @pytest.fixture(scope="module")
@@ -122,16 +124,16 @@ def test_plan_calls_is_the_cheapest_cut() -> None:
 
 
 def test_warmup_compiles_every_encoder_program(warm) -> None:
-    """The program count is the bucket count, bounded whatever the traffic: 5 audio and 17
-    vision programs for the tiny checkpoint's processor (Qwen2.5-Omni's bounds); a second warm-up
-    compiles nothing."""
+    """The program count is the bucket count, bounded whatever the traffic: 5 audio and 7
+    vision programs for the tiny checkpoint (Qwen2.5-Omni's processor, 512 positions); a second
+    warm-up compiles nothing."""
     pipe, programs, counter = warm
     buckets = frontend_of(pipe).step_inputs.buckets
     assert buckets == EncoderBuckets(AUDIO_BUCKETS, VISION_BUCKETS)
-    assert programs == len(AUDIO_BUCKETS) + len(VISION_BUCKETS) == 22
-    assert (counter.traces, counter.programs) == (22, 22)  # compiled, or loaded from the cache
+    assert programs == len(AUDIO_BUCKETS) + len(VISION_BUCKETS) == 12
+    assert (counter.traces, counter.programs) == (12, 12)  # compiled, or loaded from the cache
     with CompileCounter() as again:
-        assert frontend_of(pipe).warmup() == 22
+        assert frontend_of(pipe).warmup() == 12
     assert (again.traces, again.compiles) == (0, 0)
 
 
@@ -157,18 +159,34 @@ def test_encoder_programs_compile_side_by_side(warm) -> None:
     assert (after.traces, after.compiles) == (0, 0)
 
 
-def test_default_buckets_take_anything_the_processor_emits(warm) -> None:
-    """The largest buckets hold the longest clip and the largest frame the processor emits."""
+def test_default_buckets_take_what_the_processor_emits_and_a_prompt_holds(warm) -> None:
+    """The largest buckets hold the longest clip and the largest frame the processor emits, or,
+    where ``max_model_len`` is less, the largest frame a prompt can hold: a prompt with a frame
+    past that is refused at validation for its length (Qwen2.5-Omni-7B's default 4096 tokens:
+    vision calls up to 16384 patches, 4 fewer programs than the processor's 65536)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     pipe, _, _ = warm
-    processor = frontend_of(pipe).processor
+    frontend = frontend_of(pipe)
+    processor = frontend.processor
     (features,) = processor.audio_features([np.zeros(30 * 16_000, np.float32)])
     assert -(-features.shape[1] // 200) <= AUDIO_BUCKETS[-1]
     edge = processor.image_processor.size["longest_edge"]
     for h, w in ((20_000, 20_000), (3584, 3584), (100, 19_000), (4000, 3000)):
         rh, rw = smart_resize(h, w, 28, 56 * 56, edge)
-        assert rh * rw // 14**2 <= VISION_BUCKETS[-1]
+        assert rh * rw // 14**2 <= PROCESSOR_VISION_BUCKETS[-1]
+    assert EncoderBuckets.for_processor(processor, frontend.spec) == EncoderBuckets(
+        AUDIO_BUCKETS, PROCESSOR_VISION_BUCKETS
+    )
+    for max_model_len, largest in ((512, 2048), (4096, 16384), (16384, 65536), (32768, 65536)):
+        buckets = EncoderBuckets.for_processor(processor, frontend.spec, max_model_len=max_model_len)
+        assert (
+            buckets.vision_tokens == PROCESSOR_VISION_BUCKETS[: PROCESSOR_VISION_BUCKETS.index(largest) + 1]
+        )
+    assert pipe.stages[0].max_model_len == 512
+    big = pipe.chat_prompt(user(image(720, 1280, 4)))  # 52x92 = 4784 patches, 1196 tokens
+    with pytest.raises(ValueError, match=r"request 1: prompt has \d+ tokens \(.*\), max_model_len is 512"):
+        pipe.run(["hello", big], progress=False)
 
 
 def test_no_encoder_compiles_after_warmup(warm) -> None:

@@ -3,7 +3,7 @@
 One tiny Qwen2 pipeline serves a workload of :data:`NUM_REQUESTS` prompts of random lengths
 with random sampling params: greedy, seeded and unseeded sampling (temperature, top-k/p,
 min-p), ``max_tokens``, ``min_tokens``, stop ids and ``ignore_eos``. It runs once with a
-page budget that holds every running request (the unconstrained result), then several times
+page budget that holds every running request (the unconstrained result), then :data:`TIGHT_RUNS` times
 with :data:`TIGHT_PAGES` pages: barely more than one full-length sequence (16 pages) for up to
 16 running requests that may need 16 pages each, so requests are preempted and recomputed
 all the time. Every run must return every request, in prompt order, with its own prompt ids
@@ -52,7 +52,7 @@ NUM_REQUESTS = 1500
 MAX_MODEL_LEN, PAGE_SIZE, MAX_NUM_SEQS, TOKEN_BUDGET = 64, 4, 16, 64
 FULL_PAGES = MAX_NUM_SEQS * MAX_MODEL_LEN // PAGE_SIZE  # every running request at full length
 TIGHT_PAGES = 20  # one full-length sequence is 16 pages
-TIGHT_RUNS = 3
+TIGHT_RUNS = 2  # the second shows what the first left behind (arrays, resident memory)
 RSS_GROWTH_LIMIT = 64 << 20  # bytes, between the first and the last tight run
 
 

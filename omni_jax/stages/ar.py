@@ -498,6 +498,18 @@ class CacheShare:
         return max(available_bytes(device)[0] - self.reserved.get(pool_key(device), 0), 0) // count
 
 
+def resolve_max_model_len(model: ARModel, max_model_len: int | None) -> int:
+    """The longest sequence a stage of ``model`` serves: ``max_model_len``, or by default the
+    model's positions up to 4096; ``ValueError`` past the model's positions."""
+    longest = model.max_positions()
+    max_model_len = max_model_len or min(longest, 4096)
+    if max_model_len > longest:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={longest}"
+        )
+    return max_model_len
+
+
 @dataclasses.dataclass(frozen=True)
 class CachePlan:
     """An AR stage's KV cache geometry and memory (:class:`ARMemory`, per device) before
@@ -522,12 +534,7 @@ class CachePlan:
         layers, kv_heads, head_dim = model.kv_cache_shape()
         tp, data = axis_size(mesh, "model"), axis_size(mesh, "data")
         kv_heads = replicated_kv_heads(kv_heads, model.num_query_heads(), tp)
-        longest = model.max_positions()
-        max_model_len = max_model_len or min(longest, 4096)
-        if max_model_len > longest:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={longest}"
-            )
+        max_model_len = resolve_max_model_len(model, max_model_len)
         if max_num_batched_tokens & (max_num_batched_tokens - 1) or max_num_batched_tokens < 16:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be a power of two >= 16")
         if max_num_seqs < 1 or page_size < 1:

@@ -28,8 +28,9 @@ Every encoder call has a size from a fixed set (:class:`EncoderBuckets`): the au
 chunk counts, powers of two up to what the feature extractor's longest clip needs; the vision
 encoder's token counts, the band tile times 1, 2, 3, 4, 6, 8, 12, ... (two sizes a doubling, so
 that past the smallest sizes a call is at most a third padding) up to what the largest image or
-video frame the processor emits needs. :meth:`ThinkerFrontend.warmup` compiles all of them, so
-no request mix compiles an encoder after it.
+video frame the processor emits needs, or a frame of ``max_model_len`` tokens where that is less
+(no admissible prompt holds a larger one). :meth:`ThinkerFrontend.warmup` compiles all of them,
+so no request mix compiles an encoder after it.
 """
 
 from __future__ import annotations
@@ -76,8 +77,7 @@ SMALLEST_VISION_CALL = 256
 """Tokens (patches) of the smallest vision call :meth:`EncoderBuckets.for_processor` makes: a
 224x224 image. Images smaller than that, which a processor's ``min_pixels`` allows but video
 frames never are, pad to it. The sizes below it (64, 128 and 192 at Qwen2.5-Omni's band tile)
-would be programs of their own for the cheapest calls, and with them the thinker stage held
-more than 64 programs at the default engine sizes (41 AR and 25 encoder ones)."""
+would be programs of their own for the cheapest calls, whose padding costs little."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +94,31 @@ class EncoderBuckets:
 
     @classmethod
     def for_processor(
-        cls, processor: OmniProcessor, spec: ThinkerSpec, video_pixels: int = VIDEO_SIZE["longest_edge"]
+        cls,
+        processor: OmniProcessor,
+        spec: ThinkerSpec,
+        video_pixels: int = VIDEO_SIZE["longest_edge"],
+        max_model_len: int | None = None,
     ) -> EncoderBuckets:
         """Sized to the processor's own bounds: the feature extractor's longest clip (its
         ``chunk_length``), and the most pixels its image processor or the video path
         (``video_pixels``: the family's bound) resizes a frame to, so that any input it accepts
-        fits one call; vision calls from :data:`SMALLEST_VISION_CALL` tokens."""
-        patch = spec.vision.patch_size
-        pixels = max(int(processor.image_processor.size["longest_edge"]), video_pixels)
+        fits one call; vision calls from :data:`SMALLEST_VISION_CALL` tokens.
+
+        ``max_model_len``: the longest prompt the stage admits. A frame of more patches than
+        that many prompt tokens merge from is refused with its prompt anyway, so the vision
+        calls stop at the size that holds such a frame: the largest vision programs, the
+        slowest to compile, are not built for frames no request can bring (Qwen2.5-Omni-7B at
+        the default 4096: calls up to 16384 patches, not the processor's 65536)."""
+        vision = spec.vision
+        largest_frame = max(int(processor.image_processor.size["longest_edge"]), video_pixels) // (
+            vision.patch_size * vision.patch_size
+        )
+        if max_model_len is not None:
+            largest_frame = min(largest_frame, max_model_len * vision.spatial_merge_size**2)
         return cls(
             audio_chunks=audio_chunk_buckets(int(processor.feature_extractor.nb_max_frames), spec.audio),
-            vision_tokens=vision_token_buckets(spec.vision, pixels // (patch * patch), SMALLEST_VISION_CALL),
+            vision_tokens=vision_token_buckets(vision, largest_frame, SMALLEST_VISION_CALL),
         )
 
     def check(self, index: int, inputs: OmniInputs, spec: ThinkerSpec) -> None:
@@ -488,27 +502,33 @@ class ThinkerFrontend:
         model: Thinker,
         buckets: EncoderBuckets | None = None,
         limits: MediaLimits = MediaLimits(),
+        max_model_len: int | None = None,
     ):
         """``buckets``: the encoders' call sizes; default :meth:`EncoderBuckets.for_processor`
-        (none without a processor: text prompts only), less the kinds ``limits`` turns off."""
+        for prompts of at most ``max_model_len`` tokens (none without a processor: text prompts
+        only), less the kinds ``limits`` turns off."""
         self.processor = processor
         self.spec = model.thinker_spec
         self.rope_spec = self.spec.rope_index
         self.limits = limits
+        self.max_model_len = max_model_len
         if buckets is None:
             buckets = (
                 EncoderBuckets()
                 if processor is None
-                else EncoderBuckets.for_processor(processor, self.spec, self.video_pixels)
+                else EncoderBuckets.for_processor(processor, self.spec, self.video_pixels, max_model_len)
             )
         self.step_inputs = self.step_inputs_class(model, limits.buckets(buckets))
 
     @classmethod
-    def build(cls, model: Thinker, path: Path, limits: MediaLimits = MediaLimits()) -> ThinkerFrontend:
+    def build(
+        cls, model: Thinker, path: Path, limits: MediaLimits = MediaLimits(), max_model_len: int | None = None
+    ) -> ThinkerFrontend:
         """With the checkpoint's processor files; without ``preprocessor_config.json`` the stage
         takes text prompts only."""
         has_processor = (Path(path) / "preprocessor_config.json").exists()
-        return cls(cls.processor_class.from_pretrained(path) if has_processor else None, model, limits=limits)
+        processor = cls.processor_class.from_pretrained(path) if has_processor else None
+        return cls(processor, model, limits=limits, max_model_len=max_model_len)
 
     def prepare(self, index: int, request: StageInput) -> StageInput:
         prompt = request.prompt
@@ -526,7 +546,10 @@ class ThinkerFrontend:
         else:
             inputs = self.processor.process(index, request.token_ids, data, **kwargs)
             self.limits.check(index, inputs)
-            self.step_inputs.buckets.check(index, inputs, self.spec)
+            # A prompt past max_model_len is refused by the stage's validation, naming its
+            # length: the limit such a prompt's frames exceed (the vision calls stop there).
+            if self.max_model_len is None or len(inputs.input_ids) < self.max_model_len:
+                self.step_inputs.buckets.check(index, inputs, self.spec)
         try:
             positions, delta = self.rope_index(inputs)
         except (ValueError, IndexError) as e:
