@@ -11,6 +11,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")  # tests must not write to ~/.cache
+# The vocoders trace SnakeBeta's sin natively, the form every accelerator runs: the CPU's own
+# default, a polynomial that vectorises (bigvgan.sin_form), makes each code2wav program about a
+# third slower to lower and compile, and the tests compile such programs by the hundred. The
+# polynomial is held to transformers by its own tests (test_code2wav_parity::test_bigvgan).
+os.environ.setdefault("OMNI_JAX_SNAKE_SIN", "native")
 # The CPU kernels build once per test session (a few seconds), outside ~/.cache; test
 # subprocesses inherit the directory, and it goes when the session ends.
 if "OMNI_JAX_KERNEL_CACHE" not in os.environ:
