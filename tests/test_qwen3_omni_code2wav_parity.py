@@ -113,8 +113,8 @@ def test_every_tensor_is_mapped(reference: Qwen3OmniMoeCode2Wav) -> None:
 
 @pytest.fixture
 def sin_form_of(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[str]:
-    """SnakeBeta's ``sin^2`` traced in the form the test's ``sin`` parameter names, in programs of
-    its own (the whole decode's jit cache emptied before and after)."""
+    """SnakeBeta's ``sin^2`` traced in the form the fixture's parameter names, in programs of its
+    own (the whole decode's jit cache emptied before and after)."""
     monkeypatch.setenv(SIN_SWITCH, request.param)
     code2wav_compiled.clear_cache()
     yield request.param
