@@ -157,10 +157,11 @@ class OmniJaxPipeline:
             if sc.kind == "generation":
                 built.append(part.generation_stage().build(sc, model, path, stage_mesh))
                 continue
+            # Resolved once: the frontend sizes its encoder calls to the prompts the stage admits.
+            stage_engine = {**engine, "max_model_len": resolve_max_model_len(model, engine["max_model_len"])}
             frontend = None
             if part.frontend is not None:
-                prompt_limit = resolve_max_model_len(model, engine["max_model_len"])
-                frontend = part.frontend(hf_config, model, path, sc, prompt_limit)
+                frontend = part.frontend(hf_config, model, path, sc, stage_engine["max_model_len"])
             built.append(
                 ARStage.build(
                     sc,
@@ -171,7 +172,7 @@ class OmniJaxPipeline:
                     mesh=stage_mesh,
                     frontend=frontend,
                     share=shares[sc.name],
-                    **engine,
+                    **stage_engine,
                 )
             )
         connect_stages(built)
