@@ -13,11 +13,10 @@ Qwen2.5-Omni-7B's 60 (checked on the bucket set).
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+from stage_yamls import edited_stages
 from stand_ins import stand_in_code2wav_runner
 
 from omni_jax import OmniJaxPipeline, Token2WavParams
@@ -124,12 +123,10 @@ SMALL_STREAM = {"max_chunk_codes": 72}
 def warmed(omni_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[OmniJaxPipeline, int, CompileCounter]:
     """The code2wav stage at :data:`SMALL` limits, warmed up from a cold jit cache:
     ``(pipeline, programs warmup() reported, what compiled meanwhile)``."""
-    src = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
-    for s in src["stages"]:
-        if s["name"] == "code2wav":
-            s["engine"] = {**SMALL, "stream": {**s["engine"]["stream"], **SMALL_STREAM}}
-    cfg = tmp_path_factory.mktemp("code2wav_small") / "omni.yaml"
-    cfg.write_text(yaml.safe_dump(src))
+    engine = {**SMALL, "stream": SMALL_STREAM}
+    cfg = edited_stages(
+        tmp_path_factory.mktemp("code2wav_small") / "omni.yaml", "qwen2_5_omni", code2wav={"engine": engine}
+    )
     pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
     # Earlier tests' solves of the same shapes would be hits (the benchmark smoke test streams a
     # tiny checkpoint whose token2wav has the same graph).

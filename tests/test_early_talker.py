@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 from parity import rel_err
+from stage_yamls import edited_stages
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.stages.ar import check_engine_options
@@ -26,17 +26,12 @@ from omni_jax.stages.config import StageConfig
 from omni_jax.stages.rows import GrowingRows
 
 THINKER_TOKENS = 12
-STAGES = Path(__file__).parents[1] / "omni_jax/stages"
 
 
-def early_and_late(model_dir: Path, tmp_path: Path, name: str) -> tuple[OmniJaxPipeline, OmniJaxPipeline]:
+def early_and_late(model_dir: Path, tmp_path: Path, family: str) -> tuple[OmniJaxPipeline, OmniJaxPipeline]:
     """The checkpoint's pipeline as shipped (the talker started early) and with its stage YAML
-    ``name`` starting the talker when the thinker has finished."""
-    config = yaml.safe_load((STAGES / name).read_text())
-    (talker,) = [s for s in config["stages"] if s["name"] == "talker"]
-    talker["engine"] = {**talker.get("engine", {}), "early_start": False}
-    late = tmp_path / name
-    late.write_text(yaml.safe_dump(config))
+    ``family`` starting the talker when the thinker has finished."""
+    late = edited_stages(tmp_path / f"{family}.yaml", family, talker={"engine": {"early_start": False}})
     return (
         OmniJaxPipeline.from_pretrained(model_dir, max_num_seqs=8),
         OmniJaxPipeline.from_pretrained(model_dir, max_num_seqs=8, stage_config=late),
@@ -114,7 +109,7 @@ def same_speech(early: Any, late: Any) -> None:
 
 @pytest.fixture(scope="module")
 def omni_pipes(omni_dir, tmp_path_factory) -> tuple[OmniJaxPipeline, OmniJaxPipeline]:
-    return early_and_late(omni_dir, tmp_path_factory.mktemp("late"), "qwen2_5_omni.yaml")
+    return early_and_late(omni_dir, tmp_path_factory.mktemp("late"), "qwen2_5_omni")
 
 
 def omni_prompts(pipe: OmniJaxPipeline) -> list[dict[str, Any]]:
@@ -269,7 +264,7 @@ def test_omni_abort_while_both_run(omni_pipes, monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def qwen3_pipes(qwen3_omni_dir, tmp_path_factory) -> tuple[OmniJaxPipeline, OmniJaxPipeline]:
-    return early_and_late(qwen3_omni_dir, tmp_path_factory.mktemp("late3"), "qwen3_omni.yaml")
+    return early_and_late(qwen3_omni_dir, tmp_path_factory.mktemp("late3"), "qwen3_omni")
 
 
 @pytest.mark.parametrize(

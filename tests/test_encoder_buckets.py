@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 from flax import nnx
 from omni_reference import frames, picture, tone
+from stage_yamls import Whole, edited_stages
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.compilation import CompileCounter
@@ -331,12 +331,8 @@ def test_pack_reads_rows_and_prepare_drops_them_past_the_prompt(warm) -> None:
 
 def limited_yaml(tmp_path: Path, limits: dict[str, int]) -> Path:
     """The shipped stage YAML with the thinker's ``engine.limit_mm_per_prompt`` set to ``limits``."""
-    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
-    (thinker,) = [s for s in config["stages"] if s["name"] == "thinker"]
-    thinker["engine"] = {**thinker.get("engine", {}), "limit_mm_per_prompt": limits}
-    path = tmp_path / "limited.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    thinker = {"engine": {"limit_mm_per_prompt": Whole(limits)}}
+    return edited_stages(tmp_path / "limited.yaml", "qwen2_5_omni", thinker=thinker)
 
 
 def limited(omni_dir: Path, tmp_path: Path, limits: dict[str, int]) -> OmniJaxPipeline:

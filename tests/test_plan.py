@@ -15,10 +15,9 @@ from pathlib import Path
 
 import jax
 import pytest
-import yaml
 from flax import nnx
+from stage_yamls import edited_stages
 
-import omni_jax.stages
 from omni_jax import OmniJaxPipeline
 from omni_jax.cli import main as cli_main
 from omni_jax.engine.memory import GIB
@@ -250,12 +249,7 @@ def test_qwen2_5_omni_7b_on_a_mesh(omni_7b, plan_7b) -> None:
 
 def omni_stage_yaml(tmp_path: Path, layouts: dict[str, dict]) -> Path:
     """The shipped Qwen2.5-Omni stage YAML with ``layouts`` (``mesh``/``devices`` per stage) added."""
-    raw = yaml.safe_load(Path(omni_jax.stages.__file__).with_name("qwen2_5_omni.yaml").read_text())
-    for stage in raw["stages"]:
-        stage.update(layouts.get(stage["name"], {}))
-    path = tmp_path / f"stages{len(list(tmp_path.iterdir()))}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return edited_stages(tmp_path / f"stages{len(list(tmp_path.iterdir()))}.yaml", "qwen2_5_omni", **layouts)
 
 
 def test_plan_lays_stages_out_as_loading_does(omni_7b, tmp_path) -> None:

@@ -12,14 +12,12 @@ offline programs and 3 x 3 chunk programs, and nothing compiles after.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 import torch
-import yaml
 from parity import rel_err
+from stage_yamls import Whole, edited_stages, shipped_config
 from stand_ins import rows_nearly_free
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
@@ -49,18 +47,16 @@ def prompt(seed: int, n: int) -> dict:
 
 @pytest.fixture(scope="module")
 def warmed(qwen3_omni_dir, tmp_path_factory) -> tuple[OmniJaxPipeline, WarmupReport]:
-    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen3_omni.yaml").read_text())
-    code2wav = config["stages"][2]
-    assert code2wav["name"] == "code2wav"
     stream = {
         "chunk_frames": CHUNK,
         "first_chunk_frames": FIRST,
         "left_context_frames": LEFT,
         "max_chunk_frames": MAX_CHUNK,
     }
-    code2wav["engine"] = {"max_batch": 4, "max_frames": MAX_FRAMES, "stream": stream}
-    path = tmp_path_factory.mktemp("qwen3_code2wav") / "stages.yaml"
-    path.write_text(yaml.safe_dump(config))
+    engine = Whole(max_batch=4, max_frames=MAX_FRAMES, stream=stream)
+    path = edited_stages(
+        tmp_path_factory.mktemp("qwen3_code2wav") / "stages.yaml", "qwen3_omni", code2wav={"engine": engine}
+    )
     pipe = OmniJaxPipeline.from_pretrained(qwen3_omni_dir, stages=["code2wav"], stage_config=path)
     # Earlier tests' decodes of the same shapes would be hits (the code2wav_qwen3 benchmark smoke
     # test decodes this checkpoint's code2wav, the same graph).
@@ -122,8 +118,7 @@ def test_shipped_chunks_grow_from_vllm_omnis() -> None:
     201 padded frames (1, 1 + 25 -> 50, 25 + 50, 25 + 49 -> 75), against 6 decoding 251 with
     vLLM-omni's fixed chunks; 375 frames, 6 chunks and 501 against 16 and 751. A request's own
     chunk fixes every later chunk."""
-    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen3_omni.yaml").read_text())
-    plan = stream_plan(StageConfig(**config["stages"][2]), 8000)
+    plan = stream_plan(StageConfig(**shipped_config("qwen3_omni")["stages"][2]), 8000)
     assert (plan.first_chunk, plan.chunk, plan.left_context, plan.largest_chunk) == (1, 25, 25, 100)
     assert [plan.chunk_size(i) for i in range(6)] == [1, 25, 50, 100, 100, 100]
     assert plan.windows == [1, 50, 75, 125] and plan.window_frames == 125

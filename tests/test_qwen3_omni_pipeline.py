@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import yaml
 from omni_reference import StandInVideoProcessor, frames, picture, reference_inputs, spoken, tone
 from parity import rel_err
+from stage_yamls import edited_stages
 
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
@@ -77,12 +77,8 @@ TRACK = tone(2.5, 220, 2)
 def stage_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The release's stage YAML with code2wav's solves capped at 2 requests of 64 frames (these
     replies are under 30), so its warm-up compiles 12 programs instead of the default's 44."""
-    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen3_omni.yaml").read_text())
-    (code2wav,) = (s for s in config["stages"] if s["name"] == "code2wav")
-    code2wav["engine"] = {**code2wav["engine"], "max_batch": 2, "max_frames": 64}
     path = tmp_path_factory.mktemp("qwen3_stages") / "stages.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return edited_stages(path, "qwen3_omni", code2wav={"engine": {"max_batch": 2, "max_frames": 64}})
 
 
 def build(path: Path, stage_config: Path) -> OmniJaxPipeline:

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import yaml
 from omni_reference import StandInVideoProcessor, frames, picture, reference_inputs, tone
+from stage_yamls import Whole, edited_stages
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.compilation import CompileCounter
@@ -223,11 +223,8 @@ def test_clips_are_padded_as_their_own_requests_reference_call(pipe) -> None:
 def test_media_limits_apply_to_qwen3_omni(qwen3_omni_dir, tmp_path: Path) -> None:
     """``engine.limit_mm_per_prompt`` in Qwen3-Omni's stage YAML: images and videos off leave
     the vision encoder's programs out of warm-up (audio's stay), and an image is refused."""
-    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen3_omni.yaml").read_text())
-    (thinker,) = [s for s in config["stages"] if s["name"] == "thinker"]
-    thinker["engine"] = {**thinker.get("engine", {}), "limit_mm_per_prompt": {"image": 0, "video": 0}}
-    path = tmp_path / "limited.yaml"
-    path.write_text(yaml.safe_dump(config))
+    limits = {"engine": {"limit_mm_per_prompt": Whole(image=0, video=0)}}
+    path = edited_stages(tmp_path / "limited.yaml", "qwen3_omni", thinker=limits)
     pipe = OmniJaxPipeline.from_pretrained(
         qwen3_omni_dir, stages=["thinker"], max_num_seqs=4, stage_config=path
     )

@@ -47,10 +47,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import yaml
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from scipy.io import wavfile
+from stage_yamls import Whole, edited_stages
 
 from omni_jax import OmniJaxPipeline, OmniRequestOutput, Token2WavParams
 from omni_jax.audio_io import pcm16, read_wav, wav_bytes
@@ -228,20 +228,15 @@ def queue(request, qwen_dir, qwen, tmp_path_factory) -> Iterator[Served]:
 @pytest.fixture(scope="module")
 def omni_yaml(tmp_path_factory) -> Path:
     """The architecture's stage YAML with short talker replies and small code2wav programs."""
-    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
-    thinker, talker, code2wav = config["stages"]
-    assert (thinker["name"], talker["name"], code2wav["name"]) == ("thinker", "talker", "code2wav")
-    talker["default_sampling"]["max_tokens"] = 32
-    code2wav["default_sampling"]["num_steps"] = 2
     # Streamed replies decode in chunks of 6 codes, so most of the talker's replies take several.
-    code2wav["engine"] = {
-        "max_batch": 1,
-        "max_codes": 32,
-        "stream": {"chunk_codes": 6, "past_codes": 4, "future_codes": 2, "overlap_frames": 4},
+    stream = {"chunk_codes": 6, "past_codes": 4, "future_codes": 2, "overlap_frames": 4}
+    code2wav = {
+        "default_sampling": {"num_steps": 2},
+        "engine": Whole(max_batch=1, max_codes=32, stream=stream),
     }
+    talker = {"default_sampling": {"max_tokens": 32}}
     path = tmp_path_factory.mktemp("omni_yaml") / "stages.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return edited_stages(path, "qwen2_5_omni", talker=talker, code2wav=code2wav)
 
 
 @pytest.fixture(scope="module")

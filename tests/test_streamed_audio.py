@@ -17,9 +17,9 @@ import jax
 import numpy as np
 import pytest
 import torch
-import yaml
 from omni_reference import chunked_reference
 from parity import rel_err
+from stage_yamls import Whole, edited_stages
 
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
@@ -42,14 +42,8 @@ def seed_noise(seed: int, n: int) -> np.ndarray:
 def code2wav_yaml(directory: Path, engine: dict[str, object], **sampling: object) -> Path:
     """The architecture's stage YAML, written under ``directory``, with the code2wav stage's
     ``engine`` replaced and its ``default_sampling`` keys set as given."""
-    config = yaml.safe_load((Path(__file__).parents[1] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
-    code2wav = config["stages"][2]
-    assert code2wav["name"] == "code2wav"
-    code2wav["engine"] = engine
-    code2wav["default_sampling"].update(sampling)
-    path = directory / "stages.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    code2wav = {"engine": Whole(engine), "default_sampling": sampling}
+    return edited_stages(directory / "stages.yaml", "qwen2_5_omni", code2wav=code2wav)
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ from typing import Any
 
 import jax
 import pytest
-import yaml
 from flax import nnx
 from omni_reference import picture, tone
 from parity import SPLIT_ROUNDING, rel_err
+from stage_yamls import edited_stages
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.testing_qwen3_omni import NUM_CODE_GROUPS
@@ -63,11 +63,8 @@ def single(qwen3_omni_dir: Path) -> OmniJaxPipeline:
 @pytest.fixture(scope="module")
 def placed(qwen3_omni_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> OmniJaxPipeline:
     """The shipped stage YAML with each stage on its own devices and mesh (:data:`LAYOUT`)."""
-    config = yaml.safe_load((Path(__file__).parents[2] / "omni_jax/stages/qwen3_omni.yaml").read_text())
-    for stage in config["stages"]:
-        stage["mesh"], stage["devices"] = LAYOUT[stage["name"]]
-    path = tmp_path_factory.mktemp("qwen3_mesh") / "stages.yaml"
-    path.write_text(yaml.safe_dump(config))
+    layout = {name: {"mesh": mesh, "devices": devices} for name, (mesh, devices) in LAYOUT.items()}
+    path = edited_stages(tmp_path_factory.mktemp("qwen3_mesh") / "stages.yaml", "qwen3_omni", **layout)
     return OmniJaxPipeline.from_pretrained(qwen3_omni_dir, stage_config=path, **ENGINE)
 
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from flax import nnx
 from parity import SPLIT_ROUNDING, rel_err
+from stage_yamls import edited_stages
 
 from omni_jax import OmniJaxPipeline, OmniRequestOutput, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
@@ -61,14 +62,8 @@ def code2wav_on(
 ) -> OmniJaxPipeline:
     """The shipped Qwen2.5-Omni code2wav stage alone on ``devices`` as ``mesh``, its ``engine``
     keys (and ``engine.stream`` keys) set over the shipped ones."""
-    src = yaml.safe_load((Path(__file__).parents[2] / "omni_jax/stages/qwen2_5_omni.yaml").read_text())
-    for s in src["stages"]:
-        if s["name"] == "code2wav":
-            s["devices"], s["mesh"] = devices, mesh
-            s["engine"].update(engine)
-            s["engine"]["stream"].update(stream or {})
-    cfg = tmp_path / "omni.yaml"
-    cfg.write_text(yaml.safe_dump(src))
+    code2wav = {"devices": devices, "mesh": mesh, "engine": {**engine, "stream": stream or {}}}
+    cfg = edited_stages(tmp_path / "omni.yaml", "qwen2_5_omni", code2wav=code2wav)
     return OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], stage_config=cfg)
 
 
