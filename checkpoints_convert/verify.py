@@ -22,13 +22,16 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from omni_jax import Token2WavParams
 from omni_jax.full_forward import full_forward
+from omni_jax.jit import StaticGraph
 from omni_jax.models.hf_config import thinker_ids_unflagged
 from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index
 from omni_jax.models.qwen2_5_omni.speakers import TORCH_FILE, load_speakers
 from omni_jax.models.qwen2_5_omni.talker import TalkerEmbeds
-from omni_jax.models.qwen2_5_omni.token2wav import token2wav
+from omni_jax.models.qwen2_5_omni.token2wav import token2wav_compiled
 from omni_jax.weights import architecture, load_hf_config, load_part, read_manifest
 
 NUM_TOKENS = 16
@@ -157,8 +160,9 @@ def _talker(ref: Any, dst: Path, cfg: Any, limit: float) -> Check:
 
 
 def _code2wav(ref: Any, dst: Path, cfg: Any) -> Check:
-    """One solve with the reference's defaults (10 steps, guidance 0.5, sway -1); the reference
-    draws its start with ``torch.randn`` first thing, so the same seed gives us its noise."""
+    """One solve with the reference's defaults (10 steps, guidance 0.5, sway -1: the defaults of
+    ``Token2WavParams``), as the stage runs it (one program); the reference draws its start with
+    ``torch.randn`` first thing, so the same seed gives us its noise."""
     torch = _torch()
 
     model, _ = load_part(dst, "code2wav")
@@ -177,14 +181,20 @@ def _code2wav(ref: Any, dst: Path, cfg: Any) -> Check:
                 torch.from_numpy(speaker.ref_mel[None]),
             )
     want = reference_wave.numpy().reshape(-1)  # the vocoder squeezes its batch axis
-    wave, lengths = token2wav(
-        model,
+    graphdef, state = nnx.split(model)
+    defaults = Token2WavParams()
+    wave, lengths = token2wav_compiled(
+        StaticGraph(graphdef),
+        state,
         jnp.asarray(codes[None], jnp.int32),
         jnp.asarray([NUM_CODES], jnp.int32),
         jnp.asarray(speaker.cond[None]),
         jnp.asarray(speaker.ref_mel[None]),
         jnp.asarray([len(speaker.ref_mel)], jnp.int32),
         jnp.asarray(noise),
+        jnp.asarray([defaults.num_steps]),
+        jnp.asarray([defaults.guidance_scale]),
+        jnp.asarray([defaults.sway_coefficient]),
     )
     ours = np.asarray(wave[0, : int(lengths[0])])
     if ours.shape != want.shape:

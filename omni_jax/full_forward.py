@@ -4,7 +4,8 @@ Conversion checks (``checkpoints_convert verify``) and parity tests need every p
 logits for one prompt. This runs the model code the engine runs, on a paged cache sized for
 the prompt, but as one ``[1, T]`` row through the jnp attention path rather than the engine's
 flat steps (:mod:`omni_jax.engine.ar_runner`), with no scheduler, buckets or sampler: a
-reference for the model alone, not the serving path.
+reference for the model alone, not the serving path. It runs as compiled programs, as the engine
+does: called eagerly, JAX would compile each operation of the model as a program of its own.
 """
 
 from __future__ import annotations
@@ -14,10 +15,24 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from omni_jax.engine.kv_cache import init_kv_cache, pages_needed
 from omni_jax.jit import exact_matmuls
 from omni_jax.models.attention import AttentionMetadata
+
+
+@nnx.jit
+def _embed(model, token_ids: jax.Array) -> jax.Array:  # noqa: ANN001
+    return model.embed(token_ids)
+
+
+@nnx.jit
+def _forward(  # noqa: ANN001
+    model, embeds: jax.Array, positions: jax.Array, cache: list, md: AttentionMetadata
+) -> tuple[jax.Array, jax.Array]:
+    hidden, _ = model(embeds[None], positions, cache, md)
+    return model.logits(hidden)[0], hidden[0]
 
 
 def full_forward(  # noqa: ANN001
@@ -37,7 +52,7 @@ def full_forward(  # noqa: ANN001
     layers, kv_heads, head_dim = model.kv_cache_shape()
     t = len(token_ids)
     n_pages = pages_needed(t, page_size)
-    dtype = model.embed(jnp.zeros((1, 1), jnp.int32)).dtype
+    dtype = _embed(model, jnp.zeros((1, 1), jnp.int32)).dtype
     cache = init_kv_cache(layers, kv_heads, n_pages, page_size, head_dim, dtype)
     md = AttentionMetadata(
         slot_mapping=jnp.arange(t, dtype=jnp.int32)[None],
@@ -48,7 +63,7 @@ def full_forward(  # noqa: ANN001
     if positions is None:
         positions = np.arange(t)
     if embeds is None:
-        embeds = model.embed(jnp.asarray(token_ids, jnp.int32)[None])[0]
+        embeds = _embed(model, jnp.asarray(token_ids, jnp.int32)[None])[0]
     with exact_matmuls(dtype):
-        hidden, _ = model(embeds[None], jnp.asarray(positions, jnp.int32)[..., None, :], cache, md)
-        return np.asarray(model.logits(hidden)[0]), np.asarray(hidden[0])
+        logits, hidden = _forward(model, embeds, jnp.asarray(positions, jnp.int32)[..., None, :], cache, md)
+    return np.asarray(logits), np.asarray(hidden)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -11,6 +12,27 @@ import numpy as np
 from flax import nnx
 
 from omni_jax.models.attention import AttentionMetadata
+
+
+@functools.partial(nnx.jit, static_argnums=1)
+def compiled(module: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``getattr(module, method)(*args, **kwargs)`` as one XLA program, compiled once per module
+    graph, method and input shapes: the parity tests run our modules compiled, as the engine
+    does. Called eagerly, JAX compiles each operation as a program of its own, hundreds a test,
+    which took most of these tests' time."""
+    return getattr(module, method)(*args, **kwargs)
+
+
+@nnx.jit
+def embed_step(
+    model: Any, tokens: jax.Array, extra: Any, positions: jax.Array, cache: Any, md: AttentionMetadata
+) -> tuple[jax.Array, jax.Array, Any]:
+    """One step of an AR model as one program, as the engine runs it: ``tokens`` embedded (with
+    ``extra``, the model's step inputs beside them: encoder rows, talker rows; ``None``: the
+    tokens alone), through the decoder and its paged ``cache``: ``(logits, hidden, cache)``."""
+    embeds = model.embed(tokens) if extra is None else model.embed(tokens, extra)
+    hidden, cache = model(embeds, positions, cache, md)
+    return model.logits(hidden), hidden, cache
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -130,10 +152,9 @@ class PagedSteps:
             jnp.asarray(self.done, jnp.int32),
             jnp.asarray(lens, jnp.int32),
         )
-        hidden, self.cache = self.model(
-            jnp.asarray(embeds), jnp.asarray(positions), self.cache, md, **model_kw
-        )
-        logits, hidden = np.asarray(self.model.logits(hidden)), np.asarray(hidden)
+        args = (jnp.asarray(embeds), jnp.asarray(positions), self.cache, md)
+        hidden, self.cache = compiled(self.model, "__call__", *args, **model_kw)
+        logits, hidden = np.asarray(compiled(self.model, "logits", hidden)), np.asarray(hidden)
         return [logits[r, :n] for r, n in enumerate(lens)], [hidden[r, :n] for r, n in enumerate(lens)]
 
 

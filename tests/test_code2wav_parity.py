@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import rel_err
+from parity import compiled, rel_err
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
     Qwen2_5OmniBigVGANConfig,
     Qwen2_5OmniDiTConfig,
@@ -40,7 +40,6 @@ from omni_jax.models.qwen2_5_omni.token2wav import (
     TOKEN2WAV_RULES,
     Token2Wav,
     sample_mel,
-    token2wav,
     token2wav_compiled,
 )
 from omni_jax.testing import TINY_BIGVGAN_CONFIG, TINY_DIT_CONFIG, randomize_weights
@@ -163,10 +162,17 @@ def test_dit_forward(reference: Qwen2_5OmniToken2WavModel, ours: Token2Wav) -> N
         ).numpy()
     j = lambda t: jnp.asarray(t.numpy())
     pair = lambda a: jnp.concatenate([a, jnp.zeros_like(a)])
-    conditioning = ours.dit.conditioning(
-        pair(j(codes)), pair(j(ref_mel)), jnp.full((2 * batch,), ref_frames), pair(j(spk))
+    conditioning = compiled(
+        ours.dit,
+        "conditioning",
+        pair(j(codes)),
+        pair(j(ref_mel)),
+        jnp.full((2 * batch,), ref_frames),
+        pair(j(spk)),
     )
-    got = ours.dit(
+    got = compiled(
+        ours.dit,
+        "__call__",
         jnp.concatenate([j(x), j(x)]),
         conditioning,
         jnp.full((2 * batch,), 0.37),
@@ -181,14 +187,16 @@ def test_bigvgan(
     reference: Qwen2_5OmniToken2WavModel, ours: Token2Wav, monkeypatch: pytest.MonkeyPatch, sin: str
 ) -> None:
     """The vocoder against transformers' in both forms of SnakeBeta's ``sin^2`` (the series this
-    CPU runs, ``jnp.sin`` a GPU runs)."""
+    CPU runs, ``jnp.sin`` a GPU runs), each traced into a program of its own (the form is read
+    when the program is traced)."""
     monkeypatch.setenv(SIN_SWITCH, sin)
     assert sin_form() == sin
     torch.manual_seed(3)
     mel = torch.randn(2, MEL, 13) - 2
     with torch.no_grad():
         want = reference.code2wav_bigvgan_model(mel).numpy()
-    got, lengths = ours.bigvgan(jnp.asarray(mel.numpy().transpose(0, 2, 1)))
+    vocode = nnx.jit(lambda vocoder, x: vocoder(x))
+    got, lengths = vocode(ours.bigvgan, jnp.asarray(mel.numpy().transpose(0, 2, 1)))
     assert got.shape == want.shape == (2, 13 * HOP)
     assert list(np.asarray(lengths)) == [13 * HOP] * 2
     assert np.mean(np.abs(want) >= 1.0) < 0.05, "test model saturates the clamp"
@@ -230,9 +238,10 @@ def test_token2wav_matches_reference(
             torch.from_numpy(req["ref_mel"][None]),
             **args,
         ).numpy()
-    mel, _ = sample_mel(ours.dit, **batch, **args)
+    mel, _ = nnx.jit(lambda dit, b: sample_mel(dit, **b, **args))(ours.dit, batch)
     mel_err = rel_err(np.asarray(mel).transpose(0, 2, 1), mel_want)
-    wave, lengths = token2wav(ours, **batch, **args)
+    graph, state = split(ours)
+    wave, lengths = token2wav_compiled(graph, state, **batch, **{k: jnp.asarray(v) for k, v in args.items()})
     wave_err = rel_err(wave[0], wave_want)
     assert int(lengths[0]) == wave_want.shape[-1] == 9 * 2 * HOP
     assert mel_err < 1e-5, mel_err

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import chunk_metadata, rel_err
+from parity import chunk_metadata, embed_step, rel_err
 from transformers import Qwen2ForCausalLM as HFQwen2
 
 from omni_jax.engine.kv_cache import init_kv_cache
@@ -98,8 +98,10 @@ def test_chunked_prefill_and_decode_through_scattered_pages(name: str) -> None:
     got_logits, got_hidden = [], []
     for s, e in chunks:
         md = chunk_metadata(pages, page_size, s, e)
-        hidden, cache = ours(ours.embed(jnp.asarray(ids[s:e])[None]), jnp.arange(s, e)[None], cache, md)
-        got_logits.append(np.asarray(ours.logits(hidden))[0])
+        logits, hidden, cache = embed_step(
+            ours, jnp.asarray(ids[s:e])[None], None, jnp.arange(s, e)[None], cache, md
+        )
+        got_logits.append(np.asarray(logits)[0])
         got_hidden.append(np.asarray(hidden)[0])
     assert rel_err(np.concatenate(got_logits), ref_logits) < RTOL
     assert rel_err(np.concatenate(got_hidden), ref_hidden) < RTOL
@@ -122,8 +124,8 @@ def test_batched_rows_with_padding_match_single_rows() -> None:
         slots[b, : len(s)] = tables[b, idx // page_size] * page_size + idx % page_size
         positions[b, : len(s)] = idx
     md = AttentionMetadata(jnp.asarray(slots), jnp.asarray(tables), jnp.array([13, 5]), jnp.array([13, 5]))
-    hidden, _ = ours(ours.embed(jnp.asarray(tokens)), jnp.asarray(positions), cache, md)
-    logits = np.asarray(ours.logits(hidden))
+    logits, _, _ = embed_step(ours, jnp.asarray(tokens), None, jnp.asarray(positions), cache, md)
+    logits = np.asarray(logits)
     for b, s in enumerate(seqs):
         ref_logits, _ = reference(hf, s)
         assert rel_err(logits[b, : len(s)], ref_logits) < RTOL

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import PagedSteps, randomize_moe_layers, rel_err
+from parity import PagedSteps, compiled, randomize_moe_layers, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTalkerConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeForConditionalGeneration,
@@ -193,7 +193,7 @@ def test_ragged_batch_prefill_and_decode_match_transformers(pair: Pair) -> None:
         code = int(np.argmax(np.concatenate(got_logits[row])[-1]))
         assert code < CODES or code == EOS
         extra = TalkerEmbeds(jnp.asarray(rng.standard_normal((1, 1, D)), jnp.float32), jnp.ones((1, 1), bool))
-        x = np.asarray(ours.embed(jnp.full((1, 1), code, jnp.int32), extra))[0]
+        x = np.asarray(compiled(ours, "embed", jnp.full((1, 1), code, jnp.int32), extra))[0]
         embeds[row] = np.concatenate([embeds[row], x])
         positions[row] = np.concatenate([positions[row], positions[row][:, -1:] + 1], axis=1)
         return x, positions[row][:, -1:]
@@ -423,7 +423,7 @@ def test_greedy_frames_match_reference_talker_generate(pair: Pair) -> None:
     )
     lens = [len(p[0]) for p in prompts]
     positions = np.broadcast_to(np.arange(ids.shape[1]), (3, *ids.shape))
-    logits, hidden = steps.run(np.asarray(ours.embed(jnp.asarray(ids), extra)), positions, lens)
+    logits, hidden = steps.run(np.asarray(compiled(ours, "embed", jnp.asarray(ids), extra)), positions, lens)
     firsts: list[list[int]] = [[], []]
     got: list[list[np.ndarray]] = [[], []]
     for step in range(frames + 1):
@@ -440,7 +440,7 @@ def test_greedy_frames_match_reference_talker_generate(pair: Pair) -> None:
                 got[row].append(np.asarray(codes)[row])
         text_rows = np.stack([p[3][min(step, len(p[3]) - 1)] for p in prompts])
         rows = (total + jnp.asarray(text_rows))[:, None]
-        x = ours.embed(jnp.asarray(first)[:, None], TalkerEmbeds(rows, jnp.zeros((2, 1), bool)))
+        x = compiled(ours, "embed", jnp.asarray(first)[:, None], TalkerEmbeds(rows, jnp.zeros((2, 1), bool)))
         at = np.array(lens)[None, :, None] + step
         logits, hidden = steps.run(np.asarray(x), np.broadcast_to(at, (3, 2, 1)), [1, 1])
 

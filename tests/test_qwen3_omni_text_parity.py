@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import PagedSteps, randomize_moe_layers, rel_err
+from parity import PagedSteps, compiled, randomize_moe_layers, rel_err
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
     Qwen3OmniMoeTextConfig,
     Qwen3OmniMoeThinkerConfig,
@@ -167,7 +167,7 @@ def test_ragged_batch_prefill_and_greedy_decode_match_transformers(pair: Pair) -
         for row, (chunk, start) in enumerate(zip(chunks, starts, strict=True)):
             ids[row, : len(chunk)] = chunk
             positions[row, : len(chunk)] = np.arange(start, start + len(chunk))
-        embeds = np.asarray(ours.embed(jnp.asarray(ids)))
+        embeds = np.asarray(compiled(ours, "embed", jnp.asarray(ids)))
         got, _ = steps.run(embeds, positions, [len(c) for c in chunks])
         for row, rows in enumerate(got):
             logits[row].append(rows)

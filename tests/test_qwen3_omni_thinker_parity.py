@@ -20,15 +20,24 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import chunk_metadata, qwen3_video_audio_layout, random_tokens, randomize_moe_layers, rel_err
+from parity import (
+    chunk_metadata,
+    compiled,
+    qwen3_video_audio_layout,
+    random_tokens,
+    randomize_moe_layers,
+    rel_err,
+)
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeThinkerForConditionalGeneration as HFThinker,
 )
 
 from omni_jax.engine.kv_cache import init_kv_cache
+from omni_jax.models.attention import AttentionMetadata
 from omni_jax.models.loading import build_model
 from omni_jax.models.moe import stack_expert_arrays
+from omni_jax.models.qwen2 import KVCache
 from omni_jax.models.qwen2_5_omni.rope_index import positions_for
 from omni_jax.models.qwen2_5_omni.thinker import PromptMerge
 from omni_jax.models.qwen3_omni.audio_encoder import prepare_audio_batch
@@ -300,12 +309,12 @@ def encode(model: Thinker, prompt: Prompt) -> list[Source]:
     sources: list[Source] = []
     if prompt.audio:
         batch, split = prepare_audio_batch(prompt.audio, spec.audio)
-        rows = np.concatenate(split.split(np.asarray(model.audio_tower(batch))))
+        rows = np.concatenate(split.split(np.asarray(compiled(model, "audio_tower", batch))))
         sources.append((AUDIO, rows, None))
     patches, grids = [*prompt.images, *prompt.videos], [*prompt.image_grids, *prompt.video_grids]
     if patches:
         batch, split = prepare_vision_batch(patches, grids, spec.vision)
-        rows, deepstack = model.visual(batch)
+        rows, deepstack = compiled(model, "visual", batch)
         per_item = split.split(np.asarray(rows))
         deep_items = split.split(np.stack([np.asarray(f) for f in deepstack], axis=1))  # [n, L, D] each
         n_images = len(prompt.images)
@@ -344,6 +353,22 @@ def thinker_merge(
     return ThinkerMerge(merge, jnp.asarray(deep))
 
 
+@nnx.jit
+def step(
+    model: Thinker,
+    tokens: jnp.ndarray,
+    merge: ThinkerMerge | None,
+    positions: jnp.ndarray,
+    cache: KVCache,
+    md: AttentionMetadata,
+) -> tuple[jnp.ndarray, KVCache]:
+    """One engine step of ``tokens`` through the thinker as one program: embedded with their
+    encoder rows, DeepStack features added, logits out."""
+    embeds = model.embed(tokens, merge)
+    hidden, cache = model(embeds, positions, cache, md, layer_inputs=model.deepstack(tokens, merge))
+    return model.logits(hidden), cache
+
+
 def ours_greedy(model: Thinker, prompt: Prompt) -> tuple[np.ndarray, list[int]]:
     """Our prefill in :data:`PROMPT_CHUNK`-token chunks, then greedy decode steps, all through
     scattered cache pages: ``(logits [P + steps - 1, V], generated tokens)``."""
@@ -370,15 +395,11 @@ def ours_greedy(model: Thinker, prompt: Prompt) -> tuple[np.ndarray, list[int]]:
         s, e = chunks.pop(0) if chunks else (len(ids) - 1, len(ids))
         merge = thinker_merge(ids, s, e, prompt_len, sources, spec.deepstack_layers)
         step_tokens = jnp.asarray(ids[s:e])[None]
-        embeds = model.embed(step_tokens, merge)
-        hidden, cache = model(
-            embeds,
-            jnp.asarray(positions_for(positions, delta, s, e))[:, None],
-            cache,
-            chunk_metadata(PAGES, PAGE, s, e),
-            layer_inputs=model.deepstack(step_tokens, merge),
+        step_positions = jnp.asarray(positions_for(positions, delta, s, e))[:, None]
+        step_logits, cache = step(
+            model, step_tokens, merge, step_positions, cache, chunk_metadata(PAGES, PAGE, s, e)
         )
-        logits.append(np.asarray(model.logits(hidden))[0])
+        logits.append(np.asarray(step_logits)[0])
         if e >= prompt_len:
             tokens.append(int(np.argmax(logits[-1][-1])))
             ids.append(tokens[-1])

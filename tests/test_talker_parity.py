@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import chunk_metadata, rel_err
+from parity import chunk_metadata, compiled, embed_step, rel_err
 from transformers import Qwen2_5OmniForConditionalGeneration
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniTalkerConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
@@ -118,7 +118,7 @@ def test_decoder_matches_transformers_with_3d_positions(standalone) -> None:
         ref_logits = hf.codec_head(out.last_hidden_state).float()[0].numpy()
 
     tokens = jnp.full((1, len(prompt)), spec.codec_mask, jnp.int32)
-    embeds = ours.embed(tokens, TalkerEmbeds(jnp.asarray(rows), jnp.zeros(tokens.shape, bool)))
+    embeds = compiled(ours, "embed", tokens, TalkerEmbeds(jnp.asarray(rows), jnp.zeros(tokens.shape, bool)))
     logits, hidden = full_forward(
         ours, [spec.codec_mask] * len(prompt), 8, positions=positions, embeds=embeds[0]
     )
@@ -166,9 +166,10 @@ def run_chunks(
         extra = TalkerEmbeds(
             jnp.asarray(table[np.minimum(idx, len(table) - 1)])[None], jnp.asarray(idx >= codec_from)[None]
         )
-        embeds = model.embed(jnp.asarray(ids[s:e])[None], extra)
-        h, cache = model(embeds, jnp.asarray(positions[:, s:e])[:, None], cache, md)
-        out.append(np.asarray(model.logits(h))[0])
+        logits, _, cache = embed_step(
+            model, jnp.asarray(ids[s:e])[None], extra, jnp.asarray(positions[:, s:e])[:, None], cache, md
+        )
+        out.append(np.asarray(logits)[0])
     return np.concatenate(out)
 
 
@@ -228,7 +229,7 @@ def test_prefill_and_greedy_decode_match_the_reference_forward(omni_dir, omni_ta
 
     add = np.arange(length) >= n
     extra = TalkerEmbeds(jnp.asarray(thinker_rows)[None], jnp.asarray(add)[None])
-    embeds = ours.embed(jnp.asarray(codec_ids)[None], extra)
+    embeds = compiled(ours, "embed", jnp.asarray(codec_ids)[None], extra)
     one_shot, _ = full_forward(ours, codec_ids, 8, positions=prompt_positions, embeds=embeds[0])
     assert rel_err(one_shot, ref_logits[:length]) < RTOL
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import chunk_metadata, rel_err
+from parity import chunk_metadata, compiled, embed_step, rel_err
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniThinkerConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniThinkerForConditionalGeneration as HFThinker,
@@ -158,9 +158,10 @@ def run_chunks(
         md = chunk_metadata(pages, page_size, s, e)
         tokens = jnp.asarray(ids[s:e])[None]
         merge = prompt_merge(ids, s, e, prompt_len, sources, spec.hidden_size)
-        embeds = model.embed(tokens, merge)
-        h, cache = model(embeds, jnp.asarray(positions[:, s:e])[:, None], cache, md)
-        logits.append(np.asarray(model.logits(h))[0])
+        step_logits, h, cache = embed_step(
+            model, tokens, merge, jnp.asarray(positions[:, s:e])[:, None], cache, md
+        )
+        logits.append(np.asarray(step_logits)[0])
         hidden.append(np.asarray(h)[0])
     return np.concatenate(logits), np.concatenate(hidden)
 
@@ -235,8 +236,8 @@ def test_audio_image_prompt_matches_transformers(pair: Pair) -> None:
     audio_batch, audio_split = prepare_audio_batch([features[:, :frames]], spec.audio)
     vision_batch, vision_split = prepare_vision_batch([pixels], [grid], spec.vision)
     sources = [
-        (AUDIO, np.asarray(ours.audio_tower(audio_batch)), audio_split.offsets[0]),
-        (IMAGE, np.asarray(ours.visual(vision_batch)), vision_split.offsets[0]),
+        (AUDIO, np.asarray(compiled(ours, "audio_tower", audio_batch)), audio_split.offsets[0]),
+        (IMAGE, np.asarray(compiled(ours, "visual", vision_batch)), vision_split.offsets[0]),
     ]
     positions, delta = get_rope_index(spec.rope_index, prompt, image_grid_thw=[grid], audio_seqlens=[frames])
     assert delta != 0
@@ -250,7 +251,7 @@ def test_audio_image_prompt_matches_transformers(pair: Pair) -> None:
     assert rel_err(hidden, ref_hidden) < RTOL
 
     merge = prompt_merge(ids, 0, len(ids), len(prompt), sources, spec.text.hidden_size)
-    embeds = ours.embed(jnp.asarray(ids)[None], merge)[0]
+    embeds = compiled(ours, "embed", jnp.asarray(ids)[None], merge)[0]
     one_shot, _ = full_forward(ours, ids, page_size=8, positions=positions, embeds=embeds)
     assert rel_err(one_shot, ref_logits) < RTOL
 
