@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from omni_jax.engine.kv_cache import init_kv_cache, pages_needed
-from omni_jax.jit import exact_matmuls
+from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.attention import AttentionMetadata
 
 
@@ -52,7 +52,7 @@ def full_forward(  # noqa: ANN001
     layers, kv_heads, head_dim = model.kv_cache_shape()
     t = len(token_ids)
     n_pages = pages_needed(t, page_size)
-    dtype = _embed(model, jnp.zeros((1, 1), jnp.int32)).dtype
+    dtype = compute_dtype(nnx.state(model))
     cache = init_kv_cache(layers, kv_heads, n_pages, page_size, head_dim, dtype)
     md = AttentionMetadata(
         slot_mapping=jnp.arange(t, dtype=jnp.int32)[None],
