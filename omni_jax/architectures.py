@@ -57,12 +57,14 @@ from omni_jax.stages.thinker import MediaLimits, ThinkerFrontend
 @dataclasses.dataclass(frozen=True)
 class GenerationStage:
     """How a generation (non-AR) part becomes its stage: ``build(stage_config, model, path,
-    mesh)`` makes the stage from the loaded model (``mesh``: the stage's, ``None`` on one device);
-    ``demand(stage_config, model)`` is its largest solve's temporaries (``{what: bytes}``, read
-    by the start-up memory check from the abstract model)."""
+    mesh, max_input)`` makes the stage from the loaded model (``mesh``: the stage's, ``None`` on
+    one device; ``max_input``: the ``max_model_len`` of the AR stage that feeds it, which bounds
+    what one request can bring, ``None`` when the stage reads prompts);
+    ``demand(stage_config, model, max_input)`` is its largest solve's temporaries
+    (``{what: bytes}``, read by the start-up memory check from the abstract model)."""
 
-    build: Callable[[StageConfig, Any, Path, Mesh | None], Stage]
-    demand: Callable[[StageConfig, Any], dict[str, int]]
+    build: Callable[[StageConfig, Any, Path, Mesh | None, int | None], Stage]
+    demand: Callable[[StageConfig, Any, int | None], dict[str, int]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -150,15 +150,19 @@ class OmniJaxPipeline:
         check_memory_before_loading(needs, num_pages)
         shares = cache_shares(needs)
         built: list[Stage] = []
+        lengths: dict[str, int] = {}  # each AR stage's max_model_len: what it hands on at most
         for sc in config.stages:
             stage_mesh = sharded_or_none(meshes[sc.name])
             model, _ = load_part(path, sc.name, dtype=dtype, mesh=stage_mesh, progress=progress)
             part = arch.part(sc.name)
             if sc.kind == "generation":
-                built.append(part.generation_stage().build(sc, model, path, stage_mesh))
+                built.append(
+                    part.generation_stage().build(sc, model, path, stage_mesh, lengths.get(sc.input))
+                )
                 continue
             # Resolved once: the frontend sizes its encoder calls to the prompts the stage admits.
-            stage_engine = {**engine, "max_model_len": resolve_max_model_len(model, engine["max_model_len"])}
+            lengths[sc.name] = resolve_max_model_len(model, engine["max_model_len"])
+            stage_engine = {**engine, "max_model_len": lengths[sc.name]}
             frontend = None
             if part.frontend is not None:
                 frontend = part.frontend(hf_config, model, path, sc, stage_engine["max_model_len"])

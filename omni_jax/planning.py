@@ -203,14 +203,16 @@ def plan_memory(
         mesh_shape(mesh),
         config.allow_shared_devices,
     )
-    plans, lengths = [], []
+    plans: list[StagePlan] = []
+    lengths: dict[str, int] = {}
     for sc in config.stages:
         shape, devices = layouts[sc.name].shape, layouts[sc.name].indices
-        fixed, cache = stage_demand(path, hf_config, arch, sc, PlannedMesh(shape, platform), dtype, **engine)
+        mesh = PlannedMesh(shape, platform)
+        fixed, cache = stage_demand(path, hf_config, arch, sc, mesh, dtype, lengths, **engine)
         weights = fixed.pop(f"stage {sc.name!r} weights")
         sequence_kv = full_kv = 0
         if cache is not None:
-            lengths.append(cache.geometry.max_model_len)
+            lengths[sc.name] = cache.geometry.max_model_len
             sequence_kv = cache.memory.kv_bytes(cache.geometry.pages_per_seq)
             full_kv = cache.memory.kv_bytes(cache.geometry.pages_per_seq * cache.max_num_seqs)
         stage_dtype = part_dtype(path, hf_config, arch.part(sc.name).dtype, dtype)
@@ -232,7 +234,7 @@ def plan_memory(
         architecture=arch.name,
         stages=tuple(plans),
         devices=_per_device(plans, engine["max_num_seqs"]),
-        max_model_len=max(lengths) if lengths else None,
+        max_model_len=max(lengths.values()) if lengths else None,
         max_num_seqs=engine["max_num_seqs"],
         mem_fraction=float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION)),
     )

@@ -117,11 +117,14 @@ def stage_demand(
     sc: StageConfig,
     mesh: Mesh | PlannedMesh,
     dtype: str | None,
+    lengths: dict[str, int],
     **engine: Any,
 ) -> tuple[dict[str, int], CachePlan | None]:
     """One stage's memory per device of ``mesh`` from its abstract model (nothing read or
     allocated): ``(fixed, plan)``, ``fixed`` its weights and largest step (AR) or largest solve
-    (generation), ``plan`` an AR stage's cache. ``engine``: :meth:`CachePlan.of`'s settings."""
+    (generation), ``plan`` an AR stage's cache. ``engine``: :meth:`CachePlan.of`'s settings;
+    ``lengths``: the ``max_model_len`` of each AR stage built before it (a generation stage's
+    solves are bounded by its input stage's)."""
     part = arch.part(sc.name)
     rules = part.shard_rules(hf_config, axis_size(mesh, "model"))  # refuses a split before tracing
     model = abstract_model(part.make(hf_config, part_dtype(path, hf_config, part.dtype, dtype)))
@@ -131,7 +134,7 @@ def stage_demand(
         plan = CachePlan.of(model, mesh, **engine)
         fixed[f"stage {sc.name!r} {STEP_ITEM}"] = plan.memory.step_bytes
     else:
-        fixed |= part.generation_stage().demand(sc, model)
+        fixed |= part.generation_stage().demand(sc, model, lengths.get(sc.input))
     return fixed, plan
 
 
@@ -149,10 +152,13 @@ def stage_needs(
     ``max_num_batched_tokens``), as the AR stages will be built with them."""
     path = Path(path)
     arch = architecture_of(hf_config)
-    needs = []
+    needs: list[StageNeeds] = []
+    lengths: dict[str, int] = {}
     for sc in stages:
         mesh = meshes[sc.name]
-        fixed, plan = stage_demand(path, hf_config, arch, sc, mesh, dtype, **engine)
+        fixed, plan = stage_demand(path, hf_config, arch, sc, mesh, dtype, lengths, **engine)
+        if plan is not None:
+            lengths[sc.name] = plan.geometry.max_model_len
         needs.append(StageNeeds(sc.name, fixed, plan, memory_pools(local_devices(mesh))))
     return needs
 

@@ -201,6 +201,16 @@ def test_code2wav_largest_solve_refused_with_the_numbers(omni_dir) -> None:
         check(omni_dir, hf_config, capped, meshes, None)
 
 
+def test_code2wav_solve_estimate_follows_the_talker(omni_dir) -> None:
+    """Fed by a talker of ``max_model_len`` 64, code2wav's largest solve is of 64 codes (what the
+    talker can hand on), in the start-up check as in the built stage; alone, the DiT's 256."""
+    hf_config, stages, meshes = meshes_for(omni_dir)
+    fed = stage_needs(omni_dir, hf_config, stages, meshes, **{**ENGINE, "max_model_len": 64})
+    alone = stage_needs(omni_dir, hf_config, stages[-1:], meshes, **{**ENGINE, "max_model_len": 64})
+    assert "stage 'code2wav' largest solve (8 requests of 64 codes, estimate)" in fed[-1].fixed
+    assert "stage 'code2wav' largest solve (8 requests of 256 codes, estimate)" in alone[-1].fixed
+
+
 @pytest.mark.parametrize(
     "widths,rows,codes", [("tiny", 1, 256), ("tiny", 4, 64), ("tiny", 8, 128), ("7b", 1, 64)]
 )

@@ -68,13 +68,15 @@ def voiced_codes(tokens: list[int], upstream: StageResult | None) -> list[int]:
     return list(tokens)
 
 
-def solve_limits(sc: StageConfig, model: Token2Wav) -> tuple[int, int]:
+def solve_limits(sc: StageConfig, model: Token2Wav, max_input: int | None) -> tuple[int, int]:
     """``(max_batch, max_codes)`` of a code2wav stage: its engine options, codes capped by the
-    DiT's positions."""
+    DiT's positions and by ``max_input``, the most tokens its input stage makes per request
+    (``None`` when it reads prompts): a talker of ``max_model_len`` 512 never hands on more codes,
+    so longer solves would be programs compiled for nothing."""
     dit = model.dit
     max_batch = int(sc.engine.get("max_batch", DEFAULT_MAX_BATCH))
     positions = dit.max_position_embeddings // dit.repeats
-    max_codes = min(int(sc.engine.get("max_codes", DEFAULT_MAX_CODES)), positions)
+    max_codes = min(int(sc.engine.get("max_codes", DEFAULT_MAX_CODES)), positions, max_input or positions)
     if max_batch < 1 or max_codes < 1:
         raise ValueError(f"stage {sc.name!r}: max_batch={max_batch} and max_codes={max_codes} must be >= 1")
     return max_batch, max_codes
@@ -120,10 +122,11 @@ def stream_planner(sc: StageConfig, model: Token2Wav) -> ChunkPlanner:
     return stream_setting(sc, STREAM_KEYS, build)
 
 
-def solve_demand(sc: StageConfig, model: Token2Wav) -> dict[str, int]:
+def solve_demand(sc: StageConfig, model: Token2Wav, max_input: int | None) -> dict[str, int]:
     """The largest solve's temporaries, for the start-up memory check (an estimate: see
-    :func:`omni_jax.models.qwen2_5_omni.token2wav.solve_bytes_per_code`)."""
-    max_batch, max_codes = solve_limits(sc, model)
+    :func:`omni_jax.models.qwen2_5_omni.token2wav.solve_bytes_per_code`); ``max_input`` as in
+    :func:`solve_limits`."""
+    max_batch, max_codes = solve_limits(sc, model, max_input)
     buckets = SolveBuckets.build(max_batch, code_buckets(max_codes), max_cells=max_solve_codes(sc))
     rows, codes = buckets.largest()
     what = f"stage {sc.name!r} largest solve ({rows} requests of {codes} codes, estimate)"
@@ -165,14 +168,18 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
         return self.voices.default
 
     @classmethod
-    def build(cls, sc: StageConfig, model: Token2Wav, path: Path, mesh: Mesh | None = None) -> Code2WavStage:
+    def build(
+        cls, sc: StageConfig, model: Token2Wav, path: Path, mesh: Mesh | None, max_input: int | None
+    ) -> Code2WavStage:
+        """The stage over the loaded ``model`` and ``path``'s voices; offline solves up to
+        :func:`solve_limits` codes (``max_input``: the most its input stage makes per request)."""
         voices = Voices.load(path, sc.default_speaker)
         speakers = voices.speakers
         widths = {name: len(s.cond) for name, s in speakers.items()}
         if len(set(widths.values())) != 1:
             raise ValueError(f"{path}: the voices' cond vectors differ in width: {widths}")
         dit = model.dit
-        max_batch, max_codes = solve_limits(sc, model)
+        max_batch, max_codes = solve_limits(sc, model, max_input)
         geometry = SolveGeometry(
             repeats=dit.repeats,
             mel_dim=dit.mel_dim,
@@ -253,7 +260,7 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
             raise ValueError(
                 f"request {index}: {len(codes)} codes exceed the limit of {geometry.max_codes} "
                 f"(engine option max_codes of stage {self.config.name!r}, at most the DiT's "
-                "max_position_embeddings // repeats)"
+                "max_position_embeddings // repeats and its input stage's max_model_len)"
             )
         if params.initial_noise is not None:
             want = (len(codes) * geometry.repeats, geometry.mel_dim)

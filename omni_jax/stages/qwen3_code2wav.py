@@ -83,11 +83,13 @@ def frame_buckets(max_frames: int) -> tuple[int, ...]:
     return ladder(MIN_FRAMES, max_frames, FRAME_STEPS)
 
 
-def solve_limits(sc: StageConfig, spec: Code2WavSpec) -> tuple[int, int]:
+def solve_limits(sc: StageConfig, spec: Code2WavSpec, max_input: int | None) -> tuple[int, int]:
     """``(max_batch, max_frames)`` of the stage: its engine options, frames capped by the
-    transformer's ``max_position_embeddings``."""
+    transformer's ``max_position_embeddings`` and by ``max_input``, the most steps (one frame
+    each) its input talker makes per request (``None`` when it reads prompts)."""
+    positions = spec.max_position_embeddings
     max_batch = int(sc.engine.get("max_batch", DEFAULT_MAX_BATCH))
-    max_frames = min(int(sc.engine.get("max_frames", DEFAULT_MAX_FRAMES)), spec.max_position_embeddings)
+    max_frames = min(int(sc.engine.get("max_frames", DEFAULT_MAX_FRAMES)), positions, max_input or positions)
     if max_batch < 1 or max_frames < 1:
         raise ValueError(f"stage {sc.name!r}: max_batch={max_batch} and max_frames={max_frames} must be >= 1")
     return max_batch, max_frames
@@ -144,10 +146,10 @@ def solve_bytes(spec: Code2WavSpec, rows: int, frames: int) -> int:
     return 4 * rows * frames * per_frame
 
 
-def solve_demand(sc: StageConfig, model: Code2Wav) -> dict[str, int]:
+def solve_demand(sc: StageConfig, model: Code2Wav, max_input: int | None) -> dict[str, int]:
     """The largest solve's temporaries (:func:`solve_bytes`, an estimate): ``max_batch`` rows of
-    the longer of ``max_frames`` and the streamed window."""
-    max_batch, max_frames = solve_limits(sc, model.spec)
+    the longer of :func:`solve_limits`' ``max_frames`` and the streamed window."""
+    max_batch, max_frames = solve_limits(sc, model.spec, max_input)
     frames = max(max_frames, stream_plan(sc, model.spec.max_position_embeddings).window_frames)
     what = f"stage {sc.name!r} largest solve ({max_batch} requests of {frames} frames, estimate)"
     return {what: solve_bytes(model.spec, max_batch, frames)}
@@ -224,11 +226,12 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
 
     @classmethod
     def build(
-        cls, sc: StageConfig, model: Code2Wav, path: Path, mesh: Mesh | None = None
+        cls, sc: StageConfig, model: Code2Wav, path: Path, mesh: Mesh | None, max_input: int | None
     ) -> Qwen3Code2WavStage:
-        """The stage over the loaded ``model`` (``path`` holds nothing more it needs)."""
+        """The stage over the loaded ``model`` (``path`` holds nothing more it needs); offline
+        decodes up to :func:`solve_limits` frames (``max_input``: its talker's most per request)."""
         spec = model.spec
-        max_batch, max_frames = solve_limits(sc, spec)
+        max_batch, max_frames = solve_limits(sc, spec, max_input)
         runner = GenerationRunner(
             code2wav_compiled,
             model,
@@ -298,7 +301,8 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
             remedy = "stream it (Token2WavParams(stream=True)) to decode it in chunks"
             raise ValueError(
                 f"request {index}: {frames} frames exceed the limit of {self.max_frames} (engine option "
-                f"max_frames of stage {self.config.name!r}, at most the model's max_position_embeddings); "
+                f"max_frames of stage {self.config.name!r}, at most the model's max_position_embeddings "
+                "and its input stage's max_model_len); "
                 + (remedy if self.streaming else "the stage decodes offline only (engine.stream: false)")
             )
 
