@@ -29,9 +29,11 @@ def embed_step(
 ) -> tuple[jax.Array, jax.Array, Any]:
     """One step of an AR model as one program, as the engine runs it: ``tokens`` embedded (with
     ``extra``, the model's step inputs beside them: encoder rows, talker rows; ``None``: the
-    tokens alone), through the decoder and its paged ``cache``: ``(logits, hidden, cache)``."""
-    embeds = model.embed(tokens) if extra is None else model.embed(tokens, extra)
-    hidden, cache = model(embeds, positions, cache, md)
+    tokens alone), through the decoder and its paged ``cache``, its layers given what
+    ``layer_inputs`` reads of ``extra`` (Qwen3-Omni's DeepStack features; ``None`` for the
+    others): ``(logits, hidden, cache)``."""
+    embeds = model.embed(tokens, extra)
+    hidden, cache = model(embeds, positions, cache, md, layer_inputs=model.layer_inputs(tokens, extra))
     return model.logits(hidden), hidden, cache
 
 

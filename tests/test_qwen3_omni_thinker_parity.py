@@ -23,6 +23,7 @@ from flax import nnx
 from parity import (
     chunk_metadata,
     compiled,
+    embed_step,
     qwen3_video_audio_layout,
     random_tokens,
     randomize_moe_layers,
@@ -34,10 +35,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omni_jax.engine.kv_cache import init_kv_cache
-from omni_jax.models.attention import AttentionMetadata
 from omni_jax.models.loading import build_model
 from omni_jax.models.moe import stack_expert_arrays
-from omni_jax.models.qwen2 import KVCache
 from omni_jax.models.qwen2_5_omni.rope_index import positions_for
 from omni_jax.models.qwen2_5_omni.thinker import PromptMerge
 from omni_jax.models.qwen3_omni.audio_encoder import prepare_audio_batch
@@ -353,22 +352,6 @@ def thinker_merge(
     return ThinkerMerge(merge, jnp.asarray(deep))
 
 
-@nnx.jit
-def step(
-    model: Thinker,
-    tokens: jnp.ndarray,
-    merge: ThinkerMerge | None,
-    positions: jnp.ndarray,
-    cache: KVCache,
-    md: AttentionMetadata,
-) -> tuple[jnp.ndarray, KVCache]:
-    """One engine step of ``tokens`` through the thinker as one program: embedded with their
-    encoder rows, DeepStack features added, logits out."""
-    embeds = model.embed(tokens, merge)
-    hidden, cache = model(embeds, positions, cache, md, layer_inputs=model.deepstack(tokens, merge))
-    return model.logits(hidden), cache
-
-
 def ours_greedy(model: Thinker, prompt: Prompt) -> tuple[np.ndarray, list[int]]:
     """Our prefill in :data:`PROMPT_CHUNK`-token chunks, then greedy decode steps, all through
     scattered cache pages: ``(logits [P + steps - 1, V], generated tokens)``."""
@@ -396,7 +379,7 @@ def ours_greedy(model: Thinker, prompt: Prompt) -> tuple[np.ndarray, list[int]]:
         merge = thinker_merge(ids, s, e, prompt_len, sources, spec.deepstack_layers)
         step_tokens = jnp.asarray(ids[s:e])[None]
         step_positions = jnp.asarray(positions_for(positions, delta, s, e))[:, None]
-        step_logits, cache = step(
+        step_logits, _, cache = embed_step(
             model, step_tokens, merge, step_positions, cache, chunk_metadata(PAGES, PAGE, s, e)
         )
         logits.append(np.asarray(step_logits)[0])
@@ -428,7 +411,7 @@ def test_media_matter(pair: Pair) -> None:
     ids, n = prompt.ids, len(prompt.ids)
     tokens = jnp.asarray(ids)[None]
     merge = thinker_merge(ids, 0, n, n, sources, ours.thinker_spec.deepstack_layers)
-    deepstack = ours.deepstack(tokens, merge)
+    deepstack = compiled(ours, "deepstack", tokens, merge)
     visual = np.isin(ids, [IMAGE, VIDEO])
     index = np.asarray(deepstack.index)[0]
     np.testing.assert_array_equal(index >= 0, visual)
@@ -451,12 +434,15 @@ def test_media_matter(pair: Pair) -> None:
             spec.num_layers, spec.num_kv_heads, len(PAGES), PAGE, spec.head_dim, jnp.float32
         )
         md = chunk_metadata(PAGES, PAGE, 0, n)
-        return np.asarray(ours(embeds, jnp.asarray(positions)[:, None], cache, md, layer_inputs=deep)[0])
+        hidden, _ = compiled(
+            ours, "__call__", embeds, jnp.asarray(positions)[:, None], cache, md, layer_inputs=deep
+        )
+        return np.asarray(hidden)
 
-    merged = ours.embed(tokens, merge)
+    merged = compiled(ours, "embed", tokens, merge)
     full = last_hidden(merged, deepstack)
     assert np.abs(full - last_hidden(merged, None)).max() > 0.1
-    assert np.abs(full - last_hidden(ours.embed(tokens), deepstack)).max() > 0.1
+    assert np.abs(full - last_hidden(compiled(ours, "embed", tokens), deepstack)).max() > 0.1
     assert ours.deepstack(tokens, None) is None
 
 
