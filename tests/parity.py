@@ -24,6 +24,17 @@ def compiled(module: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 
 
 @nnx.jit
+def decode_step(
+    model: Any, embeds: jax.Array, positions: jax.Array, cache: Any, md: AttentionMetadata, model_kw: dict
+) -> tuple[jax.Array, jax.Array, Any]:
+    """The decoder over ``embeds`` (``model_kw`` to its call), then the logits, as one program:
+    ``(logits, hidden, cache)``. :class:`PagedSteps`' step, and :func:`embed_step`'s after it
+    embeds."""
+    hidden, cache = model(embeds, positions, cache, md, **model_kw)
+    return model.logits(hidden), hidden, cache
+
+
+@nnx.jit
 def embed_step(
     model: Any, tokens: jax.Array, extra: Any, positions: jax.Array, cache: Any, md: AttentionMetadata
 ) -> tuple[jax.Array, jax.Array, Any]:
@@ -33,8 +44,9 @@ def embed_step(
     ``layer_inputs`` reads of ``extra`` (Qwen3-Omni's DeepStack features; ``None`` for the
     others): ``(logits, hidden, cache)``."""
     embeds = model.embed(tokens, extra)
-    hidden, cache = model(embeds, positions, cache, md, layer_inputs=model.layer_inputs(tokens, extra))
-    return model.logits(hidden), hidden, cache
+    return decode_step(
+        model, embeds, positions, cache, md, {"layer_inputs": model.layer_inputs(tokens, extra)}
+    )
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -155,8 +167,8 @@ class PagedSteps:
             jnp.asarray(lens, jnp.int32),
         )
         args = (jnp.asarray(embeds), jnp.asarray(positions), self.cache, md)
-        hidden, self.cache = compiled(self.model, "__call__", *args, **model_kw)
-        logits, hidden = np.asarray(compiled(self.model, "logits", hidden)), np.asarray(hidden)
+        logits, hidden, self.cache = decode_step(self.model, *args, model_kw)
+        logits, hidden = np.asarray(logits), np.asarray(hidden)
         return [logits[r, :n] for r, n in enumerate(lens)], [hidden[r, :n] for r, n in enumerate(lens)]
 
 
