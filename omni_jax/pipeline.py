@@ -30,7 +30,7 @@ from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.preflight import cache_shares, check_memory_before_loading, engine_settings, stage_needs
 from omni_jax.progress import RequestsBar, WarmupBar
-from omni_jax.stages.ar import ARStage, check_engine_options, resolve_max_model_len
+from omni_jax.stages.ar import ARStage, check_engine_options
 from omni_jax.stages.base import Stage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
 from omni_jax.stages.thinker import MediaLimits
@@ -150,7 +150,9 @@ class OmniJaxPipeline:
         check_memory_before_loading(needs, num_pages)
         shares = cache_shares(needs)
         built: list[Stage] = []
-        lengths: dict[str, int] = {}  # each AR stage's max_model_len: what it hands on at most
+        # Each AR stage's max_model_len, resolved once by its cache plan: what the stage admits,
+        # and what it hands on at most to the stage it feeds.
+        lengths = {s.name: s.plan.geometry.max_model_len for s in needs if s.plan is not None}
         for sc in config.stages:
             stage_mesh = sharded_or_none(meshes[sc.name])
             model, _ = load_part(path, sc.name, dtype=dtype, mesh=stage_mesh, progress=progress)
@@ -160,8 +162,7 @@ class OmniJaxPipeline:
                     part.generation_stage().build(sc, model, path, stage_mesh, lengths.get(sc.input))
                 )
                 continue
-            # Resolved once: the frontend sizes its encoder calls to the prompts the stage admits.
-            lengths[sc.name] = resolve_max_model_len(model, engine["max_model_len"])
+            # The frontend sizes its encoder calls to the prompts the stage admits.
             stage_engine = {**engine, "max_model_len": lengths[sc.name]}
             frontend = None
             if part.frontend is not None:
