@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_run_greedy import hf_greedy
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.compilation import (
@@ -88,6 +89,42 @@ def test_default_engine_sizes_make_few_programs(qwen2_dir) -> None:
     # a step running as the smallest size that holds it.
     assert pipe.stages[0].engine.scheduler.cfg.row_edges == (64, 128, 256, 512, 1024, 2048)
     assert all(runner.rows_bucket(n) == min(s for s in forward if s >= n) for n in range(1, 2049))
+
+
+def test_step_ladder_stops_at_what_the_sequences_hold(qwen2_dir, hf_qwen2, monkeypatch) -> None:
+    """Three sequences of 256 tokens hold 768, under the 2048-token budget: the forward sizes
+    stop at 768 (no 1024 or 2048 program, which no step could fill), the memory plan's largest
+    step is 768 rows, and a step of the three whole prompts runs on that program, nothing
+    compiled after ``warmup()``; its greedy tokens are transformers'."""
+    from flax import nnx
+
+    from omni_jax.stages.ar import CachePlan
+
+    kw = dict(max_num_seqs=3, page_size=16, max_model_len=256, max_num_batched_tokens=2048)
+    pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
+    runner = pipe.stages[0].engine.runner
+    assert [n for n, _ in runner.step_shapes()] == [2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 768]
+    assert runner.rows_bucket(600) == 768
+    plan = CachePlan.of(nnx.merge(runner.graphdef, runner.state), None, **kw)
+    assert plan.memory.max_token_rows == 768
+    pipe.warmup()
+    rs = np.random.RandomState(5)
+    prompts = [{"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=250)]} for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    steps: list[int] = []  # each step's tokens
+    dispatch = runner.dispatch
+
+    def counted(rows, sources=()):  # noqa: ANN001, ANN202 - ARRunner.dispatch's
+        steps.append(sum(len(r.token_ids) for r in rows))
+        return dispatch(rows, sources)
+
+    monkeypatch.setattr(runner, "dispatch", counted)
+    with CompileCounter() as c:
+        together = pipe.run(prompts, params, progress=False)
+    assert (c.traces, c.compiles) == (0, 0)
+    assert steps[0] == 750  # the three prompts in one step, padded to 768 rows
+    for prompt, out in zip(prompts, together, strict=True):
+        assert out.token_ids == hf_greedy(hf_qwen2, prompt["prompt_token_ids"], 3, None)
 
 
 def test_too_many_held_back_stop_ids_are_refused(qwen2_dir) -> None:

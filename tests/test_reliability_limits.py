@@ -41,7 +41,10 @@ def numbers(message: str) -> tuple[int, int]:
     [
         ({"num_pages": 10**9}, r"KV cache \(1000000000 pages of 16 tokens, 8192 bytes each\)"),
         ({"max_num_seqs": 10**7}, r"largest step's temporaries \(estimate\)"),
-        ({"max_num_batched_tokens": 2**26}, r"largest step's temporaries \(estimate\)"),
+        (
+            {"max_num_seqs": 2**16, "max_num_batched_tokens": 2**26},
+            r"largest step's temporaries \(estimate\)",
+        ),
     ],
 )
 def test_absurd_cache_or_batch_refused_with_the_numbers(qwen2_dir, kwargs, item) -> None:
@@ -54,6 +57,15 @@ def test_absurd_cache_or_batch_refused_with_the_numbers(qwen2_dir, kwargs, item)
     assert needed > available
     assert "host memory (MemAvailable)" in message and re.search(item, message)
     assert "lower num_pages, max_model_len, max_num_seqs or max_num_batched_tokens" in message
+
+
+def test_budget_past_what_the_sequences_hold_is_not_refused(qwen2_dir) -> None:
+    """A token budget no step can fill (2**26 tokens for 4 sequences of 512) sizes the largest
+    step at what the sequences hold, 2048 rows: not refused for a step that cannot happen."""
+    pipe = OmniJaxPipeline.from_pretrained(
+        qwen2_dir, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=2**26, num_pages=128
+    )
+    assert pipe.stages[0].engine.runner.most_rows == 2048
 
 
 def test_default_cache_sized_to_what_is_left(qwen2_dir, monkeypatch) -> None:

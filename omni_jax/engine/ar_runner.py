@@ -268,7 +268,9 @@ class ARRunner:
         self.mesh = mesh
         self.data = axis_size(mesh, "data")
         self.max_rows = max_sequence_rows(max_num_seqs, self.data)
-        self.most_rows = max_token_rows(max_num_batched_tokens, self.max_rows, self.data)
+        self.most_rows = max_token_rows(
+            max_num_batched_tokens, self.max_rows, max_num_seqs * g.max_model_len, self.data
+        )
         self.backend = backend
         self.chunk_bytes = chunk_bytes
         self.step_inputs: StepInputs[Any] = TokenInputs() if step_inputs is None else step_inputs
@@ -357,9 +359,10 @@ class ARRunner:
         """Token rows of a step with ``n`` tokens, a multiple of ``data`` so each data shard
         gets the same number of rows, at least :data:`MIN_ROWS`. Up to ``max_rows`` (decode
         steps, and prompt steps of a few sequences) two sizes an octave, at most a third
-        padding; above, powers of two up to the budget's largest step: prompt steps that
-        long are mostly filled to the budget by chunked prefill, and each octave's second
-        size would cost another program."""
+        padding; above, powers of two up to the largest step (the budget's tokens, or all the
+        sequences can hold where that is less): prompt steps that long are mostly filled to
+        the budget by chunked prefill, and each octave's second size would cost another
+        program."""
         b = fine_bucket(n, MIN_ROWS) if n <= self.max_rows else bucket(n)
         return min(round_up(b, self.data), self.most_rows)
 
@@ -396,7 +399,7 @@ class ARRunner:
 
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every ``(token rows, pages)`` forward shape the scheduler can produce: any step up to
-        the budget's tokens (a prompt step) or ``max_rows`` (a decode step), any table width."""
+        the largest step's tokens (a prompt step) or ``max_rows`` (a decode step), any table width."""
         widths = sorted({self.pages_bucket(p) for p in range(1, self.geometry.pages_per_seq + 1)})
         return [(n, p) for n in self.row_sizes() for p in widths]
 

@@ -34,10 +34,13 @@ def max_sequence_rows(max_num_seqs: int, data: int = 1) -> int:
     return round_up(max(MIN_ROWS, bucket(max_num_seqs)), data)
 
 
-def max_token_rows(max_num_batched_tokens: int, max_rows: int, data: int = 1) -> int:
-    """Token rows of an AR stage's largest flat step: the budget's tokens (a prompt step) or
+def max_token_rows(max_num_batched_tokens: int, max_rows: int, held_tokens: int, data: int = 1) -> int:
+    """Token rows of an AR stage's largest flat step: the budget's tokens (a prompt step), or
+    fewer where the sequences cannot hold that many (``held_tokens``: ``max_num_seqs *
+    max_model_len``; no step computes more tokens than its sequences have, so a budget above it
+    would only add a program no step fills and a step the memory plan need not hold), or
     ``max_rows`` (a decode step of every sequence), a multiple of ``data``."""
-    return round_up(max(max_num_batched_tokens, max_rows), data)
+    return round_up(max(min(max_num_batched_tokens, held_tokens), max_rows), data)
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:

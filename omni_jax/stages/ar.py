@@ -548,7 +548,10 @@ class CachePlan:
             vocab_size=model.vocab_size(),
             max_rows=max_rows // data,
             max_num_seqs=max_num_seqs,
-            max_token_rows=max_token_rows(max_num_batched_tokens, max_rows, data) // data,
+            max_token_rows=max_token_rows(
+                max_num_batched_tokens, max_rows, max_num_seqs * max_model_len, data
+            )
+            // data,
             chunk_bytes=chunk_bytes(jax.default_backend() if mesh is None else mesh.devices.flat[0].platform),
             activation_width=model.activation_width(tp),
         )
