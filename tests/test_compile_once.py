@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_reliability_limits import plan_of
 from test_run_greedy import hf_greedy
 
 from omni_jax import OmniJaxPipeline, SamplingParams
@@ -96,17 +97,12 @@ def test_step_ladder_stops_at_what_the_sequences_hold(qwen2_dir, hf_qwen2, monke
     stop at 768 (no 1024 or 2048 program, which no step could fill), the memory plan's largest
     step is 768 rows, and a step of the three whole prompts runs on that program, nothing
     compiled after ``warmup()``; its greedy tokens are transformers'."""
-    from flax import nnx
-
-    from omni_jax.stages.ar import CachePlan
-
     kw = dict(max_num_seqs=3, page_size=16, max_model_len=256, max_num_batched_tokens=2048)
     pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, **kw)
     runner = pipe.stages[0].engine.runner
     assert [n for n, _ in runner.step_shapes()] == [2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 768]
     assert runner.rows_bucket(600) == 768
-    plan = CachePlan.of(nnx.merge(runner.graphdef, runner.state), None, **kw)
-    assert plan.memory.max_token_rows == 768
+    assert plan_of(pipe, kw).max_token_rows == 768
     pipe.warmup()
     rs = np.random.RandomState(5)
     prompts = [{"prompt_token_ids": [int(t) for t in rs.randint(3, 300, size=250)]} for _ in range(3)]
