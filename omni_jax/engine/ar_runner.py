@@ -438,7 +438,7 @@ class ARRunner:
         """Host arrays of one flat step's forward: ``rows``' tokens in order, padded to ``n``
         token rows, with :meth:`sequences` ``p``-page tables, logits rows and id-table rows;
         ``sources``: for each row with a pending token, the row of the step before that drew it
-        (else -1)."""
+        (else -1; read only where a row's :attr:`StepRow.pending_token` is set)."""
         c, page_size = self.cache_cfg, self.geometry.page_size
         s = self.sequences(n)
         tokens = np.zeros((n, 1), np.int32)
@@ -452,20 +452,26 @@ class ARRunner:
         last = np.zeros((s,), np.int32)
         id_rows = np.zeros((s,), np.int32)
         if rows:
-            # Vectorised over the step's token rows (a decode step has hundreds of rows, each a
-            # row's worth of numpy calls in a loop): only the page tables and pending sources
-            # are written row by row.
-            lengths = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
-            starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
+            # Vectorised over the step's token rows and their pages (a decode step has hundreds
+            # of rows, each a row's worth of numpy calls in a loop): Python only reads each
+            # row's fields.
+            k = len(rows)
+            lengths = np.fromiter((len(r.token_ids) for r in rows), np.int64, k)
+            starts = np.fromiter((r.start for r in rows), np.int64, k)
             ends = np.cumsum(lengths)
             total = int(ends[-1])
-            row_of = np.repeat(np.arange(len(rows)), lengths)
+            row_of = np.repeat(np.arange(k), lengths)
             idx = np.arange(total) - (ends - lengths)[row_of] + starts[row_of]  # each token's index
-            for i, r in enumerate(rows):
-                used = pages_needed(r.end, page_size)
-                tables[i, :used] = r.pages[:used]
-                if r.pending_token:
-                    source[ends[i] - 1] = sources[i]
+            used = -(-(starts + lengths) // page_size)  # each row's pages: pages_needed of its end
+            held = np.fromiter(
+                itertools.chain.from_iterable(r.pages[:u] for r, u in zip(rows, used.tolist(), strict=True)),
+                np.int32,
+                int(used.sum()),
+            )
+            tables[:k][np.arange(p) < used[:, None]] = held  # a boolean mask fills row by row
+            pending = np.fromiter((r.pending_token for r in rows), bool, k)
+            if pending.any():  # a row reads the step before's draw only where it has a pending token
+                source[ends - 1] = np.where(pending, sources, -1)
             tokens[:total, 0] = list(itertools.chain.from_iterable(r.token_ids for r in rows))
             positions[..., :total, 0] = np.concatenate([r.positions for r in rows], axis=-1)
             slots[:total, 0] = tables[row_of, idx // page_size] * page_size + idx % page_size
@@ -474,7 +480,10 @@ class ARRunner:
             qlen[:total] = 1
             last[: len(rows)] = ends - 1
             id_rows[: len(rows)] = [r.id_row for r in rows]
-        extra = self.step_inputs.pack([t for r in rows for t in r.one_token_rows()], n, 1)
+        one_token = all(len(r.token_ids) == 1 for r in rows)  # a decode step's rows are its flat rows
+        extra = self.step_inputs.pack(
+            rows if one_token else [t for r in rows for t in r.one_token_rows()], n, 1
+        )
         return tokens, source, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, id_rows, extra
 
     def _sampling(self, rows: Sequence[StepRow], s: int) -> tuple[SamplingTensors, np.ndarray, np.ndarray]:
@@ -603,7 +612,7 @@ class ARRunner:
         dispatch order."""
         lengths = [len(r.token_ids) for r in rows]
         n = self.rows_bucket(sum(lengths))
-        p = self.pages_bucket(max(pages_needed(r.end, self.geometry.page_size) for r in rows))
+        p = self.pages_bucket(pages_needed(max(r.end for r in rows), self.geometry.page_size))
         logits, finite, hidden, last = self._run_forward(*self._pack(rows, n, p, sources))
         penalised = any(r.params.penalised for r in rows)
         greedy = not penalised and all(r.params.greedy for r in rows)

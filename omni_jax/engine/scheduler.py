@@ -248,13 +248,14 @@ class Scheduler:
         budget only shortens chunks, and admissions take only pages nobody running needs. The
         engine then reads the step in flight first: a request with a pending token is never
         preempted."""
-        cfg = self.cfg
-        need = sum(
-            self._growth(r, min(r.remaining, cfg.max_prefill_chunk))
-            for r in self.running
-            if not r.ends_by_length(cfg.cache.max_model_len)
-        )
-        return need > self.allocator.num_free
+        cfg, free = self.cfg, self.allocator.num_free
+        need = 0
+        for r in self.running:
+            if not r.ends_by_length(cfg.cache.max_model_len):
+                need += self._growth(r, min(r.remaining, cfg.max_prefill_chunk))
+                if need > free:  # the answer, whatever the rest need
+                    return True
+        return False
 
     def abort(self, request_id: str) -> ARRequest | None:
         for req in list(self.running) + list(self.waiting):
@@ -302,11 +303,11 @@ class Scheduler:
         self._free_id_rows.append(req.id_row)
         req.id_row = -1
 
-    def _reserve(self, req: ARRequest, end: int, step: Sequence[tuple[ARRequest, StepRow]]) -> bool:
-        """Give ``req`` pages up to token ``end``, preempting newer requests if needed (never
-        one already in ``step``). The rows already placed are looked at only when pages run
-        short, not for every row (which would make scheduling quadratic in the step's rows)."""
-        need = pages_needed(end, self.cfg.cache.page_size) - len(req.pages)
+    def _reserve(self, req: ARRequest, chunk: int, step: Sequence[tuple[ARRequest, StepRow]]) -> bool:
+        """Give ``req`` pages for its next ``chunk`` tokens, preempting newer requests if needed
+        (never one already in ``step``). The rows already placed are looked at only when pages
+        run short, not for every row (which would make scheduling quadratic in the step's rows)."""
+        need = self._growth(req, chunk)
         while need > self.allocator.num_free:
             placed = {id(r) for r, _ in step}
             victims = [r for r in self.running if r.arrival > req.arrival and id(r) not in placed]
@@ -328,19 +329,23 @@ class Scheduler:
         past its tokens is cut at a row edge (:class:`SchedulerConfig`'s ``row_edges``).
         """
         cfg = self.cfg
-        decode = [
-            (r, 1)
-            for r in self.running
-            if r.remaining == 1 and not r.ends_by_length(cfg.cache.max_model_len) and self._inputs(r) > 0
-        ]
+        # One pass over the running requests, each one's remaining tokens counted once: every
+        # step visits every running request, so what this loop does per request is paid by each
+        # row of every decode step.
+        decode: list[tuple[ARRequest, int]] = []
+        chunks: list[tuple[ARRequest, int]] = []  # (request, its remaining tokens) of the others
+        for r in self.running:
+            remaining = r.remaining
+            if remaining != 1:
+                chunks.append((r, remaining))
+            elif not r.ends_by_length(cfg.cache.max_model_len) and self._inputs(r, 1) > 0:
+                decode.append((r, 1))
         budget = cfg.max_num_batched_tokens - len(decode)
         prompt: list[tuple[ARRequest, int]] = []
-        for req in self.running:
-            if req.remaining == 1:
-                continue
+        for req, remaining in chunks:
             if budget < 1:
                 break
-            chunk = min(req.remaining, cfg.max_prefill_chunk, budget, self._inputs(req))
+            chunk = min(remaining, cfg.max_prefill_chunk, budget, self._inputs(req, remaining))
             if chunk < 1:  # its inputs are not there yet
                 continue
             prompt.append((req, chunk))
@@ -351,7 +356,7 @@ class Scheduler:
         admitted: list[ARRequest] = []
         while self.waiting and len(self.running) < cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            chunk = min(req.remaining, cfg.max_prefill_chunk, budget, self._inputs(req))
+            chunk = min(req.remaining, cfg.max_prefill_chunk, budget, self._inputs(req, req.remaining))
             need = pages_needed(chunk, cfg.cache.page_size)
             if chunk < 1 or need > spare:
                 break
@@ -369,7 +374,7 @@ class Scheduler:
         for req, chunk in plan:
             if req.status is not Status.RUNNING:  # preempted for an older row this step
                 continue
-            if self._reserve(req, req.num_computed + chunk, step):
+            if self._reserve(req, chunk, step):
                 step.append((req, self._row(req, chunk)))
             else:
                 self._preempt(req)
@@ -404,14 +409,16 @@ class Scheduler:
                 self.waiting.appendleft(req)
         return kept
 
-    def _inputs(self, req: ARRequest) -> int:
-        """How many of ``req``'s next tokens have their inputs (:attr:`available`)."""
+    def _inputs(self, req: ARRequest, remaining: int) -> int:
+        """How many of ``req``'s ``remaining`` next tokens have their inputs (:attr:`available`)."""
         limit = self.available(req.state)
-        return req.remaining if limit is None else max(0, min(req.remaining, limit - req.num_computed))
+        return remaining if limit is None else max(0, min(remaining, limit - req.num_computed))
 
     def _growth(self, req: ARRequest, chunk: int) -> int:
-        """Pages ``req`` lacks for its next ``chunk`` tokens."""
-        return max(0, pages_needed(req.num_computed + chunk, self.cfg.cache.page_size) - len(req.pages))
+        """Pages ``req`` lacks for its next ``chunk`` tokens (none, most steps: a decode row
+        needs a page once every ``page_size`` tokens)."""
+        end, held, page_size = req.num_computed + chunk, len(req.pages), self.cfg.cache.page_size
+        return 0 if end <= held * page_size else pages_needed(end, page_size) - held
 
     def _row(self, req: ARRequest, chunk: int) -> StepRow:
         """The row of ``req``'s next ``chunk`` tokens. A pending token (its decode row's input
@@ -419,7 +426,7 @@ class Scheduler:
         :data:`PENDING_TOKEN`, which the runner replaces on the device."""
         start, end = req.num_computed, req.num_computed + chunk
         known = req.num_known
-        sample = end == req.num_tokens
+        sample = end == known + req.pending  # its last token, pending ones included
         drawn = len(req.output_ids) + req.pending
         suppress: Sequence[int] = ()
         if sample and (req.suppress_ids or drawn < req.params.min_tokens):
@@ -455,22 +462,23 @@ class Scheduler:
         while they were in flight are dropped, and its pages released with its last one."""
         done: list[ARRequest[S]] = []
         scrub: list[int] = []
+        tokens, finite = result.tokens.tolist(), result.finite.tolist()  # Python ints and bools, once
         for i, (req, row) in enumerate(step):
             if req.status is Status.FINISHED:
                 if row.sample:
-                    self._drop_pending(req, bool(result.finite[i]), scrub)
+                    self._drop_pending(req, finite[i], scrub)
                 continue
             if req.capture_hidden and result.hidden is not None and result.embeds is not None:
                 req.capture(result.hidden[i], result.embeds[i], row.start)
             if not row.sample:
                 continue
             req.pending -= 1
-            if not result.finite[i]:
+            if not finite[i]:
                 scrub += req.pages
                 self.fail(req, f"non-finite logits at output token {len(req.output_ids)}")
                 done.append(req)
                 continue
-            tok = int(result.tokens[i])
+            tok = tokens[i]
             req.output_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
