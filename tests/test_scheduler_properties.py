@@ -504,3 +504,26 @@ def test_a_step_just_past_a_row_edge_defers_its_newest_prompt_tokens() -> None:
     assert list(sched.waiting) == [second, third]
     assert second.status is third.status is Status.WAITING and second.pages == third.pages == []
     assert sched.running == [first]
+
+
+def test_a_request_is_itself_whatever_its_fields() -> None:
+    """Requests compare by identity. Ending one looks it up in the running list or the waiting
+    queue, and those lookups compared every field of every request before it (a dataclass
+    ``__eq__``): 8.2 million comparisons, most of the host's time, to finish 4096 requests
+    queued at once (RESULTS.md). Two requests alike in every field stay two: ending one, queued
+    or running, leaves the other where it was."""
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    running, waiting, twin = (ARRequest("same", 0, [3, 4], params, 0) for _ in range(3))
+    assert running == running and running != waiting and waiting != twin
+    cfg = scheduler_config(
+        max_num_seqs=1, max_model_len=64, max_num_batched_tokens=64, page_size=4, max_prefill_chunk=64
+    )
+    sched = Scheduler(cfg, PageAllocator(8))
+    for r in (running, waiting, twin):
+        sched.add(r)
+    sched.schedule()
+    assert sched.running == [running] and list(sched.waiting) == [waiting, twin]
+    sched.fail(twin, "ended while queued")
+    assert list(sched.waiting) == [waiting] and twin.status is Status.FINISHED
+    sched.fail(running, "ended while running")
+    assert sched.running == [] and list(sched.waiting) == [waiting] and waiting.status is Status.WAITING

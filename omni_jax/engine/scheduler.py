@@ -52,9 +52,11 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class ARRequest(Generic[S]):
-    """Host-side state of one request inside one AR stage.
+    """Host-side state of one request inside one AR stage; compared by identity (a request is
+    itself, whatever its fields: the queues' membership tests and removals compare pointers,
+    not every field of every request queued before it).
 
     ``state``: the stage's own record of the request (e.g. its multimodal inputs and rotary
     positions), typed by the stage and opaque here; it reaches the stage's step inputs on each
@@ -274,9 +276,9 @@ class Scheduler:
         """End ``req``; its pages go back to the allocator, or, while a row of it that samples
         is still in flight, when that row's results are read (:meth:`update`): the row still
         writes to them, and its logits may prove them non-finite."""
-        if req in self.running:
+        if req.status is Status.RUNNING:
             self._leave(req)
-        if req in self.waiting:
+        elif req.status is Status.WAITING:
             self.waiting.remove(req)
         if not req.pending:
             self.allocator.free(req.pages)
