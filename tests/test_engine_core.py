@@ -51,9 +51,11 @@ def test_abort_frees_the_requests_pages_at_once(pipe) -> None:
     doomed, other = pipe.intake.admit([prompt(40, 1), prompt(17, 2)], greedy(30), ["doomed", "other"])
     core.add(doomed, stream=True)
     core.add(other, stream=True)
-    streamed = []
+    streamed, streamed_by = [], []
     for _ in range(4):
-        streamed += [t for u in core.step() if u.request_id == "doomed" for t in u.token_ids_delta]
+        updates = core.step()
+        streamed_by += updates
+        streamed += [t for u in updates if u.request_id == "doomed" for t in u.token_ids_delta]
     (request,) = [r for r in scheduler.running if r.request_id == "doomed"]
     held, free = len(request.pages), scheduler.allocator.num_free
     assert request.pending == 1  # its fourth token's step is in flight, still writing its pages
@@ -68,7 +70,39 @@ def test_abort_frees_the_requests_pages_at_once(pipe) -> None:
         rest += core.step()
     assert {u.request_id for u in rest} == {"other"}
     assert rest[-1].token_ids == pipe.run(prompt(17, 2), greedy(30), progress=False)[0].token_ids
+    # The step the abort read held the other's row too: its token is streamed with the next step's.
+    others = [t for u in streamed_by if u.request_id == "other" for t in u.token_ids_delta]
+    assert others + [t for u in rest for t in u.token_ids_delta] == rest[-1].token_ids
     assert scheduler.allocator.num_free == scheduler.allocator.num_pages
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_engine_step_reads_out_the_requests_it_ran_and_no_queued_one(pipe, monkeypatch, overlap) -> None:
+    """``AREngine.step``'s ``read`` is what a stage reports from: every request whose tokens grew
+    in the call, each once, oldest first, and none of those still queued (four run at once
+    here, ten wait their turn)."""
+    engine = pipe.stages[0].engine
+    monkeypatch.setattr(engine, "overlap", overlap)
+    scheduler = engine.scheduler
+    requests = [
+        engine.add_request(f"q{k}", prompt(5 + k, k)["prompt_token_ids"], greedy(3 + k % 4))
+        for k in range(14)
+    ]
+    queued_calls = 0
+    while engine.has_work():
+        before = {id(r): len(r.output_ids) for r in requests}
+        waiting = {id(r) for r in scheduler.waiting}
+        stepped = engine.step()
+        read = {id(r) for r in stepped.read}
+        assert {id(r) for r in requests if len(r.output_ids) > before[id(r)]} <= read
+        assert {id(r) for r in stepped.finished} <= read
+        arrivals = [r.arrival for r in stepped.read]
+        assert arrivals == sorted(set(arrivals))  # each once, oldest first
+        queued = waiting & {id(r) for r in scheduler.waiting}  # waiting before the call and after
+        assert not queued & read
+        queued_calls += bool(queued)
+    assert queued_calls > 3  # calls with requests queued throughout did happen
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 3 + k % 4 for k, r in enumerate(requests))
 
 
 def test_ids_in_use_are_refused(pipe) -> None:

@@ -63,6 +63,7 @@ class AREngine(Generic[S]):
         self.overlap = overlap
         self._in_flight: _InFlight[S] | None = None
         self._read: list[ARRequest[S]] = []  # finished in a step an abort read, for the next step()
+        self._touched: dict[int, ARRequest[S]] = {}  # with a row in a step read since step() returned
 
     def add_request(
         self,
@@ -122,9 +123,10 @@ class AREngine(Generic[S]):
             self._read.remove(r)
         return bool(ended)
 
-    def step(self) -> list[ARRequest[S]]:
+    def step(self) -> EngineStep[S]:
         """Schedule and dispatch one step, then read the step dispatched before it (or this one,
-        when steps do not overlap); return the requests that finished in the step read."""
+        when steps do not overlap); return the requests that finished in the step read, and
+        every request with a row in it (or in one an abort read since the last call)."""
         done, self._read = self._read, []
         if self._in_flight is not None and self.scheduler.may_preempt():
             done += self._resolve(self._in_flight)
@@ -150,7 +152,9 @@ class AREngine(Generic[S]):
         if self._in_flight is not None and not self.overlap:
             done += self._resolve(self._in_flight)
             self._in_flight = None
-        return done
+        read = sorted(self._touched.values(), key=lambda r: r.arrival)
+        self._touched = {}
+        return EngineStep(done, read)
 
     def _sources(self, step: list[tuple[ARRequest[S], StepRow[S]]]) -> list[int]:
         """For each row of ``step`` with a pending token, its request's row in the step in flight
@@ -164,9 +168,22 @@ class AREngine(Generic[S]):
         """Read a dispatched step's results and apply them; the requests it finished."""
         with scope(f"{self.name}/update"):
             update = self.scheduler.update(flight.step, self.runner.fetch(flight.dispatched))
+        for req, _ in flight.step:
+            self._touched[id(req)] = req
         if update.scrub:  # a failed request's pages may hold NaN: zero them before reuse
             self.runner.scrub(update.scrub)
         return update.finished
+
+
+@dataclasses.dataclass
+class EngineStep(Generic[S]):
+    """What one :meth:`AREngine.step` read: the requests that ``finished``, and every request
+    with a row in the steps it read (``read``, each once, oldest first), the only ones whose
+    tokens or captured states can have grown. A stage reports those and need not look at the
+    requests still waiting, however many are queued."""
+
+    finished: list[ARRequest[S]]
+    read: list[ARRequest[S]]
 
 
 @dataclasses.dataclass

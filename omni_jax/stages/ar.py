@@ -351,11 +351,16 @@ class ARStage(Generic[S]):
 
     def step(self) -> StageStep:
         """One engine step: the tokens each request sampled in it, and the requests it finished."""
-        finished = self.engine.step()
+        stepped = self.engine.step()
+        finished = stepped.finished
         new_tokens, new_rows = {}, {}
         ended = {req.request_id for req in finished}
-        for request_id, submitted in self._submitted.items():
-            drawn = submitted.request.output_ids
+        for req in stepped.read:  # the requests a step read: only theirs can have grown
+            request_id = req.request_id
+            submitted = self._submitted.get(request_id)
+            if submitted is None or submitted.request is not req:  # aborted since
+                continue
+            drawn = req.output_ids
             if len(drawn) > submitted.reported:
                 new_tokens[request_id] = self._outputs(submitted.request, submitted.reported)
                 submitted.reported = len(drawn)
