@@ -93,3 +93,21 @@ def test_pack_lays_out_every_token_row(qwen2_dir) -> None:
     np.testing.assert_array_equal(id_rows, [r.id_row for r in rows] + [0] * (s - len(rows)))
     empty = runner._pack([], n, p)
     assert (empty[3].slots == cache.dropped_slot).all() and (empty[3].query == 0).all()
+
+
+def test_a_text_models_steps_make_no_row_a_token(qwen2_dir, monkeypatch) -> None:
+    """Step inputs that read nothing of the flat one-token rows (``TokenInputs``, a text model's)
+    get them unmade: a prompt step of a text model builds no ``StepRow`` a token, which was
+    most of its host work."""
+    made: list[StepRow] = []
+    one_token_rows = StepRow.one_token_rows
+
+    def counted(row: StepRow) -> list[StepRow]:
+        made.append(row)
+        return one_token_rows(row)
+
+    monkeypatch.setattr(StepRow, "one_token_rows", counted)
+    pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=8, max_model_len=256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    (out,) = pipe.run([{"prompt_token_ids": list(range(3, 60))}], greedy, progress=False)
+    assert len(out.token_ids) == 3 and made == []

@@ -10,7 +10,7 @@ each row, typed by the stage and opaque to the engine.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import jax
@@ -142,8 +142,9 @@ class StepInputs(Protocol[S_contra]):
     for every step (also for warm-up, with no rows); its shapes must come from a few buckets,
     and a step whose rows need nothing must get the same shapes every time, so decode never
     recompiles. The runner's steps are flat: ``rows`` are one-token rows
-    (:meth:`StepRow.one_token_rows`, a prompt chunk's in order), ``batch`` the step's token
-    rows and ``tokens`` 1.
+    (:meth:`StepRow.one_token_rows`, a prompt chunk's in order), made as they are iterated
+    (step inputs that read none, :class:`TokenInputs`, cost nothing per prompt token), ``batch``
+    the step's token rows and ``tokens`` 1.
 
     ``draw_hook``: device work on each step's drawn tokens (:class:`DrawHook`), ``None`` for
     a model that draws its tokens and nothing more.
@@ -163,7 +164,7 @@ class StepInputs(Protocol[S_contra]):
 
     def prepare(self, rows: Sequence[StepRow[S_contra]]) -> dict[int, str]: ...
 
-    def pack(self, rows: Sequence[StepRow[S_contra]], batch: int, tokens: int) -> Any: ...
+    def pack(self, rows: Iterable[StepRow[S_contra]], batch: int, tokens: int) -> Any: ...
 
 
 class DrawHook(Protocol[S_contra]):
@@ -240,5 +241,5 @@ class TokenInputs:
     def prepare(self, rows: Sequence[StepRow[Any]]) -> dict[int, str]:
         return {}
 
-    def pack(self, rows: Sequence[StepRow[Any]], batch: int, tokens: int) -> None:
+    def pack(self, rows: Iterable[StepRow[Any]], batch: int, tokens: int) -> None:
         return None

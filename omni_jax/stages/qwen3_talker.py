@@ -36,7 +36,7 @@ cannot build its prompt then).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +149,7 @@ class TalkerStepInputs(TalkerPositions):
         self.pad_row = np.zeros((self.thinker_width,), dtype)
         self.draw_hook = FrameHook(spec, dtype)
 
-    def pack(self, rows: Sequence[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
+    def pack(self, rows: Iterable[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
         sums = np.zeros((batch, tokens, self.width), self.dtype)
         add_codec = np.zeros((batch, tokens), bool)
         thinker = np.zeros((batch, tokens, self.thinker_width), self.dtype)

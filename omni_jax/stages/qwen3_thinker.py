@@ -25,7 +25,7 @@ culprit ends), every encoder call has a size from :class:`EncoderBuckets`, compi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +74,7 @@ class Qwen3ThinkerStepInputs(ThinkerStepInputs):
         """One vision encoder call of Qwen3-Omni's layout (no windows, learned position taps)."""
         return prepare_vision_batch(patches, grids, self.spec.vision, tokens=tokens)
 
-    def pack(self, rows: Sequence[StepRow[ThinkerRequest]], batch: int, tokens: int) -> ThinkerMerge:
+    def pack(self, rows: Iterable[StepRow[ThinkerRequest]], batch: int, tokens: int) -> ThinkerMerge:
         """Qwen2.5-Omni's pack, its rows split into the merged rows and ``[L, N, D]`` DeepStack
         features."""
         merge = super().pack(rows, batch, tokens)

@@ -26,7 +26,7 @@ reply stream to start from in that case).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -100,7 +100,7 @@ class TalkerStepInputs(TalkerPositions):
         self.width = width
         self.dtype = dtype
 
-    def pack(self, rows: Sequence[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
+    def pack(self, rows: Iterable[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
         table = np.zeros((batch, tokens, self.width), self.dtype)
         add_codec = np.zeros((batch, tokens), bool)
         for i, row in enumerate(rows):

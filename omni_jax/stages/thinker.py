@@ -36,7 +36,7 @@ so no request mix compiles an encoder after it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -440,7 +440,7 @@ class ThinkerStepInputs:
         )
         return len(self._audio) + len(self._vision)
 
-    def pack(self, rows: Sequence[StepRow[ThinkerRequest]], batch: int, tokens: int) -> PromptMerge:
+    def pack(self, rows: Iterable[StepRow[ThinkerRequest]], batch: int, tokens: int) -> PromptMerge:
         """The rows this step's prompt chunks need, grouped by step row then kind, in
         ``batch * tokens`` rows, one a step token (a step never merges more), so that the merge
         has no shape of its own beyond the step's. Reads the rows :meth:`prepare` encoded;
