@@ -462,7 +462,7 @@ class ARRunner:
             total = int(ends[-1])
             row_of = np.repeat(np.arange(k), lengths)
             idx = np.arange(total) - (ends - lengths)[row_of] + starts[row_of]  # each token's index
-            used = -(-(starts + lengths) // page_size)  # each row's pages: pages_needed of its end
+            used = pages_needed(starts + lengths, page_size)  # each row's pages, from its end
             held = np.fromiter(
                 itertools.chain.from_iterable(r.pages[:u] for r, u in zip(rows, used.tolist(), strict=True)),
                 np.int32,

@@ -15,16 +15,19 @@ so the allocator's errors are scheduler bugs, raised as ``RuntimeError`` and nev
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from omni_jax.engine.buckets import ceil_div
 
+IntOrArray = TypeVar("IntOrArray", int, np.ndarray)
 
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    """Pages that hold ``num_tokens`` tokens."""
+
+def pages_needed(num_tokens: IntOrArray, page_size: int) -> IntOrArray:
+    """Pages that hold ``num_tokens`` tokens (an int, or an array of counts: each one's)."""
     return ceil_div(num_tokens, page_size)
 
 

@@ -428,7 +428,7 @@ class Scheduler:
         :data:`PENDING_TOKEN`, which the runner replaces on the device."""
         start, end = req.num_computed, req.num_computed + chunk
         known = req.num_known
-        sample = end == known + req.pending  # its last token, pending ones included
+        sample = end == req.num_tokens
         drawn = len(req.output_ids) + req.pending
         suppress: Sequence[int] = ()
         if sample and (req.suppress_ids or drawn < req.params.min_tokens):
