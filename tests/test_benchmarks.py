@@ -792,6 +792,34 @@ def test_host_step_times_each_phase(tmp_path: Path) -> None:
         assert set(phases) == set(host_step.PHASES) and all(0 < t < 1 for t in phases.values())
 
 
+def test_host_prefill_times_each_stages_prompt_step(tmp_path: Path) -> None:
+    """The host layout of a prompt step of each omni stage: each talker's step holds both
+    prompts whole, the thinker's more than an image's placeholders (the frontend's expanded ids,
+    not the tokenizer's one placeholder an image), timed."""
+    from benchmarks import host_prefill
+
+    out = tmp_path / "prefill.json"
+    argv = [
+        "--requests",
+        "2",
+        "--prompt",
+        "40",
+        "--repeats",
+        "2",
+        "--cache-dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
+    assert host_prefill.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert set(result["s"]) == {"thinker", "talker", "qwen3_talker"}
+    assert result["s"]["talker"]["tokens"] == result["s"]["qwen3_talker"]["tokens"] == 64
+    image = (host_prefill.IMAGE_SIDE // 28) ** 2  # 14-pixel patches merged 2 x 2
+    assert result["s"]["thinker"]["tokens"] > image
+    assert all(0 < r["s"] < 1 for r in result["s"].values())
+
+
 def test_text_prompts_turn_the_encoders_off(omni_dir: Path, tmp_path: Path) -> None:
     """The stream suites' prompts are text: they build the pipeline with every kind of media
     capped at 0 (no encoder compiled at warm-up), beside code2wav's sizes from their stage YAML;

@@ -320,13 +320,35 @@ def test_pack_reads_rows_and_prepare_drops_them_past_the_prompt(warm) -> None:
     prompt = row(0, n)
     assert step_inputs.prepare([prompt]) == {} and state.rows is not None
     rows = state.rows
-    merge = step_inputs.pack(prompt.one_token_rows(), n, 1)
+    merge = step_inputs.pack([prompt], n)
     assert state.rows is rows
     assert int(np.asarray(merge.limit).sum()) == n
     image_rows = rows[step_inputs.token_ids[1]]
     assert len(image_rows) > 0
     np.testing.assert_array_equal(np.asarray(merge.rows)[: len(image_rows)], image_rows)
+    assert_merges_each_placeholder(step_inputs, state, merge, n)
+    ids = np.asarray(state.inputs.input_ids)
+    cut = int(np.flatnonzero(ids == step_inputs.token_ids[1])[len(image_rows) // 2])  # mid-image
+    split = step_inputs.pack([row(0, cut), row(cut, n), row(n, n + 1)], n + 3)
+    np.testing.assert_array_equal(np.asarray(split.limit), [1] * n + [0] * 3)
+    assert_merges_each_placeholder(step_inputs, state, split, n)
     assert step_inputs.prepare([row(n, n + 1)]) == {} and state.rows is None
+
+
+def assert_merges_each_placeholder(step_inputs: Any, state: ThinkerRequest, merge: Any, n: int) -> None:
+    """Token row ``p`` holding prompt token ``p`` (a flat step of the prompt's chunks in order):
+    each placeholder's row of ``merge`` (its kind's ``first_row``, as the model gathers it) is
+    its encoder row, the ``before``-th of its kind in the prompt."""
+    ids = state.inputs.input_ids
+    merged, first = np.asarray(merge.rows), np.asarray(merge.first_row)
+    found = 0
+    for p in range(n):
+        for k, token in enumerate(step_inputs.token_ids):
+            if ids[p] == token:
+                want = state.rows[token][state.before[token][p]]
+                np.testing.assert_array_equal(merged[first[k, p], : want.shape[-1]], want)
+                found += 1
+    assert found == sum(len(r) for r in state.rows.values())
 
 
 def limited_yaml(tmp_path: Path, limits: dict[str, int]) -> Path:

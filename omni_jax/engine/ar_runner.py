@@ -480,7 +480,7 @@ class ARRunner:
             qlen[:total] = 1
             last[: len(rows)] = ends - 1
             id_rows[: len(rows)] = [r.id_row for r in rows]
-        extra = self.step_inputs.pack((t for r in rows for t in r.one_token_rows()), n, 1)
+        extra = self.step_inputs.pack(rows, n)
         return tokens, source, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, id_rows, extra
 
     def _sampling(self, rows: Sequence[StepRow], s: int) -> tuple[SamplingTensors, np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ each row, typed by the stage and opaque to the engine.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import jax
@@ -59,32 +59,6 @@ class StepRow(Generic[S]):
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
-
-    def one_token_rows(self) -> list[StepRow[S]]:
-        """The row as rows of one token each, in order (a flat step's layout); only the last
-        samples."""
-        m = len(self.token_ids)
-        if m == 1:
-            return [self]
-        return [
-            StepRow(  # built directly: dataclasses.replace costs several times more, per prompt token
-                token_ids=self.token_ids[j : j + 1],
-                positions=self.positions[..., j : j + 1],
-                pages=self.pages,
-                start=self.start + j,
-                sample=self.sample and j == m - 1,
-                params=self.params,
-                seed=self.seed,
-                draw_index=self.draw_index,
-                id_row=self.id_row,
-                prompt_len=self.prompt_len,
-                suppress=self.suppress,
-                capture_hidden=self.capture_hidden,
-                state=self.state,
-                pending_token=self.pending_token and j == m - 1,
-            )
-            for j in range(m)
-        ]
 
 
 @dataclasses.dataclass
@@ -137,14 +111,13 @@ class StepInputs(Protocol[S_contra]):
     ``finish_reason="error"`` and leaves out of the step. It is the one call that may change
     the stage's request records (``state``); it changes nothing the engine owns.
 
-    ``pack`` turns a step of ``batch`` rows of ``tokens`` tokens into the pytree passed as
-    ``extra`` to ``model.embed(tokens, extra)``. It reads its rows and changes nothing. It runs
-    for every step (also for warm-up, with no rows); its shapes must come from a few buckets,
-    and a step whose rows need nothing must get the same shapes every time, so decode never
-    recompiles. The runner's steps are flat: ``rows`` are one-token rows
-    (:meth:`StepRow.one_token_rows`, a prompt chunk's in order), made as they are iterated
-    (step inputs that read none, :class:`TokenInputs`, cost nothing per prompt token), ``batch``
-    the step's token rows and ``tokens`` 1.
+    ``pack`` turns a flat step of ``tokens`` token rows into the pytree passed as ``extra`` to
+    ``model.embed(tokens [N, 1], extra)``: ``rows``' tokens lie one a token row, in order (row
+    ``i``'s from the sum of the rows' lengths before it), then padding. It reads its rows and
+    changes nothing. It runs for every step (also for warm-up, with no rows); its shapes must
+    come from a few buckets, and a step whose rows need nothing must get the same shapes every
+    time, so decode never recompiles. It takes the scheduler's rows as they are, a prompt
+    chunk one row, so its host work may go a row at a time (a slice per row, not per token).
 
     ``draw_hook``: device work on each step's drawn tokens (:class:`DrawHook`), ``None`` for
     a model that draws its tokens and nothing more.
@@ -164,7 +137,7 @@ class StepInputs(Protocol[S_contra]):
 
     def prepare(self, rows: Sequence[StepRow[S_contra]]) -> dict[int, str]: ...
 
-    def pack(self, rows: Iterable[StepRow[S_contra]], batch: int, tokens: int) -> Any: ...
+    def pack(self, rows: Sequence[StepRow[S_contra]], tokens: int) -> Any: ...
 
 
 class DrawHook(Protocol[S_contra]):
@@ -241,5 +214,5 @@ class TokenInputs:
     def prepare(self, rows: Sequence[StepRow[Any]]) -> dict[int, str]:
         return {}
 
-    def pack(self, rows: Iterable[StepRow[Any]], batch: int, tokens: int) -> None:
+    def pack(self, rows: Sequence[StepRow[Any]], tokens: int) -> None:
         return None

@@ -36,7 +36,7 @@ cannot build its prompt then).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,25 +149,33 @@ class TalkerStepInputs(TalkerPositions):
         self.pad_row = np.zeros((self.thinker_width,), dtype)
         self.draw_hook = FrameHook(spec, dtype)
 
-    def pack(self, rows: Iterable[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
-        sums = np.zeros((batch, tokens, self.width), self.dtype)
-        add_codec = np.zeros((batch, tokens), bool)
-        thinker = np.zeros((batch, tokens, self.thinker_width), self.dtype)
-        project = np.full((batch, tokens), PROJECT_NONE, np.int32)
-        for i, row in enumerate(rows):
+    def pack(self, rows: Sequence[StepRow[TalkerRequest]], tokens: int) -> TalkerEmbeds:
+        """Each token row's thinker row and projection, and its codec input: a prompt token's
+        from the request's prompt tables; a reply token's, its frame's codebook-embedding sum
+        (once the host has it; before, :class:`FrameHook` feeds it on the device) and the text
+        row it reads (past the reply's text: the pad). The prompt's a slice per step row (a
+        prompt chunk is most of a prompt step's tokens), the reply's a token at a time (one a
+        decode row)."""
+        sums = np.zeros((tokens, 1, self.width), self.dtype)
+        add_codec = np.zeros((tokens, 1), bool)
+        thinker = np.zeros((tokens, 1, self.thinker_width), self.dtype)
+        project = np.full((tokens, 1), PROJECT_NONE, np.int32)
+        at = 0
+        for row in rows:
             req = require_state(row.state, "talker")
-            for t, p in enumerate(range(row.start, row.end)):
-                prompt = len(req.project)
-                if p < prompt:
-                    thinker[i, t] = req.thinker[p]
-                    project[i, t] = req.project[p]
-                    add_codec[i, t] = req.add_codec[p]
-                    continue
-                j = p - prompt
+            start, end, prompt = row.start, row.end, len(req.project)
+            here, at = at - start, at + end - start  # token p lies in token row here + p
+            if start < prompt:
+                b = min(end, prompt)
+                thinker[here + start : here + b, 0] = req.thinker[start:b]
+                project[here + start : here + b, 0] = req.project[start:b]
+                add_codec[here + start : here + b, 0] = req.add_codec[start:b]
+            for j in range(max(start, prompt) - prompt, end - prompt):  # reply token j = p - prompt
+                t = here + prompt + j
                 if j < len(req.sums):  # else its frame is still on the device (FrameHook.feed)
-                    sums[i, t] = req.sums[j]
-                thinker[i, t] = req.trailing[j] if j < len(req.trailing) else self.pad_row
-                project[i, t] = PROJECT_TEXT
+                    sums[t, 0] = req.sums[j]
+                thinker[t, 0] = req.trailing[j] if j < len(req.trailing) else self.pad_row
+                project[t, 0] = PROJECT_TEXT
         return TalkerEmbeds(sums, add_codec, ThinkerRows(thinker, project))
 
 

@@ -25,7 +25,7 @@ culprit ends), every encoder call has a size from :class:`EncoderBuckets`, compi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +74,10 @@ class Qwen3ThinkerStepInputs(ThinkerStepInputs):
         """One vision encoder call of Qwen3-Omni's layout (no windows, learned position taps)."""
         return prepare_vision_batch(patches, grids, self.spec.vision, tokens=tokens)
 
-    def pack(self, rows: Iterable[StepRow[ThinkerRequest]], batch: int, tokens: int) -> ThinkerMerge:
+    def pack(self, rows: Sequence[StepRow[ThinkerRequest]], tokens: int) -> ThinkerMerge:
         """Qwen2.5-Omni's pack, its rows split into the merged rows and ``[L, N, D]`` DeepStack
         features."""
-        merge = super().pack(rows, batch, tokens)
+        merge = super().pack(rows, tokens)
         n, d = merge.rows.shape[0], self.width
         deepstack = np.ascontiguousarray(merge.rows[:, d:].reshape(n, self.layers, d).transpose(1, 0, 2))
         return ThinkerMerge(dataclasses.replace(merge, rows=merge.rows[:, :d]), deepstack)

@@ -26,7 +26,7 @@ reply stream to start from in that case).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -100,14 +100,22 @@ class TalkerStepInputs(TalkerPositions):
         self.width = width
         self.dtype = dtype
 
-    def pack(self, rows: Iterable[StepRow[TalkerRequest]], batch: int, tokens: int) -> TalkerEmbeds:
-        table = np.zeros((batch, tokens, self.width), self.dtype)
-        add_codec = np.zeros((batch, tokens), bool)
-        for i, row in enumerate(rows):
+    def pack(self, rows: Sequence[StepRow[TalkerRequest]], tokens: int) -> TalkerEmbeds:
+        """Each token row's input row (past the table's end: its last row, the text pad) and
+        whether it adds its codec id's embedding; slices per step row, no call a token."""
+        table = np.zeros((tokens, 1, self.width), self.dtype)
+        add_codec = np.zeros((tokens, 1), bool)
+        at = 0
+        for row in rows:
             req = require_state(row.state, "talker")
-            p = np.arange(row.start, row.end)
-            table[i, : len(p)] = req.table[np.minimum(p, len(req.table) - 1)]
-            add_codec[i, : len(p)] = p >= req.codec_from
+            start, end, rows_held = row.start, row.end, len(req.table)
+            here, at = at - start, at + end - start  # token p lies in token row here + p
+            own = min(end, rows_held)  # tokens before it read their own row
+            if start < own:
+                table[here + start : here + own, 0] = req.table[start:own]
+            if own < end:
+                table[here + max(start, own) : here + end, 0] = req.table[rows_held - 1]
+            add_codec[here + max(start, req.codec_from) : here + end, 0] = True
         return TalkerEmbeds(table, add_codec)
 
 

@@ -36,7 +36,7 @@ so no request mix compiles an encoder after it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -440,26 +440,30 @@ class ThinkerStepInputs:
         )
         return len(self._audio) + len(self._vision)
 
-    def pack(self, rows: Iterable[StepRow[ThinkerRequest]], batch: int, tokens: int) -> PromptMerge:
-        """The rows this step's prompt chunks need, grouped by step row then kind, in
-        ``batch * tokens`` rows, one a step token (a step never merges more), so that the merge
-        has no shape of its own beyond the step's. Reads the rows :meth:`prepare` encoded;
-        changes nothing."""
-        first = np.zeros((len(self.token_ids), batch), np.int32)
-        limit = np.zeros((batch,), np.int32)
-        merged = np.zeros((batch * tokens, self.row_width), self.dtype)
-        offset = 0
-        for i, row in enumerate(rows):
+    def pack(self, rows: Sequence[StepRow[ThinkerRequest]], tokens: int) -> PromptMerge:
+        """The encoder rows this step's prompt chunks need, grouped by step row then kind, in
+        ``tokens`` rows (a step never merges more than it has tokens), so that the merge has no
+        shape of its own beyond the step's. A token row's ``first_row`` of a kind is where its
+        placeholder's encoder row lies, should it be one (a flat step's token row holds one
+        token). Reads the rows :meth:`prepare` encoded; changes nothing; a slice per step row
+        and kind, not a call per token."""
+        first = np.zeros((len(self.token_ids), tokens), np.int32)
+        limit = np.zeros((tokens,), np.int32)
+        merged = np.zeros((tokens, self.row_width), self.dtype)
+        offset, at = 0, 0
+        for row in rows:
+            at, here = at + len(row.token_ids), at
             req = row.state
             if req is None or not req.has_media or row.start >= row.prompt_len:
                 continue
             if req.rows is None:
                 raise RuntimeError("a prompt chunk with media has no encoder rows: prepare runs before pack")
             end = min(row.end, row.prompt_len)
-            limit[i] = max(end - row.start, 0)
+            limit[here : here + end - row.start] = 1
             for k, token in enumerate(self.token_ids):
-                a, b = int(req.before[token][min(row.start, end)]), int(req.before[token][end])
-                first[k, i] = offset
+                before = req.before[token]
+                a, b = int(before[row.start]), int(before[end])
+                first[k, here : here + end - row.start] = before[row.start : end] + (offset - a)
                 kind_rows = req.rows[token][a:b]  # narrower than row_width: the first columns
                 merged[offset : offset + b - a, : kind_rows.shape[1]] = kind_rows
                 offset += b - a
