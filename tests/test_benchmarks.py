@@ -792,32 +792,24 @@ def test_host_step_times_each_phase(tmp_path: Path) -> None:
         assert set(phases) == set(host_step.PHASES) and all(0 < t < 1 for t in phases.values())
 
 
-def test_host_prefill_times_each_stages_prompt_step(tmp_path: Path) -> None:
-    """The host layout of a prompt step of each omni stage: each talker's step holds both
-    prompts whole, the thinker's more than an image's placeholders (the frontend's expanded ids,
-    not the tokenizer's one placeholder an image), timed."""
-    from benchmarks import host_prefill
+def test_host_pack_times_each_stages_steps(tmp_path: Path) -> None:
+    """The host layout of each omni stage's prompt step and the talkers' decode steps: each
+    talker's prompt step holds both prompts whole, the thinker's more than an image's
+    placeholders (the frontend's expanded ids, not the tokenizer's one placeholder an image), a
+    decode step a row a request; every step timed."""
+    from benchmarks import host_pack
 
-    out = tmp_path / "prefill.json"
-    argv = [
-        "--requests",
-        "2",
-        "--prompt",
-        "40",
-        "--repeats",
-        "2",
-        "--cache-dir",
-        str(tmp_path),
-        "--json",
-        str(out),
-    ]
-    assert host_prefill.main(argv) == 0
-    result = json.loads(out.read_text())
-    assert set(result["s"]) == {"thinker", "talker", "qwen3_talker"}
-    assert result["s"]["talker"]["tokens"] == result["s"]["qwen3_talker"]["tokens"] == 64
-    image = (host_prefill.IMAGE_SIDE // 28) ** 2  # 14-pixel patches merged 2 x 2
-    assert result["s"]["thinker"]["tokens"] > image
-    assert all(0 < r["s"] < 1 for r in result["s"].values())
+    out = tmp_path / "pack.json"
+    argv = ["--requests", "2", "--prompt", "32", "--decode-rows", "8", "--repeats", "2"]
+    assert host_pack.main([*argv, "--cache-dir", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["s"]
+    assert set(result) == {"thinker", "talker", "qwen3_talker"} and set(result["thinker"]) == {"prompt"}
+    for talker in ("talker", "qwen3_talker"):
+        assert result[talker]["prompt"]["tokens"] == 64
+        assert result[talker]["decode"]["rows"] == result[talker]["decode"]["tokens"] == 8
+    image = (host_pack.IMAGE_SIDE // 28) ** 2  # 14-pixel patches merged 2 x 2
+    assert result["thinker"]["prompt"]["tokens"] > image
+    assert all(0 < step["s"] < 1 for steps in result.values() for step in steps.values())
 
 
 def test_text_prompts_turn_the_encoders_off(omni_dir: Path, tmp_path: Path) -> None:
