@@ -164,14 +164,14 @@ class TalkerStepInputs(TalkerPositions):
         for row in rows:
             req = require_state(row.state, "talker")
             start, end, prompt = row.start, row.end, len(req.project)
-            here, at = at - start, at + end - start  # token p lies in token row here + p
+            base, at = at - start, at + end - start  # token p lies in token row base + p
             if start < prompt:
                 b = min(end, prompt)
-                thinker[here + start : here + b, 0] = req.thinker[start:b]
-                project[here + start : here + b, 0] = req.project[start:b]
-                add_codec[here + start : here + b, 0] = req.add_codec[start:b]
+                thinker[base + start : base + b, 0] = req.thinker[start:b]
+                project[base + start : base + b, 0] = req.project[start:b]
+                add_codec[base + start : base + b, 0] = req.add_codec[start:b]
             for j in range(max(start, prompt) - prompt, end - prompt):  # reply token j = p - prompt
-                t = here + prompt + j
+                t = base + prompt + j
                 if j < len(req.sums):  # else its frame is still on the device (FrameHook.feed)
                     sums[t, 0] = req.sums[j]
                 thinker[t, 0] = req.trailing[j] if j < len(req.trailing) else self.pad_row

@@ -109,13 +109,13 @@ class TalkerStepInputs(TalkerPositions):
         for row in rows:
             req = require_state(row.state, "talker")
             start, end, rows_held = row.start, row.end, len(req.table)
-            here, at = at - start, at + end - start  # token p lies in token row here + p
+            base, at = at - start, at + end - start  # token p lies in token row base + p
             own = min(end, rows_held)  # tokens before it read their own row
             if start < own:
-                table[here + start : here + own, 0] = req.table[start:own]
+                table[base + start : base + own, 0] = req.table[start:own]
             if own < end:
-                table[here + max(start, own) : here + end, 0] = req.table[rows_held - 1]
-            add_codec[here + max(start, req.codec_from) : here + end, 0] = True
+                table[base + max(start, own) : base + end, 0] = req.table[rows_held - 1]
+            add_codec[base + max(start, req.codec_from) : base + end, 0] = True
         return TalkerEmbeds(table, add_codec)
 
 
