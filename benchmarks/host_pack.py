@@ -10,7 +10,8 @@ scheduler gives for ``--requests`` queued requests: Qwen2.5-Omni's thinker on ch
 an image each (their encoder rows encoded once, before the timing, as ``prepare`` does), the
 talkers on prompts of ``--prompt`` tokens (their stage records built directly: ``pack`` reads
 only them); ``decode``, ``--decode-rows`` rows of the talkers' first reply token, one a request.
-Medians over ``--repeats`` packs of the same step.
+Beside it, the rows' rotary positions as the scheduler reads them (``StepInputs.positions`` a
+row; a decode row's every step). Medians over ``--repeats`` of the same step.
 Usage: ``python -m benchmarks.host_pack [--requests 4] [--prompt 448] [--decode-rows 256] [--json FILE]``.
 """
 
@@ -57,6 +58,19 @@ def timed_pack(runner: ARRunner, rows: Sequence[StepRow], repeats: int) -> float
     for _ in range(repeats):
         t0 = time.perf_counter()
         runner._pack(rows, n, p, sources)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def timed_positions(engine: AREngine, rows: Sequence[StepRow], repeats: int) -> float:
+    """Median seconds of the rows' rotary positions as the scheduler reads them for a step, a
+    :meth:`StepInputs.positions` call a row (its decode rows' every step)."""
+    positions = engine.inputs.positions
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for r in rows:
+            positions(r.state, r.start, r.end)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
@@ -193,21 +207,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         "talker": omni.stages[1].engine,
         "qwen3_talker": qwen3.stages[1].engine,
     }
-    print(f"host layout of one step (ARRunner._pack), median of {args.repeats}")
-    print(f"{'stage':>13} {'step':>7} {'rows':>5} {'tokens':>7} {'ms':>9} {'us/token':>9}")
+    print(f"host layout of one step (ARRunner._pack; the rows' positions apart), median of {args.repeats}")
+    print(
+        f"{'stage':>13} {'step':>7} {'rows':>5} {'tokens':>7} {'ms':>9} {'us/token':>9} {'positions ms':>12}"
+    )
     result: dict[str, dict[str, dict[str, float]]] = {}
     for name, engine in engines.items():
         steps = {"prompt": prompt_step(engine, records[name](args.requests, args.prompt))}
         if name != "thinker":  # a thinker's decode rows read no step inputs
             steps["decode"] = decode_step(engine, records[name](args.decode_rows, DECODE_PROMPT))
         for kind, rows in steps.items():
-            seconds, tokens = (
-                timed_pack(engine.runner, rows, args.repeats),
-                sum(len(r.token_ids) for r in rows),
-            )
-            result.setdefault(name, {})[kind] = {"s": seconds, "rows": len(rows), "tokens": tokens}
+            tokens = sum(len(r.token_ids) for r in rows)
+            seconds = timed_pack(engine.runner, rows, args.repeats)
+            placed = timed_positions(engine, rows, args.repeats)
+            result.setdefault(name, {})[kind] = {
+                "s": seconds,
+                "positions_s": placed,
+                "rows": len(rows),
+                "tokens": tokens,
+            }
             ms, us = seconds * 1e3, seconds / tokens * 1e6
-            print(f"{name:>13} {kind:>7} {len(rows):>5} {tokens:>7} {ms:9.3f} {us:9.2f}")
+            print(f"{name:>13} {kind:>7} {len(rows):>5} {tokens:>7} {ms:9.3f} {us:9.2f} {placed * 1e3:12.3f}")
     if args.json:
         record = {
             "suite": "host_pack",

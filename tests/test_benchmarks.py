@@ -809,7 +809,9 @@ def test_host_pack_times_each_stages_steps(tmp_path: Path) -> None:
         assert result[talker]["decode"]["rows"] == result[talker]["decode"]["tokens"] == 8
     image = (host_pack.IMAGE_SIDE // 28) ** 2  # 14-pixel patches merged 2 x 2
     assert result["thinker"]["prompt"]["tokens"] > image
-    assert all(0 < step["s"] < 1 for steps in result.values() for step in steps.values())
+    assert all(
+        0 < step[t] < 1 for steps in result.values() for step in steps.values() for t in ("s", "positions_s")
+    )
 
 
 def test_text_prompts_turn_the_encoders_off(omni_dir: Path, tmp_path: Path) -> None:

@@ -57,8 +57,9 @@ class RopeIndexSpec:
 
 def run_positions(length: int, start: Any, dtype: type = np.int64) -> np.ndarray:
     """``[3, length]`` positions ``start, start + 1, ...`` on every axis (text, audio, bos/eos),
-    in ``dtype`` (Qwen3-Omni's are float32)."""
-    return np.broadcast_to(np.arange(length, dtype=dtype) + start, (3, length))
+    in ``dtype`` (Qwen3-Omni's are float32). A new array: a decode row's positions are made
+    every step, and repeating a row costs a fraction of broadcasting and copying it."""
+    return (np.arange(length, dtype=dtype) + start)[None].repeat(3, axis=0)
 
 
 def vision_positions(
@@ -147,7 +148,7 @@ def get_rope_index(
     """
     ids = [int(t) for t in input_ids]
     if not image_grid_thw and not video_grid_thw:
-        return run_positions(len(ids), 0).copy(), 0
+        return run_positions(len(ids), 0), 0
     images, videos, seconds, audios = media_lists(
         image_grid_thw, video_grid_thw, second_per_grid_ts, audio_seqlens
     )
@@ -236,7 +237,9 @@ def positions_for(prompt_positions: np.ndarray, rope_delta: int, start: int, end
     is recomputed) sit at ``index + rope_delta`` on every axis, as in the reference decode.
     """
     p = prompt_positions.shape[1]
-    generated = run_positions(max(end - max(start, p), 0), max(start, p) + rope_delta)
+    if start >= p:  # generated tokens alone (every decode row): nothing to join
+        return run_positions(end - start, start + rope_delta)
+    generated = run_positions(max(end - p, 0), p + rope_delta)
     return np.concatenate([prompt_positions[:, start : min(end, p)], generated], axis=1)
 
 

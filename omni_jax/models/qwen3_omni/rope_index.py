@@ -132,7 +132,7 @@ def get_rope_index(
     """
     ids = [int(t) for t in input_ids]
     if not image_grid_thw and not video_grid_thw:
-        return run_positions(len(ids), 0).copy(), 0
+        return run_positions(len(ids), 0), 0
     images, videos, seconds, audios = media_lists(
         image_grid_thw, video_grid_thw, second_per_grid_ts, audio_seqlens
     )
