@@ -2,9 +2,9 @@
 
 Why: a prompt step of a thinker or talker carries up to ``max_num_batched_tokens`` tokens, and
 the host lays out each one's model inputs (its stage's ``StepInputs.pack``: a thinker's encoder
-rows, a talker's thinker rows) besides the step's cache layout. On a GPU a 7B prompt step of a
-few thousand tokens takes tens of milliseconds, so host work that goes a Python call a token is
-of the same order; a talker's decode step, a few milliseconds on a GPU, has hundreds of rows.
+rows, a talker's thinker rows) besides the step's cache layout. A GPU runs a prompt step of a
+few thousand tokens quickly enough that host work of a Python call a token is of its order, and
+a talker's decode step has hundreds of rows.
 This times ``ARRunner._pack`` (both parts) on each stage's steps: ``prompt``, the step the
 scheduler gives for ``--requests`` queued requests: Qwen2.5-Omni's thinker on chat prompts with
 an image each (their encoder rows encoded once, before the timing, as ``prepare`` does), the
@@ -21,7 +21,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,31 +48,30 @@ DECODE_PROMPT = 16
 """Prompt tokens of the records of the decode steps' rows."""
 
 
+def median_seconds(work: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of ``work()`` over ``repeats`` calls."""
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        work()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
 def timed_pack(runner: ARRunner, rows: Sequence[StepRow], repeats: int) -> float:
     """Median seconds of ``ARRunner._pack`` on a step of ``rows``; a row with a pending token
     reads the draw of the row of its index in the step before (as overlapped decode steps do)."""
     sources = list(range(len(rows)))
     n = runner.rows_bucket(sum(len(r.token_ids) for r in rows))
     p = runner.pages_bucket(max(pages_needed(r.end, runner.geometry.page_size) for r in rows))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner._pack(rows, n, p, sources)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return median_seconds(lambda: runner._pack(rows, n, p, sources), repeats)
 
 
 def timed_positions(engine: AREngine, rows: Sequence[StepRow], repeats: int) -> float:
     """Median seconds of the rows' rotary positions as the scheduler reads them for a step, a
     :meth:`StepInputs.positions` call a row (its decode rows' every step)."""
     positions = engine.inputs.positions
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for r in rows:
-            positions(r.state, r.start, r.end)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return median_seconds(lambda: [positions(r.state, r.start, r.end) for r in rows], repeats)
 
 
 def prompt_step(engine: AREngine, requests: Sequence[tuple[list[int], Any]]) -> list[StepRow]:
