@@ -184,6 +184,30 @@ def test_processor_matches_reference_part_by_part(pipe, omni_dir) -> None:
     assert all(call["size"] == size for call in reference.video_processor.calls)
 
 
+def test_audio_features_equal_the_30_second_paddings(omni_dir) -> None:
+    """Our audio features pad a call only one FFT window past its longest clip, yet equal bit
+    for bit the extractor's frames as the composite calls it (every clip padded to 30 s): clips
+    short and long in one call, one of whole hops (padded to its own length alone, its last
+    frame would read its samples reflected), one of silence (its floor is the maximum), one of
+    exactly 30 s."""
+    ours = OmniProcessor.from_pretrained(omni_dir, pixels="pil")
+    extractor = ours.feature_extractor
+    rng = np.random.default_rng(3)
+    calls = [
+        [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (160, 36_817, 4_000)],
+        [rng.standard_normal(32_000).astype(np.float32) * 0.1],  # whole hops: its last window ends past it
+        [np.zeros(8_000, np.float32)],
+        [rng.standard_normal(extractor.n_samples).astype(np.float32) * 0.1],
+    ]
+    for clips in calls:
+        want = extractor(
+            clips, sampling_rate=16_000, return_attention_mask=True, padding="max_length", return_tensors="np"
+        )
+        got = ours.audio_features(clips)
+        for features, full, mask in zip(got, want["input_features"], want["attention_mask"], strict=True):
+            np.testing.assert_array_equal(features, full[:, : int(mask.sum())])
+
+
 def test_composite_processor_where_torchvision_is_installed(omni_dir, pipe) -> None:
     """transformers' own ``Qwen2_5OmniProcessor`` (``AutoProcessor``, with its torchvision image
     and video processors) against the pipeline's default, torchvision, backend on every case,

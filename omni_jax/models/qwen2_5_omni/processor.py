@@ -391,13 +391,24 @@ class OmniProcessor:
 
     # -- the parts ----------------------------------------------------------------------
     def audio_features(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """``[mel, frames]`` per audio: the extractor called as the composite calls it (padded to its
-        ``chunk_length``, longer audio truncated), cut to the frames its attention mask keeps."""
-        out = self.feature_extractor(
+        """``[mel, frames]`` per audio: the frames the extractor gives when called as the composite
+        calls it (each clip padded with zeros to its ``chunk_length``, 30 s), cut to the frames its
+        attention mask keeps.
+
+        The zeros go only one FFT window past the longest clip: every frame that reads a clip's
+        samples then reads the same samples as in the 30 s padding (none reaches the reflected
+        edge), and every other frame reads zeros in both, so each clip's frames and spectrogram
+        maximum (what the log-mel floor is taken from) are the same; a clip of a second is not
+        transformed as thirty."""
+        fe = self.feature_extractor
+        longest = max(len(a) for a in audios)
+        length = min(fe.n_samples, -(-(longest + fe.n_fft) // fe.hop_length) * fe.hop_length)
+        out = fe(
             list(audios),
             sampling_rate=SAMPLE_RATE,
             return_attention_mask=True,
             padding="max_length",
+            max_length=length,
             return_tensors="np",
         )
         frames = out["attention_mask"].sum(-1)
