@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -92,6 +93,16 @@ def set_threads() -> None:
     except ImportError:
         return
     torch.set_num_threads(cores())
+
+
+def wall_times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Wall seconds of each of ``repeats`` calls of ``fn`` (which returns when its work is done)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def write_json(path: str | None, result: dict[str, Any]) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.e2e_suite import picture
+from benchmarks.harness import wall_times
 from benchmarks.models import QWEN3_OMNI, resolve_model
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.ar_engine import AREngine
@@ -50,12 +50,7 @@ DECODE_PROMPT = 16
 
 def median_seconds(work: Callable[[], object], repeats: int) -> float:
     """Median wall seconds of ``work()`` over ``repeats`` calls."""
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        work()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return statistics.median(wall_times(work, repeats))
 
 
 def timed_pack(runner: ARRunner, rows: Sequence[StepRow], repeats: int) -> float:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from benchmarks.harness import torch_device, torch_synchronize, write_json
+from benchmarks.harness import torch_device, torch_synchronize, wall_times, write_json
 from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.moe import EXPERT_RULES, MOE_SWITCH, MoESpec, SparseMoeBlock, stack_expert_arrays
@@ -50,12 +50,7 @@ LOWERINGS = {
 
 def best_ms(fn: Callable[[], Any], repeats: int) -> float:
     """Best wall time of ``fn`` (which returns when its work is done) over ``repeats`` calls."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    return 1e3 * min(wall_times(fn, repeats))
 
 
 def reference_block(args: argparse.Namespace) -> torch.nn.Module:
