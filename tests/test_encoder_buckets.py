@@ -19,8 +19,15 @@ from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.compilation import CompileCounter
 from omni_jax.engine.step import StepRow
 from omni_jax.models.qwen2_5_omni.encoder_calls import plan_calls, size_ladder, smallest_fit
+from omni_jax.models.qwen2_5_omni.thinker import PromptMerge
 from omni_jax.stages.base import StageInput
-from omni_jax.stages.thinker import EncoderBuckets, MediaLimits, ThinkerFrontend, ThinkerRequest
+from omni_jax.stages.thinker import (
+    EncoderBuckets,
+    MediaLimits,
+    ThinkerFrontend,
+    ThinkerRequest,
+    ThinkerStepInputs,
+)
 
 AUDIO_BUCKETS = (1, 2, 4, 8, 16)
 """A 30 s clip (the feature extractor's chunk_length) is 3000 mel frames: 15 chunks of 200."""
@@ -335,7 +342,9 @@ def test_pack_reads_rows_and_prepare_drops_them_past_the_prompt(warm) -> None:
     assert step_inputs.prepare([row(n, n + 1)]) == {} and state.rows is None
 
 
-def assert_merges_each_placeholder(step_inputs: Any, state: ThinkerRequest, merge: Any, n: int) -> None:
+def assert_merges_each_placeholder(
+    step_inputs: ThinkerStepInputs, state: ThinkerRequest, merge: PromptMerge, n: int
+) -> None:
     """Token row ``p`` holding prompt token ``p`` (a flat step of the prompt's chunks in order):
     each placeholder's row of ``merge`` (its kind's ``first_row``, as the model gathers it) is
     its encoder row, the ``before``-th of its kind in the prompt."""
