@@ -327,7 +327,7 @@ def test_pack_reads_rows_and_prepare_drops_them_past_the_prompt(warm) -> None:
     prompt = row(0, n)
     assert step_inputs.prepare([prompt]) == {} and state.rows is not None
     rows = state.rows
-    merge = step_inputs.pack([prompt], n)
+    merge = step_inputs.pack([prompt], [0], n)
     assert state.rows is rows
     assert int(np.asarray(merge.limit).sum()) == n
     image_rows = rows[step_inputs.token_ids[1]]
@@ -336,7 +336,7 @@ def test_pack_reads_rows_and_prepare_drops_them_past_the_prompt(warm) -> None:
     assert_merges_each_placeholder(step_inputs, state, merge, n)
     ids = np.asarray(state.inputs.input_ids)
     cut = int(np.flatnonzero(ids == step_inputs.token_ids[1])[len(image_rows) // 2])  # mid-image
-    split = step_inputs.pack([row(0, cut), row(cut, n), row(n, n + 1)], n + 3)
+    split = step_inputs.pack([row(0, cut), row(cut, n), row(n, n + 1)], [0, cut, n], n + 3)
     np.testing.assert_array_equal(np.asarray(split.limit), [1] * n + [0] * 3)
     assert_merges_each_placeholder(step_inputs, state, split, n)
     assert step_inputs.prepare([row(n, n + 1)]) == {} and state.rows is None

@@ -112,10 +112,10 @@ def test_step_inputs_get_a_prompt_chunk_as_one_row(qwen2_dir, monkeypatch) -> No
     seen: list[list[int]] = []
     pack = TokenInputs.pack
 
-    def recorded(self: TokenInputs, rows: Sequence[StepRow], tokens: int) -> None:
+    def recorded(self: TokenInputs, rows: Sequence[StepRow], firsts: Sequence[int], tokens: int) -> None:
         if rows:
             seen.append([len(r.token_ids) for r in rows])
-        return pack(self, rows, tokens)
+        return pack(self, rows, firsts, tokens)
 
     monkeypatch.setattr(TokenInputs, "pack", recorded)
     pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=8, max_model_len=256)
@@ -146,6 +146,7 @@ def talker_row(state: object, start: int, end: int) -> StepRow:
 # Spans of one request's rows in a step: a prompt chunk, a row crossing the prompt's end and the
 # table's (a recompute after a preemption takes prompt and reply in one row), a decode row.
 SPANS = [(0, 5), (5, 13), (13, 14)]
+FIRSTS = [0, 5, 13]  # each row's first token row: the spans laid out in order
 
 
 def test_qwen2_5_omni_talker_packs_each_token_its_row() -> None:
@@ -157,7 +158,7 @@ def test_qwen2_5_omni_talker_packs_each_token_its_row() -> None:
     table = rng.standard_normal((held, width)).astype(np.float32)
     state = TalkerRequest(GrowingRows(table), codec_from, np.zeros((3, 8), np.int32), 0, final=True)
     rows = [talker_row(state, a, b) for a, b in SPANS]
-    embeds = TalkerStepInputs(width, np.dtype(np.float32)).pack(rows, 16)
+    embeds = TalkerStepInputs(width, np.dtype(np.float32)).pack(rows, FIRSTS, 16)
     p = np.arange(14)
     np.testing.assert_array_equal(embeds.rows[:14, 0], table[np.minimum(p, held - 1)])
     np.testing.assert_array_equal(embeds.add_codec[:14, 0], p >= codec_from)
@@ -187,7 +188,7 @@ def test_qwen3_omni_talker_packs_each_token_its_row(qwen3_omni_dir) -> None:
         final=True,
         sums=sums,
     )
-    embeds = inputs.pack([talker_row(state, a, b) for a, b in SPANS], 16)
+    embeds = inputs.pack([talker_row(state, a, b) for a, b in SPANS], FIRSTS, 16)
     for p in range(14):
         j = p - prompt
         if p < prompt:

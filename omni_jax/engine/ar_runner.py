@@ -451,6 +451,7 @@ class ARRunner:
         qlen = np.zeros((n,), np.int32)
         last = np.zeros((s,), np.int32)
         id_rows = np.zeros((s,), np.int32)
+        firsts = np.zeros((0,), np.int64)  # each row's first token row
         if rows:
             # Vectorised over the step's token rows and their pages (a decode step has hundreds
             # of rows, each a row's worth of numpy calls in a loop): Python only reads each
@@ -459,9 +460,10 @@ class ARRunner:
             lengths = np.fromiter((len(r.token_ids) for r in rows), np.int64, k)
             starts = np.fromiter((r.start for r in rows), np.int64, k)
             ends = np.cumsum(lengths)
+            firsts = ends - lengths
             total = int(ends[-1])
             row_of = np.repeat(np.arange(k), lengths)
-            idx = np.arange(total) - (ends - lengths)[row_of] + starts[row_of]  # each token's index
+            idx = np.arange(total) - firsts[row_of] + starts[row_of]  # each token's index
             used = pages_needed(starts + lengths, page_size)  # each row's pages, from its end
             held = np.fromiter(
                 itertools.chain.from_iterable(r.pages[:u] for r, u in zip(rows, used.tolist(), strict=True)),
@@ -480,7 +482,7 @@ class ARRunner:
             qlen[:total] = 1
             last[: len(rows)] = ends - 1
             id_rows[: len(rows)] = [r.id_row for r in rows]
-        extra = self.step_inputs.pack(rows, n)
+        extra = self.step_inputs.pack(rows, firsts.tolist(), n)
         return tokens, source, positions, FlatStep(slots, tables, sequence, ctx, qlen), last, id_rows, extra
 
     def _sampling(self, rows: Sequence[StepRow], s: int) -> tuple[SamplingTensors, np.ndarray, np.ndarray]:

@@ -112,8 +112,8 @@ class StepInputs(Protocol[S_contra]):
     the stage's request records (``state``); it changes nothing the engine owns.
 
     ``pack`` turns a flat step of ``tokens`` token rows into the pytree passed as ``extra`` to
-    ``model.embed(tokens [N, 1], extra)``: ``rows``' tokens lie one a token row, in order (row
-    ``i``'s from the sum of the rows' lengths before it), then padding. It reads its rows and
+    ``model.embed(tokens [N, 1], extra)``: ``rows``' tokens lie one a token row, in order, row
+    ``i``'s from token row ``firsts[i]`` (the runner's layout), then padding. It reads its rows and
     changes nothing. It runs for every step (also for warm-up, with no rows); its shapes must
     come from a few buckets, and a step whose rows need nothing must get the same shapes every
     time, so decode never recompiles. It takes the scheduler's rows as they are, a prompt
@@ -137,7 +137,7 @@ class StepInputs(Protocol[S_contra]):
 
     def prepare(self, rows: Sequence[StepRow[S_contra]]) -> dict[int, str]: ...
 
-    def pack(self, rows: Sequence[StepRow[S_contra]], tokens: int) -> Any: ...
+    def pack(self, rows: Sequence[StepRow[S_contra]], firsts: Sequence[int], tokens: int) -> Any: ...
 
 
 class DrawHook(Protocol[S_contra]):
@@ -214,5 +214,5 @@ class TokenInputs:
     def prepare(self, rows: Sequence[StepRow[Any]]) -> dict[int, str]:
         return {}
 
-    def pack(self, rows: Sequence[StepRow[Any]], tokens: int) -> None:
+    def pack(self, rows: Sequence[StepRow[Any]], firsts: Sequence[int], tokens: int) -> None:
         return None

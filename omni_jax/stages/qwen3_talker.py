@@ -149,7 +149,9 @@ class TalkerStepInputs(TalkerPositions):
         self.pad_row = np.zeros((self.thinker_width,), dtype)
         self.draw_hook = FrameHook(spec, dtype)
 
-    def pack(self, rows: Sequence[StepRow[TalkerRequest]], tokens: int) -> TalkerEmbeds:
+    def pack(
+        self, rows: Sequence[StepRow[TalkerRequest]], firsts: Sequence[int], tokens: int
+    ) -> TalkerEmbeds:
         """Each token row's thinker row and projection, and its codec input: a prompt token's
         from the request's prompt tables; a reply token's, its frame's codebook-embedding sum
         (once the host has it; before, :class:`FrameHook` feeds it on the device) and the text
@@ -160,11 +162,10 @@ class TalkerStepInputs(TalkerPositions):
         add_codec = np.zeros((tokens, 1), bool)
         thinker = np.zeros((tokens, 1, self.thinker_width), self.dtype)
         project = np.full((tokens, 1), PROJECT_NONE, np.int32)
-        at = 0
-        for row in rows:
+        for row, first in zip(rows, firsts, strict=True):
             req = require_state(row.state, "talker")
             start, end, prompt = row.start, row.end, len(req.project)
-            base, at = at - start, at + end - start  # token p lies in token row base + p
+            base = first - start  # token p lies in token row base + p
             if start < prompt:
                 b = min(end, prompt)
                 thinker[base + start : base + b, 0] = req.thinker[start:b]

@@ -74,10 +74,12 @@ class Qwen3ThinkerStepInputs(ThinkerStepInputs):
         """One vision encoder call of Qwen3-Omni's layout (no windows, learned position taps)."""
         return prepare_vision_batch(patches, grids, self.spec.vision, tokens=tokens)
 
-    def pack(self, rows: Sequence[StepRow[ThinkerRequest]], tokens: int) -> ThinkerMerge:
+    def pack(
+        self, rows: Sequence[StepRow[ThinkerRequest]], firsts: Sequence[int], tokens: int
+    ) -> ThinkerMerge:
         """Qwen2.5-Omni's pack, its rows split into the merged rows and ``[L, N, D]`` DeepStack
         features."""
-        merge = super().pack(rows, tokens)
+        merge = super().pack(rows, firsts, tokens)
         n, d = merge.rows.shape[0], self.width
         deepstack = np.ascontiguousarray(merge.rows[:, d:].reshape(n, self.layers, d).transpose(1, 0, 2))
         return ThinkerMerge(dataclasses.replace(merge, rows=merge.rows[:, :d]), deepstack)

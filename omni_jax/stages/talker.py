@@ -100,16 +100,17 @@ class TalkerStepInputs(TalkerPositions):
         self.width = width
         self.dtype = dtype
 
-    def pack(self, rows: Sequence[StepRow[TalkerRequest]], tokens: int) -> TalkerEmbeds:
+    def pack(
+        self, rows: Sequence[StepRow[TalkerRequest]], firsts: Sequence[int], tokens: int
+    ) -> TalkerEmbeds:
         """Each token row's input row (past the table's end: its last row, the text pad) and
         whether it adds its codec id's embedding; slices per step row, no call a token."""
         table = np.zeros((tokens, 1, self.width), self.dtype)
         add_codec = np.zeros((tokens, 1), bool)
-        at = 0
-        for row in rows:
+        for row, first in zip(rows, firsts, strict=True):
             req = require_state(row.state, "talker")
             start, end, rows_held = row.start, row.end, len(req.table)
-            base, at = at - start, at + end - start  # token p lies in token row base + p
+            base = first - start  # token p lies in token row base + p
             own = min(end, rows_held)  # tokens before it read their own row
             if start < own:
                 table[base + start : base + own, 0] = req.table[start:own]

@@ -440,7 +440,9 @@ class ThinkerStepInputs:
         )
         return len(self._audio) + len(self._vision)
 
-    def pack(self, rows: Sequence[StepRow[ThinkerRequest]], tokens: int) -> PromptMerge:
+    def pack(
+        self, rows: Sequence[StepRow[ThinkerRequest]], firsts: Sequence[int], tokens: int
+    ) -> PromptMerge:
         """The encoder rows this step's prompt chunks need, grouped by step row then kind, in
         ``tokens`` rows (a step never merges more than it has tokens), so that the merge has no
         shape of its own beyond the step's. A token row's ``first_row`` of a kind is where its
@@ -450,9 +452,8 @@ class ThinkerStepInputs:
         first = np.zeros((len(self.token_ids), tokens), np.int32)
         limit = np.zeros((tokens,), np.int32)
         merged = np.zeros((tokens, self.row_width), self.dtype)
-        offset, at = 0, 0
-        for row in rows:
-            at, here = at + len(row.token_ids), at
+        offset = 0
+        for row, here in zip(rows, firsts, strict=True):
             req = row.state
             if req is None or not req.has_media or row.start >= row.prompt_len:
                 continue
