@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, cast
 
+import jax
 import numpy as np
 
 from omni_jax.intake import Admission
@@ -95,6 +96,9 @@ class EngineCore:
         codes too; one a frame for a talker that draws frames, whose outputs are the frames' codes)."""
         self._flights: dict[str, _Flight] = {}
         self._updates: dict[str, OmniRequestOutput] = {}  # this step's, by request
+        self._lockstep = jax.process_count() > 1
+        """Several processes step the graph in the same order, so no stage may choose by the
+        device's timing whether to wait for it: every step blocks."""
 
     def has_work(self) -> bool:
         return any(s.has_work() for s in self.stages)
@@ -130,12 +134,18 @@ class EngineCore:
         """Step every stage that has work once, in stage order, and hand each request a stage
         finished on to the next stage. Returns this step's updates: one per streamed request
         with new text tokens or audio (only its deltas), and each request that ended (its whole
-        output, ``finished``, with the step's deltas)."""
+        output, ``finished``, with the step's deltas).
+
+        A stage steps with ``block=False`` while another stage has work: it may leave a solve in
+        flight and report it in a later step, so the other stages' steps are dispatched
+        meanwhile (on another device, they run at the same time) instead of waiting behind it.
+        With nothing else to do, or with several processes in lockstep, it blocks."""
         for si, stage in enumerate(self.stages):
             if not stage.has_work():
                 continue
+            others = any(other.has_work() for other in self.stages if other is not stage)
             with scope(f"stage/{stage.config.name}"):
-                done = stage.step()
+                done = stage.step(block=self._lockstep or not others)
             if si == self.text_stage:
                 for request_id, ids in done.new_tokens.items():
                     self._stream_tokens(self._flights[request_id], ids)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams
+from omni_jax.stages.base import StageStep
 
 SIZES = dict(max_num_seqs=4, page_size=8, max_model_len=256)
 T = TypeVar("T")
@@ -248,11 +249,11 @@ def test_a_fault_no_stage_contains_ends_the_requests_in_flight_only(pipe, sync, 
     step = stage.step
     calls = {"n": 0}
 
-    def faulty():
+    def faulty(block: bool = True) -> StageStep:
         calls["n"] += 1
         if calls["n"] == 4:
             raise RuntimeError("injected fault")
-        return step()
+        return step(block)
 
     monkeypatch.setattr(stage, "step", faulty)
     out = check_stream(run_async(lambda: collect(pipe, ids(10, 13), greedy(20))))
@@ -285,7 +286,7 @@ def test_a_failed_engine_thread_ends_its_requests_and_says_so(qwen2_dir, monkeyp
     broken = AsyncOmniJaxPipeline.from_pretrained(qwen2_dir, **SIZES)
     stage, core = broken.pipeline.stages[0], broken.pipeline.core
 
-    def fail(*_: Any) -> None:
+    def fail(*_: Any, **__: Any) -> None:
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(stage, "step", fail)

@@ -101,7 +101,7 @@ def test_a_failed_step_keeps_what_it_finished_and_fails_the_rest(pipe, monkeypat
     for _ in range(4):
         core.step()
 
-    def fault():
+    def fault(block: bool = True) -> None:
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(talker, "step", fault)

@@ -191,11 +191,15 @@ def expected(reference: Qwen2_5OmniToken2WavModel) -> dict[int, list[np.ndarray]
 
 
 def stream(
-    dec: ChunkedDecoder, counts: dict[int, Token2WavParams], rounds: list[dict[int, int]]
+    dec: ChunkedDecoder,
+    counts: dict[int, Token2WavParams],
+    rounds: list[dict[int, int]],
+    block: bool = True,
 ) -> tuple[dict[int, list[ChunkOutput]], list[set[ChunkKind]]]:
     """Decode requests whose codes arrive in ``rounds`` (each: request -> codes it has by then;
     all of them means finished), one step after each round that leaves a chunk ready, then the
-    rest: each request's outputs in order, and each step's chunk kinds."""
+    rest: each request's outputs in order, and each step's chunk kinds. ``block=False``: steps
+    leave their solve in flight, to land in a later step."""
     requests = {n: make_request(n) for n in counts}
     for n, params in counts.items():
         dec.add(str(n), requests[n]["speaker"], requests[n]["ref_mel"], params)
@@ -204,7 +208,7 @@ def stream(
     kinds = []
 
     def step() -> None:
-        chunks = dec.step()
+        chunks = dec.step(block)
         kinds.append({o.chunk.kind for o in chunks})
         for o in chunks:
             outputs[int(o.request_id)].append(o)
@@ -474,6 +478,68 @@ def test_alone_matches_reference(ours, expected, n: int) -> None:
     check_pieces(outputs[n], expected[n], n)
 
 
+def test_solves_landing_in_later_steps_match_reference(ours, expected, monkeypatch) -> None:
+    """Every step leaves its solve in flight (``block=False``), codes arriving meanwhile: the
+    pieces of requests batched together are still the reference's."""
+    counts = {n: params(n) for n in (77, 14, 9)}
+    outputs, _ = stream(sharing(decoder(ours), monkeypatch), counts, trickle(list(counts), 4), block=False)
+    for n in counts:
+        check_pieces(outputs[n], expected[n], n)
+
+
+class Gate:
+    """Whether the device has finished the solves :class:`Held` behind it (the test says)."""
+
+    open = False
+
+
+@dataclasses.dataclass
+class Held:
+    """A solve's output that reports itself unfinished until its gate opens."""
+
+    value: jax.Array
+    gate: Gate
+
+    def is_ready(self) -> bool:
+        return self.gate.open
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self.value, dtype)
+
+
+def test_a_solve_left_in_flight_lands_once_the_device_has_it(ours, expected, monkeypatch) -> None:
+    """``step(block=False)`` dispatches a solve and returns at once; while the device has not
+    finished it the decoder has work and its steps return nothing (codes still arrive); a step
+    after the device has it lands it and dispatches the next chunks. A request aborted while its
+    chunk is in flight has that row dropped; a solve left with no live request is forgotten.
+    The other request's pieces are the reference's. Chunks run at 9, 15, ... codes here."""
+    dec = sharing(decoder(ours), monkeypatch)
+    gate, solve = Gate(), dec.solve
+    dec.solve = lambda *args, **kw: tuple(Held(x, gate) for x in solve(*args, **kw))
+    reqs = {n: make_request(n) for n in (77, 15, 9)}
+    for n in (77, 15):
+        dec.add(str(n), reqs[n]["speaker"], reqs[n]["ref_mel"], params(n))
+        dec.extend(str(n), reqs[n]["codes"][:9].tolist())
+    assert dec.step(block=False) == [] and dec.in_flight is not None
+    assert [(r.request_id, c.index) for r, c in dec.in_flight.ready] == [("77", 0), ("15", 0)]
+    dec.extend("77", reqs[77]["codes"][9:15].tolist())
+    assert dec.step(block=False) == [] and dec.has_work()
+    assert dec.remove("15") and dec.in_flight is not None
+    gate.open = True
+    landed = dec.step(block=False)
+    assert [(o.request_id, o.chunk.index) for o in landed] == [("77", 0)]
+    assert [(r.request_id, c.index) for r, c in dec.in_flight.ready] == [("77", 1)]
+    dec.extend("77", reqs[77]["codes"][15:].tolist(), finished=True)
+    while dec.has_work():
+        landed += dec.step(block=False)
+    check_pieces(landed, expected[77], 77)
+    gate.open = False
+    dec.add("9", reqs[9]["speaker"], reqs[9]["ref_mel"], params(9))
+    dec.extend("9", reqs[9]["codes"].tolist(), finished=True)
+    assert dec.step(block=False) == [] and dec.in_flight is not None
+    assert dec.remove("9") and dec.in_flight is None and not dec.has_work()
+
+
 def test_batched_matches_reference(ours, reference, expected, monkeypatch) -> None:
     """All requests in one decoder, every chunk kind in one solve, and a request with a smaller
     chunk (4 codes) riding along."""
@@ -524,11 +590,13 @@ def test_growing_chunks_match_reference(ours, reference) -> None:
     check_pieces(outputs[SMALL], want, SMALL)
 
 
+@pytest.mark.parametrize("block", [True, False])
 @pytest.mark.parametrize("fault", ["device error", "non-finite"])
-def test_a_failed_chunk_ends_only_its_request(ours, expected, fault: str) -> None:
+def test_a_failed_chunk_ends_only_its_request(ours, expected, fault: str, block: bool) -> None:
     """A device error in a batched chunk solve is retried one request at a time, and a row with
     non-finite audio fails alone: the culprit (request 15) gets one ``error`` output and is
-    forgotten; the request beside it goes on to equal the reference."""
+    forgotten; the request beside it goes on to equal the reference. Alike when the solve
+    landed in a later step than its dispatch (``block=False``)."""
     dec = decoder(ours)
     solve = dec.solve
     voice = make_request(15)["speaker"]
@@ -547,7 +615,7 @@ def test_a_failed_chunk_ends_only_its_request(ours, expected, fault: str) -> Non
         dec.extend(str(n), req["codes"].tolist(), finished=True)
     outputs: dict[str, list[ChunkOutput]] = {"15": [], "9": []}
     while dec.has_work():
-        for out in dec.step():
+        for out in dec.step(block):
             outputs[out.request_id].append(out)
     (failed,) = outputs["15"]
     assert failed.last and failed.audio.size == 0 and failed.chunk.index == 0

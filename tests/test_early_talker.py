@@ -75,9 +75,9 @@ def slow_thinker(pipe: OmniJaxPipeline, monkeypatch: pytest.MonkeyPatch, every: 
     calls, waits = [0], [0]
     step, schedule = thinker.step, talker.engine.scheduler.schedule
 
-    def every_few() -> StageStep:
+    def every_few(block: bool = True) -> StageStep:
         calls[0] += 1
-        return step() if calls[0] % every == 0 else StageStep([])
+        return step(block) if calls[0] % every == 0 else StageStep([])
 
     def counted() -> list[Any]:
         rows = schedule()
@@ -223,8 +223,8 @@ def test_thinker_keeps_no_row_the_talker_took(omni_pipes, monkeypatch) -> None:
     thinker, held = early.stages[0], []
     step = thinker.step
 
-    def spy() -> StageStep:
-        done = step()
+    def spy(block: bool = True) -> StageStep:
+        done = step(block)
         streamed = [s.request for s in thinker._submitted.values() if s.stream_hidden]
         held.extend(sum(len(h) for h, _ in r.captured) for r in streamed)
         return done

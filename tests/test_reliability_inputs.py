@@ -61,9 +61,9 @@ def count_steps(pipe: OmniJaxPipeline, monkeypatch: pytest.MonkeyPatch) -> list[
     for stage in pipe.stages:
         step = stage.step
 
-        def counted(step=step, name=stage.config.name):  # noqa: ANN001, ANN202 - bound per stage
+        def counted(block: bool = True, step=step, name=stage.config.name):  # noqa: ANN001, ANN202 - bound per stage
             calls.append(name)
-            return step()
+            return step(block)
 
         monkeypatch.setattr(stage, "step", counted)
     return calls

@@ -349,8 +349,10 @@ class ARStage(Generic[S]):
         n = self.engine.warmup()
         return n + (0 if self.frontend is None else self.frontend.warmup())
 
-    def step(self) -> StageStep:
-        """One engine step: the tokens each request sampled in it, and the requests it finished."""
+    def step(self, block: bool = True) -> StageStep:
+        """One engine step: the tokens each request sampled in it, and the requests it finished.
+        ``block`` is not read: the engine already leaves each step in flight and reads it in the
+        next (its overlap), and a step is short."""
         stepped = self.engine.step()
         finished = stepped.finished
         new_tokens, new_rows = {}, {}

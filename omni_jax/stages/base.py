@@ -175,8 +175,11 @@ class Stage(Protocol):
 
     def submit(self, request_id: str, request: StageInput, params: Any) -> None: ...
 
-    def step(self) -> StageStep:
-        """Advance every request the stage holds by one step (one AR step, or one solve)."""
+    def step(self, block: bool = True) -> StageStep:
+        """Advance every request the stage holds by one step (one AR step, or one solve).
+        ``block=False`` (the engine core's, while another stage has work): a solve need not be
+        waited for; the stage may leave it in flight, stay :meth:`has_work`, and report its
+        results in a later step."""
 
     def abort(self, request_id: str) -> bool:
         """Drop the request from the stage at once, whatever it was doing, and free what it held

@@ -14,6 +14,12 @@ request at a time, a row with non-finite audio failing alone) and warm-up (one p
 ``(rows, window)``). A subclass supplies the model: where a request's next chunk is and how
 wide its window is, how chunks pad into a batch, the solve and its host results, a row's audio
 and how a request advances.
+
+A solve need not be waited for: :meth:`StreamedDecoder.step` with ``block=False`` dispatches it
+and returns, and a later step takes its results once the device has them (one solve in flight
+at a time). Why: the engine core steps every stage from one thread, and a solve it waited for
+held the talker's steps back for the solve's whole length even where the two stages run on
+different devices; the talker that feeds the chunks now keeps stepping meanwhile.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import abc
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 import numpy as np
@@ -66,6 +72,23 @@ H = TypeVar("H")
 
 
 @dataclasses.dataclass
+class InFlight(Generic[R, W]):
+    """A dispatched solve of ``ready`` chunks whose results the host has not read: the padded
+    shape, the program's outputs (device arrays), or the device error its dispatch raised, and
+    when it was dispatched."""
+
+    ready: Sequence[tuple[R, W]]
+    shape: tuple[int, int]
+    outputs: Any
+    error: jax.errors.JaxRuntimeError | None
+    started: float
+
+    def done(self) -> bool:
+        """Whether reading the outputs would not wait for the device."""
+        return self.error is not None or all(leaf.is_ready() for leaf in jax.tree.leaves(self.outputs))
+
+
+@dataclasses.dataclass
 class StreamedChunk(Generic[W]):
     """A chunk's emitted audio; ``last`` when the request has no more. ``chunk``: where it was cut
     (``None`` for the empty end of a request whose every code an earlier chunk voiced).
@@ -106,6 +129,7 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         self.cost = SolveCost(cap=float(rows * window))
         self._requests: dict[str, R] = {}
         self._held: dict[str, int] = {}  # steps a request's ready chunk has waited (GATHER)
+        self.in_flight: InFlight[R, W] | None = None
 
     @abc.abstractmethod
     def next_window(self, request: R) -> W | None:
@@ -139,8 +163,12 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         """The compiled call that solves ``batch``."""
 
     @abc.abstractmethod
+    def fetched(self, outputs: Any) -> H:
+        """A solve's results on the host, from the outputs its :meth:`program` returned."""
+
     def decode(self, batch: B) -> H:
-        """The solve of ``batch`` (its :meth:`program`), its results fetched to the host."""
+        """The solve of ``batch`` (its :meth:`program`), waited for, its results on the host."""
+        return self.fetched(self.program(batch)())
 
     @abc.abstractmethod
     def emitted(self, solved: H, row: int, chunk: W) -> np.ndarray:
@@ -174,9 +202,14 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         request.finished = finished
 
     def remove(self, request_id: str) -> bool:
-        """Forget a request (aborted); ``False`` when it is not streaming."""
+        """Forget a request (aborted); ``False`` when it is not streaming. A chunk of it in the
+        solve in flight is dropped when the solve lands; a solve in flight that holds no other
+        request is forgotten at once (the device finishes it, nothing reads it)."""
         self._held.pop(request_id, None)
-        return self._requests.pop(request_id, None) is not None
+        removed = self._requests.pop(request_id, None) is not None
+        if self.in_flight is not None and not any(self._streaming(r) for r, _ in self.in_flight.ready):
+            self.in_flight = None
+        return removed
 
     def ready(self) -> list[tuple[R, W]]:
         """Each request's next chunk when ready, oldest request first."""
@@ -184,24 +217,38 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         return [(r, w) for r, w in pairs if w is not None]
 
     def has_work(self) -> bool:
-        return any(self.drained(r) or self.next_window(r) is not None for r in self._requests.values())
+        return self.in_flight is not None or any(
+            self.drained(r) or self.next_window(r) is not None for r in self._requests.values()
+        )
 
-    def step(self) -> list[StreamedChunk[W]]:
-        """Requests that finished with nothing left to decode end (empty audio); then one solve:
-        the next chunks of the oldest ``max_batch`` requests with one ready, unless they wait for
-        others' (:meth:`gathering`), or the first of their :meth:`groups` when a shared solve
-        would pay more in padding than a solve of their own costs."""
+    def step(self, block: bool = True) -> list[StreamedChunk[W]]:
+        """Requests that finished with nothing left to decode end (empty audio); the solve in
+        flight lands (its chunks' audio), when the device has finished it or ``block``; then,
+        with none in flight, one solve is dispatched: the next chunks of the oldest
+        ``max_batch`` requests with one ready, unless they wait for others'
+        (:meth:`gathering`), or the first of their :meth:`groups` when a shared solve would pay
+        more in padding than a solve of their own costs. With ``block`` it lands in this step;
+        without, in a later one (:attr:`in_flight` until then), so the caller's other work
+        runs while the device solves."""
         outputs: list[StreamedChunk[W]] = []
         for request in [r for r in self._requests.values() if self.drained(r)]:
             del self._requests[request.request_id]
             outputs.append(StreamedChunk(request.request_id, None, np.zeros(0, np.float32), True))
+        if self.in_flight is not None:
+            if not block and not self.in_flight.done():
+                return outputs
+            flight, self.in_flight = self.in_flight, None
+            outputs += self._land(flight)
         ready = self.ready()[: self.max_batch]
         if not ready or self.gathering(ready):
             return outputs
         first, *later = self.groups(ready)
         for request, _ in (pair for group in later for pair in group):
             self._held[request.request_id] = GATHER  # split off to run next step, not to wait more
-        return outputs + self.run(first)
+        if block:
+            return outputs + self.run(first)
+        self.in_flight = self._dispatch(first)
+        return outputs
 
     def groups(self, ready: Sequence[tuple[R, W]]) -> list[list[tuple[R, W]]]:
         """``ready`` chunks split into solves, most urgent first: sorted by padded window, cut
@@ -234,40 +281,71 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         return True
 
     def run(self, ready: Sequence[tuple[R, W]]) -> list[StreamedChunk[W]]:
-        """One padded solve of ``ready`` chunks, each request advanced by its chunk.
+        """One padded solve of ``ready`` chunks, waited for, each request advanced by its chunk
+        (:meth:`step` with ``block``; the failure rules are :meth:`_land`'s)."""
+        return self._land(self._dispatch(ready))
 
-        As in :meth:`~omni_jax.engine.generation_runner.GenerationRunner.run`, a device failure
-        is retried one request at a time and a row with non-finite audio fails alone: a failed
-        request gets an ``error`` output and is forgotten, the others go on.
-        """
+    def _dispatch(self, ready: Sequence[tuple[R, W]]) -> InFlight[R, W]:
+        """Pad ``ready`` chunks into the smallest ``(rows, window)`` that holds them and start
+        their solve; nothing waits for the device here."""
         for request, _ in ready:
             self._held.pop(request.request_id, None)
         window = self.buckets.length_for(max(self.width(chunk) for _, chunk in ready))
         rows = self.buckets.rows_for(len(ready))
         batch = self.pad(ready, rows, window)
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         try:
-            solved = self.decode(batch)
-        except jax.errors.JaxRuntimeError as e:
+            return InFlight(ready, (rows, window), self.program(batch)(), None, started)
+        except jax.errors.JaxRuntimeError as e:  # landed as a failed solve
+            return InFlight(ready, (rows, window), None, e, started)
+
+    def _land(self, flight: InFlight[R, W]) -> list[StreamedChunk[W]]:
+        """A dispatched solve, waited for: each request still streaming advanced by its chunk
+        (a request aborted since its dispatch is not: its row is dropped).
+
+        As in :meth:`~omni_jax.engine.generation_runner.GenerationRunner.run`, a device failure
+        is retried one request at a time and a row with non-finite audio fails alone: a failed
+        request gets an ``error`` output and is forgotten, the others go on. A solve's seconds
+        run from its dispatch to its landing, so a solve that landed in a later step counts the
+        other stages' work between them too (the cost fit keeps each shape's fastest).
+        """
+        ready = [(r, c) for r, c in flight.ready if self._streaming(r)]
+        error = flight.error
+        if error is None:
+            try:
+                solved = self.fetched(flight.outputs)
+            except jax.errors.JaxRuntimeError as e:
+                error = e
+        if error is not None:
             if len(ready) > 1:
                 return [out for pair in ready for out in self.run([pair])]
-            return [self._fail(*ready[0], f"solve failed: {e}", time.perf_counter() - t0, 1)]
-        dt = time.perf_counter() - t0
-        self.cost.record((rows, window), rows * window, dt)
+            seconds = time.perf_counter() - flight.started
+            return [self._fail(*pair, f"solve failed: {error}", seconds, 1) for pair in ready]
+        dt = time.perf_counter() - flight.started
+        rows, window = flight.shape
+        self.cost.record(flight.shape, rows * window, dt)
         outputs = []
-        for i, (request, chunk) in enumerate(ready):
+        for i, (request, chunk) in enumerate(flight.ready):
+            if not self._streaming(request):
+                continue
             audio = self.emitted(solved, i, chunk)
             if not np.isfinite(audio).all():
                 bad = int((~np.isfinite(audio)).sum())
                 error = f"non-finite waveform ({bad} of {audio.size} samples)"
-                outputs.append(self._fail(request, chunk, error, dt, len(ready)))
+                outputs.append(self._fail(request, chunk, error, dt, len(flight.ready)))
                 continue
             last = self.advance(request, chunk, solved, i)
             request.done += 1
             if last:
                 del self._requests[request.request_id]
-            outputs.append(StreamedChunk(request.request_id, chunk, audio.copy(), last, dt, len(ready)))
+            outputs.append(
+                StreamedChunk(request.request_id, chunk, audio.copy(), last, dt, len(flight.ready))
+            )
         return outputs
+
+    def _streaming(self, request: R) -> bool:
+        """Whether ``request`` is still held (not aborted, not replaced by a request of its id)."""
+        return self._requests.get(request.request_id) is request
 
     def _fail(self, request: R, chunk: W, error: str, solve_s: float, rows: int) -> StreamedChunk[W]:
         del self._requests[request.request_id]

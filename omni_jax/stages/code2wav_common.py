@@ -168,8 +168,9 @@ class Code2WavStageBase(Generic[Q, B, D]):
         self.runner.add(request)
 
     def abort(self, request_id: str) -> bool:
-        """Drop the request from the solve queue or the decoder (aborts come between steps, so a
-        request is never inside a running solve)."""
+        """Drop the request from the solve queue or the decoder (aborts come between steps: an
+        offline request is never inside a running solve; a streamed one's chunk in the solve in
+        flight is dropped when it lands)."""
         if self._streamed.pop(request_id, None) is not None:
             return self.decoder.remove(request_id)
         if self._submitted.pop(request_id, None) is None:
@@ -191,13 +192,16 @@ class Code2WavStageBase(Generic[Q, B, D]):
         request mix the stage accepts compiles."""
         return self.runner.warmup() + (self.decoder.warmup() if self.streaming else 0)
 
-    def step(self) -> StageStep:
+    def step(self, block: bool = True) -> StageStep:
         """One chunk solve of the streamed requests with a chunk ready, then one offline solve;
-        a streamed request's audio comes chunk by chunk, an offline one's whole."""
+        a streamed request's audio comes chunk by chunk, an offline one's whole. Without
+        ``block`` the chunk solve is left in flight and lands in a later step
+        (:meth:`StreamedDecoder.step <omni_jax.stages.chunk_loop.StreamedDecoder.step>`); an
+        offline solve is always waited for."""
         results: list[StageResult] = []
         audio: dict[str, np.ndarray] = {}
         if self.decoder.has_work():
-            for chunk in self.decoder.step():
+            for chunk in self.decoder.step(block):
                 if chunk.error is None and len(chunk.audio):
                     audio[chunk.request_id] = chunk.audio
                 finished = self._chunk_done(chunk)

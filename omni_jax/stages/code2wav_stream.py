@@ -227,8 +227,8 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
         args = (self.graph, self.state, *batch.arrays(self.mesh))
         return ProgramCall(self.solve, args, {"keep_frames": keep_frames})
 
-    def decode(self, batch: ChunkBatch) -> ChunkSolved:
-        wave, _, tail = self.program(batch)()
+    def fetched(self, outputs: tuple[jax.Array, jax.Array, jax.Array]) -> ChunkSolved:
+        wave, _, tail = outputs
         return ChunkSolved(fetch(wave), fetch(tail))
 
     def emitted(self, solved: ChunkSolved, row: int, chunk: Chunk) -> np.ndarray:

@@ -230,8 +230,8 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
     def program(self, batch: FrameBatch) -> ProgramCall:
         return ProgramCall(self.solve, (self.graph, self.state, *batch.arrays(self.mesh)))
 
-    def decode(self, batch: FrameBatch) -> FrameSolved:
-        wave, kept = self.program(batch)()
+    def fetched(self, outputs: tuple[jax.Array, jax.Array]) -> FrameSolved:
+        wave, kept = outputs
         return FrameSolved(fetch(wave), fetch(kept))
 
     def emitted(self, solved: FrameSolved, row: int, chunk: ChunkWindow) -> np.ndarray:
