@@ -37,7 +37,9 @@ followed them on a 2-core machine (the Qwen3-Omni ``small`` thinker by 75%; see 
 Figures per side: requests/s, thinker tokens/s (new text tokens, EOS included), codec tokens/s
 (talker tokens, stop token included), audio seconds per wall second (the real-time factor,
 higher is better) and time per stage: seconds spent inside each stage (ours: inside the stage's
-``step`` in the pipeline loop; the reference: inside ``thinker.generate``, ``talker.generate``
+``step`` in the pipeline loop, the engine thread's time there: a code2wav solve left in flight
+while another stage has work counts where the thread waits for the device, in that stage's step
+when the two share it; the reference: inside ``thinker.generate``, ``talker.generate``
 and ``token2wav.forward``, its processor apart), plus ours' mean per-request latency per stage
 from the outputs' ``metrics``, and the time inside the audio and vision encoders (part of the
 thinker's; ``--audio-seconds 10 --image-size 448`` measures them on a 10 s clip and a 448 x 448

@@ -30,7 +30,8 @@ Per request: TTFA (from calling ``generate`` to the first update with a non-empt
 ``audio_delta``; offline that is the one update that carries the whole waveform), TTFT (first text
 delta), e2e (to the last update), the audio updates. Per mode and concurrency: p50 / p90 / max of
 those, RTF (a request's e2e seconds per second of its speech, lower is better), throughput (speech
-seconds produced per wall second over the run), seconds inside each stage's ``step``, and ratios:
+seconds produced per wall second over the run), seconds inside each stage's ``step`` (the engine
+thread's: a solve left in flight counts where the thread waits for the device), and ratios:
 TTFA offline p50 over streamed p50 (the issue's target: at least 5 at concurrency 1 and 4, for
 replies of 10 s or more) and throughput streamed over offline (target: at least 0.85).
 
@@ -168,12 +169,12 @@ class Run:
 
 
 class SolveCounter:
-    """code2wav's solves while active: offline (``runner.step``) and chunk solves
-    (``decoder.run``), each counted with the requests it decoded (a solve returns one output a
-    request)."""
+    """code2wav's solves while active: offline and chunk solves, counted where each lands
+    (``runner.land``, ``decoder.land``: waited for or left in flight), with the requests it
+    decoded (a solve returns one output a request)."""
 
     def __init__(self, stage: Any):
-        self.targets = {"offline": (stage.runner, "step"), "chunk": (stage.decoder, "run")}
+        self.targets = {"offline": (stage.runner, "land"), "chunk": (stage.decoder, "land")}
         self.counts = {f"{k}_{n}": 0 for k in self.targets for n in ("solves", "rows")}
 
     def _counted(self, kind: str, fn: Callable[..., list[Any]]) -> Callable[..., list[Any]]:

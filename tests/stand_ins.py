@@ -1,8 +1,13 @@
 """A code2wav runner with no model: its solve returns silence of the right length and records
 each call's code lengths, so tests of grouping and bucketing see which shapes the runner asks
-for without compiling anything."""
+for without compiling anything; solves whose outputs a test says are not finished yet, for the
+solves a step leaves in flight."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,3 +60,29 @@ def rows_nearly_free(cost: SolveCost, monkeypatch: pytest.MonkeyPatch) -> None:
     to nothing (an accelerator): requests, and ready streamed chunks, share one solve whatever
     this CPU's timings, which the fit follows (and which test workers load)."""
     monkeypatch.setattr(cost, "overhead", lambda: cost.cap)
+
+
+class Gate:
+    """Whether the device has finished the solves :class:`Held` behind it (the test says)."""
+
+    open = False
+
+
+@dataclasses.dataclass
+class Held:
+    """A solve's output that reports itself unfinished until its gate opens (as
+    ``jax.Array.is_ready`` does), read through numpy as the array it holds."""
+
+    value: Any
+    gate: Gate
+
+    def is_ready(self) -> bool:
+        return self.gate.open
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.value, dtype)
+
+
+def held(solve: Callable[..., tuple[Any, ...]], gate: Gate) -> Callable[..., tuple[Held, ...]]:
+    """``solve`` whose outputs are :class:`Held` behind ``gate``."""
+    return lambda *args, **kwargs: tuple(Held(x, gate) for x in solve(*args, **kwargs))

@@ -30,7 +30,7 @@ import torch
 from flax import nnx
 from omni_reference import chunked_reference
 from parity import rel_err
-from stand_ins import rows_nearly_free
+from stand_ins import Gate, held, rows_nearly_free
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
     Qwen2_5OmniBigVGANConfig,
     Qwen2_5OmniDiTConfig,
@@ -487,26 +487,6 @@ def test_solves_landing_in_later_steps_match_reference(ours, expected, monkeypat
         check_pieces(outputs[n], expected[n], n)
 
 
-class Gate:
-    """Whether the device has finished the solves :class:`Held` behind it (the test says)."""
-
-    open = False
-
-
-@dataclasses.dataclass
-class Held:
-    """A solve's output that reports itself unfinished until its gate opens."""
-
-    value: jax.Array
-    gate: Gate
-
-    def is_ready(self) -> bool:
-        return self.gate.open
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        return np.asarray(self.value, dtype)
-
-
 def test_a_solve_left_in_flight_lands_once_the_device_has_it(ours, expected, monkeypatch) -> None:
     """``step(block=False)`` dispatches a solve and returns at once; while the device has not
     finished it the decoder has work and its steps return nothing (codes still arrive); a step
@@ -514,21 +494,21 @@ def test_a_solve_left_in_flight_lands_once_the_device_has_it(ours, expected, mon
     chunk is in flight has that row dropped; a solve left with no live request is forgotten.
     The other request's pieces are the reference's. Chunks run at 9, 15, ... codes here."""
     dec = sharing(decoder(ours), monkeypatch)
-    gate, solve = Gate(), dec.solve
-    dec.solve = lambda *args, **kw: tuple(Held(x, gate) for x in solve(*args, **kw))
+    gate = Gate()
+    dec.solve = held(dec.solve, gate)
     reqs = {n: make_request(n) for n in (77, 15, 9)}
     for n in (77, 15):
         dec.add(str(n), reqs[n]["speaker"], reqs[n]["ref_mel"], params(n))
         dec.extend(str(n), reqs[n]["codes"][:9].tolist())
     assert dec.step(block=False) == [] and dec.in_flight is not None
-    assert [(r.request_id, c.index) for r, c in dec.in_flight.ready] == [("77", 0), ("15", 0)]
+    assert [(r.request_id, c.index) for r, c in dec.in_flight.rows.values()] == [("77", 0), ("15", 0)]
     dec.extend("77", reqs[77]["codes"][9:15].tolist())
     assert dec.step(block=False) == [] and dec.has_work()
     assert dec.remove("15") and dec.in_flight is not None
     gate.open = True
     landed = dec.step(block=False)
     assert [(o.request_id, o.chunk.index) for o in landed] == [("77", 0)]
-    assert [(r.request_id, c.index) for r, c in dec.in_flight.ready] == [("77", 1)]
+    assert [(r.request_id, c.index) for r, c in dec.in_flight.rows.values()] == [("77", 1)]
     dec.extend("77", reqs[77]["codes"][15:].tolist(), finished=True)
     while dec.has_work():
         landed += dec.step(block=False)

@@ -7,9 +7,10 @@ lost or reordered on the way.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
-from stand_ins import stand_in_code2wav_runner
+from stand_ins import Gate, held, stand_in_code2wav_runner
 
 from omni_jax.engine.generation_runner import GenerationRunner
 from omni_jax.engine.solve_cost import MIN_OVERHEAD, SolveCost
@@ -119,3 +120,59 @@ def test_long_requests_are_solved_a_few_at_a_time(monkeypatch: pytest.MonkeyPatc
         ValueError, match=r"a solve of 5 requests padded to 128 is 8 x 128, more than the 512"
     ):
         runner.shape([request(f"x{i}", 100) for i in range(5)])
+
+
+def test_a_solve_left_in_flight_lands_once_the_device_has_it() -> None:
+    """``step(block=False)`` dispatches the oldest request's solve and returns at once; while the
+    device has not finished it the runner has work, counts its requests as solving and its steps
+    return nothing (requests still arrive and wait); a step after it lands it (without the rows
+    of a request removed meanwhile) and dispatches the next. A solve left with no request is
+    forgotten. ``step()`` (blocking) lands the solve in flight, then solves and lands the next."""
+    calls: list[list[int]] = []
+    runner = make_runner(calls)
+    gate = Gate()
+    runner.solve = held(runner.solve, gate)
+    for name in ("a", "b"):
+        runner.add(request(name, 100))
+    assert runner.step(block=False) == [] and (runner.num_solving, runner.num_waiting) == (2, 0)
+    runner.add(request("c", 20))
+    assert runner.step(block=False) == [] and runner.has_work() and runner.num_waiting == 1
+    runner.remove(lambda r: r.request_id == "b")
+    assert runner.num_solving == 1
+    gate.open = True
+    landed = runner.step(block=False)
+    assert [(r.request.request_id, r.batch_size) for r in landed] == [("a", 2)]
+    assert len(landed[0].output) == 100 * 2 * SAMPLES_PER_FRAME
+    assert (runner.num_solving, runner.num_waiting) == (1, 0)  # c's solve in flight
+    runner.remove(lambda r: r.request_id == "c")
+    assert runner.in_flight is None and not runner.has_work()
+    for name in ("d", "e"):
+        runner.add(request(name, 20))
+    runner.step(block=False)
+    runner.add(request("f", 100))
+    assert [r.request.request_id for r in runner.step()] == ["d", "e", "f"]
+    assert not runner.has_work() and calls == [[100, 100], [20], [20, 20], [100]]
+
+
+def test_a_failed_solve_left_in_flight_ends_only_its_request() -> None:
+    """A device error raised when a solve is dispatched without waiting lands in the next step
+    as one raised when it is read would: retried one request at a time, only the culprit ends
+    with the message."""
+    runner = make_runner([])
+    solve = runner.solve
+
+    def faulty(graph, state, codes, code_lengths, *rest):  # noqa: ANN001, ANN002, ANN202 - a stand-in
+        if 7 in np.asarray(code_lengths):
+            raise jax.errors.JaxRuntimeError("device fault")
+        return solve(graph, state, codes, code_lengths, *rest)
+
+    runner.solve = faulty
+    runner.add(request("bad", 7))
+    runner.add(request("good", 8))
+    assert runner.step(block=False) == [] and runner.num_solving == 2
+    landed = runner.step(block=False)
+    assert [(r.request.request_id, r.error) for r in landed] == [
+        ("bad", "solve failed: device fault"),
+        ("good", None),
+    ]
+    assert not runner.has_work()

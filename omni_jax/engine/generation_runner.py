@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
@@ -37,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from omni_jax.engine.buckets import bucket, padded_split, round_up
 from omni_jax.engine.compilation import ProgramCall, compile_ahead
+from omni_jax.engine.in_flight import InFlight
 from omni_jax.engine.solve_cost import SolveCost
 from omni_jax.jit import StaticGraph
 from omni_jax.parallel.mesh import axis_size
@@ -201,6 +201,7 @@ class GenerationRunner(Generic[R, B]):
         self.data = axis_size(mesh, "data")
         self.buckets = SolveBuckets.build(max_batch, lengths, self.data, max_cells)
         self._waiting: collections.deque[R] = collections.deque()
+        self.in_flight: InFlight[R] | None = None
         rows, length = self.buckets.largest()
         self.cost = SolveCost(cap=float(rows * length))
 
@@ -208,24 +209,46 @@ class GenerationRunner(Generic[R, B]):
         self._waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self._waiting)
+        return bool(self._waiting) or self.in_flight is not None
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def remove(self, match: Callable[[R], bool]) -> None:
-        """Drop the waiting requests ``match`` selects (the stage knows its requests' ids)."""
-        self._waiting = collections.deque(r for r in self._waiting if not match(r))
+    @property
+    def num_solving(self) -> int:
+        """Requests in the solve in flight."""
+        return 0 if self.in_flight is None else len(self.in_flight.rows)
 
-    def step(self) -> list[GenerationResult[R]]:
-        """One solve: the group (:meth:`groups`) of the oldest waiting request, among the oldest
-        ``max_batch``; the rest wait, in their order, for the next step."""
+    def remove(self, match: Callable[[R], bool]) -> None:
+        """Drop the requests ``match`` selects (the stage knows its requests' ids): waiting, or
+        in the solve in flight (no result of theirs is read; a solve left with none is forgotten)."""
+        self._waiting = collections.deque(r for r in self._waiting if not match(r))
+        if self.in_flight is not None and not self.in_flight.drop(match):
+            self.in_flight = None
+
+    def step(self, block: bool = True) -> list[GenerationResult[R]]:
+        """The solve in flight lands when the device has finished it or ``block``; then, with
+        none in flight, one solve: the group (:meth:`groups`) of the oldest waiting request,
+        among the oldest ``max_batch`` (the rest wait, in their order, for the next step),
+        waited for with ``block``, else left in flight (:attr:`in_flight`) to land in a later
+        step while the caller does other work."""
+        results: list[GenerationResult[R]] = []
+        if self.in_flight is not None:
+            if not block and not self.in_flight.done():
+                return results
+            flight, self.in_flight = self.in_flight, None
+            results = self.land(flight)
+        if not self._waiting:
+            return results
         batch = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
         group = next(g for g in self.groups(batch) if any(r is batch[0] for r in g))
         chosen = {id(r) for r in group}
         self._waiting.extendleft(reversed([r for r in batch if id(r) not in chosen]))
-        return self.run(group)
+        if block:
+            return results + self.run(group)
+        self.in_flight = self._dispatch(group)
+        return results
 
     def groups(self, requests: list[R]) -> list[list[R]]:
         """``requests`` split into solves, shortest first, each request in one.
@@ -274,34 +297,47 @@ class GenerationRunner(Generic[R, B]):
         return len(shapes)
 
     def run(self, requests: list[R]) -> list[GenerationResult[R]]:
-        """One padded solve for ``requests``.
+        """One padded solve for ``requests``, waited for (the failure rules are :meth:`land`'s)."""
+        return self.land(self._dispatch(requests))
 
-        A device failure is retried one request at a time, so only the failing ones end with its
-        message (``error``) and the rest of the batch completes.
-        """
+    def _dispatch(self, requests: Sequence[R]) -> InFlight[R]:
+        """Pad ``requests`` into the smallest bucket that holds them and start their solve
+        (inputs to the device, one program); nothing waits for the device here."""
         rows, length = self.shape(requests)
         with scope(f"{self.name}/pad", requests=len(requests)):
             batch = self.padder.pad(requests, rows, length)
-        t0 = time.perf_counter()
-        try:
-            # Inputs to the device, one program, outputs back to the host.
+
+        def solve() -> tuple[jax.Array, jax.Array]:
             with scope(f"{self.name}/solve", rows=rows, length=length):
-                out, valid = self.solve(self.graph, self.state, *batch.arrays(self.mesh))
-                out, valid = fetch(out), fetch(valid)
-        except jax.errors.JaxRuntimeError as e:
+                return self.solve(self.graph, self.state, *batch.arrays(self.mesh))
+
+        return InFlight.dispatch(requests, (rows, length), solve)
+
+    def land(self, flight: InFlight[R]) -> list[GenerationResult[R]]:
+        """A dispatched solve's outputs back to the host, split per request still wanted.
+
+        A device failure is retried one request at a time, so only the failing ones end with its
+        message (``error``) and the rest of the batch completes; a request whose output is not
+        finite fails alone (rows do not mix). ``solve_s`` is :attr:`InFlight.seconds`.
+        """
+        requests = list(flight.rows.values())
+        read = flight.read(lambda outputs: tuple(fetch(x) for x in outputs))
+        if isinstance(read, jax.errors.JaxRuntimeError):
             if len(requests) > 1:  # find the culprit: the others still complete
                 return [result for r in requests for result in self.run([r])]
-            return [GenerationResult(requests[0], None, f"solve failed: {e}", 1, time.perf_counter() - t0)]
-        dt = time.perf_counter() - t0
-        self.cost.record((rows, length), rows * length, dt)
+            return [GenerationResult(r, None, f"solve failed: {read}", 1, flight.seconds) for r in requests]
+        out, valid = read
+        dt = flight.seconds
+        rows, length = flight.shape
+        self.cost.record(flight.shape, rows * length, dt)
         with scope(f"{self.name}/split", requests=len(requests)):
             results = []
-            for i, r in enumerate(requests):
+            for i, r in flight.rows.items():
                 o = out[i, : valid[i]]
                 if np.isfinite(o).all():
-                    results.append(GenerationResult(r, o.copy(), None, len(requests), dt))
+                    results.append(GenerationResult(r, o.copy(), None, flight.size, dt))
                 else:  # rows do not mix in the solve: only this request failed
                     bad = int((~np.isfinite(o)).sum())
-                    error = f"non-finite {self.padder.output} ({bad} of {o.size} samples)"
-                    results.append(GenerationResult(r, None, error, len(requests), dt))
+                    message = f"non-finite {self.padder.output} ({bad} of {o.size} samples)"
+                    results.append(GenerationResult(r, None, message, flight.size, dt))
             return results

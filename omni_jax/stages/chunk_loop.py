@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import time
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -37,6 +36,7 @@ from jax.sharding import Mesh
 
 from omni_jax.engine.compilation import ProgramCall, compile_ahead
 from omni_jax.engine.generation_runner import PaddedBatch, SolveBuckets
+from omni_jax.engine.in_flight import InFlight
 from omni_jax.engine.solve_cost import SolveCost
 from omni_jax.jit import StaticGraph
 from omni_jax.parallel.mesh import axis_size
@@ -69,23 +69,6 @@ B = TypeVar("B", bound=PaddedBatch)
 """One chunk solve's padded inputs."""
 H = TypeVar("H")
 """One chunk solve's results, on the host."""
-
-
-@dataclasses.dataclass
-class InFlight(Generic[R, W]):
-    """A dispatched solve of ``ready`` chunks whose results the host has not read: the padded
-    shape, the program's outputs (device arrays), or the device error its dispatch raised, and
-    when it was dispatched."""
-
-    ready: Sequence[tuple[R, W]]
-    shape: tuple[int, int]
-    outputs: Any
-    error: jax.errors.JaxRuntimeError | None
-    started: float
-
-    def done(self) -> bool:
-        """Whether reading the outputs would not wait for the device."""
-        return self.error is not None or all(leaf.is_ready() for leaf in jax.tree.leaves(self.outputs))
 
 
 @dataclasses.dataclass
@@ -129,7 +112,7 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         self.cost = SolveCost(cap=float(rows * window))
         self._requests: dict[str, R] = {}
         self._held: dict[str, int] = {}  # steps a request's ready chunk has waited (GATHER)
-        self.in_flight: InFlight[R, W] | None = None
+        self.in_flight: InFlight[tuple[R, W]] | None = None
 
     @abc.abstractmethod
     def next_window(self, request: R) -> W | None:
@@ -202,14 +185,15 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         request.finished = finished
 
     def remove(self, request_id: str) -> bool:
-        """Forget a request (aborted); ``False`` when it is not streaming. A chunk of it in the
-        solve in flight is dropped when the solve lands; a solve in flight that holds no other
+        """Forget a request (aborted); ``False`` when it is not streaming. Its chunk in the solve
+        in flight is dropped (nothing of it is read when the solve lands); a solve left with no
         request is forgotten at once (the device finishes it, nothing reads it)."""
         self._held.pop(request_id, None)
-        removed = self._requests.pop(request_id, None) is not None
-        if self.in_flight is not None and not any(self._streaming(r) for r, _ in self.in_flight.ready):
+        if self.in_flight is not None and not self.in_flight.drop(
+            lambda pair: pair[0].request_id == request_id
+        ):
             self.in_flight = None
-        return removed
+        return self._requests.pop(request_id, None) is not None
 
     def ready(self) -> list[tuple[R, W]]:
         """Each request's next chunk when ready, oldest request first."""
@@ -238,7 +222,7 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
             if not block and not self.in_flight.done():
                 return outputs
             flight, self.in_flight = self.in_flight, None
-            outputs += self._land(flight)
+            outputs += self.land(flight)
         ready = self.ready()[: self.max_batch]
         if not ready or self.gathering(ready):
             return outputs
@@ -282,10 +266,10 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
 
     def run(self, ready: Sequence[tuple[R, W]]) -> list[StreamedChunk[W]]:
         """One padded solve of ``ready`` chunks, waited for, each request advanced by its chunk
-        (:meth:`step` with ``block``; the failure rules are :meth:`_land`'s)."""
-        return self._land(self._dispatch(ready))
+        (:meth:`step` with ``block``; the failure rules are :meth:`land`'s)."""
+        return self.land(self._dispatch(ready))
 
-    def _dispatch(self, ready: Sequence[tuple[R, W]]) -> InFlight[R, W]:
+    def _dispatch(self, ready: Sequence[tuple[R, W]]) -> InFlight[tuple[R, W]]:
         """Pad ``ready`` chunks into the smallest ``(rows, window)`` that holds them and start
         their solve; nothing waits for the device here."""
         for request, _ in ready:
@@ -293,59 +277,40 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         window = self.buckets.length_for(max(self.width(chunk) for _, chunk in ready))
         rows = self.buckets.rows_for(len(ready))
         batch = self.pad(ready, rows, window)
-        started = time.perf_counter()
-        try:
-            return InFlight(ready, (rows, window), self.program(batch)(), None, started)
-        except jax.errors.JaxRuntimeError as e:  # landed as a failed solve
-            return InFlight(ready, (rows, window), None, e, started)
+        return InFlight.dispatch(ready, (rows, window), lambda: self.program(batch)())
 
-    def _land(self, flight: InFlight[R, W]) -> list[StreamedChunk[W]]:
-        """A dispatched solve, waited for: each request still streaming advanced by its chunk
-        (a request aborted since its dispatch is not: its row is dropped).
+    def land(self, flight: InFlight[tuple[R, W]]) -> list[StreamedChunk[W]]:
+        """A dispatched solve, waited for: each request still wanted advanced by its chunk (one
+        aborted since the dispatch is not: :meth:`remove` dropped its row).
 
-        As in :meth:`~omni_jax.engine.generation_runner.GenerationRunner.run`, a device failure
+        As in :meth:`~omni_jax.engine.generation_runner.GenerationRunner.land`, a device failure
         is retried one request at a time and a row with non-finite audio fails alone: a failed
-        request gets an ``error`` output and is forgotten, the others go on. A solve's seconds
-        run from its dispatch to its landing, so a solve that landed in a later step counts the
-        other stages' work between them too (the cost fit keeps each shape's fastest).
+        request gets an ``error`` output and is forgotten, the others go on. A chunk's
+        ``solve_s`` is :attr:`InFlight.seconds`.
         """
-        ready = [(r, c) for r, c in flight.ready if self._streaming(r)]
-        error = flight.error
-        if error is None:
-            try:
-                solved = self.fetched(flight.outputs)
-            except jax.errors.JaxRuntimeError as e:
-                error = e
-        if error is not None:
+        ready = list(flight.rows.values())
+        solved = flight.read(self.fetched)
+        if isinstance(solved, jax.errors.JaxRuntimeError):
             if len(ready) > 1:
                 return [out for pair in ready for out in self.run([pair])]
-            seconds = time.perf_counter() - flight.started
-            return [self._fail(*pair, f"solve failed: {error}", seconds, 1) for pair in ready]
-        dt = time.perf_counter() - flight.started
+            return [self._fail(*pair, f"solve failed: {solved}", flight.seconds, 1) for pair in ready]
+        dt = flight.seconds
         rows, window = flight.shape
         self.cost.record(flight.shape, rows * window, dt)
         outputs = []
-        for i, (request, chunk) in enumerate(flight.ready):
-            if not self._streaming(request):
-                continue
+        for i, (request, chunk) in flight.rows.items():
             audio = self.emitted(solved, i, chunk)
             if not np.isfinite(audio).all():
                 bad = int((~np.isfinite(audio)).sum())
-                error = f"non-finite waveform ({bad} of {audio.size} samples)"
-                outputs.append(self._fail(request, chunk, error, dt, len(flight.ready)))
+                message = f"non-finite waveform ({bad} of {audio.size} samples)"
+                outputs.append(self._fail(request, chunk, message, dt, flight.size))
                 continue
             last = self.advance(request, chunk, solved, i)
             request.done += 1
             if last:
                 del self._requests[request.request_id]
-            outputs.append(
-                StreamedChunk(request.request_id, chunk, audio.copy(), last, dt, len(flight.ready))
-            )
+            outputs.append(StreamedChunk(request.request_id, chunk, audio.copy(), last, dt, flight.size))
         return outputs
-
-    def _streaming(self, request: R) -> bool:
-        """Whether ``request`` is still held (not aborted, not replaced by a request of its id)."""
-        return self._requests.get(request.request_id) is request
 
     def _fail(self, request: R, chunk: W, error: str, solve_s: float, rows: int) -> StreamedChunk[W]:
         del self._requests[request.request_id]

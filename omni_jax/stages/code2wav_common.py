@@ -168,9 +168,8 @@ class Code2WavStageBase(Generic[Q, B, D]):
         self.runner.add(request)
 
     def abort(self, request_id: str) -> bool:
-        """Drop the request from the solve queue or the decoder (aborts come between steps: an
-        offline request is never inside a running solve; a streamed one's chunk in the solve in
-        flight is dropped when it lands)."""
+        """Drop the request from the solve queue or the decoder, or its row from the solve in
+        flight (nothing of it is read when the solve lands)."""
         if self._streamed.pop(request_id, None) is not None:
             return self.decoder.remove(request_id)
         if self._submitted.pop(request_id, None) is None:
@@ -182,9 +181,10 @@ class Code2WavStageBase(Generic[Q, B, D]):
         return self.runner.has_work() or self.decoder.has_work()
 
     def load(self) -> StageLoad:
-        """Streamed requests run (they are decoded as their codes come); offline ones wait for a
-        solve, which runs inside one step."""
-        return StageLoad(running=self.decoder.num_streaming, waiting=self.runner.num_waiting)
+        """Streamed requests run (they are decoded as their codes come), and so do offline ones
+        in the solve in flight; the other offline ones wait for a solve."""
+        running = self.decoder.num_streaming + self.runner.num_solving
+        return StageLoad(running=running, waiting=self.runner.num_waiting)
 
     def warmup(self) -> int:
         """Compile every program: the offline solves' (the runner's shapes) and, unless streaming
@@ -195,9 +195,9 @@ class Code2WavStageBase(Generic[Q, B, D]):
     def step(self, block: bool = True) -> StageStep:
         """One chunk solve of the streamed requests with a chunk ready, then one offline solve;
         a streamed request's audio comes chunk by chunk, an offline one's whole. Without
-        ``block`` the chunk solve is left in flight and lands in a later step
-        (:meth:`StreamedDecoder.step <omni_jax.stages.chunk_loop.StreamedDecoder.step>`); an
-        offline solve is always waited for."""
+        ``block`` each solve is left in flight and lands in a later step, once the device has
+        finished it (:meth:`StreamedDecoder.step <omni_jax.stages.chunk_loop.StreamedDecoder.step>`,
+        :meth:`GenerationRunner.step <omni_jax.engine.generation_runner.GenerationRunner.step>`)."""
         results: list[StageResult] = []
         audio: dict[str, np.ndarray] = {}
         if self.decoder.has_work():
@@ -208,7 +208,7 @@ class Code2WavStageBase(Generic[Q, B, D]):
                 if finished is not None:
                     results.append(finished)
         if self.runner.has_work():
-            results += self._solve(audio)
+            results += self._solve(audio, block)
         return StageStep(results, new_audio=audio)
 
     def _chunk_done(self, chunk: StreamedChunk[W]) -> StageResult | None:
@@ -234,10 +234,12 @@ class Code2WavStageBase(Generic[Q, B, D]):
         }
         return self._result(chunk.request_id, list(streamed.codes), metrics, wave, chunk.error)
 
-    def _solve(self, audio: dict[str, np.ndarray]) -> list[StageResult]:
-        """One offline solve; its requests finish together, with their whole waveforms."""
+    def _solve(self, audio: dict[str, np.ndarray], block: bool) -> list[StageResult]:
+        """The offline solve that landed this step (:meth:`GenerationRunner.step
+        <omni_jax.engine.generation_runner.GenerationRunner.step>`): its requests finish
+        together, with their whole waveforms."""
         results = []
-        for r in self.runner.step():
+        for r in self.runner.step(block):
             request_id = r.request.request_id
             started, size = self._submitted.pop(request_id)
             metrics = {
