@@ -427,6 +427,7 @@ def sized_code2wav_config(
     early_start: bool = True,
     stream_sizes: dict[str, int] | None = None,
     streaming: bool = True,
+    code2wav_device: int | None = None,
 ) -> Path:
     """The shipped stage YAML of ``family`` (a :data:`CODE2WAV_LENGTH_KEY` key) with code2wav's
     ``engine`` sized to a suite's workload (``max_batch`` requests of at most ``max_codes`` codes,
@@ -437,7 +438,9 @@ def sized_code2wav_config(
     (``--late-talker``). ``stream_sizes``: ``engine.stream`` keys set over the shipped ones
     (``--stream-sizes``; the stage refuses a key not its family's). ``streaming`` false: an
     offline-only stage (``engine.stream: false``), for a suite whose requests never stream, so
-    that warm-up compiles no chunk program its traffic cannot use."""
+    that warm-up compiles no chunk program its traffic cannot use. ``code2wav_device``: code2wav
+    alone on that device (an index into ``jax.devices()``), every other stage on device 0
+    (``--code2wav-device``), so the talker and code2wav run at the same time."""
     raw = yaml.safe_load((SHIPPED_DIR / f"{family}.yaml").read_text())
     (code2wav,) = [s for s in raw["stages"] if s["name"] == "code2wav"]
     length = CODE2WAV_LENGTH_KEY[family]
@@ -448,9 +451,15 @@ def sized_code2wav_config(
         code2wav["engine"]["stream"] = False
     for talker in (s for s in raw["stages"] if s["name"] == "talker"):
         talker["engine"] = {**talker.get("engine", {}), "early_start": early_start}
+    placed = ""
+    if code2wav_device is not None:
+        for stage in raw["stages"]:
+            stage["devices"] = [code2wav_device if stage is code2wav else 0]
+        raw["allow_shared_devices"] = True  # the AR stages share device 0
+        placed = f"-device{code2wav_device}"
     late = "" if early_start else "-late-talker"
     sizes = "".join(f"-{k}{v}" for k, v in (stream_sizes or {}).items()) if streaming else "-offline"
-    path = workdir / f"{family}-code2wav-{max_batch}x{max_codes}{late}{sizes}.yaml"
+    path = workdir / f"{family}-code2wav-{max_batch}x{max_codes}{late}{sizes}{placed}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path

@@ -267,6 +267,13 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         help="code2wav engine.stream keys to set, e.g. chunk_codes=6,past_codes=4 or max_chunk_frames=25 "
         "(default: shipped)",
     )
+    stream.add_argument(
+        "--code2wav-device",
+        type=int,
+        default=None,
+        help="code2wav alone on this device (an index into jax.devices()), the other stages on device 0, "
+        "so the talker and code2wav run at once (a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)",
+    )
     soak = p.add_argument_group("soak suite (--num-requests: 5000 by default)")
     soak.add_argument("--soak-rounds", type=int, default=3, help="rounds under the tight page budget")
     soak.add_argument(

@@ -76,6 +76,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 
 from benchmarks.e2e_suite import QUESTIONS, REPETITION_PENALTY, TEXT_PROMPTS, StageClock, build_pipeline
@@ -532,6 +533,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         args.codes,
         early_start=not args.late_talker,
         stream_sizes=args.stream_sizes,
+        code2wav_device=args.code2wav_device,
     )
     pipe = build_pipeline(path, args, stage_config, args.max_num_seqs or max(levels), "stream", TEXT_PROMPTS)
     code2wav = pipe.stages[-1]
@@ -578,7 +580,12 @@ def run(path: Path, args: Any) -> dict[str, Any]:
             "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, exactly {args.codes} codes "
             f"(min_tokens = max_tokens), {talker_start(args)}",
             "code2wav": f"num_steps {args.num_steps}, guidance {args.guidance_scale}, sway -1, seed "
-            f"{SEED} + request index; max_batch {max_batch}, max_codes {args.codes}",
+            f"{SEED} + request index; max_batch {max_batch}, max_codes {args.codes}"
+            + (
+                ""
+                if args.code2wav_device is None
+                else f"; on device {args.code2wav_device} of {len(jax.devices())}, the others on device 0"
+            ),
         },
         "stream": {
             "first_chunk_codes": planner.first_chunk // planner.repeats,

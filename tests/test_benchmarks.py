@@ -814,6 +814,22 @@ def test_host_pack_times_each_stages_steps(tmp_path: Path) -> None:
     )
 
 
+def test_a_suite_can_place_code2wav_on_its_own_device(tmp_path: Path) -> None:
+    """``--code2wav-device 1``: the stage YAML puts code2wav alone on device 1 and the AR stages
+    on device 0, which they share; without it no stage names a device."""
+    from omni_jax.stages.config import load_pipeline_config
+
+    placed = load_pipeline_config(harness.sized_code2wav_config(tmp_path, 2, 50, code2wav_device=1))
+    assert {s.name: list(s.devices or []) for s in placed.stages} == {
+        "thinker": [0],
+        "talker": [0],
+        "code2wav": [1],
+    }
+    assert placed.allow_shared_devices
+    default = load_pipeline_config(harness.sized_code2wav_config(tmp_path, 2, 50))
+    assert all(s.devices is None for s in default.stages) and not default.allow_shared_devices
+
+
 def test_text_prompts_turn_the_encoders_off(omni_dir: Path, tmp_path: Path) -> None:
     """The stream suites' prompts are text: they build the pipeline with every kind of media
     capped at 0 (no encoder compiled at warm-up), beside code2wav's sizes from their stage YAML;

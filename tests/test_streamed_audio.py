@@ -20,6 +20,7 @@ import torch
 from omni_reference import chunked_reference
 from parity import rel_err
 from stage_yamls import Whole, edited_stages
+from stand_ins import Gate, held
 
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
@@ -213,19 +214,31 @@ def test_streaming_settings_are_checked(omni_dir, tmp_path, engine_stream, sampl
 # --- the pipeline: the talker's codes fed to code2wav as they come --------------------------------
 
 
+def story_params(codes: int, seed: int, num_steps: int) -> list:
+    """Per-stage params of a streamed story: the thinker's 4 tokens, exactly ``codes`` codes."""
+    return [
+        THINKER,
+        SamplingParams(temperature=0.0, max_tokens=codes, ignore_eos=True),
+        Token2WavParams(stream=True, seed=seed, num_steps=num_steps),
+    ]
+
+
+def tell_story(pipe: OmniJaxPipeline, request_id: str, params: list) -> dict:
+    """Add a streamed "tell me a story" in Ethan's voice to the core (its 30 first codes are all
+    in the codec's range), to be stepped by the test; returns the prompt."""
+    prompt = spoken(pipe, "tell me a story", "Ethan")
+    (admission,) = pipe.intake.admit([prompt], params, [request_id])
+    pipe.core.add(admission, stream=True)
+    return prompt
+
+
 def test_first_audio_comes_while_the_talker_speaks(pipe, reference) -> None:
     """Driven step by step: the first audio update comes while the talker still holds the
     request; the pieces add up to the whole waveform, which is the chunked reference's for the
     talker's codes, and ``run()`` with the same params makes the same audio."""
     talker = pipe.stages[1]
-    params = [
-        THINKER,
-        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-        Token2WavParams(stream=True, seed=9, num_steps=3),
-    ]
-    prompt = spoken(pipe, "tell me a story", "Ethan")  # its 30 codes are all in the codec's range
-    (admission,) = pipe.intake.admit([prompt], params, ["streamed"])
-    pipe.core.add(admission, stream=True)
+    params = story_params(30, seed=9, num_steps=3)
+    prompt = tell_story(pipe, "streamed", params)
     updates: list[OmniRequestOutput] = []
     talking_at_first_audio = None
     while pipe.core.has_work():
@@ -248,6 +261,36 @@ def test_first_audio_comes_while_the_talker_speaks(pipe, reference) -> None:
     (again,) = pipe.run(prompt, params, progress=False)
     assert again.stage_outputs["talker"].token_ids == talker_codes
     np.testing.assert_array_equal(again.audio, last.audio)
+
+
+def test_the_talker_speaks_while_a_chunk_solve_is_in_flight(pipe, reference, monkeypatch) -> None:
+    """The engine core does not wait for a chunk solve the device has not finished (held here)
+    while the talker has work: the talker keeps making codes step after step and no audio comes;
+    once the device has it, a step lands it, and the audio is the chunked reference's."""
+    talker, decoder = pipe.stages[1], pipe.stages[2].decoder
+    gate = Gate()
+    monkeypatch.setattr(decoder, "solve", held(decoder.solve, gate))
+    params = story_params(30, seed=9, num_steps=3)
+    tell_story(pipe, "held", params)
+    updates: list[OmniRequestOutput] = []
+    while decoder.in_flight is None:
+        updates += pipe.core.step()
+    (speaking,) = talker.engine.scheduler.running
+    spoken_then = len(speaking.output_ids)
+    for _ in range(3):
+        updates += pipe.core.step()
+    assert len(speaking.output_ids) >= spoken_then + 3 and decoder.in_flight is not None
+    assert all(u.audio_delta is None for u in updates)
+    gate.open = True
+    while pipe.core.has_work():
+        updates += pipe.core.step()
+    last = updates[-1]
+    assert last.finished and last.finish_reason == "length"
+    want, chunks = expected(reference, pipe, last.stage_outputs["talker"].token_ids, "Ethan", params[2])
+    pieces = [u.audio_delta for u in updates if u.audio_delta is not None]
+    assert len(pieces) == chunks
+    err = rel_err(np.concatenate(pieces), want)
+    assert err < 1e-5, err
 
 
 def test_generate_streams_audio_chunks(pipe) -> None:
@@ -279,13 +322,7 @@ def test_abort_mid_stream_frees_both_stages(pipe) -> None:
     """An abort after the first audio drops the request from the talker (its KV pages back) and
     from code2wav (no chunk of it left)."""
     talker, code2wav = pipe.stages[1], pipe.stages[2]
-    params = [
-        THINKER,
-        SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
-        Token2WavParams(stream=True, seed=1, num_steps=2),
-    ]
-    (admission,) = pipe.intake.admit([spoken(pipe, "tell me a story", "Ethan")], params, ["aborted"])
-    pipe.core.add(admission, stream=True)
+    tell_story(pipe, "aborted", story_params(200, seed=1, num_steps=2))
     while not any(u.audio_delta is not None for u in pipe.core.step()):
         pass
     assert talker.load().running == 1 and code2wav.load().running == 1

@@ -3,9 +3,9 @@
 The engine core steps every stage from one thread. A stage that waited for each solve it
 dispatched held the other stages' steps back for the solve's whole length, even where they run on
 other devices; a solve kept as an :class:`InFlight` lets the caller go on and read it in a later
-step, once :meth:`InFlight.done` says the device has its results. Both solve loops keep theirs
-this way: the offline :class:`~omni_jax.engine.generation_runner.GenerationRunner` and the
-streamed decoder of the code2wav stages.
+step, once :meth:`InFlight.done` says the device has its results. The
+:class:`~omni_jax.engine.generation_runner.GenerationRunner` keeps its solves this way, and so
+does a stage's own streamed-decode loop.
 """
 
 from __future__ import annotations
