@@ -204,7 +204,7 @@ async def _request(served: AsyncOmniJaxPipeline, work: Requests, j: int, stream:
     prompt = work.prompts[j % len(work.prompts)]
     params = work.params(j, stream)
     ttft = ttfa = None
-    updates = 0
+    pieces: list[np.ndarray] = []
     last = None
     t0 = time.perf_counter()
     async for out in served.generate(prompt, params):
@@ -212,7 +212,7 @@ async def _request(served: AsyncOmniJaxPipeline, work: Requests, j: int, stream:
         if ttft is None and out.text_delta:
             ttft = now
         if out.audio_delta is not None and out.audio_delta.size:
-            updates += 1
+            pieces.append(out.audio_delta)
             if ttfa is None:
                 ttfa = now
         last = out
@@ -222,12 +222,14 @@ async def _request(served: AsyncOmniJaxPipeline, work: Requests, j: int, stream:
     error = last.error
     if error is None and last.finish_reason != "length":
         error = f"finish_reason {last.finish_reason!r}, expected 'length'"
+    if error is None and not np.array_equal(np.concatenate(pieces or [np.zeros(0)]), last.audio):
+        error = f"its {len(pieces)} audio deltas are not its whole waveform (samples lost or reordered)"
     return Record(
         index=j,
         ttft_s=ttft,
         ttfa_s=ttfa,
         e2e_s=e2e,
-        audio_updates=updates,
+        audio_updates=len(pieces),
         samples=0 if last.audio is None else len(last.audio),
         codes=[] if talker is None else list(talker.token_ids),
         metrics=last.metrics,

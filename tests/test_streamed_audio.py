@@ -132,6 +132,26 @@ def test_one_chunk_streamed_equals_offline(voicer) -> None:
     assert err < 1e-5, err
 
 
+def test_two_chunks_landing_in_one_step_both_stream(voicer) -> None:
+    """A chunk left in flight and the request's next chunk can land in one step (the next step
+    waits: nothing else had work): the step's audio holds both, in order, so the audio deltas
+    still add up to the whole waveform."""
+    stage = voicer.stages[0]
+    prompt = {"prompt_token_ids": codes(23, 23), "speaker": "Chelsie"}
+    (admission,) = voicer.intake.admit(
+        [prompt], [Token2WavParams(stream=True, seed=3, num_steps=3)], ["twice"]
+    )
+    voicer.core.add(admission, stream=True)
+    assert stage.step(block=False).new_audio == {} and stage.decoder.in_flight is not None
+    updates: list[OmniRequestOutput] = []
+    while voicer.core.has_work():
+        updates += voicer.core.step()
+    pieces = [u.audio_delta for u in updates if u.audio_delta is not None]
+    last = updates[-1]
+    assert last.finished and last.metrics["code2wav"]["chunks"] == 4 and len(pieces) == 3
+    np.testing.assert_array_equal(np.concatenate(pieces), last.audio)
+
+
 def test_streamed_requests_have_no_code_limit(voicer) -> None:
     """``max_codes`` bounds the offline solve (32 here); a streamed request's windows are fixed."""
     prompt = {"prompt_token_ids": codes(3, 33)}

@@ -203,7 +203,11 @@ class Code2WavStageBase(Generic[Q, B, D]):
         if self.decoder.has_work():
             for chunk in self.decoder.step(block):
                 if chunk.error is None and len(chunk.audio):
-                    audio[chunk.request_id] = chunk.audio
+                    # A request's chunk in flight and its next can both land in one step, in order.
+                    before = audio.get(chunk.request_id)
+                    audio[chunk.request_id] = (
+                        chunk.audio if before is None else np.concatenate([before, chunk.audio])
+                    )
                 finished = self._chunk_done(chunk)
                 if finished is not None:
                     results.append(finished)
