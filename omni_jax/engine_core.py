@@ -136,14 +136,16 @@ class EngineCore:
         with new text tokens or audio (only its deltas), and each request that ended (its whole
         output, ``finished``, with the step's deltas).
 
-        A stage steps with ``block=False`` while another stage has work: it may leave a solve in
-        flight and report it in a later step, so the other stages' steps are dispatched
-        meanwhile (on another device, they run at the same time) instead of waiting behind it.
-        With nothing else to do, or with several processes in lockstep, it blocks."""
+        A stage steps with ``block=False`` while another stage had work when this step began:
+        it may leave a solve in flight and report it in a later step, so the other stages'
+        steps are dispatched meanwhile (on another device, they run at the same time) instead
+        of waiting behind it. With nothing else to do, or with several processes in lockstep,
+        it blocks."""
+        busy = [stage.has_work() for stage in self.stages]  # once a step: a has_work may walk its requests
         for si, stage in enumerate(self.stages):
             if not stage.has_work():
                 continue
-            others = any(other.has_work() for other in self.stages if other is not stage)
+            others = any(b for sj, b in enumerate(busy) if sj != si)
             with scope(f"stage/{stage.config.name}"):
                 done = stage.step(block=self._lockstep or not others)
             if si == self.text_stage:
