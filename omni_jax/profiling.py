@@ -9,7 +9,9 @@ dispatch, waiting for a result, splitting outputs. Names are ``"<component>/<pha
   with any prompt row is a prefill), ``<stage>/update`` (reading a step's results, waiting for
   the device, and applying them): an AR stage's engine step (``thinker/decode``, ...);
 - ``<stage>/warmup``, ``<stage>/pad``, ``<stage>/solve``, ``<stage>/split``: a generation
-  stage's runner (``code2wav/solve``, ...);
+  stage's runner (``code2wav/solve``, ...; ``solve`` is the dispatch alone: reading its
+  results, which waits for the device, comes before ``split``, in a later step when the solve
+  was left in flight);
 - ``bench/<name>``: a benchmark's measured region (``benchmarks/``).
 
 Device-side names come from ``jax.named_scope`` inside the jitted model code (``dit_solve``,
