@@ -99,6 +99,9 @@ class EngineCore:
         self._lockstep = jax.process_count() > 1
         """Several processes step the graph in the same order, so no stage may choose by the
         device's timing whether to wait for it: every step blocks."""
+        self._stalled = False
+        """The last step did nothing in any stage (each waited for its device or for another
+        stage): the next one blocks, so the loop waits for a device instead of spinning."""
 
     def has_work(self) -> bool:
         return any(s.has_work() for s in self.stages)
@@ -137,17 +140,20 @@ class EngineCore:
         output, ``finished``, with the step's deltas).
 
         A stage steps with ``block=False`` while another stage had work when this step began:
-        it may leave a solve in flight and report it in a later step, so the other stages'
-        steps are dispatched meanwhile (on another device, they run at the same time) instead
-        of waiting behind it. With nothing else to do, or with several processes in lockstep,
-        it blocks."""
+        it may leave a solve or step in flight and report it in a later step, so the other
+        stages' steps are dispatched meanwhile (on another device, they run at the same time)
+        instead of waiting behind it. With nothing else to do, with several processes in
+        lockstep, or after a step in which every stage was idle (``StageStep.idle``), it
+        blocks."""
         busy = [stage.has_work() for stage in self.stages]  # once a step: a has_work may walk its requests
+        wait, self._stalled = self._lockstep or self._stalled, any(busy)
         for si, stage in enumerate(self.stages):
             if not stage.has_work():
                 continue
             others = any(b for sj, b in enumerate(busy) if sj != si)
             with scope(f"stage/{stage.config.name}"):
-                done = stage.step(block=self._lockstep or not others)
+                done = stage.step(block=wait or not others)
+            self._stalled = self._stalled and done.idle
             if si == self.text_stage:
                 for request_id, ids in done.new_tokens.items():
                     self._stream_tokens(self._flights[request_id], ids)

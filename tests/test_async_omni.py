@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams, Token2WavParams
+from omni_jax.engine.ar_runner import ARRunner
 
 THINKER_TOKENS = 6
 PARAMS = [
@@ -51,13 +52,15 @@ def test_generate_equals_run_text_then_audio(pipe) -> None:
         assert last.token_ids == ref.token_ids and last.text == ref.text and last.finish_reason == "length"
         assert [t for u in updates for t in u.token_ids_delta] == last.token_ids
         assert "".join(u.text_delta for u in updates) == last.text
-        assert [len(u.token_ids_delta) for u in updates[:THINKER_TOKENS]] == [1] * THINKER_TOKENS
+        # A token a step read: two when a step was left unread (the device not done) and read
+        # with the next.
+        assert 1 < sum(1 for u in updates if u.token_ids_delta) <= THINKER_TOKENS
         assert last.stage_outputs.keys() == ref.stage_outputs.keys()
         if ref.audio is None:
             assert all(u.audio_delta is None for u in updates)
             continue
         # the text streams first; the waveform comes whole with the last update, the run()'s one
-        assert all(u.audio_delta is None for u in before) and len(before) == THINKER_TOKENS
+        assert all(u.audio_delta is None and u.token_ids_delta for u in before)
         assert last.stage_outputs["talker"].token_ids == ref.stage_outputs["talker"].token_ids
         np.testing.assert_array_equal(last.audio_delta, ref.audio)
         np.testing.assert_array_equal(last.audio, ref.audio)
@@ -95,6 +98,8 @@ def test_a_failed_step_keeps_what_it_finished_and_fails_the_rest(pipe, monkeypat
     prompts = [chat(pipe, "what is the time", modalities=["text"]), chat(pipe, "tell me a story")]
     for admission in pipe.intake.admit(prompts, [thinker, PARAMS[1], PARAMS[2]], ["written", "spoken"]):
         core.add(admission, stream=True)
+    # The devices answer at once, so every step is read by the next call, never left unread.
+    monkeypatch.setattr(ARRunner, "done", lambda self, dispatched: True)
     # The thinker's steps overlap (each read during the next call): "spoken" leaves the thinker
     # when its second step is read, in the third call; "written" ends when its fourth is, in the
     # fifth call, the one whose talker step raises.

@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
+from omni_jax.engine_core import EngineCore
+from omni_jax.stages.base import StageStep
+from omni_jax.stages.config import StageConfig
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -134,3 +137,29 @@ def test_abort_drops_a_request_from_the_code2wav_queue(omni_dir) -> None:
     np.testing.assert_array_equal(last.audio_delta, last.audio)
     assert last.token_ids_delta == last.token_ids == codes["prompt_token_ids"]
     np.testing.assert_array_equal(last.audio, pipe.run(codes, params, progress=False)[0].audio)
+
+
+class Waiting:
+    """A stage with work that, unless told to block, finds it all on an unfinished device."""
+
+    def __init__(self, name: str):
+        self.config = StageConfig(name=name, kind="ar", input="prompt")
+        self.blocks: list[bool] = []
+
+    def has_work(self) -> bool:
+        return True
+
+    def step(self, block: bool = True) -> StageStep:
+        self.blocks.append(block)
+        return StageStep([], idle=not block)
+
+
+def test_a_step_in_which_every_stage_was_idle_makes_the_next_one_block() -> None:
+    """While others have work a stage steps without ``block``; when every stage came back
+    ``idle`` (nothing done: all of it on the device), the next step blocks them, so the loop
+    waits for a device instead of spinning, and then goes back to not blocking."""
+    stages = [Waiting("first"), Waiting("second")]
+    core = EngineCore(stages, tokenizer=None)
+    for _ in range(4):
+        assert core.step() == []
+    assert [s.blocks for s in stages] == [[False, True, False, True]] * 2

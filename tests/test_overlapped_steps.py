@@ -122,3 +122,71 @@ def test_a_penalised_request_reads_its_pending_token_on_the_device(pipe, monkeyp
         runs.append([o.token_ids for o in pipe.run(prompts, params, progress=False)])
     assert runs[1] == runs[0]
     assert pending == [0, 45]  # every decode row after the first of each request
+
+
+def test_steps_left_unread_without_block_give_the_same_tokens(pipe, monkeypatch) -> None:
+    """``AREngine.step(block=False)``, as the engine core asks while another stage has work:
+    a step the device has not finished (each held here for its first two looks) is left unread,
+    a second one is dispatched behind it, and a call that can do nothing but wait returns
+    ``idle``. The tokens, log-probabilities and finish reasons are those of steps read one at a
+    time, and every page comes back."""
+    requests = workload(pipe)
+    one_at_a_time, *_ = run(pipe, requests, False, monkeypatch)
+    stage = pipe.stages[0]
+    engine = stage.engine
+    looks: dict[int, int] = {}
+    unread, idle = [], [0]
+    done, step = ARRunner.done, type(stage).step
+
+    def slow(self: ARRunner, dispatched: Dispatched) -> bool:
+        looks[id(dispatched)] = looks.get(id(dispatched), 0) + 1
+        return looks[id(dispatched)] > 2 and done(self, dispatched)
+
+    def unblocked(block: bool = True):  # noqa: ANN202
+        stepped = step(stage, block=False)
+        unread.append(len(engine._unread))
+        idle[0] += stepped.idle
+        return stepped
+
+    monkeypatch.setattr(ARRunner, "done", slow)
+    monkeypatch.setattr(stage, "step", unblocked)
+    left = pipe.run(*requests, progress=False)
+    monkeypatch.undo()
+    for a, b in zip(left, one_at_a_time, strict=True):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), a.request_id
+        assert a.logprobs == b.logprobs
+    assert max(unread) == 2 and idle[0] > 10
+    assert not engine.has_work()
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_pages
+
+
+def test_an_abort_reads_both_unread_steps_first(pipe, monkeypatch) -> None:
+    """With two steps unread (``block=False``, the device not done with the first), aborting a
+    request with rows in them reads both, in order: its pages are back at once, and the other
+    requests end with the tokens of a run without the abort."""
+    stage = pipe.stages[0]
+    engine, core = stage.engine, pipe.core
+    prompts = [
+        {"prompt_token_ids": [int(t) for t in np.random.RandomState(s).randint(3, 200, 9)]} for s in (1, 2)
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = pipe.run(prompts[1], greedy, progress=False)[0].token_ids
+    step = type(stage).step
+    monkeypatch.setattr(stage, "step", lambda block=True: step(stage, block=False))
+    monkeypatch.setattr(ARRunner, "done", lambda self, dispatched: False)
+    for admission in pipe.intake.admit(prompts, greedy, ["doomed", "other"]):
+        core.add(admission)
+    for _ in range(3):
+        core.step()
+    assert len(engine._unread) == 2 and core.step() == [] and len(engine._unread) == 2
+    (doomed,) = [r for r in engine.scheduler.running if r.request_id == "doomed"]
+    free = engine.scheduler.allocator.num_free
+    held = len(doomed.pages)
+    assert core.abort("doomed").finish_reason == "abort"
+    assert not engine._unread and doomed.pages == [] and engine.scheduler.allocator.num_free == free + held
+    monkeypatch.undo()
+    rest = []
+    while core.has_work():
+        rest += core.step()
+    assert [u.request_id for u in rest] == ["other"] and rest[0].token_ids == want
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_pages

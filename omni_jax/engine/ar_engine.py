@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Generic
@@ -61,7 +62,9 @@ class AREngine(Generic[S]):
         )
         self._arrivals = 0
         self.overlap = overlap
-        self._in_flight: _InFlight[S] | None = None
+        self._unread: collections.deque[_InFlight[S]] = collections.deque()
+        """Steps dispatched and not read yet, oldest first: one after a step that read the one
+        before it, two when a step without ``block`` found that one unfinished."""
         self._read: list[ARRequest[S]] = []  # finished in a step an abort read, for the next step()
         self._touched: dict[int, ARRequest[S]] = {}  # with a row in a step read since step() returned
 
@@ -104,7 +107,7 @@ class AREngine(Generic[S]):
         return self.runner.warmup()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None or bool(self._read)
+        return self.scheduler.has_work() or bool(self._unread) or bool(self._read)
 
     def abort(self, request_id: str) -> bool:
         """End the request (``finish_reason="abort"``) wherever it is queued or running; its
@@ -112,10 +115,9 @@ class AREngine(Generic[S]):
         them), that step is read first, and what it finished is returned by the next
         :meth:`step` (the aborted request not among it, even if it ended there). False when
         the engine does not hold it."""
-        flight = self._in_flight
-        if flight is not None and any(req.request_id == request_id for req, _ in flight.step):
-            self._read += self._resolve(flight)
-            self._in_flight = None
+        if any(req.request_id == request_id for flight in self._unread for req, _ in flight.step):
+            while self._unread:  # in order, up to the last step holding a row of it
+                self._read += self._resolve(self._unread.popleft())
         if self.scheduler.abort(request_id) is not None:
             return True
         ended = [r for r in self._read if r.request_id == request_id]
@@ -123,14 +125,25 @@ class AREngine(Generic[S]):
             self._read.remove(r)
         return bool(ended)
 
-    def step(self) -> EngineStep[S]:
+    def step(self, block: bool = True) -> EngineStep[S]:
         """Schedule and dispatch one step, then read the step dispatched before it (or this one,
-        when steps do not overlap); return the requests that finished in the step read, and
-        every request with a row in it (or in one an abort read since the last call)."""
+        when steps do not overlap); return the requests that finished in the steps read, and
+        every request with a row in them (or in one an abort read since the last call).
+
+        Without ``block`` no read waits for the device: the step before is left unread when the
+        device has not finished it, and read first by the next call, which schedules nothing
+        until it can (the next step's rows take their pending tokens from the step before on
+        the device, never from one further back); a call that can do nothing without waiting
+        returns at once, ``idle``. Why: the engine core steps every stage from one thread, and
+        a read that waited for this stage's device held the other stages' dispatches back,
+        even where they run on devices of their own. Either way the tokens are the same."""
         done, self._read = self._read, []
-        if self._in_flight is not None and self.scheduler.may_preempt():
-            done += self._resolve(self._in_flight)
-            self._in_flight = None
+        read = bool(done)
+        while self._unread and (len(self._unread) > 1 or self.scheduler.may_preempt()):
+            if not block and not self.runner.done(self._unread[0].dispatched):
+                return self._stepped(done, idle=not read)
+            done += self._resolve(self._unread.popleft())
+            read = True
         with scope(f"{self.name}/schedule"):
             step = self.scheduler.schedule()
         failed = self.inputs.prepare([row for _, row in step]) if step else {}
@@ -138,30 +151,33 @@ class AREngine(Generic[S]):
             self.scheduler.fail(step[i][0], message)
             done.append(step[i][0])
         step = [s for i, s in enumerate(step) if i not in failed]
-        dispatched = None
         if step:
             sources = self._sources(step)
             self.scheduler.commit(step)
             rows = [row for _, row in step]
             kind = "decode" if all(len(r.token_ids) == 1 for r in rows) else "prefill"
             with scope(f"{self.name}/{kind}", rows=len(rows)):
-                dispatched = _InFlight(step, self.runner.dispatch(rows, sources))
-        previous, self._in_flight = self._in_flight, dispatched
-        if previous is not None:
-            done += self._resolve(previous)
-        if self._in_flight is not None and not self.overlap:
-            done += self._resolve(self._in_flight)
-            self._in_flight = None
+                self._unread.append(_InFlight(step, self.runner.dispatch(rows, sources)))
+        keep = 1 if self.overlap and step else 0  # the step just dispatched stays in flight
+        while len(self._unread) > keep and (
+            block or not self.overlap or self.runner.done(self._unread[0].dispatched)
+        ):
+            done += self._resolve(self._unread.popleft())
+            read = True
+        return self._stepped(done, idle=not (read or step or failed))
+
+    def _stepped(self, done: list[ARRequest[S]], idle: bool) -> EngineStep[S]:
+        """The call's :class:`EngineStep`: ``done`` and the requests the steps it read touched."""
         read = sorted(self._touched.values(), key=lambda r: r.arrival)
         self._touched = {}
-        return EngineStep(done, read)
+        return EngineStep(done, read, idle)
 
     def _sources(self, step: list[tuple[ARRequest[S], StepRow[S]]]) -> list[int]:
         """For each row of ``step`` with a pending token, its request's row in the step in flight
         (whose draw holds the token), else -1."""
-        if self._in_flight is None:
+        if not self._unread:
             return [-1] * len(step)
-        drew = {id(req): i for i, (req, row) in enumerate(self._in_flight.step) if row.sample}
+        drew = {id(req): i for i, (req, row) in enumerate(self._unread[-1].step) if row.sample}
         return [drew[id(req)] if row.pending_token else -1 for req, row in step]
 
     def _resolve(self, flight: _InFlight[S]) -> list[ARRequest[S]]:
@@ -184,6 +200,7 @@ class EngineStep(Generic[S]):
 
     finished: list[ARRequest[S]]
     read: list[ARRequest[S]]
+    idle: bool = False
 
 
 @dataclasses.dataclass

@@ -59,6 +59,7 @@ from omni_jax.engine.buckets import (
     round_up,
 )
 from omni_jax.engine.compilation import ProgramCall, compile_ahead
+from omni_jax.engine.in_flight import on_host
 from omni_jax.engine.kv_cache import CacheConfig, init_kv_cache, pages_needed
 from omni_jax.engine.sampling import SamplingTensors, draw_tokens, pack_sampling, top_logprobs
 from omni_jax.engine.step import DrawHook, FlatStep, StepInputs, StepResult, StepRow, TokenInputs
@@ -627,6 +628,10 @@ class ARRunner:
         for a in jax.tree.leaves((toks, finite, logprobs, hidden, drawn)):  # all that fetch reads
             a.copy_to_host_async()
         return Dispatched(list(rows), lengths, toks, finite, logprobs, hidden, drawn)
+
+    def done(self, step: Dispatched) -> bool:
+        """Whether the device has finished the dispatched step (:meth:`fetch` would not wait)."""
+        return on_host((step.tokens, step.finite, step.logprobs, step.hidden, step.drawn))
 
     def fetch(self, step: Dispatched) -> StepResult:
         """A dispatched step's results on the host, in its rows' order (waits for the device).

@@ -5,7 +5,8 @@ dispatched held the other stages' steps back for the solve's whole length, even 
 other devices; a solve kept as an :class:`InFlight` lets the caller go on and read it in a later
 step, once :meth:`InFlight.done` says the device has its results. The
 :class:`~omni_jax.engine.generation_runner.GenerationRunner` keeps its solves this way, and so
-does a stage's own streamed-decode loop.
+does a stage's own streamed-decode loop; an AR step's readiness is the same test
+(:func:`on_host`, :meth:`~omni_jax.engine.ar_runner.ARRunner.done`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ T = TypeVar("T")
 """What a solve's rows are (requests, streamed chunks)."""
 H = TypeVar("H")
 """A solve's results on the host."""
+
+
+def on_host(outputs: Any) -> bool:
+    """Whether reading ``outputs`` (a pytree of a program's results) would not wait for the
+    device: every leaf a host array or a device array whose computation has finished."""
+    return all(isinstance(x, np.ndarray) or x.is_ready() for x in jax.tree.leaves(outputs))
 
 
 @dataclasses.dataclass
@@ -50,8 +57,7 @@ class InFlight(Generic[T]):
 
     def done(self) -> bool:
         """Whether reading the outputs would not wait for the device (a host array never does)."""
-        leaves = jax.tree.leaves(self.outputs)
-        return self.error is not None or all(isinstance(x, np.ndarray) or x.is_ready() for x in leaves)
+        return self.error is not None or on_host(self.outputs)
 
     def read(self, fetched: Callable[[Any], H]) -> H | jax.errors.JaxRuntimeError:
         """The solve's results on the host (``fetched`` of its outputs, which waits for the

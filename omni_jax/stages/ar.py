@@ -350,10 +350,12 @@ class ARStage(Generic[S]):
         return n + (0 if self.frontend is None else self.frontend.warmup())
 
     def step(self, block: bool = True) -> StageStep:
-        """One engine step: the tokens each request sampled in it, and the requests it finished.
-        ``block`` is not read: the engine already leaves each step in flight and reads it in the
-        next (its overlap), and a step is short."""
-        stepped = self.engine.step()
+        """One engine step: the tokens each request sampled in the steps it read, and the
+        requests it finished. Without ``block`` no read waits for the device
+        (:meth:`AREngine.step <omni_jax.engine.ar_engine.AREngine.step>`): a step the device has
+        not finished is read by a later call, and a call with nothing to do but wait is
+        ``idle``."""
+        stepped = self.engine.step(block)
         finished = stepped.finished
         new_tokens, new_rows = {}, {}
         ended = {req.request_id for req in finished}
@@ -389,7 +391,7 @@ class ARStage(Generic[S]):
             if req.capture_hidden and req.error is None:
                 result.handoff = self._handoff(ending)
             results.append(result)
-        return StageStep(results, new_tokens, new_rows=new_rows)
+        return StageStep(results, new_tokens, new_rows=new_rows, idle=stepped.idle)
 
     def _handoff(self, submitted: _Submitted[S]) -> HiddenHandoff:
         """A finished request's hidden states: every row, or for a request that streamed them

@@ -119,12 +119,16 @@ class StageStep:
     whole waveform); over all steps they are its result's ``audio``, in order. ``new_rows``, of
     an AR stage, for each request that streams its hidden states (:attr:`StageInput.stream_hidden`)
     and computed tokens in this step: the part of its :class:`HiddenHandoff` they added (not of
-    the requests it finished: their results carry the whole)."""
+    the requests it finished: their results carry the whole). ``idle``: the step did nothing,
+    neither dispatched nor read anything (what it has is on the device, unfinished, and it was
+    not asked to block, or it waits for another stage's tokens); the engine core then blocks its
+    next step rather than ask again at once."""
 
     finished: list[StageResult]
     new_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     new_audio: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     new_rows: dict[str, HiddenHandoff] = dataclasses.field(default_factory=dict)
+    idle: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +181,9 @@ class Stage(Protocol):
 
     def step(self, block: bool = True) -> StageStep:
         """Advance every request the stage holds by one step (one AR step, or one solve).
-        ``block=False`` (the engine core's, while another stage has work): a solve need not be
-        waited for; the stage may leave it in flight, stay :meth:`has_work`, and report its
-        results in a later step."""
+        ``block=False`` (the engine core's, while another stage has work): nothing need be
+        waited for; the stage may leave a solve or step in flight, stay :meth:`has_work`, and
+        report its results in a later step (``StageStep.idle`` when it did nothing)."""
 
     def abort(self, request_id: str) -> bool:
         """Drop the request from the stage at once, whatever it was doing, and free what it held

@@ -200,6 +200,7 @@ class Code2WavStageBase(Generic[Q, B, D]):
         :meth:`GenerationRunner.step <omni_jax.engine.generation_runner.GenerationRunner.step>`)."""
         results: list[StageResult] = []
         audio: dict[str, np.ndarray] = {}
+        flights = (self.decoder.in_flight, self.runner.in_flight)
         if self.decoder.has_work():
             for chunk in self.decoder.step(block):
                 if chunk.error is None and len(chunk.audio):
@@ -213,7 +214,10 @@ class Code2WavStageBase(Generic[Q, B, D]):
                     results.append(finished)
         if self.runner.has_work():
             results += self._solve(audio, block)
-        return StageStep(results, new_audio=audio)
+        # Nothing landed, ended or was dispatched: the same solves (or none) are in flight.
+        now = (self.decoder.in_flight, self.runner.in_flight)
+        idle = not results and not audio and all(a is b for a, b in zip(flights, now, strict=True))
+        return StageStep(results, new_audio=audio, idle=idle)
 
     def _chunk_done(self, chunk: StreamedChunk[W]) -> StageResult | None:
         """Record a streamed chunk; the request's result when it was its last."""
