@@ -127,7 +127,8 @@ def test_a_solve_left_in_flight_lands_once_the_device_has_it() -> None:
     device has not finished it the runner has work, counts its requests as solving and its steps
     return nothing (requests still arrive and wait); a step after it lands it (without the rows
     of a request removed meanwhile) and dispatches the next. A solve left with no request is
-    forgotten. ``step()`` (blocking) lands the solve in flight, then solves and lands the next."""
+    forgotten. ``step()`` (blocking) lands the solve in flight and returns it at once, the next
+    left in flight (its requests need not wait for another solve); the next ``step()`` lands it."""
     calls: list[list[int]] = []
     runner = make_runner(calls)
     gate = Gate()
@@ -150,7 +151,8 @@ def test_a_solve_left_in_flight_lands_once_the_device_has_it() -> None:
         runner.add(request(name, 20))
     runner.step(block=False)
     runner.add(request("f", 100))
-    assert [r.request.request_id for r in runner.step()] == ["d", "e", "f"]
+    assert [r.request.request_id for r in runner.step()] == ["d", "e"] and runner.num_solving == 1
+    assert [r.request.request_id for r in runner.step()] == ["f"]
     assert not runner.has_work() and calls == [[100, 100], [20], [20, 20], [100]]
 
 

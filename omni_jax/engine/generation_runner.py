@@ -231,8 +231,9 @@ class GenerationRunner(Generic[R, B]):
         """The solve in flight lands when the device has finished it or ``block``; then, with
         none in flight, one solve: the group (:meth:`groups`) of the oldest waiting request,
         among the oldest ``max_batch`` (the rest wait, in their order, for the next step),
-        waited for with ``block``, else left in flight (:attr:`in_flight`) to land in a later
-        step while the caller does other work."""
+        waited for with ``block`` when none landed (one that did is returned now, not after
+        another solve), else left in flight (:attr:`in_flight`) to land in a later step while
+        the caller does other work."""
         results: list[GenerationResult[R]] = []
         if self.in_flight is not None:
             if not block and not self.in_flight.done():
@@ -245,8 +246,8 @@ class GenerationRunner(Generic[R, B]):
         group = next(g for g in self.groups(batch) if any(r is batch[0] for r in g))
         chosen = {id(r) for r in group}
         self._waiting.extendleft(reversed([r for r in batch if id(r) not in chosen]))
-        if block:
-            return results + self.run(group)
+        if block and not results:
+            return self.run(group)
         self.in_flight = self._dispatch(group)
         return results
 

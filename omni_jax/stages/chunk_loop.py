@@ -211,8 +211,10 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         with none in flight, one solve is dispatched: the next chunks of the oldest
         ``max_batch`` requests with one ready, unless they wait for others'
         (:meth:`gathering`), or the first of their :meth:`groups` when a shared solve would pay
-        more in padding than a solve of their own costs. With ``block`` it lands in this step;
-        without, in a later one (:attr:`in_flight` until then), so the caller's other work
+        more in padding than a solve of their own costs. With ``block`` it lands in this step,
+        unless one already did: then it is left in flight, so the audio that landed reaches the
+        caller now, not after another solve (a request gets at most one chunk a step); without
+        ``block``, in a later step (:attr:`in_flight` until then), so the caller's other work
         runs while the device solves."""
         outputs: list[StreamedChunk[W]] = []
         for request in [r for r in self._requests.values() if self.drained(r)]:
@@ -229,8 +231,8 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         first, *later = self.groups(ready)
         for request, _ in (pair for group in later for pair in group):
             self._held[request.request_id] = GATHER  # split off to run next step, not to wait more
-        if block:
-            return outputs + self.run(first)
+        if block and not outputs:
+            return self.run(first)
         self.in_flight = self._dispatch(first)
         return outputs
 

@@ -202,13 +202,9 @@ class Code2WavStageBase(Generic[Q, B, D]):
         audio: dict[str, np.ndarray] = {}
         flights = (self.decoder.in_flight, self.runner.in_flight)
         if self.decoder.has_work():
-            for chunk in self.decoder.step(block):
+            for chunk in self.decoder.step(block):  # at most one chunk of a request a step
                 if chunk.error is None and len(chunk.audio):
-                    # A request's chunk in flight and its next can both land in one step, in order.
-                    before = audio.get(chunk.request_id)
-                    audio[chunk.request_id] = (
-                        chunk.audio if before is None else np.concatenate([before, chunk.audio])
-                    )
+                    audio[chunk.request_id] = chunk.audio
                 finished = self._chunk_done(chunk)
                 if finished is not None:
                     results.append(finished)
