@@ -116,7 +116,7 @@ class AREngine(Generic[S]):
         :meth:`step` (the aborted request not among it, even if it ended there). False when
         the engine does not hold it."""
         if any(req.request_id == request_id for flight in self._unread for req, _ in flight.step):
-            while self._unread:  # in order, up to the last step holding a row of it
+            while self._unread:  # every unread step, in order (the scheduler reads steps in order)
                 self._read += self._resolve(self._unread.popleft())
         if self.scheduler.abort(request_id) is not None:
             return True
