@@ -457,6 +457,18 @@ def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides:
     return path
 
 
+class _NoVideoProcessor:
+    """The video slot of a reference processor assembled without a video processor: transformers
+    5.17's composites read ``video_processor.merge_size`` for every prompt, video or not (5.24's
+    only for a prompt with video); a prompt with video is refused."""
+
+    def __init__(self, merge_size: int) -> None:
+        self.merge_size = merge_size
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("this reference processor has no video processor: pass one for prompts with video")
+
+
 def reference_omni_processor(
     path: str | Path,
     video_processor: Any = None,
@@ -468,10 +480,13 @@ def reference_omni_processor(
     With torchvision installed and no part given, that is ``AutoProcessor``'s own instance.
     Without, its constructor cannot look up the video processor class, so the instance is
     assembled as the constructor would assemble it, with ``video_processor`` in that slot
-    (``None``: prompts without video) and ``image_processor`` (default: ``AutoImageProcessor``'s);
-    ``__call__`` is transformers' code either way. Tests and the e2e benchmark prepare the
-    reference's inputs with it. ``processor_class`` (default ``Qwen2_5OmniProcessor``) assembles
-    another composite whose constructor sets the same attributes: ``Qwen3OmniMoeProcessor``.
+    (``None``: prompts without video; a stand-in that refuses video sits there) and
+    ``image_processor`` (default: ``AutoImageProcessor``'s; without torchvision, the PIL class
+    transformers 5.24's picks then, named directly, as 5.17's ``AutoImageProcessor`` refuses to
+    load at all without torchvision); ``__call__`` is transformers' code either way. Tests and
+    the e2e benchmark prepare the reference's inputs with it. ``processor_class`` (default
+    ``Qwen2_5OmniProcessor``) assembles another composite whose constructor sets the same
+    attributes: ``Qwen3OmniMoeProcessor``.
     """
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
@@ -484,8 +499,16 @@ def reference_omni_processor(
     tokenizer = AutoTokenizer.from_pretrained(path)
     proc.tokenizer = tokenizer
     proc.feature_extractor = AutoFeatureExtractor.from_pretrained(path)
-    proc.image_processor = image_processor or AutoImageProcessor.from_pretrained(path)
-    proc.video_processor = video_processor
+    if image_processor is None and is_torchvision_available():
+        image_processor = AutoImageProcessor.from_pretrained(path)
+    elif image_processor is None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
+    proc.image_processor = image_processor
+    proc.video_processor = (
+        _NoVideoProcessor(image_processor.merge_size) if video_processor is None else video_processor
+    )
     proc.chat_template = tokenizer.chat_template
     for name in ("image", "audio", "video"):
         setattr(proc, f"{name}_token", getattr(tokenizer, f"{name}_token"))

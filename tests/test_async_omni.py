@@ -46,7 +46,7 @@ def test_generate_equals_run_text_then_audio(pipe) -> None:
         async with AsyncOmniJaxPipeline(pipe) as served:
             return await asyncio.gather(collect(served, spoken, PARAMS), collect(served, written, PARAMS))
 
-    for updates, ref in zip(asyncio.run(both()), refs, strict=True):
+    for updates, ref in zip(asyncio.run(asyncio.wait_for(both(), 300)), refs, strict=True):
         *before, last = updates
         assert last.finished and not any(u.finished for u in before)
         assert last.token_ids == ref.token_ids and last.text == ref.text and last.finish_reason == "length"
@@ -76,14 +76,17 @@ def test_abort_in_the_talker_frees_its_pages(pipe) -> None:
     async def scenario() -> list[OmniRequestOutput]:
         async with AsyncOmniJaxPipeline(pipe) as served:
             gen = served.generate(prompt, params, request_id="talking")
-            text = [await gen.__anext__() for _ in range(THINKER_TOKENS)]
+            # Updates until the thinker's tokens are out: a step read late brings two at once.
+            text = []
+            while sum(len(u.token_ids_delta) for u in text) < THINKER_TOKENS:
+                text.append(await anext(gen))
             while talker.num_free == talker.num_pages:  # until the talker has its prompt
                 await asyncio.sleep(0.01)
             await served.abort("talking")
             assert talker.num_free == talker.num_pages
             return text + [out async for out in gen]
 
-    *text, last = asyncio.run(scenario())
+    *text, last = asyncio.run(asyncio.wait_for(scenario(), 300))
     assert last.finished and last.finish_reason == "abort" and last.audio is None
     assert last.token_ids == [t for u in text for t in u.token_ids_delta]
     assert len(last.token_ids) == THINKER_TOKENS and last.stage_outputs.keys() == {"thinker"}

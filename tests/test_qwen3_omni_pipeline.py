@@ -243,4 +243,4 @@ def _stream(pipe: OmniJaxPipeline, prompt: dict[str, Any], params: list[Any]) ->
         async with AsyncOmniJaxPipeline(pipe) as served:
             return [out async for out in served.generate(prompt, params)]
 
-    return asyncio.run(collect())
+    return asyncio.run(asyncio.wait_for(collect(), 300))

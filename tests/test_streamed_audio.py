@@ -376,7 +376,7 @@ def test_generate_streams_audio_chunks(pipe) -> None:
         async with AsyncOmniJaxPipeline(pipe) as served:
             return [out async for out in served.generate(prompt, params)]
 
-    updates = asyncio.run(collect())
+    updates = asyncio.run(asyncio.wait_for(collect(), 300))
     pieces = [u.audio_delta for u in updates if u.audio_delta is not None]
     assert len(pieces) == ref.metrics["code2wav"]["chunks"] == 3
     first_audio = next(i for i, u in enumerate(updates) if u.audio_delta is not None)
