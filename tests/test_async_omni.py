@@ -77,7 +77,7 @@ def test_abort_in_the_talker_frees_its_pages(pipe) -> None:
         async with AsyncOmniJaxPipeline(pipe) as served:
             gen = served.generate(prompt, params, request_id="talking")
             # Updates until the thinker's tokens are out: a step read late brings two at once.
-            text = []
+            text: list[OmniRequestOutput] = []
             while sum(len(u.token_ids_delta) for u in text) < THINKER_TOKENS:
                 text.append(await anext(gen))
             while talker.num_free == talker.num_pages:  # until the talker has its prompt
