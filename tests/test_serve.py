@@ -593,6 +593,22 @@ def test_the_openai_client_reads_the_refusals(qwen) -> None:
     assert e.value.param == "model"
 
 
+def test_a_request_routing_refuses_gets_openai_error_json(qwen, good_ref) -> None:
+    """An unknown path or a method a route does not take: OpenAI's error JSON, as every other
+    refusal, counted by status, and the server serves on."""
+    refused = qwen.server.metrics()
+    with qwen.server.http() as http:
+        check_error(http.get("/v1/nothing"), 404, "not_found_error", "Not Found")
+        r = http.get("/v1/chat/completions")
+        check_error(r, 405, "invalid_request_error", "Method Not Allowed")
+        assert r.headers["allow"] == "POST"
+        check_good_request(http, good_ref)
+    metrics = qwen.server.metrics()
+    for status in ("404", "405"):
+        key = ("omni_jax:request_refused_total", (("status", status),))
+        assert metrics[key] == refused.get(key, 0) + 1
+
+
 @pytest.mark.parametrize("key", [None, "wrong-key", f"{API_KEY}x"], ids=["missing", "wrong", "longer"])
 def test_a_missing_or_wrong_api_key_gets_401(qwen, good_ref, key) -> None:
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}

@@ -208,7 +208,7 @@ def test_a_png_data_url_becomes_an_rgb_image() -> None:
         ("data:image/png;base64,iVBOR!!w0KGgo", "not valid base64"),
         ("data:image/png;base64,", "empty"),
         ("data:image/png,iVBORw0KGgo=", "a data URL must be 'data:<type>;base64,<data>'"),
-        (data_url("image/png", b"not an image at all"), "not a readable image"),
+        (data_url("image/png", b"not an image at all"), "not a readable image (no image format recognised)"),
     ],
 )
 def test_a_bad_image_data_url_is_refused_naming_the_part(url: str, problem: str) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
 from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, responses
@@ -240,6 +241,15 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
     async def refused(_: Request, e: HTTPError) -> JSONResponse:
         server.metrics.refused.labels(str(e.status)).inc()
         return JSONResponse(responses.error_json(e.status, e.message, e.param), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def unrouted(_: Request, e: HTTPException) -> JSONResponse:
+        """Routing's own refusals (an unknown path, a method a route does not take) in OpenAI's
+        error JSON too, as every other error the server sends."""
+        server.metrics.refused.labels(str(e.status_code)).inc()
+        return JSONResponse(
+            responses.error_json(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers
+        )
 
     @app.exception_handler(Exception)
     async def failed(_: Request, e: Exception) -> JSONResponse:

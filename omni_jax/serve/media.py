@@ -61,7 +61,9 @@ def image(where: str, url: str, allowed: Path | None) -> object:
     try:
         img = Image.open(io.BytesIO(raw))
         img.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except UnidentifiedImageError:
+        raise ValueError(f"{where}: not a readable image (no image format recognised)") from None
+    except (OSError, ValueError) as e:
         raise ValueError(f"{where}: not a readable image ({e})") from None
     return img.convert("RGB")
 
