@@ -42,7 +42,7 @@ class _Flight:
     """A request on its way through the stage graph: the stages holding it (``holders``, in
     order: the one it was submitted to, then those fed as the stage before each makes its
     tokens), those that took it (``taken``), its output so far, and when streamed, the text
-    stage's tokens delivered so far."""
+    stage's tokens delivered so far (and their log-probabilities, when it asked for them)."""
 
     admission: Admission
     output: OmniRequestOutput
@@ -50,6 +50,7 @@ class _Flight:
     taken: set[int] = dataclasses.field(default_factory=set)
     stream: bool = False
     reply: list[int] = dataclasses.field(default_factory=list)
+    reply_logprobs: list[dict[int, float]] | None = None
     text: TextStream | None = None
 
     @property
@@ -156,7 +157,7 @@ class EngineCore:
             self._stalled = self._stalled and done.idle
             if si == self.text_stage:
                 for request_id, ids in done.new_tokens.items():
-                    self._stream_tokens(self._flights[request_id], ids)
+                    self._stream_tokens(self._flights[request_id], ids, done.new_logprobs.get(request_id))
             finished = {result.request_id for result in done.finished}
             fed = dict.fromkeys([*done.new_tokens, *done.new_rows])  # in order: every process feeds alike
             for request_id in (r for r in fed if r not in finished):
@@ -193,6 +194,8 @@ class EngineCore:
         out.finish_reason, out.error = ("abort", None) if error is None else ("error", error)
         if flight.stream and self.text_stage is not None and flight.stage <= self.text_stage:
             out.token_ids = list(flight.reply)
+            if flight.reply_logprobs is not None:
+                out.logprobs = list(flight.reply_logprobs)
             if flight.text is not None:
                 out.text = self.tokenizer.decode(flight.reply, skip_special_tokens=True)
                 self._update(flight).text_delta += flight.text.finish(out.text)
@@ -214,12 +217,19 @@ class EngineCore:
             update = self._updates[out.request_id] = OmniRequestOutput(out.request_id, out.prompt_token_ids)
         return update
 
-    def _stream_tokens(self, flight: _Flight, ids: list[int]) -> None:
+    def _stream_tokens(
+        self, flight: _Flight, ids: list[int], logprobs: list[dict[int, float]] | None
+    ) -> None:
         if not flight.stream:
             return
         flight.reply += ids
         update = self._update(flight)
         update.token_ids_delta += ids
+        if logprobs is not None:
+            if flight.reply_logprobs is None:
+                flight.reply_logprobs = []
+            flight.reply_logprobs += logprobs
+            update.logprobs_delta += logprobs
         if flight.text is not None:
             update.text_delta += flight.text.update(flight.reply)
 
@@ -259,6 +269,7 @@ class EngineCore:
         update = self._updates.pop(out.request_id, None)
         if update is not None:
             out.text_delta, out.token_ids_delta = update.text_delta, update.token_ids_delta
+            out.logprobs_delta = update.logprobs_delta
             out.audio_delta = update.audio_delta
         out.finished = True
         return out

@@ -29,14 +29,20 @@ class OmniRequestOutput:
     ``OmniJaxPipeline.run`` returns it whole, once the request is done (``finished``).
     ``AsyncOmniJaxPipeline.generate`` yields it as updates: each one carries what is new since
     the previous one in the ``*_delta`` fields (``text_delta`` and ``token_ids_delta``: the text
-    stage's new tokens and the text they complete; ``audio_delta``: new samples, chunk by chunk
-    when the request's code2wav streams (``Token2WavParams(stream=True)``), else the whole
-    waveform when the audio stage finishes). Only the last update (``finished``, with its
-    ``finish_reason``) fills the other fields, with the whole output as ``run`` returns it; the
-    deltas of all updates add up to its ``token_ids``, ``text`` and ``audio``. Except when a
-    stage fails it (``finish_reason="error"`` with the stage's message): its last update is what
-    ``run`` gives a failed request, without the tokens it streamed before the fault. An abort,
-    or a fault outside the stages, keeps what was streamed.
+    stage's new tokens and the text they complete; ``logprobs_delta``: those tokens'
+    log-probabilities, when the text stage's ``SamplingParams.logprobs`` asks for them;
+    ``audio_delta``: new samples, chunk by chunk when the request's code2wav streams
+    (``Token2WavParams(stream=True)``), else the whole waveform when the audio stage finishes).
+    Only the last update (``finished``, with its ``finish_reason``) fills the other fields, with
+    the whole output as ``run`` returns it; the deltas of all updates add up to its
+    ``token_ids``, ``logprobs``, ``text`` and ``audio``. Except when a stage fails it
+    (``finish_reason="error"`` with the stage's message): its last update is what ``run`` gives
+    a failed request, without the tokens it streamed before the fault. An abort, or a fault
+    outside the stages, keeps what was streamed.
+
+    ``logprobs`` (vLLM's form): one dict per output token, token id -> log-probability under
+    the model's log-softmax: the sampled token first, then the ``SamplingParams.logprobs`` most
+    likely tokens (one entry fewer when the sampled token is among them).
     """
 
     request_id: str
@@ -52,6 +58,7 @@ class OmniRequestOutput:
     logprobs: list[dict[int, float]] | None = None
     text_delta: str = ""
     token_ids_delta: list[int] = dataclasses.field(default_factory=list)
+    logprobs_delta: list[dict[int, float]] = dataclasses.field(default_factory=list)
     audio_delta: np.ndarray | None = None
     finished: bool = False
 

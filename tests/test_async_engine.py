@@ -8,6 +8,7 @@ separate pipeline of the same sizes), which ``tests/test_run_greedy.py`` holds t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -67,6 +68,7 @@ def check_stream(updates: list[OmniRequestOutput]) -> OmniRequestOutput:
     assert last.finished and not any(u.finished for u in before)
     assert len({u.request_id for u in updates}) == 1
     assert [t for u in updates for t in u.token_ids_delta] == last.token_ids
+    assert [lp for u in updates for lp in u.logprobs_delta] == (last.logprobs or [])
     assert "".join(u.text_delta for u in updates) == (last.text or "")
     return last
 
@@ -80,6 +82,39 @@ def test_generate_equals_run_and_streams_every_token(pipe, sync) -> None:
         assert out.prompt_token_ids == ref.prompt_token_ids
         # one update per decode step, each with the token sampled in it
         assert [len(u.token_ids_delta) for u in updates] == [1] * 12
+
+
+def test_each_update_carries_its_tokens_logprobs(pipe, sync) -> None:
+    """Requests asking for none, the sampled token's alone and the top 3, at once: each token's
+    log-probabilities come in the update that brings the token, and add up to ``run``'s."""
+    asks = [None, 0, 3]
+    prompts = [ids(9 + 7 * i, 20 + i) for i in range(len(asks))]
+    params = [dataclasses.replace(greedy(10), logprobs=n) for n in asks]
+
+    async def all_at_once() -> list[list[OmniRequestOutput]]:
+        return await asyncio.gather(*(collect(pipe, p, s) for p, s in zip(prompts, params, strict=True)))
+
+    for n, prompt, p, updates in zip(asks, prompts, params, run_async(all_at_once), strict=True):
+        (ref,) = sync.run(prompt, p, progress=False)
+        out = check_stream(updates)
+        assert out.token_ids == ref.token_ids
+        for u in updates:
+            assert len(u.logprobs_delta) == (0 if n is None else len(u.token_ids_delta))
+            for tok, lp in zip(u.token_ids_delta, u.logprobs_delta, strict=False):
+                assert next(iter(lp)) == tok and len(lp) == max(n, 1)  # greedy: the top token
+        if n is None:
+            assert out.logprobs is None and ref.logprobs is None
+            continue
+        assert [list(lp) for lp in out.logprobs] == [list(lp) for lp in ref.logprobs]
+        # Here three requests share the steps, there one runs alone: float32 sums over other
+        # batch shapes differ in their last bits. The bound is tests/test_sampling.py's to
+        # transformers' log-softmax.
+        np.testing.assert_allclose(
+            [v for lp in out.logprobs for v in lp.values()],
+            [v for lp in ref.logprobs for v in lp.values()],
+            rtol=0,
+            atol=1e-5,
+        )
 
 
 def test_text_deltas_are_the_text_of_the_tokens_so_far(pipe) -> None:
@@ -158,7 +193,8 @@ def test_abort_mid_decode_frees_its_pages_and_the_others_finish(pipe, sync) -> N
     refs = sync.run(others, greedy(30), progress=False)
 
     async def scenario() -> tuple[list[OmniRequestOutput], list[list[OmniRequestOutput]]]:
-        doomed = pipe.generate(ids(40, 7), greedy(200), request_id="doomed")
+        asks = dataclasses.replace(greedy(200), logprobs=2)
+        doomed = pipe.generate(ids(40, 7), asks, request_id="doomed")
         seen = await first_updates(doomed, 5)
         assert pages.num_free < pages.num_pages  # it holds pages while it decodes
         await pipe.abort("doomed")  # alone in the engine: once this returns the engine idles
@@ -174,6 +210,7 @@ def test_abort_mid_decode_frees_its_pages_and_the_others_finish(pipe, sync) -> N
     doomed, finished = run_async(scenario)
     out = check_stream(doomed)
     assert out.finish_reason == "abort" and 5 <= len(out.token_ids) < 200
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)  # as streamed
     for updates, ref in zip(finished, refs, strict=True):
         assert check_stream(updates).token_ids == ref.token_ids
     assert pages.num_free == pages.num_pages

@@ -467,6 +467,108 @@ def test_completions_equal_run(qwen, kind, stream) -> None:
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
 
 
+TOP = 3
+
+
+def most_likely(ref: OmniRequestOutput, tokenizer: Any) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """Per reply token of ``run()`` with ``logprobs=TOP``: its text (decoded alone), its
+    log-probability and the ``TOP`` most likely tokens', the most likely first."""
+    assert ref.logprobs is not None
+    want = []
+    for token, entry in zip(ref.token_ids, ref.logprobs, strict=True):
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:TOP]
+        want.append((tokenizer.decode([token]), entry[token], [(tokenizer.decode([t]), v) for t, v in top]))
+    return want
+
+
+def check_chat_logprobs(content: list[Any], want: list[tuple[str, float, list[tuple[str, float]]]]) -> None:
+    # The server and the reference run the request in different processes; the bound is
+    # tests/test_sampling.py's to transformers' log-softmax.
+    assert len(content) == len(want)
+    for got, (token, logprob, top) in zip(content, want, strict=True):
+        assert got.token == token and got.bytes == list(token.encode()) and abs(got.logprob - logprob) < 1e-5
+        assert [t.token for t in got.top_logprobs] == [t for t, _ in top]
+        assert all(t.bytes == list(t.token.encode()) for t in got.top_logprobs)
+        np.testing.assert_allclose(
+            [t.logprob for t in got.top_logprobs], [v for _, v in top], rtol=0, atol=1e-5
+        )
+
+
+def test_chat_logprobs_are_runs(qwen) -> None:
+    """``logprobs`` and ``top_logprobs``: each reply token's log-probability and the most likely
+    tokens', as ``run()`` gives them with ``SamplingParams(logprobs=...)``, whole and streamed
+    (each chunk with its own tokens'), read by the openai client."""
+    ref = chat_ref(qwen.ref, MESSAGES[0], temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP)
+    want = most_likely(ref, qwen.ref.tokenizer)
+    client = qwen.server.client()
+    fields: dict[str, Any] = dict(
+        model="tiny-qwen2",
+        messages=MESSAGES[0],
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=TOP,
+        extra_body={"ignore_eos": True},
+    )
+    r = client.chat.completions.create(**fields)
+    assert r.choices[0].message.content == ref.text
+    check_chat_logprobs(r.choices[0].logprobs.content, want)
+    chunks = list(client.chat.completions.create(stream=True, **fields))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    streamed = [e for c in chunks if c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
+    check_chat_logprobs(streamed, want)
+    assert sum(c.choices[0].logprobs is not None for c in chunks) > 3  # in pieces, as they came
+    alone = client.chat.completions.create(**{**fields, "top_logprobs": None})
+    assert [e.top_logprobs for e in alone.choices[0].logprobs.content] == [[]] * 12
+    assert [e.token for e in alone.choices[0].logprobs.content] == [t for t, _, _ in want]
+    plain = client.chat.completions.create(**{**fields, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == ref.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_logprobs_are_runs(qwen, stream) -> None:
+    """A completion's ``logprobs: N``: OpenAI's legacy lists, the tokens' texts laid end to end
+    from ``text_offset`` 0 (a stream's chunks continue the count). ``top_logprobs`` maps texts
+    to log-probabilities, so tokens that read alike (pieces of a character, U+FFFD) share one
+    key, as in vLLM."""
+    prompt = COMPLETION_PROMPTS["token ids"]
+    params = stage_params(qwen.ref, temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=TOP)
+    ref = run_one(qwen.ref, {"prompt_token_ids": prompt}, params)
+    want = most_likely(ref, qwen.ref.tokenizer)
+    fields: dict[str, Any] = dict(
+        model="tiny-qwen2",
+        prompt=prompt,
+        temperature=0,
+        max_tokens=10,
+        logprobs=TOP,
+        extra_body={"ignore_eos": True},
+    )
+    client = qwen.server.client()
+    if stream:
+        chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **fields)]
+        lists = [c for c in chunks if c is not None]
+        assert len(lists) > 3
+    else:
+        lists = [client.completions.create(**fields).choices[0].logprobs]
+    tokens = [t for c in lists for t in c.tokens]
+    assert tokens == [t for t, _, _ in want]
+    np.testing.assert_allclose(
+        [v for c in lists for v in c.token_logprobs], [v for _, v, _ in want], rtol=0, atol=1e-5
+    )
+    tops = [top for c in lists for top in c.top_logprobs]
+    want_tops = [dict(top) for _, _, top in want]
+    assert [list(top) for top in tops] == [list(top) for top in want_tops]
+    np.testing.assert_allclose(
+        [v for top in tops for v in top.values()],
+        [v for top in want_tops for v in top.values()],
+        rtol=0,
+        atol=1e-5,
+    )
+    assert [o for c in lists for o in c.text_offset] == [
+        sum(map(len, tokens[:i])) for i in range(len(tokens))
+    ]
+
+
 def test_a_raw_stream_is_server_sent_events(qwen) -> None:
     """What a client without the SDK reads: ``data: <json>`` lines, blank lines, ``data: [DONE]``."""
     ref = chat_ref(qwen.ref, MESSAGES[0], temperature=0.0, max_tokens=8)
@@ -551,6 +653,24 @@ REFUSALS = {
         None,
     ),
     "wrong model": ({**GOOD, "model": "gpt-4o"}, 404, "the model 'gpt-4o' does not exist here", "model"),
+    "top_logprobs alone": (
+        {**GOOD, "top_logprobs": 2},
+        400,
+        "top_logprobs: asked without logprobs: true",
+        None,
+    ),
+    "too many top_logprobs": (
+        {**GOOD, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs: Input should be less than or equal to 20",
+        "top_logprobs",
+    ),
+    "too many completion logprobs": (
+        {"model": "tiny-qwen2", "prompt": "x", "logprobs": 21},
+        400,
+        "logprobs: Input should be less than or equal to 20",
+        "logprobs",
+    ),
 }
 TYPES = {400: "invalid_request_error", 404: "not_found_error"}
 

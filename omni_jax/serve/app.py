@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
-from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, responses
+from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, logprobs, responses
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, invalid_request_message
 from omni_jax.serve.reply import End, Piece, reply
@@ -155,10 +155,10 @@ class _Server:
         serve: convert.ServeRequest,
         request_id: str,
         stream: Callable[[AsyncIterator[Piece | End], Piece | End], AsyncIterator[bytes]],
-        whole: Callable[[str, list[Piece], End], dict[str, Any]],
+        whole: Callable[[_Gathered], dict[str, Any]],
     ) -> Response:
         """Run the request: its queue and admission checks, then an SSE response from
-        ``stream(events, first)`` or the JSON ``whole(text, audio pieces, end)``. A client gone
+        ``stream(events, first)`` or the JSON ``whole(gathered)``. A client gone
         before the end gets nothing (499 in the log); a request a stage failed is a 500."""
         events = reply(self.pipe, serve, request_id, self.metrics, time.perf_counter())
         try:
@@ -175,10 +175,9 @@ class _Server:
         gathered = await self.unless_disconnected(request, _gather(events, first))
         if gathered is None:
             return Response(status_code=CLIENT_GONE)
-        text, audio, end = gathered
-        if end.finish_reason == "error":
-            raise HTTPError(500, f"the request failed: {end.error}")
-        return JSONResponse(whole(text, audio, end))
+        if gathered.end.finish_reason == "error":
+            raise HTTPError(500, f"the request failed: {gathered.end.error}")
+        return JSONResponse(whole(gathered))
 
     async def unless_disconnected(self, request: Request, work: Awaitable[T]) -> T | None:
         """``await work``, or cancel it and return ``None`` if the client disconnects first."""
@@ -199,24 +198,37 @@ class _Server:
 
 @dataclasses.dataclass(frozen=True)
 class _Head:
-    """What every chunk of one streamed reply repeats, and what the request asked."""
+    """What every chunk of one streamed reply repeats, what the request asked, and how its
+    tokens read in log-probabilities."""
 
     serve: convert.ServeRequest
     request_id: str
     model: str
     created: int
+    token_text: logprobs.TokenText
 
 
-async def _gather(events: AsyncIterator[Piece | End], first: Piece | End) -> tuple[str, list[Piece], End]:
-    """Every piece of a reply: its text, its audio pieces and its end."""
-    text, audio = [], []
+@dataclasses.dataclass(frozen=True)
+class _Gathered:
+    """A whole reply: its text, its audio pieces, its tokens' log-probabilities (when asked) and
+    its end."""
+
+    text: str
+    audio: list[Piece]
+    logprobs: list[dict[int, float]]
+    end: End
+
+
+async def _gather(events: AsyncIterator[Piece | End], first: Piece | End) -> _Gathered:
+    text, audio, entries = [], [], []
     event = first
     while not isinstance(event, End):
         text.append(event.text)
+        entries += event.logprobs
         if event.audio is not None:
             audio.append(event)
         event = await anext(events)
-    return "".join(text), audio, event
+    return _Gathered("".join(text), audio, entries, event)
 
 
 def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
@@ -236,6 +248,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
 
     app = FastAPI(title="omni-jax", lifespan=lifespan)
     app.state.server = server
+    token_text = logprobs.token_text(pipe.pipeline.tokenizer)
 
     @app.exception_handler(HTTPError)
     async def refused(_: Request, e: HTTPError) -> JSONResponse:
@@ -292,25 +305,28 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             raise HTTPError(400, str(e)) from None
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def whole(text: str, audio: list[Piece], end: End) -> dict[str, Any]:
-            audio_json = None
+        def whole(reply: _Gathered) -> dict[str, Any]:
+            audio_json, end = None, reply.end
             if serve.audio_format is not None and end.sample_rate is not None:
                 # A talker that stopped at once leaves zero samples: still an audio object.
-                samples = np.concatenate([p.audio for p in audio]) if audio else np.zeros(0, np.float32)
+                pieces = [p.audio for p in reply.audio]
+                samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
                 data = responses.audio_data(samples, end.sample_rate, serve.audio_format)
-                audio_json = responses.audio_json(f"audio-{request_id}", data, text)
+                audio_json = responses.audio_json(f"audio-{request_id}", data, reply.text)
             return responses.chat_completion(
                 request_id,
                 settings.model_name,
                 created,
-                text,
+                reply.text,
                 end.finish_reason,
                 end.usage.json(),
                 audio_json,
+                None if serve.logprobs is None else logprobs.chat(reply.logprobs, serve.logprobs, token_text),
             )
 
         def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
-            return _chat_stream(events, first, _Head(serve, request_id, settings.model_name, created))
+            head = _Head(serve, request_id, settings.model_name, created, token_text)
+            return _chat_stream(events, first, head)
 
         return await server.respond(request, serve, request_id, stream, whole)
 
@@ -323,13 +339,22 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             raise HTTPError(400, str(e)) from None
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def whole(text: str, audio: list[Piece], end: End) -> dict[str, Any]:
+        def whole(reply: _Gathered) -> dict[str, Any]:
             return responses.completion(
-                request_id, settings.model_name, created, text, end.finish_reason, end.usage.json()
+                request_id,
+                settings.model_name,
+                created,
+                reply.text,
+                reply.end.finish_reason,
+                reply.end.usage.json(),
+                logprobs=None
+                if serve.logprobs is None
+                else logprobs.CompletionLogprobs(serve.logprobs, token_text).json(reply.logprobs),
             )
 
         def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
-            return _completion_stream(events, first, _Head(serve, request_id, settings.model_name, created))
+            head = _Head(serve, request_id, settings.model_name, created, token_text)
+            return _completion_stream(events, first, head)
 
         return await server.respond(request, serve, request_id, stream, whole)
 
@@ -339,9 +364,10 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
 async def _chat_stream(
     events: AsyncIterator[Piece | End], first: Piece | End, head: _Head
 ) -> AsyncIterator[bytes]:
-    """SSE ``chat.completion.chunk``s: the role, ``delta.content`` as text comes,
-    ``delta.audio`` as audio comes, the finish reason, the usage if asked, ``[DONE]``. Closed
-    early (the client gone), it aborts the request."""
+    """SSE ``chat.completion.chunk``s: the role, ``delta.content`` as text comes (with its
+    tokens' ``logprobs`` when asked: a chunk of tokens whose text is not out yet has empty
+    content), ``delta.audio`` as audio comes, the finish reason, the usage if asked, ``[DONE]``.
+    Closed early (the client gone), it aborts the request."""
 
     serve = head.serve
 
@@ -353,7 +379,10 @@ async def _chat_stream(
         yield chunk({"role": "assistant", "content": ""})
         event = first
         while not isinstance(event, End):
-            if event.text:
+            if event.logprobs and serve.logprobs is not None:
+                entries = logprobs.chat(event.logprobs, serve.logprobs, head.token_text)
+                yield chunk({"content": event.text}, logprobs=entries)
+            elif event.text:
                 yield chunk({"content": event.text})
             if event.audio is not None and serve.audio_format is not None:
                 data = responses.audio_data(event.audio, event.sample_rate, serve.audio_format)
@@ -370,19 +399,24 @@ async def _chat_stream(
 async def _completion_stream(
     events: AsyncIterator[Piece | End], first: Piece | End, head: _Head
 ) -> AsyncIterator[bytes]:
-    """SSE ``text_completion`` chunks: text as it comes, the finish reason, usage, ``[DONE]``."""
+    """SSE ``text_completion`` chunks: text as it comes (with its tokens' ``logprobs`` when
+    asked), the finish reason, usage, ``[DONE]``."""
 
-    def chunk(text: str, finish_reason: str | None = None, usage: dict[str, int] | None = None) -> bytes:
+    def chunk(text: str, finish_reason: str | None = None, lists: dict[str, Any] | None = None) -> bytes:
         return responses.sse(
             responses.completion(
-                head.request_id, head.model, head.created, text, finish_reason, usage, chunk=True
+                head.request_id, head.model, head.created, text, finish_reason, None, True, lists
             )
         )
 
+    asked = head.serve.logprobs
+    lists = None if asked is None else logprobs.CompletionLogprobs(asked, head.token_text)
     try:
         event = first
         while not isinstance(event, End):
-            if event.text:
+            if event.logprobs and lists is not None:
+                yield chunk(event.text, lists=lists.json(event.logprobs))
+            elif event.text:
                 yield chunk(event.text)
             event = await anext(events)
         yield _end_events(event, chunk("", event.finish_reason))

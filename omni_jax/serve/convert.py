@@ -43,7 +43,8 @@ SAMPLING_FIELDS = (
 class ServeRequest:
     """What one HTTP request asks of the pipeline: ``prompt`` and ``sampling_params_list`` as
     :meth:`AsyncOmniJaxPipeline.generate` takes them, the stop strings the server cuts the text
-    at, and the audio format asked for (``None``: no audio)."""
+    at, the audio format asked for (``None``: no audio), and how many of the most likely tokens
+    the reply shows beside each token's log-probability (``None``: no log-probabilities)."""
 
     prompt: dict[str, Any]
     sampling_params_list: list[StageParams] | StageParams
@@ -51,6 +52,7 @@ class ServeRequest:
     audio_format: Literal["wav", "pcm16"] | None
     stream: bool
     include_usage: bool
+    logprobs: int | None = None
 
 
 def _stop(value: str | list[str] | None) -> tuple[str, ...]:
@@ -60,7 +62,9 @@ def _stop(value: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def _stage_params(pipeline: OmniJaxPipeline, request: ChatCompletionRequest | CompletionRequest) -> Any:
+def _stage_params(
+    pipeline: OmniJaxPipeline, request: ChatCompletionRequest | CompletionRequest, logprobs: int | None
+) -> Any:
     """One params object per built stage (one alone for a one-stage pipeline)."""
     text_stage = next((i for i, s in enumerate(pipeline.stages) if s.config.final_output == "text"), None)
     if text_stage is None:
@@ -72,6 +76,8 @@ def _stage_params(pipeline: OmniJaxPipeline, request: ChatCompletionRequest | Co
     max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
     if max_tokens is not None:
         given["max_tokens"] = max_tokens
+    if logprobs is not None:
+        given["logprobs"] = logprobs
     params = []
     for i, stage in enumerate(pipeline.stages):
         p = dataclasses.replace(stage.defaults)
@@ -134,7 +140,10 @@ def chat_request(
     stop = _stop(request.stop)
     if stop and wants_audio:
         raise ValueError("stop: stop strings are served for text output only (modalities ['text'])")
-    params = _stage_params(pipeline, request)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise ValueError("top_logprobs: asked without logprobs: true")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    params = _stage_params(pipeline, request, logprobs)
     prompt = pipeline.chat_prompt(messages)
     if any(s.config.final_output == "audio" for s in pipeline.stages) or wants_audio:
         prompt["modalities"] = list(modalities)
@@ -147,6 +156,7 @@ def chat_request(
         audio_format=(request.audio.format if request.audio is not None else "wav") if wants_audio else None,
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
+        logprobs=logprobs,
     )
 
 
@@ -166,9 +176,10 @@ def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) ->
         prompt["modalities"] = ["text"]
     return ServeRequest(
         prompt=prompt,
-        sampling_params_list=_stage_params(pipeline, request),
+        sampling_params_list=_stage_params(pipeline, request, request.logprobs),
         stop=_stop(request.stop),
         audio_format=None,
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
+        logprobs=request.logprobs,
     )

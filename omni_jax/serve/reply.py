@@ -35,11 +35,14 @@ class Usage:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """New output: reply text and/or audio samples (``sample_rate`` set with ``audio``)."""
+    """New output: reply text and/or audio samples (``sample_rate`` set with ``audio``), and the
+    log-probabilities of the new tokens when the request asked (the tokens whose text a stop
+    string cut off included, as vLLM reports them)."""
 
     text: str = ""
     audio: np.ndarray | None = None
     sample_rate: int | None = None
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +81,7 @@ async def reply(
                     metrics.ttfa.observe(time.perf_counter() - arrival)
                     first_audio = False
                 metrics.audio_seconds.inc(audio.size / out.sample_rate)
-            yield Piece(text, audio, out.sample_rate if audio is not None else None)
+            yield Piece(text, audio, out.sample_rate if audio is not None else None, out.logprobs_delta)
             if stop.hit or out.finished:
                 reason = "stop" if stop.hit else (out.finish_reason or "stop")
                 usage = Usage(len(out.prompt_token_ids), tokens)

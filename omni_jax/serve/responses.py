@@ -66,6 +66,7 @@ def chat_completion(
     finish_reason: str,
     usage: dict[str, int],
     audio: dict[str, Any] | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if audio is not None:
@@ -75,7 +76,7 @@ def chat_completion(
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
         "usage": usage,
     }
 
@@ -87,12 +88,13 @@ def chat_chunk(
     delta: dict[str, Any] | None,
     finish_reason: str | None = None,
     usage: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``delta=None``: the usage chunk (no choices)."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
     )
     chunk: dict[str, Any] = {
         "id": request_id,
@@ -114,6 +116,7 @@ def completion(
     finish_reason: str | None,
     usage: dict[str, int] | None,
     chunk: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A ``text_completion`` (also each of its stream's chunks, which OpenAI names the same)."""
     body: dict[str, Any] = {
@@ -121,7 +124,7 @@ def completion(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
     }
     if usage is not None or not chunk:
         body["usage"] = usage

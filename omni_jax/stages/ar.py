@@ -357,7 +357,7 @@ class ARStage(Generic[S]):
         ``idle``."""
         stepped = self.engine.step(block)
         finished = stepped.finished
-        new_tokens, new_rows = {}, {}
+        new_tokens, new_rows, new_logprobs = {}, {}, {}
         ended = {req.request_id for req in finished}
         for req in stepped.read:  # the requests a step read: only theirs can have grown
             request_id = req.request_id
@@ -367,6 +367,8 @@ class ARStage(Generic[S]):
             drawn = req.output_ids
             if len(drawn) > submitted.reported:
                 new_tokens[request_id] = self._outputs(submitted.request, submitted.reported)
+                if req.params.logprobs is not None:
+                    new_logprobs[request_id] = req.logprobs[submitted.reported : len(drawn)]
                 submitted.reported = len(drawn)
             if submitted.stream_hidden and request_id not in ended:
                 part = self._part(submitted)
@@ -391,7 +393,7 @@ class ARStage(Generic[S]):
             if req.capture_hidden and req.error is None:
                 result.handoff = self._handoff(ending)
             results.append(result)
-        return StageStep(results, new_tokens, new_rows=new_rows, idle=stepped.idle)
+        return StageStep(results, new_tokens, new_rows=new_rows, new_logprobs=new_logprobs, idle=stepped.idle)
 
     def _handoff(self, submitted: _Submitted[S]) -> HiddenHandoff:
         """A finished request's hidden states: every row, or for a request that streamed them

@@ -119,7 +119,9 @@ class StageStep:
     whole waveform); over all steps they are its result's ``audio``, in order. ``new_rows``, of
     an AR stage, for each request that streams its hidden states (:attr:`StageInput.stream_hidden`)
     and computed tokens in this step: the part of its :class:`HiddenHandoff` they added (not of
-    the requests it finished: their results carry the whole). ``idle``: the step did nothing,
+    the requests it finished: their results carry the whole). ``new_logprobs``, of an AR stage,
+    for each request that asked for log-probabilities (``SamplingParams.logprobs``) and gained
+    tokens: one entry per new token, as its result's ``logprobs`` holds them. ``idle``: the step did nothing,
     neither dispatched nor read anything (what it has is on the device, unfinished, and it was
     not asked to block, or it waits for another stage's tokens); the engine core then blocks its
     next step rather than ask again at once."""
@@ -128,6 +130,7 @@ class StageStep:
     new_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     new_audio: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     new_rows: dict[str, HiddenHandoff] = dataclasses.field(default_factory=dict)
+    new_logprobs: dict[str, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
     idle: bool = False
 
 
