@@ -21,8 +21,14 @@ from pydantic import ValidationError
 from scipy.io import wavfile
 
 from omni_jax.audio_io import PCM16_SCALE, pcm16, read_wav, wav_bytes
-from omni_jax.serve import media
-from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, invalid_request_message
+from omni_jax.engine.sampling import MAX_LOGPROBS
+from omni_jax.serve import logprobs, media
+from omni_jax.serve.protocol import (
+    MAX_TOP_LOGPROBS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    invalid_request_message,
+)
 from omni_jax.serve.responses import audio_data
 from omni_jax.serve.stop import StopText
 
@@ -332,3 +338,39 @@ def test_pcm16_audio_data_is_little_endian_int16_samples() -> None:
     rate, data = wavfile.read(io.BytesIO(base64.b64decode(audio_data(samples, 24_000, "wav"))))
     assert rate == 24_000
     np.testing.assert_array_equal(data, pcm16(samples))
+
+
+# -- log-probabilities ---------------------------------------------------------------------------
+
+ENTRIES = [
+    {7: -2.5, 3: -0.5, 9: -1.0},  # sampled 7, outside the top 2
+    {3: -0.1, 9: -3.0},  # sampled 3, the most likely (one entry fewer)
+]
+
+
+def test_the_schema_bound_is_the_engines() -> None:
+    """The schema refuses what the engine would (a request past it gets the field's name)."""
+    assert MAX_TOP_LOGPROBS == MAX_LOGPROBS
+
+
+def test_chat_logprobs_put_the_sampled_token_first_and_the_most_likely_in_order() -> None:
+    got = logprobs.chat(ENTRIES, 2, lambda t: "é" if t == 9 else f"t{t}")
+    assert got["refusal"] is None
+    first, second = got["content"]
+    assert (first["token"], first["logprob"], first["bytes"]) == ("t7", -2.5, [116, 55])
+    assert [(t["token"], t["logprob"]) for t in first["top_logprobs"]] == [("t3", -0.5), ("é", -1.0)]
+    assert first["top_logprobs"][1]["bytes"] == [0xC3, 0xA9]
+    assert [(t["token"], t["logprob"]) for t in second["top_logprobs"]] == [("t3", -0.1), ("é", -3.0)]
+    assert [e["top_logprobs"] for e in logprobs.chat(ENTRIES, 0, str)["content"]] == [[], []]
+
+
+def test_completion_logprobs_count_text_offsets_on_across_pieces() -> None:
+    lists = logprobs.CompletionLogprobs(1, logprobs.token_text(None))
+    first = lists.json(ENTRIES[:1])
+    assert first == {
+        "tokens": ["token_id:7"],
+        "token_logprobs": [-2.5],
+        "top_logprobs": [{"token_id:3": -0.5}],
+        "text_offset": [0],
+    }
+    assert lists.json(ENTRIES[1:])["text_offset"] == [len("token_id:7")]

@@ -3,10 +3,9 @@
 Requests are parsed into these records before anything else happens, so a field of the wrong type
 or value is a 400 naming it (:func:`invalid_request_message`). Fields OpenAI defines that the server
 does not serve (``tools``, ``response_format``, ``echo``, ...) and unknown fields are refused by
-name rather than ignored, as OpenAI's own API does. Log-probabilities are served, with up to vLLM's
-``max_logprobs`` (:data:`~omni_jax.engine.sampling.MAX_LOGPROBS`) most likely tokens beside each,
-and so are the sampling fields vLLM adds (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
+name rather than ignored, as OpenAI's own API does. Log-probabilities are served, with up to
+:data:`MAX_TOP_LOGPROBS` most likely tokens beside each, and so are the sampling fields vLLM adds
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
 """
 
 from __future__ import annotations
@@ -16,7 +15,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from omni_jax.engine.sampling import MAX_LOGPROBS
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's bound on ``top_logprobs`` (vLLM's ``max_logprobs`` default, which it also holds a
+completion's ``logprobs`` to): beyond it a request is refused by the schema, naming the field;
+the engine's own bound (``SamplingParams.logprobs``) is the same."""
 
 
 class _Strict(BaseModel):
@@ -104,12 +106,12 @@ class ChatCompletionRequest(_Sampling):
     audio: AudioOutput | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 UNION_MEMBER = re.compile(r"\[|^(str|int|float|bool|bytes|none)$")
