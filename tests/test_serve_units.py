@@ -31,6 +31,7 @@ from omni_jax.serve.protocol import (
 )
 from omni_jax.serve.responses import audio_data
 from omni_jax.serve.stop import StopText
+from omni_jax.testing import build_tokenizer
 
 # -- stop strings -----------------------------------------------------------------------------
 
@@ -342,6 +343,8 @@ def test_pcm16_audio_data_is_little_endian_int16_samples() -> None:
 
 # -- log-probabilities ---------------------------------------------------------------------------
 
+TOKENIZER = build_tokenizer(448)  # byte-level BPE with Qwen's chat specials, as the tiny checkpoints'
+
 ENTRIES = [
     {7: -2.5, 3: -0.5, 9: -1.0},  # sampled 7, outside the top 2
     {3: -0.1, 9: -3.0},  # sampled 3, the most likely (one entry fewer)
@@ -354,18 +357,21 @@ def test_the_schema_bound_is_the_engines() -> None:
 
 
 def test_chat_logprobs_put_the_sampled_token_first_and_the_most_likely_in_order() -> None:
-    got = logprobs.chat(ENTRIES, 2, lambda t: "é" if t == 9 else f"t{t}")
+    text = lambda t: "é" if t == 9 else f"t{t}"  # noqa: E731
+    got = logprobs.chat(ENTRIES, 2, logprobs.TokenReader(text, lambda t: text(t).encode()))
     assert got["refusal"] is None
     first, second = got["content"]
     assert (first["token"], first["logprob"], first["bytes"]) == ("t7", -2.5, [116, 55])
     assert [(t["token"], t["logprob"]) for t in first["top_logprobs"]] == [("t3", -0.5), ("é", -1.0)]
     assert first["top_logprobs"][1]["bytes"] == [0xC3, 0xA9]
     assert [(t["token"], t["logprob"]) for t in second["top_logprobs"]] == [("t3", -0.1), ("é", -3.0)]
-    assert [e["top_logprobs"] for e in logprobs.chat(ENTRIES, 0, str)["content"]] == [[], []]
+    none = logprobs.chat(ENTRIES, 0, logprobs.token_reader(None))
+    assert [e["top_logprobs"] for e in none["content"]] == [[], []]
+    assert none["content"][0]["bytes"] == list(b"token_id:7")
 
 
 def test_completion_logprobs_count_text_offsets_on_across_pieces() -> None:
-    lists = logprobs.CompletionLogprobs(1, logprobs.token_text(None))
+    lists = logprobs.CompletionLogprobs(1, logprobs.token_reader(None))
     first = lists.json(ENTRIES[:1])
     assert first == {
         "tokens": ["token_id:7"],
@@ -374,3 +380,24 @@ def test_completion_logprobs_count_text_offsets_on_across_pieces() -> None:
         "text_offset": [0],
     }
     assert lists.json(ENTRIES[1:])["text_offset"] == [len("token_id:7")]
+
+
+def test_the_byte_level_alphabet_is_the_tokenizers() -> None:
+    from tokenizers import pre_tokenizers
+
+    alphabet = logprobs.byte_level_alphabet()
+    assert set(alphabet) == set(pre_tokenizers.ByteLevel.alphabet())
+    assert sorted(alphabet.values()) == list(range(256))
+    assert alphabet["A"] == ord("A") and alphabet["Ġ"] == ord(" ") and alphabet["Ċ"] == ord("\n")
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, len(TOKENIZER) - 1), min_size=1, max_size=12))
+def test_token_bytes_joined_are_the_texts_bytes(ids: list[int]) -> None:
+    """OpenAI's ``bytes``: any tokens' bytes, joined, decode to the tokenizer's text of them (a
+    character split across tokens, or a chat special, included): what a client rebuilds the
+    text from where a token alone reads U+FFFD."""
+    reader = logprobs.token_reader(TOKENIZER)
+    joined = b"".join(reader.raw(i) for i in ids)
+    assert joined.decode("utf-8", errors="replace") == TOKENIZER.decode(ids)
+    assert all(reader.raw(i).decode("utf-8", errors="replace") == reader.text(i) for i in ids)

@@ -205,7 +205,7 @@ class _Head:
     request_id: str
     model: str
     created: int
-    token_text: logprobs.TokenText
+    tokens: logprobs.TokenReader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +248,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
 
     app = FastAPI(title="omni-jax", lifespan=lifespan)
     app.state.server = server
-    token_text = logprobs.token_text(pipe.pipeline.tokenizer)
+    tokens = logprobs.token_reader(pipe.pipeline.tokenizer)
 
     @app.exception_handler(HTTPError)
     async def refused(_: Request, e: HTTPError) -> JSONResponse:
@@ -321,11 +321,11 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
                 end.finish_reason,
                 end.usage.json(),
                 audio_json,
-                None if serve.logprobs is None else logprobs.chat(reply.logprobs, serve.logprobs, token_text),
+                None if serve.logprobs is None else logprobs.chat(reply.logprobs, serve.logprobs, tokens),
             )
 
         def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
-            head = _Head(serve, request_id, settings.model_name, created, token_text)
+            head = _Head(serve, request_id, settings.model_name, created, tokens)
             return _chat_stream(events, first, head)
 
         return await server.respond(request, serve, request_id, stream, whole)
@@ -349,11 +349,11 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
                 reply.end.usage.json(),
                 logprobs=None
                 if serve.logprobs is None
-                else logprobs.CompletionLogprobs(serve.logprobs, token_text).json(reply.logprobs),
+                else logprobs.CompletionLogprobs(serve.logprobs, tokens).json(reply.logprobs),
             )
 
         def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
-            head = _Head(serve, request_id, settings.model_name, created, token_text)
+            head = _Head(serve, request_id, settings.model_name, created, tokens)
             return _completion_stream(events, first, head)
 
         return await server.respond(request, serve, request_id, stream, whole)
@@ -380,7 +380,7 @@ async def _chat_stream(
         event = first
         while not isinstance(event, End):
             if event.logprobs and serve.logprobs is not None:
-                entries = logprobs.chat(event.logprobs, serve.logprobs, head.token_text)
+                entries = logprobs.chat(event.logprobs, serve.logprobs, head.tokens)
                 yield chunk({"content": event.text}, logprobs=entries)
             elif event.text:
                 yield chunk({"content": event.text})
@@ -410,7 +410,7 @@ async def _completion_stream(
         )
 
     asked = head.serve.logprobs
-    lists = None if asked is None else logprobs.CompletionLogprobs(asked, head.token_text)
+    lists = None if asked is None else logprobs.CompletionLogprobs(asked, head.tokens)
     try:
         event = first
         while not isinstance(event, End):

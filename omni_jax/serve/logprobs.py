@@ -2,30 +2,75 @@
 
 The pipeline gives, per output token, ``{token id: log-probability}``: the sampled token first,
 then the ``SamplingParams.logprobs`` most likely ones (:class:`~omni_jax.OmniRequestOutput`).
-Chat completions show them as ``logprobs.content``: per token its text, log-probability, UTF-8
-bytes and ``top_logprobs`` (the most likely first); completions as the legacy lists ``tokens``,
+Chat completions show them as ``logprobs.content``: per token its text, log-probability, bytes
+and ``top_logprobs`` (the most likely first); completions as the legacy lists ``tokens``,
 ``token_logprobs``, ``top_logprobs`` (text -> log-probability) and ``text_offset``. A token's text
 is the tokenizer's decoding of it alone (special tokens included), so a token that holds part of
-a character reads as U+FFFD, as in vLLM; without a tokenizer it is ``token_id:<id>``, vLLM's
-``return_tokens_as_token_ids`` form.
+a character reads as U+FFFD, as in vLLM; its ``bytes`` are the token's own, so that, as OpenAI
+means them, a reply's tokens' bytes joined are its text's UTF-8 even where a character spans
+tokens (for byte-level BPE vocabularies, Qwen's: the bytes each vocabulary character stands for;
+for other tokenizers the UTF-8 of the token's text). Without a tokenizer a token reads
+``token_id:<id>``, vLLM's ``return_tokens_as_token_ids`` form.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-TokenText = Callable[[int], str]
+
+@dataclasses.dataclass(frozen=True)
+class TokenReader:
+    """How a token id reads in a response: its text, and its bytes."""
+
+    text: Callable[[int], str]
+    raw: Callable[[int], bytes]
 
 
-def token_text(tokenizer: PreTrainedTokenizerBase | None) -> TokenText:
-    """How a token id reads in a response."""
+@functools.cache
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the character a byte-level vocabulary writes
+    for each byte -> the byte. Printable Latin-1 bytes stand for themselves; the other 68
+    (controls, space, DEL, NBSP, soft hyphen) for ``chr(256 + n)``, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    table = {chr(b): b for b in printable}
+    others = (b for b in range(256) if b not in printable)
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+def token_reader(tokenizer: PreTrainedTokenizerBase | None) -> TokenReader:
+    """How token ids read with ``tokenizer`` (``None``: ``token_id:<id>``)."""
     if tokenizer is None:
-        return lambda token_id: f"token_id:{token_id}"
-    return lambda token_id: tokenizer.decode([token_id])
+        return TokenReader(lambda i: f"token_id:{i}", lambda i: f"token_id:{i}".encode())
+
+    from tokenizers.decoders import ByteLevel
+
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    byte_level = isinstance(decoder, ByteLevel)
+    alphabet = byte_level_alphabet()
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    def raw(token_id: int) -> bytes:
+        """Added tokens (the chat specials) are written as text, not in the byte alphabet."""
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if (
+            byte_level
+            and token_id not in tokenizer.added_tokens_decoder
+            and isinstance(piece, str)
+            and all(c in alphabet for c in piece)
+        ):
+            return bytes(alphabet[c] for c in piece)
+        return text(token_id).encode("utf-8")
+
+    return TokenReader(text, raw)
 
 
 def _top(entry: dict[int, float], top: int) -> list[tuple[int, float]]:
@@ -34,12 +79,11 @@ def _top(entry: dict[int, float], top: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:top]
 
 
-def chat(entries: Sequence[dict[int, float]], top: int, text: TokenText) -> dict[str, Any]:
+def chat(entries: Sequence[dict[int, float]], top: int, tokens: TokenReader) -> dict[str, Any]:
     """A chat choice's ``logprobs``: ``{"content": [...], "refusal": None}``."""
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
-        s = text(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": tokens.text(token_id), "logprob": logprob, "bytes": list(tokens.raw(token_id))}
 
     content = []
     for entry in entries:
@@ -52,8 +96,8 @@ class CompletionLogprobs:
     """A completion's ``logprobs`` lists, piece by piece: ``text_offset`` counts on from the
     pieces before (a stream's chunks continue one text)."""
 
-    def __init__(self, top: int, text: TokenText):
-        self.top, self.text = top, text
+    def __init__(self, top: int, tokens: TokenReader):
+        self.top, self.text = top, tokens.text
         self.offset = 0
 
     def json(self, entries: Sequence[dict[int, float]]) -> dict[str, Any]:
