@@ -54,6 +54,7 @@ def token_reader(tokenizer: PreTrainedTokenizerBase | None) -> TokenReader:
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     byte_level = isinstance(decoder, ByteLevel)
     alphabet = byte_level_alphabet()
+    added = frozenset(tokenizer.added_tokens_decoder)  # a property that builds its dict anew
 
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id])
@@ -63,7 +64,7 @@ def token_reader(tokenizer: PreTrainedTokenizerBase | None) -> TokenReader:
         piece = tokenizer.convert_ids_to_tokens(token_id)
         if (
             byte_level
-            and token_id not in tokenizer.added_tokens_decoder
+            and token_id not in added
             and isinstance(piece, str)
             and all(c in alphabet for c in piece)
         ):
