@@ -1,16 +1,18 @@
 """``python -m benchmarks.compile_time``: how long one code2wav program takes to compile, whole and
 in its two parts, on this backend.
 
-A pipeline's ``warmup()`` compiles one Qwen2.5-Omni token2wav program per bucket shape; on a GPU
-each took about a minute (RESULTS.md), which makes start-up the cost to cut. This lowers and
-compiles, for one ``rows x codes`` shape of a token2wav with ``small``'s widths by default
-(:data:`benchmarks.models.SMALL_TOKEN2WAV`; ``--tiny``: the test checkpoints'), three programs
-with random weights: the whole solve (``token2wav_compiled``: the DiT's ODE loop, then the
-vocoder), the DiT solve alone and the vocoder alone, each timed as lowering (tracing and
+A pipeline's ``warmup()`` compiles one code2wav program per bucket shape; on a GPU each took
+about a minute for Qwen2.5-Omni and half of one for Qwen3-Omni (RESULTS.md), which makes start-up
+the cost to cut. This lowers and compiles, for one ``rows x codes`` shape (``--family
+qwen3_omni``: ``rows x frames``) of a code2wav with ``small``'s widths by default (``--tiny``: the
+test checkpoints'), three programs with random weights: the whole program and its two halves
+(Qwen2.5-Omni's: the whole solve, ``token2wav_compiled``, the DiT's ODE loop and then the vocoder;
+the DiT solve alone; the vocoder alone. Qwen3-Omni's: the whole decode, ``code2wav_compiled``; the
+transformer and upsampling alone; the ConvNet decoder alone), each timed as lowering (tracing and
 StableHLO, Python) apart from XLA's compilation, and each compiled again under every
 ``--option`` (an XLA compiler option, e.g. ``xla_gpu_autotune_level=0``) so that a flag's effect is
-measured in the same run. ``--runs N`` also times the whole solve run (best of ``N``, 10 grid
-points, guided), compiled by default and under each ``--option``, so that a flag or a change made
+measured in the same run. ``--runs N`` also times the whole program run (best of ``N``; a solve: 10
+grid points, guided), compiled by default and under each ``--option``, so that a flag or a change made
 for compile time is seen not to cost run time. ``--cache-dir DIR`` turns JAX's persistent
 compilation cache on there: run twice, the second run's compile seconds are a warm start's.
 ``--json`` writes the table.
@@ -19,6 +21,8 @@ compilation cache on there: run twice, the second run's compile seconds are a wa
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,13 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniToken2WavConfig
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
 from benchmarks.harness import device, persistent_cache, versions, write_json
-from benchmarks.models import SMALL_TOKEN2WAV
+from benchmarks.models import SMALL_QWEN3_CODE2WAV, SMALL_TOKEN2WAV
 from omni_jax.engine.compilation import enable_persistent_cache
 from omni_jax.jit import StaticGraph, exact_matmuls
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, sample_mel, token2wav_compiled
+from omni_jax.models.qwen3_omni.code2wav import Code2Wav, code2wav_compiled
+from omni_jax.models.qwen3_omni.code2wav_layers import Code2WavSpec
 from omni_jax.testing import TINY_BIGVGAN_CONFIG, TINY_DIT_CONFIG
+from omni_jax.testing_qwen3_omni import build_qwen3_omni_tokenizer, tiny_qwen3_omni_config
 
 REFERENCE_FRAMES = 300
 """Reference-mel frames of the solve (a voice's prompt mel; the stage pads every voice's to one
@@ -54,23 +62,41 @@ def timed_compile(lowered: jax.stages.Lowered, options: dict[str, str]) -> tuple
     return time.perf_counter() - start, compiled
 
 
-def programs(
-    model: Token2Wav, speaker_dim: int, rows: int, codes: int
-) -> dict[str, Callable[[], jax.stages.Lowered]]:
-    """The three programs' lowerings, each a thunk (lowering is part of what is timed);
-    ``speaker_dim``: the width of a voice's speaker vector (the DiT's ``enc_emb_dim``)."""
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One family's code2wav programs for one shape: the model's state, each program's lowering
+    as a thunk (lowering is part of what is timed; the first is the whole program, the others its
+    parts), random inputs of the whole program (its arguments after the state, for ``--runs``) and
+    the shape, for the JSON."""
+
+    model: str
+    state: nnx.State
+    programs: dict[str, Callable[[], jax.stages.Lowered]]
+    inputs: tuple[jax.Array, ...]
+    shape: dict[str, int]
+
+
+def token2wav_case(tiny: bool, rows: int, codes: int) -> Case:
+    """Qwen2.5-Omni's token2wav (``small``: :data:`benchmarks.models.SMALL_TOKEN2WAV`): the whole
+    solve (``token2wav_compiled``: the DiT's ODE loop, 10 grid points guided, then the vocoder),
+    the DiT solve alone and the vocoder alone."""
+    config = Qwen2_5OmniToken2WavConfig(
+        **(dict(dit_config=TINY_DIT_CONFIG, bigvgan_config=TINY_BIGVGAN_CONFIG) if tiny else SMALL_TOKEN2WAV)
+    )
+    model = Token2Wav(config, rngs=nnx.Rngs(0))
     graph, state = nnx.split(model)
     dit = model.dit
+    rng = np.random.default_rng(0)
     inputs = (
-        jnp.zeros((rows, codes), jnp.int32),
-        jnp.ones(rows, jnp.int32),
-        jnp.zeros((rows, speaker_dim), jnp.float32),
-        jnp.zeros((rows, REFERENCE_FRAMES, dit.mel_dim), jnp.float32),
-        jnp.ones(rows, jnp.int32),
-        jnp.zeros((rows, codes * dit.repeats, dit.mel_dim), jnp.float32),
-        jnp.ones(rows, jnp.int32),
-        jnp.zeros(rows, jnp.float32),
-        jnp.zeros(rows, jnp.float32),
+        jnp.asarray(rng.integers(0, dit.codec_embed.num_embeddings, (rows, codes)), jnp.int32),
+        jnp.full(rows, codes, jnp.int32),
+        jnp.asarray(rng.standard_normal((rows, config.dit_config.enc_emb_dim)), jnp.float32),
+        jnp.asarray(rng.standard_normal((rows, REFERENCE_FRAMES, dit.mel_dim)), jnp.float32),
+        jnp.full(rows, REFERENCE_FRAMES, jnp.int32),
+        jnp.asarray(rng.standard_normal((rows, codes * dit.repeats, dit.mel_dim)), jnp.float32),
+        jnp.full(rows, 10, jnp.int32),
+        jnp.full(rows, 0.5, jnp.float32),
+        jnp.full(rows, -1.0, jnp.float32),
     )
     mel = jnp.zeros((rows, codes * dit.repeats, dit.mel_dim), jnp.float32)
 
@@ -84,38 +110,75 @@ def programs(
         with exact_matmuls(jnp.float32):
             return sample_mel(nnx.merge(graph, state).dit, *solve_inputs, True)
 
-    return {
-        "whole solve": lambda: token2wav_compiled.lower(StaticGraph(graph), state, *inputs, True),
-        "dit solve": lambda: dit_solve.lower(state, *inputs),
-        "vocoder": lambda: vocoder.lower(state, mel, jnp.ones(rows, jnp.int32)),
-    }
-
-
-def solve_seconds(
-    compiled: jax.stages.Compiled, model: Token2Wav, speaker_dim: int, rows: int, codes: int, runs: int
-) -> float:
-    """Best of ``runs`` calls of ``compiled`` (the whole solve's program for ``rows x codes``) on
-    random codes, speaker and noise, 10 grid points, guidance 0.5, after one untimed call: what a
-    solve of this shape costs to run."""
-    state = nnx.state(model)
-    dit = model.dit
-    rng = np.random.default_rng(0)
-    inputs = (
-        jnp.asarray(rng.integers(0, dit.codec_embed.num_embeddings, (rows, codes)), jnp.int32),
-        jnp.full(rows, codes, jnp.int32),
-        jnp.asarray(rng.standard_normal((rows, speaker_dim)), jnp.float32),
-        jnp.asarray(rng.standard_normal((rows, REFERENCE_FRAMES, dit.mel_dim)), jnp.float32),
-        jnp.full(rows, REFERENCE_FRAMES, jnp.int32),
-        jnp.asarray(rng.standard_normal((rows, codes * dit.repeats, dit.mel_dim)), jnp.float32),
-        jnp.full(rows, 10, jnp.int32),
-        jnp.full(rows, 0.5, jnp.float32),
-        jnp.full(rows, -1.0, jnp.float32),
+    return Case(
+        "qwen2_5_omni " + ("tiny" if tiny else "small"),
+        state,
+        {
+            "whole solve": lambda: token2wav_compiled.lower(StaticGraph(graph), state, *inputs, True),
+            "dit solve": lambda: dit_solve.lower(state, *inputs),
+            "vocoder": lambda: vocoder.lower(state, mel, jnp.ones(rows, jnp.int32)),
+        },
+        inputs,
+        {"rows": rows, "codes": codes, "reference_frames": REFERENCE_FRAMES},
     )
-    jax.block_until_ready(compiled(state, *inputs))
+
+
+def qwen3_case(tiny: bool, rows: int, frames: int) -> Case:
+    """Qwen3-Omni's code2wav (``small``: the released one, :data:`benchmarks.models.SMALL_QWEN3_CODE2WAV`)
+    on ``frames`` code frames a row: the whole decode (``code2wav_compiled``), the transformer
+    with the upsampling alone (:meth:`Code2Wav.upsampled`) and the ConvNet decoder alone
+    (:meth:`Code2Wav.decode`). On an H200 the whole program compiled in 29 s where each decoder
+    block alone took at most 1.6 s (RESULTS.md): which part the difference belongs to is what
+    this measures."""
+    if tiny:
+        config = tiny_qwen3_omni_config(build_qwen3_omni_tokenizer()).code2wav_config
+    else:
+        config = Qwen3OmniMoeCode2WavConfig(**SMALL_QWEN3_CODE2WAV)
+    spec = Code2WavSpec.from_hf(config)
+    model = Code2Wav(spec, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(model)
+    rng = np.random.default_rng(0)
+    codes = jnp.asarray(rng.integers(0, spec.codebook_size, (rows, spec.num_quantizers, frames)), jnp.int32)
+    lengths = jnp.full(rows, frames, jnp.int32)
+    hidden = jnp.zeros((rows, frames * math.prod(spec.upsampling_ratios), spec.hidden_size), jnp.float32)
+
+    @jax.jit
+    def upsampled(state: nnx.State, codes: jax.Array, lengths: jax.Array) -> jax.Array:
+        with exact_matmuls(jnp.float32):
+            return nnx.merge(graph, state).upsampled(codes, lengths)
+
+    @jax.jit
+    def decode(state: nnx.State, x: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+        with exact_matmuls(jnp.float32):
+            return nnx.merge(graph, state).decode(x, lengths)
+
+    return Case(
+        "qwen3_omni " + ("tiny" if tiny else "small"),
+        state,
+        {
+            "whole decode": lambda: code2wav_compiled.lower(StaticGraph(graph), state, codes, lengths),
+            "transformer + upsampling": lambda: upsampled.lower(state, codes, lengths),
+            "decoder": lambda: decode.lower(state, hidden, lengths),
+        },
+        (codes, lengths),
+        {"rows": rows, "frames": frames},
+    )
+
+
+CASES: dict[str, Callable[[bool, int, int], Case]] = {
+    "qwen2_5_omni": token2wav_case,
+    "qwen3_omni": qwen3_case,
+}
+
+
+def run_seconds(compiled: jax.stages.Compiled, case: Case, runs: int) -> float:
+    """Best of ``runs`` calls of ``compiled`` (the whole program) on the case's random inputs,
+    after one untimed call: what a solve of this shape costs to run."""
+    jax.block_until_ready(compiled(case.state, *case.inputs))
     best = float("inf")
     for _ in range(runs):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(state, *inputs))
+        jax.block_until_ready(compiled(case.state, *case.inputs))
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -123,16 +186,13 @@ def solve_seconds(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.cache_dir:
         enable_persistent_cache(args.cache_dir)
-    tiny = dict(dit_config=TINY_DIT_CONFIG, bigvgan_config=TINY_BIGVGAN_CONFIG)
-    t2w = tiny if args.tiny else SMALL_TOKEN2WAV
     start = time.perf_counter()
-    config = Qwen2_5OmniToken2WavConfig(**t2w)
-    model = Token2Wav(config, rngs=nnx.Rngs(0))
+    case = CASES[args.family](args.tiny, args.rows, args.codes)
     init_s = time.perf_counter() - start
     options = dict(args.option)
     rows: list[dict[str, Any]] = []
-    whole: dict[str, jax.stages.Compiled] = {}  # the whole solve's programs, by option
-    for name, lower in programs(model, config.dit_config.enc_emb_dim, args.rows, args.codes).items():
+    whole: dict[str, jax.stages.Compiled] = {}  # the whole program's, by option
+    for i, (name, lower) in enumerate(case.programs.items()):
         start = time.perf_counter()
         lowered = lower()
         lower_s = time.perf_counter() - start
@@ -140,25 +200,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for key, value in [("", ""), *options.items()]:
             label = f"[{key}={value}]" if key else ""
             row[f"compile_s{label}"], compiled = timed_compile(lowered, {key: value} if key else {})
-            if name == "whole solve":
+            if i == 0:
                 whole[label] = compiled
         rows.append(row)
         print("  ".join(f"{k} {v:.1f} s" if isinstance(v, float) else v for k, v in row.items()), flush=True)
     solve_s: dict[str, float] = {}
+    first = next(iter(case.programs))
     for label, compiled in whole.items() if args.runs else ():
-        solve_s[f"solve_s{label}"] = solve_seconds(
-            compiled, model, config.dit_config.enc_emb_dim, args.rows, args.codes, args.runs
-        )
-        print(
-            f"whole solve run{label} (10 grid points, guided), best of {args.runs}: "
-            f"{solve_s[f'solve_s{label}']:.3f} s",
-            flush=True,
-        )
+        solve_s[f"solve_s{label}"] = run_seconds(compiled, case, args.runs)
+        print(f"{first} run{label}, best of {args.runs}: {solve_s[f'solve_s{label}']:.3f} s", flush=True)
     return {
         "device": device(),
         "versions": versions(),
-        "model": "tiny" if args.tiny else "small",
-        "shape": {"rows": args.rows, "codes": args.codes, "reference_frames": REFERENCE_FRAMES},
+        "model": case.model,
+        "shape": case.shape,
         "persistent_cache": persistent_cache(),  # the one in use, whoever set it
         "init_s": init_s,
         "rows": rows,
@@ -168,10 +223,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__.split("\n")[0])
+    p.add_argument("--family", choices=list(CASES), default="qwen2_5_omni")
     p.add_argument("--rows", type=int, default=1)
-    p.add_argument("--codes", type=int, default=32)
-    p.add_argument("--tiny", action="store_true", help="the test checkpoints' token2wav widths")
-    p.add_argument("--runs", type=int, default=0, help="also time the whole solve, best of this many")
+    p.add_argument("--codes", type=int, default=32, help="codes (qwen3_omni: code frames) a row")
+    p.add_argument("--tiny", action="store_true", help="the test checkpoints' code2wav widths")
+    p.add_argument("--runs", type=int, default=0, help="also time the whole program, best of this many")
     p.add_argument("--option", type=parse_option, action="append", default=[], help="NAME=VALUE, repeatable")
     p.add_argument("--cache-dir", default=None, help="JAX's persistent compilation cache here (default: off)")
     p.add_argument("--json", default=None)

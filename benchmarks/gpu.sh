@@ -5,9 +5,14 @@
 #   moe       the MoE block's formulations (grouped ragged_dot, XLA or Pallas Triton lowering;
 #             dense) at Qwen3-Omni's widths against transformers (benchmarks/moe_lowering.py);
 #   shaped    the real-width AR suite (benchmarks/shaped_suite.py, transformers on the same shapes);
-#   compile   one code2wav program's compile time, whole and in parts, with and without XLA's GPU
-#             autotuning, and the whole solve's run time under each (benchmarks/compile_time.py),
-#             JAX's persistent cache in $XLA_CACHE/compile (a cold start: it begins empty);
+#   compile   one code2wav program's compile time, whole and in parts: as is, without XLA's GPU
+#             autotuning, and with XLA's memory limit raised tenfold (xla_gpu_memory_limit_slop_factor
+#             =1000: on an H200 a whole program's rematerialization pass saw hundreds of GiB that its
+#             final buffers, under 2 GiB, do not hold, and only whole programs compiled slowly); the
+#             whole solve's run time under each (benchmarks/compile_time.py); JAX's persistent
+#             cache in $XLA_CACHE/compile (a cold start: it begins empty);
+#   compile3  the same for Qwen3-Omni's code2wav (released widths, 1 x 125 frames): whole decode,
+#             transformer + upsampling, ConvNet decoder;
 #   compile_warm  the same programs again from that cache: a warm start's compile seconds (what
 #             is left is lowering, Python);
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
@@ -30,15 +35,18 @@
 #             throughput, streamed against offline, at STREAM_LEVELS clients (issue 22);
 #   stream3   Qwen3-Omni's (--suite e2e_qwen3 --stream) on `small`, transformers' generate as the
 #             reference (REFERENCE): TTFA against vLLM-omni's published 523 ms at c = 1 (issue 23);
-#             its cold warm-up did not end in 330 s on an H200 at c = 1 (RESULTS.md), its thinker's
-#             encoders then compiling one at a time; since then they compile side by side, and
-#             the stream suites (text prompts) turn them off: give it a whole call all the same;
+#             cold, its warm-up did not end in 330 s on an H200 (RESULTS.md, fourth and fifth
+#             sessions: code2wav's programs compile slowly): give it a whole call, or use streams;
+#   streams   stream3 (ours only) and stream side by side, cold, each filling a persistent cache of
+#             its own (STREAMS_COLD_S each; their measured runs may overlap, so these figures are
+#             not clean), then each again alone from its cache (STREAMS_WARM_S each): the clean ones;
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
-# MOE_S, SHAPED_S, COMPILE_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each run), PROFILE_S, STREAM_S,
-# STREAM3_S and TESTS_S bound the parts (seconds), TESTS names test files (default: all), WORKERS
-# pytest-xdist's, C2W_BATCHES the code2wav batch sizes, C2W_MODEL its model (small), XLA_CACHE the
-# persistent caches' root, SUITE_MODEL the overlap and stream parts' model (small; tiny for a quick
+# STREAM_TOKENS the stream parts' step budget (text prompts are short: fewer token-row programs),
+# MOE_S, SHAPED_S, COMPILE_S, COMPILE3_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each
+# run), PROFILE_S, STREAM_S, STREAM3_S, STREAMS_COLD_S, STREAMS_WARM_S and TESTS_S bound the parts
+# (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's, C2W_BATCHES the
+# code2wav batch sizes, C2W_MODEL its model (small), XLA_CACHE the persistent caches' root, SUITE_MODEL the overlap and stream parts' model (small; tiny for a quick
 # check of the script on a CPU), REFERENCE= (empty) leaves transformers out of the shaped, code2wav
 # and stream3 parts.
 set -u
@@ -79,10 +87,19 @@ compile() {
   echo "== code2wav compile time (limit ${COMPILE_S:-240}s)"
   rm -rf "$XLA_CACHE/compile"
   timeout -s INT "${COMPILE_S:-240}" python3 -m benchmarks.compile_time --codes 32 --runs 3 \
-    --option xla_gpu_autotune_level=0 --cache-dir "$XLA_CACHE/compile" --json "$OUT/compile.json" \
-    >"$OUT/compile.log" 2>&1
+    --option xla_gpu_autotune_level=0 --option xla_gpu_memory_limit_slop_factor=1000 \
+    --cache-dir "$XLA_CACHE/compile" --json "$OUT/compile.json" >"$OUT/compile.log" 2>&1
   echo "compile time exit $?"
-  grep -E "lower_s|solve run" "$OUT/compile.log"
+  grep -E "lower_s|run" "$OUT/compile.log"
+}
+
+compile3() {
+  echo "== Qwen3-Omni code2wav compile time (limit ${COMPILE3_S:-240}s)"
+  timeout -s INT "${COMPILE3_S:-240}" python3 -m benchmarks.compile_time --family qwen3_omni --codes 125 \
+    --runs 3 --option xla_gpu_memory_limit_slop_factor=1000 --option xla_gpu_autotune_level=0 \
+    --json "$OUT/compile3.json" >"$OUT/compile3.log" 2>&1
+  echo "compile3 time exit $?"
+  grep -E "lower_s|run" "$OUT/compile3.log"
 }
 
 compile_warm() {
@@ -150,21 +167,33 @@ host() {
 }
 
 stream() {
-  echo "== e2e --stream, ${SUITE_MODEL:-small} (limit ${STREAM_S:-420}s)"
-  timeout -s INT "${STREAM_S:-420}" python3 -m benchmarks.run --suite e2e --stream --model "${SUITE_MODEL:-small}" \
-    --concurrency "${STREAM_LEVELS:-1,4,16}" --repeats 1 --cache-dir /tmp/omni_jax_bench \
-    --json "$OUT/stream.json" >"$OUT/stream.log" 2>&1
-  echo "stream exit $?"
-  grep -v -E "it/s\]|s/it\]|programs compiled\]|^\[transformers\]" "$OUT/stream.log" | tail -25
+  echo "== ${TAG:-}e2e --stream, ${SUITE_MODEL:-small} (limit ${STREAM_S:-420}s)"
+  OMNI_JAX_COMPILATION_CACHE=${STREAM_CACHE:-0} timeout -s INT "${STREAM_S:-420}" python3 -m benchmarks.run \
+    --suite e2e --stream --model "${SUITE_MODEL:-small}" --concurrency "${STREAM_LEVELS:-1,4,16}" --repeats 1 \
+    --max-num-batched-tokens "${STREAM_TOKENS:-256}" --cache-dir /tmp/omni_jax_bench \
+    --json "$OUT/${TAG:-}stream.json" >"$OUT/${TAG:-}stream.log" 2>&1
+  echo "${TAG:-}stream exit $?"
+  grep -v -E "it/s\]|s/it\]|programs compiled|^\[transformers\]" "$OUT/${TAG:-}stream.log" | tail -25
 }
 
 stream3() {
-  echo "== e2e_qwen3 --stream, ${SUITE_MODEL:-small} (limit ${STREAM3_S:-420}s)"
-  timeout -s INT "${STREAM3_S:-420}" python3 -m benchmarks.run --suite e2e_qwen3 --stream --model "${SUITE_MODEL:-small}" \
-    ${REFERENCE---reference} --concurrency "${STREAM_LEVELS:-1,4,16}" --requests-per-client 1 --repeats 1 \
-    --cache-dir /tmp/omni_jax_bench --json "$OUT/stream3.json" >"$OUT/stream3.log" 2>&1
-  echo "stream3 exit $?"
-  grep -v -E "it/s\]|s/it\]|programs compiled\]|^\[transformers\]" "$OUT/stream3.log" | tail -25
+  echo "== ${TAG:-}e2e_qwen3 --stream, ${SUITE_MODEL:-small} (limit ${STREAM3_S:-420}s)"
+  OMNI_JAX_COMPILATION_CACHE=${STREAM_CACHE:-0} timeout -s INT "${STREAM3_S:-420}" python3 -m benchmarks.run \
+    --suite e2e_qwen3 --stream --model "${SUITE_MODEL:-small}" ${REFERENCE---reference} \
+    --concurrency "${STREAM_LEVELS:-1,4,16}" --requests-per-client 1 --repeats 1 \
+    --max-num-batched-tokens "${STREAM_TOKENS:-256}" --cache-dir /tmp/omni_jax_bench \
+    --json "$OUT/${TAG:-}stream3.json" >"$OUT/${TAG:-}stream3.log" 2>&1
+  echo "${TAG:-}stream3 exit $?"
+  grep -v -E "it/s\]|s/it\]|programs compiled|^\[transformers\]" "$OUT/${TAG:-}stream3.log" | tail -25
+}
+
+streams() {
+  echo "== stream3 and stream side by side, cold, filling persistent caches; then each alone from its cache"
+  TAG=cold_ STREAM_CACHE=$XLA_CACHE/stream3 STREAM3_S=${STREAMS_COLD_S:-330} REFERENCE= stream3 &
+  TAG=cold_ STREAM_CACHE=$XLA_CACHE/stream STREAM_S=${STREAMS_COLD_S:-330} stream &
+  wait
+  TAG=warm_ STREAM_CACHE=$XLA_CACHE/stream3 STREAM3_S=${STREAMS_WARM_S:-150} REFERENCE= stream3
+  TAG=warm_ STREAM_CACHE=$XLA_CACHE/stream STREAM_S=${STREAMS_WARM_S:-150} stream
 }
 
 tests() {

@@ -1,6 +1,6 @@
-"""``benchmarks.compile_time`` (a GPU session's start-up check) runs on the test widths: three
-programs lowered and compiled and the solve run, the JSON written; an XLA option reaches the
-compiler and its program runs; a malformed option is refused."""
+"""``benchmarks.compile_time`` (a GPU session's start-up check) runs on the test widths, for both
+families: three programs lowered and compiled and the whole one run, the JSON written; an XLA
+option reaches the compiler and its program runs; a malformed option is refused."""
 
 from __future__ import annotations
 
@@ -23,6 +23,30 @@ def test_compile_time_times_three_programs(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert row["lower_s"] > 0 and row["compile_s"] > 0
     assert result["shape"] == {"rows": 1, "codes": 8, "reference_frames": compile_time.REFERENCE_FRAMES}
+    assert list(result["solve_s"]) == ["solve_s"] and result["solve_s"]["solve_s"] > 0
+
+
+def test_compile_time_times_qwen3_omni_code2wav(tmp_path: Path) -> None:
+    out = tmp_path / "compile.json"
+    argv = [
+        "--family",
+        "qwen3_omni",
+        "--tiny",
+        "--rows",
+        "2",
+        "--codes",
+        "16",
+        "--runs",
+        "1",
+        "--json",
+        str(out),
+    ]
+    assert compile_time.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [r["program"] for r in result["rows"]] == ["whole decode", "transformer + upsampling", "decoder"]
+    for row in result["rows"]:
+        assert row["lower_s"] > 0 and row["compile_s"] > 0
+    assert result["model"] == "qwen3_omni tiny" and result["shape"] == {"rows": 2, "frames": 16}
     assert list(result["solve_s"]) == ["solve_s"] and result["solve_s"]["solve_s"] > 0
 
 

@@ -78,6 +78,12 @@ class Code2Wav(nnx.Module):
         caller pads with, every intermediate stays finite (attention multiplies the masked keys'
         values by an exact 0) and the program is a function of the valid codes alone.
         """
+        return self.decode(self.upsampled(codes, frames), frames)
+
+    def upsampled(self, codes: jax.Array, frames: jax.Array) -> jax.Array:
+        """The first half of :meth:`__call__`: embeddings, transformer and upsampling, ``[B, T *
+        prod(upsampling_ratios), hidden]``, the ConvNet decoder's input. Apart from
+        :meth:`decode` so that each half can be compiled alone (``benchmarks.compile_time``)."""
         spec = self.spec
         num_frames = codes.shape[2]
         valid = jnp.arange(num_frames)[None, None, :] < frames[:, None, None]
@@ -87,6 +93,11 @@ class Code2Wav(nnx.Module):
         for stage in self.upsample:
             for layer in stage:
                 x = layer(x)
+        return x
+
+    def decode(self, x: jax.Array, frames: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The second half of :meth:`__call__`: the ConvNet decoder on :meth:`upsampled`'s output
+        of rows of ``frames [B]`` code frames, as :meth:`__call__` returns it."""
         for layer in self.decoder:
             x = layer(x)
         samples = self.output_samples(frames)
