@@ -758,11 +758,17 @@ def test_a_body_over_the_limit_gets_413(qwen, good_ref, declared) -> None:
 # -- disconnects ----------------------------------------------------------------------------------
 
 
-def counters(server: Server) -> tuple[float, float]:
-    """Requests ended (any finish reason) and reply tokens, as /metrics counts them."""
+def counters(server: Server) -> tuple[float, float, float]:
+    """Requests ended by the engine (stop, length, error), requests aborted (their client gone)
+    and reply tokens, as /metrics counts them."""
     m = server.metrics()
-    ended = sum(v for (name, _), v in m.items() if name == "omni_jax:request_success_total")
-    return ended, m[("omni_jax:generation_tokens_total", ())]
+    ended = sum(
+        v
+        for (name, labels), v in m.items()
+        if name == "omni_jax:request_success_total" and labels != (("finish_reason", "abort"),)
+    )
+    aborted = m.get(("omni_jax:request_success_total", (("finish_reason", "abort"),)), 0)
+    return ended, aborted, m[("omni_jax:generation_tokens_total", ())]
 
 
 def wait_idle(server: Server, timeout: float = 60) -> dict[Any, float]:
@@ -779,8 +785,9 @@ def wait_idle(server: Server, timeout: float = 60) -> dict[Any, float]:
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 def test_a_client_that_disconnects_aborts_its_request_and_the_others_finish(qwen, stream) -> None:
     """The doomed request asks for 16000 tokens (22 s) and is dropped after a few: it must leave
-    the engine within seconds (its pages back), and never end (the counters of ended requests and
-    reply tokens grow by the others' alone: a reply still read to its end would add its 16000)."""
+    the engine within seconds (its pages back) and never end: the counter of requests the engine
+    ended grows by the others' alone, the aborted ones' by it, and the reply tokens by the
+    others' and the few it made (a reply still read to its end would add its 16000)."""
     server = qwen.server
     prompts = ["the model stream request", "what is the time", "tell me a story about a cat"]
     lengths = [30, 60, 45]
@@ -788,7 +795,7 @@ def test_a_client_that_disconnects_aborts_its_request_and_the_others_finish(qwen
         chat_ref(qwen.ref, [{"role": "user", "content": p}], temperature=0.0, max_tokens=n, ignore_eos=True)
         for p, n in zip(prompts, lengths, strict=True)
     ]
-    ended, tokens = counters(server)
+    ended, aborted, tokens = counters(server)
     gone = "client disconnected; its request was aborted"  # what the server logs for a whole reply
     logged = server.log.read_text().count(gone)
     doomed = chat_body(
@@ -836,7 +843,10 @@ def test_a_client_that_disconnects_aborts_its_request_and_the_others_finish(qwen
         == m[("omni_jax:kv_pages_total", (("stage", "llm"),))]
     )
     time.sleep(0.5)  # a request still running would be counted as it ends
-    assert counters(server) == (ended + len(prompts), tokens + sum(lengths)), server.log_tail()
+    now_ended, now_aborted, now_tokens = counters(server)
+    assert (now_ended, now_aborted) == (ended + len(prompts), aborted + 1), server.log_tail()
+    doomed_tokens = now_tokens - tokens - sum(lengths)
+    assert (3 if stream else 0) <= doomed_tokens < DOOMED_TOKENS / 4, server.log_tail()
     assert server.log.read_text().count(gone) == logged + (0 if stream else 1)
 
 

@@ -74,7 +74,10 @@ class ServeMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "omni_jax:request_success", "Requests ended, by finish reason", ["finish_reason"], registry=r
+            "omni_jax:request_success",
+            "Requests ended, by finish reason (abort: its client went away first)",
+            ["finish_reason"],
+            registry=r,
         )
         self.refused = Counter(
             "omni_jax:request_refused", "Requests refused, by HTTP status", ["status"], registry=r
@@ -83,7 +86,7 @@ class ServeMetrics:
             "omni_jax:prompt_tokens", "Prompt tokens of requests admitted", registry=r
         )
         self.generation_tokens = Counter(
-            "omni_jax:generation_tokens", "Reply text tokens produced", registry=r
+            "omni_jax:generation_tokens", "Reply text tokens produced (an aborted reply's too)", registry=r
         )
         self.audio_seconds = Counter("omni_jax:audio_seconds", "Seconds of audio produced", registry=r)
         self.ttft = Histogram(

@@ -8,6 +8,7 @@ the request's first update, after admission: a request the stages refuse raises 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -61,14 +62,25 @@ async def reply(
     pipe: AsyncOmniJaxPipeline, request: ServeRequest, request_id: str, metrics: ServeMetrics, arrival: float
 ) -> AsyncIterator[Piece | End]:
     """The request's pieces, then one :class:`End`. Closing the iterator early (a client gone)
-    aborts the request in the engine. ``arrival``: ``time.perf_counter()`` when it came."""
+    aborts the request in the engine and counts it as ended with ``"abort"``, as vLLM's metrics
+    do. ``arrival``: ``time.perf_counter()`` when it came.
+
+    Prompt tokens count at the request's first update (it was admitted), reply tokens as they
+    come, so an aborted request's work is in the counters too; a refused one (``ValueError``
+    before any update) counts nowhere here (the app counts it by status)."""
     stop = StopText(request.stop)
     updates = pipe.generate(request.prompt, request.sampling_params_list, request_id=request_id)
     first_text = first_audio = True
+    prompt_tokens: int | None = None
     tokens = 0
+    ended = False
     try:
         async for out in updates:
+            if prompt_tokens is None:
+                prompt_tokens = len(out.prompt_token_ids)
+                metrics.prompt_tokens.inc(prompt_tokens)
             tokens += len(out.token_ids_delta)
+            metrics.generation_tokens.inc(len(out.token_ids_delta))
             text = stop.feed(out.text_delta)
             if out.finished and not stop.hit:
                 text += stop.flush()
@@ -84,12 +96,19 @@ async def reply(
             yield Piece(text, audio, out.sample_rate if audio is not None else None, out.logprobs_delta)
             if stop.hit or out.finished:
                 reason = "stop" if stop.hit else (out.finish_reason or "stop")
-                usage = Usage(len(out.prompt_token_ids), tokens)
+                ended = True
                 metrics.requests.labels(reason).inc()
-                metrics.prompt_tokens.inc(usage.prompt_tokens)
-                metrics.generation_tokens.inc(usage.completion_tokens)
                 metrics.e2e.observe(time.perf_counter() - arrival)
-                yield End(reason, usage, out.error if reason == "error" else None, out.sample_rate)
+                yield End(
+                    reason,
+                    Usage(prompt_tokens, tokens),
+                    out.error if reason == "error" else None,
+                    out.sample_rate,
+                )
                 return
+    except (GeneratorExit, asyncio.CancelledError):
+        if not ended:  # closed or cancelled by the reader before the end: the client went away
+            metrics.requests.labels("abort").inc()
+        raise
     finally:
         await updates.aclose()  # before the last update: aborts the request
