@@ -308,6 +308,9 @@ class EngineCore:
         if not more:  # done, once a stage before that still holds it (the thinker) is
             if nxt in flight.holders:
                 flight.holders.remove(nxt)  # the fed stage has dropped it already
+            for later in [s for s in flight.holders if s > nxt]:  # opened fed after it: nothing comes
+                self.stages[later].abort(admission.request_id)
+                flight.holders.remove(later)
             self._end_empty(flight, nxt)
             return bool(flight.holders)
         if request is not None:

@@ -90,11 +90,14 @@ def slow_thinker(pipe: OmniJaxPipeline, monkeypatch: pytest.MonkeyPatch, every: 
 
 
 def check_idle(pipe: OmniJaxPipeline) -> None:
-    """Nothing left anywhere: no work, every KV page free, no fed request waiting."""
+    """Nothing left anywhere: no work, every KV page free, no fed request waiting, none opened or
+    queued in code2wav."""
     assert not pipe.core.has_work() and not pipe.core.request_ids
     for stage in pipe.stages[:2]:
         allocator = stage.engine.scheduler.allocator
         assert allocator.num_free == allocator.num_pages and not stage._fed and not stage._submitted
+    code2wav = pipe.stages[2]
+    assert not code2wav._streamed and not code2wav._submitted and code2wav.decoder.num_streaming == 0
 
 
 def same_speech(early: Any, late: Any) -> None:
@@ -187,12 +190,16 @@ def test_omni_talker_without_codes_leaves_the_thinker_running(omni_pipes, monkey
     check_idle(early)
 
 
-def test_omni_reply_too_short_to_voice(omni_pipes) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["offline", "streamed"])
+def test_omni_reply_too_short_to_voice(omni_pipes, stream: bool) -> None:
     """A one-token reply: the talker never starts (the reference voices no reply shorter than
-    two), the request ends with empty audio and nothing is left waiting."""
+    two), the request ends with empty audio and nothing is left waiting; streamed too, where
+    code2wav took the request fed from the start (it was left waiting for codes that would
+    never come, the request never ending)."""
     early, _ = omni_pipes
     params = omni_params(1)
     params[0] = [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)]
+    params[2] = [Token2WavParams(num_steps=2, seed=3, stream=stream)]
     (out,) = early.run(omni_prompts(early)[:1], params, progress=False)
     assert out.error is None and len(out.token_ids) == 1 and out.audio.size == 0
     assert out.stage_outputs["talker"].token_ids == []
@@ -295,6 +302,19 @@ def test_qwen3_early_talker_says_the_same(qwen3_pipes, monkeypatch, sampled: boo
         assert g.error is None
         same_speech(g, w)
     assert (waits[0] > 0) == slow, waits
+    check_idle(early)
+
+
+def test_qwen3_reply_too_short_to_voice_streamed(qwen3_pipes) -> None:
+    """Qwen3-Omni's one-token reply, its audio streamed: code2wav, open from the start, drops the
+    request with the talker, which never starts; it ends with empty audio, nothing left."""
+    early, _ = qwen3_pipes
+    prompt = dict(early.chat_prompt([{"role": "user", "content": "tell me a story"}]), speaker="Ethan")
+    thinker = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    talker = SamplingParams(temperature=0.0, max_tokens=16)
+    (out,) = early.run([prompt], [thinker, talker, Token2WavParams(stream=True)], progress=False)
+    assert out.finished and out.error is None and len(out.token_ids) == 1 and out.audio.size == 0
+    assert out.stage_outputs["talker"].token_ids == []
     check_idle(early)
 
 

@@ -1,5 +1,6 @@
 """The pieces of ``omni-jax serve`` that need no server and no model: stop strings, how a refused
-request body reads, media URLs, WAV in and out, and the ``pcm16`` audio format.
+request body reads, media URLs, WAV in and out, the ``pcm16`` audio format, and how a reply's
+end (error, abort) is counted and logged.
 
 ``tests/test_serve.py`` drives the same code through a running server; here each piece is held to
 what it must do on inputs chosen to break it (a stop string split across deltas, ``..`` out of the
@@ -8,9 +9,13 @@ media folder, a byte order), fast enough to run on every change.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,13 +27,18 @@ from scipy.io import wavfile
 
 from omni_jax.audio_io import PCM16_SCALE, pcm16, read_wav, wav_bytes
 from omni_jax.engine.sampling import MAX_LOGPROBS
+from omni_jax.engine_core import EngineStats
+from omni_jax.outputs import OmniRequestOutput
 from omni_jax.serve import logprobs, media
+from omni_jax.serve.convert import ServeRequest
+from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     invalid_request_message,
 )
+from omni_jax.serve.reply import End, Piece, Usage, reply
 from omni_jax.serve.responses import audio_data
 from omni_jax.serve.stop import StopText
 from omni_jax.testing import build_tokenizer
@@ -401,3 +411,102 @@ def test_token_bytes_joined_are_the_texts_bytes(ids: list[int]) -> None:
     joined = b"".join(reader.raw(i) for i in ids)
     assert joined.decode("utf-8", errors="replace") == TOKENIZER.decode(ids)
     assert all(reader.raw(i).decode("utf-8", errors="replace") == reader.text(i) for i in ids)
+
+
+# -- a reply's end and its metrics ---------------------------------------------------------------
+
+
+class _Pipe:
+    """Stands in for ``AsyncOmniJaxPipeline.generate``: yields ``updates``, and records whether
+    the consumer closed it (what aborts a request in the engine)."""
+
+    def __init__(self, updates: list[OmniRequestOutput]):
+        self.updates = updates
+        self.closed = False
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[OmniRequestOutput]:
+        try:
+            for update in self.updates:
+                yield update
+        finally:
+            self.closed = True
+
+
+def _metrics() -> ServeMetrics:
+    return ServeMetrics(lambda: EngineStats(0, {}, 0), lambda: 0, lambda: 0)
+
+
+def _count(metrics: ServeMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value
+
+
+def _serve_request() -> ServeRequest:
+    return ServeRequest({"prompt": "hi"}, [], (), None, stream=True, include_usage=False)
+
+
+def test_a_failed_request_ends_with_its_error_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A stage's failure reaches the reply's end (what the client gets) and the server's log
+    (what the operator reads), and counts as an ``error`` ending."""
+    updates = [
+        OmniRequestOutput("r", [1, 2, 3], token_ids_delta=[7], text_delta="a"),
+        OmniRequestOutput(
+            "r", [1, 2, 3], finish_reason="error", error="stage 'code2wav': too long", finished=True
+        ),
+    ]
+    metrics = _metrics()
+
+    async def read() -> list[Piece | End]:
+        return [e async for e in reply(_Pipe(updates), _serve_request(), "chatcmpl-1", metrics, 0.0)]
+
+    with caplog.at_level(logging.WARNING, logger="omni_jax.serve"):
+        events = asyncio.run(read())
+    end = events[-1]
+    assert isinstance(end, End) and (end.finish_reason, end.error) == ("error", "stage 'code2wav': too long")
+    assert end.usage == Usage(3, 1)
+    assert "request chatcmpl-1 failed: stage 'code2wav': too long" in caplog.text
+    assert _count(metrics, "omni_jax:request_success_total", finish_reason="error") == 1
+    assert _count(metrics, "omni_jax:prompt_tokens_total") == 3
+    assert _count(metrics, "omni_jax:generation_tokens_total") == 1
+
+
+@pytest.mark.parametrize("after", [1, 2], ids=["first piece", "second piece"])
+def test_a_reply_closed_before_its_end_counts_as_aborted_with_its_work(after: int) -> None:
+    """The client gone after ``after`` pieces: the request counts as ended with ``abort``, its
+    prompt and the tokens it made so far counted, the pipeline's generator closed (the engine
+    aborts it); no other ending counted."""
+    updates = [
+        OmniRequestOutput("r", [1, 2, 3, 4], token_ids_delta=[7, 8], text_delta="ab"),
+        OmniRequestOutput("r", [1, 2, 3, 4], token_ids_delta=[9], text_delta="c"),
+        OmniRequestOutput("r", [1, 2, 3, 4], finish_reason="length", finished=True),
+    ]
+    pipe, metrics = _Pipe(updates), _metrics()
+
+    async def read_some() -> None:
+        events = reply(pipe, _serve_request(), "chatcmpl-2", metrics, 0.0)
+        for _ in range(after):
+            await anext(events)
+        await events.aclose()
+
+    asyncio.run(read_some())
+    assert pipe.closed
+    assert _count(metrics, "omni_jax:request_success_total", finish_reason="abort") == 1
+    assert _count(metrics, "omni_jax:request_success_total", finish_reason="length") == 0
+    assert _count(metrics, "omni_jax:prompt_tokens_total") == 4
+    assert _count(metrics, "omni_jax:generation_tokens_total") == [2, 3][after - 1]
+
+
+def test_a_reply_read_to_its_end_is_not_aborted_when_closed() -> None:
+    """Closing the iterator after its ``End`` (as the routes do) counts nothing more."""
+    updates = [OmniRequestOutput("r", [1], token_ids_delta=[5], finish_reason="stop", finished=True)]
+    metrics = _metrics()
+
+    async def read_all() -> None:
+        events = reply(_Pipe(updates), _serve_request(), "chatcmpl-3", metrics, 0.0)
+        while not isinstance(await anext(events), End):
+            pass
+        await events.aclose()
+
+    asyncio.run(read_all())
+    assert _count(metrics, "omni_jax:request_success_total", finish_reason="stop") == 1
+    assert _count(metrics, "omni_jax:request_success_total", finish_reason="abort") == 0

@@ -95,11 +95,15 @@ class _Server:
         per_stage = ", ".join(
             f"{n}: {s.programs} programs in {s.seconds:.1f} s" for n, s in report.stages.items()
         )
+        # A program built already in this process (the same function and shapes) counts in
+        # ``programs`` but is neither compiled nor loaded again.
+        shared = report.programs - report.compiles - report.loads
         log.info(
-            "warm-up compiled %d programs (%d XLA compilations, %d loaded from the cache): %s",
+            "warm-up compiled %d programs (%d XLA compilations, %d loaded from the cache%s): %s",
             report.programs,
             report.compiles,
             report.loads,
+            f", {shared} built already" if shared > 0 else "",
             per_stage,
         )
         self.ready = True

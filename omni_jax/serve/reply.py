@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -19,6 +20,8 @@ from omni_jax.async_pipeline import AsyncOmniJaxPipeline
 from omni_jax.serve.convert import ServeRequest
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.stop import StopText
+
+log = logging.getLogger("omni_jax.serve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,8 @@ async def reply(
             if stop.hit or out.finished:
                 reason = "stop" if stop.hit else (out.finish_reason or "stop")
                 ended = True
+                if reason == "error":  # the client gets the message; the operator's log too
+                    log.warning("request %s failed: %s", request_id, out.error)
                 metrics.requests.labels(reason).inc()
                 metrics.e2e.observe(time.perf_counter() - arrival)
                 yield End(
