@@ -166,25 +166,22 @@ host() {
   tail -5 "$OUT/host_step_penalty.log"
 }
 
-stream() {
-  echo "== ${TAG:-}e2e --stream, ${SUITE_MODEL:-small} (limit ${STREAM_S:-420}s)"
-  OMNI_JAX_COMPILATION_CACHE=${STREAM_CACHE:-0} timeout -s INT "${STREAM_S:-420}" python3 -m benchmarks.run \
-    --suite e2e --stream --model "${SUITE_MODEL:-small}" --concurrency "${STREAM_LEVELS:-1,4,16}" --repeats 1 \
+stream_suite() {  # name (stream, stream3), limit, then the suite's own arguments
+  local name=$1 limit=$2
+  shift 2
+  echo "== ${TAG:-}$name: $* --stream, ${SUITE_MODEL:-small} (limit ${limit}s)"
+  OMNI_JAX_COMPILATION_CACHE=${STREAM_CACHE:-0} timeout -s INT "$limit" python3 -m benchmarks.run "$@" --stream \
+    --model "${SUITE_MODEL:-small}" --concurrency "${STREAM_LEVELS:-1,4,16}" --repeats 1 \
     --max-num-batched-tokens "${STREAM_TOKENS:-256}" --cache-dir /tmp/omni_jax_bench \
-    --json "$OUT/${TAG:-}stream.json" >"$OUT/${TAG:-}stream.log" 2>&1
-  echo "${TAG:-}stream exit $?"
-  grep -v -E "it/s\]|s/it\]|programs compiled|^\[transformers\]" "$OUT/${TAG:-}stream.log" | tail -25
+    --json "$OUT/${TAG:-}$name.json" >"$OUT/${TAG:-}$name.log" 2>&1
+  echo "${TAG:-}$name exit $?"
+  grep -v -E "it/s\]|s/it\]|programs compiled|^\[transformers\]" "$OUT/${TAG:-}$name.log" | tail -25
 }
 
+stream() { stream_suite stream "${STREAM_S:-420}" --suite e2e; }
+
 stream3() {
-  echo "== ${TAG:-}e2e_qwen3 --stream, ${SUITE_MODEL:-small} (limit ${STREAM3_S:-420}s)"
-  OMNI_JAX_COMPILATION_CACHE=${STREAM_CACHE:-0} timeout -s INT "${STREAM3_S:-420}" python3 -m benchmarks.run \
-    --suite e2e_qwen3 --stream --model "${SUITE_MODEL:-small}" ${REFERENCE---reference} \
-    --concurrency "${STREAM_LEVELS:-1,4,16}" --requests-per-client 1 --repeats 1 \
-    --max-num-batched-tokens "${STREAM_TOKENS:-256}" --cache-dir /tmp/omni_jax_bench \
-    --json "$OUT/${TAG:-}stream3.json" >"$OUT/${TAG:-}stream3.log" 2>&1
-  echo "${TAG:-}stream3 exit $?"
-  grep -v -E "it/s\]|s/it\]|programs compiled|^\[transformers\]" "$OUT/${TAG:-}stream3.log" | tail -25
+  stream_suite stream3 "${STREAM3_S:-420}" --suite e2e_qwen3 ${REFERENCE---reference} --requests-per-client 1
 }
 
 streams() {
