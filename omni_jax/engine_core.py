@@ -306,11 +306,6 @@ class EngineCore:
             flight.output.finish_reason, flight.output.error = "error", f"stage {stage.config.name!r}: {e}"
             return False
         if not more:  # done, once a stage before that still holds it (the thinker) is
-            if nxt in flight.holders:
-                flight.holders.remove(nxt)  # the fed stage has dropped it already
-            for later in [s for s in flight.holders if s > nxt]:  # opened fed after it: nothing comes
-                self.stages[later].abort(admission.request_id)
-                flight.holders.remove(later)
             self._end_empty(flight, nxt)
             return bool(flight.holders)
         if request is not None:
@@ -356,7 +351,12 @@ class EngineCore:
         )
 
     def _end_empty(self, flight: _Flight, si: int) -> None:
-        """Stages ``si`` on had nothing to do: their outputs are empty (audio of zero samples)."""
+        """Stages ``si`` on had nothing to do: their outputs are empty (audio of zero samples),
+        and those holding the request drop it (stage ``si`` fed, it may have dropped it already;
+        one after it was opened fed and would wait for input that never comes)."""
+        for held in [h for h in flight.holders if h >= si]:
+            self.stages[held].abort(flight.output.request_id)
+            flight.holders.remove(held)
         out = flight.output
         for stage in self.stages[si:]:
             out.stage_outputs[stage.config.name] = StageOutput(token_ids=[], finish_reason="stop")
