@@ -5,17 +5,22 @@ A pipeline's ``warmup()`` compiles one code2wav program per bucket shape; on a G
 about a minute for Qwen2.5-Omni and half of one for Qwen3-Omni (RESULTS.md), which makes start-up
 the cost to cut. This lowers and compiles, for one ``rows x codes`` shape (``--family
 qwen3_omni``: ``rows x frames``) of a code2wav with ``small``'s widths by default (``--tiny``: the
-test checkpoints'), three programs with random weights: the whole program and its two halves
-(Qwen2.5-Omni's: the whole solve, ``token2wav_compiled``, the DiT's ODE loop and then the vocoder;
-the DiT solve alone; the vocoder alone. Qwen3-Omni's: the whole decode, ``code2wav_compiled``; the
-transformer and upsampling alone; the ConvNet decoder alone), each timed as lowering (tracing and
-StableHLO, Python) apart from XLA's compilation, and each compiled again under every
-``--option`` (an XLA compiler option, e.g. ``xla_gpu_autotune_level=0``) so that a flag's effect is
-measured in the same run. ``--runs N`` also times the whole program run (best of ``N``; a solve: 10
-grid points, guided), compiled by default and under each ``--option``, so that a flag or a change made
-for compile time is seen not to cost run time. ``--cache-dir DIR`` turns JAX's persistent
-compilation cache on there: run twice, the second run's compile seconds are a warm start's.
-``--json`` writes the table.
+test checkpoints'), three programs with random weights (``--programs`` picks some by index): the
+whole program and its two halves (Qwen2.5-Omni's: the whole solve, ``token2wav_compiled``, the
+DiT's ODE loop and then the vocoder; the DiT solve alone; the vocoder alone. Qwen3-Omni's: the
+whole decode, ``code2wav_compiled``; the transformer and upsampling alone; the ConvNet decoder
+alone), each timed as lowering (tracing and StableHLO, Python) apart from XLA's compilation, every
+compilation under the options given with ``--option`` (XLA compiler options, e.g.
+``xla_gpu_autotune_level=0``). ``--runs N`` also times the whole program run (best of ``N``; a
+solve: 10 grid points, guided), so that a flag or a change made for compile time is seen not to
+cost run time. ``--cache-dir DIR`` turns JAX's persistent compilation cache on there: run twice,
+the second run's compile seconds are a warm start's. ``--json`` writes the table.
+
+Compare compile seconds across processes only, one program and one set of options each (as
+``benchmarks/gpu.sh``'s ``compile`` parts do): on a GPU, XLA keeps its autotuning results (the
+convolution algorithms it timed) for the rest of the process, so a program compiled after another
+that holds the same convolutions is timed without that work; on an H200 the whole Qwen3-Omni decode
+took 22.5 s to compile first and 2.3 s again under another option (RESULTS.md, sixth session).
 """
 
 from __future__ import annotations
@@ -190,25 +195,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     case = CASES[args.family](args.tiny, args.rows, args.codes)
     init_s = time.perf_counter() - start
     options = dict(args.option)
+    names = list(case.programs)
+    picked = [names[i] for i in args.programs] if args.programs else names
     rows: list[dict[str, Any]] = []
-    whole: dict[str, jax.stages.Compiled] = {}  # the whole program's, by option
-    for i, (name, lower) in enumerate(case.programs.items()):
+    solve_s = None
+    for name in picked:
         start = time.perf_counter()
-        lowered = lower()
+        lowered = case.programs[name]()
         lower_s = time.perf_counter() - start
-        row: dict[str, Any] = {"program": name, "lower_s": lower_s}
-        for key, value in [("", ""), *options.items()]:
-            label = f"[{key}={value}]" if key else ""
-            row[f"compile_s{label}"], compiled = timed_compile(lowered, {key: value} if key else {})
-            if i == 0:
-                whole[label] = compiled
-        rows.append(row)
-        print("  ".join(f"{k} {v:.1f} s" if isinstance(v, float) else v for k, v in row.items()), flush=True)
-    solve_s: dict[str, float] = {}
-    first = next(iter(case.programs))
-    for label, compiled in whole.items() if args.runs else ():
-        solve_s[f"solve_s{label}"] = run_seconds(compiled, case, args.runs)
-        print(f"{first} run{label}, best of {args.runs}: {solve_s[f'solve_s{label}']:.3f} s", flush=True)
+        compile_s, compiled = timed_compile(lowered, options)
+        rows.append({"program": name, "lower_s": lower_s, "compile_s": compile_s})
+        print(f"{name}  lower_s {lower_s:.1f} s  compile_s {compile_s:.1f} s", flush=True)
+        if name == names[0] and args.runs:
+            solve_s = run_seconds(compiled, case, args.runs)
+            print(f"{name} run, best of {args.runs}: {solve_s:.3f} s", flush=True)
     return {
         "device": device(),
         "versions": versions(),
@@ -216,8 +216,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shape": case.shape,
         "persistent_cache": persistent_cache(),  # the one in use, whoever set it
         "init_s": init_s,
+        "options": options,
         "rows": rows,
-        "solve_s": solve_s or None,
+        "solve_s": solve_s,
     }
 
 
@@ -228,7 +229,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codes", type=int, default=32, help="codes (qwen3_omni: code frames) a row")
     p.add_argument("--tiny", action="store_true", help="the test checkpoints' code2wav widths")
     p.add_argument("--runs", type=int, default=0, help="also time the whole program, best of this many")
-    p.add_argument("--option", type=parse_option, action="append", default=[], help="NAME=VALUE, repeatable")
+    p.add_argument(
+        "--option",
+        type=parse_option,
+        action="append",
+        default=[],
+        help="NAME=VALUE, repeatable: every compile",
+    )
+    p.add_argument(
+        "--programs",
+        type=lambda t: [int(i) for i in t.split(",")],
+        default=None,
+        help="indices of the programs to compile, e.g. 0 (the whole); default: all",
+    )
     p.add_argument("--cache-dir", default=None, help="JAX's persistent compilation cache here (default: off)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

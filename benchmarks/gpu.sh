@@ -5,16 +5,15 @@
 #   moe       the MoE block's formulations (grouped ragged_dot, XLA or Pallas Triton lowering;
 #             dense) at Qwen3-Omni's widths against transformers (benchmarks/moe_lowering.py);
 #   shaped    the real-width AR suite (benchmarks/shaped_suite.py, transformers on the same shapes);
-#   compile   one code2wav program's compile time, whole and in parts: as is, without XLA's GPU
-#             autotuning, and with XLA's memory limit raised tenfold (xla_gpu_memory_limit_slop_factor
-#             =1000: on an H200 a whole program's rematerialization pass saw hundreds of GiB that its
-#             final buffers, under 2 GiB, do not hold, and only whole programs compiled slowly); the
-#             whole solve's run time under each (benchmarks/compile_time.py); JAX's persistent
-#             cache in $XLA_CACHE/compile (a cold start: it begins empty);
+#   compile   one code2wav program's compile time (benchmarks/compile_time.py), one process each
+#             (XLA's autotuning results last a process: a later compile of the same convolutions
+#             skips that work): the whole solve, 1 x 32 codes, under each option set of
+#             COMPILE_OPTIONS (comma-joined, "-" none; default: none, XLA's fusion autotuner off,
+#             GPU autotuning off, XLA's memory limit x10), with its run time; then each half alone;
 #   compile3  the same for Qwen3-Omni's code2wav (released widths, 1 x 125 frames): whole decode,
 #             transformer + upsampling, ConvNet decoder;
-#   compile_warm  the same programs again from that cache: a warm start's compile seconds (what
-#             is left is lowering, Python);
+#   compile_warm  the whole solve twice, from an empty persistent cache ($XLA_CACHE/compile), then
+#             from what the first filled: a cold and a warm start's compile seconds;
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
 #             token2wav on the same GPU (benchmarks/code2wav_suite.py), JAX's persistent
 #             compilation cache in $XLA_CACHE (a cold start: it begins empty);
@@ -39,7 +38,8 @@
 #             sessions: code2wav's programs compile slowly): give it a whole call, or use streams;
 #   streams   stream3 (ours only) and stream side by side, cold, each filling a persistent cache of
 #             its own (STREAMS_COLD_S each; their measured runs may overlap, so these figures are
-#             not clean), then each again alone from its cache (STREAMS_WARM_S each): the clean ones;
+#             not clean), then each again alone from its cache (STREAMS_WARM_S each, 0: not run): the
+#             clean ones;
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
 # STREAM_TOKENS the stream parts' step budget (text prompts are short: fewer token-row programs),
@@ -59,6 +59,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPA
   XLA_PYTHON_CLIENT_PREALLOCATE=false
 {
   date -u
+  echo "XLA_FLAGS=${XLA_FLAGS:-}"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import sys, jax, flax, transformers, torch; print(sys.version.split()[0], jax.__version__, \
 jax.devices(), flax.__version__, transformers.__version__, torch.__version__)"
@@ -83,31 +84,44 @@ shaped() {
   tail -5 "$OUT/shaped.log"
 }
 
+compile_options() {  # name (compile, compile3), then compile_time's arguments: one process each
+  local name=$1 i=0 opts
+  shift
+  echo "== $name: $*, one process an option set, then each part alone (limit ${COMPILE_S:-90}s each)"
+  : >"$OUT/$name.log"
+  for set in ${COMPILE_OPTIONS:-- xla_gpu_experimental_enable_fusion_autotuner=False xla_gpu_autotune_level=0 \
+    xla_gpu_memory_limit_slop_factor=1000}; do
+    opts=$([ "$set" = - ] || echo "$set" | tr , '\n' | sed 's/^/--option /')
+    (echo "-- whole, options: $set"; timeout -s INT "${COMPILE_S:-90}" python3 -m benchmarks.compile_time "$@" \
+      --programs 0 --runs 3 $opts --json "$OUT/$name/$i.json") >>"$OUT/$name.log" 2>&1
+    i=$((i + 1))
+  done
+  for part in 1 2; do
+    (echo "-- part $part alone"; timeout -s INT "${COMPILE_S:-90}" python3 -m benchmarks.compile_time "$@" \
+      --programs $part --json "$OUT/$name/part$part.json") >>"$OUT/$name.log" 2>&1
+  done
+  grep -E "^--|lower_s|run" "$OUT/$name.log"
+}
+
 compile() {
-  echo "== code2wav compile time (limit ${COMPILE_S:-240}s)"
-  rm -rf "$XLA_CACHE/compile"
-  timeout -s INT "${COMPILE_S:-240}" python3 -m benchmarks.compile_time --codes 32 --runs 3 \
-    --option xla_gpu_autotune_level=0 --option xla_gpu_memory_limit_slop_factor=1000 \
-    --cache-dir "$XLA_CACHE/compile" --json "$OUT/compile.json" >"$OUT/compile.log" 2>&1
-  echo "compile time exit $?"
-  grep -E "lower_s|run" "$OUT/compile.log"
+  mkdir -p "$OUT/compile"
+  compile_options compile --codes 32
 }
 
 compile3() {
-  echo "== Qwen3-Omni code2wav compile time (limit ${COMPILE3_S:-240}s)"
-  timeout -s INT "${COMPILE3_S:-240}" python3 -m benchmarks.compile_time --family qwen3_omni --codes 125 \
-    --runs 3 --option xla_gpu_memory_limit_slop_factor=1000 --option xla_gpu_autotune_level=0 \
-    --json "$OUT/compile3.json" >"$OUT/compile3.log" 2>&1
-  echo "compile3 time exit $?"
-  grep -E "lower_s|run" "$OUT/compile3.log"
+  mkdir -p "$OUT/compile3"
+  compile_options compile3 --family qwen3_omni --codes 125
 }
 
 compile_warm() {
-  echo "== code2wav compile time, warm start from $XLA_CACHE/compile (limit ${COMPILE_WARM_S:-120}s)"
-  timeout -s INT "${COMPILE_WARM_S:-120}" python3 -m benchmarks.compile_time --codes 32 \
-    --cache-dir "$XLA_CACHE/compile" --json "$OUT/compile_warm.json" >"$OUT/compile_warm.log" 2>&1
-  echo "compile time (warm) exit $?"
-  grep -E "lower_s" "$OUT/compile_warm.log"
+  echo "== code2wav compile time, cold then warm from $XLA_CACHE/compile (limit ${COMPILE_WARM_S:-120}s each)"
+  rm -rf "$XLA_CACHE/compile"
+  for start in cold warm; do
+    timeout -s INT "${COMPILE_WARM_S:-120}" python3 -m benchmarks.compile_time --codes 32 --programs 0 \
+      --cache-dir "$XLA_CACHE/compile" --json "$OUT/compile_$start.json" >"$OUT/compile_$start.log" 2>&1
+    echo "compile time ($start) exit $?"
+    grep -E "lower_s" "$OUT/compile_$start.log"
+  done
 }
 
 c2w_suite() {  # name, limit, reference flag
@@ -189,6 +203,7 @@ streams() {
   TAG=cold_ STREAM_CACHE=$XLA_CACHE/stream3 STREAM3_S=${STREAMS_COLD_S:-330} REFERENCE= stream3 &
   TAG=cold_ STREAM_CACHE=$XLA_CACHE/stream STREAM_S=${STREAMS_COLD_S:-330} stream &
   wait
+  [ "${STREAMS_WARM_S:-150}" = 0 ] && return
   TAG=warm_ STREAM_CACHE=$XLA_CACHE/stream3 STREAM3_S=${STREAMS_WARM_S:-150} REFERENCE= stream3
   TAG=warm_ STREAM_CACHE=$XLA_CACHE/stream STREAM_S=${STREAMS_WARM_S:-150} stream
 }
@@ -205,3 +220,7 @@ tests() {
 for part in $PARTS; do
   "$part"
 done
+# The device returns at most 8 files: PACK=1 leaves one, all.tgz, holding the rest.
+if [ "${PACK:-0}" = 1 ]; then
+  tar czf /tmp/omni_jax_gpu_all.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/omni_jax_gpu_all.tgz "$OUT/all.tgz"
+fi
