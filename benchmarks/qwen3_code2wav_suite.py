@@ -85,8 +85,8 @@ def make_workload(cfg: Any, args: Any) -> Workload:
     if not 1 <= args.min_codes <= args.max_codes <= CHUNK_FRAMES:
         raise SystemExit(
             f"--min-codes {args.min_codes} / --max-codes {args.max_codes}: frames, need 1 <= min <= max "
-            f"<= {CHUNK_FRAMES} (longer requests are cut into chunks by generate, which an offline decode "
-            "does not do)"
+            f"<= {CHUNK_FRAMES} (a longer request is decoded in pieces, by generate and our stage alike: "
+            "this suite measures one whole decode a request)"
         )
     lengths = np.linspace(args.min_codes, args.max_codes, max(args.batch_sizes)).round().astype(int)
     rng = np.random.default_rng(0)

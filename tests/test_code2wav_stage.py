@@ -142,8 +142,8 @@ BAD_REQUESTS = [
     ({"prompt_token_ids": []}, None, "empty prompt"),
     (
         {"prompt_token_ids": [1] * (MAX_POSITIONS // REPEATS + 1)},
-        None,
-        "257 codes exceed the limit of 256",
+        Token2WavParams(initial_noise=noise(0, MAX_POSITIONS // REPEATS + 1)),
+        "257 codes exceed the limit of 256 .*decoded in chunks, .*drop initial_noise",
     ),
     (
         {"prompt_token_ids": [1, 2, 3]},

@@ -274,7 +274,8 @@ def test_a_program_from_the_persistent_cache_counts_as_a_load(tmp_path) -> None:
 def test_code2wav_solves_stop_at_what_the_talker_hands_on(family, request) -> None:
     """A talker of ``max_model_len`` 64 hands code2wav at most 64 codes (Qwen3-Omni: frames) a
     request, so code2wav's offline solves stop there: its longest solve is 64 and it warms the
-    smaller ladder; built alone (prompts of codes) it keeps the model's limit, as before."""
+    smaller ladder; built alone (prompts of codes) it keeps the model's limit, as before (Qwen3-Omni:
+    pieces of 300 frames, whose windows hold 25 more of context for longer requests)."""
     path = request.getfixturevalue({"qwen2_5_omni": "omni_dir", "qwen3_omni": "qwen3_omni_dir"}[family])
 
     def offline(pipe: OmniJaxPipeline) -> tuple[int, int]:
@@ -286,5 +287,5 @@ def test_code2wav_solves_stop_at_what_the_talker_hands_on(family, request) -> No
     alone = OmniJaxPipeline.from_pretrained(path, stages=["code2wav"], max_model_len=64)
     assert [s.config.name for s in fed.stages] == ["thinker", "talker", "code2wav"]
     assert offline(fed) == (64, 64)
-    assert offline(alone) == {"qwen2_5_omni": (256, 256), "qwen3_omni": (300, 300)}[family]
+    assert offline(alone) == {"qwen2_5_omni": (256, 256), "qwen3_omni": (300, 325)}[family]
     assert len(fed.stages[-1].runner.buckets.shapes()) < len(alone.stages[-1].runner.buckets.shapes())

@@ -1,12 +1,13 @@
 """Qwen3-Omni's code2wav stage end to end: ``from_pretrained(path, stages=["code2wav"])`` on the tiny
 Qwen3-Omni, against transformers' ``model.code2wav`` of the same checkpoint (float32).
 
-Offline requests are whole decodes (``Qwen3OmniMoeCode2Wav.forward``); streamed ones are the
-reference's chunk loop (``forward`` on each window, the new frames' samples kept, as
-``chunked_decode`` does) with a smaller first chunk. The stage YAML is the shipped one with small
-sizes: 4 rows, offline solves of at most 24 frames (buckets 16 and 24), streamed chunks of 2 new
-frames first, then 5 doubling up to 10 (2, 5, 10, 10, ...), after up to 3 frames of context
-(windows of 2 for first chunks, 8 and 13 for the others). The pipeline is warmed once: 2 x 3
+Offline requests are whole decodes (``Qwen3OmniMoeCode2Wav.forward``), or longer than an offline
+piece, ``chunked_decode`` (as ``generate`` decodes them); streamed ones are the reference's chunk
+loop (``forward`` on each window, the new frames' samples kept, as ``chunked_decode`` does) with a
+smaller first chunk. The stage YAML is the shipped one with small sizes: 4 rows, offline pieces of
+at most 23 new frames after up to 25 of context (buckets 16, 24, 32 and 48), streamed chunks of 2
+new frames first, then 5 doubling up to 10 (2, 5, 10, 10, ...), after up to 3 frames of context
+(windows of 2 for first chunks, 8 and 13 for the others). The pipeline is warmed once: 4 x 3
 offline programs and 3 x 3 chunk programs, and nothing compiles after.
 """
 
@@ -33,7 +34,7 @@ from omni_jax.testing_qwen3_omni import CODEBOOK_SIZE, NUM_CODE_GROUPS
 Q = NUM_CODE_GROUPS
 HOP, SHORTFALL = 48, 15  # the tiny code2wav: 2 * 2 * 4 * 3 samples a frame, (4 + 4 * 3) - 1 short
 CHUNK, FIRST, LEFT, MAX_CHUNK = 5, 2, 3, 10
-MAX_FRAMES = 24
+MAX_FRAMES = 23
 
 
 def frames(seed: int, n: int) -> np.ndarray:
@@ -150,7 +151,7 @@ def test_offline_batch_matches_transformers(pipe, reference, monkeypatch) -> Non
     """Four requests of different lengths share one solve (rows padded on the right); each equals
     transformers' whole decode of its frames alone (measured: rel err 1.1e-6 at most)."""
     rows_nearly_free(pipe.stages[0].runner.cost, monkeypatch)  # one solve
-    lengths = [7, 24, 1, 13]
+    lengths = [7, 23, 1, 13]
     outs = pipe.run([prompt(n, n) for n in lengths], Token2WavParams(), progress=False)
     for n, out in zip(lengths, outs, strict=True):
         want = forward(reference, frames(n, n))
@@ -162,6 +163,43 @@ def test_offline_batch_matches_transformers(pipe, reference, monkeypatch) -> Non
         assert out.token_ids == out.prompt_token_ids == prompt(n, n)["prompt_token_ids"]
         metrics = out.metrics["code2wav"]
         assert (metrics["batch_size"], metrics["num_frames"], metrics["num_samples"]) == (4, n, len(want))
+
+
+def test_long_offline_requests_are_transformers_chunked_decode(pipe, reference, monkeypatch) -> None:
+    """An offline request longer than ``max_frames`` is decoded in pieces as ``generate`` decodes a
+    long reply, ``chunked_decode(codes, max_frames, 25)``: a piece's window is its new frames after
+    up to 25 of the previous ones, whose samples are dropped. The pieces are rows of the solves,
+    batched with a whole request; the request ends once, with the whole waveform (measured: rel
+    err 1.0e-6 at most)."""
+    rows_nearly_free(pipe.stages[0].runner.cost, monkeypatch)
+    lengths = [24, 9, 60]  # 2 pieces (23 + 1 after 23 of context), whole, 3 (23, 23, 14)
+    outs = pipe.run([prompt(n, n) for n in lengths], Token2WavParams(), progress=False)
+    for n, out in zip(lengths, outs, strict=True):
+        with torch.no_grad():
+            codes = torch.from_numpy(frames(n, n).T[None].copy())
+            want = reference.chunked_decode(codes, MAX_FRAMES, 25)[0, 0].numpy()
+        pieces = -(-n // MAX_FRAMES)
+        assert (out.finish_reason, out.error) == ("stop", None)
+        assert out.audio.shape == want.shape == (n * HOP - pieces * SHORTFALL,)
+        err = rel_err(out.audio, want)
+        assert err < 1e-5, (n, err)
+        assert out.token_ids == prompt(n, n)["prompt_token_ids"]
+        metrics = out.metrics["code2wav"]
+        assert (metrics["num_frames"], metrics["num_samples"]) == (n, len(want))
+    stage = pipe.stages[0]
+    assert not stage.has_work() and not stage._splits and not stage._submitted
+
+
+def test_abort_drops_every_piece(pipe) -> None:
+    """An abort of a request decoded in pieces, some landed, drops the rest: nothing is left."""
+    stage = pipe.stages[0]
+    (admission,) = pipe.intake.admit([prompt(4, 70)], Token2WavParams(), ["long"])
+    pipe.core.add(admission)
+    stage.step(block=True)  # one solve: some pieces, not all four
+    assert stage._splits["long"].landed and stage.has_work()
+    out = pipe.core.abort("long")
+    assert out is not None and out.finish_reason == "abort"
+    assert not stage.has_work() and not stage._splits and not stage._submitted
 
 
 STREAMED = [(1, None), (2, None), (6, None), (13, 3), (30, None)]
@@ -215,16 +253,16 @@ def test_batched_stream_equals_alone(pipe, monkeypatch) -> None:
 
 
 def test_nothing_compiles_after_warmup(warmed) -> None:
-    """Warm-up compiles 2 frame buckets x 3 row counts offline and 3 chunk windows (a first
-    chunk's, a whole context before each chunk size) x 3 row counts; a mix of offline and
-    streamed requests then compiles nothing."""
+    """Warm-up compiles 4 frame buckets (up to a piece and its context) x 3 row counts offline
+    and 3 chunk windows (a first chunk's, a whole context before each chunk size) x 3 row
+    counts; a mix of offline (whole and in pieces) and streamed requests then compiles nothing."""
     pipe, report = warmed
     stage = pipe.stages[0]
-    assert stage.runner.buckets.shapes() == [(r, n) for r in (1, 2, 4) for n in (16, 24)]
+    assert stage.runner.buckets.shapes() == [(r, n) for r in (1, 2, 4) for n in (16, 24, 32, 48)]
     windows = (FIRST, LEFT + CHUNK, LEFT + MAX_CHUNK)
     assert stage.decoder.buckets.shapes() == [(r, n) for r in (1, 2, 4) for n in windows]
-    assert report.programs == report.compiles + report.loads == 15
-    lengths = [3, 24, 11, 40, 1, 37]
+    assert report.programs == report.compiles + report.loads == 21
+    lengths = [3, 24, 50, 40, 1, 37]
     params = [Token2WavParams(stream=i % 2 == 1, chunk_codes=4 if i == 3 else None) for i in range(6)]
     with CompileCounter() as counted:
         outs = pipe.run([prompt(n, n) for n in lengths], params, progress=False)
@@ -238,7 +276,6 @@ BAD_REQUESTS = [
     ({"prompt_token_ids": [1, 2, 3, CODEBOOK_SIZE]}, None, r"codec id 32 outside the vocabulary \[0, 32\)"),
     ({"prompt_token_ids": [-1, 2, 3, 4]}, None, "codec id -1 outside"),
     ({"prompt_token_ids": []}, None, "empty prompt"),
-    (prompt(0, MAX_FRAMES + 1), None, "25 frames exceed the limit of 24 .*max_frames"),
     (
         FOUR,
         Token2WavParams(stream=True, chunk_codes=11),

@@ -75,8 +75,9 @@ TRACK = tone(2.5, 220, 2)
 
 @pytest.fixture(scope="module")
 def stage_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The release's stage YAML with code2wav's solves capped at 2 requests of 64 frames (these
-    replies are under 30), so its warm-up compiles 12 programs instead of the default's 44."""
+    """The release's stage YAML with code2wav's solves capped at 2 requests and offline pieces of
+    64 frames (these replies are under 30, but one test's is longer), so its warm-up compiles 20
+    code2wav programs (12 offline, up to 64 + 25 frames; 8 streamed) instead of the default's 56."""
     path = tmp_path_factory.mktemp("qwen3_stages") / "stages.yaml"
     return edited_stages(path, "qwen3_omni", code2wav={"engine": {"max_batch": 2, "max_frames": 64}})
 
@@ -155,6 +156,25 @@ def test_greedy_speech_equals_transformers_generate(pipe, expected) -> None:
         assert out.stage_outputs["talker"].finish_reason == "stop"
         assert out.audio.shape == wav.shape and rel_err(out.audio, wav) < WAVE_RTOL, case
     assert not np.array_equal(*(np.asarray(o.stage_outputs["talker"].token_ids[:8]) for o in outs[::2]))
+
+
+def test_a_reply_longer_than_an_offline_piece_is_voiced(pipe, reference) -> None:
+    """A spoken reply of more frames than code2wav's offline piece (64 here) ends with its whole
+    audio, decoded as ``generate`` decodes a long reply: ``chunked_decode`` of the talker's frames
+    in pieces of 64 after 25 of context (it used to fail after all its work: "frames exceed the
+    limit"). Nothing of it is left in any stage."""
+    prompt = dict(pipe.chat_prompt([{"role": "user", "content": "tell me a story"}]), speaker="Ethan")
+    thinker = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    talker = SamplingParams(temperature=0.0, max_tokens=400)
+    (out,) = pipe.run([prompt], [thinker, talker, Token2WavParams()], progress=False)
+    codes = np.asarray(out.stage_outputs["talker"].token_ids).reshape(-1, NUM_CODE_GROUPS)
+    assert out.error is None and len(codes) > 64, len(codes)
+    with torch.no_grad():
+        want = reference.code2wav.chunked_decode(torch.from_numpy(codes.T[None].copy()), 64, 25)[0, 0].numpy()
+    assert out.audio.shape == want.shape
+    err = rel_err(out.audio, want)
+    assert err < 1e-5, err
+    assert not any(stage.has_work() for stage in pipe.stages)
 
 
 def test_converted_checkpoint_speaks_the_same(pipe, qwen3_omni_dir, stage_config, tmp_path) -> None:

@@ -155,14 +155,25 @@ def test_a_chunk_that_lands_streams_before_the_next_solve(voicer) -> None:
     np.testing.assert_array_equal(np.concatenate(pieces), last.audio)
 
 
-def test_streamed_requests_have_no_code_limit(voicer) -> None:
-    """``max_codes`` bounds the offline solve (32 here); a streamed request's windows are fixed."""
+def test_a_request_longer_than_an_offline_solve_is_decoded_in_chunks(voicer, omni_dir, tmp_path) -> None:
+    """``max_codes`` bounds the offline solve (32 here): a longer offline request (a talker whose
+    ``max_tokens`` was raised past it) is decoded in chunks as the same request streamed is, its
+    waveform whole, instead of failing after all its upstream work; a streamed request's windows
+    are fixed, so it has no limit. Refused still: with ``initial_noise`` (chunks draw theirs from
+    the seed), and by a stage that decodes offline only."""
     prompt = {"prompt_token_ids": codes(3, 33)}
-    with pytest.raises(ValueError, match="request 0: 33 codes exceed the limit of 32"):
-        voicer.run(prompt, Token2WavParams(num_steps=2), progress=False)
-    (out,) = voicer.run(prompt, Token2WavParams(stream=True, num_steps=2), progress=False)
+    (offline,) = voicer.run(prompt, Token2WavParams(num_steps=2, seed=4), progress=False)
+    (streamed,) = voicer.run(prompt, Token2WavParams(stream=True, num_steps=2, seed=4), progress=False)
     hop = voicer.stages[0].decoder.planner.hop
-    assert out.finish_reason == "stop" and out.audio.size == 33 * REPEATS * hop
+    assert offline.finish_reason == streamed.finish_reason == "stop"
+    assert streamed.audio.size == 33 * REPEATS * hop and offline.metrics["code2wav"]["chunks"] > 1
+    np.testing.assert_array_equal(offline.audio, streamed.audio)
+    noise = Token2WavParams(num_steps=2, initial_noise=np.zeros((66, 8), np.float32))
+    with pytest.raises(ValueError, match="request 0: 33 codes exceed the limit of 32 .*drop initial_noise"):
+        voicer.run(prompt, noise, progress=False)
+    offline_only = small_code2wav(omni_dir, tmp_path, False)
+    with pytest.raises(ValueError, match="request 0: 9 codes exceed the limit of 8 .*offline only"):
+        offline_only.run({"prompt_token_ids": codes(3, 9)}, progress=False)
 
 
 def small_code2wav(
@@ -284,6 +295,20 @@ def test_first_audio_comes_while_the_talker_speaks(pipe, reference) -> None:
     (again,) = pipe.run(prompt, params, progress=False)
     assert again.stage_outputs["talker"].token_ids == talker_codes
     np.testing.assert_array_equal(again.audio, last.audio)
+
+
+def test_a_reply_longer_than_an_offline_solve_is_voiced(pipe) -> None:
+    """A talker made to speak past code2wav's offline limit (36 codes against ``max_codes`` 32),
+    its audio not streamed: the reply is voiced in chunks, as the same request streamed with the
+    same seed is (it used to fail after all its work: "36 codes exceed the limit of 32")."""
+    prompt = spoken(pipe, "tell me a story", "Ethan")
+    streamed = story_params(36, seed=5, num_steps=2)
+    offline = [*streamed[:2], Token2WavParams(seed=5, num_steps=2)]
+    (whole,) = pipe.run(prompt, offline, progress=False)
+    (chunked,) = pipe.run(prompt, streamed, progress=False)
+    assert whole.error is None and len(whole.stage_outputs["talker"].token_ids) == 36
+    assert whole.metrics["code2wav"]["chunks"] > 1
+    np.testing.assert_array_equal(whole.audio, chunked.audio)
 
 
 def test_the_talker_speaks_while_a_chunk_solve_is_in_flight(pipe, reference, monkeypatch) -> None:

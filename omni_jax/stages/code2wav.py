@@ -257,11 +257,15 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
         check_ids(index, codes, self.codec_vocab_size, kind="codec")
         geometry = self.geometry
         if len(codes) > geometry.max_codes and not self.streams(params):
-            raise ValueError(
-                f"request {index}: {len(codes)} codes exceed the limit of {geometry.max_codes} "
-                f"(engine option max_codes of stage {self.config.name!r}, at most the DiT's "
-                "max_position_embeddings // repeats and its input stage's max_model_len)"
-            )
+            why = "" if self.streaming else "; the stage decodes offline only (engine.stream: false)"
+            if params.initial_noise is not None:
+                why = "; decoded in chunks, a longer request's noise comes from a seed: drop initial_noise"
+            if why:
+                raise ValueError(
+                    f"request {index}: {len(codes)} codes exceed the limit of {geometry.max_codes} "
+                    f"(engine option max_codes of stage {self.config.name!r}, at most the DiT's "
+                    f"max_position_embeddings // repeats and its input stage's max_model_len){why}"
+                )
         if params.initial_noise is not None:
             want = (len(codes) * geometry.repeats, geometry.mel_dim)
             got = tuple(np.shape(params.initial_noise))
@@ -271,10 +275,19 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
                     "([len(codes) * repeats, mel_dim])"
                 )
 
+    def _chunked(self, params: Token2WavParams, codes: int) -> bool:
+        """Whether a request of ``codes`` codes (all there) is decoded chunk by chunk: it asks to
+        stream, or it is longer than an offline solve holds (``max_codes``) and streaming is on:
+        then it is decoded as a streamed request is (the talker made more codes than
+        ``max_codes``, with its ``max_tokens`` raised past it), and its waveform still comes
+        whole to ``run()`` and to a reply that does not stream."""
+        return self.streams(params) or (self.streaming and codes > self.geometry.max_codes)
+
     def submit(self, request_id: str, request: StageInput, params: Token2WavParams) -> None:
-        """Queue the request for an offline solve, or with ``stream=True`` decode its codes (all
-        there) chunk by chunk."""
-        if self.streams(params):
+        """Queue the request for an offline solve, or with ``stream=True`` (or when it is longer
+        than an offline solve holds, :meth:`_chunked`) decode its codes (all there) chunk by
+        chunk."""
+        if self._chunked(params, len(request.token_ids)):
             self.open(request_id, request.prompt, params)
             self.feed(0, request_id, request.token_ids, None)
             self.decoder.extend(request_id, [], finished=True)

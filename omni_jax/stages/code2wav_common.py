@@ -17,7 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
-from omni_jax.engine.generation_runner import GenerationRunner, PaddedBatch
+from omni_jax.engine.generation_runner import GenerationResult, GenerationRunner, PaddedBatch
 from omni_jax.stages.base import StageInput, StageLoad, StageResult, StageStep, check_params, no_multimodal
 from omni_jax.stages.chunk_loop import StreamedChunk, StreamedDecoder
 from omni_jax.stages.code2wav_params import Token2WavParams
@@ -163,9 +163,16 @@ class Code2WavStageBase(Generic[Q, B, D]):
         self._streamed[request_id] = Streamed(time.perf_counter(), codes, dict(tags or {}))
 
     def _queue(self, request: Q, size: int) -> None:
-        """Queue an offline request of ``size`` (codes or frames) for a solve."""
-        self._submitted[request.request_id] = (time.perf_counter(), size)
+        """Queue an offline request of ``size`` (codes or frames) for a solve (or a piece of one:
+        ``size`` is the whole request's, see :meth:`_joined`)."""
+        self._submitted.setdefault(request.request_id, (time.perf_counter(), size))
         self.runner.add(request)
+
+    def _joined(self, result: GenerationResult[Q]) -> GenerationResult[Q] | None:
+        """The result of the request whose solve ``result`` landed from: ``result`` itself, for a
+        stage that solves each request whole; ``None`` while a request decoded in pieces still
+        has pieces to land."""
+        return result
 
     def abort(self, request_id: str) -> bool:
         """Drop the request from the solve queue or the decoder, or its row from the solve in
@@ -243,7 +250,10 @@ class Code2WavStageBase(Generic[Q, B, D]):
         <omni_jax.engine.generation_runner.GenerationRunner.step>`): its requests finish
         together, with their whole waveforms."""
         results = []
-        for r in self.runner.step(block):
+        for piece in self.runner.step(block):
+            r = self._joined(piece)
+            if r is None:
+                continue
             request_id = r.request.request_id
             started, size = self._submitted.pop(request_id)
             metrics = {

@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from omni_jax.engine.buckets import ladder
-from omni_jax.engine.generation_runner import GenerationRunner, PaddedBatch
+from omni_jax.engine.generation_runner import GenerationResult, GenerationRunner, PaddedBatch
 from omni_jax.models.qwen3_omni.code2wav import Code2Wav, code2wav_chunk_compiled, code2wav_compiled
 from omni_jax.models.qwen3_omni.code2wav_layers import Code2WavSpec
 from omni_jax.stages.base import HiddenHandoff, StageInput, StageResult, check_ids
@@ -47,11 +47,18 @@ SAMPLE_RATE = 24_000
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_FRAMES = 300
-"""Frames per offline request when the stage YAML sets no ``max_frames``: 24 s at the released
-model's 12.5 frames per second, the longest window transformers' ``generate`` decodes at once
-(its ``chunked_decode`` chunk), so an offline request's audio is ``generate``'s. A whole decode's
-temporaries grow with its frames (:func:`solve_bytes`: about 7.5 GB for 8 such requests of the
-released model); longer replies stream, whose windows have a fixed size."""
+"""New frames of one offline decode when the stage YAML sets no ``max_frames``: 24 s at the
+released model's 12.5 frames per second, transformers' ``generate``'s chunk (``chunked_decode``'s
+``chunk_size``), so an offline request's audio is ``generate``'s. A longer request is decoded in
+pieces of this many new frames (:data:`OFFLINE_CONTEXT`). A whole decode's temporaries grow with
+its frames (:func:`solve_bytes`: about 7.5 GB for 8 such requests of the released model)."""
+
+OFFLINE_CONTEXT = 25
+"""Frames of left context before each offline piece after the first: ``generate`` decodes a reply
+longer than its chunk with ``chunked_decode(codes, chunk_size=300, left_context_size=25)``, each
+piece's window its new frames after up to 25 of the previous ones, whose samples it drops. The
+pieces are independent decodes, so they are rows of the offline solves (batched with any other
+request); their windows, up to ``max_frames`` plus this, are the longest offline bucket."""
 
 MIN_FRAMES = 16
 """The shortest padded frame count: shorter requests are a small share of a solve's work, and
@@ -83,16 +90,27 @@ def frame_buckets(max_frames: int) -> tuple[int, ...]:
     return ladder(MIN_FRAMES, max_frames, FRAME_STEPS)
 
 
-def solve_limits(sc: StageConfig, spec: Code2WavSpec, max_input: int | None) -> tuple[int, int]:
-    """``(max_batch, max_frames)`` of the stage: its engine options, frames capped by the
-    transformer's ``max_position_embeddings`` and by ``max_input``, the most steps (one frame
-    each) its input talker makes per request (``None`` when it reads prompts)."""
+def solve_limits(sc: StageConfig, spec: Code2WavSpec, max_input: int | None) -> tuple[int, int, int]:
+    """``(max_batch, max_frames, window)`` of the stage's offline decodes: rows, new frames of a
+    piece (the engine option, capped by the transformer's ``max_position_embeddings`` and by
+    ``max_input``, the most steps, one frame each, its input talker makes per request; ``None``
+    when it reads prompts) and the longest window a solve decodes: ``max_frames`` when no request
+    can be longer, else :data:`OFFLINE_CONTEXT` more (``max_frames`` then capped to leave room for
+    it in the positions)."""
     positions = spec.max_position_embeddings
     max_batch = int(sc.engine.get("max_batch", DEFAULT_MAX_BATCH))
-    max_frames = min(int(sc.engine.get("max_frames", DEFAULT_MAX_FRAMES)), positions, max_input or positions)
+    max_frames = min(int(sc.engine.get("max_frames", DEFAULT_MAX_FRAMES)), positions)
     if max_batch < 1 or max_frames < 1:
         raise ValueError(f"stage {sc.name!r}: max_batch={max_batch} and max_frames={max_frames} must be >= 1")
-    return max_batch, max_frames
+    if max_input is not None and max_input <= max_frames:
+        return max_batch, max_input, max_input
+    max_frames = min(max_frames, positions - OFFLINE_CONTEXT)
+    if max_frames < 1:
+        raise ValueError(
+            f"stage {sc.name!r}: the transformer's {positions} positions leave no frames after "
+            f"{OFFLINE_CONTEXT} of context"
+        )
+    return max_batch, max_frames, max_frames + OFFLINE_CONTEXT
 
 
 def stream_plan(sc: StageConfig, positions: int) -> StreamPlan:
@@ -148,19 +166,33 @@ def solve_bytes(spec: Code2WavSpec, rows: int, frames: int) -> int:
 
 def solve_demand(sc: StageConfig, model: Code2Wav, max_input: int | None) -> dict[str, int]:
     """The largest solve's temporaries (:func:`solve_bytes`, an estimate): ``max_batch`` rows of
-    the longer of :func:`solve_limits`' ``max_frames`` and the streamed window."""
-    max_batch, max_frames = solve_limits(sc, model.spec, max_input)
-    frames = max(max_frames, stream_plan(sc, model.spec.max_position_embeddings).window_frames)
+    the longer of :func:`solve_limits`' offline window and the streamed one."""
+    max_batch, _, window = solve_limits(sc, model.spec, max_input)
+    frames = max(window, stream_plan(sc, model.spec.max_position_embeddings).window_frames)
     what = f"stage {sc.name!r} largest solve ({max_batch} requests of {frames} frames, estimate)"
     return {what: solve_bytes(model.spec, max_batch, frames)}
 
 
 @dataclasses.dataclass(frozen=True)
 class FramesRequest:
-    """One offline request: ``codes [num_quantizers, frames]``."""
+    """One offline decode: ``codes [num_quantizers, frames]``, a whole request or piece ``piece``
+    of ``pieces`` of a longer one (:data:`OFFLINE_CONTEXT`), whose first ``context`` frames are
+    the previous piece's (their samples are dropped)."""
 
     request_id: str
     codes: np.ndarray
+    context: int = 0
+    piece: int = 0
+    pieces: int = 1
+
+
+@dataclasses.dataclass
+class _Split:
+    """A request decoded in pieces: the whole of it, and the results of its pieces landed so far
+    (by piece)."""
+
+    whole: FramesRequest
+    landed: dict[int, GenerationResult[FramesRequest]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -198,10 +230,11 @@ class FramesPadder:
 
 class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDecoder]):
     """Prompts (when first) are ``{"prompt_token_ids": codes}``: frames flattened frame-major,
-    each code in ``[0, codebook_size)``, a whole number of frames. An offline request holds at
-    most the engine option ``max_frames`` frames (default :data:`DEFAULT_MAX_FRAMES`, never more
-    than the transformer's ``max_position_embeddings``); a streamed one any number. A prompt's
-    ``"speaker"`` is not read: the voice is in the codes.
+    each code in ``[0, codebook_size)``, a whole number of frames, any number of them. An
+    offline request longer than the engine option ``max_frames`` (default
+    :data:`DEFAULT_MAX_FRAMES`) is decoded in pieces as ``generate`` decodes it
+    (:data:`OFFLINE_CONTEXT`), its audio whole once its last piece has landed; a streamed one
+    chunk by chunk. A prompt's ``"speaker"`` is not read: the voice is in the codes.
 
     Fed by a talker (:meth:`feed`), the tokens are the same frame-major codes, the talker's stop
     token already cut (that is the talker wiring's business): a step's tokens may end inside a
@@ -223,20 +256,22 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
         super().__init__(config, runner, decoder, defaults)
         self.spec = spec
         self.max_frames = max_frames
+        self._splits: dict[str, _Split] = {}
 
     @classmethod
     def build(
         cls, sc: StageConfig, model: Code2Wav, path: Path, mesh: Mesh | None, max_input: int | None
     ) -> Qwen3Code2WavStage:
         """The stage over the loaded ``model`` (``path`` holds nothing more it needs); offline
-        decodes up to :func:`solve_limits` frames (``max_input``: its talker's most per request)."""
+        decodes of up to :func:`solve_limits`' window (``max_input``: its talker's most frames per
+        request)."""
         spec = model.spec
-        max_batch, max_frames = solve_limits(sc, spec, max_input)
+        max_batch, max_frames, window = solve_limits(sc, spec, max_input)
         runner = GenerationRunner(
             code2wav_compiled,
             model,
             FramesPadder(spec.num_quantizers),
-            lengths=frame_buckets(max_frames),
+            lengths=frame_buckets(window),
             max_batch=max_batch,
             mesh=mesh,
             name=sc.name,
@@ -296,26 +331,56 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
                 f"request {index}: {len(codes)} codec ids are not whole frames of {q} codes "
                 "(frame-major: each frame's codes consecutive)"
             )
-        frames = len(codes) // q
-        if frames > self.max_frames and not self.streams(params):
-            remedy = "stream it (Token2WavParams(stream=True)) to decode it in chunks"
-            raise ValueError(
-                f"request {index}: {frames} frames exceed the limit of {self.max_frames} (engine option "
-                f"max_frames of stage {self.config.name!r}, at most the model's max_position_embeddings "
-                "and its input stage's max_model_len); "
-                + (remedy if self.streaming else "the stage decodes offline only (engine.stream: false)")
-            )
 
     def submit(self, request_id: str, request: StageInput, params: Token2WavParams) -> None:
-        """Queue the request for an offline solve, or with ``stream=True`` decode its frames
-        (all there) chunk by chunk."""
+        """Queue the request for an offline solve (in pieces when it is longer than
+        :attr:`max_frames`), or with ``stream=True`` decode its frames (all there) chunk by
+        chunk."""
         if self.streams(params):
             self.open(request_id, request.prompt, params)
             self.decoder.extend(request_id, request.token_ids, finished=True)
             return
         frames = len(request.token_ids) // self.spec.num_quantizers
         codes = np.asarray(request.token_ids, np.int32).reshape(frames, self.spec.num_quantizers).T
-        self._queue(FramesRequest(request_id, np.ascontiguousarray(codes)), frames)
+        whole = FramesRequest(request_id, np.ascontiguousarray(codes))
+        if frames <= self.max_frames:
+            self._queue(whole, frames)
+            return
+        starts = range(0, frames, self.max_frames)
+        self._splits[request_id] = _Split(whole)
+        for piece, start in enumerate(starts):
+            context = min(OFFLINE_CONTEXT, start)
+            window = whole.codes[:, start - context : start + self.max_frames]
+            self._queue(FramesRequest(request_id, window, context, piece, len(starts)), frames)
+
+    def _joined(self, result: GenerationResult[FramesRequest]) -> GenerationResult[FramesRequest] | None:
+        """A whole request's result; a piece's is held until its request's last piece has landed,
+        then they make the request's: the pieces' samples after their context, in order (the first
+        error, if any), the largest solve any was in and their solves' seconds."""
+        request = result.request
+        if request.pieces == 1:
+            return result
+        split = self._splits[request.request_id]
+        split.landed[request.piece] = result
+        if len(split.landed) < request.pieces:
+            return None
+        del self._splits[request.request_id]
+        parts = [split.landed[k] for k in range(request.pieces)]
+        error = next((p.error for p in parts if p.error is not None), None)
+        hop = self.spec.total_upsample
+        wave = None
+        if error is None:
+            wave = np.concatenate(
+                [p.output[p.request.context * hop :] for p in parts if p.output is not None]
+            )
+        return GenerationResult(
+            split.whole, wave, error, max(p.batch_size for p in parts), sum(p.solve_s for p in parts)
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """The base's abort, and the pieces landed so far of a request decoded in pieces."""
+        self._splits.pop(request_id, None)
+        return super().abort(request_id)
 
     def _check_stream(self, params: Token2WavParams) -> None:
         self.decoder.plan_for(params.chunk_codes)
