@@ -191,12 +191,15 @@ def test_long_offline_requests_are_transformers_chunked_decode(pipe, reference, 
 
 
 def test_abort_drops_every_piece(pipe) -> None:
-    """An abort of a request decoded in pieces, some landed, drops the rest: nothing is left."""
+    """An abort of a request decoded in pieces, some landed, drops the rest: nothing is left. The
+    stage's load counts the request once, not a piece at a time."""
     stage = pipe.stages[0]
     (admission,) = pipe.intake.admit([prompt(4, 70)], Token2WavParams(), ["long"])
     pipe.core.add(admission)
+    assert (stage.load().running, stage.load().waiting) == (0, 1)  # four pieces waiting
     stage.step(block=True)  # one solve: some pieces, not all four
     assert stage._splits["long"].landed and stage.has_work()
+    assert (stage.load().running, stage.load().waiting) == (0, 1)
     out = pipe.core.abort("long")
     assert out is not None and out.finish_reason == "abort"
     assert not stage.has_work() and not stage._splits and not stage._submitted

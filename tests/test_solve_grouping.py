@@ -135,23 +135,23 @@ def test_a_solve_left_in_flight_lands_once_the_device_has_it() -> None:
     runner.solve = held(runner.solve, gate)
     for name in ("a", "b"):
         runner.add(request(name, 100))
-    assert runner.step(block=False) == [] and (runner.num_solving, runner.num_waiting) == (2, 0)
+    assert runner.step(block=False) == [] and (len(runner.solving), len(runner.waiting)) == (2, 0)
     runner.add(request("c", 20))
-    assert runner.step(block=False) == [] and runner.has_work() and runner.num_waiting == 1
+    assert runner.step(block=False) == [] and runner.has_work() and len(runner.waiting) == 1
     runner.remove(lambda r: r.request_id == "b")
-    assert runner.num_solving == 1
+    assert len(runner.solving) == 1
     gate.open = True
     landed = runner.step(block=False)
     assert [(r.request.request_id, r.batch_size) for r in landed] == [("a", 2)]
     assert len(landed[0].output) == 100 * 2 * SAMPLES_PER_FRAME
-    assert (runner.num_solving, runner.num_waiting) == (1, 0)  # c's solve in flight
+    assert (len(runner.solving), len(runner.waiting)) == (1, 0)  # c's solve in flight
     runner.remove(lambda r: r.request_id == "c")
     assert runner.in_flight is None and not runner.has_work()
     for name in ("d", "e"):
         runner.add(request(name, 20))
     runner.step(block=False)
     runner.add(request("f", 100))
-    assert [r.request.request_id for r in runner.step()] == ["d", "e"] and runner.num_solving == 1
+    assert [r.request.request_id for r in runner.step()] == ["d", "e"] and len(runner.solving) == 1
     assert [r.request.request_id for r in runner.step()] == ["f"]
     assert not runner.has_work() and calls == [[100, 100], [20], [20, 20], [100]]
 
@@ -171,7 +171,7 @@ def test_a_failed_solve_left_in_flight_ends_only_its_request() -> None:
     runner.solve = faulty
     runner.add(request("bad", 7))
     runner.add(request("good", 8))
-    assert runner.step(block=False) == [] and runner.num_solving == 2
+    assert runner.step(block=False) == [] and len(runner.solving) == 2
     landed = runner.step(block=False)
     assert [(r.request.request_id, r.error) for r in landed] == [
         ("bad", "solve failed: device fault"),

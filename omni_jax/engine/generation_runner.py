@@ -212,13 +212,14 @@ class GenerationRunner(Generic[R, B]):
         return bool(self._waiting) or self.in_flight is not None
 
     @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
+    def waiting(self) -> list[R]:
+        """The requests waiting for a solve, oldest first."""
+        return list(self._waiting)
 
     @property
-    def num_solving(self) -> int:
-        """Requests in the solve in flight."""
-        return 0 if self.in_flight is None else len(self.in_flight.rows)
+    def solving(self) -> list[R]:
+        """The requests in the solve in flight."""
+        return [] if self.in_flight is None else list(self.in_flight.rows.values())
 
     def remove(self, match: Callable[[R], bool]) -> None:
         """Drop the requests ``match`` selects (the stage knows its requests' ids): waiting, or

@@ -189,9 +189,11 @@ class Code2WavStageBase(Generic[Q, B, D]):
 
     def load(self) -> StageLoad:
         """Streamed requests run (they are decoded as their codes come), and so do offline ones
-        in the solve in flight; the other offline ones wait for a solve."""
-        running = self.decoder.num_streaming + self.runner.num_solving
-        return StageLoad(running=running, waiting=self.runner.num_waiting)
+        in the solve in flight; the other offline ones wait for a solve. A request decoded in
+        pieces counts once: running while any piece of it is in the solve in flight."""
+        solving = {r.request_id for r in self.runner.solving}
+        waiting = {r.request_id for r in self.runner.waiting} - solving
+        return StageLoad(running=self.decoder.num_streaming + len(solving), waiting=len(waiting))
 
     def warmup(self) -> int:
         """Compile every program: the offline solves' (the runner's shapes) and, unless streaming
