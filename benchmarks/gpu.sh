@@ -12,6 +12,10 @@
 #             GPU autotuning off, XLA's memory limit x10), with its run time; then each half alone;
 #   compile3  the same for Qwen3-Omni's code2wav (released widths, 1 x 125 frames): whole decode,
 #             transformer + upsampling, ConvNet decoder;
+#             (COMPILE_PARTS: the halves' indices, default "1 2"; empty: the whole program only);
+#   pick_flags  after compile or compile3 (PICK_FROM, default compile3): the option set whose
+#             whole program compiled fastest at no more than 1.1x the default's run time goes into
+#             XLA_FLAGS for the parts after it (e.g. PARTS="compile3 pick_flags stream3");
 #   compile_warm  the whole solve twice, from an empty persistent cache ($XLA_CACHE/compile), then
 #             from what the first filled: a cold and a warm start's compile seconds;
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
@@ -96,7 +100,7 @@ compile_options() {  # name (compile, compile3), then compile_time's arguments: 
       --programs 0 --runs 3 $opts --json "$OUT/$name/$i.json") >>"$OUT/$name.log" 2>&1
     i=$((i + 1))
   done
-  for part in 1 2; do
+  for part in ${COMPILE_PARTS-1 2}; do
     (echo "-- part $part alone"; timeout -s INT "${COMPILE_S:-90}" python3 -m benchmarks.compile_time "$@" \
       --programs $part --json "$OUT/$name/part$part.json") >>"$OUT/$name.log" 2>&1
   done
@@ -111,6 +115,23 @@ compile() {
 compile3() {
   mkdir -p "$OUT/compile3"
   compile_options compile3 --family qwen3_omni --codes 125
+}
+
+pick_flags() {
+  # The option set of the last compile part that compiled the whole program fastest, at no more
+  # than 1.1x the default's run time, into XLA_FLAGS for every part after it (none: unchanged).
+  local best
+  best=$(python3 - "$OUT/${PICK_FROM:-compile3}" <<'PY'
+import json, pathlib, sys
+runs = [json.loads(f.read_text()) for f in sorted(pathlib.Path(sys.argv[1]).glob("[0-9]*.json"))]
+runs = [(r["rows"][0]["compile_s"], r["solve_s"], r["options"]) for r in runs if r["rows"] and r["solve_s"]]
+base = next((s for _, s, o in runs if not o), None)
+fit = [(c, o) for c, s, o in runs if base is not None and s <= 1.1 * base]
+print(" ".join(f"--{k}={v}" for k, v in min(fit, key=lambda t: t[0])[1].items()) if fit else "")
+PY
+)
+  export XLA_FLAGS="${XLA_FLAGS:-} $best"
+  echo "== pick_flags: XLA_FLAGS=$XLA_FLAGS"
 }
 
 compile_warm() {
