@@ -356,7 +356,8 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
     def _joined(self, result: GenerationResult[FramesRequest]) -> GenerationResult[FramesRequest] | None:
         """A whole request's result; a piece's is held until its request's last piece has landed,
         then they make the request's: the pieces' samples after their context, in order (the first
-        error, if any), the largest solve any was in and their solves' seconds."""
+        error, if any), the largest solve any was in and the seconds of the solves they were in
+        (each solve's results carry its seconds: pieces that shared a solve count it once)."""
         request = result.request
         if request.pieces == 1:
             return result
@@ -374,7 +375,7 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
                 [p.output[p.request.context * hop :] for p in parts if p.output is not None]
             )
         return GenerationResult(
-            split.whole, wave, error, max(p.batch_size for p in parts), sum(p.solve_s for p in parts)
+            split.whole, wave, error, max(p.batch_size for p in parts), sum({p.solve_s for p in parts})
         )
 
     def abort(self, request_id: str) -> bool:
