@@ -638,6 +638,9 @@ class Family:
     """The shipped stage YAML whose code2wav :func:`sized_code2wav_config` sizes."""
     talker_unit = "codes"
     """What ``--talker-max-tokens`` counts."""
+    code2wav_chunk: int | None = None
+    """The most a reference ``generate`` voices in one code2wav call (``None``: a reply whole), so
+    that our code2wav's offline pieces are its."""
     batched_talker_held = True
     """Whether the reference's batched configurations compute each request's talker tokens as it
     computes them alone, so that ours are held to them too (else only to request by request)."""
@@ -666,7 +669,7 @@ def run(path: Path, args: Any, family: Family | None = None) -> dict[str, Any]:
     stage_config = sized_code2wav_config(
         Path(args.cache_dir),
         E2E_MAX_BATCH,
-        args.talker_max_tokens,
+        min(args.talker_max_tokens, family.code2wav_chunk or args.talker_max_tokens),
         family.stage_yaml,
         not args.late_talker,
         streaming=False,

@@ -10,8 +10,9 @@ e2e suite (2 to ``--max-tokens`` new tokens, stopping on ``<|im_end|>``), the ta
 repetition penalty 1.05 (``generate``'s default) and its code predictor greedy too (``generate``
 mirrors the talker's ``do_sample`` onto it), ``--talker-max-tokens`` codec frames at most (a frame
 is 12.5 a second in the released model: ``num_code_groups`` codes, the talker's first and the code
-predictor's others). code2wav decodes each reply whole on our side; ``generate`` calls
-``code2wav.chunked_decode(codes, 300, 25)``, one chunk for replies of up to 300 frames.
+predictor's others). ``generate`` calls ``code2wav.chunked_decode(codes, 300, 25)``, one chunk
+for replies of up to 300 frames; our code2wav decodes a reply whole up to its ``max_frames`` and
+a longer one in the same pieces.
 ``--num-steps`` and ``--guidance-scale`` do not apply (a ConvNet, no flow-matching solve).
 
 Talker tokens, as compared: each frame's codes, frame-major, then codec EOS when the talker stopped
@@ -187,6 +188,7 @@ class Qwen3Omni(Family):
     stage_yaml = "qwen3_omni"
     talker_unit = "frames"
     batched_talker_held = False
+    code2wav_chunk = 300
 
     def __init__(self, path: Path):
         from omni_jax.weights import load_hf_config
@@ -203,7 +205,7 @@ class Qwen3Omni(Family):
         return codes + [self.codec_eos] if talker.finish_reason == "stop" else codes
 
     def token2wav_settings(self, work: Workload) -> str:
-        return "each reply decoded whole (ours offline; generate: chunked_decode(codes, 300, 25))"
+        return "each reply offline in generate's pieces, chunked_decode(codes, 300, 25), on both sides"
 
     def reference(self, dtype: str | None, pipe: OmniJaxPipeline) -> Reference:
         eos = pipe.tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -212,7 +212,7 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         help="shortest request (codes, 50 per second; code2wav_qwen3: codec frames, 12.5 per second)",
     )
     c2w.add_argument(
-        "--max-codes", type=int, default=200, help="longest request (codes; code2wav_qwen3: frames, <= 300)"
+        "--max-codes", type=int, default=200, help="longest request (codes; code2wav_qwen3: frames)"
     )
     c2w.add_argument("--num-steps", type=int, default=10, help="ODE grid points (RK4 steps + 1)")
     c2w.add_argument("--guidance-scale", type=float, default=0.5, help="CFG scale")
