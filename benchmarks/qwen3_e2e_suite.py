@@ -59,6 +59,7 @@ from benchmarks.e2e_suite import (
     table,
     wrapped,
 )
+from benchmarks.qwen3_code2wav_suite import CHUNK_FRAMES
 from omni_jax import OmniJaxPipeline
 from omni_jax.testing import reference_omni_processor
 
@@ -188,7 +189,7 @@ class Qwen3Omni(Family):
     stage_yaml = "qwen3_omni"
     talker_unit = "frames"
     batched_talker_held = False
-    code2wav_chunk = 300
+    code2wav_chunk = CHUNK_FRAMES
 
     def __init__(self, path: Path):
         from omni_jax.weights import load_hf_config

@@ -135,16 +135,16 @@ def test_a_solve_left_in_flight_lands_once_the_device_has_it() -> None:
     runner.solve = held(runner.solve, gate)
     for name in ("a", "b"):
         runner.add(request(name, 100))
-    assert runner.step(block=False) == [] and (len(runner.solving), len(runner.waiting)) == (2, 0)
+    assert runner.step(block=False) == [] and (len(runner.solving), runner.num_waiting) == (2, 0)
     runner.add(request("c", 20))
-    assert runner.step(block=False) == [] and runner.has_work() and len(runner.waiting) == 1
+    assert runner.step(block=False) == [] and runner.has_work() and runner.num_waiting == 1
     runner.remove(lambda r: r.request_id == "b")
     assert len(runner.solving) == 1
     gate.open = True
     landed = runner.step(block=False)
     assert [(r.request.request_id, r.batch_size) for r in landed] == [("a", 2)]
     assert len(landed[0].output) == 100 * 2 * SAMPLES_PER_FRAME
-    assert (len(runner.solving), len(runner.waiting)) == (1, 0)  # c's solve in flight
+    assert (len(runner.solving), runner.num_waiting) == (1, 0)  # c's solve in flight
     runner.remove(lambda r: r.request_id == "c")
     assert runner.in_flight is None and not runner.has_work()
     for name in ("d", "e"):

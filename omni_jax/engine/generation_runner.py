@@ -212,9 +212,9 @@ class GenerationRunner(Generic[R, B]):
         return bool(self._waiting) or self.in_flight is not None
 
     @property
-    def waiting(self) -> list[R]:
-        """The requests waiting for a solve, oldest first."""
-        return list(self._waiting)
+    def num_waiting(self) -> int:
+        """How many requests wait for a solve."""
+        return len(self._waiting)
 
     @property
     def solving(self) -> list[R]:

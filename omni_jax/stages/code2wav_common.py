@@ -190,10 +190,11 @@ class Code2WavStageBase(Generic[Q, B, D]):
     def load(self) -> StageLoad:
         """Streamed requests run (they are decoded as their codes come), and so do offline ones
         in the solve in flight; the other offline ones wait for a solve. A request decoded in
-        pieces counts once: running while any piece of it is in the solve in flight."""
-        solving = {r.request_id for r in self.runner.solving}
-        waiting = {r.request_id for r in self.runner.waiting} - solving
-        return StageLoad(running=self.decoder.num_streaming + len(solving), waiting=len(waiting))
+        pieces counts once (:attr:`_submitted` holds each offline request once, to its end):
+        running while any piece of it is in the solve in flight. It runs every engine step, so it
+        reads the solve in flight (at most ``max_batch`` rows), not the queue."""
+        solving = len({r.request_id for r in self.runner.solving})
+        return StageLoad(running=self.decoder.num_streaming + solving, waiting=len(self._submitted) - solving)
 
     def warmup(self) -> int:
         """Compile every program: the offline solves' (the runner's shapes) and, unless streaming
