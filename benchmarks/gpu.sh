@@ -38,8 +38,10 @@
 #             throughput, streamed against offline, at STREAM_LEVELS clients (issue 22);
 #   stream3   Qwen3-Omni's (--suite e2e_qwen3 --stream) on `small`, transformers' generate as the
 #             reference (REFERENCE): TTFA against vLLM-omni's published 523 ms at c = 1 (issue 23);
-#             cold, its warm-up did not end in 330 s on an H200 (RESULTS.md, fourth and fifth
-#             sessions: code2wav's programs compile slowly): give it a whole call, or use streams;
+#             cold, its warm-up did not end in 330 s on an H200 (RESULTS.md, fourth to sixth
+#             sessions: code2wav's programs compile slowly): give it a whole call, seed it
+#             (AUTOTUNE_SEED), or run it again while the machine is warm (its cache then holds
+#             what the first run compiled);
 #   streams   stream3 (ours only) and stream side by side, cold, each filling a persistent cache of
 #             its own (STREAMS_COLD_S each; their measured runs may overlap, so these figures are
 #             not clean), then each again alone from its cache (STREAMS_WARM_S each, 0: not run): the
@@ -52,7 +54,15 @@
 # (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's, C2W_BATCHES the
 # code2wav batch sizes, C2W_MODEL its model (small), XLA_CACHE the persistent caches' root, SUITE_MODEL the overlap and stream parts' model (small; tiny for a quick
 # check of the script on a CPU), REFERENCE= (empty) leaves transformers out of the shaped, code2wav
-# and stream3 parts.
+# and stream3 parts, STREAM_CACHE a stream part's persistent cache (default $XLA_CACHE/<part>; 0: none).
+# Autotuning results outlast the machine: with a persistent cache on, XLA keeps the GPU autotuner's
+# results in its xla_gpu_per_fusion_autotune_cache_dir (JAX's default), and a program's first
+# compile in a process spends most of its time finding them (RESULTS.md, sixth session). Every
+# call leaves autotune.tgz beside its other files: the results in all its parts' caches, merged
+# (their files are named by what they tune). AUTOTUNE_SEED=file.tgz, such a file from an earlier
+# call (carried), fills the caches of the code2wav, overlap, profile and stream parts with them
+# before they run, so that their warm-ups tune only what is new; compile, compile3 and
+# compile_warm measure first compiles and are never seeded.
 set -u
 OUT=${OUT:-/tmp/omni_jax_gpu}
 PARTS=${PARTS:-moe shaped compile compile_warm code2wav tests}
@@ -70,6 +80,13 @@ jax.devices(), flax.__version__, transformers.__version__, torch.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
   || echo "editable install failed (PYTHONPATH still holds the tree): see install.log"
+
+seed_cache() {  # a persistent cache's root: AUTOTUNE_SEED's autotuning results put in it
+  [ -n "${AUTOTUNE_SEED:-}" ] && [ "$1" != 0 ] || return 0
+  mkdir -p "$1/xla_gpu_per_fusion_autotune_cache_dir" \
+    && tar xzf "$AUTOTUNE_SEED" -C "$1/xla_gpu_per_fusion_autotune_cache_dir" \
+    && echo "seeded $1 with $(tar tzf "$AUTOTUNE_SEED" | grep -vc /$) autotuning results from $AUTOTUNE_SEED"
+}
 
 moe() {
   echo "== MoE formulations (limit ${MOE_S:-90}s)"
@@ -146,6 +163,7 @@ compile_warm() {
 }
 
 c2w_suite() {  # name, limit, reference flag
+  seed_cache "$XLA_CACHE"
   OMNI_JAX_COMPILATION_CACHE=$XLA_CACHE timeout -s INT "$2" python3 -m benchmarks.run --suite code2wav \
     --model "${C2W_MODEL:-small}" $3 --batch-sizes "${C2W_BATCHES:-1,8}" --cache-dir /tmp/omni_jax_bench \
     --json "$OUT/$1.json" >"$OUT/$1.log" 2>&1
@@ -165,6 +183,7 @@ c2w_warm() {
 }
 
 overlap() {
+  seed_cache "$XLA_CACHE/ar"
   for i in $(seq "${OVERLAP_RUNS:-2}"); do
     for mode in overlapped sequential; do
       flag=$([ "$mode" = sequential ] && echo --sequential-steps)
@@ -180,6 +199,7 @@ overlap() {
 profile() {
   echo "== AR suite, ${SUITE_MODEL:-small}, profiled (limit ${PROFILE_S:-240}s)"
   rm -rf "$XLA_CACHE/profile"
+  seed_cache "$XLA_CACHE/ar"
   OMNI_JAX_COMPILATION_CACHE=$XLA_CACHE/ar timeout -s INT "${PROFILE_S:-240}" python3 -m benchmarks.run --suite ar \
     --model "${SUITE_MODEL:-small}" --profile "$XLA_CACHE/profile" --cache-dir /tmp/omni_jax_bench \
     --json "$OUT/ar_profiled.json" >"$OUT/ar_profiled.log" 2>&1
@@ -202,10 +222,11 @@ host() {
 }
 
 stream_suite() {  # name (stream, stream3), limit, then the suite's own arguments
-  local name=$1 limit=$2
+  local name=$1 limit=$2 cache=${STREAM_CACHE:-$XLA_CACHE/$1}
   shift 2
-  echo "== ${TAG:-}$name: $* --stream, ${SUITE_MODEL:-small} (limit ${limit}s)"
-  OMNI_JAX_COMPILATION_CACHE=${STREAM_CACHE:-0} timeout -s INT "$limit" python3 -m benchmarks.run "$@" --stream \
+  echo "== ${TAG:-}$name: $* --stream, ${SUITE_MODEL:-small} (limit ${limit}s, persistent cache: $cache)"
+  seed_cache "$cache"
+  OMNI_JAX_COMPILATION_CACHE=$cache timeout -s INT "$limit" python3 -m benchmarks.run "$@" --stream \
     --model "${SUITE_MODEL:-small}" --concurrency "${STREAM_LEVELS:-1,4,16}" --repeats 1 \
     --max-num-batched-tokens "${STREAM_TOKENS:-256}" --cache-dir /tmp/omni_jax_bench \
     --json "$OUT/${TAG:-}$name.json" >"$OUT/${TAG:-}$name.log" 2>&1
@@ -244,4 +265,11 @@ done
 # The device returns at most 8 files: PACK=1 leaves one, all.tgz, holding the rest.
 if [ "${PACK:-0}" = 1 ]; then
   tar czf /tmp/omni_jax_gpu_all.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/omni_jax_gpu_all.tgz "$OUT/all.tgz"
+fi
+rm -rf /tmp/omni_jax_autotune && mkdir -p /tmp/omni_jax_autotune
+find "$XLA_CACHE" -type d -name xla_gpu_per_fusion_autotune_cache_dir -exec cp -r {}/. /tmp/omni_jax_autotune \; \
+  2>/dev/null
+if [ -n "$(ls -A /tmp/omni_jax_autotune)" ]; then
+  tar czf "$OUT/autotune.tgz" -C /tmp/omni_jax_autotune .
+  echo "autotune.tgz: $(ls /tmp/omni_jax_autotune | wc -l) autotuning results, $(du -h "$OUT/autotune.tgz" | cut -f1)"
 fi
