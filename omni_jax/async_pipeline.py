@@ -99,12 +99,20 @@ class AsyncOmniJaxPipeline:
         return await asyncio.wrap_future(self._engine.call(lambda: self.pipeline.warmup(progress=False)))
 
     async def generate(
-        self, prompt: Prompt, sampling_params_list: Any = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params_list: Any = None,
+        request_id: str | None = None,
+        *,
+        within_context: bool = False,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Updates of one request as it runs (see :class:`OmniRequestOutput`), the last one
         ``finished``. ``prompt`` and ``sampling_params_list`` are as for one prompt of
         :meth:`OmniJaxPipeline.run`, and refused the same way (``ValueError`` naming request 0);
-        ``request_id``: unique among the requests running (default: one is made). Closing the
+        ``request_id``: unique among the requests running (default: one is made);
+        ``within_context``: also refuse a first stage's ``max_tokens`` that does not fit in its
+        context after the prompt (the server's rule for an explicit ``max_tokens``, as vLLM's;
+        else the reply stops at the context's end, ``finish_reason="length"``). Closing the
         generator or cancelling its consumer before the last update aborts the request.
         ``RuntimeError`` once the pipeline is closed; :class:`QueueFullError` when
         ``max_waiting`` requests wait already (both before anything is taken in)."""
@@ -118,7 +126,12 @@ class AsyncOmniJaxPipeline:
         try:
             loop = asyncio.get_running_loop()
             (admission,) = await loop.run_in_executor(
-                self._intake, self.pipeline.intake.admit, [prompt], sampling_params_list, [request_id]
+                self._intake,
+                self.pipeline.intake.admit,
+                [prompt],
+                sampling_params_list,
+                [request_id],
+                within_context,
             )
             updates: asyncio.Queue[OmniRequestOutput] = asyncio.Queue()
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.models.tokenizer import no_tokenizer
+from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage, StageInput
 from omni_jax.stages.code2wav_params import Token2WavParams
 
@@ -51,19 +52,28 @@ class Intake:
         self.model_dir = model_dir
 
     def admit(
-        self, prompts: Sequence[Prompt], sampling_params_list: Any, request_ids: Sequence[str]
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params_list: Any,
+        request_ids: Sequence[str],
+        within_context: bool = False,
     ) -> list[Admission]:
         """Every prompt checked and prepared, or ``ValueError`` naming the first bad one (its
         index in ``prompts``); ``sampling_params_list`` follows the contract's conventions (one
-        entry per stage, each one params object or one per prompt; ``None``: the defaults)."""
+        entry per stage, each one params object or one per prompt; ``None``: the defaults).
+        ``within_context``: an AR first stage's ``max_tokens`` must fit in its context after the
+        prompt (:meth:`ARStage.check_room <omni_jax.stages.ar.ARStage.check_room>`)."""
         params = self._stage_params(sampling_params_list, len(prompts))
         admitted = []
+        first = self.stages[0]
         for i, (prompt, request_id) in enumerate(zip(prompts, request_ids, strict=True)):
-            request = self.stages[0].prepare(i, self._prompt_input(i, prompt))
+            request = first.prepare(i, self._prompt_input(i, prompt))
             self._check_modalities(i, request.prompt)
             per_request = [p[i] for p in params]
             for si, stage in enumerate(self.stages):
                 stage.validate(i, request if si == 0 else None, per_request[si], request.prompt)
+            if within_context and isinstance(first, ARStage):
+                first.check_room(i, request, per_request[0])
             admitted.append(Admission(i, request_id, request, per_request))
         return admitted
 

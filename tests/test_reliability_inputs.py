@@ -21,6 +21,7 @@ batched encoder call is retried request by request, so only the culprit ends wit
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -174,6 +175,24 @@ def test_bad_audio_track_of_a_video_refused(pipe, monkeypatch) -> None:
     prompt = with_media(pipe, "video", frames(2, 28, 28, 1), use_audio_in_video=True)
     prompt["multi_modal_data"]["audio"] = [_nan_audio()]
     refused(pipe, monkeypatch, prompt, r"audio contains 1 non-finite")
+
+
+def test_max_tokens_within_context_counts_the_expanded_prompt(pipe) -> None:
+    """``within_context`` (the server's rule for an explicit ``max_tokens``) fits the prompt with
+    its media placeholders expanded and ``max_tokens`` into ``max_model_len``; without it the same
+    request is admitted (generation stops at the context's end)."""
+    prompt = with_media(pipe, "audio", tone(5.0, 440, 1))
+    (admitted,) = pipe.intake.admit([prompt], GREEDY, ["a"])
+    n, room = len(admitted.input.token_ids), pipe.stages[0].max_model_len - len(admitted.input.token_ids)
+    assert n > 125  # 5 s of audio: 125 audio tokens besides the text
+    fits = dataclasses.replace(GREEDY, max_tokens=room)
+    (admitted,) = pipe.intake.admit([prompt], fits, ["b"], within_context=True)
+    assert admitted.stage_params[0].max_tokens == room
+    over = dataclasses.replace(GREEDY, max_tokens=room + 1)
+    with pytest.raises(ValueError, match=rf"request 0: .*too large: {room + 1}\..* has {n} input tokens"):
+        pipe.intake.admit([prompt], over, ["c"], within_context=True)
+    pipe.intake.admit([prompt], over, ["d"])
+    assert not pipe.stages[0].has_work()
 
 
 def test_bad_wav_files_refused(pipe, monkeypatch, tmp_path) -> None:

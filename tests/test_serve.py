@@ -467,6 +467,22 @@ def test_completions_equal_run(qwen, kind, stream) -> None:
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
 
 
+def test_max_tokens_fill_the_context_to_its_end(qwen) -> None:
+    """A ``max_tokens`` that fills the context exactly is served (one more is refused: REFUSALS);
+    without one, the reply stops at the context's end, as vLLM's server does."""
+    client = qwen.server.client()
+    prompt = [7] * 16_380
+    for given in ({"max_tokens": 4}, {}):
+        r = client.completions.create(
+            model="tiny-qwen2", prompt=prompt, temperature=0, extra_body={"ignore_eos": True, **given}
+        )
+        assert (r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens) == (
+            "length",
+            16_380,
+            4,
+        ), given
+
+
 TOP = 3
 
 
@@ -656,6 +672,19 @@ REFUSALS = {
         400,
         "top_logprobs: Input should be less than or equal to 20",
         "top_logprobs",
+    ),
+    "max_tokens past the context": (
+        {"model": "tiny-qwen2", "prompt": [7] * 16_000, "max_tokens": 385},
+        400,
+        "request 0: 'max_tokens' or 'max_completion_tokens' is too large: 385. This model's maximum context "
+        "length is 16384 tokens and your request has 16000 input tokens (385 > 16384 - 16000)",
+        None,
+    ),
+    "max_completion_tokens past the context": (
+        {**GOOD, "max_completion_tokens": 16_384},
+        400,
+        "'max_tokens' or 'max_completion_tokens' is too large: 16384. This model's maximum context",
+        None,
     ),
     "too many completion logprobs": (
         {"model": "tiny-qwen2", "prompt": "x", "logprobs": 21},

@@ -53,6 +53,9 @@ class ServeRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None = None
+    within_context: bool = False
+    """The request gave ``max_tokens``: it must fit in the context after the prompt (a 400
+    otherwise, as vLLM's server answers; without one, the reply stops at the context's end)."""
 
 
 def _stop(value: str | list[str] | None) -> tuple[str, ...]:
@@ -73,7 +76,7 @@ def _stage_params(
             "it serves no chat or completion requests"
         )
     given = {name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None}
-    max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    max_tokens = _max_tokens(request)
     if max_tokens is not None:
         given["max_tokens"] = max_tokens
     if logprobs is not None:
@@ -89,6 +92,11 @@ def _stage_params(
             p = dataclasses.replace(p, stream=True)  # audio streamed as it is decoded
         params.append(p)
     return params[0] if len(params) == 1 else params
+
+
+def _max_tokens(request: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The request's ``max_completion_tokens`` (chat) or else ``max_tokens``; ``None``: neither."""
+    return getattr(request, "max_completion_tokens", None) or request.max_tokens
 
 
 def _common(request: ChatCompletionRequest | CompletionRequest) -> None:
@@ -157,6 +165,7 @@ def chat_request(
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
         logprobs=logprobs,
+        within_context=_max_tokens(request) is not None,
     )
 
 
@@ -182,4 +191,5 @@ def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) ->
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
         logprobs=request.logprobs,
+        within_context=_max_tokens(request) is not None,
     )

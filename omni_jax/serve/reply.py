@@ -72,7 +72,12 @@ async def reply(
     come, so an aborted request's work is in the counters too; a refused one (``ValueError``
     before any update) counts nowhere here (the app counts it by status)."""
     stop = StopText(request.stop)
-    updates = pipe.generate(request.prompt, request.sampling_params_list, request_id=request_id)
+    updates = pipe.generate(
+        request.prompt,
+        request.sampling_params_list,
+        request_id=request_id,
+        within_context=request.within_context,
+    )
     first_text = first_audio = True
     prompt_tokens: int | None = None
     tokens = 0

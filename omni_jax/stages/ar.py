@@ -240,6 +240,19 @@ class ARStage(Generic[S]):
         check_params(self, index, params, self.vocab_size)
         self._check_held_back(index, params)
 
+    def check_room(self, index: int, request: StageInput[S], params: SamplingParams) -> None:
+        """``ValueError`` when the prompt and ``params.max_tokens`` together exceed
+        ``max_model_len``: what vLLM's server answers with a 400 to a request's explicit
+        ``max_tokens`` (``run()`` and a server request without one stop at the context's end
+        instead, with ``finish_reason="length"``)."""
+        n, m = len(request.token_ids), params.max_tokens
+        if m is not None and n + m > self.max_model_len:
+            raise ValueError(
+                f"request {index}: 'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's "
+                f"maximum context length is {self.max_model_len} tokens and your request has {n} input "
+                f"tokens ({m} > {self.max_model_len} - {n})"
+            )
+
     def _check_held_back(self, index: int, params: SamplingParams) -> None:
         """The ids a row may have suppressed at once (stop ids under ``min_tokens``, the
         stage's never-sampled ids) fit the sampler's fixed width."""
