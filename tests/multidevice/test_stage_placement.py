@@ -117,6 +117,36 @@ def test_code2wav_split_over_its_mesh(omni_dir, code2wav_alone, tmp_path, device
         assert rel_err(g.audio, w.audio) < SPLIT_ROUNDING
 
 
+STREAM_PROMPTS = [
+    {"prompt_token_ids": [(7 * i + j) % 30 + 1 for j in range(n)]} for i, n in enumerate((50, 9, 83))
+]
+STREAM_PARAMS = Token2WavParams(num_steps=3, seed=0, stream=True)
+FIXED_CHUNKS = {"max_chunk_codes": 36}
+
+
+@pytest.fixture(scope="module")
+def streamed_alone(omni_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[OmniRequestOutput]:
+    """:data:`STREAM_PROMPTS` decoded in chunks by the stage on one device."""
+    alone = code2wav_on(omni_dir, tmp_path_factory.mktemp("alone"), [0], {}, FIXED_CHUNKS)
+    return alone.run(STREAM_PROMPTS, STREAM_PARAMS, progress=False)
+
+
+@pytest.mark.parametrize("devices,mesh", [([6, 7], {"data": 2}), ([4, 5, 6, 7], {"data": 2, "model": 2})])
+def test_streamed_chunks_split_over_its_mesh(omni_dir, streamed_alone, tmp_path, devices, mesh) -> None:
+    """Chunk solves of several requests at once, their rows split over ``data`` and the DiT over
+    ``model``: every request's streamed waveform (a first chunk, then chunks with past and
+    future context, one shorter than a chunk) is the one it gets on one device."""
+    placed = code2wav_on(omni_dir, tmp_path, devices, mesh, FIXED_CHUNKS)
+    assert devices_of(nnx.to_pure_dict(placed.stages[0].runner.state)) == {jax.devices()[i] for i in devices}
+    got = placed.run(STREAM_PROMPTS, STREAM_PARAMS, progress=False)
+    chunks = [o.metrics["code2wav"]["chunks"] for o in streamed_alone]
+    assert chunks[1] == 1 and chunks[0] > 1 and chunks[2] > 2, chunks
+    for g, w in zip(got, streamed_alone, strict=True):
+        assert g.error is None and g.audio.shape == w.audio.shape
+        assert g.metrics["code2wav"]["chunks"] == w.metrics["code2wav"]["chunks"]
+        assert rel_err(g.audio, w.audio) < SPLIT_ROUNDING
+
+
 def test_code2wav_warmup_covers_its_mesh(omni_dir, tmp_path) -> None:
     """Warm-up compiles each solve as a real batch is placed (rows split over ``data``): after
     it, batches of any size, offline or streamed, compile nothing. One offline length and fixed
