@@ -23,7 +23,7 @@ from omni_reference import picture, tone
 from parity import SPLIT_ROUNDING, rel_err
 from stage_yamls import edited_stages
 
-from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.testing_qwen3_omni import NUM_CODE_GROUPS
 
 THINKER = SamplingParams(temperature=0.0, max_tokens=16)
@@ -115,6 +115,20 @@ def test_greedy_speech_equals_one_device(single: OmniJaxPipeline, placed: OmniJa
         assert g.stage_outputs["thinker"].token_ids == w.stage_outputs["thinker"].token_ids
         codes = g.stage_outputs["talker"].token_ids
         assert len(codes) >= 2 * NUM_CODE_GROUPS and codes == w.stage_outputs["talker"].token_ids
+        assert g.audio.shape == w.audio.shape and rel_err(g.audio, w.audio) < SPLIT_ROUNDING
+
+
+def test_streamed_speech_equals_one_device(single: OmniJaxPipeline, placed: OmniJaxPipeline) -> None:
+    """Speech decoded in chunks as the talker speaks, both requests' chunks in shared solves
+    whose rows split over ``data``: each waveform, chunk by chunk, is the one-device pipeline's."""
+    params = [THINKER, TALKER, Token2WavParams(stream=True)]
+    want = single.run(prompts(single), params, progress=False)
+    got = placed.run(prompts(placed), params, progress=False)
+    assert max(w.metrics["code2wav"]["chunks"] for w in want) > 1
+    for g, w in zip(got, want, strict=True):
+        assert g.error is None and w.error is None, (g.error, w.error)
+        assert g.stage_outputs["talker"].token_ids == w.stage_outputs["talker"].token_ids
+        assert g.metrics["code2wav"]["chunks"] == w.metrics["code2wav"]["chunks"]
         assert g.audio.shape == w.audio.shape and rel_err(g.audio, w.audio) < SPLIT_ROUNDING
 
 
