@@ -94,9 +94,10 @@ class AsyncOmniJaxPipeline:
         """Whether the engine thread runs and takes requests."""
         return self._engine.alive
 
-    async def warmup(self) -> WarmupReport:
-        """:meth:`OmniJaxPipeline.warmup` on the engine thread, between steps."""
-        return await asyncio.wrap_future(self._engine.call(lambda: self.pipeline.warmup(progress=False)))
+    async def warmup(self, progress: bool = False) -> WarmupReport:
+        """:meth:`OmniJaxPipeline.warmup` on the engine thread, between steps (``progress``: its
+        bar, on stderr)."""
+        return await asyncio.wrap_future(self._engine.call(lambda: self.pipeline.warmup(progress=progress)))
 
     async def generate(
         self,

@@ -328,6 +328,9 @@ def test_health_is_503_while_warming_up_then_200(qwen) -> None:
     check_error(r, 503, "service_unavailable", "warming up")
     log = server.log.read_text()
     assert "warm-up compiled" in log and log.index("Uvicorn running") < log.index("warm-up compiled")
+    # said when it starts, and its bar counts the programs as they compile (not only at the end)
+    assert log.index("warming up ['llm']: compiling every program") < log.index("warm-up compiled")
+    assert "llm: 1 XLA programs compiled" in log or "llm: 0 XLA programs compiled, 1 loaded" in log
 
 
 def test_models_lists_the_served_name(qwen) -> None:

@@ -86,8 +86,15 @@ class _Server:
         self.created = int(time.time())
 
     async def warm(self) -> None:
+        """Compile every program before ``/health`` turns 200. A real checkpoint's warm-up is
+        minutes on a GPU: a line says it started, and the warm-up bar (stderr) names the stage
+        compiling and counts its programs, so a silent server is not taken for a hung one."""
+        stages = [s.config.name for s in self.pipe.pipeline.stages]
+        log.info(
+            "warming up %s: compiling every program they can need; /health answers 503 until done", stages
+        )
         try:
-            report = await self.pipe.warmup()
+            report = await self.pipe.warmup(progress=True)
         except Exception as e:  # noqa: BLE001 - the server stays up, unhealthy, and says why
             log.exception("warm-up failed; /health stays 503")
             self.warmup_error = f"warm-up failed: {e!r}"
