@@ -424,7 +424,9 @@ class _Pipe:
         self.updates = updates
         self.closed = False
 
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[OmniRequestOutput]:
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str, *, within_context: bool = False
+    ) -> AsyncIterator[OmniRequestOutput]:
         try:
             for update in self.updates:
                 yield update
