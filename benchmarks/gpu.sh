@@ -20,7 +20,7 @@
 #             from what the first filled: a cold and a warm start's compile seconds;
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
 #             token2wav on the same GPU (benchmarks/code2wav_suite.py), JAX's persistent
-#             compilation cache in $XLA_CACHE (a cold start: it begins empty);
+#             compilation cache in $XLA_CACHE/code2wav (a cold start: it begins empty);
 #   c2w_warm  the code2wav suite again, ours only, from the cache the code2wav part filled: the
 #             warm start's warm-up time;
 #   overlap   the AR suite on `small`, ours only, overlapped steps (the default) and
@@ -163,8 +163,8 @@ compile_warm() {
 }
 
 c2w_suite() {  # name, limit, reference flag
-  seed_cache "$XLA_CACHE"
-  OMNI_JAX_COMPILATION_CACHE=$XLA_CACHE timeout -s INT "$2" python3 -m benchmarks.run --suite code2wav \
+  seed_cache "$XLA_CACHE/code2wav"
+  OMNI_JAX_COMPILATION_CACHE=$XLA_CACHE/code2wav timeout -s INT "$2" python3 -m benchmarks.run --suite code2wav \
     --model "${C2W_MODEL:-small}" $3 --batch-sizes "${C2W_BATCHES:-1,8}" --cache-dir /tmp/omni_jax_bench \
     --json "$OUT/$1.json" >"$OUT/$1.log" 2>&1
   echo "$1 exit $?"
@@ -173,12 +173,12 @@ c2w_suite() {  # name, limit, reference flag
 
 code2wav() {
   echo "== code2wav suite, cold start (limit ${C2W_S:-300}s)"
-  rm -rf "$XLA_CACHE"
+  rm -rf "$XLA_CACHE/code2wav"  # its own: the other parts' caches (and autotuning results) stay
   c2w_suite c2w "${C2W_S:-300}" "${REFERENCE---reference}"
 }
 
 c2w_warm() {
-  echo "== code2wav suite, warm start from $XLA_CACHE, ours only (limit ${C2W_WARM_S:-150}s)"
+  echo "== code2wav suite, warm start from $XLA_CACHE/code2wav, ours only (limit ${C2W_WARM_S:-150}s)"
   c2w_suite c2w_warm "${C2W_WARM_S:-150}" ""
 }
 
