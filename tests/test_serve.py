@@ -334,8 +334,12 @@ def test_health_is_503_while_warming_up_then_200(qwen) -> None:
 
 
 def test_models_lists_the_served_name(qwen) -> None:
+    """With vLLM's ``root`` (the checkpoint served) and ``max_model_len`` (the context clients
+    size ``max_tokens`` by)."""
     (model,) = qwen.server.client().models.list().data
     assert (model.id, model.object, model.owned_by) == ("tiny-qwen2", "model", "omni-jax")
+    assert model.max_model_len == QWEN_SIZES["max_model_len"] == qwen.ref.stages[0].max_model_len
+    assert model.root == str(qwen.ref.model_dir)
 
 
 # -- chat and completions on Qwen2, greedy ----------------------------------------------------------
