@@ -183,6 +183,13 @@ class OmniJaxPipeline:
         connect_stages(built)
         return cls(path, config, built, load_tokenizer(path))
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The context of the stage that writes the text (prompt and reply tokens together);
+        ``None`` when no built stage writes text (a code2wav-only pipeline)."""
+        text = next((s for s in self.stages if s.config.final_output == "text"), None)
+        return text.max_model_len if isinstance(text, ARStage) else None
+
     def chat_prompt(
         self,
         messages: Sequence[dict[str, Any]],

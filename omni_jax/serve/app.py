@@ -34,7 +34,6 @@ from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, logprobs, responses
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, invalid_request_message
 from omni_jax.serve.reply import End, Piece, reply
-from omni_jax.stages.ar import ARStage
 
 log = logging.getLogger("omni_jax.serve")
 
@@ -85,10 +84,6 @@ class _Server:
         self.ready = not settings.warmup
         self.warmup_error: str | None = None
         self.created = int(time.time())
-        text = next((s for s in pipe.pipeline.stages if s.config.final_output == "text"), None)
-        self.max_model_len: int | None = text.max_model_len if isinstance(text, ARStage) else None
-        """The text stage's context, which ``/v1/models`` reports as vLLM's does (clients size
-        ``max_tokens`` by it); ``None`` without one."""
 
     async def warm(self) -> None:
         """Compile every program before ``/health`` turns 200. A real checkpoint's warm-up is
@@ -308,7 +303,8 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             "created": server.created,
             "owned_by": "omni-jax",
             "root": str(pipe.pipeline.model_dir),
-            **({"max_model_len": server.max_model_len} if server.max_model_len is not None else {}),
+            # vLLM's card: clients size max_tokens by the context
+            **({"max_model_len": context} if (context := pipe.pipeline.max_model_len) is not None else {}),
         }
         return JSONResponse({"object": "list", "data": [card]})
 
