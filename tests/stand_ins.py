@@ -15,6 +15,7 @@ from flax import nnx
 
 from omni_jax.engine.generation_runner import GenerationRunner
 from omni_jax.engine.solve_cost import SolveCost
+from omni_jax.stages.chunk_loop import StreamedDecoder
 from omni_jax.stages.code2wav_batch import Code2WavBatch, Code2WavRequest, SolveGeometry, code2wav_runner
 
 REPEATS = 2
@@ -60,6 +61,30 @@ def rows_nearly_free(cost: SolveCost, monkeypatch: pytest.MonkeyPatch) -> None:
     to nothing (an accelerator): requests, and ready streamed chunks, share one solve whatever
     this CPU's timings, which the fit follows (and which test workers load)."""
     monkeypatch.setattr(cost, "overhead", lambda: cost.cap)
+
+
+@dataclasses.dataclass
+class Clock:
+    """A streamed decoder's clock, standing still until the test moves it (``now``)."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def on_an_accelerator(decoder: StreamedDecoder, monkeypatch: pytest.MonkeyPatch, solve_s: float) -> Clock:
+    """``decoder`` as on an accelerator whose solves take ``solve_s`` whatever their rows
+    (:func:`rows_nearly_free`, and :meth:`SolveCost.seconds
+    <omni_jax.engine.solve_cost.SolveCost.seconds>` says so without timed solves), timing its
+    listeners by the returned clock: whether a ready chunk waits for others
+    (:meth:`StreamedDecoder.gathering`) then depends on the test's steps alone, not on this CPU's
+    timings."""
+    rows_nearly_free(decoder.cost, monkeypatch)
+    monkeypatch.setattr(decoder.cost, "seconds", lambda cells: solve_s)
+    clock = Clock()
+    monkeypatch.setattr(decoder, "clock", clock)
+    return clock
 
 
 class Gate:

@@ -30,7 +30,7 @@ import torch
 from flax import nnx
 from omni_reference import chunked_reference
 from parity import rel_err
-from stand_ins import Gate, held, rows_nearly_free
+from stand_ins import Gate, held, on_an_accelerator, rows_nearly_free
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
     Qwen2_5OmniBigVGANConfig,
     Qwen2_5OmniDiTConfig,
@@ -49,8 +49,8 @@ from omni_jax.models.qwen2_5_omni.token2wav import (
     token2wav_compiled,
 )
 from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
-from omni_jax.stages.chunk_loop import GATHER
-from omni_jax.stages.code2wav import stream_planner
+from omni_jax.stages.chunk_loop import SLACK
+from omni_jax.stages.code2wav import SAMPLE_RATE, stream_planner
 from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.code2wav_stream import ChunkedDecoder, ChunkOutput, NoiseRows
 from omni_jax.stages.config import StageConfig
@@ -137,6 +137,7 @@ def decoder(model: Token2Wav, max_batch: int = 8, planner: ChunkPlanner = PLANNE
         mel_dim=MEL,
         speaker_dim=SPK,
         reference_frames=REF_FRAMES,
+        sample_rate=SAMPLE_RATE,
         max_batch=max_batch,
     )
 
@@ -666,36 +667,52 @@ def test_decoder_refuses_what_it_cannot_stream(ours) -> None:
     assert dec.remove("a") and not dec.remove("a")
 
 
-def test_ready_chunks_wait_briefly_to_share_a_solve(ours, monkeypatch) -> None:
-    """A request's later chunk waits up to ``GATHER`` steps for another request's chunk due within
-    ``GATHER`` codes, then both share one solve (rows nearly free here, so the split keeps them
-    together); a first chunk never waits, nor a chunk whose partner is further off, nor one that
-    has waited ``GATHER`` steps. Chunks run at 9, 15, 21,
-    27 codes here (first 6 codes, chunks of 6, future 2)."""
-    assert [PLANNER.codes_ready(p) for p in range(4)] == [9, 15, 21, 27] and GATHER == 2
-    dec = sharing(decoder(ours), monkeypatch)
-    reqs = {n: make_request(n) for n in (77, 40, 15)}
+@pytest.mark.parametrize("then", ["waits", "deadline", "rows cost", "untimed", "all codes in"])
+def test_a_later_chunk_waits_for_others_while_its_audio_plays(ours, monkeypatch, then: str) -> None:
+    """On an accelerator (rows nearly free, solves of 1 ms), a request's later chunk waits for
+    another request's to share its solve while the audio its listener has yet to hear, played from
+    its first chunk's landing, covers its last chunk and ``SLACK`` times a solve and a step; then
+    it runs alone. It does not wait with one chunk to play, for a request's first chunk, where one
+    more solve costs less than a row (a CPU's fit), before any solve was timed, or once its
+    request's codes are all in. Chunks run at 9, 15, 21, 27 and 33 codes here."""
+    assert [PLANNER.codes_ready(p) for p in range(5)] == [9, 15, 21, 27, 33] and SLACK == 2
+    dec = decoder(ours)
+    solve_s = 0.001
+    clock = on_an_accelerator(dec, monkeypatch, solve_s)
+    reqs = {n: make_request(n) for n in (77, 40)}
     sent = dict.fromkeys(reqs, 0)
-    for n in (77, 40):
-        dec.add(str(n), reqs[n]["speaker"], reqs[n]["ref_mel"], params(n))
 
     def step(**have: int) -> list[tuple[str, int, int]]:
         for key, upto in have.items():
             n = int(key[1:])
-            dec.extend(str(n), reqs[n]["codes"][sent[n] : upto].tolist())
+            dec.extend(str(n), reqs[n]["codes"][sent[n] : upto].tolist(), finished=upto == n)
             sent[n] = upto
         return [(o.request_id, o.chunk.index, o.batch_size) for o in dec.step()]
 
-    assert step(a77=9, a40=9) == [("77", 0, 2), ("40", 0, 2)]
-    assert step(a77=15, a40=14) == []  # 40 is one code short of its chunk 1: 77's waits
-    assert dec.has_work()
-    assert step(a40=15) == [("77", 1, 2), ("40", 1, 2)]
-    assert step(a77=21) == [("77", 2, 1)]  # 40 is 6 codes short: no wait
-    assert step(a77=27, a40=19) == [] and step() == []  # 40 is 2 codes short, then stalls
-    assert step() == [("77", 3, 1)]  # waited GATHER steps
-    assert step(a77=33, a40=20) == []  # 40 is one code short of its chunk 2 (21)
-    dec.add("15", reqs[15]["speaker"], reqs[15]["ref_mel"], params(15))
-    assert step(a15=9) == [("77", 4, 2), ("15", 0, 2)]  # 15's first chunk: no wait
+    dec.add("77", reqs[77]["speaker"], reqs[77]["ref_mel"], params(77))
+    assert step(a77=9) == [("77", 0, 1)]
+    assert step(a77=15) == [("77", 1, 1)]  # one chunk to play, and no one else streams
+    assert step(a77=21) == [("77", 2, 1)]  # no one else streams
+    dec.add("40", reqs[40]["speaker"], reqs[40]["ref_mel"], params(40))
+    assert step(a77=27, a40=9) == [("77", 3, 2), ("40", 0, 2)]  # 40's first chunk never waits
+    played = dec._requests["77"].played
+    assert played.start == 0 and played.left(0) > 3 * played.last > 0
+    if then == "waits":
+        assert step(a77=33, a40=11) == []  # 40 is four codes short of its chunk 1
+        clock.now = (played.left(0) - played.last - 2 * solve_s) / 4  # margin: 2 x (solve + step)
+        assert step() == [] and step(a40=14) == []  # however many steps, while its audio plays
+        assert step(a40=15) == [("77", 4, 2), ("40", 1, 2)]
+        return
+    if then == "deadline":
+        clock.now = played.left(0) - played.last  # its last chunk is all it has left to play
+    elif then == "rows cost":
+        monkeypatch.setattr(dec.cost, "overhead", lambda: 1.0)
+    elif then == "untimed":
+        monkeypatch.setattr(dec.cost, "seconds", lambda cells: None)
+    if then == "all codes in":
+        assert step(a77=77, a40=14) == [("77", 4, 1)]
+    else:
+        assert step(a77=33, a40=14) == [("77", 4, 1)]
 
 
 def test_first_chunks_alone_solve_in_the_first_window(ours, monkeypatch) -> None:
@@ -737,7 +754,8 @@ def test_chunks_of_different_windows_solve_apart_where_rows_cost(ours, monkeypat
     """Where a solve costs its padded rows x window and little more (a fitted overhead of one
     cell for one more solve), ready chunks of different windows solve apart, a first chunk (its
     request's first audio) before an older request's middle chunk, which runs the next step
-    without waiting again (``GATHER``); chunks of one window still share a solve. The audio is what
+    without waiting (a chunk waits for others only where one more solve costs more than a row);
+    chunks of one window still share a solve. The audio is what
     the shared solves of an accelerator give."""
     shapes = []
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from parity import rel_err
 from stage_yamls import Whole, edited_stages, shipped_config
-from stand_ins import rows_nearly_free
+from stand_ins import on_an_accelerator, rows_nearly_free
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
@@ -318,13 +318,14 @@ def drain(stage) -> tuple[list[np.ndarray], StageResult]:
 
 
 def test_a_chunk_waits_for_a_frame_due_soon(pipe, monkeypatch) -> None:
-    """A later chunk ready while another request's is one frame short waits a step and then
-    shares its solve (``StreamedDecoder.gathering`` with the frames ``FrameDecoder.short_of``
-    counts); first chunks run at once."""
+    """On an accelerator, a later chunk ready while another request's is one frame short waits
+    (its listener has two chunks to hear) and then shares its solve
+    (``StreamedDecoder.gathering`` with the frames ``FrameDecoder.short_of`` counts); first
+    chunks, and a chunk whose listener has only the last to hear, run at once."""
     dec = pipe.stages[0].decoder
-    rows_nearly_free(dec.cost, monkeypatch)
+    on_an_accelerator(dec, monkeypatch, solve_s=1e-5)
     a, b = dec.add("a"), dec.add("b")
-    f = frames(5, 12).reshape(-1).tolist()
+    f = frames(5, 40).reshape(-1).tolist()
 
     def step(**upto: int) -> list[tuple[str, int]]:
         for rid, n in upto.items():
@@ -332,9 +333,11 @@ def test_a_chunk_waits_for_a_frame_due_soon(pipe, monkeypatch) -> None:
             dec.extend(rid, f[have : n * Q])
         return [(o.request_id, o.batch_size) for o in dec.step()]
 
-    assert step(a=2, b=2) == [("a", 2), ("b", 2)]  # first chunks: FIRST frames
-    assert step(a=7, b=6) == [] and (dec.short_of(a), dec.short_of(b)) == (None, 1)
-    assert step(b=7) == [("a", 2), ("b", 2)]
+    assert step(a=FIRST, b=FIRST) == [("a", 2), ("b", 2)]  # first chunks
+    assert step(a=FIRST + CHUNK) == [("a", 1)]  # one chunk to hear
+    third = FIRST + CHUNK + a.plan.chunk_size(2)
+    assert step(a=third, b=FIRST + CHUNK - 1) == [] and (dec.short_of(a), dec.short_of(b)) == (None, 1)
+    assert step(b=FIRST + CHUNK) == [("a", 2), ("b", 2)]
     assert dec.remove("a") and dec.remove("b")
 
 

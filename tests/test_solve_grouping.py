@@ -45,12 +45,18 @@ def request(name: str, num_codes: int) -> Code2WavRequest:
 def test_fit_skips_compiles_and_reads_the_overhead() -> None:
     cost = SolveCost(cap=4096.0)
     assert cost.overhead() == MIN_OVERHEAD  # nothing timed: solves follow the code buckets
+    assert cost.seconds(64) is None
     a, b = 0.02, 1e-4  # a solve's fixed seconds, seconds per padded code-row
     for n in (64, 128, 512):
         cost.record((n,), n, 100.0)  # a shape's first solve compiles: never counted
         cost.record((n,), n, a + b * n + 0.5)  # a slow run, then the real cost
         cost.record((n,), n, a + b * n)
+        if n == 64:  # one size timed: its time, scaled up past it, never down
+            assert cost.seconds(32) == cost.seconds(64) == pytest.approx(a + b * 64)
+            assert cost.seconds(128) == pytest.approx(2 * (a + b * 64))
     assert cost.overhead() == pytest.approx(a / b)
+    assert cost.seconds(1024) == pytest.approx(a + b * 1024)
+    assert cost.seconds(1) == pytest.approx(a + b * 64)  # never under the fastest solve timed
 
 
 def test_fit_without_a_slope_groups_everything() -> None:
@@ -59,6 +65,7 @@ def test_fit_without_a_slope_groups_everything() -> None:
         cost.record((n,), n, 1.0)
         cost.record((n,), n, 1.0)
     assert cost.overhead() == 4096.0
+    assert cost.seconds(4096) == pytest.approx(1.0)
 
 
 def ids(groups: list[list[Code2WavRequest]]) -> list[list[str]]:

@@ -57,3 +57,21 @@ class SolveCost:
         if slope <= 0:
             return self.cap
         return float(min(max(intercept / slope, MIN_OVERHEAD), self.cap))
+
+    def seconds(self, cells: float) -> float | None:
+        """What a solve of ``cells`` padded cells is expected to take, erring long: the fitted line
+        once two sizes were timed (never under the fastest solve timed, never over the slowest
+        when a larger solve was not measurably slower), one size's time scaled up by the cells
+        past it (never down: how much of it is fixed is unknown); ``None`` before a solve was
+        timed. A streamed chunk waits for others only while its audio still to play covers
+        this, so a guess that runs long only ends a wait sooner."""
+        if not self._best:
+            return None
+        rows = np.array([n for n, _ in self._best.values()], np.float64)
+        seconds = np.array([t for _, t in self._best.values()], np.float64)
+        if len(np.unique(rows)) < 2:
+            return float(seconds.max() * max(1.0, cells / rows.max()))
+        slope, intercept = np.polyfit(rows, seconds, 1)
+        if slope <= 0:
+            return float(seconds.max())
+        return float(max(intercept + slope * cells, seconds.min()))

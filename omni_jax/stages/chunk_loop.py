@@ -20,13 +20,19 @@ and returns, and a later step takes its results once the device has them (one so
 at a time). Why: the engine core steps every stage from one thread, and a solve it waited for
 held the talker's steps back for the solve's whole length even where the two stages run on
 different devices; the talker that feeds the chunks now keeps stepping meanwhile.
+
+A ready chunk may wait for other requests' to share its solve (:meth:`StreamedDecoder.gathering`)
+where one more solve costs more than a row (an accelerator: a solve of eight chunks costs about
+what one does) and for as long as its request's audio still to play outlasts a solve: the
+listener hears no difference, and the device does fewer, fuller solves.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
@@ -41,24 +47,44 @@ from omni_jax.engine.solve_cost import SolveCost
 from omni_jax.jit import StaticGraph
 from omni_jax.parallel.mesh import axis_size
 
-GATHER = 2
-"""Talker steps a ready chunk may wait, when it is not its request's first, for chunks of other
-requests that are due within that many codes (frames), so that they share its solve. Requests a
-step or two apart (their talker prompts admitted in different steps) otherwise never share a
-solve, and on an accelerator a solve of several rows costs about what one row costs. Never more:
-the wait delays the request's next audio, and its audio so far plays meanwhile."""
+SLACK = 2.0
+"""How many times the expected wait for a chunk's audio (a whole solve, and the time between two
+steps, when the wait is next looked at) its request's audio still to play must cover, beyond its
+last chunk, for the chunk to wait for other requests' (:meth:`StreamedDecoder.gathering`). The
+expectation is a fit to this decoder's own timings; twice it absorbs a slow solve or step."""
+
+
+@dataclasses.dataclass
+class Playback:
+    """A streamed request's audio so far as its listener hears it, played from when its first
+    chunk landed (``start``, the decoder's clock), as a client playing each chunk on arrival
+    would: ``seconds`` in all, ``last`` of them its latest chunk's."""
+
+    start: float
+    seconds: float = 0.0
+    last: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.last = seconds
+
+    def left(self, now: float) -> float:
+        """Seconds of audio not yet played at ``now``."""
+        return self.start + self.seconds - now
 
 
 @dataclasses.dataclass
 class StreamState:
     """What the loop reads and writes of a streamed request: its id, the codes received so far
-    and whether they are all, and how many chunks were decoded (``done``). A family's record
-    adds its own fields (its plan, its progress)."""
+    and whether they are all, how many chunks were decoded (``done``) and their audio's
+    :class:`Playback` (from the first chunk on). A family's record adds its own fields (its plan,
+    its progress)."""
 
     request_id: str
     codes: list[int] = dataclasses.field(default_factory=list, kw_only=True)
     finished: bool = dataclasses.field(default=False, kw_only=True)
     done: int = dataclasses.field(default=0, kw_only=True)
+    played: Playback | None = dataclasses.field(default=None, kw_only=True)
 
 
 R = TypeVar("R", bound=StreamState)
@@ -95,12 +121,22 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
     ``windows`` are the padded window lengths a solve may have (the family's first-chunk window
     and its longest), so a solve's shape is one of a closed set;
     ``mesh`` as for the :class:`~omni_jax.engine.generation_runner.GenerationRunner` (rows split
-    over ``data``). ``unit`` names what a request's codes count in messages (a code, a frame).
+    over ``data``); ``sample_rate`` the audio's, which times what a request's listener has yet to
+    hear. ``unit`` names what a request's codes count in messages (a code, a frame). ``clock``
+    reads the seconds chunks' playback is timed in.
     """
 
     unit = "code"
 
-    def __init__(self, model: nnx.Module, *, windows: Sequence[int], max_batch: int, mesh: Mesh | None):
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        windows: Sequence[int],
+        max_batch: int,
+        mesh: Mesh | None,
+        sample_rate: int,
+    ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         graphdef, self.state = nnx.split(model)
@@ -110,8 +146,11 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         self.buckets = SolveBuckets.build(max_batch, sorted(set(windows)), axis_size(mesh, "data"))
         rows, window = self.buckets.largest()
         self.cost = SolveCost(cap=float(rows * window))
+        self.sample_rate = sample_rate
+        self.clock: Callable[[], float] = time.perf_counter
         self._requests: dict[str, R] = {}
-        self._held: dict[str, int] = {}  # steps a request's ready chunk has waited (GATHER)
+        self._last_step: float | None = None
+        self._gap = 0.0  # seconds between the last two steps
         self.in_flight: InFlight[tuple[R, W]] | None = None
 
     @abc.abstractmethod
@@ -188,7 +227,6 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         """Forget a request (aborted); ``False`` when it is not streaming. Its chunk in the solve
         in flight is dropped (nothing of it is read when the solve lands); a solve left with no
         request is forgotten at once (the device finishes it, nothing reads it)."""
-        self._held.pop(request_id, None)
         if self.in_flight is not None and not self.in_flight.drop(
             lambda pair: pair[0].request_id == request_id
         ):
@@ -216,6 +254,9 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         caller now, not after another solve (a request gets at most one chunk a step); without
         ``block``, in a later step (:attr:`in_flight` until then), so the caller's other work
         runs while the device solves."""
+        now = self.clock()
+        self._gap = 0.0 if self._last_step is None else max(0.0, now - self._last_step)
+        self._last_step = now
         outputs: list[StreamedChunk[W]] = []
         for request in [r for r in self._requests.values() if self.drained(r)]:
             del self._requests[request.request_id]
@@ -228,9 +269,7 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         ready = self.ready()[: self.max_batch]
         if not ready or self.gathering(ready):
             return outputs
-        first, *later = self.groups(ready)
-        for request, _ in (pair for group in later for pair in group):
-            self._held[request.request_id] = GATHER  # split off to run next step, not to wait more
+        first = self.groups(ready)[0]
         if block and not outputs:
             return self.run(first)
         self.in_flight = self._dispatch(first)
@@ -252,19 +291,30 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
         return [[ready[i] for i in group] for group in groups]
 
     def gathering(self, ready: Sequence[tuple[R, W]]) -> bool:
-        """Whether the ``ready`` chunks wait this step for another request's, due within
-        :data:`GATHER` codes (frames), to share their solve: never while the solve has room for
-        no more, for a request's first chunk (its first audio), or past ``GATHER`` steps."""
-        if len(ready) >= self.max_batch or any(
-            r.done == 0 or self._held.get(r.request_id, 0) >= GATHER for r, _ in ready
-        ):
+        """Whether the ``ready`` chunks wait this step for other requests' chunks, to share their
+        solve. Only where that pays and no listener can hear it: the solve has room for more; one
+        more solve costs at least a row of their window (the fitted overhead: where rows are
+        nearly free, as on an accelerator); none is its request's first (its first audio) or of
+        a request whose codes are all in (the rest of it is there to decode: a wait would only
+        delay its end); another request's chunk is still coming (its codes arrive); and every
+        one of their requests' audio still to play (:class:`Playback`) covers its last chunk's
+        length and :data:`SLACK` times a whole solve and a step, so the chunk, solved next step
+        at the latest, lands with a chunk's audio to spare. Requests a step or two apart (their
+        talker prompts admitted in different steps) otherwise share a solve only by chance."""
+        if len(ready) >= self.max_batch or any(r.done == 0 or r.finished for r, _ in ready):
             return False
-        short = (self.short_of(r) for r in self._requests.values())
-        if not any(n is not None and n <= GATHER for n in short):
+        if self.cost.overhead() < max(self.width(chunk) for _, chunk in ready):
             return False
-        for request, _ in ready:
-            self._held[request.request_id] = self._held.get(request.request_id, 0) + 1
-        return True
+        waiting = {r.request_id for r, _ in ready}
+        coming = (r for r in self._requests.values() if r.request_id not in waiting)
+        if not any(self.short_of(r) is not None for r in coming):
+            return False
+        rows, window = self.buckets.largest()
+        solve_s = self.cost.seconds(rows * window)
+        if solve_s is None:
+            return False
+        now, margin = self.clock(), SLACK * (solve_s + self._gap)
+        return all(r.played is not None and r.played.left(now) > r.played.last + margin for r, _ in ready)
 
     def run(self, ready: Sequence[tuple[R, W]]) -> list[StreamedChunk[W]]:
         """One padded solve of ``ready`` chunks, waited for, each request advanced by its chunk
@@ -274,8 +324,6 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
     def _dispatch(self, ready: Sequence[tuple[R, W]]) -> InFlight[tuple[R, W]]:
         """Pad ``ready`` chunks into the smallest ``(rows, window)`` that holds them and start
         their solve; nothing waits for the device here."""
-        for request, _ in ready:
-            self._held.pop(request.request_id, None)
         window = self.buckets.length_for(max(self.width(chunk) for _, chunk in ready))
         rows = self.buckets.rows_for(len(ready))
         batch = self.pad(ready, rows, window)
@@ -309,6 +357,9 @@ class StreamedDecoder(abc.ABC, Generic[R, W, B, H]):
                 continue
             last = self.advance(request, chunk, solved, i)
             request.done += 1
+            if request.played is None:
+                request.played = Playback(self.clock())
+            request.played.add(audio.size / self.sample_rate)
             if last:
                 del self._requests[request.request_id]
             outputs.append(StreamedChunk(request.request_id, chunk, audio.copy(), last, dt, flight.size))

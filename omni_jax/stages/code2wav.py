@@ -206,6 +206,7 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
             mel_dim=dit.mel_dim,
             speaker_dim=geometry.speaker_dim,
             reference_frames=max(len(s.ref_mel) for s in speakers.values()),
+            sample_rate=SAMPLE_RATE,
             max_batch=max_batch,
             mesh=mesh,
         )

@@ -131,7 +131,7 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
     ``solve`` is ``token2wav_chunk_compiled`` (or a stand-in with its signature); ``planner`` the
     stage's constants, whose largest chunk is the longest a request may ask for (``chunk_codes``);
     ``speaker_dim`` the voices' vector width, ``reference_frames`` their longest reference mel
-    (every one pads to it); ``mesh`` as for the
+    (every one pads to it); ``sample_rate`` the waveform's; ``mesh`` as for the
     :class:`~omni_jax.engine.generation_runner.GenerationRunner`.
     """
 
@@ -144,11 +144,12 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
         mel_dim: int,
         speaker_dim: int,
         reference_frames: int,
+        sample_rate: int,
         max_batch: int = 8,
         mesh: Mesh | None = None,
     ):
         windows = [frames // planner.repeats for frames in planner.windows]
-        super().__init__(model, windows=windows, max_batch=max_batch, mesh=mesh)
+        super().__init__(model, windows=windows, max_batch=max_batch, mesh=mesh, sample_rate=sample_rate)
         self.solve = solve
         self.planner = planner
         self.mel_dim = mel_dim

@@ -281,6 +281,7 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
             model,
             stream_plan(sc, spec.max_position_embeddings),
             num_quantizers=spec.num_quantizers,
+            sample_rate=SAMPLE_RATE,
             max_batch=max_batch,
             mesh=mesh,
         )

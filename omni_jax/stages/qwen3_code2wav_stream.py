@@ -165,7 +165,8 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
     """Streamed requests: :meth:`add`, :meth:`extend` with codes as they come, :meth:`step`.
 
     ``solve`` is ``code2wav_chunk_compiled`` (or a stand-in with its signature); ``plan`` the
-    stage's constants, whose chunk is the longest a request may ask for; ``mesh`` as for the
+    stage's constants, whose chunk is the longest a request may ask for; ``sample_rate`` the
+    waveform's; ``mesh`` as for the
     :class:`~omni_jax.engine.generation_runner.GenerationRunner` (rows split over ``data``).
     """
 
@@ -178,10 +179,11 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
         plan: StreamPlan,
         *,
         num_quantizers: int,
+        sample_rate: int,
         max_batch: int = 8,
         mesh: Mesh | None = None,
     ):
-        super().__init__(model, windows=plan.windows, max_batch=max_batch, mesh=mesh)
+        super().__init__(model, windows=plan.windows, max_batch=max_batch, mesh=mesh, sample_rate=sample_rate)
         self.solve = solve
         self.plan = plan
         self.num_quantizers = num_quantizers
