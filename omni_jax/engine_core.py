@@ -33,7 +33,15 @@ import numpy as np
 from omni_jax.intake import Admission
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.profiling import scope
-from omni_jax.stages.base import FedStage, HiddenHandoff, Stage, StageInput, StageLoad, StageResult
+from omni_jax.stages.base import (
+    FedStage,
+    HiddenHandoff,
+    Stage,
+    StageInput,
+    StageLoad,
+    StageResult,
+    text_stage,
+)
 from omni_jax.text_stream import TextStream
 
 
@@ -91,7 +99,7 @@ class EngineCore:
     def __init__(self, stages: Sequence[Stage], tokenizer: Any):
         self.stages = list(stages)
         self.tokenizer = tokenizer
-        self.text_stage = next((i for i, s in enumerate(stages) if s.config.final_output == "text"), None)
+        self.text_stage = text_stage(self.stages)
         self.generated_tokens = 0
         """AR tokens of the stage results so far: every AR stage's drawn tokens (the talker's
         codes too; one a frame for a talker that draws frames, whose outputs are the frames' codes)."""

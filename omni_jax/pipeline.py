@@ -184,10 +184,16 @@ class OmniJaxPipeline:
         return cls(path, config, built, load_tokenizer(path))
 
     @property
+    def text_stage(self) -> int | None:
+        """The index of the built stage that writes the reply's text; ``None`` when none does (a
+        code2wav-only pipeline)."""
+        return self.core.text_stage
+
+    @property
     def max_model_len(self) -> int | None:
         """The context of the stage that writes the text (prompt and reply tokens together);
-        ``None`` when no built stage writes text (a code2wav-only pipeline)."""
-        text = next((s for s in self.stages if s.config.final_output == "text"), None)
+        ``None`` when no built stage writes text."""
+        text = None if self.text_stage is None else self.stages[self.text_stage]
         return text.max_model_len if isinstance(text, ARStage) else None
 
     def chat_prompt(

@@ -10,6 +10,8 @@ they are best solved together. Rather than a constant tuned for one device, the 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 SAMPLES = 64
@@ -18,6 +20,15 @@ SAMPLES = 64
 MIN_OVERHEAD = 1.0
 """A solve is never free: at least one cell (a row's length unit), so that splits which pad the
 same go to fewer solves."""
+
+
+class Fit(NamedTuple):
+    """The timed solves (each shape's padded ``cells`` and fastest ``seconds``) and the line
+    through them, ``(slope, intercept)``; ``None`` until two sizes were timed."""
+
+    cells: np.ndarray
+    seconds: np.ndarray
+    line: tuple[float, float] | None
 
 
 class SolveCost:
@@ -34,6 +45,7 @@ class SolveCost:
         self.cap = cap
         self._compiled: set[tuple[int, ...]] = set()
         self._best: dict[tuple[int, ...], tuple[int, float]] = {}
+        self._fitted: Fit | None = None  # of _best as it is; None: refit when next read
 
     def record(self, shape: tuple[int, ...], cells: int, seconds: float) -> None:
         """One solve of program ``shape`` over ``cells`` padded rows x length took ``seconds``."""
@@ -44,16 +56,29 @@ class SolveCost:
         self._best[shape] = (cells, min(best[1], seconds))  # re-inserted: the most recent last
         while len(self._best) > SAMPLES:
             self._best.pop(next(iter(self._best)))
+        self._fitted = None
+
+    def _fit(self) -> Fit:
+        """The fit of the solves timed so far, made once per new timing (every step of a
+        streamed decoder reads it)."""
+        if self._fitted is None:
+            cells = np.array([n for n, _ in self._best.values()], np.float64)
+            seconds = np.array([t for _, t in self._best.values()], np.float64)
+            line = None
+            if len(np.unique(cells)) >= 2:
+                slope, intercept = np.polyfit(cells, seconds, 1)
+                line = (float(slope), float(intercept))
+            self._fitted = Fit(cells, seconds, line)
+        return self._fitted
 
     def overhead(self) -> float:
         """``a / b``: one more solve's cost in padded cells, at least :data:`MIN_OVERHEAD`
         (all it is until two sizes were timed: solves then follow the length buckets, as padding
         costs in full); :attr:`cap` when a larger solve was not measurably slower."""
-        rows = np.array([n for n, _ in self._best.values()], np.float64)
-        if len(np.unique(rows)) < 2:
+        line = self._fit().line
+        if line is None:
             return MIN_OVERHEAD
-        seconds = np.array([t for _, t in self._best.values()], np.float64)
-        slope, intercept = np.polyfit(rows, seconds, 1)
+        slope, intercept = line
         if slope <= 0:
             return self.cap
         return float(min(max(intercept / slope, MIN_OVERHEAD), self.cap))
@@ -65,13 +90,12 @@ class SolveCost:
         past it (never down: how much of it is fixed is unknown); ``None`` before a solve was
         timed. A streamed chunk waits for others only while its audio still to play covers
         this, so a guess that runs long only ends a wait sooner."""
-        if not self._best:
+        fit = self._fit()
+        if not len(fit.seconds):
             return None
-        rows = np.array([n for n, _ in self._best.values()], np.float64)
-        seconds = np.array([t for _, t in self._best.values()], np.float64)
-        if len(np.unique(rows)) < 2:
-            return float(seconds.max() * max(1.0, cells / rows.max()))
-        slope, intercept = np.polyfit(rows, seconds, 1)
+        if fit.line is None:
+            return float(fit.seconds.max() * max(1.0, cells / fit.cells.max()))
+        slope, intercept = fit.line
         if slope <= 0:
-            return float(seconds.max())
-        return float(max(intercept + slope * cells, seconds.min()))
+            return float(fit.seconds.max())
+        return float(max(intercept + slope * cells, fit.seconds.min()))

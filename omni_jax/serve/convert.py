@@ -69,7 +69,7 @@ def _stage_params(
     pipeline: OmniJaxPipeline, request: ChatCompletionRequest | CompletionRequest, logprobs: int | None
 ) -> Any:
     """One params object per built stage (one alone for a one-stage pipeline)."""
-    text_stage = next((i for i, s in enumerate(pipeline.stages) if s.config.final_output == "text"), None)
+    text_stage = pipeline.text_stage
     if text_stage is None:
         raise ValueError(
             f"this server's stages {[s.config.name for s in pipeline.stages]} write no text: "

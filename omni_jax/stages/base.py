@@ -8,6 +8,7 @@ padded solve) stays inside the stage.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -233,6 +234,12 @@ class FedStage(Stage, Protocol):
         last. Returns False when the request ended with nothing for this stage to do (it is then
         dropped, as :meth:`Stage.accept` returning ``None``). ``ValueError`` naming request
         ``index`` when the tokens cannot feed this stage."""
+
+
+def text_stage(stages: Sequence[Stage]) -> int | None:
+    """The index of the stage that writes the reply's text (``final_output: text``); ``None``
+    when none of ``stages`` does (a code2wav-only graph)."""
+    return next((i for i, s in enumerate(stages) if s.config.final_output == "text"), None)
 
 
 def require_state(state: S | None, stage: str) -> S:
