@@ -24,8 +24,12 @@ the pipeline's own solves (each output's ``metrics``: the solve's seconds and si
 vocoder in one program; the reference's DiT and vocoder are timed apart. The DiT roofline is its
 useful FLOPs (unpadded frames) over that time and the measured matmul ceiling; the solve floor
 adds the vocoder's FLOPs (:func:`vocoder_flops`) and is the least time any engine could decode
-the workload in at that ceiling, so the reference's time over it bounds the ratio. Our audio must
-equal the reference's to :data:`PARITY_RTOL` in float32, or the suite fails.
+the workload in at that ceiling, so the reference's time over it bounds the ratio. At batch 1,
+the solve's products are also timed alone in XLA at the median request's shapes (the DiT's
+weight matmuls, the vocoder's convolutions: :mod:`benchmarks.code2wav_ops`), which no engine built
+on XLA's kernels can go below; the reference's time over theirs bounds what such an engine's
+ratio could be. Our audio must equal the reference's to :data:`PARITY_RTOL` in float32, or the
+suite fails.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from benchmarks.code2wav_ops import ops_alone
 from benchmarks.harness import (
     backends,
     batch_rounds,
@@ -53,6 +58,7 @@ from benchmarks.harness import (
 )
 from benchmarks.roofline import matmul_flops
 from omni_jax import OmniJaxPipeline, Token2WavParams
+from omni_jax.models.qwen2_5_omni.token2wav import MIN_GUIDANCE
 
 SAMPLE_RATE = 24_000
 MEL_FRAMES_PER_SECOND = 100  # 24 kHz / the vocoder's 240 samples per mel frame
@@ -310,6 +316,19 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         for b, idx in batches.items()
     }
     floor = {b: (flops[b] + voc_flops[b]) / peak for b in batches}
+    ops = (
+        ops_alone(
+            dit_cfg,
+            t2w_cfg.bigvgan_config,
+            len(work.codes[work.single]),
+            work.num_steps,
+            work.guidance_scale >= MIN_GUIDANCE,
+            dtype,
+            args.repeats,
+        )
+        if "1" in batches
+        else None
+    )
     ours = {
         b: _figures(audio[b], wall, steps[b], solves["solve_s"]) | {"solves": solves["solves"]}
         for b, (wall, solves) in ours_best.items()
@@ -332,6 +351,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         "roofline_fraction": {b: flops[b] / ours[b]["solve_s"] / peak for b in batches},
         "floor_s": floor,
         "floor_fraction": {b: floor[b] / ours[b]["solve_s"] for b in batches},
+        "ops_alone_batch1": dataclasses.asdict(ops) | {"solve_s": ops.solve_s} if ops else None,
         "backends": backends(warm.probe),
         "failures": warm.failures(),
         "ours": ours,
@@ -354,6 +374,8 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         }
         result["reference_roofline_fraction"] = {b: flops[b] / float(per_batch[b][0]) / peak for b in batches}
         result["ratio_at_floor"] = {b: float(per_batch[b][2]) / floor[b] for b in batches}
+        if ops:
+            result["ratio_at_ops_alone"] = float(per_batch["1"][2]) / ops.solve_s
         err = max(rel_err(o, r) for o, r in zip(ours_audio, ref_audio, strict=True))
         result["max_rel_err_vs_reference"] = err
         if dtype == "float32" and not err <= PARITY_RTOL:
@@ -415,6 +437,16 @@ def table(result: dict[str, Any]) -> str:
         )
         if ref:
             line += f"; an engine at the floor would be {result['ratio_at_floor'][b]:.2f}x transformers"
+        lines.append(line)
+    ops = result["ops_alone_batch1"]
+    if ops:
+        line = (
+            f"solve products alone in XLA, batch 1: DiT weight matmuls {ops['dit_s']:.2f} s + vocoder "
+            f"convolutions {ops['vocoder_s']:.2f} s = {ops['solve_s']:.2f} s (benchmarks.code2wav_ops)"
+        )
+        if ref:
+            at_ops = result["ratio_at_ops_alone"]
+            line += f"; an engine whose solve took only these would be {at_ops:.2f}x transformers"
         lines.append(line)
     if result["ratio"]:
         ratio = ", ".join(f"batch {b}: {r:.2f}x" for b, r in result["ratio"].items())

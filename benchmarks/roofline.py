@@ -19,7 +19,9 @@ def _on_accelerator() -> bool:
     return jax.devices()[0].platform != "cpu"
 
 
-def _best_of(fn: Callable[[], jax.Array], repeats: int = 5) -> float:
+def best_of(fn: Callable[[], jax.Array], repeats: int = 5) -> float:
+    """The least seconds of ``repeats`` timed calls of ``fn``, after one untimed call that
+    compiles and warms it up."""
     fn().block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -41,11 +43,11 @@ def memory_bandwidth(num_bytes: int | None = None) -> float:
     num_bytes = num_bytes or (1 << 31 if _on_accelerator() else 1 << 28)
     x = jnp.ones((num_bytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: a * 1.0001)
-    copy_bw = 2 * num_bytes / _best_of(lambda: copy(x))
+    copy_bw = 2 * num_bytes / best_of(lambda: copy(x))
     w = x.reshape(4096, -1)
     v = jnp.ones((8, 4096), jnp.float32)
     gemv = jax.jit(lambda a, b: a @ b)
-    gemv_bw = num_bytes / _best_of(lambda: gemv(v, w))
+    gemv_bw = num_bytes / best_of(lambda: gemv(v, w))
     return max(copy_bw, gemv_bw)
 
 
@@ -59,7 +61,7 @@ def matmul_flops(n: int | None = None, dtype: str = "float32") -> float:
     n = n or (8192 if _on_accelerator() else 2048)
     a = jnp.ones((n, n), jnp.dtype(dtype))
     mm = jax.jit(lambda x, y: x @ y)
-    return 2 * n**3 / _best_of(lambda: mm(a, a))
+    return 2 * n**3 / best_of(lambda: mm(a, a))
 
 
 @functools.cache
@@ -84,4 +86,4 @@ def decoder_matmuls_s(shapes: tuple[tuple[int, int], ...], rows: int, dtype: str
 
     x = jnp.ones((rows, shapes[0][0]), jnp.dtype(dtype))
     run = jax.jit(chain)
-    return _best_of(lambda: run(x, weights))
+    return best_of(lambda: run(x, weights))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -91,7 +93,7 @@ def run_suite(tmp_path: Path, argv: str) -> dict:
 def test_code2wav_suite(tmp_path: Path) -> None:
     prof = tmp_path / "prof"
     # Two ragged requests in one code bucket: one batched solve.
-    argv = "--suite code2wav --model tiny --reference --batch-sizes 2 --min-codes 12 --max-codes 16"
+    argv = "--suite code2wav --model tiny --reference --batch-sizes 1,2 --min-codes 12 --max-codes 16"
     result = run_suite(tmp_path, argv + f" --num-steps 2 --repeats 1 --profile {prof}")
     _check_common(result, "code2wav")
     assert result["codes_per_request"] == [12, 16]
@@ -111,6 +113,10 @@ def test_code2wav_suite(tmp_path: Path) -> None:
     )
     assert result["floor_fraction"]["2"] == pytest.approx(floor / result["ours"]["2"]["solve_s"])
     assert result["ratio_at_floor"]["2"] == pytest.approx(result["reference"]["2"]["solve_s"] / floor)
+    ops = result["ops_alone_batch1"]  # the median request (16 codes) alone
+    assert ops["dit_s"] > 0 and ops["vocoder_s"] > 0
+    assert ops["solve_s"] == pytest.approx(ops["dit_s"] + ops["vocoder_s"])
+    assert result["ratio_at_ops_alone"] == pytest.approx(result["reference"]["1"]["solve_s"] / ops["solve_s"])
     assert result["max_rel_err_vs_reference"] < CODE2WAV_PARITY
     assert result["profile"] == str(prof / "code2wav")
     assert list((prof / "code2wav").glob("plugins/profile/*/*.xplane.pb"))
@@ -134,6 +140,46 @@ def test_vocoder_flops_count_what_the_reference_runs(config: str) -> None:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             model(torch.randn(1, cfg.mel_dim, frames))
         assert vocoder_flops(cfg, frames) == counter.get_total_flops()
+
+
+def test_code2wav_ops_are_the_solves_products() -> None:
+    """The products the code2wav suite times alone are the DiT's per-frame weight matmuls and
+    BigVGAN's convolutions: as many weights as transformers' models hold in them (the input
+    projection's noisy-mel rows only: the rest is conditioning, once per solve), and a chain that
+    turns mel frames into as many samples as the vocoder does."""
+    import torch
+    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
+        Qwen2_5OmniBigVGANConfig,
+        Qwen2_5OmniDiTConfig,
+    )
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniToken2WavBigVGANModel,
+        Qwen2_5OmniToken2WavDiTModel,
+    )
+
+    from benchmarks.code2wav_ops import dit_matmul_shapes, vocoder_convs
+    from omni_jax.testing import TINY_BIGVGAN_CONFIG, TINY_DIT_CONFIG
+
+    dit_cfg = Qwen2_5OmniDiTConfig(**TINY_DIT_CONFIG)
+    dit = dict(Qwen2_5OmniToken2WavDiTModel(dit_cfg).named_parameters())
+    per_frame = (
+        r"transformer_blocks\.\d+\.(attn\.to_[qkv]|attn\.to_out\.0|ff\.ff\.[03])\.weight",
+        "proj_out.weight",
+    )
+    weights = sum(p.numel() for n, p in dit.items() if any(re.fullmatch(r, n) for r in per_frame))
+    weights += dit_cfg.mel_dim * dit["input_embed.proj.weight"].shape[0]
+    assert sum(i * o for i, o in dit_matmul_shapes(dit_cfg)) == weights
+
+    voc_cfg = Qwen2_5OmniBigVGANConfig(**TINY_BIGVGAN_CONFIG)
+    vocoder = Qwen2_5OmniToken2WavBigVGANModel(voc_cfg).eval()
+    convs = [m.weight for m in vocoder.modules() if isinstance(m, torch.nn.Conv1d | torch.nn.ConvTranspose1d)]
+    chain = vocoder_convs(voc_cfg, "float32")
+    assert sorted(k.size for k in chain.kernels) == sorted(w.numel() for w in convs)
+    frames = 10
+    with torch.no_grad():
+        samples = vocoder(torch.randn(1, voc_cfg.mel_dim, frames)).shape[-1]
+    mel = jax.ShapeDtypeStruct((1, frames, voc_cfg.mel_dim), jnp.float32)
+    assert jax.eval_shape(chain, mel, chain.kernels).shape == (1, samples, 1)
 
 
 def test_decode_matmul_shapes_are_the_decoders_weights() -> None:
