@@ -2,8 +2,8 @@
 
 The code2wav suite's floor prices every FLOP of a solve at the measured square-matmul ceiling
 (:func:`benchmarks.roofline.matmul_flops`). The DiT's products of a few hundred rows and the
-vocoder's convolutions run below that ceiling in any engine built on XLA's kernels, so the floor
-alone cannot say whether a target is out of reach for such an engine. This times those products
+vocoder's convolutions may run below that ceiling in any engine built on XLA's kernels, so the
+floor alone cannot say whether a target is out of reach for such an engine. This times those products
 at one request's shapes, as the ``ar`` suite times a decode step's weight matmuls alone
 (:func:`benchmarks.roofline.decoder_matmuls_s`):
 
@@ -13,10 +13,11 @@ at one request's shapes, as the ``ar`` suite times a decode step's weight matmul
 - the vocoder: every convolution, chained at its own shapes (the input and output convolutions,
   the transposed upsamplings, each AMP block's dilated and plain convolutions).
 
-Left out, so the sum is less than any XLA engine's solve: block-local attention (about 2% of the
-DiT's FLOPs at Qwen2.5-Omni-7B's widths), the AdaLN modulation and timestep MLP (one row each),
-the speaker encoder and codec embedding (once per solve), the vocoder's anti-aliasing filters
-and SnakeBeta activations, normalisation, masking and the RK4 updates.
+Left out, so the sum is what an engine running XLA's kernels at these shapes would take with
+nothing else to do: block-local attention (under 1% of the DiT's FLOPs at Qwen2.5-Omni-7B's
+widths), the AdaLN modulation and timestep MLP (one row each), the speaker encoder and codec
+embedding (once per solve), the vocoder's anti-aliasing filters and SnakeBeta activations,
+normalisation, masking and the RK4 updates.
 """
 
 from __future__ import annotations

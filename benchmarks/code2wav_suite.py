@@ -26,10 +26,10 @@ useful FLOPs (unpadded frames) over that time and the measured matmul ceiling; t
 adds the vocoder's FLOPs (:func:`vocoder_flops`) and is the least time any engine could decode
 the workload in at that ceiling, so the reference's time over it bounds the ratio. At batch 1,
 the solve's products are also timed alone in XLA at the median request's shapes (the DiT's
-weight matmuls, the vocoder's convolutions: :mod:`benchmarks.code2wav_ops`), which no engine built
-on XLA's kernels can go below; the reference's time over theirs bounds what such an engine's
-ratio could be. Our audio must equal the reference's to :data:`PARITY_RTOL` in float32, or the
-suite fails.
+weight matmuls, the vocoder's convolutions: :mod:`benchmarks.code2wav_ops`): the reference's time
+over theirs is the ratio of an engine running XLA's kernels at those shapes with nothing else to
+do. Our audio must equal the reference's to :data:`PARITY_RTOL` in float32, or the suite
+fails.
 """
 
 from __future__ import annotations
