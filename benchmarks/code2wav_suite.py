@@ -20,8 +20,9 @@ reference; reported apart as ``compile``), and the measured figures are the best
 ``--repeats`` rounds, all of ours first, then the reference's
 (:func:`benchmarks.harness.batch_rounds`: torch's threads spinning after its calls slowed the XLA
 rounds that followed them); ``--profile`` traces our runs of the last round. Our solve time is
-the pipeline's own solves (each output's ``metrics``: the solve's seconds and size), DiT and
-vocoder in one program; the reference's DiT and vocoder are timed apart. The DiT roofline is its
+the pipeline's own solves (each output's ``metrics``: the solve's seconds and size, and the code
+bucket its row was padded to, from the engine's set for ``--max-codes``), DiT and vocoder in one
+program; the reference's DiT and vocoder are timed apart. The DiT roofline is its
 useful FLOPs (unpadded frames) over that time and the measured matmul ceiling; the solve floor
 adds the vocoder's FLOPs (:func:`vocoder_flops`) and is the least time any engine could decode
 the workload in at that ceiling, so the reference's time over it bounds the ratio. At batch 1,
@@ -182,9 +183,10 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 def _run_ours(
     pipe: OmniJaxPipeline, work: Workload, indices: list[int]
 ) -> tuple[float, list[np.ndarray], dict[str, float]]:
-    """``(wall s, waveforms, the pipeline's own solves)``: ``solves`` and ``solve_s`` (DiT and
-    vocoder are one program per solve) from the outputs' metrics, where each request carries its
-    solve's seconds and size."""
+    """``(wall s, waveforms, the pipeline's own solves)``: ``solves``, ``solve_s`` (DiT and
+    vocoder are one program per solve) and ``padded_codes`` (the requests' rows as solved, each
+    padded to its solve's code bucket) from the outputs' metrics, where each request carries its
+    solve's seconds, size and padded length."""
     prompts = [{"prompt_token_ids": work.codes[i], "speaker": work.speaker} for i in indices]
     t0 = time.perf_counter()
     outs = pipe.run(prompts, [work.params(i) for i in indices], progress=False)
@@ -196,6 +198,7 @@ def _run_ours(
     solves = {
         "solves": round(sum(1 / m["batch_size"] for m in metrics)),
         "solve_s": sum(m["solve_s"] / m["batch_size"] for m in metrics),
+        "padded_codes": sum(m["padded_length"] for m in metrics),
     }
     return wall, [o.audio for o in outs], solves
 
@@ -330,7 +333,8 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         else None
     )
     ours = {
-        b: _figures(audio[b], wall, steps[b], solves["solve_s"]) | {"solves": solves["solves"]}
+        b: _figures(audio[b], wall, steps[b], solves["solve_s"])
+        | {"solves": solves["solves"], "padded_codes": solves["padded_codes"]}
         for b, (wall, solves) in ours_best.items()
     }
     compile_ours = warm.entry(sum(first.values()), sum(wall for wall, _ in ours_best.values()))
@@ -402,6 +406,14 @@ def table(result: dict[str, Any]) -> str:
         (
             "solves",
             [str(c.get("solves", len(result["requests_by_batch"][b]))) for _, b, c in cols],
+        ),
+        (
+            "codes (as solved, padded to buckets)",
+            [
+                str(sum(result["codes_per_request"][i] for i in result["requests_by_batch"][b]))
+                + (f" ({c['padded_codes']})" if "padded_codes" in c else "")
+                for _, b, c in cols
+            ],
         ),
         (
             "first run s (after warmup())",

@@ -103,6 +103,8 @@ def test_code2wav_suite(tmp_path: Path) -> None:
         assert figures["audio_s"] == pytest.approx(28 * 2 / 100)  # codes x repeats / 100 frames per s
         assert figures["audio_s_per_s"] > 0 and figures["dit_steps_per_s"] > 0 and figures["solve_s"] > 0
     assert result["ours"]["2"]["solves"] == 1  # the pipeline's own solve, from its outputs' metrics
+    # 16 codes alone, and 12 + 16 in one solve, both rows padded to the longest bucket (16 codes)
+    assert (result["ours"]["1"]["padded_codes"], result["ours"]["2"]["padded_codes"]) == (16, 32)
     # rows 1, 2 of one code bucket, and no chunk program: the suite's stage never streams
     assert result["compile"]["ours"]["warmup_stages"]["code2wav"]["programs"] == 2
     assert result["ours"]["2"]["solve_s"] <= result["ours"]["2"]["wall_s"]

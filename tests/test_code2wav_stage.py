@@ -108,8 +108,12 @@ def test_batch_equals_each_request_alone(pipes, monkeypatch: pytest.MonkeyPatch)
         Token2WavParams(num_steps=6, sway_coefficient=0.0, initial_noise=noise(5, 9)),
     ]
     batch = pipe.run(prompts, params, progress=False)
+    # Every row of the one solve is padded to the bucket of its longest request (16 codes).
+    padded = pipe.stages[0].runner.buckets.length_for(16)
+    assert padded >= 16
     for prompt, p, out in zip(prompts, params, batch, strict=True):
         assert out.metrics["code2wav"]["batch_size"] == 3
+        assert out.metrics["code2wav"]["padded_length"] == padded
         # Alone, the unguided request still runs the guided program, its null half weighed zero.
         alone = pipe.run(prompt, p, progress=False)[0]
         assert alone.audio.shape == out.audio.shape == (len(prompt["prompt_token_ids"]) * REPEATS * 60,)

@@ -163,6 +163,7 @@ def test_offline_batch_matches_transformers(pipe, reference, monkeypatch) -> Non
         assert out.token_ids == out.prompt_token_ids == prompt(n, n)["prompt_token_ids"]
         metrics = out.metrics["code2wav"]
         assert (metrics["batch_size"], metrics["num_frames"], metrics["num_samples"]) == (4, n, len(want))
+        assert metrics["padded_length"] == pipe.stages[0].runner.buckets.length_for(max(lengths))
 
 
 def test_long_offline_requests_are_transformers_chunked_decode(pipe, reference, monkeypatch) -> None:

@@ -96,13 +96,15 @@ class BatchPadder(Protocol[R, B]):
 @dataclasses.dataclass
 class GenerationResult(Generic[R]):
     """One request's ``output`` (trimmed to its valid length) or ``error``; the size of the
-    solve it ran in and the solve's seconds."""
+    solve it ran in, the solve's seconds, and the length its row was padded to (the bucket's:
+    the work the request cost, which its own length understates)."""
 
     request: R
     output: np.ndarray | None
     error: str | None
     batch_size: int
     solve_s: float
+    padded_length: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,22 +326,25 @@ class GenerationRunner(Generic[R, B]):
         """
         requests = list(flight.rows.values())
         read = flight.read(lambda outputs: tuple(fetch(x) for x in outputs))
+        rows, length = flight.shape
         if isinstance(read, jax.errors.JaxRuntimeError):
             if len(requests) > 1:  # find the culprit: the others still complete
                 return [result for r in requests for result in self.run([r])]
-            return [GenerationResult(r, None, f"solve failed: {read}", 1, flight.seconds) for r in requests]
+            return [
+                GenerationResult(r, None, f"solve failed: {read}", 1, flight.seconds, length)
+                for r in requests
+            ]
         out, valid = read
         dt = flight.seconds
-        rows, length = flight.shape
         self.cost.record(flight.shape, rows * length, dt)
         with scope(f"{self.name}/split", requests=len(requests)):
             results = []
             for i, r in flight.rows.items():
                 o = out[i, : valid[i]]
                 if np.isfinite(o).all():
-                    results.append(GenerationResult(r, o.copy(), None, flight.size, dt))
+                    results.append(GenerationResult(r, o.copy(), None, flight.size, dt, length))
                 else:  # rows do not mix in the solve: only this request failed
                     bad = int((~np.isfinite(o)).sum())
                     message = f"non-finite {self.padder.output} ({bad} of {o.size} samples)"
-                    results.append(GenerationResult(r, None, message, flight.size, dt))
+                    results.append(GenerationResult(r, None, message, flight.size, dt, length))
             return results

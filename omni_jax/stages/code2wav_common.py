@@ -264,6 +264,7 @@ class Code2WavStageBase(Generic[Q, B, D]):
                 "solve_s": r.solve_s,
                 "batch_size": r.batch_size,
                 self.size_key: size,
+                "padded_length": r.padded_length,
                 "num_samples": 0 if r.output is None else len(r.output),
                 **self._offline_tags(r.request),
             }

@@ -376,7 +376,12 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
                 [p.output[p.request.context * hop :] for p in parts if p.output is not None]
             )
         return GenerationResult(
-            split.whole, wave, error, max(p.batch_size for p in parts), sum({p.solve_s for p in parts})
+            split.whole,
+            wave,
+            error,
+            max(p.batch_size for p in parts),
+            sum({p.solve_s for p in parts}),
+            sum(p.padded_length for p in parts),
         )
 
     def abort(self, request_id: str) -> bool:
