@@ -68,9 +68,8 @@ class ConvChain:
         output cut or zero-padded to its channels."""
         dims = ("NWC", "WIO", "NWC")
         for w, (kind, step, left, right) in zip(kernels, self.steps, strict=True):
-            width = w.shape[1]
-            cut = x[..., :width]
-            x = cut if x.shape[-1] >= width else jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])))
+            missing = w.shape[1] - x.shape[-1]
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, missing))) if missing > 0 else x[..., : w.shape[1]]
             if kind == "up":
                 x = jax.lax.conv_transpose(x, w, (step,), [(left, right)], dimension_numbers=dims)
             else:
