@@ -27,8 +27,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from benchmarks.roofline import best_of, decoder_matmuls_s
+from omni_jax.models.qwen2_5_omni.bigvgan import BigVGAN
 
 RK4_STAGES = 4
 CFG_ROWS = 2
@@ -57,53 +59,38 @@ def dit_matmul_shapes(cfg: Any) -> tuple[tuple[int, int], ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ConvChain:
-    """BigVGAN's convolutions, each with its own kernel, in order: ``steps`` holds each one's
-    kind (``conv`` or transposed ``up``), dilation or stride, and left and right padding."""
+    """BigVGAN's convolutions, in the order its forward runs them (each stage's transposed
+    upsampling, then each AMP block's dilated and plain convolutions), as ``nnx.split`` parts:
+    each one's output has the next one's input channels, so they chain as they are."""
 
-    kernels: tuple[jax.Array, ...]
-    steps: tuple[tuple[str, int, int, int], ...]
+    graph: nnx.GraphDef
+    state: nnx.State
 
-    def __call__(self, x: jax.Array, kernels: tuple[jax.Array, ...]) -> jax.Array:
-        """Each convolution of ``x [B, T, C]`` (channels-last) in turn, its input the previous
-        output cut or zero-padded to its channels."""
-        dims = ("NWC", "WIO", "NWC")
-        for w, (kind, step, left, right) in zip(kernels, self.steps, strict=True):
-            missing = w.shape[1] - x.shape[-1]
-            x = jnp.pad(x, ((0, 0), (0, 0), (0, missing))) if missing > 0 else x[..., : w.shape[1]]
-            if kind == "up":
-                x = jax.lax.conv_transpose(x, w, (step,), [(left, right)], dimension_numbers=dims)
-            else:
-                x = jax.lax.conv_general_dilated(
-                    x, w, (1,), [(left, right)], rhs_dilation=(step,), dimension_numbers=dims
-                )
+    @property
+    def kernels(self) -> tuple[jax.Array, ...]:
+        return tuple(conv.kernel[...] for conv in nnx.merge(self.graph, self.state))
+
+    def __call__(self, x: jax.Array, state: nnx.State) -> jax.Array:
+        """Each convolution of ``x [B, T, C]`` (channels-last) in turn, biases included."""
+        for conv in nnx.merge(self.graph, state):
+            x = conv(x)
         return x
 
 
 def vocoder_convs(cfg: Any, dtype: str) -> ConvChain:
     """The convolutions of :class:`omni_jax.models.qwen2_5_omni.bigvgan.BigVGAN` for ``cfg`` (its
-    ``BigVGANConfig``), at its shapes and paddings, with random kernels."""
-    key = jax.random.PRNGKey(0)
-    kernels: list[jax.Array] = []
-    steps: list[tuple[str, int, int, int]] = []
-
-    def add(kind: str, size: int, c_in: int, c_out: int, step: int, pad: int) -> None:
-        shape = (size, c_in, c_out)
-        kernels.append(
-            jax.random.normal(jax.random.fold_in(key, len(kernels)), shape, jnp.dtype(dtype)) * 0.02
-        )
-        steps.append((kind, step, pad, pad))
-
-    channels = cfg.upsample_initial_channel
-    add("conv", 7, cfg.mel_dim, channels, 1, 3)
-    for rate, size in zip(cfg.upsample_rates, cfg.upsample_kernel_sizes, strict=True):
-        add("up", size, channels, channels // 2, rate, size - 1 - (size - rate) // 2)
-        channels //= 2
-        for kernel, dilations in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes, strict=True):
-            for d in dilations:
-                add("conv", kernel, channels, channels, d, (kernel * d - d) // 2)
-                add("conv", kernel, channels, channels, 1, (kernel - 1) // 2)
-    add("conv", 7, channels, 1, 1, 3)
-    return ConvChain(tuple(kernels), tuple(steps))
+    ``BigVGANConfig``), taken from a randomly initialised one (its shapes, paddings, dilations
+    and strides), cast to ``dtype``."""
+    model = BigVGAN(cfg, rngs=nnx.Rngs(0))
+    convs: list[nnx.Module] = [model.conv_pre]
+    for i, up in enumerate(model.ups):
+        convs.append(up)
+        for block in model.resblocks[i * model.num_kernels : (i + 1) * model.num_kernels]:
+            for plain, dilated in zip(block.convs2, block.convs1, strict=True):
+                convs += [dilated, plain]
+    convs.append(model.conv_post)
+    graph, state = nnx.split(nnx.List(convs))
+    return ConvChain(graph, jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), state))
 
 
 def vocoder_convs_s(cfg: Any, mel_frames: int, dtype: str, repeats: int) -> float:
@@ -111,7 +98,7 @@ def vocoder_convs_s(cfg: Any, mel_frames: int, dtype: str, repeats: int) -> floa
     chain = vocoder_convs(cfg, dtype)
     mel = jnp.ones((1, mel_frames, cfg.mel_dim), jnp.dtype(dtype))
     run = jax.jit(chain.__call__)
-    return best_of(lambda: run(mel, chain.kernels), repeats)
+    return best_of(lambda: run(mel, chain.state), repeats)
 
 
 def ops_alone(

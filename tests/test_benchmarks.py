@@ -181,7 +181,7 @@ def test_code2wav_ops_are_the_solves_products() -> None:
     with torch.no_grad():
         samples = vocoder(torch.randn(1, voc_cfg.mel_dim, frames)).shape[-1]
     mel = jax.ShapeDtypeStruct((1, frames, voc_cfg.mel_dim), jnp.float32)
-    assert jax.eval_shape(chain, mel, chain.kernels).shape == (1, samples, 1)
+    assert jax.eval_shape(chain, mel, chain.state).shape == (1, samples, 1)
 
 
 def test_decode_matmul_shapes_are_the_decoders_weights() -> None:
