@@ -85,8 +85,8 @@ def vocoder_convs(cfg: Any, dtype: str) -> ConvChain:
     convs: list[nnx.Module] = [model.conv_pre]
     for i, up in enumerate(model.ups):
         convs.append(up)
-        for block in model.resblocks[i * model.num_kernels : (i + 1) * model.num_kernels]:
-            for plain, dilated in zip(block.convs2, block.convs1, strict=True):
+        for block in model.stage_blocks(i):
+            for dilated, plain in zip(block.convs1, block.convs2, strict=True):
                 convs += [dilated, plain]
     convs.append(model.conv_post)
     graph, state = nnx.split(nnx.List(convs))

@@ -280,6 +280,11 @@ class BigVGAN(nnx.Module):
             frames = _transposed_length(frames, *geometry)
         return frames
 
+    def stage_blocks(self, stage: int) -> list[AMPBlock]:
+        """The AMP blocks that follow upsampling stage ``stage`` (one a resblock kernel size; the
+        forward averages their outputs)."""
+        return list(self.resblocks[stage * self.num_kernels : (stage + 1) * self.num_kernels])
+
     def __call__(self, mel: jax.Array, lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(waveform [B, S], valid samples [B])``; samples past a request's count are zero.
 
@@ -291,8 +296,7 @@ class BigVGAN(nnx.Module):
         for i, (up, geometry) in enumerate(zip(self.ups, self.upsample_geometry, strict=True)):
             x = up(valid_mask(x, lengths))
             lengths = _transposed_length(lengths, *geometry)
-            blocks = [self.resblocks[i * self.num_kernels + j] for j in range(self.num_kernels)]
-            x = sum(block(x, lengths) for block in blocks) / self.num_kernels
+            x = sum(block(x, lengths) for block in self.stage_blocks(i)) / self.num_kernels
         x = self.conv_post(self.activation_post(x, lengths))
         wave = valid_mask(jnp.clip(x, -1.0, 1.0), lengths)[..., 0]
         return wave, lengths
