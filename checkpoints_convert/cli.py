@@ -6,6 +6,7 @@ import argparse
 import shutil
 import sys
 
+from omni_jax.cli_engine import DTYPE_CHOICES
 from omni_jax.cli_errors import OneLineParser, run_command
 
 
@@ -14,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     p.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=DTYPE_CHOICES,
         default=None,
         help="parameter dtype (default: the checkpoint's)",
     )

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omni_jax.cli_engine import EngineOptions, add_engine_arguments
 from omni_jax.cli_errors import OneLineParser, run_command
 
 
@@ -47,11 +48,10 @@ def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
 def _run(args: argparse.Namespace) -> int:
     from omni_jax import OmniJaxPipeline, SamplingParams
     from omni_jax.parallel import initialize
-    from omni_jax.parallel.mesh import parse_mesh
 
-    mesh = None if args.mesh is None else parse_mesh(args.mesh)
+    engine = EngineOptions.from_args(args)
     initialize(args.coordinator_address, args.num_processes, args.process_id)
-    pipe = OmniJaxPipeline.from_pretrained(args.model, stages=args.stages, dtype=args.dtype, mesh=mesh)
+    pipe = OmniJaxPipeline.from_pretrained(args.model, **engine.pipeline_kwargs())
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     # The flags set the first (text) stage's sampling; later stages keep their YAML defaults,
     # seeded by --seed too so that a seeded run says the same every time.
@@ -84,18 +84,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """Print the memory plan of ``from_pretrained(MODEL, ...)`` from its ``config.json`` alone."""
-    from omni_jax.parallel.mesh import parse_mesh
     from omni_jax.planning import plan_memory
 
-    plan = plan_memory(
-        args.model,
-        stages=args.stages,
-        dtype=args.dtype,
-        mesh=None if args.mesh is None else parse_mesh(args.mesh),
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        page_size=args.page_size,
-    )
+    plan = plan_memory(args.model, **EngineOptions.from_args(args).plan_kwargs())
     print(plan.table())
     return 0
 
@@ -131,14 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-tokens", type=int, default=64, help="of the text (first) stage")
     r.add_argument("--temperature", type=float, default=0.0, help="of the text (first) stage")
     r.add_argument("--seed", type=int, default=None, help="seeds every stage's sampling (reproducible runs)")
-    r.add_argument("--dtype", default=None)
     r.add_argument("--output-dir", default=None, help="write <request_id>.txt (and .wav when it speaks)")
-    r.add_argument("--stages", type=lambda s: s.split(","), default=None, help="e.g. thinker")
     r.add_argument("--audio", action="append", default=[], help="a .wav file (repeatable)")
     r.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
     r.add_argument("--video", action="append", default=[], help="video frames as .npy (repeatable)")
     r.add_argument("--speaker", default=None, help="the voice (Qwen2.5-Omni: e.g. Chelsie, Ethan)")
-    r.add_argument("--mesh", default=None, help="every stage's mesh, e.g. data=2,model=4")
+    add_engine_arguments(r)
     r.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     r.add_argument("--num-processes", type=int, default=None)
     r.add_argument("--process-id", type=int, default=None)
@@ -148,12 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(fn=convert_cli.run)
     pl = sub.add_parser("plan", help="per-device bytes of weights, KV cache and largest step (config.json)")
     pl.add_argument("model", help="a checkpoint directory (only its config.json is read)")
-    pl.add_argument("--mesh", default=None, help="every stage's mesh, e.g. data=2,model=4")
-    pl.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    pl.add_argument("--stages", type=lambda s: s.split(","), default=None, help="e.g. thinker")
-    pl.add_argument("--max-model-len", type=int, default=None)
-    pl.add_argument("--max-num-seqs", type=int, default=None)
-    pl.add_argument("--page-size", type=int, default=None)
+    add_engine_arguments(pl, planning=True)
     pl.set_defaults(fn=_plan)
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (chat completions with text and speech, completions)"

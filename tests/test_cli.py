@@ -105,3 +105,70 @@ def test_demo_refuses_an_unknown_model_in_one_line(tmp_path, capsys) -> None:
         "(choose from 'qwen2.5-omni', 'qwen3-omni') (see omni-jax demo --help)\n"
     )
     assert not (tmp_path / "cache").exists()
+
+
+ENGINE_FLAGS = [
+    "--stages",
+    "thinker",
+    "--dtype",
+    "bfloat16",
+    "--mesh",
+    "data=1,model=1",
+    "--max-num-seqs",
+    "3",
+    "--max-model-len",
+    "96",
+    "--page-size",
+    "8",
+    "--max-num-batched-tokens",
+    "32",
+    "--stage-config",
+    "stages.yaml",
+]
+ENGINE_KWARGS = {
+    "stages": ["thinker"],
+    "dtype": "bfloat16",
+    "mesh": {"data": 1, "model": 1},
+    "max_num_seqs": 3,
+    "max_model_len": 96,
+    "page_size": 8,
+    "max_num_batched_tokens": 32,
+    "stage_config": "stages.yaml",
+}
+BUILD_FLAGS = ["--num-pages", "40", "--attention-backend", "jnp", "--limit-mm-per-prompt", '{"video": 0}']
+BUILD_KWARGS = {"num_pages": 40, "attention_backend": "jnp", "limit_mm_per_prompt": {"video": 0}}
+
+
+class _Built(Exception):
+    """Raised by a stand-in ``from_pretrained`` once it has recorded its arguments."""
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "plan"])
+def test_engine_flags_reach_the_pipeline(command, monkeypatch, capsys) -> None:
+    """``run``, ``serve`` and ``plan`` take the same engine flags and hand them on unchanged
+    (``plan`` those that decide memory), so one checkpoint is sized alike by all three."""
+    import omni_jax.async_pipeline
+    import omni_jax.pipeline
+    import omni_jax.planning
+
+    seen: dict = {}
+
+    def record(path, **kwargs):
+        seen.update(kwargs, path=str(path))
+        raise ValueError("recorded")
+
+    targets = {
+        "run": (omni_jax.pipeline.OmniJaxPipeline, "from_pretrained"),
+        "serve": (omni_jax.async_pipeline.AsyncOmniJaxPipeline, "from_pretrained"),
+        "plan": (omni_jax.planning, "plan_memory"),
+    }
+    owner, name = targets[command]
+    monkeypatch.setattr(owner, name, record)
+    extra = {"run": ["--prompt", "hi"], "serve": [], "plan": []}[command]
+    build = [] if command == "plan" else BUILD_FLAGS
+    assert main([command, "ckpt", *extra, *ENGINE_FLAGS, *build]) == 2
+    assert capsys.readouterr().err == "error: recorded\n"
+    want = {**ENGINE_KWARGS, **({} if command == "plan" else BUILD_KWARGS), "path": "ckpt"}
+    assert {k: v for k, v in seen.items() if k in want} == want
+    if command == "plan":
+        assert not set(BUILD_KWARGS) & set(seen)

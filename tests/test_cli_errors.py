@@ -67,9 +67,18 @@ CASES = {
     "broken conversion": (["run", "{b}", "--prompt", "hi"], r"params/llm: missing; the converted checkpoint"),
     "dtype typo": (
         ["run", "{q}", "--prompt", "hi", "--dtype", "bf17"],
-        r"dtype='bf17' is not one of float32, bfloat16, float16$",
+        r"argument --dtype: invalid choice: 'bf17' \(choose from 'float32', 'bfloat16', 'float16'\)",
     ),
-    "unserved dtype": (["run", "{q}", "--prompt", "hi", "--dtype", "int8"], r"dtype='int8' is not one of"),
+    "unserved dtype": (["run", "{q}", "--prompt", "hi", "--dtype", "int8"], r"invalid choice: 'int8'"),
+    "engine size": (
+        ["run", "{q}", "--prompt", "hi", "--max-num-seqs", "0"],
+        r"omni-jax run: argument --max-num-seqs: must be a positive integer, got 0",
+    ),
+    "context over the model's": (
+        ["run", "{q}", "--prompt", "hi", "--max-model-len", "100000"],
+        r"max_model_len=100000 exceeds the model's max_position_embeddings=512$",
+    ),
+    "plan stage config": (["plan", "{q}", "--stage-config", "{t}/none.yaml"], r"No such file .*none.yaml"),
     "too many devices": (["run", "{q}", "--prompt", "hi", "--mesh", "data=64"], r"the mesh needs 64 devices"),
     "mesh syntax": (["run", "{q}", "--prompt", "hi", "--mesh", "bogus"], r"mesh 'bogus': expected axis=size"),
     "stage without its input": (
@@ -129,10 +138,11 @@ def test_mistake_is_one_line_and_exit_2(
 
 
 def test_debug_shows_the_traceback(qwen2_converted) -> None:
-    with pytest.raises(ValueError, match="dtype='bf17' is not one of"):
-        main(["run", str(qwen2_converted), "--prompt", "hi", "--dtype", "bf17", "--debug"])
-    with pytest.raises(ValueError, match="dtype='bf17' is not one of"):
-        main(["--debug", "run", str(qwen2_converted), "--prompt", "hi", "--dtype", "bf17"])
+    too_long = "max_model_len=100000 exceeds the model's max_position_embeddings"
+    with pytest.raises(ValueError, match=too_long):
+        main(["run", str(qwen2_converted), "--prompt", "hi", "--max-model-len", "100000", "--debug"])
+    with pytest.raises(ValueError, match=too_long):
+        main(["--debug", "run", str(qwen2_converted), "--prompt", "hi", "--max-model-len", "100000"])
 
 
 def test_a_bug_keeps_its_traceback(qwen2_converted, monkeypatch) -> None:
