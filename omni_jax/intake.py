@@ -23,6 +23,16 @@ from omni_jax.stages.base import Stage, StageInput
 from omni_jax.stages.code2wav_params import Token2WavParams
 
 Prompt = str | dict[str, Any]
+PROMPT_KEYS = (
+    "prompt",
+    "prompt_token_ids",
+    "multi_modal_data",
+    "mm_processor_kwargs",
+    "modalities",
+    "speaker",
+)
+"""What a prompt dict may hold; any other key is refused, so that a typo (``"speakr"``) is an
+error rather than a default voice."""
 StageParams = SamplingParams | Token2WavParams
 """One stage's params for one request (:attr:`Stage.params_type`)."""
 
@@ -82,6 +92,11 @@ class Intake:
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
             raise ValueError(f"request {index}: a prompt is a str or a dict, got {type(prompt).__name__}")
+        unknown = [k for k in prompt if k not in PROMPT_KEYS]
+        if unknown:
+            raise ValueError(
+                f"request {index}: unknown prompt key(s) {unknown}; a prompt dict takes {list(PROMPT_KEYS)}"
+            )
         if "prompt_token_ids" in prompt:
             return StageInput(_token_ids(index, prompt["prompt_token_ids"]), prompt)
         if "prompt" in prompt:

@@ -164,7 +164,7 @@ def test_engine_flags_reach_the_pipeline(command, monkeypatch, capsys) -> None:
     }
     owner, name = targets[command]
     monkeypatch.setattr(owner, name, record)
-    extra = {"run": ["--prompt", "hi"], "serve": [], "plan": []}[command]
+    extra = {"run": ["--prompt", "hi"], "serve": ["--port", "0"], "plan": []}[command]
     build = [] if command == "plan" else BUILD_FLAGS
     assert main([command, "ckpt", *extra, *ENGINE_FLAGS, *build]) == 2
     assert capsys.readouterr().err == "error: recorded\n"

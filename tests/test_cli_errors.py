@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,10 @@ CASES = {
         r"max_model_len=100000 exceeds the model's max_position_embeddings=512$",
     ),
     "plan stage config": (["plan", "{q}", "--stage-config", "{t}/none.yaml"], r"No such file .*none.yaml"),
+    "serve port": (
+        ["serve", "{q}", "--port", "99999"],
+        r"omni-jax serve: argument --port: must be a TCP port \(0 to 65535\), got 99999",
+    ),
     "too many devices": (["run", "{q}", "--prompt", "hi", "--mesh", "data=64"], r"the mesh needs 64 devices"),
     "mesh syntax": (["run", "{q}", "--prompt", "hi", "--mesh", "bogus"], r"mesh 'bogus': expected axis=size"),
     "stage without its input": (
@@ -135,6 +140,18 @@ def test_mistake_is_one_line_and_exit_2(
     line = one_error_line(capsys)
     assert re.search(pattern, line), line
     assert not (tmp_path / "out").exists()
+
+
+def test_serve_refuses_a_port_in_use_before_loading(tmp_path, capsys) -> None:
+    """The address is taken before the checkpoint is read: a port in use is the one line, at
+    once (here the checkpoint does not even exist), not a failure after minutes of loading."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert exit_code(["serve", str(tmp_path / "nothing"), "--port", str(port)]) == 2
+    line = one_error_line(capsys)
+    assert line == f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"
 
 
 def test_debug_shows_the_traceback(qwen2_converted) -> None:

@@ -262,6 +262,11 @@ FULL_PARAMS = [
         ({"speaker": ["Ethan"]}, None, r"speaker must be a voice name \(str\), got list"),
         ({"modalities": ["video"]}, None, r"modalities must be a non-empty list"),
         (
+            {"speakr": "Ethan"},
+            None,
+            r"unknown prompt key\(s\) \['speakr'\]; a prompt dict takes \['prompt', 'prompt_token_ids', ",
+        ),
+        (
             {},
             [*FULL_PARAMS[:2], Token2WavParams(initial_noise=np.zeros((4, 8, 1), np.float32))],
             r"stage 'code2wav': initial_noise must be a float array",

@@ -72,7 +72,7 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be a non-negative integer"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be an integer from 0 to 2**63 - 1"),
         ]
         for name, ok, why in checks:
             if not ok:

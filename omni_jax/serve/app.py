@@ -32,7 +32,12 @@ from starlette.exceptions import HTTPException
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
 from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, logprobs, responses
 from omni_jax.serve.metrics import ServeMetrics
-from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, invalid_request_message
+from omni_jax.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    invalid_request_message,
+)
 from omni_jax.serve.reply import End, Piece, reply
 
 log = logging.getLogger("omni_jax.serve")
@@ -316,7 +321,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
                 convert.chat_request, pipe.pipeline, parsed, settings.allowed_media
             )
         except ValueError as e:
-            raise HTTPError(400, str(e)) from None
+            raise HTTPError(400, str(e), e.param if isinstance(e, FieldError) else None) from None
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def whole(reply: _Gathered) -> dict[str, Any]:
@@ -350,7 +355,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         try:
             serve = convert.completion_request(pipe.pipeline, parsed)
         except ValueError as e:
-            raise HTTPError(400, str(e)) from None
+            raise HTTPError(400, str(e), e.param if isinstance(e, FieldError) else None) from None
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def whole(reply: _Gathered) -> dict[str, Any]:

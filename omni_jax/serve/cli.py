@@ -1,8 +1,10 @@
 """``omni-jax serve PATH``: build the pipeline, then serve it over HTTP until interrupted.
 
-The engine options are :meth:`OmniJaxPipeline.from_pretrained`'s; the pipeline is built (and
-its memory checked) before the server listens, so a mistake there is one line and exit 2 like
-any other command's. The server then listens at once and answers ``/health`` with 503 while it
+The engine options are :meth:`OmniJaxPipeline.from_pretrained`'s. The address is taken first
+(bound, not yet listening: connections are refused, not left waiting, while the pipeline
+loads), so a port in use is one line and exit 2 at once rather than after minutes of loading;
+then the pipeline is built (and its memory checked), so a mistake there is one line and exit 2
+like any other command's. The server then listens and answers ``/health`` with 503 while it
 warms up.
 """
 
@@ -16,10 +18,22 @@ from omni_jax.cli_engine import EngineOptions, add_engine_arguments, positive
 from omni_jax.serve import DEFAULT_MAX_BODY_BYTES
 
 
+def _port(value: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one, which the start-up log names) to 65535;
+    the OS would take a larger number modulo 65536."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0 to 65535), got {value}")
+    return port
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="an HF checkpoint dir or a checkpoints_convert dir")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="0: any free port")
     p.add_argument(
         "--served-model-name", default=None, help="the name clients send as 'model' (default: PATH)"
     )
@@ -53,30 +67,35 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from omni_jax.serve.app import ServeSettings, build_app
+        from omni_jax.serve.listen import ListeningServer, bind
     except ModuleNotFoundError as e:
         raise ValueError(f"omni-jax serve needs {e.name}: pip install 'omni-jax[serve]'") from None
     from omni_jax.async_pipeline import AsyncOmniJaxPipeline
 
-    allowed = None
-    if args.allowed_local_media_path is not None:
-        allowed = Path(args.allowed_local_media_path).resolve()
-        if not allowed.is_dir():
-            raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a folder")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    pipe = AsyncOmniJaxPipeline.from_pretrained(
-        args.model,
-        **EngineOptions.from_args(args).pipeline_kwargs(),
-        max_waiting=args.max_queue,
-        progress=True,
-    )
-    settings = ServeSettings(
-        model_name=args.served_model_name or args.model,
-        api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes,
-        allowed_media=allowed,
-        warmup=not args.no_warmup,
-    )
-    uvicorn.run(build_app(pipe, settings), host=args.host, port=args.port, log_level=args.log_level)
+    with bind(args.host, args.port) as sock:  # closed however the build or the server ends
+        allowed = None
+        if args.allowed_local_media_path is not None:
+            allowed = Path(args.allowed_local_media_path).resolve()
+            if not allowed.is_dir():
+                raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a folder")
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        pipe = AsyncOmniJaxPipeline.from_pretrained(
+            args.model,
+            **EngineOptions.from_args(args).pipeline_kwargs(),
+            max_waiting=args.max_queue,
+            progress=True,
+        )
+        settings = ServeSettings(
+            model_name=args.served_model_name or args.model,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            allowed_media=allowed,
+            warmup=not args.no_warmup,
+        )
+        config = uvicorn.Config(
+            build_app(pipe, settings), host=args.host, port=args.port, log_level=args.log_level
+        )
+        ListeningServer(config).run(sockets=[sock])
     return 0

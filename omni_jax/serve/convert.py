@@ -21,7 +21,7 @@ from omni_jax import Token2WavParams
 from omni_jax.intake import StageParams
 from omni_jax.pipeline import OmniJaxPipeline
 from omni_jax.serve import media
-from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, Message
+from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, FieldError, Message
 
 SAMPLING_FIELDS = (
     "temperature",
@@ -61,7 +61,7 @@ class ServeRequest:
 def _stop(value: str | list[str] | None) -> tuple[str, ...]:
     stops = (value,) if isinstance(value, str) else tuple(value or ())
     if any(not s for s in stops):
-        raise ValueError("stop: stop strings must not be empty")
+        raise FieldError("stop", "stop strings must not be empty")
     return stops
 
 
@@ -101,12 +101,16 @@ def _max_tokens(request: ChatCompletionRequest | CompletionRequest) -> int | Non
 
 def _common(request: ChatCompletionRequest | CompletionRequest) -> None:
     if request.n != 1:
-        raise ValueError(f"n: only n=1 is served, got {request.n}")
+        raise FieldError("n", f"only n=1 is served, got {request.n}")
+    if request.stream_options is not None and not request.stream:
+        raise FieldError("stream_options", "only allowed with stream: true")
 
 
 def _content(where: str, message: Message, allowed: Path | None) -> str | list[dict[str, Any]]:
     """A message's content as :meth:`OmniJaxPipeline.chat_prompt` reads it: text parts alone are
     joined into one string (what text-only chat templates expect)."""
+    if message.content is None:  # an assistant turn that said nothing
+        return ""
     if isinstance(message.content, str):
         return message.content
     items: list[dict[str, Any]] = []
@@ -147,9 +151,9 @@ def chat_request(
     wants_audio = "audio" in modalities
     stop = _stop(request.stop)
     if stop and wants_audio:
-        raise ValueError("stop: stop strings are served for text output only (modalities ['text'])")
+        raise FieldError("stop", "stop strings are served for text output only (modalities ['text'])")
     if request.top_logprobs is not None and not request.logprobs:
-        raise ValueError("top_logprobs: asked without logprobs: true")
+        raise FieldError("top_logprobs", "asked without logprobs: true")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _stage_params(pipeline, request, logprobs)
     prompt = pipeline.chat_prompt(messages)
@@ -175,7 +179,7 @@ def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) ->
     value = request.prompt
     if isinstance(value, list) and value and isinstance(value[0], (str, list)):
         if len(value) != 1:
-            raise ValueError(f"prompt: one prompt per request is served, got {len(value)}")
+            raise FieldError("prompt", f"one prompt per request is served, got {len(value)}")
         value = value[0]
     if isinstance(value, str):
         prompt: dict[str, Any] = {"prompt": value}

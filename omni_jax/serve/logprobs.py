@@ -9,8 +9,10 @@ is the tokenizer's decoding of it alone (special tokens included), so a token th
 a character reads as U+FFFD, as in vLLM; its ``bytes`` are the token's own, so that, as OpenAI
 means them, a reply's tokens' bytes joined are its text's UTF-8 even where a character spans
 tokens (for byte-level BPE vocabularies, Qwen's: the bytes each vocabulary character stands for;
-for other tokenizers the UTF-8 of the token's text). Without a tokenizer a token reads
-``token_id:<id>``, vLLM's ``return_tokens_as_token_ids`` form.
+for other tokenizers the UTF-8 of the token's text). Every generated token is listed, as vLLM
+lists them: the stop token and the tokens a ``stop`` string cut off follow the reply's own, so
+their bytes (and a completion's ``text_offset``) run past its text. Without a tokenizer a token
+reads ``token_id:<id>``, vLLM's ``return_tokens_as_token_ids`` form.
 """
 
 from __future__ import annotations

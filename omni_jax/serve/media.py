@@ -4,7 +4,8 @@ The server fetches nothing over the network: an image or video is a ``data:`` UR
 ``file://`` URL under the folder ``--allowed-local-media-path`` names (refused without it, and
 for any path that resolves outside it); audio is base64 WAV (``input_audio``). Each decoder
 returns what :meth:`OmniJaxPipeline.chat_prompt` takes (a PIL image, WAV bytes, a frame array)
-or raises ``ValueError`` naming the content part, so a bad item is a 400 before any work.
+or raises :class:`~omni_jax.serve.protocol.FieldError` naming the content part, so a bad item
+is a 400 naming it before any work.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+from omni_jax.serve.protocol import FieldError
+
 
 def _base64(where: str, data: str) -> bytes:
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ValueError(f"{where}: not valid base64 ({e})") from None
+        raise FieldError(where, f"not valid base64 ({e})") from None
     if not raw:
-        raise ValueError(f"{where}: empty")
+        raise FieldError(where, "empty")
     return raw
 
 
@@ -33,23 +36,22 @@ def _url_bytes(where: str, url: str, allowed: Path | None) -> bytes:
     if url.startswith("data:"):
         header, sep, payload = url.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise ValueError(f"{where}: a data URL must be 'data:<type>;base64,<data>'")
+            raise FieldError(where, "a data URL must be 'data:<type>;base64,<data>'")
         return _base64(where, payload)
     parsed = urlparse(url)
     if parsed.scheme != "file":
-        raise ValueError(
-            f"{where}: only data: URLs (and file: URLs under --allowed-local-media-path) are read; "
-            "the server fetches nothing over the network"
+        raise FieldError(
+            where,
+            "only data: URLs (and file: URLs under --allowed-local-media-path) are read; "
+            "the server fetches nothing over the network",
         )
     if allowed is None:
-        raise ValueError(
-            f"{where}: file: URLs are refused unless the server names --allowed-local-media-path"
-        )
+        raise FieldError(where, "file: URLs are refused unless the server names --allowed-local-media-path")
     path = Path(unquote(parsed.path)).resolve()
     if not path.is_relative_to(allowed):
-        raise ValueError(f"{where}: {path} is outside the allowed media folder {allowed}")
+        raise FieldError(where, f"{path} is outside the allowed media folder {allowed}")
     if not path.is_file():
-        raise ValueError(f"{where}: no such file {path}")
+        raise FieldError(where, f"no such file {path}")
     return path.read_bytes()
 
 
@@ -62,9 +64,9 @@ def image(where: str, url: str, allowed: Path | None) -> object:
         img = Image.open(io.BytesIO(raw))
         img.load()
     except UnidentifiedImageError:
-        raise ValueError(f"{where}: not a readable image (no image format recognised)") from None
+        raise FieldError(where, "not a readable image (no image format recognised)") from None
     except (OSError, ValueError) as e:
-        raise ValueError(f"{where}: not a readable image ({e})") from None
+        raise FieldError(where, f"not a readable image ({e})") from None
     return img.convert("RGB")
 
 
@@ -80,5 +82,5 @@ def video(where: str, url: str, allowed: Path | None) -> np.ndarray:
     try:
         frames = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
-        raise ValueError(f"{where}: not a readable .npy array of frames ({e})") from None
+        raise FieldError(where, f"not a readable .npy array of frames ({e})") from None
     return frames

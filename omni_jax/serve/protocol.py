@@ -1,11 +1,13 @@
 """The OpenAI request schema the server reads (pydantic), and how a refusal reads.
 
 Requests are parsed into these records before anything else happens, so a field of the wrong type
-or value is a 400 naming it (:func:`invalid_request_message`). Fields OpenAI defines that the server
-does not serve (``tools``, ``response_format``, ``echo``, ...) and unknown fields are refused by
-name rather than ignored, as OpenAI's own API does. Log-probabilities are served, with up to
-:data:`MAX_TOP_LOGPROBS` most likely tokens beside each, and so are the sampling fields vLLM adds
-(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
+or value is a 400 naming it (:func:`invalid_request_message`). Types are strict, as OpenAI's API
+holds them: ``"8"`` is not a number nor ``true`` an integer (an integer is a number). Fields
+OpenAI defines that the server does not serve (``tools``, ``response_format``, ``echo``, ...)
+and unknown fields are refused by name rather than ignored, as OpenAI's own API does.
+Log-probabilities are served, with up to :data:`MAX_TOP_LOGPROBS` most likely tokens beside
+each, and so are the sampling fields vLLM adds (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_TOP_LOGPROBS = 20
 """OpenAI's bound on ``top_logprobs`` (vLLM's ``max_logprobs`` default, which it also holds a
@@ -21,8 +24,16 @@ completion's ``logprobs`` to): beyond it a request is refused by the schema, nam
 the engine's own bound (``SamplingParams.logprobs``) is the same."""
 
 
+class FieldError(ValueError):
+    """What the server cannot serve in one field of a request: a 400 whose ``param`` names it."""
+
+    def __init__(self, param: str, problem: str):
+        super().__init__(f"{param}: {problem}")
+        self.param = param
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Strict):
@@ -64,8 +75,16 @@ ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(disc
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = Field(
+        None, description="null or absent only in an assistant message (an earlier turn that said nothing)"
+    )
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing", "a {role} message needs content", {"role": self.role})
+        return self
 
 
 class AudioOutput(_Strict):
@@ -127,8 +146,12 @@ def invalid_request_message(error: ValidationError) -> tuple[str, str | None]:
     """The problem pydantic found as ``(message, param)``: the field's dotted path and what is
     wrong with it, e.g. ``("messages.0.role: Input should be 'system', ...", "messages.0.role")``.
     A field that takes several types (``content``, ``prompt``) fails once per type: the deepest
-    location is where the problem is, and a value no type takes gets every type's complaint."""
+    location is where the problem is, and a value no type takes gets every type's complaint; an
+    unknown field is named only when nothing else is wrong."""
     errors = error.errors()
+    # A field the schema does not know is the lesser complaint: a message of a role not served
+    # (``tool``) also has its role's own fields (``tool_call_id``), and the role is the problem.
+    errors = [e for e in errors if e["type"] != "extra_forbidden"] or errors
     param = max((_path(e["loc"]) for e in errors), key=lambda p: len(p or ""))
     first = next(e for e in errors if _path(e["loc"]) == param)
     if first["type"] == "extra_forbidden":

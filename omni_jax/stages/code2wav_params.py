@@ -35,7 +35,7 @@ class Token2WavParams:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be finite")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed={self.seed!r} must be a non-negative integer")
+            raise ValueError(f"seed={self.seed!r} must be an integer from 0 to 2**63 - 1")
         if self.initial_noise is not None:
             noise = np.asarray(self.initial_noise)
             if noise.ndim != 2 or not np.issubdtype(noise.dtype, np.floating):
