@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_jax.cli_engine import EngineOptions, add_engine_arguments
-from omni_jax.cli_errors import OneLineParser, run_command
+from omni_jax.cli_errors import OneLineParser, output_folder, run_command
 
 
 def _video(path: str) -> Any:
@@ -28,9 +28,15 @@ def _video(path: str) -> Any:
 
 
 def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
-    """The prompt text alone, or with media files a chat prompt that holds them; ``--speaker``
-    picks the voice of a pipeline that speaks."""
-    if args.audio or args.image or args.video:
+    """``--prompt`` as the user's turn of a chat (the checkpoint's chat template), with the media
+    files, when the pipeline speaks or media are given: a talker voices the reply's assistant
+    turn (Qwen3-Omni's needs one), and the template places each item. A text-only pipeline
+    completes the text as given. ``--speaker`` picks the voice of a pipeline that speaks."""
+    first = pipe.stages[0]
+    if not first.accepts_text:
+        raise ValueError(f"the {first.config.name!r} stage takes token ids, not --prompt text")
+    speaks = any(s.config.final_output == "audio" for s in pipe.stages)
+    if args.audio or args.image or args.video or speaks:
         content = [{"type": "audio", "audio": a} for a in args.audio]
         content += [{"type": "image", "image": i} for i in args.image]
         content += [{"type": "video", "video": _video(v)} for v in args.video]
@@ -50,6 +56,7 @@ def _run(args: argparse.Namespace) -> int:
     from omni_jax.parallel import initialize
 
     engine = EngineOptions.from_args(args)
+    out_dir = None if args.output_dir is None else output_folder("--output-dir", args.output_dir)
     initialize(args.coordinator_address, args.num_processes, args.process_id)
     pipe = OmniJaxPipeline.from_pretrained(args.model, **engine.pipeline_kwargs())
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -68,9 +75,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
     print(out.text if out.text is not None else out.token_ids)
-    if args.output_dir:
-        d = Path(args.output_dir)
-        d.mkdir(parents=True, exist_ok=True)
+    if out_dir is not None:
+        d = out_dir
         (d / f"{out.request_id}.txt").write_text(out.text or " ".join(map(str, out.token_ids)))
         print(f"wrote {d / (out.request_id + '.txt')}", file=sys.stderr)
         if out.audio is not None:
@@ -94,7 +100,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from omni_jax.demo import run_demo
 
-    return run_demo(Path(args.cache_dir), Path(args.output_dir), args.model)
+    return run_demo(Path(args.cache_dir), output_folder("--output-dir", args.output_dir), args.model)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ import argparse
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 EXIT_USAGE = 2
@@ -57,6 +58,17 @@ def _warning_line(
     line: str | None = None,
 ) -> None:
     print(f"warning: {one_line(str(message))}", file=sys.stderr if file is None else file)
+
+
+def output_folder(flag: str, path: str | Path) -> Path:
+    """The folder ``flag`` names, made now (with its parents), before any work: a path that
+    cannot be a folder (a file is there) is a mistake to say at once, not after the run."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{flag} {path}: cannot be made a folder ({e.strerror or e})") from None
+    return folder
 
 
 def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

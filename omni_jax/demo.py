@@ -111,8 +111,8 @@ def demo_prompts(pipe: Any, media_request: str) -> list[dict[str, Any]]:
 
 def run_demo(cache_dir: Path, output_dir: Path, model: str = "qwen2.5-omni") -> int:
     """Build (once) and run ``model`` (a :data:`DEMO_MODELS` key) on :func:`demo_prompts`, writing
-    ``demo_<i>.txt``, ``demo_<i>.wav`` and the report ``demo.txt`` under ``output_dir``; 1 when a
-    request failed."""
+    ``demo_<i>.txt``, ``demo_<i>.wav`` and the report ``demo.txt`` under ``output_dir`` (a
+    folder that exists); 1 when a request failed."""
     from omni_jax import OmniJaxPipeline
 
     demo_model = DEMO_MODELS[model]
@@ -123,7 +123,6 @@ def run_demo(cache_dir: Path, output_dir: Path, model: str = "qwen2.5-omni") -> 
     t0 = time.perf_counter()
     outs = pipe.run(prompts, params)
     dt = time.perf_counter() - t0
-    output_dir.mkdir(parents=True, exist_ok=True)
     lines, failed = [], 0
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         kinds = "+".join(["text", *prompt.get("multi_modal_data", {})])

@@ -8,11 +8,13 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
+from omni_jax.models.attention import Backend
 from omni_jax.weights import DTYPES
 
 
@@ -37,6 +39,17 @@ def check_stage_names(stages: Any) -> None:
         return
     if not isinstance(stages, (list, tuple)) or not stages or not all(isinstance(s, str) for s in stages):
         raise ValueError(f"stages must be a non-empty list of stage names, e.g. ['thinker'], got {stages!r}")
+    twice = sorted({s for s in stages if stages.count(s) > 1})
+    if twice:
+        raise ValueError(f"stages lists {twice} more than once (each stage is built once): {stages!r}")
+
+
+def check_attention_backend(backend: Any) -> None:
+    """``backend`` is one of :data:`~omni_jax.models.attention.Backend`'s names (a typo would
+    otherwise run as ``auto`` would not: silently on some other path)."""
+    choices = typing.get_args(Backend)
+    if backend not in choices:
+        raise ValueError(f"attention_backend={backend!r} is not one of {', '.join(choices)}")
 
 
 def check_sizes(**sizes: Any) -> None:

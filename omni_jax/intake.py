@@ -97,6 +97,13 @@ class Intake:
             raise ValueError(
                 f"request {index}: unknown prompt key(s) {unknown}; a prompt dict takes {list(PROMPT_KEYS)}"
             )
+        if "speaker" in prompt and all(s.config.final_output == "text" for s in self.stages):
+            raise ValueError(
+                f"request {index}: 'speaker' names a voice, and the built stages "
+                f"{[s.config.name for s in self.stages]} only write text"
+            )
+        if "prompt_token_ids" in prompt and "prompt" in prompt:
+            raise ValueError(f"request {index}: give 'prompt' or 'prompt_token_ids', not both")
         if "prompt_token_ids" in prompt:
             return StageInput(_token_ids(index, prompt["prompt_token_ids"]), prompt)
         if "prompt" in prompt:

@@ -19,7 +19,7 @@ from typing import Any
 
 from omni_jax.architectures import architecture_of
 from omni_jax.engine.compilation import CompileCounter, enable_persistent_cache
-from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
+from omni_jax.engine_args import check_attention_backend, check_sizes, check_stage_names, dtype_name
 from omni_jax.engine_core import EngineCore
 from omni_jax.intake import Intake, Prompt
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
@@ -106,6 +106,7 @@ class OmniJaxPipeline:
         path = Path(path)
         dtype = dtype_name(dtype)
         check_stage_names(stages)
+        check_attention_backend(attention_backend)
         check_sizes(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,

@@ -55,6 +55,18 @@ def test_run_writes_text_and_wav(omni_dir, tmp_path, capsys) -> None:
     assert f"wrote {wav}" in capsys.readouterr().err
 
 
+def test_run_speaks_a_plain_prompt_on_qwen3_omni(qwen3_omni_dir, tmp_path, capsys) -> None:
+    """``--prompt`` alone on a pipeline that speaks is the user's chat turn: Qwen3-Omni's talker
+    voices the assistant turn the chat template opens (a bare text has none)."""
+    out = tmp_path / "out"
+    args = ["run", str(qwen3_omni_dir), "--prompt", "hello", "--max-tokens", "6", "--seed", "0"]
+    assert main([*args, "--max-num-seqs", "2", "--max-model-len", "256", "--output-dir", str(out)]) == 0
+    (wav,) = out.glob("*.wav")
+    rate, samples = read_wav(wav)
+    assert rate == 24_000 and samples.size > 0
+    assert f"wrote {wav}" in capsys.readouterr().err
+
+
 def test_run_refuses_bad_input_in_one_line(omni_dir, tmp_path, capsys) -> None:
     args = ["run", str(omni_dir), "--prompt", "hi", "--speaker", "Nobody"]
     assert main(args) == 2

@@ -79,7 +79,38 @@ CASES = {
         ["run", "{q}", "--prompt", "hi", "--max-model-len", "100000"],
         r"max_model_len=100000 exceeds the model's max_position_embeddings=512$",
     ),
-    "plan stage config": (["plan", "{q}", "--stage-config", "{t}/none.yaml"], r"No such file .*none.yaml"),
+    "plan stage config": (
+        ["plan", "{q}", "--stage-config", "{t}/none.yaml"],
+        r"stage config .*none.yaml: no such file$",
+    ),
+    "stage config not YAML": (
+        ["run", "{q}", "--prompt", "hi", "--stage-config", "{t}/broken.yaml"],
+        r"broken.yaml: not valid YAML \(while parsing a flow node",
+    ),
+    "stage config not a graph": (
+        ["run", "{q}", "--prompt", "hi", "--stage-config", "{t}/flat.yaml"],
+        r"flat.yaml: a stage config is a mapping with 'architecture' and a list of 'stages'$",
+    ),
+    "output folder is a file": (
+        ["run", "{q}", "--prompt", "hi", "--output-dir", "{t}/file"],
+        r"--output-dir .*file: cannot be made a folder \(File exists\)$",
+    ),
+    "demo output folder is a file": (
+        ["demo", "--cache-dir", "{t}/cache", "--output-dir", "{t}/file"],
+        r"--output-dir .*file: cannot be made a folder \(File exists\)$",
+    ),
+    "text to a code2wav stage": (
+        ["run", "{o}", "--prompt", "hi", "--stages", "code2wav"],
+        r"the 'code2wav' stage takes token ids, not --prompt text$",
+    ),
+    "attention backend": (
+        ["run", "{q}", "--prompt", "hi", "--attention-backend", "flash"],
+        r"attention_backend='flash' is not one of auto, jnp, pallas, pallas_interpret, cpu$",
+    ),
+    "stage twice": (
+        ["run", "{o}", "--prompt", "hi", "--stages", "thinker,thinker"],
+        r"stages lists \['thinker'\] more than once \(each stage is built once\)",
+    ),
     "serve port": (
         ["serve", "{q}", "--port", "99999"],
         r"omni-jax serve: argument --port: must be a TCP port \(0 to 65535\), got 99999",
@@ -135,6 +166,8 @@ def test_mistake_is_one_line_and_exit_2(
     argv, pattern, qwen2_converted, omni_dir, broken, voiceless, tmp_path, capsys
 ) -> None:
     (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "broken.yaml").write_text("stages: [\n")
+    (tmp_path / "flat.yaml").write_text("stages: 5\n")
     paths = dict(q=qwen2_converted, o=omni_dir, b=broken, v=voiceless, t=tmp_path)
     assert exit_code([a.format(**paths) for a in argv]) == 2
     line = one_error_line(capsys)

@@ -172,7 +172,8 @@ BAD_REQUESTS = [
     (
         TWO,
         Token2WavParams(stream=True, chunk_codes=5),
-        "stage 'code2wav': chunk_codes=5: chunk=10 must be a multiple of the DiT's block_size",
+        "stage 'code2wav': chunk_codes=5 must be a multiple of 2 codes \\(whole DiT blocks\\) and at least "
+        "20 codes \\(two vocoder overlaps\\)$",
     ),
     (TWO, {"num_steps": 3}, "stage 'code2wav' needs Token2WavParams"),
     ({"prompt": "hello"}, None, "the 'code2wav' stage takes token ids in 'prompt_token_ids'"),

@@ -264,3 +264,20 @@ def _stream(pipe: OmniJaxPipeline, prompt: dict[str, Any], params: list[Any]) ->
             return [out async for out in served.generate(prompt, params)]
 
     return asyncio.run(asyncio.wait_for(collect(), 300))
+
+
+def test_a_prompt_without_an_assistant_turn_is_refused_before_work(pipe) -> None:
+    """The talker voices the prompt's assistant turn: a bare prompt that asks for speech is
+    refused at admission (not after the thinker has run), as text or as ids; asked for text
+    alone, it is served."""
+    ids = pipe.tokenizer("hello there")["input_ids"]
+    for bare in ({"prompt": "hello there"}, {"prompt_token_ids": ids}):
+        with pytest.raises(
+            ValueError, match=r"request 1: the talker voices the prompt's last assistant turn"
+        ):
+            pipe.run([prompts(pipe)[0], bare], [THINKER, None, None], progress=False)
+        assert not any(s.has_work() for s in pipe.stages)
+    (text_only,) = pipe.run(
+        {"prompt": "hello there", "modalities": ["text"]}, [THINKER, None, None], progress=False
+    )
+    assert text_only.error is None and text_only.audio is None and len(text_only.token_ids) > 0

@@ -165,6 +165,23 @@ THINKER_CASES: dict[str, tuple[str, Callable[[], Any], str, dict[str, Any]]] = {
 }
 
 
+@pytest.mark.parametrize(
+    "prompt,match",
+    [
+        (
+            {"prompt": "hello", "speaker": "Ethan"},
+            r"'speaker' names a voice, and the built stages \['thinker'\]",
+        ),
+        ({"prompt": "hello", "prompt_token_ids": [1, 2]}, r"give 'prompt' or 'prompt_token_ids', not both$"),
+    ],
+    ids=["voice for a text pipeline", "text and ids"],
+)
+def test_prompt_keys_that_cannot_both_hold_are_refused(pipe, monkeypatch, prompt, match) -> None:
+    """A voice asked of a pipeline that only writes text, or a prompt given twice, is a mistake
+    to say, not something to pick a side of silently."""
+    refused(pipe, monkeypatch, prompt, match)
+
+
 @pytest.mark.parametrize("case", list(THINKER_CASES))
 def test_bad_media_refused_before_work(pipe, monkeypatch, case) -> None:
     kind, make, match, kwargs = THINKER_CASES[case]

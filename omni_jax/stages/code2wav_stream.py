@@ -205,8 +205,10 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
             )
         try:
             return planner.with_chunk(params.chunk_codes * planner.repeats)
-        except ValueError as e:
-            raise ValueError(f"chunk_codes={params.chunk_codes}: {e}") from None
+        except ValueError:
+            raise ValueError(
+                f"chunk_codes={params.chunk_codes} must be {planner.chunk_codes_rule()}"
+            ) from None
 
     def next_window(self, request: StreamRequest) -> Chunk | None:
         return request.next_chunk()

@@ -110,17 +110,36 @@ class PipelineConfig:
 
 
 def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:
-    """A shipped YAML by file name, or a user's own YAML by path."""
+    """A shipped YAML by file name, or a user's own YAML by path; ``ValueError`` naming the file
+    for one that is missing, is not YAML, or is not a stage graph (a user's typo is one line,
+    not a traceback)."""
     path = Path(yaml_name_or_path)
     if not path.exists():
-        path = SHIPPED_DIR / str(yaml_name_or_path)
-    raw = yaml.safe_load(path.read_text())
+        shipped = SHIPPED_DIR / path.name
+        if str(path) != path.name or not shipped.is_file():
+            raise ValueError(f"stage config {yaml_name_or_path}: no such file")
+        path = shipped
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or "architecture" not in raw:
+        raise ValueError(f"{path}: a stage config is a mapping with 'architecture' and a list of 'stages'")
+    known = {f.name for f in dataclasses.fields(StageConfig)}
+    required = {
+        f.name
+        for f in dataclasses.fields(StageConfig)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
     stages = []
-    for s in raw["stages"]:
-        known = {f.name for f in dataclasses.fields(StageConfig)}
-        extra = set(s) - known
+    for i, s in enumerate(raw["stages"]):
+        if not isinstance(s, dict):
+            raise ValueError(f"{path}: stage {i} is not a mapping of its settings")
+        extra, missing = set(s) - known, required - set(s)
         if extra:
             raise ValueError(f"{path}: stage {s.get('name')!r} has unknown keys {sorted(extra)}")
+        if missing:
+            raise ValueError(f"{path}: stage {s.get('name', i)!r} needs the keys {sorted(missing)}")
         stages.append(StageConfig(**s))
     return PipelineConfig(
         architecture=raw["architecture"],

@@ -80,6 +80,11 @@ FRAME_KEY_SALT = 0x5BD1E995
 its first codes are drawn with (the engine's sampler: the seed folded with the draw index)."""
 
 
+ASSISTANT_TURN = "<|im_start|>assistant"
+"""How the chat template opens the assistant turn the talker voices (the tokens ``im_start``,
+``assistant`` of :class:`PromptTokens`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptTokens:
     """The thinker-vocabulary ids the hand-off reads (the top-level ``Qwen3OmniMoeConfig``'s)."""
@@ -291,7 +296,24 @@ class Qwen3TalkerFrontend:
         return 0
 
     def check_prompt(self, index: int, prompt: dict[str, Any]) -> None:
+        """The voice, and, when the reply is to be spoken, an assistant turn to voice (what the
+        talker's prompt is built from): a bare prompt is refused before any work, not after the
+        thinker has run."""
         self._speaker(index, prompt)
+        wanted = prompt.get("modalities")
+        if wanted is not None and "audio" not in wanted:
+            return
+        if "prompt_token_ids" in prompt:
+            ids = np.asarray(prompt["prompt_token_ids"])
+            t = self.tokens
+            has_turn = bool(np.any((ids[:-1] == t.im_start) & (ids[1:] == t.assistant)))
+        else:
+            has_turn = ASSISTANT_TURN in prompt.get("prompt", "")
+        if not has_turn:
+            raise ValueError(
+                f"request {index}: the talker voices the prompt's last assistant turn ({ASSISTANT_TURN}) "
+                "and this prompt has none: build it with chat_prompt(), or ask for modalities ['text']"
+            )
 
     def _speaker(self, index: int, prompt: dict[str, Any]) -> int:
         """The codec id of the voice ``prompt["speaker"]`` names (case-insensitive, as
@@ -373,7 +395,7 @@ class Qwen3TalkerFrontend:
         ids, t = np.asarray(prompt_ids), self.tokens
         starts = np.flatnonzero((ids[:-1] == t.im_start) & (ids[1:] == t.assistant))
         if not len(starts):
-            raise ValueError("the thinker prompt has no assistant turn (<|im_start|>assistant) to voice")
+            raise ValueError(f"the thinker prompt has no assistant turn ({ASSISTANT_TURN}) to voice")
         return int(starts[-1])
 
     def _request(

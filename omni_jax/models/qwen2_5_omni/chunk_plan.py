@@ -256,6 +256,15 @@ class ChunkPlanner:
         """The longest vocoder input: a prefix and the most kept frames."""
         return 2 * self.overlap + self.keep_frames
 
+    def chunk_codes_rule(self) -> str:
+        """What a chunk must be, in codes (the unit a request's ``chunk_codes`` is given in):
+        whole DiT blocks of whole codes, and at least two vocoder overlaps."""
+        step = math.lcm(self.block_size, self.repeats) // self.repeats
+        least = math.ceil(2 * self.overlap / (step * self.repeats)) * step
+        return (
+            f"a multiple of {step} codes (whole DiT blocks) and at least {least} codes (two vocoder overlaps)"
+        )
+
     def with_chunk(self, chunk: int) -> ChunkPlanner:
         """This planner with every chunk after the first ``chunk`` frames (none grow; the first
         no longer than them): a request's own ``chunk_codes``, which its caller keeps within
