@@ -8,6 +8,13 @@ turn to be written comes, holding at most :func:`in_flight_budget` bytes at once
 writes is what Orbax's numpy handler writes (same ``_METADATA``, same arrays), so
 ``ocp.StandardCheckpointer`` restores it like any other checkpoint.
 
+A write is stopped cleanly: Orbax writes from threads of its own, which an exception in the
+caller's thread (Ctrl-C) does not stop, so :func:`write_stage` runs the save in a thread of its
+own and, when the caller is interrupted, skips the arrays not yet begun and waits for Orbax to
+end before it re-raises; a failed array ends the save the same way, then raises. When
+:func:`write_stage` returns or raises, nothing writes into its directory any more, so the
+caller may remove it.
+
 Reading places one array at a time, each device's shard read on its own (:func:`restore_stage`).
 
 Arrays are stored in chunks of at most :data:`CHUNK_BYTES`, so a device that holds a shard of
@@ -20,6 +27,8 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import signal
+import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,9 @@ MAX_IN_FLIGHT_BYTES = 1 << 30
 IN_FLIGHT_SHARE = 8
 """At most ``1 / IN_FLIGHT_SHARE`` of a stage's bytes (and never over ``MAX_IN_FLIGHT_BYTES``)
 are read but not yet written, except that the largest array always fits."""
+
+WAIT_SECONDS = 0.1
+"""How often :func:`write_stage`'s waiting thread wakes to run a signal's handler."""
 
 CHUNK_BYTES = 16 << 20
 READ_THREADS = 4
@@ -94,8 +106,34 @@ class _Budget:
                 self._cv.notify_all()
 
 
-def _handler(budget: int, written: Callable[[], None]) -> Any:
-    """Orbax's numpy handler, writing :class:`DeferredArray` leaves each when its turn comes.
+class _Stop:
+    """Whether the arrays not yet begun are to be skipped, and why: the caller stopped the write
+    (:meth:`cancel`) or an array's write failed (:attr:`error`, raised once Orbax has ended).
+
+    Orbax gathers the arrays' writes without stopping the others when one fails, and abandons
+    them in flight (TensorStore may still write them after its save has raised); skipping the
+    rest instead lets the save end normally, after the writes in flight, with no thread left."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.error: Exception | None = None
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    def fail(self, error: Exception) -> None:
+        if self.error is None:
+            self.error = error
+        self._event.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._event.is_set()
+
+
+def _handler(budget: int, written: Callable[[], None], stop: _Stop) -> Any:
+    """Orbax's numpy handler, writing :class:`DeferredArray` leaves each when its turn comes;
+    once ``stop`` is set, the arrays not yet begun are skipped (see :class:`_Stop`).
 
     The hook is the handler's ``_open_and_write`` (one leaf's TensorStore write), which Orbax
     does not document: a change there fails every conversion test rather than silently copying.
@@ -119,7 +157,13 @@ def _handler(budget: int, written: Callable[[], None]) -> Any:
 
         async def _open_and_write(self, value: DeferredArray, tspec: dict[str, Any], ts_context: Any) -> None:
             async with self._budget.hold(value.nbytes):
-                await super()._open_and_write(value.materialize(), tspec, ts_context)
+                if stop.stopped:
+                    return
+                try:
+                    await super()._open_and_write(value.materialize(), tspec, ts_context)
+                except Exception as e:  # kept in ``stop`` and raised by write_stage once Orbax has ended
+                    stop.fail(e)
+                    return
             written()
 
     return DeferredHandler()
@@ -138,14 +182,88 @@ def _nest(flat: dict[FlaxPath, Any]) -> dict[str, Any]:
 
 def write_stage(stage_dir: Path, values: dict[FlaxPath, DeferredArray], progress: bool = False) -> None:
     """Write one stage's parameters to ``stage_dir`` (which must not exist), a bounded number of
-    bytes at a time (see the module docstring)."""
+    bytes at a time (see the module docstring).
+
+    Orbax's save runs in a thread of its own while this one waits. An exception raised in this
+    thread meanwhile (``KeyboardInterrupt`` from Ctrl-C, or what another signal handler raises)
+    stops the save: the arrays not yet begun are skipped, the writes in flight (at most
+    :func:`in_flight_budget` bytes) finish and Orbax's threads end, then the exception
+    propagates; further interrupts during that wait do not cut it short. An array that fails to
+    be read or written ends the save the same way and its exception is raised. Either way no
+    thread writes into ``stage_dir`` once this returns or raises.
+    """
+    stop = _Stop()
+    outcome: list[BaseException] = []
+    ended = threading.Event()
+    held: set[signal.Signals] | None = None
+
+    def save() -> None:
+        try:
+            if held is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)  # as the caller had them
+            _save(stage_dir, values, progress, stop)
+        except BaseException as e:  # handed to the waiting thread, which raises it
+            outcome.append(e)
+        finally:
+            ended.set()
+
+    # Waited for with an Event, not Thread.join: on Python 3.11 a join that a signal handler
+    # interrupts marks the thread as ended while it still runs (CPython bpo-45274's fix). The
+    # wait wakes every WAIT_SECONDS: a signal the kernel gave another thread does not interrupt
+    # it, and Python runs the handler only when this thread runs again.
+    worker = threading.Thread(target=save, name=f"write_stage {stage_dir.name}")
+    held = _held_signals()
+    try:
+        try:
+            worker.start()
+        finally:
+            if held is not None:  # a signal held back is handled here, the thread started
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        while not ended.wait(WAIT_SECONDS):
+            pass
+    except BaseException:
+        stop.cancel()
+        if worker.ident is not None:  # started (it is, unless start itself failed)
+            _wait_to_the_end(ended)
+        raise
+    worker.join()
+    if stop.error is not None:
+        raise stop.error
+    if outcome:
+        raise outcome[0]
+
+
+def _held_signals() -> set[signal.Signals] | None:
+    """Hold SIGINT and SIGTERM back (in the main thread, where Python runs their handlers) until
+    the writing thread has started, so that an interrupt cannot leave it started but unknown
+    (an exception inside ``Thread.start``); returns the mask to restore, ``None`` if nothing
+    was held."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _wait_to_the_end(ended: threading.Event) -> None:
+    """Wait for ``ended``, whatever interrupts arrive meanwhile: the exception that stopped the
+    write is already propagating, and its directory must not be removed (or the process end)
+    while Orbax still writes into it. The wait is short: the arrays not yet begun are skipped."""
+    while not ended.is_set():
+        try:
+            ended.wait(WAIT_SECONDS)
+        except BaseException:  # a further Ctrl-C: the first one propagates after the wait
+            continue
+
+
+def _save(stage_dir: Path, values: dict[FlaxPath, DeferredArray], progress: bool, stop: _Stop) -> None:
+    """Orbax's save of ``values`` to ``stage_dir``, each array skipped once ``stop`` is set; it
+    returns once Orbax's threads have ended (the caller knows whether it stopped the save)."""
     import orbax.checkpoint as ocp
 
     budget = in_flight_budget(v.nbytes for v in values.values())
     bar = tqdm(total=len(values), desc=f"writing {stage_dir.name}", unit="tensor", disable=not progress)
     with bar:
         registry = ocp.type_handlers.create_type_handler_registry(
-            (DeferredArray, _handler(budget, lambda: bar.update(1))),
+            (DeferredArray, _handler(budget, lambda: bar.update(1), stop)),
             (jax.Array, ocp.type_handlers.ArrayHandler()),  # unused; Orbax warns without one
         )
         tree = _nest(values)

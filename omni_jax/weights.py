@@ -24,7 +24,9 @@ import json
 import os
 import re
 import shutil
+import sys
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,8 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from omni_jax.architectures import Architecture, ModelPart, architecture_of
-from omni_jax.models.hf_config import read_config
+from omni_jax.interrupts import Interrupts
+from omni_jax.models.hf_config import ConfigRefusedError, read_config
 from omni_jax.models.loading import abstract_params, merge_params
 from omni_jax.models.param_map import (
     FlaxPath,
@@ -72,8 +75,8 @@ class DestinationExistsError(CheckpointError, FileExistsError):
 
 
 def load_hf_config(model_dir: str | Path) -> Any:
-    """``config.json`` through transformers; a missing, unreadable or unknown config raises
-    :class:`CheckpointError` naming the file."""
+    """``config.json`` through transformers; a missing, unreadable or unknown config, or one
+    transformers' validation refuses, raises :class:`CheckpointError` naming the file."""
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not model_dir.is_dir():
@@ -84,6 +87,8 @@ def load_hf_config(model_dir: str | Path) -> Any:
         if not isinstance(json.loads(path.read_text()), dict):
             raise ValueError("not a JSON object")
         return read_config(model_dir)
+    except ConfigRefusedError as e:
+        raise CheckpointError(f"{path}: {e}") from e
     except (ValueError, OSError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: cannot read the model config ({first_line(e)})") from e
 
@@ -337,8 +342,23 @@ def convert(
     and nothing is left at ``dst``. An existing ``dst`` is refused unless ``overwrite``, and
     even then only an earlier conversion (or an empty dir) is replaced, once the new one is
     complete.
+
+    Interrupted (``KeyboardInterrupt``, any exception), it stops Orbax's writes (those in flight
+    finish), removes the temp dir and re-raises. Called in the main thread, it also turns a
+    SIGTERM whose disposition is the default (which would end the process at once, the temp
+    dir left behind) into the same cleanup, after which the process ends by SIGTERM as it
+    would have (:class:`~omni_jax.interrupts.Interrupts`). Temp dirs beside ``dst`` of earlier
+    conversions whose process no longer runs (killed by SIGKILL) are removed first
+    (:func:`_remove_stale_temporaries`).
     """
-    src, dst = Path(src), Path(dst)
+    with Interrupts() as interrupts:
+        return _convert(Path(src), Path(dst), dtype, progress, overwrite, interrupts)
+
+
+def _convert(
+    src: Path, dst: Path, dtype: str | None, progress: bool, overwrite: bool, interrupts: Interrupts
+) -> Path:
+    """:func:`convert`, with ``interrupts`` to check between steps and to defer during cleanup."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     _check_destination(src, dst, overwrite)
@@ -358,13 +378,16 @@ def convert(
     arch.warn_missing_files(src)
     index = [src / f for f in WEIGHT_FILES if (src / f).exists()]
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(dst)
+    interrupts.check()
     tmp = _sibling(dst, "tmp")
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         sources = hash_files(src, sorted(set(weights + index + side)), progress)
         shapes: dict[str, dict[str, list[int]]] = {}
         dtypes: dict[str, dict[str, str]] = {}
         for part in arch.parts:
+            interrupts.check()
             part_dtype = part.dtype or dtype
             values = _read_hf_part(src, arch, part, cfg, part_dtype, False, _deferred(part_dtype))[2]
             write_stage(tmp / "params" / part.stage, values, progress)
@@ -389,11 +412,57 @@ def convert(
             "sources": sources,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        interrupts.check()
         _replace(tmp, dst, overwrite)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # write_stage has returned or raised, so nothing writes into tmp any more.
+        with interrupts.deferred():
+            _remove_tree(tmp)
         raise
     return dst
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove ``path`` (a temp dir of ours), warning of what could not be removed: called while
+    another exception propagates, which an ``OSError`` here must not replace."""
+    failures: list[str] = []
+
+    def failed(name: str, error: BaseException) -> None:
+        if not isinstance(error, FileNotFoundError):  # gone already
+            failures.append(f"{name} ({first_line(error)})")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda function, name, error: failed(name, error))
+    else:
+        shutil.rmtree(path, onerror=lambda function, name, info: failed(name, info[1]))
+    if failures:
+        warnings.warn(f"could not remove the temporary {path}: {failures[0]}", stacklevel=3)
+
+
+def _remove_stale_temporaries(dst: Path) -> None:
+    """Remove the temp dirs beside ``dst`` (``.DST.tmp-PID-*``) of conversions whose process no
+    longer runs: one killed outright (SIGKILL, out of memory) had no chance to clean up. A dir
+    whose PID runs is kept (another conversion to ``dst`` under way, or a PID reused since).
+    PIDs are this host's: a conversion to the same ``dst`` from another host or PID namespace
+    (a shared filesystem) would look dead. ``.DST.old-*`` dirs are never touched: a kill during
+    ``--overwrite``'s two renames leaves the earlier conversion there."""
+    pattern = re.compile(rf"\.{re.escape(dst.name)}\.tmp-(\d+)-[0-9a-f]{{8}}")
+    for path in dst.parent.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match is None or path.is_symlink() or not path.is_dir() or _pid_runs(int(match.group(1))):
+            continue
+        _remove_tree(path)
+
+
+def _pid_runs(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (``os.kill(pid, 0)``: no signal is sent)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _deferred(dtype: str) -> Callable[[FlaxPath, TensorReader], DeferredArray]:

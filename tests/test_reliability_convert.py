@@ -8,13 +8,18 @@ nothing may be left at (or beside) the destination.
 
 from __future__ import annotations
 
+import _thread
 import hashlib
 import json
+import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +28,7 @@ import pytest
 
 from checkpoints_convert.cli import main as convert_main
 from omni_jax.models.param_map import ParamMismatchError
-from omni_jax.safetensors_io import CheckpointError
+from omni_jax.safetensors_io import CheckpointError, checkpoint_files, count_tensors
 from omni_jax.testing import build_tiny_qwen2
 from omni_jax.weights import MANIFEST, DestinationExistsError, check_sources, convert, load_part
 
@@ -178,6 +183,24 @@ FAULTS = [
         "{src}/config.json: cannot read the model config (The checkpoint you are trying to load has model",
     ),
     (
+        "config-refused-by-transformers",
+        edit_config(num_hidden_layers=3),
+        "{src}/config.json: transformers refuses this config: `num_hidden_layers` (3) must be equal to "
+        "the number of `layer_types` (2)",
+    ),
+    (
+        "config-field-of-the-wrong-type",
+        edit_config(num_hidden_layers="two"),
+        "{src}/config.json: transformers refuses this config: Field 'num_hidden_layers' expected int, "
+        "got str",
+    ),
+    (
+        "config-sets-a-read-only-property",
+        edit_config(use_return_dict=True),
+        "{src}/config.json: transformers refuses this config: property 'use_return_dict' of 'Qwen2Config' "
+        "object has no setter",
+    ),
+    (
         "config-not-json",
         lambda d: (d / "config.json").write_text("{not json"),
         "{src}/config.json: cannot read the model config (Expecting property name",
@@ -301,6 +324,193 @@ def test_an_interrupted_conversion_leaves_nothing(qwen2_dir, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         convert(qwen2_dir, dst, progress=False)
     assert leftovers(dst) == []
+
+
+ORBAX_THREADS = ("write_stage", "np_type_handler", "write_metadata_after_commits")
+
+
+def orbax_threads() -> list[str]:
+    """Names of the threads that write a stage (write_stage's own and Orbax's) still running."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(ORBAX_THREADS)]
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test (a test runner may have set another)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_orbax_writes_stops_the_writes_before_the_temp_dir_goes(
+    qwen2_dir, tmp_path, monkeypatch, default_sigint
+) -> None:
+    """Ctrl-C while the first stage's arrays are being written (from Orbax's threads): the arrays
+    not yet begun are skipped, the one in flight finishes, Orbax's threads end, and only then is
+    the temp dir removed; the KeyboardInterrupt propagates and the SIGINT handler is restored."""
+    import omni_jax.orbax_io as orbax_io
+    import omni_jax.weights as weights
+
+    events: list[tuple[str, float, list[str]]] = []
+    cancelled = threading.Event()
+    cancel = orbax_io._Stop.cancel
+
+    def cancelling(self: orbax_io._Stop) -> None:
+        cancelled.set()
+        cancel(self)
+
+    materialize = orbax_io.DeferredArray.materialize
+
+    def interrupted(self: orbax_io.DeferredArray) -> np.ndarray:
+        if not cancelled.is_set() and not events:
+            events.append(("interrupted", time.monotonic(), []))
+            _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the main thread
+            cancelled.wait(60)
+            time.sleep(0.2)  # this array still being read after the main thread stopped the save
+        events.append(("written", time.monotonic(), []))
+        return materialize(self)
+
+    remove_tree = weights._remove_tree
+
+    def removing(path: Path) -> None:
+        events.append(("removed", time.monotonic(), orbax_threads()))
+        remove_tree(path)
+
+    monkeypatch.setattr(orbax_io._Stop, "cancel", cancelling)
+    monkeypatch.setattr(orbax_io.DeferredArray, "materialize", interrupted)
+    monkeypatch.setattr(weights, "_remove_tree", removing)
+    dst = tmp_path / "dst"
+    with pytest.raises(KeyboardInterrupt):
+        convert(qwen2_dir, dst, progress=False)
+    assert leftovers(dst) == []
+    assert cancelled.is_set()
+    kinds = [kind for kind, _, _ in events]
+    assert kinds[0] == "interrupted" and kinds[-1] == "removed" and kinds.count("removed") == 1, kinds
+    written = kinds.count("written")
+    assert 1 <= written < count_tensors(checkpoint_files(qwen2_dir))  # the rest were skipped
+    removed_at, alive = events[-1][1], events[-1][2]
+    assert all(at < removed_at for kind, at, _ in events[:-1])
+    assert alive == [] and orbax_threads() == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_failed_array_write_ends_orbax_before_its_error_propagates(
+    qwen2_dir, tmp_path, monkeypatch
+) -> None:
+    """An array that cannot be read (or written) stops the rest of the stage; its error is raised
+    once Orbax's threads have ended, and the temp dir goes."""
+    import omni_jax.orbax_io as orbax_io
+
+    calls = []
+    materialize = orbax_io.DeferredArray.materialize
+
+    def failing(self: orbax_io.DeferredArray) -> np.ndarray:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return materialize(self)
+
+    monkeypatch.setattr(orbax_io.DeferredArray, "materialize", failing)
+    dst = tmp_path / "dst"
+    with pytest.raises(OSError, match="No space left on device"):
+        convert(qwen2_dir, dst, progress=False)
+    assert leftovers(dst) == [] and orbax_threads() == []
+
+
+def test_a_swallowed_ctrl_c_still_stops_the_conversion(
+    qwen2_dir, tmp_path, monkeypatch, default_sigint
+) -> None:
+    """Python ignores an exception raised in a garbage-collection callback or ``__del__``
+    ("Exception ignored in ..."), where a Ctrl-C's KeyboardInterrupt may land: the conversion
+    raises it again at its next step rather than carry on."""
+    import omni_jax.weights as weights
+
+    hash_files = weights.hash_files
+
+    def swallowing(*args, **kw):
+        try:
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            pass  # what Python does to an exception raised in a gc callback
+        return hash_files(*args, **kw)
+
+    monkeypatch.setattr(weights, "hash_files", swallowing)
+    dst = tmp_path / "dst"
+    with pytest.raises(KeyboardInterrupt):
+        convert(qwen2_dir, dst, progress=False)
+    assert leftovers(dst) == []
+
+
+INTERRUPT_SCRIPT = """
+import os, signal, sys, time
+import omni_jax.orbax_io as orbax_io
+from omni_jax.weights import convert
+
+materialize = orbax_io.DeferredArray.materialize
+sent = []
+
+def interrupted(self):
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), getattr(signal, sys.argv[3]))
+        time.sleep(0.5)
+    return materialize(self)
+
+orbax_io.DeferredArray.materialize = interrupted
+convert(sys.argv[1], sys.argv[2], progress=False)
+print("converted")
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signalled_conversion_leaves_nothing_and_ends_by_its_signal(qwen2_dir, tmp_path, sig) -> None:
+    """A real SIGINT (Ctrl-C) or SIGTERM while Orbax writes, in a process of its own: nothing is
+    left beside DST, no abort ("terminate called", Orbax scheduling on a shut-down executor), and
+    the process ends by the signal (SIGINT through KeyboardInterrupt's usual handling)."""
+    dst = tmp_path / "dst"
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_SCRIPT, str(qwen2_dir), str(dst), sig],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    number = getattr(signal, sig)
+    assert done.returncode == -number, done.stderr
+    assert "converted" not in done.stdout
+    for crash in ("terminate called", "FATAL", "cannot schedule new futures"):
+        assert crash not in done.stderr, done.stderr
+    if sig == "SIGINT":
+        assert "KeyboardInterrupt" in done.stderr, done.stderr
+    assert leftovers(dst) == []
+
+
+def dead_pid() -> int:
+    """The PID of a process that has ended (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def test_temp_dirs_of_killed_conversions_are_removed_before_converting(qwen2_dir, tmp_path) -> None:
+    """A conversion killed outright (SIGKILL) leaves its temp dir; the next conversion to the
+    same DST removes those whose process no longer runs, and nothing else."""
+    dst = tmp_path / "dst"
+    stale = tmp_path / f".dst.tmp-{dead_pid()}-0123abcd"
+    (stale / "params" / "llm.orbax-checkpoint-tmp").mkdir(parents=True)
+    (stale / "params" / "llm.orbax-checkpoint-tmp" / "data").write_bytes(b"half written")
+    running = tmp_path / f".dst.tmp-{os.getpid()}-89abcdef"  # a conversion under way
+    running.mkdir()
+    old = tmp_path / f".dst.old-{dead_pid()}-456789ab"  # may hold the earlier conversion
+    old.mkdir()
+    other = tmp_path / f".other.tmp-{dead_pid()}-cdef0123"  # another destination's
+    other.mkdir()
+    unlike = tmp_path / ".dst.tmp-notapid"
+    unlike.mkdir()
+    convert(qwen2_dir, dst, progress=False)
+    assert (dst / MANIFEST).exists()
+    assert leftovers(dst) == sorted([dst, running, old, unlike])
+    assert other.is_dir()
 
 
 def test_manifest_records_architecture_dtype_tensors_and_source_hashes(qwen2_dir, converted) -> None:
@@ -447,3 +657,33 @@ def test_command_lines_show_no_traceback(qwen2_dir, tmp_path, command) -> None:
     assert len(errors) == 1, done.stderr
     assert errors[0].startswith(f"error: {src}/config.json: unsupported architecture ['LlamaForCausalLM']; ")
     assert not dst.exists()
+
+
+def test_a_config_transformers_refuses_is_one_line_everywhere(qwen2_dir, tmp_path, capsys) -> None:
+    """A ``config.json`` that transformers' own validation refuses (here ``num_hidden_layers``
+    one more than ``layer_types`` lists) is one ``ValueError`` naming the file from ``plan_memory``
+    and ``from_pretrained``, and one line with exit code 2 from ``convert``, ``plan`` and ``run``."""
+    from omni_jax import OmniJaxPipeline
+    from omni_jax.cli import main
+    from omni_jax.planning import plan_memory
+
+    src = copy_of(qwen2_dir, tmp_path)
+    edit_config(num_hidden_layers=3)(src)
+    message = (
+        f"{src}/config.json: transformers refuses this config: `num_hidden_layers` (3) must be equal to "
+        "the number of `layer_types` (2)"
+    )
+    for load in (plan_memory, OmniJaxPipeline.from_pretrained):
+        with pytest.raises(CheckpointError, match=literal(message)) as info:
+            load(src)
+        assert "\n" not in str(info.value)
+    dst = tmp_path / "dst"
+    for argv in (
+        ["convert", str(src), str(dst), "--quiet"],
+        ["plan", str(src)],
+        ["run", str(src), "--prompt", "x"],
+    ):
+        assert main(argv) == 2, argv
+        out = capsys.readouterr()
+        assert len(out.err.splitlines()) == 1 and out.err.startswith(f"error: {message}"), out.err
+    assert leftovers(dst) == []

@@ -7,6 +7,10 @@ unexpected behavior" warnings, each time a process first builds its config (``Au
 and ``AutoTokenizer`` too, which reads the config to pick a class). Loads done here drop
 exactly those seven messages and check the fields against the thinker's vocabulary instead;
 every other message passes through.
+
+A config transformers' own validation refuses (its strict dataclass checks: a field of the
+wrong type, fields that contradict each other) raises :class:`ConfigRefusedError`, a
+``ValueError`` whose one-line message says why.
 """
 
 from __future__ import annotations
@@ -32,12 +36,53 @@ talker embeds with the thinker's table, and the media markers its M-RoPE positio
 _VALIDATION_LOGGER = "transformers.configuration_utils"
 
 
+class ConfigRefusedError(ValueError):
+    """transformers refuses to build the config ``config.json`` describes; the message, one line,
+    says why (without the path, which the caller names)."""
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config it refuses, beyond the ``ValueError``, ``KeyError``
+    and ``TypeError`` of its own checks: huggingface_hub's strict dataclass validation of a
+    field or of the whole config, and ``AttributeError`` when ``config.json`` sets one of the
+    config's read-only properties (e.g. ``use_return_dict``). A ``StrictDataclassDefinitionError``
+    (a config class defined wrongly) is transformers' bug, not the checkpoint's, and passes."""
+    from huggingface_hub.errors import (
+        StrictDataclassClassValidationError,
+        StrictDataclassFieldValidationError,
+    )
+
+    return StrictDataclassClassValidationError, StrictDataclassFieldValidationError, AttributeError
+
+
+def _reason(e: BaseException) -> str:
+    """One line saying why transformers refused: the validator's own message (the cause
+    huggingface_hub wraps), then what the wrapper names (the field or validator)."""
+
+    def first(x: BaseException) -> str:
+        lines = [line.strip() for line in str(x).splitlines() if line.strip()]
+        return lines[0] if lines else type(x).__name__
+
+    if e.__cause__ is None:
+        return first(e)
+    return f"{first(e.__cause__)} ({first(e).rstrip(':')})"
+
+
 class _ThinkerIdsUnflagged(logging.Filter):
     """Drops transformers' vocabulary warning for exactly the :data:`THINKER_IDS_IN_TALKER` fields."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         return not any(message.startswith(f"Model config: {name} must be ") for name in THINKER_IDS_IN_TALKER)
+
+
+class _RefusalUnlogged(logging.Filter):
+    """Drops the error transformers logs, the whole config printed (tens of lines), before it
+    raises the ``AttributeError`` of a read-only property set in ``config.json``; the
+    :class:`ConfigRefusedError` :func:`read_config` raises says the same in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Can't set ")
 
 
 @contextlib.contextmanager
@@ -68,10 +113,20 @@ def check_thinker_ids(cfg: Any) -> None:
 
 def read_config(model_dir: str | Path) -> Any:
     """``AutoConfig.from_pretrained(model_dir)`` (local files only), quiet about the talker's
-    thinker-vocabulary ids and checked by :func:`check_thinker_ids`."""
+    thinker-vocabulary ids and checked by :func:`check_thinker_ids`; a config transformers'
+    validation refuses raises :class:`ConfigRefusedError` (one line, not huggingface_hub's
+    multi-line wrapper, which the command line would show as a traceback)."""
     from transformers import AutoConfig
 
-    with thinker_ids_unflagged():
-        cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    logger = logging.getLogger(_VALIDATION_LOGGER)
+    unlogged = _RefusalUnlogged()
+    logger.addFilter(unlogged)
+    try:
+        with thinker_ids_unflagged():
+            cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except _refusals() as e:
+        raise ConfigRefusedError(f"transformers refuses this config: {_reason(e)}") from e
+    finally:
+        logger.removeFilter(unlogged)
     check_thinker_ids(cfg)
     return cfg
