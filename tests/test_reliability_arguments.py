@@ -4,13 +4,26 @@ A dtype it does not serve (a typo, an integer type) lists the valid ones; engine
 are not positive integers are refused instead of falling back to a default (``0 or 64``) or
 failing deep inside the engine; a stage list given as a bare string is refused instead of read
 letter by letter. Every refusal comes before the checkpoint's config is even read.
+
+``run()`` refuses sampling values of the wrong type the same way (the public contract: a
+``ValueError`` naming the request and the field before any work): an integer field
+(``max_tokens``, ``top_k``, ``seed``, ``num_steps``, ...) takes a Python or numpy int, never a
+float or a bool (``max_tokens=2.5`` must not decode three tokens), a real one never a string,
+a bool or ``None``, a flag only ``True`` or ``False`` (``ignore_eos="no"`` must not switch it
+on), ``stop_token_ids`` only a list or tuple of ints; none of them may end in a bare
+``TypeError`` that names no request. Numpy scalars of the right kind are served.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
 import pytest
 
-from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 
 
 @pytest.fixture
@@ -55,3 +68,143 @@ def test_dtype_objects_and_defaults_still_load(qwen2_dir) -> None:
     assert runner.geometry.page_size == 8 and runner.geometry.max_model_len == 64
     out = pipe.run("hello", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), progress=False)
     assert len(out[0].token_ids) == 2
+
+
+@pytest.fixture(scope="module")
+def llm(qwen2_dir) -> OmniJaxPipeline:
+    return OmniJaxPipeline.from_pretrained(qwen2_dir, max_model_len=64, page_size=8)
+
+
+@pytest.fixture(scope="module")
+def code2wav(omni_dir) -> OmniJaxPipeline:
+    return OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
+
+
+def refused_before_work(
+    pipe: OmniJaxPipeline, monkeypatch: pytest.MonkeyPatch, prompts: list[Any], params: list[Any], match: str
+) -> None:
+    """``run(prompts, params)`` raises ``ValueError`` matching ``match`` with no stage step run
+    and nothing left queued."""
+    steps: list[str] = []
+    with monkeypatch.context() as m:
+        for stage in pipe.stages:
+
+            def counted(block: bool = True, step=stage.step, name=stage.config.name):  # noqa: ANN001, ANN202 - bound per stage
+                steps.append(name)
+                return step(block)
+
+            m.setattr(stage, "step", counted)
+        with pytest.raises(ValueError, match=match):
+            pipe.run(prompts, params, progress=False)
+    assert steps == []
+    assert not any(stage.has_work() for stage in pipe.stages)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+BAD_SAMPLING_TYPES: list[tuple[dict[str, Any], str]] = [
+    ({"max_tokens": 2.5}, "max_tokens=2.5 must be an integer >= 1"),
+    ({"max_tokens": True}, "max_tokens=True must be an integer >= 1"),
+    ({"max_tokens": "3"}, "max_tokens='3' must be an integer >= 1"),
+    ({"min_tokens": 1.5}, "min_tokens=1.5 must be an integer >= 0"),
+    ({"min_tokens": None}, "min_tokens=None must be an integer >= 0"),
+    ({"top_k": 2.5}, "top_k=2.5 must be an integer, -1 (off) or >= 1"),
+    ({"top_k": True}, "top_k=True must be an integer"),
+    ({"seed": 1.5}, "seed=1.5 must be an integer from 0 to 2**63 - 1"),
+    ({"seed": "3"}, "seed='3' must be an integer from 0 to 2**63 - 1"),
+    ({"seed": False}, "seed=False must be an integer"),
+    ({"logprobs": 1.5}, "logprobs=1.5 must be an integer in [0, 20]"),
+    ({"logprobs": True}, "logprobs=True must be an integer in [0, 20]"),
+    ({"ignore_eos": "no"}, "ignore_eos='no' must be True or False"),
+    ({"ignore_eos": 1}, "ignore_eos=1 must be True or False"),
+    ({"ignore_eos": None}, "ignore_eos=None must be True or False"),
+    ({"temperature": None}, "temperature=None must be a real number >= 0"),
+    ({"temperature": "0"}, "temperature='0' must be a real number >= 0"),
+    ({"temperature": True}, "temperature=True must be a real number >= 0"),
+    ({"temperature": float("inf")}, "temperature=inf must be >= 0"),
+    ({"temperature": 10**400}, "temperature=1000"),
+    ({"top_p": "1"}, "top_p='1' must be a real number in (0, 1]"),
+    ({"min_p": None}, "min_p=None must be a real number in [0, 1]"),
+    ({"repetition_penalty": True}, "repetition_penalty=True must be a real number > 0"),
+    ({"presence_penalty": None}, "presence_penalty=None must be a real number in [-2, 2]"),
+    ({"frequency_penalty": "0"}, "frequency_penalty='0' must be a real number in [-2, 2]"),
+    ({"stop_token_ids": 5}, "stop_token_ids=5 must be a list of token ids (ints) or None"),
+    ({"stop_token_ids": "12"}, "stop_token_ids='12' must be a list of token ids"),
+    ({"stop_token_ids": [3, 2.0]}, "stop_token_ids contains 2.0, which is not a token id (an int)"),
+    ({"stop_token_ids": [True]}, "stop_token_ids contains True, which is not a token id"),
+]
+
+
+@pytest.mark.parametrize(
+    "fields,message", BAD_SAMPLING_TYPES, ids=[repr(f)[1:-1][:40] for f, _ in BAD_SAMPLING_TYPES]
+)
+def test_sampling_values_of_the_wrong_type_refused(llm, monkeypatch, fields, message) -> None:
+    """As request 0 alone, then as request 1 next to a good one: the index is the bad one's."""
+    bad = dataclasses.replace(GREEDY, **fields)  # unchecked until run()
+    expected = f"^request 0: stage 'llm': {re.escape(message)}"
+    refused_before_work(llm, monkeypatch, ["hello"], bad, expected)
+    expected = f"^request 1: stage 'llm': {re.escape(message)}"
+    refused_before_work(llm, monkeypatch, ["hello", "the cat"], [GREEDY, bad], expected)
+
+
+def test_numpy_scalars_and_ints_for_reals_are_served(llm) -> None:
+    """Numpy scalars of the right kind, and ints for real fields, are valid and used as given."""
+    params = SamplingParams(
+        temperature=np.float32(0),
+        top_p=1,
+        top_k=np.int32(5),
+        repetition_penalty=1,
+        seed=np.uint32(3),
+        max_tokens=np.int64(3),
+        min_tokens=np.int16(1),
+        stop_token_ids=(np.int64(7),),
+        ignore_eos=np.bool_(True),
+        logprobs=np.int8(2),
+    )
+    params.validate(vocab_size=100)
+    (out,) = llm.run("hello", params, progress=False)
+    assert out.error is None and len(out.token_ids) == 3
+    assert SamplingParams(max_tokens=None, seed=None, logprobs=None, stop_token_ids=None).validate() is None
+
+
+TWO = {"prompt_token_ids": [1, 2]}
+GOOD_SOLVE = Token2WavParams(num_steps=2)
+
+BAD_TOKEN2WAV_TYPES: list[tuple[dict[str, Any], str]] = [
+    ({"num_steps": 2.5}, "num_steps=2.5 must be an integer >= 1"),
+    ({"num_steps": True}, "num_steps=True must be an integer >= 1"),
+    ({"num_steps": None}, "num_steps=None must be an integer >= 1"),
+    ({"guidance_scale": None}, "guidance_scale=None must be a finite real number"),
+    ({"guidance_scale": "0.5"}, "guidance_scale='0.5' must be a finite real number"),
+    ({"guidance_scale": 10**400}, "guidance_scale=1000"),
+    ({"sway_coefficient": True}, "sway_coefficient=True must be a finite real number"),
+    ({"sway_coefficient": float("-inf")}, "sway_coefficient=-inf must be finite"),
+    ({"seed": 2.5}, "seed=2.5 must be an integer from 0 to 2**63 - 1"),
+    ({"seed": "3"}, "seed='3' must be an integer from 0 to 2**63 - 1"),
+    ({"seed": True}, "seed=True must be an integer"),
+    ({"stream": "no"}, "stream='no' must be True or False"),
+    ({"stream": 1}, "stream=1 must be True or False"),
+    ({"stream": True, "chunk_codes": True}, "chunk_codes=True must be an integer >= 1"),
+    ({"stream": True, "chunk_codes": 12.0}, "chunk_codes=12.0 must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize(
+    "fields,message", BAD_TOKEN2WAV_TYPES, ids=[repr(f)[1:-1][:40] for f, _ in BAD_TOKEN2WAV_TYPES]
+)
+def test_token2wav_values_of_the_wrong_type_refused(code2wav, monkeypatch, fields, message) -> None:
+    bad = dataclasses.replace(GOOD_SOLVE, **fields)
+    expected = f"^request 1: stage 'code2wav': {re.escape(message)}"
+    refused_before_work(code2wav, monkeypatch, [TWO, TWO], [GOOD_SOLVE, bad], expected)
+
+
+def test_token2wav_numpy_scalars_are_valid() -> None:
+    """Numpy scalars of the right kind pass (the stage packs them into numpy rows anyway)."""
+    Token2WavParams(
+        num_steps=np.int64(2),
+        guidance_scale=np.float32(0.5),
+        sway_coefficient=-1,
+        seed=np.uint64(5),
+        stream=np.bool_(True),
+        chunk_codes=np.int32(12),
+    ).validate()

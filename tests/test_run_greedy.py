@@ -127,7 +127,8 @@ def test_repetition_penalty_equals_generate_through_reused_id_rows_and_preemptio
         ({"prompt_token_ids": []}, "request 1: empty prompt"),
         ({"prompt_token_ids": [1, 10**6]}, "request 1: token id 1000000 outside the vocabulary"),
         ({"prompt_token_ids": [1] * 300}, "request 1: prompt has 300 tokens, max_model_len is 256"),
-        ({"nothing": 1}, "request 1: prompt dict needs"),
+        ({"nothing": 1}, r"request 1: unknown prompt key\(s\) \['nothing'\]"),
+        ({"modalities": ["text"]}, "request 1: prompt dict needs 'prompt' or 'prompt_token_ids'"),
     ],
 )
 def test_bad_prompt_refused_before_work_and_pipeline_still_usable(pipe, prompts, bad, match) -> None:

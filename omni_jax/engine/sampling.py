@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import jax
@@ -26,6 +26,72 @@ SeedT = TypeVar("SeedT", int, np.ndarray)
 SUPPRESS_WIDTH = 16
 """Token ids one row may have suppressed in one step (its stop ids under ``min_tokens``, a
 stage's never-sampled ids): a fixed width, so suppression never makes a new program."""
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer: a Python or numpy int, never a bool (``True`` is an int to
+    Python, but never a count or a seed a caller meant) nor a float (``2.5`` tokens is no count)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """Whether ``value`` is a real number: a Python or numpy int or float, never a bool, a string
+    or ``None`` (each of which Python would compare or format without complaint, or fail on with a
+    ``TypeError`` that names no request)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def is_bool(value: object) -> bool:
+    """Whether ``value`` is ``True`` or ``False`` (a numpy bool too): a truthy string such as
+    ``"no"`` must not silently switch a flag on."""
+    return isinstance(value, (bool, np.bool_))
+
+
+def is_finite(value: object) -> bool:
+    """Whether a real ``value`` is finite as a float (an int too large for one is not: the stages
+    pack these values into float rows, where it would fail at run time)."""
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+
+
+FieldType = tuple[str, Callable[[object], bool], bool, str]
+"""``(name, type check, None allowed, what the field must be)`` for :func:`check_field_types`."""
+
+
+def check_field_types(params: object, fields: Sequence[FieldType]) -> None:
+    """Raise ``ValueError`` naming the first field of ``params`` whose value has the wrong type.
+
+    Run before the range checks, so that those compare numbers only: a wrong type gets the same
+    ``name=value must be ...`` message as a value out of range (the caller adds the request
+    index), never a ``TypeError`` from a comparison or a value accepted because it compares."""
+    for name, check, nullable, what in fields:
+        value = getattr(params, name)
+        if value is None and nullable:
+            continue
+        if not check(value):
+            raise ValueError(f"{name}={value!r} must be {what}{' or None' if nullable else ''}")
+
+
+SEED_RANGE = "from 0 to 2**63 - 1"
+"""The seeds a request may give, as the messages say it: 63 bits (:func:`seed_words`)."""
+
+_SAMPLING_TYPES: tuple[FieldType, ...] = (
+    ("temperature", is_real, False, "a real number >= 0"),
+    ("top_p", is_real, False, "a real number in (0, 1]"),
+    ("top_k", is_int, False, "an integer, -1 (off) or >= 1"),
+    ("min_p", is_real, False, "a real number in [0, 1]"),
+    ("repetition_penalty", is_real, False, "a real number > 0"),
+    ("presence_penalty", is_real, False, "a real number in [-2, 2]"),
+    ("frequency_penalty", is_real, False, "a real number in [-2, 2]"),
+    ("seed", is_int, True, f"an integer {SEED_RANGE}"),
+    ("max_tokens", is_int, True, "an integer >= 1"),
+    ("min_tokens", is_int, False, "an integer >= 0"),
+    ("ignore_eos", is_bool, False, "True or False"),
+    ("logprobs", is_int, True, f"an integer in [0, {MAX_LOGPROBS}]"),
+)
+"""Each :class:`SamplingParams` field's type (``stop_token_ids`` is checked on its own)."""
 
 
 @dataclasses.dataclass
@@ -47,15 +113,24 @@ class SamplingParams:
     logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first out-of-range field."""
+        """Raise ``ValueError`` naming the first field of the wrong type, else the first out of
+        range (``stop_token_ids`` outside ``[0, vocab_size)`` too); types come first so that the
+        range checks only ever compare numbers."""
+        check_field_types(self, _SAMPLING_TYPES)
+        stops = self.stop_token_ids
+        if stops is not None and not isinstance(stops, (list, tuple)):
+            raise ValueError(f"stop_token_ids={stops!r} must be a list of token ids (ints) or None")
+        for t in stops or []:
+            if not is_int(t):
+                raise ValueError(f"stop_token_ids contains {t!r}, which is not a token id (an int)")
         checks = [
-            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+            ("temperature", is_finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             (
                 "repetition_penalty",
-                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
                 "must be > 0",
             ),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
@@ -72,13 +147,13 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be an integer from 0 to 2**63 - 1"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, f"must be an integer {SEED_RANGE}"),
         ]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} {why}")
-        for t in self.stop_token_ids or []:
-            if not isinstance(t, (int, np.integer)) or t < 0 or (vocab_size is not None and t >= vocab_size):
+        for t in stops or []:
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise ValueError(f"stop_token_ids contains {t!r}, outside the vocabulary [0, {vocab_size})")
 
     @property

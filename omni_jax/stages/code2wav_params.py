@@ -4,9 +4,28 @@ stage's per-request parameters; re-exported as ``omni_jax.Token2WavParams``)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
+
+from omni_jax.engine.sampling import (
+    SEED_RANGE,
+    FieldType,
+    check_field_types,
+    is_bool,
+    is_finite,
+    is_int,
+    is_real,
+)
+
+_TOKEN2WAV_TYPES: tuple[FieldType, ...] = (
+    ("num_steps", is_int, False, "an integer >= 1"),
+    ("guidance_scale", is_real, False, "a finite real number"),
+    ("sway_coefficient", is_real, False, "a finite real number"),
+    ("seed", is_int, True, f"an integer {SEED_RANGE}"),
+    ("stream", is_bool, False, "True or False"),
+    ("chunk_codes", is_int, True, "an integer >= 1"),
+)
+"""Each :class:`Token2WavParams` field's type (``initial_noise`` is checked as an array)."""
 
 
 @dataclasses.dataclass
@@ -28,14 +47,17 @@ class Token2WavParams:
     chunk_codes: int | None = None
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field (shape checks need the codes)."""
-        if not isinstance(self.num_steps, int) or self.num_steps < 1:
+        """Raise ``ValueError`` naming the first field of the wrong type, else the first bad value
+        (shape checks need the codes); types come first so that the value checks only ever
+        compare numbers."""
+        check_field_types(self, _TOKEN2WAV_TYPES)
+        if self.num_steps < 1:
             raise ValueError(f"num_steps={self.num_steps!r} must be an integer >= 1")
         for name in ("guidance_scale", "sway_coefficient"):
-            if not math.isfinite(getattr(self, name)):
+            if not is_finite(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be finite")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed={self.seed!r} must be an integer from 0 to 2**63 - 1")
+            raise ValueError(f"seed={self.seed!r} must be an integer {SEED_RANGE}")
         if self.initial_noise is not None:
             noise = np.asarray(self.initial_noise)
             if noise.ndim != 2 or not np.issubdtype(noise.dtype, np.floating):
@@ -45,12 +67,10 @@ class Token2WavParams:
                 )
             if not np.all(np.isfinite(noise)):
                 raise ValueError("initial_noise contains non-finite values")
-        if not isinstance(self.stream, bool):
-            raise ValueError(f"stream={self.stream!r} must be True or False")
         if self.stream and self.initial_noise is not None:
             raise ValueError("initial_noise cannot be given with stream=True: give a seed")
         if self.chunk_codes is not None:
             if not self.stream:
                 raise ValueError(f"chunk_codes={self.chunk_codes!r} needs stream=True")
-            if not isinstance(self.chunk_codes, int) or self.chunk_codes < 1:
+            if self.chunk_codes < 1:
                 raise ValueError(f"chunk_codes={self.chunk_codes!r} must be an integer >= 1")
