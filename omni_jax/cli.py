@@ -76,11 +76,10 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     print(out.text if out.text is not None else out.token_ids)
     if out_dir is not None:
-        d = out_dir
-        (d / f"{out.request_id}.txt").write_text(out.text or " ".join(map(str, out.token_ids)))
-        print(f"wrote {d / (out.request_id + '.txt')}", file=sys.stderr)
+        (out_dir / f"{out.request_id}.txt").write_text(out.text or " ".join(map(str, out.token_ids)))
+        print(f"wrote {out_dir / (out.request_id + '.txt')}", file=sys.stderr)
         if out.audio is not None:
-            wav = out.save_wav(d / f"{out.request_id}.wav")
+            wav = out.save_wav(out_dir / f"{out.request_id}.wav")
             print(
                 f"wrote {wav} ({len(out.audio) / out.sample_rate:.2f} s at {out.sample_rate} Hz)",
                 file=sys.stderr,

@@ -80,7 +80,8 @@ def load_hf_config(model_dir: str | Path) -> Any:
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: no such checkpoint directory")
+        what = "a file, not a checkpoint directory" if model_dir.exists() else "no such checkpoint directory"
+        raise CheckpointError(f"{model_dir}: {what}")
     if not path.is_file():
         raise CheckpointError(f"{model_dir}: no config.json (not a Hugging Face or converted checkpoint)")
     try:

@@ -145,6 +145,7 @@ CASES = {
     ),
     "missing argument": (["run", "{q}"], r"omni-jax run: the following arguments are required: --prompt"),
     "convert missing source": (["convert", "{t}/nope", "{t}/out"], r"nope: no such checkpoint directory"),
+    "plan of a file": (["plan", "{t}/file"], r"file: a file, not a checkpoint directory$"),
     "convert dtype typo": (
         ["convert", "{q}", "{t}/out", "--dtype", "bf17"],
         r"argument --dtype: invalid choice: 'bf17' \(choose from 'float32', 'bfloat16', 'float16'\)",
