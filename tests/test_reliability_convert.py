@@ -447,6 +447,10 @@ import os, signal, sys, time
 import omni_jax.orbax_io as orbax_io
 from omni_jax.weights import convert
 
+# As in a terminal: a test runner's worker may ignore SIGINT, and its children inherit that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
 materialize = orbax_io.DeferredArray.materialize
 sent = []
 
