@@ -35,8 +35,7 @@ def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
     first = pipe.stages[0]
     if not first.accepts_text:
         raise ValueError(f"the {first.config.name!r} stage takes token ids, not --prompt text")
-    speaks = any(s.config.final_output == "audio" for s in pipe.stages)
-    if args.audio or args.image or args.video or speaks:
+    if args.audio or args.image or args.video or pipe.speaks:
         content = [{"type": "audio", "audio": a} for a in args.audio]
         content += [{"type": "image", "image": i} for i in args.image]
         content += [{"type": "video", "video": _video(v)} for v in args.video]

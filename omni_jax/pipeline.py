@@ -191,6 +191,11 @@ class OmniJaxPipeline:
         return self.core.text_stage
 
     @property
+    def speaks(self) -> bool:
+        """Whether a built stage makes audio (its replies can be spoken)."""
+        return any(s.config.final_output == "audio" for s in self.stages)
+
+    @property
     def max_model_len(self) -> int | None:
         """The context of the stage that writes the text (prompt and reply tokens together);
         ``None`` when no built stage writes text."""

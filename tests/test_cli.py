@@ -184,3 +184,12 @@ def test_engine_flags_reach_the_pipeline(command, monkeypatch, capsys) -> None:
     assert {k: v for k, v in seen.items() if k in want} == want
     if command == "plan":
         assert not set(BUILD_KWARGS) & set(seen)
+
+
+def test_dtype_flag_offers_the_dtypes_loading_serves() -> None:
+    """``--dtype``'s choices are declared apart from the loader's (``--help`` imports no JAX):
+    they must stay the same list."""
+    from omni_jax.cli_engine import DTYPE_CHOICES
+    from omni_jax.weights import DTYPES
+
+    assert DTYPE_CHOICES == DTYPES

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from step_counts import count_steps
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 
@@ -85,15 +86,8 @@ def refused_before_work(
 ) -> None:
     """``run(prompts, params)`` raises ``ValueError`` matching ``match`` with no stage step run
     and nothing left queued."""
-    steps: list[str] = []
     with monkeypatch.context() as m:
-        for stage in pipe.stages:
-
-            def counted(block: bool = True, step=stage.step, name=stage.config.name):  # noqa: ANN001, ANN202 - bound per stage
-                steps.append(name)
-                return step(block)
-
-            m.setattr(stage, "step", counted)
+        steps = count_steps(pipe, m)
         with pytest.raises(ValueError, match=match):
             pipe.run(prompts, params, progress=False)
     assert steps == []

@@ -31,6 +31,7 @@ import pytest
 from omni_reference import frames, picture, tone
 from PIL import Image
 from stand_ins import rows_nearly_free
+from step_counts import count_steps
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.stages import thinker as thinker_module
@@ -54,20 +55,6 @@ def with_media(pipe: OmniJaxPipeline, kind: str, item: Any, **kwargs: Any) -> di
     prompt = pipe.chat_prompt(user({"type": kind, kind: placeholder}), **kwargs)
     prompt["multi_modal_data"] = {kind: item}
     return prompt
-
-
-def count_steps(pipe: OmniJaxPipeline, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of stages whose ``step`` ran, from now on."""
-    calls: list[str] = []
-    for stage in pipe.stages:
-        step = stage.step
-
-        def counted(block: bool = True, step=step, name=stage.config.name):  # noqa: ANN001, ANN202 - bound per stage
-            calls.append(name)
-            return step(block)
-
-        monkeypatch.setattr(stage, "step", counted)
-    return calls
 
 
 def refused(

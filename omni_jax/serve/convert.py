@@ -157,7 +157,7 @@ def chat_request(
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _stage_params(pipeline, request, logprobs)
     prompt = pipeline.chat_prompt(messages)
-    if any(s.config.final_output == "audio" for s in pipeline.stages) or wants_audio:
+    if pipeline.speaks or wants_audio:
         prompt["modalities"] = list(modalities)
     if wants_audio and request.audio is not None:
         prompt["speaker"] = request.audio.voice
@@ -185,7 +185,7 @@ def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) ->
         prompt: dict[str, Any] = {"prompt": value}
     else:
         prompt = {"prompt_token_ids": list(value)}
-    if any(s.config.final_output == "audio" for s in pipeline.stages):
+    if pipeline.speaks:
         prompt["modalities"] = ["text"]
     return ServeRequest(
         prompt=prompt,

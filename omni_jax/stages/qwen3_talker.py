@@ -304,9 +304,7 @@ class Qwen3TalkerFrontend:
         if wanted is not None and "audio" not in wanted:
             return
         if "prompt_token_ids" in prompt:
-            ids = np.asarray(prompt["prompt_token_ids"])
-            t = self.tokens
-            has_turn = bool(np.any((ids[:-1] == t.im_start) & (ids[1:] == t.assistant)))
+            has_turn = len(self._assistant_starts(prompt["prompt_token_ids"])) > 0
         else:
             has_turn = ASSISTANT_TURN in prompt.get("prompt", "")
         if not has_turn:
@@ -390,10 +388,14 @@ class Qwen3TalkerFrontend:
             state.trailing.extend(self.text_embeds[self.tokens.tts_eos][None])
             state.final = True
 
+    def _assistant_starts(self, prompt_ids: list[int]) -> np.ndarray:
+        """Where each assistant turn of ``prompt_ids`` starts (its ``<|im_start|>``)."""
+        ids, t = np.asarray(prompt_ids), self.tokens
+        return np.flatnonzero((ids[:-1] == t.im_start) & (ids[1:] == t.assistant))
+
     def _assistant(self, prompt_ids: list[int]) -> int:
         """Where the last assistant turn starts (its ``<|im_start|>``); ``ValueError`` when none."""
-        ids, t = np.asarray(prompt_ids), self.tokens
-        starts = np.flatnonzero((ids[:-1] == t.im_start) & (ids[1:] == t.assistant))
+        starts = self._assistant_starts(prompt_ids)
         if not len(starts):
             raise ValueError(f"the thinker prompt has no assistant turn ({ASSISTANT_TURN}) to voice")
         return int(starts[-1])
