@@ -30,7 +30,10 @@ Per request: TTFA (from calling ``generate`` to the first update with a non-empt
 ``audio_delta``; offline that is the one update that carries the whole waveform), TTFT (first text
 delta), e2e (to the last update), the audio updates. Per mode and concurrency: p50 / p90 / max of
 those, RTF (a request's e2e seconds per second of its speech, lower is better), throughput (speech
-seconds produced per wall second over the run), seconds inside each stage's ``step`` (the engine
+seconds produced per wall second over the run), playback stalls (:func:`stall_seconds`: a
+listener playing each audio update as it comes, at the speech rate below, hears a gap where an
+update comes after the audio before it has played out; the requests that had any, the longest
+total), seconds inside each stage's ``step`` (the engine
 thread's: a solve left in flight counts where the thread waits for the device), and ratios:
 TTFA offline p50 over streamed p50 (the issue's target: at least 5 at concurrency 1 and 4, for
 replies of 10 s or more) and throughput streamed over offline (target: at least 0.85).
@@ -72,7 +75,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -155,6 +158,22 @@ class Record:
     audio: np.ndarray | None = None
     error: str | None = None
     text_ids: list[int] = dataclasses.field(default_factory=list)
+    arrivals: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    """Each non-empty audio update: when it came (seconds from calling ``generate``), its samples."""
+
+
+def stall_seconds(arrivals: Sequence[tuple[float, int]], seconds_per_sample: float) -> float:
+    """How long a listener's playback stops after it has begun: the client plays each audio update
+    as it comes, from the first on, at ``seconds_per_sample``; an update that comes after the audio
+    before it has played out leaves a gap (the player waits, then plays on). Offline audio (one
+    update) never stalls; a streamed reply stalls when its chunks come slower than they play."""
+    if not arrivals:
+        return 0.0
+    stalled, played_until = 0.0, arrivals[0][0]
+    for at, samples in arrivals:
+        stalled += max(0.0, at - played_until)
+        played_until = max(played_until, at) + samples * seconds_per_sample
+    return stalled
 
 
 @dataclasses.dataclass
@@ -205,6 +224,7 @@ async def _request(served: AsyncOmniJaxPipeline, work: Requests, j: int, stream:
     params = work.params(j, stream)
     ttft = ttfa = None
     pieces: list[np.ndarray] = []
+    arrivals: list[tuple[float, int]] = []
     last = None
     t0 = time.perf_counter()
     async for out in served.generate(prompt, params):
@@ -213,6 +233,7 @@ async def _request(served: AsyncOmniJaxPipeline, work: Requests, j: int, stream:
             ttft = now
         if out.audio_delta is not None and out.audio_delta.size:
             pieces.append(out.audio_delta)
+            arrivals.append((now, out.audio_delta.size))
             if ttfa is None:
                 ttfa = now
         last = out
@@ -236,6 +257,7 @@ async def _request(served: AsyncOmniJaxPipeline, work: Requests, j: int, stream:
         audio=last.audio,
         error=error,
         text_ids=list(last.token_ids),
+        arrivals=arrivals,
     )
 
 
@@ -289,6 +311,8 @@ def figures(run: Run, codes_per_second: float = CODES_PER_SPEECH_SECOND) -> dict
     ok = [r for r in run.records if r.error is None]
     speech = [len(r.codes) / codes_per_second for r in ok]
     audio = [r.samples / SAMPLE_RATE for r in ok]
+    # played at the speech rate (the released model's length of these codes), as speech s/s counts
+    stalls = [stall_seconds(r.arrivals, s / r.samples) for r, s in zip(ok, speech, strict=True) if r.samples]
 
     def metric(stage: str, key: str) -> list[float]:
         return [float(r.metrics[stage][key]) for r in ok if key in r.metrics.get(stage, {})]
@@ -306,6 +330,8 @@ def figures(run: Run, codes_per_second: float = CODES_PER_SPEECH_SECOND) -> dict
         "ttft_s": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
         "e2e_s": _stats([r.e2e_s for r in ok]),
         "rtf": _stats([r.e2e_s / s for r, s in zip(ok, speech, strict=True) if s > 0]),
+        "stall_s": _stats(stalls),
+        "stalled_requests": sum(x > 0 for x in stalls),
         "audio_updates_mean": float(np.mean([r.audio_updates for r in ok])) if ok else 0.0,
         "stage_s": run.stage_s,
         "code2wav_solves": run.solves,
@@ -637,7 +663,7 @@ def _met(x: bool | None) -> str:
 def level_rows(result: dict[str, Any], title: str) -> list[str]:
     """``title``, then a table row per concurrency level and mode of ``result["ours"]``."""
     head = ("c", "mode", "reqs", "TTFA p50", "TTFA p90", "e2e p50", "e2e p90", "RTF p50")
-    head += ("speech s/s", "audio updates", "in code2wav s", "solves x rows")
+    head += ("stalls", "stall max", "speech s/s", "audio updates", "in code2wav s", "solves x rows")
     rows = []
     for c in result["concurrency"]:
         for mode in MODES:
@@ -645,6 +671,7 @@ def level_rows(result: dict[str, Any], title: str) -> list[str]:
             rows.append(
                 (str(c), mode, str(f["requests"]), _cell(f, "ttfa_s", "p50"), _cell(f, "ttfa_s", "p90"))
                 + (_cell(f, "e2e_s", "p50"), _cell(f, "e2e_s", "p90"), _cell(f, "rtf", "p50"))
+                + (str(f["stalled_requests"]), _cell(f, "stall_s", "max"))
                 + (f"{f['speech_s_per_s']:.2f}", f"{f['audio_updates_mean']:.1f}")
                 + (f"{f['stage_s']['code2wav']:.2f}", _solves(f["code2wav_solves"]))
             )

@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks (see python -m benchmarks.run --help)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=_bench)
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # said by the subcommand, whose --help lists what it takes
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return run_command(args.fn, args)
 
 

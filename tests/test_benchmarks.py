@@ -549,6 +549,9 @@ def test_stream_suite(tmp_path: Path) -> None:
             for key in ("ttfa_s", "ttft_s", "e2e_s", "rtf"):
                 assert 0 < f[key]["p50"] <= f[key]["max"], key
             assert f["ttfa_s"]["max"] <= f["e2e_s"]["max"] and f["stage_s"]["code2wav"] > 0
+            assert f["stall_s"]["max"] >= 0 and 0 <= f["stalled_requests"] <= f["requests"]
+            if mode == "offline":  # one update: nothing to wait for once it plays
+                assert f["stall_s"]["max"] == 0 and f["stalled_requests"] == 0
             solves = f["code2wav_solves"]
             assert (solves["offline_rows"], solves["chunk_rows"]) == (
                 (int(level), 0) if mode == "offline" else (0, 5 * int(level))
@@ -561,6 +564,18 @@ def test_stream_suite(tmp_path: Path) -> None:
     distance = result["waveform_distance"]["streamed_vs_offline"]
     assert distance["pairs"] == 3 and 0 <= distance["rel_l2_mean"] < 1 and distance["log_mel_l1_max"] >= 0
     assert result["waveform_distance"]["length_differs"] == 0
+
+
+def test_stall_seconds_counts_the_gaps_a_listener_hears() -> None:
+    """Updates played as they come at 1 ms a sample: the first plays 0.1-0.2 s; the second
+    came at 0.15 s (queued, no gap) and plays to 0.3 s; the third comes at 0.5 s (0.2 s of
+    silence) and the fourth at 0.55 s, while the third still plays."""
+    from benchmarks.stream_suite import stall_seconds
+
+    arrivals = [(0.1, 100), (0.15, 100), (0.5, 100), (0.55, 10)]
+    assert stall_seconds(arrivals, 1e-3) == pytest.approx(0.2)
+    assert stall_seconds(arrivals[:2], 1e-3) == 0.0 and stall_seconds([], 1e-3) == 0.0
+    assert stall_seconds([(0.1, 100), (0.4, 10), (0.45, 10)], 1e-3) == pytest.approx(0.2 + 0.04)
 
 
 def test_stream_suite_arguments(tmp_path: Path) -> None:

@@ -115,6 +115,10 @@ CASES = {
         ["serve", "{q}", "--port", "99999"],
         r"omni-jax serve: argument --port: must be a TCP port \(0 to 65535\), got 99999",
     ),
+    "unknown flag of a subcommand": (
+        ["convert", "{t}/src", "{t}/dst", "--bogus"],
+        r"^error: omni-jax convert: unrecognized arguments: --bogus \(see omni-jax convert --help\)$",
+    ),
     "too many devices": (["run", "{q}", "--prompt", "hi", "--mesh", "data=64"], r"the mesh needs 64 devices"),
     "mesh syntax": (["run", "{q}", "--prompt", "hi", "--mesh", "bogus"], r"mesh 'bogus': expected axis=size"),
     "stage without its input": (

@@ -161,13 +161,23 @@ def test_numpy_scalars_and_ints_for_reals_are_served(llm) -> None:
     assert SamplingParams(max_tokens=None, seed=None, logprobs=None, stop_token_ids=None).validate() is None
 
 
+def test_a_top_k_beyond_int32_keeps_every_token(llm) -> None:
+    """A ``top_k`` larger than any vocabulary (beyond the int32 row it is packed into) is served
+    as no cut: the same tokens as ``top_k=-1`` with the same seed."""
+    wide, off = (SamplingParams(temperature=1.0, top_k=k, seed=7, max_tokens=4) for k in (2**40, -1))
+    (a,) = llm.run("hello", wide, progress=False)
+    (b,) = llm.run("hello", off, progress=False)
+    assert a.error is None and list(a.token_ids) == list(b.token_ids)
+
+
 TWO = {"prompt_token_ids": [1, 2]}
 GOOD_SOLVE = Token2WavParams(num_steps=2)
 
 BAD_TOKEN2WAV_TYPES: list[tuple[dict[str, Any], str]] = [
-    ({"num_steps": 2.5}, "num_steps=2.5 must be an integer >= 1"),
-    ({"num_steps": True}, "num_steps=True must be an integer >= 1"),
-    ({"num_steps": None}, "num_steps=None must be an integer >= 1"),
+    ({"num_steps": 2.5}, "num_steps=2.5 must be an integer from 1 to 2**31 - 1"),
+    ({"num_steps": True}, "num_steps=True must be an integer from 1 to 2**31 - 1"),
+    ({"num_steps": None}, "num_steps=None must be an integer from 1 to 2**31 - 1"),
+    ({"num_steps": 2**31}, "num_steps=2147483648 must be an integer from 1 to 2**31 - 1"),
     ({"guidance_scale": None}, "guidance_scale=None must be a finite real number"),
     ({"guidance_scale": "0.5"}, "guidance_scale='0.5' must be a finite real number"),
     ({"guidance_scale": 10**400}, "guidance_scale=1000"),

@@ -34,6 +34,7 @@ ROWS = [
     SamplingParams(temperature=0.5, min_p=0.2),
     SamplingParams(temperature=1.0, repetition_penalty=0.8, top_p=0.3, min_p=0.05, top_k=20),
     SamplingParams(temperature=2.0),
+    SamplingParams(temperature=0.9, top_k=2**40),  # beyond int32: packed as "keep all"
 ]
 
 
@@ -105,10 +106,11 @@ def test_processed_logits_match_transformers_per_row() -> None:
     rs = np.random.RandomState(0)
     logits = (rs.randn(len(ROWS), V) * 3).astype(np.float32)
     histories = [list(rs.randint(0, V, size=rs.randint(1, 12))) for _ in ROWS]
+    n = len(ROWS)
     st = with_history(
-        pack_sampling(ROWS, [len(h) for h in histories], [0] * 6, [0] * 6, [[]] * 6, batch=8), histories
+        pack_sampling(ROWS, [len(h) for h in histories], [0] * n, [0] * n, [[]] * n, batch=8), histories
     )
-    padded = np.concatenate([logits, np.zeros((2, V), np.float32)])
+    padded = np.concatenate([logits, np.zeros((8 - n, V), np.float32)])
     got = np.asarray(jax.jit(processed_logits)(padded, st))[: len(ROWS)]
     for i, p in enumerate(ROWS):
         want = hf_processed(logits[i], histories[i], p)

@@ -74,6 +74,10 @@ def check_field_types(params: object, fields: Sequence[FieldType]) -> None:
             raise ValueError(f"{name}={value!r} must be {what}{' or None' if nullable else ''}")
 
 
+TOP_K_ALL = 2**31 - 1
+"""The largest ``top_k`` a row's int32 column holds: a request's larger ``top_k`` keeps every
+token, as this one does (no vocabulary is that large), so it is packed as this."""
+
 SEED_RANGE = "from 0 to 2**63 - 1"
 """The seeds a request may give, as the messages say it: 63 bits (:func:`seed_words`)."""
 
@@ -335,7 +339,7 @@ def pack_sampling(
     seed_rows[:n, 0], seed_rows[:n, 1] = seed_words(np.fromiter(seeds, np.uint64, n))
     return SamplingTensors(
         temperature=col([p.temperature for p in params], np.float32, 0.0),
-        top_k=col([p.top_k for p in params], np.int32, -1),
+        top_k=col([min(p.top_k, TOP_K_ALL) for p in params], np.int32, -1),
         top_p=col([p.top_p for p in params], np.float32, 1.0),
         min_p=col([p.min_p for p in params], np.float32, 0.0),
         repetition_penalty=col([p.repetition_penalty for p in params], np.float32, 1.0),

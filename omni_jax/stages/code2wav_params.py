@@ -18,7 +18,7 @@ from omni_jax.engine.sampling import (
 )
 
 _TOKEN2WAV_TYPES: tuple[FieldType, ...] = (
-    ("num_steps", is_int, False, "an integer >= 1"),
+    ("num_steps", is_int, False, "an integer from 1 to 2**31 - 1"),
     ("guidance_scale", is_real, False, "a finite real number"),
     ("sway_coefficient", is_real, False, "a finite real number"),
     ("seed", is_int, True, f"an integer {SEED_RANGE}"),
@@ -51,8 +51,8 @@ class Token2WavParams:
         (shape checks need the codes); types come first so that the value checks only ever
         compare numbers."""
         check_field_types(self, _TOKEN2WAV_TYPES)
-        if self.num_steps < 1:
-            raise ValueError(f"num_steps={self.num_steps!r} must be an integer >= 1")
+        if not 1 <= self.num_steps < 2**31:  # the solve's step count is an int32
+            raise ValueError(f"num_steps={self.num_steps!r} must be an integer from 1 to 2**31 - 1")
         for name in ("guidance_scale", "sway_coefficient"):
             if not is_finite(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be finite")
