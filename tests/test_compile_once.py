@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 from test_reliability_limits import plan_of
@@ -233,6 +238,47 @@ def test_qwen3_omni_stages_hold_at_most_64_programs_at_the_default_sizes(qwen3_o
     pipe = OmniJaxPipeline.from_pretrained(qwen3_omni_dir, max_num_seqs=64, max_num_batched_tokens=2048)
     counts = stage_programs(pipe)
     assert counts == {"thinker": 41 + 6 + 9, "talker": 41 + 2 * 6, "code2wav": 40 + 4 * 4}
+    assert max(counts.values()) <= 64
+
+
+def released_positions(tiny: Path, dst: Path, family: str) -> Path:
+    """A copy of the tiny checkpoint ``tiny`` with every ``max_position_embeddings`` of the
+    released model's config (transformers' defaults are the released sizes): what bounds the
+    engine's default buckets (contexts, encoder calls, code lengths) is then the release's,
+    while the weights, which no position count shapes, stay tiny."""
+    from transformers import Qwen2_5OmniConfig, Qwen3OmniMoeConfig
+
+    shutil.copytree(tiny, dst)
+    config = json.loads((dst / "config.json").read_text())
+    released = (Qwen2_5OmniConfig if family == "qwen2_5_omni" else Qwen3OmniMoeConfig)().to_dict()
+
+    def copy_positions(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+        for key, value in ours.items():
+            if isinstance(value, dict) and isinstance(theirs.get(key), dict):
+                copy_positions(value, theirs[key])
+            elif key == "max_position_embeddings":
+                ours[key] = theirs[key]
+
+    copy_positions(config, released)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "family,counts",
+    [
+        ("qwen2_5_omni", {"thinker": 41 + 5 + 13, "talker": 41, "code2wav": 48 + 4 * 4}),
+        ("qwen3_omni", {"thinker": 41 + 6 + 13, "talker": 41 + 2 * 6, "code2wav": 40 + 4 * 4}),
+    ],
+)
+def test_stages_hold_at_most_64_programs_at_the_released_positions(family, counts, request, tmp_path) -> None:
+    """The 64-program bound at the defaults where the release's positions, not the tiny
+    checkpoint's 512, bound the buckets: Qwen2.5-Omni's code2wav then decodes up to 4096 codes
+    offline (15 lengths; rows x codes within 4096: 48 solves) besides its 16 chunk programs, and
+    both thinkers' vision calls reach the default 4096-token context (16384 patches: 13 sizes)."""
+    tiny = request.getfixturevalue({"qwen2_5_omni": "omni_dir", "qwen3_omni": "qwen3_omni_dir"}[family])
+    pipe = OmniJaxPipeline.from_pretrained(released_positions(tiny, tmp_path / "released", family))
+    assert stage_programs(pipe) == counts
     assert max(counts.values()) <= 64
 
 

@@ -50,13 +50,14 @@ DEFAULT_MAX_CODES = 4096
 With ``max_batch`` and :data:`DEFAULT_MAX_SOLVE_CODES` it bounds the largest solve, which the
 start-up check must find room for."""
 
-DEFAULT_MAX_SOLVE_CODES = 8192
-"""Rows x codes of one solve at most when the stage YAML sets no ``max_solve_codes``: two requests
-of :data:`DEFAULT_MAX_CODES`, or eight of 1024 codes. A solve's DiT and vocoder work and its
-temporaries grow with its codes, and 8192 codes (16384 mel frames, twice that with guidance)
-fill a GPU, so larger solves would only add programs (eight rows at every length: 60 at the
-default limits, 54 with this one) and memory (the default 8 x 4096 solve alone needed about
-21 GiB at the 7B's widths). Longer requests are solved a few at a time instead."""
+DEFAULT_MAX_SOLVE_CODES = 4096
+"""Rows x codes of one solve at most when the stage YAML sets no ``max_solve_codes``: one request
+of :data:`DEFAULT_MAX_CODES`, two of 2048 codes, or eight of 512. A solve's DiT and vocoder work
+and its temporaries grow with its codes, and 4096 codes (8192 mel frames, twice that with
+guidance) already fill a GPU, so larger solves would only add programs and memory (the 8 x 4096
+solve alone needed about 21 GiB at the 7B's widths). It keeps the stage within 64 programs at
+the released model's sizes: 48 offline solves (15 lengths, fewer rows as they grow) and the 16 of
+streamed chunks, where 8192 made 54 + 16. Longer requests are solved a few at a time instead."""
 
 
 def voiced_codes(tokens: list[int], upstream: StageResult | None) -> list[int]:
