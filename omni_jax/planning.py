@@ -236,8 +236,23 @@ def plan_memory(
         devices=_per_device(plans, engine["max_num_seqs"]),
         max_model_len=max(lengths.values()) if lengths else None,
         max_num_seqs=engine["max_num_seqs"],
-        mem_fraction=float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION)),
+        mem_fraction=jax_mem_fraction(),
     )
+
+
+def jax_mem_fraction() -> float:
+    """The share of an accelerator's memory JAX takes (``XLA_PYTHON_CLIENT_MEM_FRACTION``, else
+    :data:`JAX_MEM_FRACTION`); ``ValueError`` naming the variable unless it is a number in (0, 1]."""
+    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if raw is None:
+        return JAX_MEM_FRACTION
+    try:
+        fraction = float(raw)
+    except ValueError:
+        fraction = float("nan")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} must be a number in (0, 1]")
+    return fraction
 
 
 def _per_device(plans: list[StagePlan], max_num_seqs: int) -> tuple[DevicePlan, ...]:

@@ -299,6 +299,12 @@ def test_jax_memory_fraction_is_read(omni_dir, monkeypatch) -> None:
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     plan = plan_memory(omni_dir)
     assert plan.mem_fraction == 0.95 and plan.usable(80 * GIB) == int(0.95 * 80 * GIB)
+    for bad in ("abc", "1.5", "0", "nan"):  # JAX would not take these either
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", bad)
+        with pytest.raises(
+            ValueError, match=rf"^XLA_PYTHON_CLIENT_MEM_FRACTION='{bad}' must be a number in \(0, 1\]$"
+        ):
+            plan_memory(omni_dir)
 
 
 def test_plan_refuses_what_from_pretrained_would(omni_7b, omni_dir) -> None:

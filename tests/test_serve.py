@@ -341,6 +341,10 @@ def test_models_lists_the_served_name(qwen) -> None:
     assert (model.id, model.object, model.owned_by) == ("tiny-qwen2", "model", "omni-jax")
     assert model.max_model_len == QWEN_SIZES["max_model_len"] == qwen.ref.stages[0].max_model_len
     assert model.root == str(qwen.ref.model_dir)
+    assert qwen.server.client().models.retrieve("tiny-qwen2") == model  # OpenAI's one-model card
+    with pytest.raises(openai.NotFoundError, match="'gpt-4o' does not exist here") as refused:
+        qwen.server.client().models.retrieve("gpt-4o")
+    assert refused.value.param == "model"
 
 
 # -- chat and completions on Qwen2, greedy ----------------------------------------------------------

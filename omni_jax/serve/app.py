@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP server over an :class:`AsyncOmniJaxPipeline` (FastAPI).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` and ``GET /metrics``. A request is checked in this order, and refused with
-OpenAI's error JSON at the first problem: API key (401), warm (503), body size (413), schema (400,
-naming the field), model name (404), what the server cannot serve (400), queue (429), then the
-stages' own admission (400, with their message). Only then does a response start, so a streamed
-reply's 200 means the request is running. A client that disconnects aborts its request (its KV
-pages and solve slot are freed at once); a fault in one request ends it alone, with a 500 (or an
-``error`` event in its stream), and the server goes on.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and one model's
+card, ``GET /v1/models/{model}``), ``GET /health`` and ``GET /metrics``. A request is checked in
+this order, and refused with OpenAI's error JSON at the first problem: API key (401), warm (503),
+body size (413), schema (400, naming the field), model name (404), what the server cannot serve
+(400), queue (429), then the stages' own admission (400, with their message). Only then does a
+response start, so a streamed reply's 200 means the request is running. A client that disconnects
+aborts its request (its KV pages and solve slot are freed at once); a fault in one request ends it
+alone, with a 500 (or an ``error`` event in its stream), and the server goes on.
 """
 
 from __future__ import annotations
@@ -299,10 +299,8 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
 
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        server.authorize(request)
-        card = {
+    def card() -> dict[str, Any]:
+        return {
             "id": settings.model_name,
             "object": "model",
             "created": server.created,
@@ -311,7 +309,19 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             # vLLM's card: clients size max_tokens by the context
             **({"max_model_len": context} if (context := pipe.pipeline.max_model_len) is not None else {}),
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        server.authorize(request)
+        return JSONResponse({"object": "list", "data": [card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> JSONResponse:
+        """One model's card (OpenAI's ``models.retrieve``); 404 for a name not served."""
+        server.authorize(request)
+        if model != settings.model_name:
+            raise HTTPError(404, f"the model {model!r} does not exist here", "model")
+        return JSONResponse(card())
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
