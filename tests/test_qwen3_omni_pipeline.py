@@ -237,9 +237,8 @@ def test_overlapped_talker_steps_draw_the_same_frames(pipe, monkeypatch) -> None
 
 def test_streamed_audio_adds_up_and_nothing_compiles_after_warmup(pipe) -> None:
     """After ``warmup()``, greedy and sampled requests, offline and streamed, compile nothing;
-    the streamed request's audio arrives in pieces that add up to its whole (a chunked decode:
-    the causal upsampling drops a few trailing samples per chunk, as ``chunked_decode`` does, so
-    it is a little shorter than the offline one)."""
+    the streamed request's audio arrives in pieces that add up to its whole, as long as the
+    offline one (a chunked decode whose chunks join without the gap ``chunked_decode`` leaves)."""
     pipe.warmup(progress=False)
     request = prompts(pipe)[1]
     with CompileCounter() as counter:
@@ -254,6 +253,7 @@ def test_streamed_audio_adds_up_and_nothing_compiles_after_warmup(pipe) -> None:
     assert len(deltas) >= 2
     np.testing.assert_array_equal(np.concatenate(deltas), pieces[-1].audio)
     assert pieces[-1].finished and offline.error is None
+    assert len(pieces[-1].audio) == len(offline.audio)
 
 
 def _stream(pipe: OmniJaxPipeline, prompt: dict[str, Any], params: list[Any]) -> list[OmniRequestOutput]:

@@ -2,7 +2,11 @@
 
 Qwen3-Omni's code2wav is causal end to end (sliding-window transformer, causal ConvNet), so a
 chunk needs no look-ahead: its new frames are decoded after up to ``left_context`` earlier ones
-and only the new frames' samples are kept, as transformers' ``chunked_decode`` does. The first
+and only the new frames' samples are kept, as transformers' ``chunked_decode`` does, with one
+difference: a chunk also keeps the samples its predecessor fell short by at its end
+(:func:`~omni_jax.models.qwen3_omni.code2wav.decode_chunk`'s ``join``), which ``chunked_decode``
+skips (23 ms at every join in the released model), so the chunks join without a gap and add up
+to the whole decode's length. The first
 chunk is smaller (``first_chunk``), so a request's first audio comes after a frame or a few
 rather than a whole chunk: streaming from the first frame is what the model was built for. Later
 chunks may double up to ``max_chunk``, so the context decoded again becomes a small share of the
@@ -39,8 +43,8 @@ from omni_jax.parallel.rules import fetch
 from omni_jax.stages.chunk_loop import StreamedChunk, StreamedDecoder, StreamState
 
 ChunkSolve = Callable[..., tuple[jax.Array, jax.Array]]
-"""``solve(graph, state, codes [B, Q, W], context [B], frames [B]) -> (new samples [B, S], their
-count [B])``: ``code2wav_chunk_compiled``'s signature."""
+"""``solve(graph, state, codes [B, Q, W], context [B], frames [B], join [B]) -> (new samples [B, S],
+their count [B])``: ``code2wav_chunk_compiled``'s signature."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +156,7 @@ class FrameBatch(PaddedBatch):
     codes: np.ndarray
     context: np.ndarray
     frames: np.ndarray
+    join: np.ndarray
 
 
 class FrameSolved(NamedTuple):
@@ -246,12 +251,14 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
 
     def pad(self, ready: Sequence[tuple[FrameStream, ChunkWindow]], rows: int, window: int) -> FrameBatch:
         """``ready`` windows in the first rows of a ``rows``-row solve, right-padded to ``window``
-        frames (every stage is causal, so padding changes no kept sample); a row with no chunk
-        has no frames and keeps nothing."""
+        frames (every stage is causal, so padding changes no kept sample), each joining its
+        request's previous chunk without a gap; a row with no chunk has no frames and keeps
+        nothing."""
         batch = FrameBatch(
             codes=np.zeros((rows, self.num_quantizers, window), np.int32),
             context=np.zeros(rows, np.int32),
             frames=np.zeros(rows, np.int32),
+            join=np.ones(rows, np.int32),
         )
         for i, (stream, w) in enumerate(ready):
             batch.codes[i, :, : w.frames] = stream.window_codes(w)
