@@ -39,11 +39,12 @@ near-ties (:mod:`benchmarks.agreement`), so both sides did the same work; a disa
 the suite.
 
 Other failures, as in the stream suite: a request failing or making other than ``--frames``
-frames, streamed and offline talker codes differing. Waveforms are not compared here: a streamed
-reply is its offline decode cut into chunks, less each chunk's last few samples (the causal
-upsampler's, as ``chunked_decode`` drops them: 15 a chunk on the tiny checkpoint), so sample-wise
-distances would measure that shift; ``tests/test_qwen3_code2wav_stage.py`` holds the chunks to
-the reference.
+frames, streamed and offline talker codes differing. Waveforms, streamed against offline (same
+frames), are reported as in the stream suite: a streamed reply is its offline decode cut into
+chunks, each decoded after up to 25 frames of context, so they differ only where a chunk's
+context holds less than the model's receptive field; there is no other-seed comparison (this
+code2wav draws no noise). ``tests/test_qwen3_code2wav_stage.py`` holds the chunks to the
+reference.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ from benchmarks.stream_suite import (
     level_rows,
     measure,
     mode_ratios,
+    waveform_distances,
 )
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 
@@ -240,7 +242,8 @@ def run(path: Path, args: Any) -> dict[str, Any]:
         "reference_prompts": used,
         "ratio": ratio,
         "targets": targets,
-        "waveform_distance": None,
+        # this code2wav draws no noise: another seed decodes the same waveform
+        "waveform_distance": dict(waveform_distances(best, len(prompts)), offline_other_seed=None),
         "codes": codes,
         "compile": {"ours": measured.compile_entry(levels[0]), "reference": None},
         "failures": failures,

@@ -491,7 +491,12 @@ def test_e2e_qwen3_stream_suite(tmp_path: Path) -> None:
     result = run_suite(tmp_path, argv)
     _check_stream_common(result, "e2e_qwen3_stream", "--suite e2e_qwen3 --stream")
     assert result["frames_per_request"] == 8 and result["codes_per_frame"] == 4
-    assert result["speech_s_per_request"] == 8 / 12.5 and result["waveform_distance"] is None
+    assert result["speech_s_per_request"] == 8 / 12.5
+    distance = result["waveform_distance"]  # streamed against offline: the same length, no other seed
+    assert distance["length_differs"] == 0 and distance["offline_other_seed"] is None
+    assert (
+        distance["streamed_vs_offline"]["pairs"] == 3 and distance["streamed_vs_offline"]["rel_l2_max"] < 1e-5
+    )
     assert result["compile"]["ours"]["compiles_after_warmup"] == 0
     assert result["codes"] == {"compared": 4, "identical": 4, "differ_from_first_run_of_prompt": 0}
     for mode, updates in (("offline", 1), ("streamed", 2)):
