@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omni_jax.cli_engine import EngineOptions, add_engine_arguments
+from omni_jax.cli_engine import EngineOptions, add_engine_arguments, gib
 from omni_jax.cli_errors import OneLineParser, output_folder, run_command
 
 
@@ -88,10 +88,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """Print the memory plan of ``from_pretrained(MODEL, ...)`` from its ``config.json`` alone."""
-    from omni_jax.planning import plan_memory
+    from omni_jax.planning import GPU_SIZES_GIB, plan_memory
 
     plan = plan_memory(args.model, **EngineOptions.from_args(args).plan_kwargs())
-    print(plan.table())
+    print(plan.table(tuple(sorted({*GPU_SIZES_GIB, *args.gpu_memory}))))
     return 0
 
 
@@ -141,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(fn=convert_cli.run)
     pl = sub.add_parser("plan", help="per-device bytes of weights, KV cache and largest step (config.json)")
     pl.add_argument("model", help="a checkpoint directory (only its config.json is read)")
+    pl.add_argument(
+        "--gpu-memory",
+        type=gib,
+        action="append",
+        default=[],
+        help="also judge GPUs of this many GiB besides 24, 40 and 80, e.g. 141 (repeatable)",
+    )
     add_engine_arguments(pl, planning=True)
     pl.set_defaults(fn=_plan)
     s = sub.add_parser(

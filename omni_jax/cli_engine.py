@@ -30,6 +30,17 @@ def positive(value: str) -> int:
     return n
 
 
+def gib(value: str) -> float:
+    """An argparse type: a memory size in GiB, a number above 0 (``141``, ``93.5``)."""
+    try:
+        size = float(value)
+    except ValueError:
+        size = float("nan")
+    if not size > 0 or size == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of GiB above 0, got {value}")
+    return size
+
+
 def media_limits(value: str) -> dict[str, int]:
     """``--limit-mm-per-prompt``'s JSON object (vLLM's form, e.g. ``{"image": 0, "video": 0}``);
     its kinds and counts are checked by ``from_pretrained``."""

@@ -106,7 +106,7 @@ class MemoryPlan:
         """Sequences served at once on devices of ``capacity`` bytes (the fewest of any device)."""
         return min(d.sequences(self.usable(capacity)) for d in self.devices)
 
-    def table(self, gpu_sizes_gib: tuple[int, ...] = GPU_SIZES_GIB) -> str:
+    def table(self, gpu_sizes_gib: tuple[float, ...] = GPU_SIZES_GIB) -> str:
         g = size_text
         length = f"max_model_len {self.max_model_len}, " if self.max_model_len else ""
         lines = [
@@ -128,8 +128,9 @@ class MemoryPlan:
             cells = (g(d.weights), g(d.steps), g(d.sequence_kv), g(d.least), g(full))
             lines.append(row(DEVICE_COLUMNS, str(d.device), ",".join(d.stages), *cells))
         lines += ["", f"GPUs (JAX uses {self.mem_fraction:.0%} of one: XLA_PYTHON_CLIENT_MEM_FRACTION):"]
+        width = max(3, *(len(f"{size:g}") for size in gpu_sizes_gib))
         for size in gpu_sizes_gib:
-            capacity = size * GIB
+            capacity = int(size * GIB)
             if self.fits(capacity):
                 n = self.sequences(capacity)
                 what = f"fits, {n} sequence{'s' if n > 1 else ''} at once" if self.max_model_len else "fits"
@@ -137,7 +138,7 @@ class MemoryPlan:
                 worst = max(self.devices, key=lambda d: d.least)
                 has = g(self.usable(capacity))
                 what = f"does not fit: device {worst.device} needs {g(worst.least)}, JAX has {has}"
-            lines.append(f"  {size:>3} GiB: {what}")
+            lines.append(f"  {size:>{width}g} GiB: {what}")
         return "\n".join(lines)
 
 

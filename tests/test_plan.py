@@ -331,6 +331,26 @@ def test_cli_prints_the_plan(omni_dir, capsys) -> None:
         assert re.search(rf"^ +{gib} GiB: fits, 64 sequences at once$", out, re.M)
 
 
+def test_cli_judges_the_gpu_sizes_asked_for(omni_7b, plan_7b, capsys) -> None:
+    """``--gpu-memory`` adds sizes to the three judged (a 141 GiB H200, a card too small), in
+    order, each judged as the plan's own ``fits`` and ``sequences`` say."""
+    assert cli_main(["plan", str(omni_7b), "--gpu-memory", "141", "--gpu-memory", "20.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    judged = lines[lines.index(next(line for line in lines if line.startswith("GPUs "))) + 1 :]
+    assert [line.split(" GiB:")[0].strip() for line in judged] == ["20.5", "24", "40", "80", "141"]
+    for line, gib in zip(judged, (20.5, 24, 40, 80, 141), strict=True):
+        capacity = int(gib * GIB)
+        if plan_7b.fits(capacity):
+            assert line.endswith(f"fits, {plan_7b.sequences(capacity)} sequences at once"), line
+        else:
+            assert ": does not fit: device 0 needs " in line, line
+    assert not plan_7b.fits(int(20.5 * GIB)) and plan_7b.fits(141 * GIB)
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["plan", str(omni_7b), "--gpu-memory", "0"])
+    assert refused.value.code == 2
+    assert "argument --gpu-memory: must be a number of GiB above 0, got 0" in capsys.readouterr().err
+
+
 def test_cli_mistakes_are_one_line_and_exit_2(omni_dir, tmp_path, capsys) -> None:
     assert cli_main(["plan", str(omni_dir), "--mesh", "model=3"]) == 2
     err = capsys.readouterr().err
