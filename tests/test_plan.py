@@ -308,8 +308,18 @@ def test_jax_memory_fraction_is_read(omni_dir, monkeypatch) -> None:
 
 
 def test_plan_refuses_what_from_pretrained_would(omni_7b, omni_dir) -> None:
-    with pytest.raises(ValueError, match="does not divide the 28 attention heads"):
+    with pytest.raises(
+        ValueError, match="^stage 'thinker': mesh model=3 does not divide the 28 attention heads"
+    ):
         plan_memory(omni_7b, mesh={"model": 3})
+    # the thinker's 28 heads split 7 ways, the talker's 12 do not: the message says whose, and
+    # what would do
+    with pytest.raises(
+        ValueError,
+        match=r"^stage 'talker': mesh model=7 does not divide the 12 attention heads "
+        r"\(model sizes that do: 1, 2, 3, 4, 6, 12\)$",
+    ):
+        plan_memory(omni_7b, mesh={"model": 7})
     with pytest.raises(ValueError, match=r"dtype='bf17' is not one of float32, bfloat16, float16"):
         plan_memory(omni_7b, dtype="bf17")
     with pytest.raises(ValueError, match=r"page_size=0 must be a positive integer"):

@@ -146,5 +146,15 @@ def replicated_kv_heads(num_kv_heads: int, num_heads: int, model: int) -> int:
     divides ``num_heads`` works, since ``num_heads`` is a multiple of both.
     """
     if num_heads % model:
-        raise ValueError(f"mesh model={model} does not divide the {num_heads} attention heads")
+        raise ValueError(
+            f"mesh model={model} does not divide the {num_heads} attention heads{splits(num_heads)}"
+        )
     return math.lcm(num_kv_heads, model)
+
+
+def splits(num_heads: int) -> str:
+    """`` (model sizes that do: 1, 2, ...)``: what a refusal of a ``model`` size that does not
+    divide ``num_heads`` heads offers instead."""
+    return (
+        f" (model sizes that do: {', '.join(str(d) for d in range(1, num_heads + 1) if num_heads % d == 0)})"
+    )

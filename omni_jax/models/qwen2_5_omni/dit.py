@@ -20,7 +20,7 @@ from flax import nnx
 
 from omni_jax.models.layers import rope_cos_sin, rope_inv_freq, rotate_half
 from omni_jax.models.param_map import ParamRule, conv1d_kernel, linear_kernel
-from omni_jax.parallel.rules import ShardRule
+from omni_jax.parallel.rules import ShardRule, splits
 
 TIME_FREQ_DIM = 256
 """Width of the sinusoidal timestep features (fixed in the reference)."""
@@ -485,9 +485,8 @@ def dit_partition_rules(config: Any, model: int) -> tuple[ShardRule, ...]:
     divide the heads.
     """
     if config.num_attention_heads % model:
-        raise ValueError(
-            f"model={model} does not divide the DiT's {config.num_attention_heads} attention heads"
-        )
+        heads = config.num_attention_heads
+        raise ValueError(f"model={model} does not divide the DiT's {heads} attention heads{splits(heads)}")
     col, row = (None, "model"), ("model", None)
     block = r"dit\.transformer_blocks\.\d+\."
     return (
