@@ -103,8 +103,14 @@ class ModelPart:
         return self.generation
 
     def shard_rules(self, hf_config: Any, model: int) -> tuple[ShardRule, ...]:
-        """Rules for a ``model``-way split; ``ValueError`` when the part cannot be split so."""
-        return () if self.partition is None else self.partition(hf_config, model)
+        """Rules for a ``model``-way split; ``ValueError`` naming the stage when the part cannot
+        be split so (stages share a mesh: the message says whose heads ``model`` does not divide)."""
+        if self.partition is None:
+            return ()
+        try:
+            return self.partition(hf_config, model)
+        except ValueError as e:
+            raise ValueError(f"stage {self.stage!r}: {e}") from None
 
 
 SideFileConverter = Callable[[Path, Path], None]

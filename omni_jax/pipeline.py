@@ -30,11 +30,12 @@ from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.preflight import cache_shares, check_memory_before_loading, engine_settings, stage_needs
 from omni_jax.progress import RequestsBar, WarmupBar
+from omni_jax.safetensors_io import checkpoint_files
 from omni_jax.stages.ar import ARStage, check_engine_options
 from omni_jax.stages.base import Stage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
 from omni_jax.stages.thinker import MediaLimits
-from omni_jax.weights import load_part
+from omni_jax.weights import is_converted, load_part
 
 
 def connect_stages(stages: Sequence[Stage]) -> None:
@@ -129,6 +130,8 @@ class OmniJaxPipeline:
             if sc.kind == "ar":
                 check_engine_options(sc)
                 MediaLimits.from_engine(sc.name, sc.engine)
+        if not is_converted(path):  # no weights at all comes before a missing side file (voices)
+            checkpoint_files(path)
         missing = arch.missing_files(path, [sc.name for sc in config.stages])
         if missing is not None:
             raise ValueError(missing)

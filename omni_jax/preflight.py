@@ -126,10 +126,7 @@ def stage_demand(
     ``lengths``: the ``max_model_len`` of each AR stage built before it (a generation stage's
     solves are bounded by its input stage's)."""
     part = arch.part(sc.name)
-    try:  # refuses a split before tracing; several stages may run on one mesh: say whose heads
-        rules = part.shard_rules(hf_config, axis_size(mesh, "model"))
-    except ValueError as e:
-        raise ValueError(f"stage {sc.name!r}: {e}") from None
+    rules = part.shard_rules(hf_config, axis_size(mesh, "model"))  # refuses a split before tracing
     model = abstract_model(part.make(hf_config, part_dtype(path, hf_config, part.dtype, dtype)))
     fixed = {f"stage {sc.name!r} weights": device_weight_bytes(model, rules, mesh)}
     plan = None

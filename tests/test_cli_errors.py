@@ -115,6 +115,10 @@ CASES = {
         ["serve", "{q}", "--port", "99999"],
         r"omni-jax serve: argument --port: must be a TCP port \(0 to 65535\), got 99999",
     ),
+    "config.json alone": (  # no weights is said before the missing voices file
+        ["run", "{t}/config_only", "--prompt", "hi"],
+        r"config_only: no model.safetensors, pytorch_model.bin or shard index found$",
+    ),
     "unknown flag of a subcommand": (
         ["convert", "{t}/src", "{t}/dst", "--bogus"],
         r"^error: omni-jax convert: unrecognized arguments: --bogus \(see omni-jax convert --help\)$",
@@ -173,6 +177,8 @@ def test_mistake_is_one_line_and_exit_2(
     (tmp_path / "file").write_text("not a directory")
     (tmp_path / "broken.yaml").write_text("stages: [\n")
     (tmp_path / "flat.yaml").write_text("stages: 5\n")
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text((omni_dir / "config.json").read_text())
     paths = dict(q=qwen2_converted, o=omni_dir, b=broken, v=voiceless, t=tmp_path)
     assert exit_code([a.format(**paths) for a in argv]) == 2
     line = one_error_line(capsys)
