@@ -324,6 +324,8 @@ def test_plan_refuses_what_from_pretrained_would(omni_7b, omni_dir) -> None:
         plan_memory(omni_7b, dtype="bf17")
     with pytest.raises(ValueError, match=r"page_size=0 must be a positive integer"):
         plan_memory(omni_7b, page_size=0)
+    with pytest.raises(ValueError, match=r"^page_size=100000 exceeds max_model_len=4096$"):
+        plan_memory(omni_7b, page_size=100_000)  # one page a sequence could never fill
     with pytest.raises(
         ValueError, match="max_model_len=4096 exceeds the model's max_position_embeddings=512"
     ):

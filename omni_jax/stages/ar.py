@@ -563,6 +563,8 @@ class CachePlan:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be a power of two >= 16")
         if max_num_seqs < 1 or page_size < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} and page_size={page_size} must be >= 1")
+        if page_size > max_model_len:  # every sequence would reserve a page it can never fill
+            raise ValueError(f"page_size={page_size} exceeds max_model_len={max_model_len}")
         dtype = jnp.dtype(jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype)
         geometry = CacheGeometry(layers, kv_heads, head_dim, dtype, page_size, max_model_len)
         max_rows = max_sequence_rows(max_num_seqs, data)
