@@ -1223,6 +1223,7 @@ def test_an_unknown_voice_is_refused_and_the_next_request_served(omni) -> None:
             "unknown speaker 'Nobody'",
         )
         assert "Chelsie" in error["message"] and "Ethan" in error["message"]
+        assert error["param"] == "audio.voice"
         body = omni_request(STORY, "Ethan", "wav", seed=1, max_tokens=4)
         body["stop"] = ["x"]
         check_error(http.post("/v1/chat/completions", json=body), 400, "invalid_request_error", "stop: ")

@@ -94,4 +94,4 @@ def test_an_unknown_voice_is_refused_by_name(qwen3) -> None:
     with qwen3.server.http() as http:
         r = http.post("/v1/chat/completions", json=speak("Nobody", "wav", seed=1))
     error = check_error(r, 400, "invalid_request_error", "unknown speaker 'Nobody'")
-    assert "['aiden', 'chelsie', 'ethan']" in error["message"]
+    assert "['aiden', 'chelsie', 'ethan']" in error["message"] and error["param"] == "audio.voice"

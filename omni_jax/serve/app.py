@@ -39,6 +39,7 @@ from omni_jax.serve.protocol import (
     invalid_request_message,
 )
 from omni_jax.serve.reply import End, Piece, reply
+from omni_jax.voices import UnknownSpeakerError
 
 log = logging.getLogger("omni_jax.serve")
 
@@ -181,6 +182,8 @@ class _Server:
             first = await self.unless_disconnected(request, anext(events))
         except QueueFullError as e:
             raise HTTPError(429, f"the server's queue is full ({e}); retry later") from None
+        except UnknownSpeakerError as e:
+            raise HTTPError(400, str(e), "audio.voice") from None
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
         if first is None:

@@ -67,6 +67,7 @@ from omni_jax.stages.base import (
 )
 from omni_jax.stages.rows import GrowingRows
 from omni_jax.stages.talker import TalkerPositions
+from omni_jax.voices import UnknownSpeakerError
 
 PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8
 """The code predictor's truncation whenever the talker samples (``prepare_inputs_for_generation``
@@ -322,7 +323,7 @@ class Qwen3TalkerFrontend:
                 f"request {index}: speaker must be a voice name (str), got {type(name).__name__}"
             )
         if name.lower() not in self.speakers:
-            raise ValueError(
+            raise UnknownSpeakerError(
                 f"request {index}: unknown speaker {name!r}; known speakers: {sorted(self.speakers)}"
             )
         return self.speakers[name.lower()]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from omni_jax.safetensors_io import iter_safetensors
+from omni_jax.voices import UnknownSpeakerError
 
 TORCH_FILE = "spk_dict.pt"
 TENSOR_FILE = "speakers.safetensors"
@@ -158,7 +159,7 @@ class Voices:
                 f"request {index}: speaker must be a voice name (str), got {type(name).__name__}"
             )
         if name not in self.speakers:
-            raise ValueError(
+            raise UnknownSpeakerError(
                 f"request {index}: unknown speaker {name!r}; known speakers: {list(self.speakers)}"
             )
         return self.speakers[name]
