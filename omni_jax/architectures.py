@@ -44,8 +44,10 @@ from omni_jax.parallel.rules import PartitionRules, ShardRule
 from omni_jax.safetensors_io import TensorReader
 from omni_jax.stages.ar import ARFrontend
 from omni_jax.stages.base import Stage
+from omni_jax.stages.code2wav import ENGINE_OPTIONS as CODE2WAV_ENGINE_OPTIONS
 from omni_jax.stages.code2wav import Code2WavStage, solve_demand
 from omni_jax.stages.config import StageConfig
+from omni_jax.stages.qwen3_code2wav import ENGINE_OPTIONS as QWEN3_CODE2WAV_ENGINE_OPTIONS
 from omni_jax.stages.qwen3_code2wav import Qwen3Code2WavStage
 from omni_jax.stages.qwen3_code2wav import solve_demand as qwen3_code2wav_demand
 from omni_jax.stages.qwen3_talker import Qwen3TalkerFrontend
@@ -61,10 +63,12 @@ class GenerationStage:
     one device; ``max_input``: the ``max_model_len`` of the AR stage that feeds it, which bounds
     what one request can bring, ``None`` when the stage reads prompts);
     ``demand(stage_config, model, max_input)`` is its largest solve's temporaries
-    (``{what: bytes}``, read by the start-up memory check from the abstract model)."""
+    (``{what: bytes}``, read by the start-up memory check from the abstract model);
+    ``engine_options`` the stage YAML's ``engine`` keys it reads (any other is refused)."""
 
     build: Callable[[StageConfig, Any, Path, Mesh | None, int | None], Stage]
     demand: Callable[[StageConfig, Any, int | None], dict[str, int]]
+    engine_options: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +254,9 @@ _QWEN2_5_OMNI = Architecture(
             ignore=lambda cfg: tuple(r"token2wav\." + p for p in TOKEN2WAV_IGNORE),
             partition=lambda cfg, model: dit_partition_rules(cfg.token2wav_config.dit_config, model),
             dtype="float32",
-            generation=GenerationStage(build=Code2WavStage.build, demand=solve_demand),
+            generation=GenerationStage(
+                build=Code2WavStage.build, demand=solve_demand, engine_options=CODE2WAV_ENGINE_OPTIONS
+            ),
         ),
     ),
     side_files=((speakers.TORCH_FILE, speakers.convert_speakers),),
@@ -327,7 +333,11 @@ _QWEN3_OMNI = Architecture(
             make=_qwen3_code2wav_make,
             rules=lambda cfg: prefixed("code2wav.", "", CODE2WAV_RULES),
             ignore=lambda cfg: tuple(r"code2wav\." + p for p in CODE2WAV_IGNORE),
-            generation=GenerationStage(build=Qwen3Code2WavStage.build, demand=qwen3_code2wav_demand),
+            generation=GenerationStage(
+                build=Qwen3Code2WavStage.build,
+                demand=qwen3_code2wav_demand,
+                engine_options=QWEN3_CODE2WAV_ENGINE_OPTIONS,
+            ),
         ),
     ),
     restack=qwen3_talker.stack_talker_readers,

@@ -28,13 +28,18 @@ from omni_jax.parallel.distributed import initialize as initialize_distributed
 from omni_jax.parallel.distributed import is_main_process
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
-from omni_jax.preflight import cache_shares, check_memory_before_loading, engine_settings, stage_needs
+from omni_jax.preflight import (
+    cache_shares,
+    check_memory_before_loading,
+    check_stage_engines,
+    engine_settings,
+    stage_needs,
+)
 from omni_jax.progress import RequestsBar, WarmupBar
 from omni_jax.safetensors_io import checkpoint_files
-from omni_jax.stages.ar import ARStage, check_engine_options
+from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage
 from omni_jax.stages.config import PipelineConfig, load_pipeline_config
-from omni_jax.stages.thinker import MediaLimits
 from omni_jax.weights import is_converted, load_part
 
 
@@ -126,10 +131,7 @@ class OmniJaxPipeline:
         config = load_pipeline_config(stage_config or arch.stage_yaml).select(stages)
         if limit_mm_per_prompt is not None:
             config = config.with_media_limits(limit_mm_per_prompt)
-        for sc in config.stages:  # the AR stages' YAML engine keys, refused before anything loads
-            if sc.kind == "ar":
-                check_engine_options(sc)
-                MediaLimits.from_engine(sc.name, sc.engine)
+        check_stage_engines(arch, config.stages)
         if not is_converted(path):  # no weights at all comes before a missing side file (voices)
             checkpoint_files(path)
         missing = arch.missing_files(path, [sc.name for sc in config.stages])

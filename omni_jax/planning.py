@@ -25,7 +25,7 @@ from omni_jax.engine.memory import GIB
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
 from omni_jax.parallel.mesh import AXES, mesh_shape
 from omni_jax.parallel.placement import StagePlacement, stage_layouts
-from omni_jax.preflight import PlannedMesh, engine_settings, part_dtype, stage_demand
+from omni_jax.preflight import PlannedMesh, check_stage_engines, engine_settings, part_dtype, stage_demand
 from omni_jax.stages.config import load_pipeline_config
 
 GPU_SIZES_GIB = (24, 40, 80)
@@ -193,6 +193,7 @@ def plan_memory(
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)
     config = load_pipeline_config(stage_config or arch.stage_yaml).select(stages)
+    check_stage_engines(arch, config.stages)
     engine = engine_settings(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ from omni_jax.engine.memory import STEP_ITEM, available_bytes, format_bytes, mem
 from omni_jax.models.loading import abstract_model
 from omni_jax.parallel.mesh import AXES, axis_size
 from omni_jax.parallel.rules import ShardRule, partition_spec
-from omni_jax.stages.ar import CachePlan, CacheShare, local_devices
+from omni_jax.stages.ar import CachePlan, CacheShare, check_engine_options, local_devices
 from omni_jax.stages.config import StageConfig
+from omni_jax.stages.thinker import MediaLimits
 
 ENGINE_DEFAULTS = {"max_num_seqs": 64, "page_size": 16, "max_num_batched_tokens": 2048}
 """The AR engine's sizes when ``from_pretrained`` is given none (``max_model_len``: the model's
@@ -108,6 +110,18 @@ class StageNeeds:
         if self.plan is None:
             return 0
         return self.plan.memory.kv_bytes(self.plan.geometry.pages_per_seq * self.plan.max_num_seqs)
+
+
+def check_stage_engines(arch: Architecture, stages: Sequence[StageConfig]) -> None:
+    """Each stage's YAML ``engine`` keys, before anything is read or planned: ``ValueError``
+    naming the stage for a key it does not read (a typo would be a silent default) or a value
+    it refuses (an AR stage's ``early_start``, a thinker's media limits)."""
+    for sc in stages:
+        if sc.kind == "ar":
+            check_engine_options(sc)
+            MediaLimits.from_engine(sc.name, sc.engine)
+        else:
+            sc.check_engine_keys(arch.part(sc.name).generation_stage().engine_options)
 
 
 def stage_demand(

@@ -370,3 +370,26 @@ def test_cli_mistakes_are_one_line_and_exit_2(omni_dir, tmp_path, capsys) -> Non
     assert cli_main(["plan", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert err == f"error: {tmp_path / 'nothing'}: no such checkpoint directory\n"
+
+
+@pytest.mark.parametrize(
+    "family,stage,typo,known",
+    [
+        ("qwen2_5_omni", "talker", "early_strat", "['early_start', 'limit_mm_per_prompt']"),
+        ("qwen2_5_omni", "code2wav", "max_code", "['max_batch', 'max_codes', 'max_solve_codes', 'stream']"),
+        ("qwen3_omni", "code2wav", "max_codes", "['max_batch', 'max_frames', 'stream']"),
+    ],
+)
+def test_an_unknown_engine_key_is_refused_by_plan_and_from_pretrained(
+    family, stage, typo, known, request, tmp_path
+) -> None:
+    """A stage YAML ``engine`` key the stage does not read (a typo would be a silent default) is
+    refused, naming the stage and what it reads, before anything is planned or loaded: by
+    ``plan`` as by ``from_pretrained``, for AR and generation stages alike."""
+    path = request.getfixturevalue({"qwen2_5_omni": "omni_dir", "qwen3_omni": "qwen3_omni_dir"}[family])
+    config = edited_stages(tmp_path / "typo.yaml", family, **{stage: {"engine": {typo: 1}}})
+    match = rf"^stage '{stage}': unknown engine keys \['{typo}'\] \(known: {re.escape(known)}\)$"
+    with pytest.raises(ValueError, match=match):
+        plan_memory(path, stage_config=config)
+    with pytest.raises(ValueError, match=match):
+        OmniJaxPipeline.from_pretrained(path, stage_config=config)

@@ -489,11 +489,7 @@ which checks it)."""
 def check_engine_options(sc: StageConfig) -> None:
     """``ValueError`` naming the stage for an ``engine`` key an AR stage does not read, or an
     ``early_start`` that is not a bool."""
-    unknown = sorted(set(sc.engine) - set(AR_ENGINE_OPTIONS))
-    if unknown:
-        raise ValueError(
-            f"stage {sc.name!r}: unknown engine keys {unknown} (known: {list(AR_ENGINE_OPTIONS)})"
-        )
+    sc.check_engine_keys(AR_ENGINE_OPTIONS)
     if not isinstance(sc.engine.get("early_start", True), bool):
         raise ValueError(
             f"stage {sc.name!r}: engine.early_start={sc.engine['early_start']!r} must be true or false"

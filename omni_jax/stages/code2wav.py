@@ -43,6 +43,10 @@ from omni_jax.stages.config import StageConfig
 SAMPLE_RATE = 24_000
 """Qwen2.5-Omni's BigVGAN output rate (not recorded in the checkpoint's config)."""
 
+ENGINE_OPTIONS = ("max_batch", "max_codes", "max_solve_codes", "stream")
+"""The stage YAML's ``engine`` keys this stage reads (:func:`solve_limits`, :func:`max_solve_codes`,
+:func:`~omni_jax.stages.code2wav_common.streaming_on`)."""
+
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_CODES = 4096
 """Codes per request when the stage YAML sets no ``max_codes``: the talker's default

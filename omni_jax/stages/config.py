@@ -57,6 +57,13 @@ class StageConfig:
                 f"stage {self.name!r}: devices must be a list of device indices, got {self.devices}"
             )
 
+    def check_engine_keys(self, known: tuple[str, ...]) -> None:
+        """``ValueError`` naming the stage and every ``engine`` key outside ``known`` (the keys
+        the stage reads): a typo would otherwise be a silent default."""
+        unknown = sorted(set(self.engine) - set(known))
+        if unknown:
+            raise ValueError(f"stage {self.name!r}: unknown engine keys {unknown} (known: {list(known)})")
+
     def default_params(self, params_type: type[P], overrides: dict[str, Any] | None = None) -> P:
         """``params_type(**default_sampling, **overrides)``, naming unknown keys."""
         values = {**self.default_sampling, **(overrides or {})}

@@ -45,6 +45,9 @@ from omni_jax.stages.qwen3_code2wav_stream import FrameDecoder, StreamPlan
 SAMPLE_RATE = 24_000
 """Qwen3-Omni's code2wav output rate (not recorded in the checkpoint's config)."""
 
+ENGINE_OPTIONS = ("max_batch", "max_frames", "stream")
+"""The stage YAML's ``engine`` keys this stage reads (:func:`solve_limits`, :func:`stream_plan`)."""
+
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_FRAMES = 300
 """New frames of one offline decode when the stage YAML sets no ``max_frames``: 24 s at the
