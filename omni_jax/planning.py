@@ -111,7 +111,7 @@ class MemoryPlan:
         length = f"max_model_len {self.max_model_len}, " if self.max_model_len else ""
         lines = [
             f"{self.architecture} ({self.path / 'config.json'}): {length}max_num_seqs {self.max_num_seqs}; "
-            f"weights {g(self.weights)} on all devices",
+            f"weights {g(self.weights)} summed over every device (replicas included)",
             "",
             f"per stage, on each of its devices (KV all: {self.max_num_seqs} sequences, a default cache):",
             row(STAGE_COLUMNS, *STAGE_HEADER),
