@@ -113,7 +113,8 @@ class MemoryPlan:
             f"{self.architecture} ({self.path / 'config.json'}): {length}max_num_seqs {self.max_num_seqs}; "
             f"weights {g(self.weights)} summed over every device (replicas included)",
             "",
-            f"per stage, on each of its devices (KV all: {self.max_num_seqs} sequences, a default cache):",
+            "per stage, on each of its devices"
+            + (f" (KV all: {self.max_num_seqs} sequences, a default cache):" if self.max_model_len else ":"),
             row(STAGE_COLUMNS, *STAGE_HEADER),
         ]
         for s in self.stages:
@@ -125,7 +126,8 @@ class MemoryPlan:
         lines += ["", "per device (least: weights, steps and one sequence):", row(DEVICE_COLUMNS, *header)]
         for d in self.devices:
             full = d.weights + d.steps + d.full_kv
-            cells = (g(d.weights), g(d.steps), g(d.sequence_kv), g(d.least), g(full))
+            kv = g(d.sequence_kv) if d.sequence_kv else "-"  # a device of generation stages holds no cache
+            cells = (g(d.weights), g(d.steps), kv, g(d.least), g(full))
             lines.append(row(DEVICE_COLUMNS, str(d.device), ",".join(d.stages), *cells))
         lines += ["", f"GPUs (JAX uses {self.mem_fraction:.0%} of one: XLA_PYTHON_CLIENT_MEM_FRACTION):"]
         width = max(3, *(len(f"{size:g}") for size in gpu_sizes_gib))

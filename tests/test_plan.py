@@ -393,3 +393,13 @@ def test_an_unknown_engine_key_is_refused_by_plan_and_from_pretrained(
         plan_memory(path, stage_config=config)
     with pytest.raises(ValueError, match=match):
         OmniJaxPipeline.from_pretrained(path, stage_config=config)
+
+
+def test_a_plan_without_a_cache_says_none(omni_dir) -> None:
+    """A code2wav-only plan has no KV cache: no sequence count in the stage table's title, and
+    ``-`` where the device table would show one sequence's cache."""
+    table = plan_memory(omni_dir, stages=["code2wav"]).table()
+    assert "per stage, on each of its devices:" in table and "KV all:" not in table
+    assert re.search(r"^code2wav +0 +data=1,model=1 +float32 +\S+ MiB +\S+ MiB +- +-$", table, re.M)
+    assert re.search(r"^0 +code2wav +\S+ MiB +\S+ MiB +- +\S+ MiB +\S+ MiB$", table, re.M)
+    assert re.search(r"^ +24 GiB: fits$", table, re.M)
