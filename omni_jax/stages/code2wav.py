@@ -58,10 +58,11 @@ DEFAULT_MAX_SOLVE_CODES = 4096
 """Rows x codes of one solve at most when the stage YAML sets no ``max_solve_codes``: one request
 of :data:`DEFAULT_MAX_CODES`, two of 2048 codes, or eight of 512. A solve's DiT and vocoder work
 and its temporaries grow with its codes, and 4096 codes (8192 mel frames, twice that with
-guidance) already fill a GPU, so larger solves would only add programs and memory (the 8 x 4096
-solve alone needed about 21 GiB at the 7B's widths). It keeps the stage within 64 programs at
-the released model's sizes: 48 offline solves (15 lengths, fewer rows as they grow) and the 16 of
-streamed chunks, where 8192 made 54 + 16. Longer requests are solved a few at a time instead."""
+guidance) already fill a GPU, so larger solves would only add programs and memory (the memory
+section of benchmarks/RESULTS.md has what the 8 x 4096 solve took at the 7B's widths). It keeps
+the stage, its streamed chunks' programs included, within the 64 programs a stage may warm up at
+the released model's sizes, where 8192 went past them (``tests/test_compile_once.py`` counts
+them). Longer requests are solved a few at a time instead."""
 
 
 def voiced_codes(tokens: list[int], upstream: StageResult | None) -> list[int]:

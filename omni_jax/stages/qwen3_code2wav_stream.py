@@ -5,8 +5,9 @@ chunk needs no look-ahead: its new frames are decoded after up to ``left_context
 and only the new frames' samples are kept, as transformers' ``chunked_decode`` does, with one
 difference: a chunk also keeps the samples its predecessor fell short by at its end
 (:func:`~omni_jax.models.qwen3_omni.code2wav.decode_chunk`'s ``join``), which ``chunked_decode``
-skips (23 ms at every join in the released model), so the chunks join without a gap and add up
-to the whole decode's length. The first
+skips, a gap at every join that a listener hears (its length: benchmarks/RESULTS.md, "Qwen3-Omni
+streamed audio without gaps"), so here the chunks join without one and add up to the whole
+decode's length. The first
 chunk is smaller (``first_chunk``), so a request's first audio comes after a frame or a few
 rather than a whole chunk: streaming from the first frame is what the model was built for. Later
 chunks may double up to ``max_chunk``, so the context decoded again becomes a small share of the
