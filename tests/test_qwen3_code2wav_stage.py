@@ -378,9 +378,9 @@ def test_fed_frames_stream_as_they_come(pipe, monkeypatch) -> None:
     whole = pipe.run({"prompt_token_ids": f}, Token2WavParams(stream=True), progress=False)[0]
     solve, widths = stage.decoder.solve, []
 
-    def spy(graph, state, codes, context, num_frames, join):
+    def spy(graph, state, codes, context, num_frames, *, join):
         widths.append(codes.shape[-1])
-        return solve(graph, state, codes, context, num_frames, join)
+        return solve(graph, state, codes, context, num_frames, join=join)
 
     monkeypatch.setattr(stage.decoder, "solve", spy)
     stage.open("fed", {}, Token2WavParams(stream=True))
@@ -437,11 +437,11 @@ def test_chunk_faults_end_only_their_request(pipe, reference, monkeypatch) -> No
     rows_nearly_free(decoder.cost, monkeypatch)  # the three requests' chunks solve together
     solve = decoder.solve
 
-    def faulty(graph, state, codes, context, frames, join):
+    def faulty(graph, state, codes, context, frames, *, join):
         rows = np.asarray(frames)
         if 3 in rows.tolist():  # the second window of the 3-frame request (of 2 + 1 frames)
             raise jax.errors.JaxRuntimeError("device fault")
-        wave, kept = solve(graph, state, codes, context, frames, join)
+        wave, kept = solve(graph, state, codes, context, frames, join=join)
         # the second window of the 4-frame request (2 + 2 frames); the 9-frame one's are 2, 7, 5
         return np.where((rows == 4)[:, None], np.nan, np.asarray(wave)), kept
 

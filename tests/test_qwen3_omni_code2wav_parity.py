@@ -165,26 +165,27 @@ def test_chunked_decode_matches_reference(
     assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("join", [False, True], ids=["as chunked_decode", "joined"])
 def test_chunk_rows_are_batch_invariant(
-    reference: Qwen3OmniMoeCode2Wav, ours: tuple[StaticGraph, nnx.State]
+    reference: Qwen3OmniMoeCode2Wav, ours: tuple[StaticGraph, nnx.State], join: bool
 ) -> None:
     """Rows of different requests and chunk kinds (first, middle, short last, an empty padding
     row) in one call equal each row alone and the reference on the row's unpadded window: right
-    padding (random codes here) changes no valid sample. One program serves every mix. Measured
-    (CPU): rows against the reference at most 7.6e-7, batched against alone 2.4e-7 absolute
-    (another row count, other XLA kernels), rows reordered bit-identical."""
-    rows = [(0, 5, 1), (3, 8, 0), (3, 4, 1), (2, 6, 1), (0, 0, 1)]  # (context, frames, join)
+    padding (random codes here) changes no valid sample. One program serves every mix, trimmed as
+    ``chunked_decode`` trims or joined (a row with context also keeps the samples its predecessor
+    fell short by). Measured (CPU): rows against the reference at most 7.6e-7, batched against
+    alone 2.4e-7 absolute (another row count, other XLA kernels), rows reordered bit-identical."""
+    rows = [(0, 5), (3, 8), (3, 4), (2, 6), (0, 0)]  # (context, frames)
     codes = random_codes(4, len(rows), WINDOW)
-    context, frames, join = (jnp.asarray(column, jnp.int32) for column in zip(*rows, strict=True))
+    context, frames = (jnp.asarray(column, jnp.int32) for column in zip(*rows, strict=True))
     before = code2wav_chunk_compiled._cache_size()
-    wave, kept = code2wav_chunk_compiled(*ours, jnp.asarray(codes), context, frames, join)
+    wave, kept = code2wav_chunk_compiled(*ours, jnp.asarray(codes), context, frames, join=join)
     wave = np.asarray(wave)
-    for i, (c, f, joined) in enumerate(rows):
+    for i, (c, f) in enumerate(rows):
         alone, alone_kept = code2wav_chunk_compiled(
-            *ours, jnp.asarray(codes[i : i + 1]), context[i : i + 1], frames[i : i + 1], join[i : i + 1]
+            *ours, jnp.asarray(codes[i : i + 1]), context[i : i + 1], frames[i : i + 1], join=join
         )
-        # a joining row with context also keeps the samples its predecessor fell short by
-        lead = SHORTFALL if joined and c else 0
+        lead = SHORTFALL if join and c else 0
         n = int(kept[i])
         assert n == int(alone_kept[0]) == (max(f - c, 0) * HOP - SHORTFALL + lead if f > c else 0)
         assert not np.any(wave[i, n:]), "samples past a row's count must be zero"
@@ -196,7 +197,7 @@ def test_chunk_rows_are_batch_invariant(
         err = rel_err(wave[i, :n], want)
         assert err < 1e-5, (i, err)
     swapped, _ = code2wav_chunk_compiled(
-        *ours, jnp.asarray(codes[::-1].copy()), context[::-1], frames[::-1], join[::-1]
+        *ours, jnp.asarray(codes[::-1].copy()), context[::-1], frames[::-1], join=join
     )
     assert rel_err(np.asarray(swapped)[::-1], wave) < 1e-6
     assert code2wav_chunk_compiled._cache_size() == before + 2  # the batch of 5, the row alone

@@ -44,8 +44,8 @@ from omni_jax.parallel.rules import fetch
 from omni_jax.stages.chunk_loop import StreamedChunk, StreamedDecoder, StreamState
 
 ChunkSolve = Callable[..., tuple[jax.Array, jax.Array]]
-"""``solve(graph, state, codes [B, Q, W], context [B], frames [B], join [B]) -> (new samples [B, S],
-their count [B])``: ``code2wav_chunk_compiled``'s signature."""
+"""``solve(graph, state, codes [B, Q, W], context [B], frames [B], *, join) -> (new samples [B, S],
+their count [B])``: ``code2wav_chunk_compiled``'s signature (streamed chunks pass ``join=True``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,6 @@ class FrameBatch(PaddedBatch):
     codes: np.ndarray
     context: np.ndarray
     frames: np.ndarray
-    join: np.ndarray
 
 
 class FrameSolved(NamedTuple):
@@ -236,7 +235,7 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
         return chunk.frames
 
     def program(self, batch: FrameBatch) -> ProgramCall:
-        return ProgramCall(self.solve, (self.graph, self.state, *batch.arrays(self.mesh)))
+        return ProgramCall(self.solve, (self.graph, self.state, *batch.arrays(self.mesh)), {"join": True})
 
     def fetched(self, outputs: tuple[jax.Array, jax.Array]) -> FrameSolved:
         wave, kept = outputs
@@ -259,7 +258,6 @@ class FrameDecoder(StreamedDecoder[FrameStream, ChunkWindow, FrameBatch, FrameSo
             codes=np.zeros((rows, self.num_quantizers, window), np.int32),
             context=np.zeros(rows, np.int32),
             frames=np.zeros(rows, np.int32),
-            join=np.ones(rows, np.int32),
         )
         for i, (stream, w) in enumerate(ready):
             batch.codes[i, :, : w.frames] = stream.window_codes(w)

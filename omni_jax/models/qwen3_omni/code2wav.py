@@ -107,17 +107,17 @@ class Code2Wav(nnx.Module):
 
 
 def decode_chunk(
-    model: Code2Wav, codes: jax.Array, context: jax.Array, frames: jax.Array, join: jax.Array
+    model: Code2Wav, codes: jax.Array, context: jax.Array, frames: jax.Array, join: bool
 ) -> tuple[jax.Array, jax.Array]:
     """One streamed chunk per row: ``(new samples [B, S] float32, their count [B])``.
 
     Row ``b`` of ``codes [B, num_quantizers, W]`` is a window of ``frames[b]`` code frames (right
     padded to ``W``) whose first ``context[b]`` were decoded by an earlier chunk; the row's
     waveform from sample ``context * total_upsample`` on is kept, moved to the row's start, and
-    zeroed past its count, as transformers' ``chunked_decode`` keeps it (``join[b]`` 0). That
+    zeroed past its count, as transformers' ``chunked_decode`` keeps it (``join`` false). That
     earlier chunk, decoded without this window's frames, came out ``sample_shortfall`` samples
     short of its frames (:attr:`~omni_jax.models.qwen3_omni.code2wav_layers.Code2WavSpec.sample_shortfall`):
-    ``chunked_decode`` skips them, a gap at every join. With ``join[b]`` 1 the row keeps them too,
+    ``chunked_decode`` skips them, a gap at every join. With ``join`` a row with context keeps them too,
     from ``context * total_upsample - sample_shortfall`` on (decoded here with the frames they
     needed), so consecutive chunks join without a gap and a request's chunks add up to its whole
     decode's length. ``S = W * total_upsample - sample_shortfall``, the most a row without
@@ -126,7 +126,8 @@ def decode_chunk(
     wave, samples = model(codes, frames)
     spec = model.spec
     start = context * spec.total_upsample
-    start = jnp.where((join > 0) & (context > 0), jnp.maximum(start - spec.sample_shortfall, 0), start)
+    if join:
+        start = jnp.where(context > 0, jnp.maximum(start - spec.sample_shortfall, 0), start)
     kept = jnp.maximum(samples - start, 0)
     j = jnp.arange(wave.shape[1])[None, :]
     index = jnp.minimum(j + start[:, None], wave.shape[1] - 1)
@@ -144,18 +145,19 @@ def code2wav_compiled(
         return nnx.merge(graph.graphdef, state)(codes, frames)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="join")
 def code2wav_chunk_compiled(
     graph: StaticGraph,
     state: nnx.State,
     codes: jax.Array,
     context: jax.Array,
     frames: jax.Array,
-    join: jax.Array,
+    *,
+    join: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`decode_chunk` as one program over ``nnx.split(model)``; compiles once per
-    ``(rows, window frames)``: contexts, lengths and joins are traced, so first, middle, last and
-    padding rows share it."""
+    ``(rows, window frames)`` and ``join`` (streamed chunks join, ``chunked_decode``'s do not):
+    contexts and lengths are traced, so first, middle, last and padding rows share it."""
     with exact_matmuls(compute_dtype(state)):
         return decode_chunk(nnx.merge(graph.graphdef, state), codes, context, frames, join)
 
@@ -211,7 +213,7 @@ def chunked_decode(
             jnp.asarray(window),
             jnp.full((rows,), w.context, jnp.int32),
             jnp.full((rows,), w.frames, jnp.int32),
-            jnp.zeros((rows,), jnp.int32),  # transformers' trim: each chunk short at its end
+            join=False,  # transformers' trim: each chunk short at its end
         )
         pieces.append(np.asarray(wave)[:, : int(kept[0])])
     return np.concatenate(pieces, axis=1)
