@@ -19,25 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.roofline import best_of
 from omni_jax import OmniJaxPipeline, Token2WavParams
-
-
-def least_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """The least seconds of ``repeats`` calls of ``fn`` (which returns once its results are on
-    the host), after one untimed call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def chunk_table(pipe: OmniJaxPipeline, num_steps: int, repeats: int) -> dict[tuple[int, int], float]:
@@ -48,7 +35,7 @@ def chunk_table(pipe: OmniJaxPipeline, num_steps: int, repeats: int) -> dict[tup
     for rows, window in decoder.buckets.shapes():
         batch = decoder.pad([], rows, window)
         batch.num_steps[:] = num_steps
-        seconds[(rows, window)] = least_seconds(lambda b=batch: decoder.decode(b), repeats)
+        seconds[(rows, window)] = best_of(lambda b=batch: decoder.decode(b), repeats)
     return seconds
 
 
@@ -58,7 +45,7 @@ def offline_seconds(pipe: OmniJaxPipeline, codes: int, rows: int, num_steps: int
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, vocab - 1, codes).tolist()} for _ in range(rows)]
     params = [Token2WavParams(num_steps=num_steps, seed=i) for i in range(rows)]
-    return least_seconds(lambda: pipe.run(prompts, params, progress=False), repeats)
+    return best_of(lambda: pipe.run(prompts, params, progress=False), repeats)
 
 
 def report(pipe: OmniJaxPipeline, codes: int, max_batch: int, num_steps: int, repeats: int) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +20,15 @@ def _on_accelerator() -> bool:
     return jax.devices()[0].platform != "cpu"
 
 
-def best_of(fn: Callable[[], jax.Array], repeats: int = 5) -> float:
+def best_of(fn: Callable[[], Any], repeats: int = 5) -> float:
     """The least seconds of ``repeats`` timed calls of ``fn``, after one untimed call that
-    compiles and warms it up."""
-    fn().block_until_ready()
+    compiles and warms it up; each call is waited for to its device arrays' end (results already
+    on the host are returned as they are)."""
+    jax.block_until_ready(fn())
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn().block_until_ready()
+        jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - t0)
     return best
 
