@@ -39,10 +39,10 @@ class AsyncOmniJaxPipeline:
     pipeline, for what does not touch the stages (its tokenizer, :meth:`OmniJaxPipeline.chat_prompt`);
     its ``run`` must not be called while this one serves.
 
-    ``max_waiting``: at most this many requests wait for the first stage (being admitted, or
-    queued for a place in its batch; a new request waits at least while it is admitted, so the
-    bound is 1 or more); ``generate`` refuses more with :class:`QueueFullError` before taking
-    anything in. ``None``: no bound.
+    ``max_waiting``: at most this many requests wait for the first stage (:attr:`waiting`:
+    queued for a place in its batch, or being admitted when its batch has no place left);
+    ``generate`` refuses more with :class:`QueueFullError` before taking anything in. ``None``:
+    no bound.
     """
 
     def __init__(self, pipeline: OmniJaxPipeline, max_waiting: int | None = None):
@@ -86,8 +86,12 @@ class AsyncOmniJaxPipeline:
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for the first stage: being admitted, or queued for its batch."""
-        return self._admitting + self._engine.stats.waiting
+        """Requests waiting for the first stage: queued for a place in its batch, and those being
+        admitted beyond the places it has free (the others take a place as they arrive)."""
+        first = self._engine.stats.first
+        if first.capacity is None:
+            return first.waiting + self._admitting
+        return max(first.waiting, first.running + first.waiting + self._admitting - first.capacity)
 
     @property
     def running(self) -> bool:

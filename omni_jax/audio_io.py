@@ -18,22 +18,39 @@ PCM16_SCALE = 32767
 
 SampleFormat = Literal["pcm16", "float32"]
 
+WAV_RATES = (1_000, 384_000)
+"""The sample rates (Hz) a WAV is read at, inclusive: every rate audio is recorded at. Its header
+is the sender's word, and resampling costs with the rate's ratio to the target (a prime rate of
+millions of Hz took seconds and gigabytes), so another rate is refused before any is done."""
 
-def read_wav(source: str | Path | BinaryIO, rate: int) -> np.ndarray:
+
+def read_wav(source: str | Path | BinaryIO, rate: int, max_seconds: float | None = None) -> np.ndarray:
     """A WAV file (a path or an open binary file) as float32 mono at ``rate`` Hz.
 
     Integer PCM is scaled to [-1, 1), channels are averaged, and another rate is resampled with
     ``scipy.signal.resample_poly`` (not bit-equal to librosa's resampler, which transformers'
-    ``load_audio`` uses). ``ValueError`` for what is not a readable WAV or holds no samples, its
-    message a predicate (``"holds no samples"``) for the caller to put after the input's name.
+    ``load_audio`` uses). ``ValueError`` for what is not a readable WAV, holds no samples, has a
+    rate outside :data:`WAV_RATES` or lasts over ``max_seconds`` (both checked before
+    resampling), its message a predicate (``"holds no samples"``) for the caller to put after
+    the input's name.
     """
+    import struct
+
     from scipy.io import wavfile
     from scipy.signal import resample_poly
 
     try:
         source_rate, data = wavfile.read(source)
-    except (ValueError, OSError, EOFError) as e:  # truncated or not a WAV at all
+    except (ValueError, OSError, EOFError, struct.error) as e:  # truncated or not a WAV at all
         raise ValueError(f"is not a readable WAV file: {e}") from None
+    low, high = WAV_RATES
+    if not low <= source_rate <= high:
+        raise ValueError(f"has a sample rate of {source_rate} Hz; WAV files are read at {low} to {high} Hz")
+    if max_seconds is not None and len(data) > max_seconds * source_rate:
+        raise ValueError(
+            f"is {len(data) / source_rate:.2f} s long ({len(data)} samples at {source_rate} Hz), "
+            f"over the {max_seconds:g} s it may last"
+        )
     if data.dtype == np.uint8:
         audio = (data.astype(np.float32) - 128) / 128
     elif np.issubdtype(data.dtype, np.integer):

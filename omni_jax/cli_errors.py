@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+"""A command stopped by Ctrl-C: the shell's code for a process SIGINT ended (128 + 2)."""
 USER_ERRORS = (ValueError, OSError)
 
 
@@ -73,7 +75,8 @@ def output_folder(flag: str, path: str | Path) -> Path:
 
 def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """``command(args)``'s exit code; a user's mistake prints one line and returns
-    :data:`EXIT_USAGE` (re-raised with its traceback under ``args.debug``)."""
+    :data:`EXIT_USAGE`, Ctrl-C prints ``interrupted`` and returns :data:`EXIT_INTERRUPTED`
+    (each re-raised with its traceback under ``args.debug``)."""
     debug = bool(getattr(args, "debug", False))
     with warnings.catch_warnings():
         if not debug:
@@ -88,5 +91,10 @@ def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Nam
             if debug or not isinstance(e.code, str):
                 raise
             message = e.code
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            print("interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
     print(f"error: {one_line(message)}", file=sys.stderr)
     return EXIT_USAGE

@@ -50,7 +50,9 @@ class _Flight:
     """A request on its way through the stage graph: the stages holding it (``holders``, in
     order: the one it was submitted to, then those fed as the stage before each makes its
     tokens), those that took it (``taken``), its output so far, and when streamed, the text
-    stage's tokens delivered so far (and their log-probabilities, when it asked for them)."""
+    stage's tokens delivered so far (and their log-probabilities, when it asked for them).
+    ``rows``: per stage whose outputs carry hidden states, those it handed on to the next
+    stage as they were computed (its result then holds only the rest)."""
 
     admission: Admission
     output: OmniRequestOutput
@@ -60,6 +62,7 @@ class _Flight:
     reply: list[int] = dataclasses.field(default_factory=list)
     reply_logprobs: list[dict[int, float]] | None = None
     text: TextStream | None = None
+    rows: dict[int, list[np.ndarray]] = dataclasses.field(default_factory=dict)
 
     @property
     def stage(self) -> int:
@@ -88,9 +91,9 @@ class EngineStats:
     generated_tokens: int
 
     @property
-    def waiting(self) -> int:
-        """Requests queued at the first stage for a place in its batch."""
-        return next(iter(self.stages.values())).waiting
+    def first(self) -> StageLoad:
+        """The first stage's load: where new requests queue."""
+        return next(iter(self.stages.values()))
 
 
 class EngineCore:
@@ -167,6 +170,8 @@ class EngineCore:
                 for request_id, ids in done.new_tokens.items():
                     self._stream_tokens(self._flights[request_id], ids, done.new_logprobs.get(request_id))
             finished = {result.request_id for result in done.finished}
+            if done.new_rows and stage.outputs_hidden:
+                self._keep_rows(si, done.new_rows)
             fed = dict.fromkeys([*done.new_tokens, *done.new_rows])  # in order: every process feeds alike
             for request_id in (r for r in fed if r not in finished):
                 flight = self._flights.get(request_id)
@@ -349,10 +354,16 @@ class EngineCore:
             chain.append(nxt)
         return chain
 
+    def _keep_rows(self, si: int, parts: dict[str, HiddenHandoff]) -> None:
+        """Stage ``si``'s hidden states handed on this step, kept for its outputs."""
+        for request_id, part in parts.items():
+            if request_id in self._flights:
+                self._flights[request_id].rows.setdefault(si, []).append(part.hidden_states)
+
     def _capture_hidden(self, flight: _Flight, si: int) -> bool:
-        """Whether stage ``si`` captures the request's hidden states: the next stage reads them
-        and the request goes on to it."""
-        return (
+        """Whether stage ``si`` captures the request's hidden states: its outputs carry them,
+        or the next stage reads them and the request goes on to it."""
+        return self.stages[si].outputs_hidden or (
             si + 1 < len(self.stages)
             and self.stages[si + 1].reads_hidden
             and not self._done_after(flight, si)
@@ -381,9 +392,13 @@ class EngineCore:
     def _stage_done(self, flight: _Flight, stage_index: int, result: StageResult) -> None:
         stage = self.stages[stage_index]
         out = flight.output
+        hidden = None
+        if stage.outputs_hidden and result.handoff is not None:
+            hidden = np.concatenate([*flight.rows.pop(stage_index, []), result.handoff.hidden_states])
         out.stage_outputs[stage.config.name] = StageOutput(
             token_ids=list(result.token_ids),
             finish_reason=result.finish_reason,
+            hidden_states=hidden,
             logprobs=result.logprobs or None,
         )
         out.metrics[stage.config.name] = result.metrics

@@ -107,6 +107,11 @@ class Intake:
         if "prompt_token_ids" in prompt:
             return StageInput(_token_ids(index, prompt["prompt_token_ids"]), prompt)
         if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(
+                    f"request {index}: 'prompt' must be a str (token ids go in 'prompt_token_ids'), "
+                    f"got {type(prompt['prompt']).__name__}"
+                )
             first = self.stages[0]
             if not first.accepts_text:
                 raise ValueError(

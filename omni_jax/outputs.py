@@ -14,7 +14,14 @@ from omni_jax.audio_io import SampleFormat, write_wav
 
 @dataclasses.dataclass
 class StageOutput:
-    """One stage's result for one request."""
+    """One stage's result for one request.
+
+    ``hidden_states``: where the stage's YAML asks (an AR stage's ``engine.output_hidden_states:
+    true``), ``[N, D]``, the hidden state of each of the ``N = len(prompt) + len(reply) - 1``
+    computed tokens (the prompt's, then the reply's but the last, never computed): transformers'
+    ``last_hidden_state`` (normed), or the layer the next stage reads when it reads another
+    (Qwen3-Omni's talker: the thinker's ``accept_hidden_layer``). ``None`` elsewhere, and for a
+    request the stage failed."""
 
     token_ids: list[int]
     finish_reason: str | None = None

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from omni_jax import AsyncOmniJaxPipeline, OmniJaxPipeline, OmniRequestOutput, SamplingParams
+from omni_jax.async_pipeline import QueueFullError
 from omni_jax.stages.base import StageStep
 
 SIZES = dict(max_num_seqs=4, page_size=8, max_model_len=256)
@@ -295,6 +296,26 @@ def test_a_fault_no_stage_contains_ends_the_requests_in_flight_only(pipe, sync, 
     assert pipe.running and allocator(pipe).num_free == allocator(pipe).num_pages
     again = check_stream(run_async(lambda: collect(pipe, ids(10, 13), greedy(20))))
     assert again.token_ids == sync.run(ids(10, 13), greedy(20), progress=False)[0].token_ids
+
+
+def test_a_burst_the_batch_has_room_for_is_not_refused_by_the_queue_bound(pipe, sync) -> None:
+    """``max_waiting=1`` with four places in the batch: of six requests arriving at once at an
+    idle engine, four take a place, one waits, and only the sixth is refused; the five complete."""
+
+    async def scenario() -> list[list[OmniRequestOutput] | BaseException]:
+        calls = [collect(pipe, ids(6 + i, 40 + i), greedy(8)) for i in range(6)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    pipe.max_waiting = 1
+    try:
+        results = run_async(scenario)
+    finally:
+        pipe.max_waiting = None
+    *served, refused = results
+    assert isinstance(refused, QueueFullError) and "max_waiting=1" in str(refused)
+    expected = sync.run([ids(6 + i, 40 + i) for i in range(5)], greedy(8), progress=False)
+    for updates, ref in zip(served, expected, strict=True):
+        assert check_stream(updates).token_ids == ref.token_ids
 
 
 def test_close_ends_running_requests_and_refuses_new_ones(qwen2_dir) -> None:

@@ -111,6 +111,10 @@ CASES = {
         ["run", "{o}", "--prompt", "hi", "--stages", "thinker,thinker"],
         r"stages lists \['thinker'\] more than once \(each stage is built once\)",
     ),
+    "serve empty api key": (
+        ["serve", "{q}", "--api-key", ""],
+        r"omni-jax serve: argument --api-key: must not be empty \(omit --api-key to serve without a key\)",
+    ),
     "serve port": (
         ["serve", "{q}", "--port", "99999"],
         r"omni-jax serve: argument --port: must be a TCP port \(0 to 65535\), got 99999",

@@ -138,6 +138,17 @@ def test_seeded_noise_reproduces(pipes) -> None:
     np.testing.assert_array_equal(drawn.audio, replay.audio)
 
 
+def test_a_voice_is_found_whatever_its_case(pipes) -> None:
+    """``"ETHAN"`` is Ethan (no voice has the name as given), the same waveform as ``"Ethan"``."""
+    pipe, params = pipes["converted"], Token2WavParams(num_steps=3, seed=11)
+    ethan, shouted, chelsie = (
+        pipe.run({"prompt_token_ids": codes(6, 7), "speaker": name}, params, progress=False)[0].audio
+        for name in ("Ethan", "ETHAN", "Chelsie")
+    )
+    np.testing.assert_array_equal(shouted, ethan)
+    assert rel_err(chelsie, ethan) > 0.05, "the voices should differ, or the test shows nothing"
+
+
 TWO = {"prompt_token_ids": [1, 2]}
 BAD_REQUESTS = [
     ({**TWO, "speaker": "Nobody"}, None, r"unknown speaker 'Nobody'; known speakers: \['Chelsie', 'Ethan'\]"),

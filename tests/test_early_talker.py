@@ -395,7 +395,7 @@ def test_growing_rows_and_handoff_parts() -> None:
         (
             {"early_strat": True},
             r"stage 'talker': unknown engine keys \['early_strat'\] "
-            r"\(known: \['early_start', 'limit_mm_per_prompt'\]\)",
+            r"\(known: \['early_start', 'limit_mm_per_prompt', 'output_hidden_states'\]\)",
         ),
         ({"early_start": "yes"}, "stage 'talker': engine.early_start='yes' must be true or false"),
     ],

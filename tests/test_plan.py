@@ -375,7 +375,12 @@ def test_cli_mistakes_are_one_line_and_exit_2(omni_dir, tmp_path, capsys) -> Non
 @pytest.mark.parametrize(
     "family,stage,typo,known",
     [
-        ("qwen2_5_omni", "talker", "early_strat", "['early_start', 'limit_mm_per_prompt']"),
+        (
+            "qwen2_5_omni",
+            "talker",
+            "early_strat",
+            "['early_start', 'limit_mm_per_prompt', 'output_hidden_states']",
+        ),
         ("qwen2_5_omni", "code2wav", "max_code", "['max_batch', 'max_codes', 'max_solve_codes', 'stream']"),
         ("qwen3_omni", "code2wav", "max_codes", "['max_batch', 'max_frames', 'stream']"),
     ],

@@ -102,7 +102,7 @@ BAD_SAMPLING_TYPES: list[tuple[dict[str, Any], str]] = [
     ({"max_tokens": "3"}, "max_tokens='3' must be an integer >= 1"),
     ({"min_tokens": 1.5}, "min_tokens=1.5 must be an integer >= 0"),
     ({"min_tokens": None}, "min_tokens=None must be an integer >= 0"),
-    ({"top_k": 2.5}, "top_k=2.5 must be an integer, -1 (off) or >= 1"),
+    ({"top_k": 2.5}, "top_k=2.5 must be an integer, -1 or 0 (off) or >= 1"),
     ({"top_k": True}, "top_k=True must be an integer"),
     ({"seed": 1.5}, "seed=1.5 must be an integer from 0 to 2**63 - 1"),
     ({"seed": "3"}, "seed='3' must be an integer from 0 to 2**63 - 1"),
@@ -161,10 +161,11 @@ def test_numpy_scalars_and_ints_for_reals_are_served(llm) -> None:
     assert SamplingParams(max_tokens=None, seed=None, logprobs=None, stop_token_ids=None).validate() is None
 
 
-def test_a_top_k_beyond_int32_keeps_every_token(llm) -> None:
-    """A ``top_k`` larger than any vocabulary (beyond the int32 row it is packed into) is served
-    as no cut: the same tokens as ``top_k=-1`` with the same seed."""
-    wide, off = (SamplingParams(temperature=1.0, top_k=k, seed=7, max_tokens=4) for k in (2**40, -1))
+@pytest.mark.parametrize("top_k", [2**40, 0])
+def test_a_top_k_beyond_int32_or_zero_keeps_every_token(llm, top_k: int) -> None:
+    """A ``top_k`` larger than any vocabulary (beyond the int32 row it is packed into), or 0
+    (vLLM's off), is served as no cut: the same tokens as ``top_k=-1`` with the same seed."""
+    wide, off = (SamplingParams(temperature=1.0, top_k=k, seed=7, max_tokens=4) for k in (top_k, -1))
     (a,) = llm.run("hello", wide, progress=False)
     (b,) = llm.run("hello", off, progress=False)
     assert a.error is None and list(a.token_ids) == list(b.token_ids)

@@ -462,6 +462,10 @@ def interrupted(self):
     return materialize(self)
 
 orbax_io.DeferredArray.materialize = interrupted
+if sys.argv[4:] == ["cli"]:
+    from checkpoints_convert.cli import main
+
+    sys.exit(main([sys.argv[1], sys.argv[2], "--quiet"]))
 convert(sys.argv[1], sys.argv[2], progress=False)
 print("converted")
 """
@@ -486,6 +490,20 @@ def test_a_signalled_conversion_leaves_nothing_and_ends_by_its_signal(qwen2_dir,
         assert crash not in done.stderr, done.stderr
     if sig == "SIGINT":
         assert "KeyboardInterrupt" in done.stderr, done.stderr
+    assert leftovers(dst) == []
+
+
+def test_ctrl_c_stops_the_convert_command_in_one_line(qwen2_dir, tmp_path) -> None:
+    """``python -m checkpoints_convert`` (and ``omni-jax convert``) cut short by Ctrl-C: one line,
+    the shell's exit code for SIGINT, nothing left beside DST."""
+    dst = tmp_path / "dst"
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_SCRIPT, str(qwen2_dir), str(dst), "SIGINT", "cli"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stderr) == (130, "interrupted\n")
     assert leftovers(dst) == []
 
 

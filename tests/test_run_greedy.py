@@ -129,6 +129,12 @@ def test_repetition_penalty_equals_generate_through_reused_id_rows_and_preemptio
         ({"prompt_token_ids": [1] * 300}, "request 1: prompt has 300 tokens, max_model_len is 256"),
         ({"nothing": 1}, r"request 1: unknown prompt key\(s\) \['nothing'\]"),
         ({"modalities": ["text"]}, "request 1: prompt dict needs 'prompt' or 'prompt_token_ids'"),
+        (
+            {"prompt": ["a", "b"]},
+            r"request 1: 'prompt' must be a str \(token ids go in 'prompt_token_ids'\), got list",
+        ),
+        ({"prompt": None}, "request 1: 'prompt' must be a str .*got NoneType"),
+        ({"prompt": b"abc"}, "request 1: 'prompt' must be a str .*got bytes"),
     ],
 )
 def test_bad_prompt_refused_before_work_and_pipeline_still_usable(pipe, prompts, bad, match) -> None:
@@ -146,7 +152,7 @@ def test_bad_prompt_refused_before_work_and_pipeline_still_usable(pipe, prompts,
     [
         (SamplingParams(temperature=-1), "request 0: stage 'llm': temperature=-1"),
         (SamplingParams(top_p=0.0), "top_p=0.0 must be in"),
-        (SamplingParams(top_k=0), "top_k=0"),
+        (SamplingParams(top_k=-2), "top_k=-2 must be -1 or 0 \\(off\\) or >= 1"),
         (SamplingParams(max_tokens=0), "max_tokens=0"),
         (SamplingParams(stop_token_ids=[10**7]), "stop_token_ids contains 10000000"),
     ],

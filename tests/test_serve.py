@@ -679,7 +679,13 @@ REFUSALS = {
         {**GOOD, "seed": 2**64},
         400,
         "seed=18446744073709551616 must be an integer from 0 to 2**63 - 1",
-        None,
+        "seed",
+    ),
+    "min_tokens over max_tokens": (
+        {**GOOD, "min_tokens": 5},
+        400,
+        "request 0: stage 'llm': min_tokens=5 must not exceed max_tokens",
+        "min_tokens",
     ),
     "unserved OpenAI field": ({**GOOD, "tools": []}, 400, "unsupported field 'tools'", "tools"),
     "n=2": ({**GOOD, "n": 2}, 400, "n: only n=1 is served, got 2", "n"),
@@ -738,13 +744,13 @@ REFUSALS = {
         400,
         "request 0: 'max_tokens' or 'max_completion_tokens' is too large: 385. This model's maximum context "
         "length is 16384 tokens and your request has 16000 input tokens (385 > 16384 - 16000)",
-        None,
+        "max_tokens",
     ),
     "max_completion_tokens past the context": (
         {**GOOD, "max_completion_tokens": 16_384},
         400,
         "'max_tokens' or 'max_completion_tokens' is too large: 16384. This model's maximum context",
-        None,
+        "max_tokens",
     ),
     "too many completion logprobs": (
         {"model": "tiny-qwen2", "prompt": "x", "logprobs": 21},
@@ -782,6 +788,15 @@ def test_a_bad_request_gets_openai_error_json_naming_the_problem(qwen, good_ref,
     metrics = qwen.server.metrics()
     assert metrics[("omni_jax:request_refused_total", (("status", str(status)),))] == refused_before + 1
     assert metrics[("omni_jax:num_requests", ())] == 0
+
+
+def test_a_request_without_model_is_served_by_the_served_model(qwen, good_ref) -> None:
+    """vLLM's server takes a request that leaves ``model`` out; the reply names the served one."""
+    with qwen.server.http() as http:
+        r = http.post("/v1/chat/completions", json={k: v for k, v in GOOD.items() if k != "model"})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny-qwen2"
+    assert r.json()["choices"][0]["message"]["content"] == good_ref.text
 
 
 def test_the_openai_client_reads_the_refusals(qwen) -> None:

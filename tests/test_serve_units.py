@@ -13,6 +13,7 @@ import asyncio
 import base64
 import io
 import logging
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from omni_jax.audio_io import PCM16_SCALE, pcm16, read_wav, wav_bytes
 from omni_jax.engine.sampling import MAX_LOGPROBS
 from omni_jax.engine_core import EngineStats
 from omni_jax.outputs import OmniRequestOutput
-from omni_jax.serve import logprobs, media
+from omni_jax.serve import convert, logprobs, media
 from omni_jax.serve.convert import ServeRequest
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import (
@@ -150,6 +151,12 @@ UNION_FIELDS = [
     ),
     (
         ChatCompletionRequest,
+        '{"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", '
+        '"input_audio": {"data": "UklGRg==", "format": "mp3"}}]}]}',
+        "messages.0.content.0.input_audio.format",
+    ),
+    (
+        ChatCompletionRequest,
         '{"model": "m", "messages": [{"role": "user", "content": 5}]}',
         "messages.0.content",
     ),
@@ -158,14 +165,13 @@ UNION_FIELDS = [
 
 
 @pytest.mark.parametrize(
-    "schema,body,path", UNION_FIELDS, ids=["image part", "content number", "prompt object"]
+    "schema,body,path", UNION_FIELDS, ids=["image part", "audio part", "content number", "prompt object"]
 )
 def test_a_wrong_value_inside_a_union_field_is_named_by_its_own_path(
     schema: type, body: str, path: str
 ) -> None:
     message, param = refusal(schema, body)
-    assert param is not None and param.startswith(path) and message.startswith(f"{param}: ")
-    assert "str" not in param.split(".") and "[" not in param  # no pydantic union member labels
+    assert param == path and message.startswith(f"{param}: ")  # no union member labels, no part tags
 
 
 def test_an_unknown_field_is_refused_by_name() -> None:
@@ -214,7 +220,9 @@ def test_a_png_data_url_becomes_an_rgb_image() -> None:
         "messages.0.content.1.image_url", data_url("image/png", png_bytes(PIXELS, "RGBA")), None
     )
     assert img.mode == "RGB" and img.size == (7, 5)
-    np.testing.assert_array_equal(np.asarray(img), PIXELS[..., :3])
+    np.testing.assert_array_equal(
+        np.asarray(img), PIXELS[..., :3]
+    )  # a file's alpha is dropped, as load_image
     gray = media.image("x", data_url("image/png", png_bytes(PIXELS[..., 0], "L")), None)
     np.testing.assert_array_equal(np.asarray(gray), np.repeat(PIXELS[..., :1], 3, axis=2))
 
@@ -232,6 +240,39 @@ def test_a_bad_image_data_url_is_refused_naming_the_part(url: str, problem: str)
     with pytest.raises(ValueError, match=r"^messages\.0\.content\.1\.image_url: ") as e:
         media.image("messages.0.content.1.image_url", url, None)
     assert problem in str(e.value)
+
+
+def test_vllms_audio_url_part_is_read_as_input_audio_is() -> None:
+    """The same WAV as an ``audio_url`` data URL and as ``input_audio`` base64: the same item."""
+    wav = wav_bytes(np.linspace(-0.5, 0.5, 800, dtype=np.float32), 16_000)
+    parts = [
+        {"type": "audio_url", "audio_url": {"url": data_url("audio/wav", wav)}},
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+        {"type": "text", "text": "what is this"},
+    ]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+    assert body.model is None  # left out: the served model
+    items = convert._content("messages.0", body.messages[0], None)
+    assert items[0] == items[1] == {"type": "audio", "audio": wav}
+    with pytest.raises(ValueError, match=r"^messages\.0\.content\.0\.audio_url: file: URLs are refused"):
+        media.audio_file("messages.0.content.0.audio_url", "file:///etc/hostname", None)
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width x height`` RGB pixels, with one row of them."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])
+    pixels = zlib.compress(bytes(1 + 3 * width))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+
+
+def test_an_image_claiming_too_many_pixels_is_refused_naming_the_part() -> None:
+    """PIL refuses a header of 400 M pixels as a decompression bomb (not an ``OSError``)."""
+    with pytest.raises(ValueError, match=r"^img: not a readable image \(Image size \(400000000 pixels\)"):
+        media.image("img", data_url("image/png", png_claiming(20_000, 20_000)), None)
 
 
 @pytest.mark.parametrize(
@@ -337,6 +378,45 @@ def test_a_stereo_wav_is_averaged_and_an_empty_one_refused() -> None:
         read_wav(io.BytesIO(empty.getvalue()), 16_000)
     with pytest.raises(ValueError, match="is not a readable WAV file"):
         read_wav(io.BytesIO(b"RIFF...."), 16_000)
+
+
+def test_a_truncated_wav_is_not_a_readable_one() -> None:
+    """scipy reads a header cut short with ``struct`` and raises its error, not a ``ValueError``."""
+    with pytest.raises(ValueError, match="is not a readable WAV file: unpack requires a buffer"):
+        read_wav(io.BytesIO(wav_bytes(np.zeros(100, np.float32), 16_000)[:30]), 16_000)
+
+
+@pytest.mark.parametrize("rate", [999, 384_001, 2**31 - 1])
+def test_a_rate_outside_what_audio_is_recorded_at_is_refused_before_resampling(rate: int) -> None:
+    """A header's rate is the sender's word; resampling from a prime rate of millions of Hz takes
+    seconds and gigabytes, so it is refused before any."""
+    buffer = io.BytesIO()
+    wavfile.write(buffer, 16_000, np.full(1000, 128, np.uint8))  # one byte a frame: byte rate = rate
+    raw = buffer.getvalue()
+    forged = raw[:24] + rate.to_bytes(4, "little") * 2 + raw[32:]
+    with pytest.raises(
+        ValueError, match=f"^has a sample rate of {rate} Hz; WAV files are read at 1000 to 384000 Hz$"
+    ):
+        read_wav(io.BytesIO(forged), 16_000)
+
+
+def test_a_wav_over_the_length_asked_is_refused_before_resampling(monkeypatch) -> None:
+    """1.5 s at 8 kHz against 1 s: refused from its header's rate, resampling never called."""
+    import scipy.signal
+
+    def never(*args: Any) -> None:
+        raise AssertionError("resampled")
+
+    monkeypatch.setattr(scipy.signal, "resample_poly", never)
+    raw = wav_bytes(np.zeros(12_000, np.float32), 8_000)
+    with pytest.raises(
+        ValueError, match=r"^is 1\.50 s long \(12000 samples at 8000 Hz\), over the 1 s it may last$"
+    ):
+        read_wav(io.BytesIO(raw), 16_000, max_seconds=1)
+    assert (
+        read_wav(io.BytesIO(wav_bytes(np.zeros(8_000, np.float32), 16_000)), 16_000, max_seconds=1).size
+        == 8_000
+    )
 
 
 def test_pcm16_audio_data_is_little_endian_int16_samples() -> None:

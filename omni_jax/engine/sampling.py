@@ -56,6 +56,15 @@ def is_finite(value: object) -> bool:
         return False
 
 
+class ParamError(ValueError):
+    """A params field with a wrong value; ``field`` names it (the server's 400 names it as its
+    ``param``: the request fields of the same names)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 FieldType = tuple[str, Callable[[object], bool], bool, str]
 """``(name, type check, None allowed, what the field must be)`` for :func:`check_field_types`."""
 
@@ -71,7 +80,7 @@ def check_field_types(params: object, fields: Sequence[FieldType]) -> None:
         if value is None and nullable:
             continue
         if not check(value):
-            raise ValueError(f"{name}={value!r} must be {what}{' or None' if nullable else ''}")
+            raise ParamError(f"{name}={value!r} must be {what}{' or None' if nullable else ''}", name)
 
 
 TOP_K_ALL = 2**31 - 1
@@ -84,7 +93,7 @@ SEED_RANGE = "from 0 to 2**63 - 1"
 _SAMPLING_TYPES: tuple[FieldType, ...] = (
     ("temperature", is_real, False, "a real number >= 0"),
     ("top_p", is_real, False, "a real number in (0, 1]"),
-    ("top_k", is_int, False, "an integer, -1 (off) or >= 1"),
+    ("top_k", is_int, False, "an integer, -1 or 0 (off) or >= 1"),
     ("min_p", is_real, False, "a real number in [0, 1]"),
     ("repetition_penalty", is_real, False, "a real number > 0"),
     ("presence_penalty", is_real, False, "a real number in [-2, 2]"),
@@ -104,7 +113,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1 or 0 (vLLM's): off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -123,14 +132,18 @@ class SamplingParams:
         check_field_types(self, _SAMPLING_TYPES)
         stops = self.stop_token_ids
         if stops is not None and not isinstance(stops, (list, tuple)):
-            raise ValueError(f"stop_token_ids={stops!r} must be a list of token ids (ints) or None")
+            raise ParamError(
+                f"stop_token_ids={stops!r} must be a list of token ids (ints) or None", "stop_token_ids"
+            )
         for t in stops or []:
             if not is_int(t):
-                raise ValueError(f"stop_token_ids contains {t!r}, which is not a token id (an int)")
+                raise ParamError(
+                    f"stop_token_ids contains {t!r}, which is not a token id (an int)", "stop_token_ids"
+                )
         checks = [
             ("temperature", is_finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
+            ("top_k", self.top_k >= -1, "must be -1 or 0 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             (
                 "repetition_penalty",
@@ -155,10 +168,13 @@ class SamplingParams:
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+                raise ParamError(f"{name}={getattr(self, name)!r} {why}", name)
         for t in stops or []:
             if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"stop_token_ids contains {t!r}, outside the vocabulary [0, {vocab_size})")
+                raise ParamError(
+                    f"stop_token_ids contains {t!r}, outside the vocabulary [0, {vocab_size})",
+                    "stop_token_ids",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -28,8 +28,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
+from omni_jax.engine.sampling import ParamError
 from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, logprobs, responses
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import (
@@ -143,11 +145,14 @@ class _Server:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise HTTPError(CLIENT_GONE, "the client disconnected before sending its whole body") from None
         return b"".join(chunks)
 
     def parse(self, schema: type[M], body: bytes) -> M:
@@ -156,7 +161,7 @@ class _Server:
         except ValidationError as e:
             message, param = invalid_request_message(e)
             raise HTTPError(400, message, param) from None
-        if parsed.model != self.settings.model_name:  # type: ignore[attr-defined]
+        if parsed.model not in (None, self.settings.model_name):  # type: ignore[attr-defined]
             raise HTTPError(404, f"the model {parsed.model!r} does not exist here", "model")  # type: ignore[attr-defined]
         return parsed
 
@@ -184,6 +189,8 @@ class _Server:
             raise HTTPError(429, f"the server's queue is full ({e}); retry later") from None
         except UnknownSpeakerError as e:
             raise HTTPError(400, str(e), "audio.voice") from None
+        except ParamError as e:  # a sampling field the stage refused: the request field of its name
+            raise HTTPError(400, str(e), e.field) from None
         except ValueError as e:
             raise HTTPError(400, str(e)) from None
         if first is None:

@@ -30,6 +30,14 @@ def _port(value: str) -> int:
     return port
 
 
+def _api_key(value: str) -> str:
+    """A key the server can require: an empty one (an unset shell variable) would let a request
+    with ``Authorization: Bearer `` through, so the server would serve anyone."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty (omit --api-key to serve without a key)")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="an HF checkpoint dir or a checkpoints_convert dir")
     p.add_argument("--host", default="127.0.0.1")
@@ -37,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--served-model-name", default=None, help="the name clients send as 'model' (default: PATH)"
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument(
+        "--api-key", type=_api_key, default=None, help="require 'Authorization: Bearer KEY' on /v1 routes"
+    )
     p.add_argument(
         "--max-queue",
         type=positive,

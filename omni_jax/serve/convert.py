@@ -126,6 +126,10 @@ def _content(where: str, message: Message, allowed: Path | None) -> str | list[d
             items.append(
                 {"type": "audio", "audio": media.audio(f"{at}.input_audio.data", part.input_audio.data)}
             )
+        elif part.type == "audio_url":
+            items.append(
+                {"type": "audio", "audio": media.audio_file(f"{at}.audio_url", part.audio_url.url, allowed)}
+            )
         else:
             items.append(
                 {"type": "video", "video": media.video(f"{at}.video_url", part.video_url.url, allowed)}

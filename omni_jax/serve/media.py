@@ -18,6 +18,7 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+from omni_jax.image_io import read_image
 from omni_jax.serve.protocol import FieldError
 
 
@@ -56,23 +57,27 @@ def _url_bytes(where: str, url: str, allowed: Path | None) -> bytes:
 
 
 def image(where: str, url: str, allowed: Path | None) -> object:
-    """A PIL image, RGB, from an image URL."""
+    """A PIL image, RGB, from an image URL: its file read as a prompt's image path is
+    (:func:`~omni_jax.image_io.read_image`: upright by its EXIF orientation, alpha dropped)."""
     from PIL import Image, UnidentifiedImageError
 
     raw = _url_bytes(where, url, allowed)
     try:
-        img = Image.open(io.BytesIO(raw))
-        img.load()
+        return read_image(io.BytesIO(raw))
     except UnidentifiedImageError:
         raise FieldError(where, "not a readable image (no image format recognised)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise FieldError(where, f"not a readable image ({e})") from None
-    return img.convert("RGB")
 
 
 def audio(where: str, data: str) -> bytes:
     """The WAV file an ``input_audio`` carries (the stage decodes and resamples it)."""
     return _base64(where, data)
+
+
+def audio_file(where: str, url: str, allowed: Path | None) -> bytes:
+    """The WAV file an ``audio_url`` points at (a data URL, or an allowed file URL)."""
+    return _url_bytes(where, url, allowed)
 
 
 def video(where: str, url: str, allowed: Path | None) -> np.ndarray:

@@ -61,6 +61,17 @@ class AudioPart(_Strict):
     input_audio: InputAudio
 
 
+class AudioURL(_Strict):
+    url: str = Field(description="a data URL (or an allowed file URL) of a WAV file")
+
+
+class AudioURLPart(_Strict):
+    """vLLM's audio part: a URL where ``input_audio`` carries the base64 alone."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
 class VideoURL(_Strict):
     url: str = Field(description="a data URL (or an allowed file URL) of a .npy array [frames, H, W, 3]")
 
@@ -70,7 +81,9 @@ class VideoPart(_Strict):
     video_url: VideoURL
 
 
-ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
+ContentPart = Annotated[
+    TextPart | ImagePart | AudioPart | AudioURLPart | VideoPart, Field(discriminator="type")
+]
 
 
 class Message(_Strict):
@@ -97,9 +110,10 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    """The sampling fields both endpoints take; ``None``: the stage's default (its YAML)."""
+    """The sampling fields both endpoints take; ``None``: the stage's default (its YAML).
+    ``model`` may be left out, as vLLM's server allows: the served model."""
 
-    model: str
+    model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
@@ -138,8 +152,17 @@ UNION_MEMBER = re.compile(r"\[|^(str|int|float|bool|bytes|none)$")
 which pydantic puts in an error's location: not a field of the request."""
 
 
+def _tag(loc: tuple[int | str, ...], i: int) -> bool:
+    """Whether ``loc[i]`` is the tag pydantic names a list item of a tagged union by (after the
+    item's index: ``content.<list[tagged-union[...]]>.0.input_audio.input_audio.format``)."""
+    return i >= 2 and isinstance(loc[i - 1], int) and "tagged-union[" in str(loc[i - 2])
+
+
 def _path(loc: tuple[int | str, ...]) -> str | None:
-    return ".".join(str(p) for p in loc if isinstance(p, int) or not UNION_MEMBER.search(p)) or None
+    kept = [
+        p for i, p in enumerate(loc) if isinstance(p, int) or not (UNION_MEMBER.search(p) or _tag(loc, i))
+    ]
+    return ".".join(str(p) for p in kept) or None
 
 
 def invalid_request_message(error: ValidationError) -> tuple[str, str | None]:

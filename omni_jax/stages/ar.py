@@ -19,7 +19,7 @@ from omni_jax.engine.ar_runner import ARModel, ARRunner
 from omni_jax.engine.buckets import max_sequence_rows, max_token_rows
 from omni_jax.engine.kv_cache import CacheConfig, CacheGeometry
 from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, pool_key, refuse_unless_fits
-from omni_jax.engine.sampling import SUPPRESS_WIDTH, SamplingParams
+from omni_jax.engine.sampling import SUPPRESS_WIDTH, ParamError, SamplingParams
 from omni_jax.engine.scheduler import ARRequest
 from omni_jax.engine.step import S, StepInputs
 from omni_jax.models.attention import chunk_bytes
@@ -120,6 +120,8 @@ class ARStage(Generic[S]):
         self.defaults = defaults
         self.frontend = frontend
         self.reads_hidden = frontend is not None and frontend.reads_hidden
+        self.outputs_hidden: bool = config.engine.get("output_hidden_states", False)
+        self.capture_hidden = self.outputs_hidden  # the pipeline also sets it when the next stage reads them
         self._submitted: dict[str, _Submitted[S]] = {}
         self._fed: dict[str, _Fed[S]] = {}
 
@@ -183,9 +185,10 @@ class ARStage(Generic[S]):
 
     @property
     def capture_hidden(self) -> bool:
-        """Whether this stage captures hidden states for the next stage: set by the pipeline at
-        build time, before warm-up, when the next stage reads them. Its forward then returns them
-        (one program set either way), fetched for the requests that go on to that stage
+        """Whether this stage captures hidden states: for its outputs when its YAML asks
+        (:attr:`outputs_hidden`), and for the next stage, set by the pipeline at build time,
+        before warm-up, when that stage reads them. Its forward then returns them (one program
+        set either way), fetched for the requests that need them
         (:attr:`StageInput.capture_hidden`)."""
         return self.engine.runner.capture_hidden
 
@@ -241,16 +244,17 @@ class ARStage(Generic[S]):
         self._check_held_back(index, params)
 
     def check_room(self, index: int, request: StageInput[S], params: SamplingParams) -> None:
-        """``ValueError`` when the prompt and ``params.max_tokens`` together exceed
+        """``ParamError`` (``max_tokens``) when the prompt and ``params.max_tokens`` together exceed
         ``max_model_len``: what vLLM's server answers with a 400 to a request's explicit
         ``max_tokens`` (``run()`` and a server request without one stop at the context's end
         instead, with ``finish_reason="length"``)."""
         n, m = len(request.token_ids), params.max_tokens
         if m is not None and n + m > self.max_model_len:
-            raise ValueError(
+            raise ParamError(
                 f"request {index}: 'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's "
                 f"maximum context length is {self.max_model_len} tokens and your request has {n} input "
-                f"tokens ({m} > {self.max_model_len} - {n})"
+                f"tokens ({m} > {self.max_model_len} - {n})",
+                "max_tokens",
             )
 
     def _check_held_back(self, index: int, params: SamplingParams) -> None:
@@ -354,6 +358,7 @@ class ARStage(Generic[S]):
             waiting=len(scheduler.waiting),
             free_pages=scheduler.allocator.num_free,
             num_pages=scheduler.allocator.num_pages,
+            capacity=scheduler.cfg.max_num_seqs,
         )
 
     def warmup(self) -> int:
@@ -479,21 +484,20 @@ class _Fed(Generic[S]):
         )
 
 
-AR_ENGINE_OPTIONS = ("early_start", "limit_mm_per_prompt")
+AR_ENGINE_OPTIONS = ("early_start", "limit_mm_per_prompt", "output_hidden_states")
 """The stage YAML's ``engine`` keys of an AR stage (the engine's sizes are
 ``from_pretrained``'s arguments): ``early_start``, a bool (:meth:`ARStage.streams`);
 ``limit_mm_per_prompt``, a thinker's media per prompt (:class:`~omni_jax.stages.thinker.MediaLimits`,
-which checks it)."""
+which checks it); ``output_hidden_states``, a bool (:attr:`~omni_jax.stages.base.Stage.outputs_hidden`)."""
 
 
 def check_engine_options(sc: StageConfig) -> None:
     """``ValueError`` naming the stage for an ``engine`` key an AR stage does not read, or an
-    ``early_start`` that is not a bool."""
+    ``early_start`` or ``output_hidden_states`` that is not a bool."""
     sc.check_engine_keys(AR_ENGINE_OPTIONS)
-    if not isinstance(sc.engine.get("early_start", True), bool):
-        raise ValueError(
-            f"stage {sc.name!r}: engine.early_start={sc.engine['early_start']!r} must be true or false"
-        )
+    for key, default in (("early_start", True), ("output_hidden_states", False)):
+        if not isinstance(sc.engine.get(key, default), bool):
+            raise ValueError(f"stage {sc.name!r}: engine.{key}={sc.engine[key]!r} must be true or false")
 
 
 def local_devices(mesh: Mesh | None) -> list[jax.Device]:

@@ -13,6 +13,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from omni_jax.engine.sampling import ParamError
 from omni_jax.stages.config import StageConfig
 
 S = TypeVar("S")
@@ -139,12 +140,15 @@ class StageStep:
 class StageLoad:
     """What a stage holds now: requests ``running`` (in its batch: an AR stage's scheduled
     sequences) and ``waiting`` (queued for a place in it), and for a stage with a paged KV cache
-    its ``free_pages`` of ``num_pages``. Read by serving (queue bounds, metrics)."""
+    its ``free_pages`` of ``num_pages``. ``capacity``: the most requests its batch runs at once
+    (an AR stage's ``max_num_seqs``; ``None`` for a stage that solves its queue in turn).
+    Read by serving (queue bounds, metrics)."""
 
     running: int
     waiting: int
     free_pages: int | None = None
     num_pages: int | None = None
+    capacity: int | None = None
 
 
 class Stage(Protocol):
@@ -164,6 +168,10 @@ class Stage(Protocol):
     """Whether this stage reads the previous stage's hidden states (its result's
     :class:`HiddenHandoff`), not only its tokens: the pipeline reads it at build time and makes
     the previous stage capture them."""
+    outputs_hidden: bool
+    """Whether this stage's outputs carry each request's hidden states
+    (``StageOutput.hidden_states``): an AR stage whose YAML asks for them
+    (``engine.output_hidden_states: true``); it then captures them for every request."""
 
     def validate(
         self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
@@ -257,10 +265,13 @@ def check_params(stage: Stage, index: int, params: Any, *args: Any) -> None:
             f"request {index}: stage {stage.config.name!r} needs {stage.params_type.__name__}, "
             f"got {type(params).__name__}"
         )
+    where = f"request {index}: stage {stage.config.name!r}"
     try:
         params.validate(*args)
+    except ParamError as e:
+        raise ParamError(f"{where}: {e}", e.field) from None
     except ValueError as e:
-        raise ValueError(f"request {index}: stage {stage.config.name!r}: {e}") from None
+        raise ValueError(f"{where}: {e}") from None
 
 
 def no_multimodal(stage: Stage, index: int, request: StageInput) -> StageInput:

@@ -105,6 +105,7 @@ class Code2WavStageBase(Generic[Q, B, D]):
     params_type = Token2WavParams
     accepts_text = False
     reads_hidden = False
+    outputs_hidden = False
     sample_rate: int
     size_key: str
 

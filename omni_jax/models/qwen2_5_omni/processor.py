@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from omni_jax.audio_io import read_wav
+from omni_jax.image_io import composite_rgb, composite_rgb_array, read_image
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
 from omni_jax.models.qwen2_5_omni.rope_index import chunk_bounds
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
@@ -164,7 +165,7 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def read_audio(index: int, path: str | Path) -> np.ndarray:
+def read_audio(index: int, path: str | Path, max_seconds: float | None = None) -> np.ndarray:
     """A WAV file as float32 mono at 16 kHz (:func:`omni_jax.audio_io.read_wav`; other formats
     are refused)."""
     path = Path(path)
@@ -173,7 +174,7 @@ def read_audio(index: int, path: str | Path) -> np.ndarray:
     if not path.exists():
         raise _fail(index, f"audio file {str(path)!r} does not exist")
     try:
-        return read_wav(path, SAMPLE_RATE)
+        return read_wav(path, SAMPLE_RATE, max_seconds)
     except ValueError as e:
         raise _fail(index, f"audio file {str(path)!r} {e}") from None
 
@@ -192,11 +193,12 @@ def _check_finite(index: int, kind: str, array: np.ndarray) -> None:
 def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.ndarray:
     """A 1-D real float array (or a .wav path, or a WAV file's bytes), not empty, finite, at most
     ``max_samples`` long."""
+    max_seconds = None if max_samples is None else max_samples / SAMPLE_RATE
     if isinstance(item, (str, Path)):
-        audio = read_audio(index, item)
+        audio = read_audio(index, item, max_seconds)
     elif isinstance(item, bytes):
         try:
-            audio = read_wav(io.BytesIO(item), SAMPLE_RATE)
+            audio = read_wav(io.BytesIO(item), SAMPLE_RATE, max_seconds)
         except ValueError as e:
             raise _fail(index, f"audio (WAV bytes) {e}") from None
     elif isinstance(item, np.ndarray) and item.ndim == 1 and np.issubdtype(item.dtype, np.floating):
@@ -235,36 +237,41 @@ IMAGE_CHANNELS = (1, 3, 4)
 """Channels an image array may have: grey, RGB, RGBA."""
 
 
-def _rgb_array(item: np.ndarray) -> np.ndarray:
-    """An image array as ``[H, W, 3]``, channels as PIL's ``convert("RGB")`` makes them: grey
-    repeated, alpha dropped. ``[H, W, C]`` wins over ``[C, H, W]`` whenever the last axis is a
-    channel count, so a tiny ``(1, 1, 3)`` picture is one RGB pixel (transformers' own guess
-    reads it channels-first)."""
+def _rgb_array(index: int, item: np.ndarray) -> np.ndarray:
+    """An image array as ``[H, W, 3]``, channels as transformers' image processor makes them:
+    grey repeated, alpha composited onto white (:func:`~omni_jax.image_io.composite_rgb_array`).
+    ``[H, W, C]`` wins over ``[C, H, W]`` whenever the last axis is a channel count, so a tiny
+    ``(1, 1, 3)`` picture is one RGB pixel (transformers' own guess reads it channels-first)."""
     if item.ndim == 2:
         item = item[..., None]
     elif item.shape[-1] not in IMAGE_CHANNELS:
         item = item.transpose(1, 2, 0)
     if item.shape[-1] == 1:
         return np.repeat(item, 3, axis=-1)
-    return item[..., :3]
+    if item.shape[-1] == 4:
+        try:
+            return composite_rgb_array(item)
+        except ValueError as e:
+            raise _fail(index, f"image: {e}") from None
+    return item
 
 
 def _image_item(index: int, item: Any) -> Any:
-    """A PIL image (RGB) or an ``[H, W, 3]`` array (:func:`_rgb_array`), checked."""
+    """A PIL image (RGB) or an ``[H, W, 3]`` array (:func:`_rgb_array`), checked; a path is
+    read as transformers' ``load_image`` reads it (:mod:`omni_jax.image_io`)."""
     from PIL import Image
 
     if isinstance(item, (str, Path)):
         if not Path(item).exists():
             raise _fail(index, f"image file {str(item)!r} does not exist")
         try:
-            with Image.open(item) as img:
-                return img.convert("RGB")
-        except OSError as e:  # not an image PIL can read
+            return read_image(item)
+        except (OSError, Image.DecompressionBombError) as e:  # not an image PIL can read, or a bomb
             raise _fail(index, f"image file {str(item)!r} cannot be read: {e}") from None
     if isinstance(item, Image.Image):
         if min(item.size) < 1:
             raise _fail(index, f"image has an empty dimension: size {item.size}")
-        return item if item.mode == "RGB" else item.convert("RGB")
+        return composite_rgb(item)
     ok = isinstance(item, np.ndarray) and (
         item.ndim == 2
         or (item.ndim == 3 and (item.shape[-1] in IMAGE_CHANNELS or item.shape[0] in IMAGE_CHANNELS))
@@ -276,7 +283,7 @@ def _image_item(index: int, item: Any) -> Any:
             f"or a path; got {_describe(item)}",
         )
     _pixel_array(index, "image", item)
-    return _rgb_array(item)
+    return _rgb_array(index, item)
 
 
 def _video_item(index: int, item: Any) -> np.ndarray:

@@ -149,8 +149,10 @@ class Voices:
         return cls(speakers, preferred)
 
     def pick(self, index: int, prompt: dict[str, Any]) -> Speaker:
-        """The voice ``prompt["speaker"]`` names (or the default); ``ValueError`` naming request
-        ``index`` and the known voices when the name is unknown."""
+        """The voice ``prompt["speaker"]`` names (or the default), its case aside when no voice
+        has the name as given (``"chelsie"``: OpenAI's clients write voices in lower case, and
+        Qwen3-Omni's ``generate`` ignores case); ``ValueError`` naming request ``index`` and the
+        known voices when the name is unknown."""
         name = prompt.get("speaker")
         if name is None:
             return self.speakers[self.default]
@@ -158,8 +160,11 @@ class Voices:
             raise ValueError(
                 f"request {index}: speaker must be a voice name (str), got {type(name).__name__}"
             )
-        if name not in self.speakers:
+        if name in self.speakers:
+            return self.speakers[name]
+        matches = [known for known in self.speakers if known.lower() == name.lower()]
+        if len(matches) != 1:
             raise UnknownSpeakerError(
                 f"request {index}: unknown speaker {name!r}; known speakers: {list(self.speakers)}"
             )
-        return self.speakers[name]
+        return self.speakers[matches[0]]

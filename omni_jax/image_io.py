@@ -1,0 +1,50 @@
+"""Images in: what a user's image file becomes, and how an image with transparency becomes RGB.
+
+Files (a prompt's path, the CLI's ``--image``, the server's image URLs) are read as transformers'
+``load_image`` reads them: turned upright by their EXIF orientation (a phone photo's rotation
+lives there), then RGB with any alpha dropped. Images given in memory (a PIL image, an array)
+become RGB as transformers' image processors make them since 5.21, and as vLLM does: any
+transparency composited onto white (5.17 to 5.20 dropped the alpha instead).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+from PIL import Image, ImageOps
+
+
+def read_image(source: str | Path | BinaryIO) -> Image.Image:
+    """An image file as RGB, upright. PIL's errors pass through (``OSError`` and
+    ``UnidentifiedImageError`` for what it cannot read, ``DecompressionBombError`` for a header
+    of too many pixels) for the caller to name the input."""
+    with Image.open(source) as img:
+        return ImageOps.exif_transpose(img).convert("RGB")
+
+
+def composite_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as RGB, transparency (an alpha band, or a palette's transparent colour)
+    composited onto white."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def composite_rgb_array(rgba: np.ndarray) -> np.ndarray:
+    """An ``[H, W, 4]`` array as ``[H, W, 3]`` of its dtype, composited onto white: 255 for
+    integer pixels (rounded back to integers), 1.0 for float ones, which must lie in [0, 1]
+    (``ValueError`` otherwise: the alpha's scale would be a guess)."""
+    integer = np.issubdtype(rgba.dtype, np.integer)
+    if not integer and (rgba.min() < 0.0 or rgba.max() > 1.0):
+        raise ValueError(
+            f"float RGBA pixels must lie in [0, 1], got [{rgba.min():g}, {rgba.max():g}] "
+            "(or give integers in [0, 255])"
+        )
+    white = 255 if integer else 1.0
+    alpha = rgba[..., 3:4] / white
+    blended = alpha * rgba[..., :3] + (1 - alpha) * white
+    return (np.round(blended) if integer else blended).astype(rgba.dtype)

@@ -1,0 +1,84 @@
+"""``StageOutput.hidden_states``: an AR stage whose YAML asks (``engine.output_hidden_states``)
+returns each request's final hidden states, equal to transformers' ``last_hidden_state`` over
+the prompt and the reply but its last token (the computed tokens), whether or not a next stage
+took them as they were computed."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
+
+RTOL = 1e-4  # float32, the same math (DESIGN.md's bound)
+
+
+def asking(stage_yaml: str, stage: str, tmp_path: Path, value: object = True) -> Path:
+    """The packaged ``stage_yaml`` with ``stage``'s ``engine.output_hidden_states`` set."""
+    config = yaml.safe_load(resources.files("omni_jax.stages").joinpath(stage_yaml).read_text())
+    (entry,) = [s for s in config["stages"] if s["name"] == stage]
+    entry.setdefault("engine", {})["output_hidden_states"] = value
+    path = tmp_path / stage_yaml
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def reference_states(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).last_hidden_state[0].numpy()
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def test_qwen2_outputs_hidden_states_where_asked(qwen2_dir, hf_qwen2, tmp_path):
+    prompts = [{"prompt_token_ids": [5, 9, 23, 7]}, {"prompt_token_ids": list(range(3, 30))}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    pipe = OmniJaxPipeline.from_pretrained(
+        qwen2_dir, max_num_seqs=2, stage_config=asking("qwen2.yaml", "llm", tmp_path)
+    )
+    for out in pipe.run(prompts, params, progress=False):
+        computed = out.prompt_token_ids + out.token_ids[:-1]
+        hidden = out.stage_outputs["llm"].hidden_states
+        assert hidden.shape == (len(computed), hf_qwen2.config.hidden_size)
+        assert rel_err(hidden, reference_states(hf_qwen2.model, computed)) < RTOL
+
+    plain = OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=2)
+    (out,) = plain.run(prompts[:1], params, progress=False)
+    assert out.stage_outputs["llm"].hidden_states is None
+
+
+def test_output_hidden_states_must_be_a_bool(qwen2_dir, tmp_path):
+    with pytest.raises(
+        ValueError, match=r"stage 'llm': engine.output_hidden_states='yes' must be true or false"
+    ):
+        OmniJaxPipeline.from_pretrained(qwen2_dir, stage_config=asking("qwen2.yaml", "llm", tmp_path, "yes"))
+
+
+def test_thinker_states_whole_while_the_talker_takes_them_as_computed(omni_dir, tmp_path):
+    """The talker starts early (the shipped YAML), so the thinker hands its rows on step by step
+    and its result holds only the last ones: the output must still hold every row."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    pipe = OmniJaxPipeline.from_pretrained(
+        omni_dir, max_num_seqs=2, stage_config=asking("qwen2_5_omni.yaml", "thinker", tmp_path)
+    )
+    assert pipe.stages[1].streams(pipe.stages[1].defaults)
+    thinker = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    talker = SamplingParams(temperature=0.0, max_tokens=8)
+    prompts = [pipe.chat_prompt([{"role": "user", "content": "tell me a story"}]), "hello there"]
+    outs = pipe.run(prompts, [thinker, talker, Token2WavParams(num_steps=2)], progress=False)
+    hf = Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_dir, dtype=torch.float32).eval()
+    for out in outs:
+        assert out.finish_reason == "length" and len(out.audio) > 0
+        computed = out.prompt_token_ids + out.token_ids[:-1]
+        hidden = out.stage_outputs["thinker"].hidden_states
+        assert hidden.shape == (len(computed), hf.config.thinker_config.text_config.hidden_size)
+        assert rel_err(hidden, reference_states(hf.thinker.model, computed)) < RTOL
+        assert out.stage_outputs["talker"].hidden_states is None
