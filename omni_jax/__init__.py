@@ -1,7 +1,7 @@
 """omni_jax: a JAX/Flax inference engine for multi-stage omni models."""
 
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling import ParamError, SamplingParams
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.pipeline import OmniJaxPipeline
 from omni_jax.stages.code2wav_params import Token2WavParams
@@ -10,6 +10,7 @@ __all__ = [
     "AsyncOmniJaxPipeline",
     "OmniJaxPipeline",
     "OmniRequestOutput",
+    "ParamError",
     "QueueFullError",
     "SamplingParams",
     "StageOutput",

@@ -15,7 +15,7 @@ import yaml
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 
-RTOL = 1e-4  # float32, the same math (DESIGN.md's bound)
+RTOL = 1e-4  # float32, the same math: the parity bound of every model test
 
 
 def asking(stage_yaml: str, stage: str, tmp_path: Path, value: object = True) -> Path:

@@ -30,8 +30,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from omni_jax import ParamError
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
-from omni_jax.engine.sampling import ParamError
 from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, logprobs, responses
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import (
