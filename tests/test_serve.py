@@ -326,6 +326,7 @@ def test_health_is_503_while_warming_up_then_200(qwen) -> None:
     r = server.chat_while_warming
     assert r is not None
     check_error(r, 503, "service_unavailable", "warming up")
+    assert r.headers["retry-after"] == "10"
     log = server.log.read_text()
     listening = f"listening on http://127.0.0.1:{server.port}"
     assert "warm-up compiled" in log and log.index(listening) < log.index("warm-up compiled")
@@ -984,6 +985,7 @@ def test_a_full_queue_gets_429_and_the_accepted_requests_complete(queue) -> None
                     await asyncio.sleep(0.02)
                 refused = await http.post("/v1/chat/completions", json=short_body)
                 check_error(refused, 429, "rate_limit_error", "the server's queue is full", "max_waiting=1")
+                assert refused.headers["retry-after"] == "1"
                 with pytest.raises(openai.RateLimitError, match="queue is full"):
                     await openai.AsyncOpenAI(
                         base_url=f"{server.url}/v1", api_key="x", max_retries=0

@@ -49,6 +49,10 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 CLIENT_GONE = 499
+RETRY_QUEUE_S = 1
+"""``Retry-After`` of a 429: a queue place frees as soon as a request ends."""
+RETRY_WARMING_S = 10
+"""``Retry-After`` of a 503 while the server warms up (compiling takes minutes)."""
 """The status logged for a request whose client disconnected first (nginx's convention; the
 client reads nothing)."""
 
@@ -67,13 +71,16 @@ class ServeSettings:
 
 
 class HTTPError(Exception):
-    """A refusal: the status and the message of its OpenAI error JSON."""
+    """A refusal: the status and the message of its OpenAI error JSON; ``retry_after``: seconds
+    a client should wait before trying again (the ``Retry-After`` header of a 429 or a 503,
+    which OpenAI's clients honour in their retries)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after = retry_after
 
 
 async def _disconnected(request: Request) -> None:
@@ -136,7 +143,11 @@ class _Server:
         if not self.pipe.running:
             raise HTTPError(503, "the engine has stopped")
         if not self.ready:
-            raise HTTPError(503, self.warmup_error or "the server is warming up (compiling); retry shortly")
+            if self.warmup_error:
+                raise HTTPError(503, self.warmup_error)
+            raise HTTPError(
+                503, "the server is warming up (compiling); retry shortly", retry_after=RETRY_WARMING_S
+            )
 
     async def body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -186,7 +197,9 @@ class _Server:
         try:
             first = await self.unless_disconnected(request, anext(events))
         except QueueFullError as e:
-            raise HTTPError(429, f"the server's queue is full ({e}); retry later") from None
+            raise HTTPError(
+                429, f"the server's queue is full ({e}); retry later", retry_after=RETRY_QUEUE_S
+            ) from None
         except UnknownSpeakerError as e:
             raise HTTPError(400, str(e), "audio.voice") from None
         except ParamError as e:  # a sampling field the stage refused: the request field of its name
@@ -279,7 +292,10 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
     @app.exception_handler(HTTPError)
     async def refused(_: Request, e: HTTPError) -> JSONResponse:
         server.metrics.refused.labels(str(e.status)).inc()
-        return JSONResponse(responses.error_json(e.status, e.message, e.param), status_code=e.status)
+        headers = None if e.retry_after is None else {"Retry-After": str(e.retry_after)}
+        return JSONResponse(
+            responses.error_json(e.status, e.message, e.param), status_code=e.status, headers=headers
+        )
 
     @app.exception_handler(HTTPException)
     async def unrouted(_: Request, e: HTTPException) -> JSONResponse:
