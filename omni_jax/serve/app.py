@@ -49,12 +49,12 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 CLIENT_GONE = 499
+"""The status logged for a request whose client disconnected first (nginx's convention; the
+client reads nothing)."""
 RETRY_QUEUE_S = 1
 """``Retry-After`` of a 429: a queue place frees as soon as a request ends."""
 RETRY_WARMING_S = 10
 """``Retry-After`` of a 503 while the server warms up (compiling takes minutes)."""
-"""The status logged for a request whose client disconnected first (nginx's convention; the
-client reads nothing)."""
 
 
 @dataclasses.dataclass(frozen=True)
