@@ -592,3 +592,20 @@ def test_a_reply_read_to_its_end_is_not_aborted_when_closed() -> None:
     asyncio.run(read_all())
     assert _count(metrics, "omni_jax:request_success_total", finish_reason="stop") == 1
     assert _count(metrics, "omni_jax:request_success_total", finish_reason="abort") == 0
+
+
+def test_a_client_gone_mid_upload_is_a_499_not_a_server_error() -> None:
+    """starlette raises ``ClientDisconnect`` when the body stops short: the client reads nothing,
+    so it is the log's 499 (and no traceback), as for a client gone while its reply was made."""
+    from starlette.requests import Request
+
+    from omni_jax.serve.app import CLIENT_GONE, HTTPError, ServeSettings, _Server
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "headers": [(b"content-length", b"1000")]}, receive)
+    server = _Server(None, ServeSettings(model_name="m"))  # type: ignore[arg-type]  # the body alone
+    with pytest.raises(HTTPError) as e:
+        asyncio.run(server.body(request))
+    assert e.value.status == CLIENT_GONE
