@@ -24,7 +24,13 @@ from omni_jax.engine_core import EngineStats
 from omni_jax.engine_thread import EngineThread
 from omni_jax.intake import Prompt
 from omni_jax.outputs import OmniRequestOutput, WarmupReport
+from omni_jax.parallel.distributed import process_count_asked
 from omni_jax.pipeline import OmniJaxPipeline
+
+ONE_PROCESS = (
+    "AsyncOmniJaxPipeline serves from one process: requests arrive in one process only, while a "
+    "multi-process pipeline steps every process through the same schedule"
+)
 
 
 class QueueFullError(RuntimeError):
@@ -51,10 +57,7 @@ class AsyncOmniJaxPipeline:
         ):
             raise ValueError(f"max_waiting={max_waiting!r} must be a positive int or None")
         if jax.process_count() > 1:
-            raise ValueError(
-                "AsyncOmniJaxPipeline serves from one process: requests arrive in one process only, "
-                "while a multi-process pipeline steps every process through the same schedule"
-            )
+            raise ValueError(ONE_PROCESS)
         self.pipeline = pipeline
         self._engine = EngineThread(pipeline.core)
         self._intake = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-jax-intake")
@@ -69,7 +72,10 @@ class AsyncOmniJaxPipeline:
     def from_pretrained(
         cls, path: str | Path, *args: Any, max_waiting: int | None = None, **kwargs: Any
     ) -> AsyncOmniJaxPipeline:
-        """Build with :meth:`OmniJaxPipeline.from_pretrained`'s arguments, and start the engine."""
+        """Build with :meth:`OmniJaxPipeline.from_pretrained`'s arguments, and start the engine;
+        ``ValueError`` before anything loads when several processes are asked for."""
+        if process_count_asked() > 1:
+            raise ValueError(ONE_PROCESS)
         return cls(OmniJaxPipeline.from_pretrained(path, *args, **kwargs), max_waiting=max_waiting)
 
     @property

@@ -355,3 +355,11 @@ def test_a_failed_engine_thread_ends_its_requests_and_says_so(qwen2_dir, monkeyp
             run_async(lambda: collect(broken, "hello", greedy(2)))
     finally:
         broken.close()
+
+
+def test_serving_several_processes_is_refused_before_anything_loads(monkeypatch, tmp_path) -> None:
+    """``JAX_NUM_PROCESSES=2`` (a server started as one of two processes) is refused before the
+    runtime is joined or a weight read: the path need not even exist."""
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="^AsyncOmniJaxPipeline serves from one process"):
+        AsyncOmniJaxPipeline.from_pretrained(tmp_path / "not read")

@@ -5,27 +5,23 @@ took them as they were computed."""
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
+from stage_yamls import edited_stages
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 
 RTOL = 1e-4  # float32, the same math: the parity bound of every model test
 
 
-def asking(stage_yaml: str, stage: str, tmp_path: Path, value: object = True) -> Path:
-    """The packaged ``stage_yaml`` with ``stage``'s ``engine.output_hidden_states`` set."""
-    config = yaml.safe_load(resources.files("omni_jax.stages").joinpath(stage_yaml).read_text())
-    (entry,) = [s for s in config["stages"] if s["name"] == stage]
-    entry.setdefault("engine", {})["output_hidden_states"] = value
-    path = tmp_path / stage_yaml
-    path.write_text(yaml.safe_dump(config))
-    return path
+def asking(family: str, stage: str, tmp_path: Path, value: object = True) -> Path:
+    """The shipped stage YAML ``family`` with ``stage``'s ``engine.output_hidden_states`` set."""
+    return edited_stages(
+        tmp_path / f"{family}.yaml", family, **{stage: {"engine": {"output_hidden_states": value}}}
+    )
 
 
 def reference_states(model, ids: list[int]) -> np.ndarray:
@@ -41,7 +37,7 @@ def test_qwen2_outputs_hidden_states_where_asked(qwen2_dir, hf_qwen2, tmp_path):
     prompts = [{"prompt_token_ids": [5, 9, 23, 7]}, {"prompt_token_ids": list(range(3, 30))}]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     pipe = OmniJaxPipeline.from_pretrained(
-        qwen2_dir, max_num_seqs=2, stage_config=asking("qwen2.yaml", "llm", tmp_path)
+        qwen2_dir, max_num_seqs=2, stage_config=asking("qwen2", "llm", tmp_path)
     )
     for out in pipe.run(prompts, params, progress=False):
         computed = out.prompt_token_ids + out.token_ids[:-1]
@@ -58,7 +54,7 @@ def test_output_hidden_states_must_be_a_bool(qwen2_dir, tmp_path):
     with pytest.raises(
         ValueError, match=r"stage 'llm': engine.output_hidden_states='yes' must be true or false"
     ):
-        OmniJaxPipeline.from_pretrained(qwen2_dir, stage_config=asking("qwen2.yaml", "llm", tmp_path, "yes"))
+        OmniJaxPipeline.from_pretrained(qwen2_dir, stage_config=asking("qwen2", "llm", tmp_path, "yes"))
 
 
 def test_thinker_states_whole_while_the_talker_takes_them_as_computed(omni_dir, tmp_path):
@@ -67,7 +63,7 @@ def test_thinker_states_whole_while_the_talker_takes_them_as_computed(omni_dir, 
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     pipe = OmniJaxPipeline.from_pretrained(
-        omni_dir, max_num_seqs=2, stage_config=asking("qwen2_5_omni.yaml", "thinker", tmp_path)
+        omni_dir, max_num_seqs=2, stage_config=asking("qwen2_5_omni", "thinker", tmp_path)
     )
     assert pipe.stages[1].streams(pipe.stages[1].defaults)
     thinker = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

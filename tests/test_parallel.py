@@ -25,6 +25,7 @@ from omni_jax.parallel import (
     replicated_kv_heads,
     stage_meshes,
 )
+from omni_jax.parallel.placement import stage_layouts
 from omni_jax.parallel.rules import partition_spec
 from omni_jax.stages.config import load_pipeline_config
 from omni_jax.testing import tiny_qwen2_config
@@ -121,7 +122,7 @@ def test_write_kv_fills_replicated_heads() -> None:
 def test_stage_meshes_default_and_overlap() -> None:
     meshes = stage_meshes([StagePlacement("a"), StagePlacement("b", devices=[0])])
     assert dict(meshes["a"].shape) == {"data": 1, "model": 1}
-    with pytest.raises(ValueError, match="stages 'a' and 'b' both list device 0"):
+    with pytest.raises(ValueError, match="stages 'a' and 'b' both take device 0"):
         stage_meshes([StagePlacement("a", devices=[0]), StagePlacement("b", devices=[0])])
     assert (
         len(stage_meshes([StagePlacement("a", devices=[0]), StagePlacement("b", devices=[0])], None, True))
@@ -129,6 +130,23 @@ def test_stage_meshes_default_and_overlap() -> None:
     )
     with pytest.raises(ValueError, match="stage 'a': device list \\[0, 0\\] names a device twice"):
         stage_meshes([StagePlacement("a", mesh={"model": 2}, devices=[0, 0])])
+
+
+def test_a_listed_device_under_another_stages_own_mesh_is_refused() -> None:
+    """A stage with its own mesh and no device list takes the first devices: another stage that
+    lists one of them shares it as surely as two lists would. Stages on the default placement,
+    or two with meshes alone, share the first devices by design."""
+    with pytest.raises(ValueError, match="stages 'thinker' and 'talker' both take device 1 \\(a stage"):
+        stage_layouts(
+            [StagePlacement("thinker", mesh={"model": 2}), StagePlacement("talker", devices=[1, 4])]
+        )
+    with pytest.raises(ValueError, match="stages 'talker' and 'thinker' both take device 0"):
+        stage_layouts([StagePlacement("talker", devices=[0]), StagePlacement("thinker", mesh={"data": 2})])
+    assert (
+        len(stage_layouts([StagePlacement("a", mesh={"model": 2}), StagePlacement("b", mesh={"model": 2})]))
+        == 2
+    )
+    assert len(stage_layouts([StagePlacement("a"), StagePlacement("b", devices=[0, 1])], {"model": 2})) == 2
 
 
 def test_stage_yaml_mesh_and_devices(tmp_path) -> None:

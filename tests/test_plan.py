@@ -15,8 +15,9 @@ from pathlib import Path
 
 import jax
 import pytest
+import yaml
 from flax import nnx
-from stage_yamls import edited_stages
+from stage_yamls import edited_stages, shipped_config
 
 from omni_jax import OmniJaxPipeline
 from omni_jax.cli import main as cli_main
@@ -271,7 +272,7 @@ def test_plan_lays_stages_out_as_loading_does(omni_7b, tmp_path) -> None:
     for layouts, message in (
         (
             {"thinker": {"devices": [0, 1]}, "talker": {"devices": [1, 2]}},
-            "stages 'thinker' and 'talker' both list device 1",
+            "stages 'thinker' and 'talker' both take device 1",
         ),
         (
             {"talker": {"mesh": {"model": 2}, "devices": [0, 1, 2]}},
@@ -398,6 +399,34 @@ def test_an_unknown_engine_key_is_refused_by_plan_and_from_pretrained(
         plan_memory(path, stage_config=config)
     with pytest.raises(ValueError, match=match):
         OmniJaxPipeline.from_pretrained(path, stage_config=config)
+
+
+@pytest.mark.parametrize(
+    "stages,match",
+    [
+        (
+            lambda s: [s["thinker"], s["code2wav"]],
+            r"^stage 'code2wav' reads 'talker''s output, which the stage config does not list$",
+        ),
+        (
+            lambda s: [s["thinker"], s["code2wav"], s["talker"]],
+            r"^stage 'code2wav' reads 'talker''s output but comes after 'thinker': each stage reads the one",
+        ),
+    ],
+    ids=["a stage missing", "stages out of order"],
+)
+def test_a_stage_graph_that_cannot_run_is_refused_before_loading(omni_dir, tmp_path, stages, match) -> None:
+    """Stage i is fed stage i - 1's results: a YAML whose code2wav reads a talker it does not list
+    (its thinker's text would be read as codec ids) or lists after it is refused by ``plan`` and
+    ``from_pretrained`` alike."""
+    config = shipped_config("qwen2_5_omni")
+    config["stages"] = stages({s["name"]: s for s in config["stages"]})
+    path = tmp_path / "graph.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=match):
+        plan_memory(omni_dir, stage_config=path)
+    with pytest.raises(ValueError, match=match):
+        OmniJaxPipeline.from_pretrained(omni_dir, stage_config=path)
 
 
 def test_a_plan_without_a_cache_says_none(omni_dir) -> None:

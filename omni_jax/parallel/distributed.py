@@ -55,6 +55,15 @@ def initialize(
     return True
 
 
+def process_count_asked() -> int:
+    """How many processes the runtime has, or the environment asks for before it is joined
+    (``JAX_NUM_PROCESSES``; 1 when unset), without joining it."""
+    if jax.distributed.is_initialized():
+        return jax.process_count()
+    value = os.environ.get(ENV_NUM_PROCESSES)
+    return int(value) if value and value.isdigit() else 1
+
+
 def is_main_process() -> bool:
     return jax.process_index() == 0
 

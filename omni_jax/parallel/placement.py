@@ -50,14 +50,15 @@ def stage_layouts(
 ) -> dict[str, StageLayout]:
     """Each stage's layout, or ``ValueError`` naming the stage whose layout is impossible.
 
-    The one rule for how stages get meshes: a stage's ``mesh`` (over its ``devices`` if listed),
-    else its ``devices`` all over ``model``, else ``default``; explicit device lists of two stages
-    are disjoint unless ``allow_shared_devices``. It needs no devices, so
+    The one rule for how stages get meshes: a stage's ``mesh`` (over its ``devices`` if listed,
+    else the first devices), else its ``devices`` all over ``model``, else ``default``; a stage's
+    explicit device list shares no device with another stage placed by the YAML (its list, or
+    the first devices its own mesh takes) unless ``allow_shared_devices``. It needs no devices, so
     :func:`omni_jax.planning.plan_memory` lays out machines this process is not on with it, and
     :func:`stage_meshes` builds the meshes of this one from it.
     """
     layouts: dict[str, StageLayout] = {}
-    owner: dict[int, str] = {}
+    owner: dict[int, tuple[str, bool]] = {}  # device -> (a YAML-placed stage on it, listed it)
     for st in stages:
         if st.mesh is not None:
             wanted = st.mesh
@@ -75,14 +76,17 @@ def stage_layouts(
             raise ValueError(
                 f"stage {st.name!r}: the mesh needs {size} devices but the device list has {len(devices)}"
             )
-        if devices is not None and not allow_shared_devices:
-            for d in devices:
-                if owner.setdefault(d, st.name) != st.name:
-                    raise ValueError(
-                        f"stages {owner[d]!r} and {st.name!r} both list device {d}; give them disjoint "
-                        "devices or set allow_shared_devices: true in the pipeline YAML"
-                    )
-        layouts[st.name] = StageLayout(shape, devices)
+        layout = layouts[st.name] = StageLayout(shape, devices)
+        if allow_shared_devices or (st.mesh is None and devices is None):
+            continue  # on the default placement, every such stage shares its devices by design
+        for d in layout.indices:
+            other, listed = owner.setdefault(d, (st.name, devices is not None))
+            if other != st.name and (listed or devices is not None):
+                raise ValueError(
+                    f"stages {other!r} and {st.name!r} both take device {d} (a stage with its own "
+                    "mesh and no devices takes the first ones); give them disjoint devices or set "
+                    "allow_shared_devices: true in the pipeline YAML"
+                )
     return layouts
 
 

@@ -82,22 +82,27 @@ class PipelineConfig:
     allow_shared_devices: bool = False
 
     def select(self, names: list[str] | None) -> PipelineConfig:
-        if names is None:
-            return self
+        """The stages ``names`` lists (``None``: all the config has), as a graph that runs: the
+        first takes the prompt, each later one reads the one before it (stage i is fed stage
+        i - 1's results); ``ValueError`` naming the stage otherwise."""
         known = [s.name for s in self.stages]
-        unknown = [n for n in names if n not in known]
+        unknown = [n for n in names or [] if n not in known]
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; {self.architecture} has {known}")
-        chosen = tuple(s for s in self.stages if s.name in names)
+        chosen = tuple(s for s in self.stages if names is None or s.name in names)
+        built = f"stages={names} does not build" if names is not None else "the stage config does not list"
         if chosen and chosen[0].needs_input:
             raise ValueError(
                 f"stage {chosen[0].name!r} reads {chosen[0].input!r}'s output and cannot take a prompt; "
                 f"build it together with {chosen[0].input!r}"
             )
-        for s in chosen[1:]:  # only the first built stage may read the user's prompt
-            if s.input not in names:
+        for before, s in zip(chosen, chosen[1:], strict=False):  # only the first reads the prompt
+            if s.input not in [c.name for c in chosen]:
+                raise ValueError(f"stage {s.name!r} reads {s.input!r}'s output, which {built}")
+            if s.input != before.name:
                 raise ValueError(
-                    f"stage {s.name!r} reads {s.input!r}'s output, which stages={names} does not build"
+                    f"stage {s.name!r} reads {s.input!r}'s output but comes after {before.name!r}: "
+                    "each stage reads the one listed before it"
                 )
         return dataclasses.replace(self, stages=chosen)
 

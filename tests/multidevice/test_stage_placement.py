@@ -178,7 +178,7 @@ def test_overlapping_stage_devices_refused(omni_dir, tmp_path) -> None:
         {"name": "code2wav", "kind": "generation", "input": "thinker", "devices": [3, 4]},
     ]
     cfg = stage_yaml(tmp_path, "Qwen2_5OmniForConditionalGeneration", stages)
-    with pytest.raises(ValueError, match="stages 'thinker' and 'code2wav' both list device 3"):
+    with pytest.raises(ValueError, match="stages 'thinker' and 'code2wav' both take device 3"):
         OmniJaxPipeline.from_pretrained(omni_dir, stage_config=cfg)
 
 
@@ -186,7 +186,7 @@ def test_shared_devices_allowed_when_the_yaml_says_so(gqa_dir, tmp_path) -> None
     from omni_jax.parallel import StagePlacement, stage_meshes
 
     stages = [StagePlacement("a", devices=[0, 1]), StagePlacement("b", devices=[1, 2])]
-    with pytest.raises(ValueError, match="both list device 1"):
+    with pytest.raises(ValueError, match="both take device 1"):
         stage_meshes(stages)
     meshes = stage_meshes(stages, allow_shared_devices=True)
     assert [d.id for d in meshes["b"].devices.flat] == [1, 2]
