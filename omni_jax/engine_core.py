@@ -272,9 +272,12 @@ class EngineCore:
 
     def _end(self, flight: _Flight) -> OmniRequestOutput:
         """The request is done: its last update, the whole output with the deltas this step
-        gathered for it. The stages still holding it (it failed, was aborted, or one of them
-        ended it) drop it."""
+        gathered for it (``stage_outputs`` in stage order, whichever finished first: a fed
+        stage can end before the one feeding it reports). The stages still holding it (it
+        failed, was aborted, or one of them ended it) drop it."""
         out = flight.output
+        done = out.stage_outputs
+        out.stage_outputs = {s.config.name: done[s.config.name] for s in self.stages if s.config.name in done}
         for si in flight.holders:
             self.stages[si].abort(out.request_id)
         flight.holders = []

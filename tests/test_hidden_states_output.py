@@ -73,6 +73,7 @@ def test_thinker_states_whole_while_the_talker_takes_them_as_computed(omni_dir, 
     hf = Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_dir, dtype=torch.float32).eval()
     for out in outs:
         assert out.finish_reason == "length" and len(out.audio) > 0
+        assert list(out.stage_outputs) == ["thinker", "talker", "code2wav"]  # stage order
         computed = out.prompt_token_ids + out.token_ids[:-1]
         hidden = out.stage_outputs["thinker"].hidden_states
         assert hidden.shape == (len(computed), hf.config.thinker_config.text_config.hidden_size)

@@ -41,6 +41,8 @@ def test_mesh_shape_defaults_and_refusals() -> None:
         mesh_shape({"data": 0})
     with pytest.raises(ValueError, match="axis=size pairs"):
         parse_mesh("data:2")
+    with pytest.raises(ValueError, match=r"^mesh='data=2,model=2' must be a dict of axis sizes .*got str$"):
+        mesh_shape("data=2,model=2")  # type: ignore[arg-type]  # the command line's form, in Python
 
 
 def test_one_device_mesh_and_too_many_devices() -> None:

@@ -20,7 +20,13 @@ AXES = ("data", "model")
 
 
 def mesh_shape(shape: Mapping[str, int] | None) -> dict[str, int]:
-    """``{"data": D, "model": M}`` with missing axes set to 1; refuses unknown axes and sizes < 1."""
+    """``{"data": D, "model": M}`` with missing axes set to 1; refuses what is not a mapping (the
+    command line's ``"data=2,model=4"`` is :func:`parse_mesh`'s), unknown axes and sizes < 1."""
+    if shape is not None and not isinstance(shape, Mapping):
+        raise ValueError(
+            f"mesh={shape!r} must be a dict of axis sizes like {{'data': 2, 'model': 4}}, "
+            f"got {type(shape).__name__}"
+        )
     shape = dict(shape or {})
     unknown = sorted(set(shape) - set(AXES))
     if unknown:
