@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from omni_jax.architectures import architecture_of
 from omni_jax.engine.compilation import CompileCounter, enable_persistent_cache
 from omni_jax.engine_args import check_attention_backend, check_sizes, check_stage_names, dtype_name
@@ -24,8 +26,8 @@ from omni_jax.engine_core import EngineCore
 from omni_jax.intake import Intake, Prompt
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
 from omni_jax.outputs import OmniRequestOutput, StageWarmup, WarmupReport
+from omni_jax.parallel.distributed import check_agreement, is_main_process, random_seed
 from omni_jax.parallel.distributed import initialize as initialize_distributed
-from omni_jax.parallel.distributed import is_main_process
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.preflight import (
@@ -131,6 +133,8 @@ class OmniJaxPipeline:
         config = load_pipeline_config(stage_config or arch.stage_yaml).select(stages)
         if limit_mm_per_prompt is not None:
             config = config.with_media_limits(limit_mm_per_prompt)
+        engine = (dtype, mesh, max_num_seqs, max_model_len, num_pages, page_size, max_num_batched_tokens)
+        check_agreement("engine arguments or stage config", (config, engine, attention_backend))
         check_stage_engines(arch, config.stages)
         if not is_converted(path):  # no weights at all comes before a missing side file (voices)
             checkpoint_files(path)
@@ -248,6 +252,10 @@ class OmniJaxPipeline:
         request mix compiles anything (docs/ARCHITECTURE.md, "Compile once"). ``progress``: a bar over the
         stages with the XLA compilations so far."""
         stages: dict[str, StageWarmup] = {}
+        # What run() and a seedless request call across processes, compiled ahead too.
+        check_agreement("warm-ups", None)
+        if jax.process_count() > 1:
+            random_seed()
         with WarmupBar([s.config.name for s in self.stages], enabled=progress) as bar:
             for stage in self.stages:
                 with CompileCounter() as counted:
@@ -270,6 +278,7 @@ class OmniJaxPipeline:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        check_agreement("prompts or sampling params", (prompts, sampling_params_list))
         ids = [str(next(self._ids)) for _ in prompts]
         admitted = self.intake.admit(prompts, sampling_params_list, ids)
         outputs = [self.core.add(a) for a in admitted]

@@ -609,3 +609,39 @@ def test_a_client_gone_mid_upload_is_a_499_not_a_server_error() -> None:
     with pytest.raises(HTTPError) as e:
         asyncio.run(server.body(request))
     assert e.value.status == CLIENT_GONE
+
+
+class _Warming:
+    """A pipeline whose warm-up ends only when ``finish`` is set (``None``: never)."""
+
+    def __init__(self, finish: bool) -> None:
+        from types import SimpleNamespace
+
+        self.pipeline = SimpleNamespace(tokenizer=None, stages=[])
+        self.running, self.closed, self.finish = True, False, finish
+
+    async def warmup(self, progress: bool = False) -> Any:
+        from omni_jax.outputs import WarmupReport
+
+        if not self.finish:
+            await asyncio.Event().wait()
+        return WarmupReport({})
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("finish", [False, True], ids=["during warm-up", "after it"])
+def test_a_shutdown_during_warm_up_does_not_wait_for_it(finish: bool) -> None:
+    """SIGTERM while compiling (minutes on a real checkpoint) ends the server at once, leaving
+    the warm-up to end with the process; after the warm-up the pipeline is closed as usual."""
+    from fastapi.testclient import TestClient
+
+    from omni_jax.serve.app import ServeSettings, build_app
+
+    pipe = _Warming(finish)
+    with TestClient(build_app(pipe, ServeSettings(model_name="m"))) as client:  # type: ignore[arg-type]
+        for _ in range(100):  # the warm-up task runs once the app has started
+            if not finish or client.get("/health").status_code == 200:
+                break
+    assert pipe.closed is finish

@@ -26,8 +26,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two(model_dir: Path, spec: dict, tmp_path: Path) -> tuple[dict, dict]:
-    """Both processes' JSON results for ``spec`` (see ``two_process_worker.py``)."""
+def start_two(model_dir: Path, spec: dict, tmp_path: Path) -> tuple[dict, dict]:
+    """Both processes' JSON results for ``spec`` (see ``two_process_worker.py``), each having
+    exited cleanly."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec))
     port = free_port()
@@ -62,6 +64,12 @@ def run_two(model_dir: Path, spec: dict, tmp_path: Path) -> tuple[dict, dict]:
     text = "\n".join((tmp_path / f"p{i}.log").read_text()[-3000:] for i in range(2))
     assert codes == [0, 0], text
     main, other = (json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2))
+    return main, other
+
+
+def run_two(model_dir: Path, spec: dict, tmp_path: Path) -> tuple[dict, dict]:
+    """Both processes' results for ``spec``, run as one pipeline over both."""
+    main, other = start_two(model_dir, spec, tmp_path)
     assert [main["process_count"], main["global_devices"], main["mesh_processes"]] == [2, 4, [0, 1]]
     assert other["token_ids"] == [] and other["audio"] == []  # only process 0 returns outputs
     return main, other
@@ -98,3 +106,21 @@ def test_code2wav_across_two_processes(omni_dir, tmp_path) -> None:
     assert len(main["audio"]) == len(want)
     for got, w in zip(main["audio"], want, strict=True):
         assert rel_err(np.asarray(got, np.float32), w.audio) < SPLIT_ROUNDING
+
+
+def test_processes_given_other_arguments_or_prompts_refuse_alike(qwen2_dir, tmp_path) -> None:
+    """Each process fills its own devices from its own inputs: process 1 given another prompt of
+    the same length would have made process 0 answer process 1's prompt, and another engine
+    size would hang a collective. Both are refused, in both processes, naming process 1."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}]
+    params = [dict(temperature=0.0, max_tokens=4, ignore_eos=True)]
+    spec = {"mesh": MESH, "engine": ENGINE, "prompts": prompts, "params": params}
+    other_prompt = {**spec, "prompts_of": {"1": [{"prompt_token_ids": [9, 8, 7, 6, 5]}]}}
+    for result in start_two(qwen2_dir, other_prompt, tmp_path / "prompt"):
+        assert result == {
+            "error": "process(es) [1] were given other prompts or sampling params than process 0: "
+            "every process must run the same script with the same arguments and prompts"
+        }
+    other_engine = {**spec, "engine_of": {"1": {"max_num_seqs": 8}}}
+    for result in start_two(qwen2_dir, other_engine, tmp_path / "engine"):
+        assert result["error"].startswith("process(es) [1] were given other engine arguments or stage config")

@@ -3,7 +3,8 @@
 Started as ``python tests/two_process_worker.py MODEL_DIR SPEC_JSON OUT_JSON`` with
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, exactly as a
 user would start each host. The spec names the mesh, the engine settings, the stages (an AR
-stage, or ``["code2wav"]``), the prompts and their params.
+stage, or ``["code2wav"]``), the prompts and their params; ``engine_of`` and ``prompts_of``
+(by process id) give one process other ones, whose refusal (``ValueError``) is then its result.
 """
 
 from __future__ import annotations
@@ -24,11 +25,19 @@ def main(model_dir: str, spec_json: str, out_json: str) -> None:
 
     spec = json.loads(open(spec_json).read())
     stages = spec.get("stages")
-    pipe = OmniJaxPipeline.from_pretrained(model_dir, mesh=spec["mesh"], stages=stages, **spec["engine"])
-    first = pipe.stages[0]
+    me = os.environ["JAX_PROCESS_ID"]
+    engine = {**spec["engine"], **spec.get("engine_of", {}).get(me, {})}
     generation = stages == ["code2wav"]
     make = Token2WavParams if generation else SamplingParams
-    outs = pipe.run(spec["prompts"], [make(**p) for p in spec["params"]], progress=False)
+    try:
+        pipe = OmniJaxPipeline.from_pretrained(model_dir, mesh=spec["mesh"], stages=stages, **engine)
+        prompts = spec.get("prompts_of", {}).get(me, spec["prompts"])
+        outs = pipe.run(prompts, [make(**p) for p in spec["params"]], progress=False)
+    except ValueError as e:
+        with open(out_json, "w") as f:
+            json.dump({"error": str(e)}, f)
+        return
+    first = pipe.stages[0]
     if generation:
         mesh, kernel = first.runner.mesh, ("dit", "transformer_blocks", 0, "attn", "to_q", "kernel")
         state = first.runner.state

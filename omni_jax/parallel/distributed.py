@@ -12,8 +12,12 @@ itself), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import secrets
+from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -83,3 +87,46 @@ def random_seed() -> int:
     halves = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
     hi, lo = (int(v) for v in multihost_utils.broadcast_one_to_all(halves))
     return hi << 32 | lo
+
+
+def _canonical(value: Any) -> bytes:
+    """``value`` as bytes that two processes given equal values produce alike: containers by
+    their items (a dict's sorted by key), arrays and images by their pixels, dataclasses by their
+    fields; an object of another type by its type's name alone (its repr may hold an address)."""
+    if value is None or isinstance(value, (bool, int, float, str, Path)):
+        return f"{type(value).__name__}:{value!r};".encode()
+    if isinstance(value, bytes):
+        return b"bytes:" + value + b";"
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: repr(kv[0]))
+        return b"{" + b"".join(_canonical(k) + _canonical(v) for k, v in items) + b"}"
+    if isinstance(value, (list, tuple)):
+        return b"[" + b"".join(_canonical(v) for v in value) + b"]"
+    if isinstance(value, (np.ndarray, np.generic)):
+        array = np.ascontiguousarray(value)
+        return f"array:{array.dtype}{array.shape}:".encode() + array.tobytes() + b";"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return type(value).__name__.encode() + _canonical(fields)
+    if hasattr(value, "tobytes") and hasattr(value, "mode") and hasattr(value, "size"):  # a PIL image
+        return f"image:{value.mode}{value.size}:".encode() + value.tobytes() + b";"
+    return f"<{type(value).__name__}>;".encode()
+
+
+def check_agreement(what: str, value: Any) -> None:
+    """With several processes, ``ValueError`` in every one of them when this process's
+    ``value`` differs from process 0's (each process fills its own devices' shards from its own
+    inputs, so a difference would give wrong outputs or a collective that never completes).
+    One gather of a 32-byte digest, the same program every time."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(_canonical(value)).digest(), np.uint32)
+    everyone = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
+    differ = [p for p in range(len(everyone)) if not np.array_equal(everyone[p], everyone[0])]
+    if differ:
+        raise ValueError(
+            f"process(es) {differ} were given other {what} than process 0: every process must run "
+            "the same script with the same arguments and prompts"
+        )

@@ -272,7 +272,10 @@ async def _gather(events: AsyncIterator[Piece | End], first: Piece | End) -> _Ga
 
 def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
     """The server's app; its lifespan warms the pipeline up (``/health`` is 503 until then) and
-    closes it at shutdown."""
+    closes it at shutdown. A shutdown during the warm-up (SIGTERM from ``docker stop`` or
+    Kubernetes) does not wait for it: no request is being served, and the warm-up compiling on
+    the engine thread (a daemon) can take minutes, so the pipeline is left to end with the
+    process instead of being closed after it."""
     server = _Server(pipe, settings)
 
     @contextlib.asynccontextmanager
@@ -281,9 +284,11 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         try:
             yield
         finally:
-            if warming is not None:
+            if warming is not None and not warming.done():
                 warming.cancel()
-            await asyncio.to_thread(pipe.close)
+                log.info("stopped during the warm-up: its compilation is abandoned")
+            else:
+                await asyncio.to_thread(pipe.close)
 
     app = FastAPI(title="omni-jax", lifespan=lifespan)
     app.state.server = server
