@@ -133,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--speaker", default=None, help="the voice (Qwen2.5-Omni: e.g. Chelsie, Ethan)")
     add_engine_arguments(r)
     r.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
-    r.add_argument("--num-processes", type=int, default=None)
-    r.add_argument("--process-id", type=int, default=None)
+    r.add_argument(
+        "--num-processes", type=int, default=None, help="how many processes run it (multi-process)"
+    )
+    r.add_argument("--process-id", type=int, default=None, help="this process's index, 0 on the coordinator")
     r.set_defaults(fn=_run)
     c = sub.add_parser("convert", help="HF checkpoint -> Orbax checkpoint")
     convert_cli.add_arguments(c)
