@@ -67,7 +67,7 @@ from omni_jax.stages.base import (
 )
 from omni_jax.stages.rows import GrowingRows
 from omni_jax.stages.talker import TalkerPositions
-from omni_jax.voices import UnknownSpeakerError
+from omni_jax.voices import voice_named
 
 PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8
 """The code predictor's truncation whenever the talker samples (``prepare_inputs_for_generation``
@@ -316,17 +316,9 @@ class Qwen3TalkerFrontend:
 
     def _speaker(self, index: int, prompt: dict[str, Any]) -> int:
         """The codec id of the voice ``prompt["speaker"]`` names (case-insensitive, as
-        ``generate`` looks it up), or of the default voice."""
-        name = prompt.get("speaker", self.default_speaker)
-        if not isinstance(name, str):
-            raise ValueError(
-                f"request {index}: speaker must be a voice name (str), got {type(name).__name__}"
-            )
-        if name.lower() not in self.speakers:
-            raise UnknownSpeakerError(
-                f"request {index}: unknown speaker {name!r}; known speakers: {sorted(self.speakers)}"
-            )
-        return self.speakers[name.lower()]
+        ``generate`` looks it up: the config's names are lower case; :func:`voice_named`), or of
+        the default voice."""
+        return self.speakers[voice_named(index, prompt.get("speaker", self.default_speaker), self.speakers)]
 
     def connect(self, upstream: Stage) -> None:
         """Keep the thinker's embeddings of the text specials (BOS, EOS, pad) and have it

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from omni_jax.safetensors_io import iter_safetensors
-from omni_jax.voices import UnknownSpeakerError
+from omni_jax.voices import voice_named
 
 TORCH_FILE = "spk_dict.pt"
 TENSOR_FILE = "speakers.safetensors"
@@ -149,22 +149,9 @@ class Voices:
         return cls(speakers, preferred)
 
     def pick(self, index: int, prompt: dict[str, Any]) -> Speaker:
-        """The voice ``prompt["speaker"]`` names (or the default), its case aside when no voice
-        has the name as given (``"chelsie"``: OpenAI's clients write voices in lower case, and
-        Qwen3-Omni's ``generate`` ignores case); ``ValueError`` naming request ``index`` and the
-        known voices when the name is unknown."""
+        """The voice ``prompt["speaker"]`` names (:func:`~omni_jax.voices.voice_named`), or the
+        default."""
         name = prompt.get("speaker")
         if name is None:
             return self.speakers[self.default]
-        if not isinstance(name, str):
-            raise ValueError(
-                f"request {index}: speaker must be a voice name (str), got {type(name).__name__}"
-            )
-        if name in self.speakers:
-            return self.speakers[name]
-        matches = [known for known in self.speakers if known.lower() == name.lower()]
-        if len(matches) != 1:
-            raise UnknownSpeakerError(
-                f"request {index}: unknown speaker {name!r}; known speakers: {list(self.speakers)}"
-            )
-        return self.speakers[matches[0]]
+        return self.speakers[voice_named(index, name, self.speakers)]
