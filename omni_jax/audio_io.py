@@ -19,17 +19,17 @@ PCM16_SCALE = 32767
 SampleFormat = Literal["pcm16", "float32"]
 
 WAV_RATES = (1_000, 384_000)
-"""The sample rates (Hz) a WAV is read at, inclusive: every rate audio is recorded at. Its header
-is the sender's word, and resampling costs with the rate's ratio to the target (a prime rate of
-millions of Hz took seconds and gigabytes), so another rate is refused before any is done."""
+"""The sample rates (Hz) audio is read at, inclusive: every rate audio is recorded at. A WAV's
+header (or an array's stated rate) is the sender's word, and resampling costs with the rate's
+ratio to the target (a prime rate of millions of Hz took seconds and gigabytes), so another
+rate is refused before any is done."""
 
 
 def read_wav(source: str | Path | BinaryIO, rate: int, max_seconds: float | None = None) -> np.ndarray:
     """A WAV file (a path or an open binary file) as float32 mono at ``rate`` Hz.
 
-    Integer PCM is scaled to [-1, 1), channels are averaged, and another rate is resampled with
-    ``scipy.signal.resample_poly`` (not bit-equal to librosa's resampler, which transformers'
-    ``load_audio`` uses). ``ValueError`` for what is not a readable WAV, holds no samples, has a
+    Integer PCM is scaled to [-1, 1), channels are averaged, and another rate is resampled
+    (:func:`resample`). ``ValueError`` for what is not a readable WAV, holds no samples, has a
     rate outside :data:`WAV_RATES` or lasts over ``max_seconds`` (both checked before
     resampling), its message a predicate (``"holds no samples"``) for the caller to put after
     the input's name.
@@ -37,20 +37,12 @@ def read_wav(source: str | Path | BinaryIO, rate: int, max_seconds: float | None
     import struct
 
     from scipy.io import wavfile
-    from scipy.signal import resample_poly
 
     try:
         source_rate, data = wavfile.read(source)
     except (ValueError, OSError, EOFError, struct.error) as e:  # truncated or not a WAV at all
         raise ValueError(f"is not a readable WAV file: {e}") from None
-    low, high = WAV_RATES
-    if not low <= source_rate <= high:
-        raise ValueError(f"has a sample rate of {source_rate} Hz; WAV files are read at {low} to {high} Hz")
-    if max_seconds is not None and len(data) > max_seconds * source_rate:
-        raise ValueError(
-            f"is {len(data) / source_rate:.2f} s long ({len(data)} samples at {source_rate} Hz), "
-            f"over the {max_seconds:g} s it may last"
-        )
+    check_clip(len(data), source_rate, max_seconds)
     if data.dtype == np.uint8:
         audio = (data.astype(np.float32) - 128) / 128
     elif np.issubdtype(data.dtype, np.integer):
@@ -61,10 +53,32 @@ def read_wav(source: str | Path | BinaryIO, rate: int, max_seconds: float | None
         audio = audio.mean(axis=1)
     if audio.size == 0:
         raise ValueError("holds no samples")
-    if source_rate != rate:
-        g = np.gcd(source_rate, rate)
-        audio = resample_poly(audio, rate // g, source_rate // g).astype(np.float32)
-    return audio
+    return resample(audio, source_rate, rate)
+
+
+def check_clip(samples: int, source_rate: int, max_seconds: float | None) -> None:
+    """``ValueError`` (a predicate, as :func:`read_wav`'s) for a rate outside :data:`WAV_RATES`
+    or a clip over ``max_seconds``: what must be refused before :func:`resample` pays for it."""
+    low, high = WAV_RATES
+    if not low <= source_rate <= high:
+        raise ValueError(f"has a sample rate of {source_rate} Hz; audio is read at {low} to {high} Hz")
+    if max_seconds is not None and samples > max_seconds * source_rate:
+        raise ValueError(
+            f"is {samples / source_rate:.2f} s long ({samples} samples at {source_rate} Hz), "
+            f"over the {max_seconds:g} s it may last"
+        )
+
+
+def resample(audio: np.ndarray, source_rate: int, rate: int) -> np.ndarray:
+    """Mono float ``audio`` at ``source_rate`` Hz as float32 at ``rate`` Hz, with
+    ``scipy.signal.resample_poly`` (not bit-equal to librosa's resampler, which transformers'
+    ``load_audio`` and vLLM use by default); the same array when the rates agree."""
+    from scipy.signal import resample_poly
+
+    if source_rate == rate:
+        return audio
+    g = np.gcd(source_rate, rate)
+    return resample_poly(audio, rate // g, source_rate // g).astype(np.float32)
 
 
 def pcm16(samples: np.ndarray) -> np.ndarray:

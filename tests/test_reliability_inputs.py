@@ -246,7 +246,7 @@ def test_wrong_mm_containers_refused(pipe, monkeypatch) -> None:
     prompt = with_media(pipe, "audio", AUDIO)
     refused(pipe, monkeypatch, dict(prompt, multi_modal_data=[AUDIO]), r"multi_modal_data must be a dict")
     refused(pipe, monkeypatch, dict(prompt, multi_modal_data={"audio": [None]}), r"audio must be a 1-D float")
-    refused(pipe, monkeypatch, dict(prompt, multi_modal_data={"audio": AUDIO.tolist()}), r"audio must be")
+    refused(pipe, monkeypatch, dict(prompt, multi_modal_data={"audio": [[AUDIO]]}), r"audio must be")
 
 
 # -- the full pipeline and code2wav first -----------------------------------------------------

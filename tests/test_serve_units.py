@@ -395,7 +395,7 @@ def test_a_rate_outside_what_audio_is_recorded_at_is_refused_before_resampling(r
     raw = buffer.getvalue()
     forged = raw[:24] + rate.to_bytes(4, "little") * 2 + raw[32:]
     with pytest.raises(
-        ValueError, match=f"^has a sample rate of {rate} Hz; WAV files are read at 1000 to 384000 Hz$"
+        ValueError, match=f"^has a sample rate of {rate} Hz; audio is read at 1000 to 384000 Hz$"
     ):
         read_wav(io.BytesIO(forged), 16_000)
 

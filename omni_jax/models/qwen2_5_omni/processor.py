@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from omni_jax.audio_io import read_wav
+from omni_jax.audio_io import check_clip, read_wav, resample
 from omni_jax.image_io import composite_rgb, composite_rgb_array, read_image
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
 from omni_jax.models.qwen2_5_omni.rope_index import chunk_bounds
@@ -190,13 +190,39 @@ def _check_finite(index: int, kind: str, array: np.ndarray) -> None:
         raise _fail(index, f"{kind} contains {bad} non-finite value(s) (NaN or inf)")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _audio_items(value: Any) -> list[Any]:
+    """A ``multi_modal_data["audio"]`` value as its clips, read as vLLM reads it: a
+    ``(clip, sample_rate)`` tuple, or a list of numbers, is one clip; otherwise a list or tuple
+    holds clips, and anything else is one clip."""
+    rated = isinstance(value, tuple) and len(value) == 2 and _is_number(value[1])
+    numbers = isinstance(value, list) and bool(value) and all(_is_number(x) for x in value)
+    return [value] if rated or numbers else _as_list(value)
+
+
 def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.ndarray:
-    """A 1-D real float array (or a .wav path, or a WAV file's bytes), not empty, finite, at most
-    ``max_samples`` long."""
+    """A 1-D real float array at 16 kHz (or a list of numbers; or a ``(clip, sample_rate)``
+    tuple, resampled as a WAV file is; or a .wav path, or a WAV file's bytes), not empty,
+    finite, at most ``max_samples`` long. Integer arrays are refused: their scale (PCM, or
+    values already in [-1, 1]) would be a guess, and transformers' feature extractor takes
+    them unscaled."""
     max_seconds = None if max_samples is None else max_samples / SAMPLE_RATE
-    if isinstance(item, (str, Path)):
+    rate = SAMPLE_RATE
+    if isinstance(item, tuple) and len(item) == 2 and _is_number(item[1]):
+        item, rate = item
+        if rate != int(rate):
+            raise _fail(index, f"audio sample rate must be a whole number of Hz, got {rate!r}")
+        rate = int(rate)
+    if isinstance(item, list) and item and all(_is_number(x) for x in item):
+        item = np.asarray(item, np.float32)
+    if isinstance(item, (str, Path)) and rate == SAMPLE_RATE:
         audio = read_audio(index, item, max_seconds)
-    elif isinstance(item, bytes):
+    elif isinstance(item, bytes) and rate == SAMPLE_RATE:
         try:
             audio = read_wav(io.BytesIO(item), SAMPLE_RATE, max_seconds)
         except ValueError as e:
@@ -206,12 +232,18 @@ def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.nda
     else:
         raise _fail(
             index,
-            f"audio must be a 1-D float array at {SAMPLE_RATE} Hz, a .wav path or WAV bytes, "
-            f"got {_describe(item)}",
+            f"audio must be a 1-D float array at {SAMPLE_RATE} Hz (or a (array, sample_rate) tuple), "
+            f"a .wav path or WAV bytes, got {_describe(item)}",
         )
     if audio.size == 0:
         raise _fail(index, "audio is empty")
     _check_finite(index, "audio", audio)
+    if rate != SAMPLE_RATE:
+        try:
+            check_clip(audio.size, rate, max_seconds)
+        except ValueError as e:
+            raise _fail(index, f"audio {e}") from None
+        audio = resample(audio.astype(np.float32, copy=False), rate, SAMPLE_RATE)
     if max_samples is not None and audio.size > max_samples:
         raise _fail(
             index,
@@ -286,13 +318,47 @@ def _image_item(index: int, item: Any) -> Any:
     return _rgb_array(index, item)
 
 
+def _is_frame(value: Any) -> bool:
+    from PIL import Image
+
+    return isinstance(value, Image.Image) or (isinstance(value, np.ndarray) and value.ndim == 3)
+
+
+def _video_items(value: Any) -> list[Any]:
+    """A ``multi_modal_data["video"]`` value as its videos, read as vLLM and transformers read
+    it: a list of frames (PIL images or ``[H, W, C]`` arrays) is one video; otherwise a list or
+    tuple holds videos, and anything else is one video."""
+    frames = isinstance(value, (list, tuple)) and bool(value) and all(_is_frame(f) for f in value)
+    return [value] if frames else _as_list(value)
+
+
+def _stacked_frames(index: int, frames: Sequence[Any]) -> np.ndarray:
+    """A video given frame by frame as one ``[frames, H, W, 3]`` array: PIL frames as RGB
+    (:func:`~omni_jax.image_io.composite_rgb`), array frames as images are (:func:`_rgb_array`)."""
+    from PIL import Image
+
+    rgb = []
+    for frame in frames:
+        if isinstance(frame, Image.Image):
+            rgb.append(np.asarray(composite_rgb(frame)))
+        else:
+            _pixel_array(index, "video frame", frame)
+            rgb.append(_rgb_array(index, frame))
+    shapes = sorted({f.shape for f in rgb})
+    if len(shapes) > 1 or len({f.dtype for f in rgb}) > 1:
+        raise _fail(index, f"video frames must share one shape and dtype, got shapes {shapes}")
+    return np.stack(rgb)
+
+
 def _video_item(index: int, item: Any) -> np.ndarray:
+    if isinstance(item, (list, tuple)) and item and all(_is_frame(f) for f in item):
+        item = _stacked_frames(index, item)
     ok = isinstance(item, np.ndarray) and item.ndim == 4 and (item.shape[-1] == 3 or item.shape[1] == 3)
     if not ok:
         raise _fail(
             index,
-            "video must be a frame array [frames, H, W, 3] or [frames, 3, H, W] (decode files first); "
-            f"got {_describe(item)}",
+            "video must be a frame array [frames, H, W, 3] or [frames, 3, H, W], or a list of frames "
+            f"(PIL images or [H, W, C] arrays; decode files first); got {_describe(item)}",
         )
     _pixel_array(index, "video", item)
     if item.shape[-1] != 3:
@@ -522,7 +588,8 @@ class OmniProcessor:
         unknown = set(mm) - set(checks)
         if unknown:
             raise _fail(index, f"multi_modal_data has unknown keys {sorted(unknown)} (known: {list(checks)})")
-        return {k: [checks[k](index, item) for item in _as_list(v)] for k, v in mm.items() if v is not None}
+        items = {"audio": _audio_items, "image": _as_list, "video": _video_items}
+        return {k: [checks[k](index, item) for item in items[k](v)] for k, v in mm.items() if v is not None}
 
     def _check_counts(
         self, index: int, ids: list[int], audios: int, images: int, videos: int, use_audio_in_video: bool
