@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 from parity import SPLIT_ROUNDING, rel_err
+from stage_yamls import edited_stages
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 
@@ -104,6 +105,28 @@ def test_code2wav_across_two_processes(omni_dir, tmp_path) -> None:
     single = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"])
     want = single.run(prompts, [Token2WavParams(**p) for p in params], progress=False)
     assert len(main["audio"]) == len(want)
+    for got, w in zip(main["audio"], want, strict=True):
+        assert rel_err(np.asarray(got, np.float32), w.audio) < SPLIT_ROUNDING
+
+
+def test_code2wav_across_two_processes_compiles_nothing_after_warmup(omni_dir, tmp_path) -> None:
+    """Reading a solve's waveforms back from the other process's devices runs a gather program
+    of the solve's shape: ``warmup()`` builds each one, so the run compiles nothing (it compiled
+    one gather per solve shape). Small solve limits keep the warm-up to a few programs."""
+    config = edited_stages(
+        tmp_path / "stages.yaml",
+        "qwen2_5_omni",
+        code2wav={"engine": {"max_batch": 2, "max_codes": 32, "max_solve_codes": 64, "stream": False}},
+    )
+    prompts = [{"prompt_token_ids": [1, 5, 9, 2, 7, 3][: 3 + i]} for i in range(3)]
+    params = [dict(num_steps=3, seed=i) for i in range(3)]
+    engine = {"stage_config": str(config)}
+    spec = {"mesh": MESH, "engine": engine, "stages": ["code2wav"], "prompts": prompts, "params": params}
+    main, other = run_two(omni_dir, {**spec, "warmup": True}, tmp_path)
+    assert main["compiles_after_warmup"] == other["compiles_after_warmup"] == 0
+
+    single = OmniJaxPipeline.from_pretrained(omni_dir, stages=["code2wav"], **engine)
+    want = single.run(prompts, [Token2WavParams(**p) for p in params], progress=False)
     for got, w in zip(main["audio"], want, strict=True):
         assert rel_err(np.asarray(got, np.float32), w.audio) < SPLIT_ROUNDING
 

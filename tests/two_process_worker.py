@@ -5,6 +5,8 @@ Started as ``python tests/two_process_worker.py MODEL_DIR SPEC_JSON OUT_JSON`` w
 user would start each host. The spec names the mesh, the engine settings, the stages (an AR
 stage, or ``["code2wav"]``), the prompts and their params; ``engine_of`` and ``prompts_of``
 (by process id) give one process other ones, whose refusal (``ValueError``) is then its result.
+With ``"warmup": true`` the pipeline is warmed up first, and the result counts the XLA programs
+the run then compiled (``compiles_after_warmup``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def main(model_dir: str, spec_json: str, out_json: str) -> None:
     from flax import nnx
 
     from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
+    from omni_jax.engine.compilation import CompileCounter
 
     spec = json.loads(open(spec_json).read())
     stages = spec.get("stages")
@@ -32,7 +35,10 @@ def main(model_dir: str, spec_json: str, out_json: str) -> None:
     try:
         pipe = OmniJaxPipeline.from_pretrained(model_dir, mesh=spec["mesh"], stages=stages, **engine)
         prompts = spec.get("prompts_of", {}).get(me, spec["prompts"])
-        outs = pipe.run(prompts, [make(**p) for p in spec["params"]], progress=False)
+        if spec.get("warmup"):
+            pipe.warmup(progress=False)
+        with CompileCounter() as counted:
+            outs = pipe.run(prompts, [make(**p) for p in spec["params"]], progress=False)
     except ValueError as e:
         with open(out_json, "w") as f:
             json.dump({"error": str(e)}, f)
@@ -53,6 +59,7 @@ def main(model_dir: str, spec_json: str, out_json: str) -> None:
         "q_local_shards": [list(s.data.shape) for s in q.addressable_shards],
         "token_ids": [o.token_ids for o in outs],
         "audio": [o.audio.tolist() for o in outs if o.audio is not None],
+        "compiles_after_warmup": counted.compiles if spec.get("warmup") else None,
     }
     with open(out_json, "w") as f:
         json.dump(result, f)

@@ -288,7 +288,8 @@ class GenerationRunner(Generic[R, B]):
 
         Each program is that of solving the padder's batch of its shape with no request in it,
         placed as a real batch is; they are compiled side by side (:func:`compile_ahead`), then
-        each solved once, one after the other.
+        each solved once, one after the other, and read back as :meth:`land` reads a solve (with
+        several processes that read is a gather program of the solve's shape, built here too).
         """
         shapes = self.buckets.shapes()
         batches = [self.padder.pad([], rows, length).arrays(self.mesh) for rows, length in shapes]
@@ -296,8 +297,7 @@ class GenerationRunner(Generic[R, B]):
         compile_ahead(calls)
         for (rows, length), call in zip(shapes, calls, strict=True):
             with scope(f"{self.name}/warmup", rows=rows, length=length):
-                out, _ = call()
-                jax.block_until_ready(out)
+                _host(call())
         return len(shapes)
 
     def run(self, requests: list[R]) -> list[GenerationResult[R]]:
@@ -325,7 +325,7 @@ class GenerationRunner(Generic[R, B]):
         finite fails alone (rows do not mix). ``solve_s`` is :attr:`InFlight.seconds`.
         """
         requests = list(flight.rows.values())
-        read = flight.read(lambda outputs: tuple(fetch(x) for x in outputs))
+        read = flight.read(_host)
         rows, length = flight.shape
         if isinstance(read, jax.errors.JaxRuntimeError):
             if len(requests) > 1:  # find the culprit: the others still complete
@@ -348,3 +348,8 @@ class GenerationRunner(Generic[R, B]):
                     message = f"non-finite {self.padder.output} ({bad} of {o.size} samples)"
                     results.append(GenerationResult(r, None, message, flight.size, dt, length))
             return results
+
+
+def _host(outputs: tuple[jax.Array, ...]) -> tuple[np.ndarray, ...]:
+    """A solve's outputs on this host (gathered from other processes' devices where they span them)."""
+    return tuple(fetch(x) for x in outputs)
