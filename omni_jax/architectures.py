@@ -108,13 +108,17 @@ class ModelPart:
 
     def shard_rules(self, hf_config: Any, model: int) -> tuple[ShardRule, ...]:
         """Rules for a ``model``-way split; ``ValueError`` naming the stage when the part cannot
-        be split so (stages share a mesh: the message says whose heads ``model`` does not divide)."""
+        be split so (stages share a mesh: the message says whose heads ``model`` does not divide,
+        and that a stage YAML can give that stage a mesh of its own)."""
         if self.partition is None:
             return ()
         try:
             return self.partition(hf_config, model)
         except ValueError as e:
-            raise ValueError(f"stage {self.stage!r}: {e}") from None
+            raise ValueError(
+                f"stage {self.stage!r}: {e}; a stage YAML (stage_config=, --stage-config) can give "
+                "each stage its own mesh and devices"
+            ) from None
 
 
 SideFileConverter = Callable[[Path, Path], None]

@@ -318,7 +318,8 @@ def test_plan_refuses_what_from_pretrained_would(omni_7b, omni_dir) -> None:
     with pytest.raises(
         ValueError,
         match=r"^stage 'talker': mesh model=7 does not divide the 12 attention heads "
-        r"\(model sizes that do: 1, 2, 3, 4, 6, 12\)$",
+        r"\(model sizes that do: 1, 2, 3, 4, 6, 12\); a stage YAML \(stage_config=, --stage-config\) "
+        r"can give each stage its own mesh and devices$",
     ):
         plan_memory(omni_7b, mesh={"model": 7})
     with pytest.raises(ValueError, match=r"dtype='bf17' is not one of float32, bfloat16, float16"):
