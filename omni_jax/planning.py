@@ -115,20 +115,21 @@ class MemoryPlan:
             "",
             "per stage, on each of its devices"
             + (f" (KV all: {self.max_num_seqs} sequences, a default cache):" if self.max_model_len else ":"),
-            row(STAGE_COLUMNS, *STAGE_HEADER),
         ]
+        stage_rows = [STAGE_HEADER]
         for s in self.stages:
             mesh = ",".join(f"{a}={s.mesh[a]}" for a in AXES)
-            devices = ",".join(map(str, s.devices))
             kv = (g(s.sequence_kv), g(s.full_kv)) if s.sequence_kv else ("-", "-")
-            lines.append(row(STAGE_COLUMNS, s.name, devices, mesh, s.dtype, g(s.weights), g(s.step), *kv))
-        header = ("device", "stages", "weights", "steps", "KV 1 seq", "least", "with KV all")
-        lines += ["", "per device (least: weights, steps and one sequence):", row(DEVICE_COLUMNS, *header)]
+            stage_rows.append((s.name, device_ranges(s.devices), mesh, s.dtype, g(s.weights), g(s.step), *kv))
+        lines += aligned(stage_rows)
+        lines += ["", "per device (least: weights, steps and one sequence):"]
+        device_rows = [DEVICE_HEADER]
         for d in self.devices:
             full = d.weights + d.steps + d.full_kv
             kv = g(d.sequence_kv) if d.sequence_kv else "-"  # a device of generation stages holds no cache
             cells = (g(d.weights), g(d.steps), kv, g(d.least), g(full))
-            lines.append(row(DEVICE_COLUMNS, str(d.device), ",".join(d.stages), *cells))
+            device_rows.append((str(d.device), ",".join(d.stages), *cells))
+        lines += aligned(device_rows)
         lines += ["", f"GPUs (JAX uses {self.mem_fraction:.0%} of one: XLA_PYTHON_CLIENT_MEM_FRACTION):"]
         width = max(3, *(len(f"{size:g}") for size in gpu_sizes_gib))
         for size in gpu_sizes_gib:
@@ -153,12 +154,25 @@ def size_text(n: int) -> str:
 
 
 STAGE_HEADER = ("stage", "devices", "mesh", "dtype", "weights", "largest step", "KV 1 seq", "KV all")
-STAGE_COLUMNS = (9, 8, 15, 9, 10, 13, 10, 10)
-DEVICE_COLUMNS = (7, 24, 10, 10, 10, 10, 11)
+DEVICE_HEADER = ("device", "stages", "weights", "steps", "KV 1 seq", "least", "with KV all")
 
 
-def row(widths: tuple[int, ...], *cells: str) -> str:
-    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+def aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """``rows`` of cells as lines, each column as wide as its widest cell (device lists and
+    stage names grow with the layout) and two spaces between columns."""
+    widths = [max(len(cell) for cell in column) for column in zip(*rows, strict=True)]
+    return ["  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip() for cells in rows]
+
+
+def device_ranges(devices: tuple[int, ...] | list[int]) -> str:
+    """Device indices as runs: ``0-7``, ``0-3,6``."""
+    runs: list[list[int]] = []
+    for d in sorted(devices):
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def plan_memory(

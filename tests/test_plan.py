@@ -24,7 +24,7 @@ from omni_jax.cli import main as cli_main
 from omni_jax.engine.memory import GIB
 from omni_jax.models.loading import abstract_model
 from omni_jax.parallel.placement import StagePlacement, stage_meshes
-from omni_jax.planning import MemoryPlan, plan_memory
+from omni_jax.planning import MemoryPlan, device_ranges, plan_memory
 from omni_jax.stages.config import load_pipeline_config
 from omni_jax.weights import convert, load_part
 
@@ -238,6 +238,20 @@ def test_qwen2_5_omni_7b_from_config_alone(plan_7b) -> None:
     assert re.search(r"^ +80 GiB: fits, \d+ sequences? at once$", table, re.M)
 
 
+def test_plan_table_columns_line_up_on_many_devices(omni_7b) -> None:
+    """Each column is as wide as its widest cell: eight devices' list (as a run, ``0-7``) and
+    the device table's stage lists keep every later column under its header."""
+    lines = plan_memory(omni_7b, mesh={"data": 2, "model": 4}, dtype="bfloat16").table().splitlines()
+    for title, rows in (("stage", 3), ("device", 8)):
+        at = next(i for i, line in enumerate(lines) if line.startswith(title + " "))
+        header, body = lines[at], lines[at + 1 : at + 1 + rows]
+        starts = [m.start() for m in re.finditer(r"(?<=  )\S", header)]
+        for line in body:
+            assert all(line[i - 2 : i] == "  " and line[i] != " " for i in starts), (header, line)
+    assert re.search(r"^thinker +0-7 +data=2,model=4 ", "\n".join(lines), re.M)
+    assert device_ranges([0, 1, 2, 3, 6]) == "0-3,6" and device_ranges([5]) == "5"
+
+
 def test_qwen2_5_omni_7b_on_a_mesh(omni_7b, plan_7b) -> None:
     whole = {s.name: s for s in plan_7b.stages}
     split = plan_memory(omni_7b, stages=["thinker", "talker"], mesh={"model": 4})
@@ -338,8 +352,8 @@ def test_cli_prints_the_plan(omni_dir, capsys) -> None:
     assert cli_main(["plan", str(omni_dir), "--mesh", "model=2", "--max-model-len", "128"]) == 0
     out = capsys.readouterr().out
     assert "max_model_len 128, max_num_seqs 64" in out
-    assert re.search(r"^thinker +0,1 +data=1,model=2 +float32 ", out, re.M)
-    assert re.search(r"^code2wav +0,1 ", out, re.M)
+    assert re.search(r"^thinker +0-1 +data=1,model=2 +float32 ", out, re.M)
+    assert re.search(r"^code2wav +0-1 ", out, re.M)
     assert re.search(r"^1 +thinker,talker,code2wav ", out, re.M)
     for gib in (24, 40, 80):
         assert re.search(rf"^ +{gib} GiB: fits, 64 sequences at once$", out, re.M)
