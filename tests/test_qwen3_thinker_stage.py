@@ -203,6 +203,26 @@ def test_bad_media_are_refused_naming_the_request(pipe) -> None:
     assert out.finish_reason in ("stop", "length")
 
 
+def test_clips_too_short_for_the_stft_are_refused(pipe) -> None:
+    """The feature extractor's STFT reflects 200 samples at each edge: a request whose longest
+    clip is no longer is refused naming it (the reference fails in torch's padding, and the
+    server answered 500); one such clip beside a longer one is padded to it, as the reference
+    does, and runs."""
+    clips = our_prompt(pipe, "two_audios")
+    short = np.full(200, 0.1, np.float32)
+    bad(
+        pipe,
+        dict(clips, multi_modal_data={"audio": [short, short[:1]]}),
+        r"^request 1: audio is 200 samples long \(12.5 ms at 16000 Hz\); the feature extractor needs "
+        r"more than 200 samples in the longest clip$",
+    )
+    outs = pipe.run([dict(clips, multi_modal_data={"audio": [short[:1], CLIP_B]})], GREEDY, progress=False)
+    assert outs[0].error is None and outs[0].finish_reason in ("stop", "length")
+    least = np.append(short, 0.1)  # 201 samples: the shortest a request's longest clip may be
+    (one,) = pipe.run(dict(clips, multi_modal_data={"audio": [least, least]}), GREEDY, progress=False)
+    assert one.error is None
+
+
 def test_clips_are_padded_as_their_own_requests_reference_call(pipe) -> None:
     """The reference pads every chunk of one request's clips to that request's longest chunk,
     unmasked between its convolutions: a request's audio rows are the same whether its clips

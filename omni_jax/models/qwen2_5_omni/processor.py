@@ -558,16 +558,16 @@ class OmniProcessor:
         if fps is not None and not (isinstance(fps, (int, float)) and fps > 0):
             raise _fail(index, f"fps must be a positive number, got {fps!r}")
         out = OmniInputs(input_ids=[], use_audio_in_video=use_audio_in_video and bool(videos))
-        if audios:
-            out.audio_features = self.audio_features(audios)
         try:
+            if audios:
+                out.audio_features = self.audio_features(audios)
             if images:
                 out.image_patches, out.image_grid_thw = self.images(images)
             for video in videos:
                 patches, grid = self.video_processor(video)
                 out.video_patches.append(patches)
                 out.video_grid_thw.append(grid)
-        except ValueError as e:  # e.g. an aspect ratio the resize refuses
+        except ValueError as e:  # e.g. an aspect ratio the resize refuses, a clip too short to transform
             raise _fail(index, str(e)) from None
         seconds = self.video_processor.temporal_patch_size / (fps or self.default_fps)
         out.video_second_per_grid = [seconds] * len(videos)

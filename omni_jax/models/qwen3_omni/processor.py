@@ -79,7 +79,17 @@ class Qwen3OmniProcessor(OmniProcessor):
 
     def audio_features(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
         """``[mel, frames]`` per audio, the extractor called as the composite calls it (padded to
-        the longest clip, nothing truncated), cut to the frames its attention mask keeps."""
+        the longest clip, nothing truncated), cut to the frames its attention mask keeps.
+
+        The extractor's STFT reflects half a window at each edge, which needs more samples than
+        that: ``ValueError`` when even the longest clip is shorter (the reference raises torch's
+        padding error, the request could not run there either)."""
+        longest, half_window = max(len(a) for a in audios), self.feature_extractor.n_fft // 2
+        if longest <= half_window:
+            raise ValueError(
+                f"audio is {longest} samples long ({longest / SAMPLE_RATE * 1000:g} ms at {SAMPLE_RATE} Hz); "
+                f"the feature extractor needs more than {half_window} samples in the longest clip"
+            )
         out = self.feature_extractor(
             list(audios),
             sampling_rate=SAMPLE_RATE,
