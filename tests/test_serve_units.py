@@ -645,3 +645,34 @@ def test_a_shutdown_during_warm_up_does_not_wait_for_it(finish: bool) -> None:
             if not finish or client.get("/health").status_code == 200:
                 break
     assert pipe.closed is finish
+
+
+class _Faulty(_Warming):
+    """A warm pipeline whose stats fail: ``GET /metrics`` meets an exception no handler takes."""
+
+    def __init__(self) -> None:
+        super().__init__(finish=True)
+
+    @property
+    def stats(self) -> Any:
+        raise RuntimeError("injected fault")
+
+
+def test_an_unhandled_fault_is_a_500_json_and_the_server_goes_on() -> None:
+    """Starlette re-raised such an exception after answering (a second traceback, and uvicorn
+    closed the client's connection); now it is answered inside the app and the same client's
+    next request is served."""
+    from fastapi.testclient import TestClient
+
+    from omni_jax.serve.app import ServeSettings, build_app
+
+    with TestClient(build_app(_Faulty(), ServeSettings(model_name="m"))) as client:  # type: ignore[arg-type]
+        r = client.get("/metrics")
+        assert r.status_code == 500
+        assert r.json()["error"] == {
+            "message": "internal error: RuntimeError('injected fault')",
+            "type": "internal_error",
+            "param": None,
+            "code": 500,
+        }
+        assert client.get("/health").status_code in (200, 503)

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_jax import ParamError
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
@@ -270,6 +271,37 @@ async def _gather(events: AsyncIterator[Piece | End], first: Piece | End) -> _Ga
     return _Gathered("".join(text), audio, entries, event)
 
 
+class _Contained:
+    """An exception no handler took, answered inside the app with OpenAI's 500 JSON and logged
+    once. Starlette answers such an exception in its outermost layer and then raises it on to
+    the server, which logs a second traceback and closes the client's connection (a keep-alive
+    client's next request then failed with a reset); here it ends at this request. An exception
+    after the response started (a stream under way) is logged, and the response ends there."""
+
+    def __init__(self, app: ASGIApp, on_error: Callable[[], None]) -> None:
+        self.app, self.on_error = app, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001 - one request's fault: answered, logged, the server goes on
+            log.exception("request failed")
+            self.on_error()
+            if not started:
+                response = JSONResponse(responses.error_json(500, f"internal error: {e!r}"), status_code=500)
+                await response(scope, receive, send)
+
+
 def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
     """The server's app; its lifespan warms the pipeline up (``/health`` is 503 until then) and
     closes it at shutdown. A shutdown during the warm-up (SIGTERM from ``docker stop`` or
@@ -311,11 +343,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             responses.error_json(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers
         )
 
-    @app.exception_handler(Exception)
-    async def failed(_: Request, e: Exception) -> JSONResponse:
-        log.exception("request failed")
-        server.metrics.refused.labels("500").inc()
-        return JSONResponse(responses.error_json(500, f"internal error: {e!r}"), status_code=500)
+    app.add_middleware(_Contained, on_error=lambda: server.metrics.refused.labels("500").inc())
 
     @app.get("/health")
     async def health() -> Response:
