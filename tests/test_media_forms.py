@@ -98,11 +98,13 @@ def test_bad_rated_audio_refused(processor, value, match) -> None:
 
 
 def test_video_as_frames_equals_the_array(processor) -> None:
+    """A list of PIL images is one video (vLLM); a list of arrays is a list of videos there, so
+    frames as arrays make a video as one item of the list (as a ``chat_prompt`` item puts it)."""
     video = frames(4, 56, 84, 0)
     whole = process(processor, "video", video)
     assert_same(process(processor, "video", [Image.fromarray(f) for f in video]), whole)
-    assert_same(process(processor, "video", list(video)), whole)
-    assert_same(process(processor, "video", tuple(video)), whole)
+    assert_same(process(processor, "video", [list(video)]), whole)
+    assert_same(process(processor, "video", [tuple(video)]), whole)
     rgba = np.concatenate([video, np.full((4, 56, 84, 1), 255, np.uint8)], axis=-1)
     assert_same(process(processor, "video", [Image.fromarray(f, "RGBA") for f in rgba]), whole)
     other = frames(2, 28, 28, 1)
@@ -110,7 +112,22 @@ def test_video_as_frames_equals_the_array(processor) -> None:
     assert_same(two, process(processor, "video", [video, other], count=2))
 
 
-def test_frames_of_different_shapes_refused(processor) -> None:
-    video = [frames(1, 56, 84, 0)[0], frames(1, 28, 28, 0)[0]]
-    with pytest.raises(ValueError, match=r"^request 1: video frames must share one shape and dtype"):
-        process(processor, "video", video)
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (
+            [[frames(1, 56, 84, 0)[0], frames(1, 28, 28, 0)[0]]],
+            r"video frames must share one shape and dtype",
+        ),
+        (
+            [[np.zeros((56, 56, 2), np.uint8)] * 2],
+            r"a video frame must be .* got ndarray of shape \(56, 56, 2\)",
+        ),
+        ([np.zeros((2, 56, 56), np.uint8)], r"video must be .* got ndarray of shape \(2, 56, 56\)"),
+        ([np.zeros((56, 56, 3), np.uint8)], r"video must be .* got ndarray of shape \(56, 56, 3\)"),
+    ],
+    ids=["frames of two shapes", "two-channel frames", "frames without channels", "one frame, not a video"],
+)
+def test_bad_videos_refused_as_given(processor, value, match) -> None:
+    with pytest.raises(ValueError, match=r"^request 1: " + match):
+        process(processor, "video", value)

@@ -288,6 +288,15 @@ def _rgb_array(index: int, item: np.ndarray) -> np.ndarray:
     return item
 
 
+def _image_shaped(item: Any) -> bool:
+    """An ``[H, W, C]`` or ``[C, H, W]`` array with C in :data:`IMAGE_CHANNELS`."""
+    return (
+        isinstance(item, np.ndarray)
+        and item.ndim == 3
+        and (item.shape[-1] in IMAGE_CHANNELS or item.shape[0] in IMAGE_CHANNELS)
+    )
+
+
 def _image_item(index: int, item: Any) -> Any:
     """A PIL image (RGB) or an ``[H, W, 3]`` array (:func:`_rgb_array`), checked; a path is
     read as transformers' ``load_image`` reads it (:mod:`omni_jax.image_io`)."""
@@ -304,11 +313,7 @@ def _image_item(index: int, item: Any) -> Any:
         if min(item.size) < 1:
             raise _fail(index, f"image has an empty dimension: size {item.size}")
         return composite_rgb(item)
-    ok = isinstance(item, np.ndarray) and (
-        item.ndim == 2
-        or (item.ndim == 3 and (item.shape[-1] in IMAGE_CHANNELS or item.shape[0] in IMAGE_CHANNELS))
-    )
-    if not ok:
+    if not (isinstance(item, np.ndarray) and (item.ndim == 2 or _image_shaped(item))):
         raise _fail(
             index,
             "image must be a PIL image, an array [H, W], [H, W, C] or [C, H, W] with C in (1, 3, 4), "
@@ -325,11 +330,13 @@ def _is_frame(value: Any) -> bool:
 
 
 def _video_items(value: Any) -> list[Any]:
-    """A ``multi_modal_data["video"]`` value as its videos, read as vLLM and transformers read
-    it: a list of frames (PIL images or ``[H, W, C]`` arrays) is one video; otherwise a list or
-    tuple holds videos, and anything else is one video."""
-    frames = isinstance(value, (list, tuple)) and bool(value) and all(_is_frame(f) for f in value)
-    return [value] if frames else _as_list(value)
+    """A ``multi_modal_data["video"]`` value as its videos, read as vLLM reads it: a list of PIL
+    images is one video; otherwise a list or tuple holds videos (each an array, or a list of
+    frames), and anything else is one video."""
+    from PIL import Image
+
+    pil = isinstance(value, (list, tuple)) and bool(value) and all(isinstance(f, Image.Image) for f in value)
+    return [value] if pil else _as_list(value)
 
 
 def _stacked_frames(index: int, frames: Sequence[Any]) -> np.ndarray:
@@ -341,9 +348,15 @@ def _stacked_frames(index: int, frames: Sequence[Any]) -> np.ndarray:
     for frame in frames:
         if isinstance(frame, Image.Image):
             rgb.append(np.asarray(composite_rgb(frame)))
-        else:
+        elif _image_shaped(frame):
             _pixel_array(index, "video frame", frame)
             rgb.append(_rgb_array(index, frame))
+        else:
+            raise _fail(
+                index,
+                f"a video frame must be a PIL image or an array [H, W, C] or [C, H, W] with C in "
+                f"{IMAGE_CHANNELS}, got {_describe(frame)}",
+            )
     shapes = sorted({f.shape for f in rgb})
     if len(shapes) > 1 or len({f.dtype for f in rgb}) > 1:
         raise _fail(index, f"video frames must share one shape and dtype, got shapes {shapes}")
