@@ -61,6 +61,11 @@ def connect_stages(stages: Sequence[Stage]) -> None:
             upstream.capture_hidden = True
 
 
+CONTENT_TYPES = ("text", "audio", "image", "video")
+"""The ``type`` of a chat message's content item :meth:`OmniJaxPipeline.chat_prompt` takes (the
+chat template would drop any other silently, and its data with it)."""
+
+
 class OmniJaxPipeline:
     """Multi-stage inference over one checkpoint (the public API; docs/ARCHITECTURE.md)."""
 
@@ -232,10 +237,17 @@ class OmniJaxPipeline:
         for message in messages:
             content = message.get("content")
             for item in content if isinstance(content, list) else ():
-                kind = item.get("type")
+                kind = item.get("type") if isinstance(item, dict) else None
+                if kind not in CONTENT_TYPES:
+                    raise ValueError(
+                        f"a content item must be a dict whose 'type' is one of {list(CONTENT_TYPES)}, "
+                        f"got {item!r:.80}"
+                    )
                 if kind in ("audio", "image", "video"):
                     if kind not in item:
-                        raise ValueError(f"a {kind!r} content item needs its data under the key {kind!r}")
+                        raise ValueError(
+                            f"a content item of type {kind!r} needs its data under the key {kind!r}"
+                        )
                     media.setdefault(kind, []).append(item[kind])
         text = self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt

@@ -4,7 +4,8 @@ An audio clip may come as ``(array, sample_rate)`` (vLLM's own form), resampled 
 at that rate is, or as a list of numbers; a video as a list of frames (PIL images or
 ``[H, W, C]`` arrays), as vLLM and transformers' video processors take it. Each form must give
 exactly the features of the array form the parity tests already hold to transformers, through
-the same processor; what cannot be read is refused naming the request.
+the same processor; what cannot be read is refused naming the request. ``chat_prompt`` refuses
+content items its chat template would drop.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from omni_jax.models.qwen2_5_omni.processor import OmniInputs, OmniProcessor
 
 
 @pytest.fixture(scope="module")
-def processor(omni_dir) -> OmniProcessor:
-    pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], max_num_seqs=1)
+def pipe(omni_dir) -> OmniJaxPipeline:
+    return OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], max_num_seqs=1)
+
+
+@pytest.fixture(scope="module")
+def processor(pipe) -> OmniProcessor:
     return pipe.stages[0].frontend.processor
 
 
@@ -131,3 +136,22 @@ def test_video_as_frames_equals_the_array(processor) -> None:
 def test_bad_videos_refused_as_given(processor, value, match) -> None:
     with pytest.raises(ValueError, match=r"^request 1: " + match):
         process(processor, "video", value)
+
+
+@pytest.mark.parametrize(
+    "item,match",
+    [
+        (
+            {"type": "file", "file": "a.pdf"},
+            r"'type' is one of \['text', 'audio', 'image', 'video'\], got \{'type': 'file'",
+        ),
+        ("just text", r"a content item must be a dict .* got 'just text'"),
+        ({"type": "image"}, r"a content item of type 'image' needs its data under the key 'image'"),
+    ],
+    ids=["unknown type", "not a dict", "no data"],
+)
+def test_chat_prompt_refuses_content_it_would_drop(pipe, item, match) -> None:
+    """The chat template writes nothing for a content item of another type, so its data would
+    vanish from the request unseen: ``chat_prompt`` refuses it instead."""
+    with pytest.raises(ValueError, match=match):
+        pipe.chat_prompt([{"role": "user", "content": [item, {"type": "text", "text": "hi"}]}])
