@@ -74,6 +74,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
     print(out.text if out.text is not None else out.token_ids)
+    if out_dir is None and out.audio is not None:
+        seconds = len(out.audio) / out.sample_rate
+        print(
+            f"{seconds:.2f} s of audio made and not written: --output-dir DIR writes it as a WAV",
+            file=sys.stderr,
+        )
     if out_dir is not None:
         (out_dir / f"{out.request_id}.txt").write_text(out.text or " ".join(map(str, out.token_ids)))
         print(f"wrote {out_dir / (out.request_id + '.txt')}", file=sys.stderr)
@@ -130,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--audio", action="append", default=[], help="a .wav file (repeatable)")
     r.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
     r.add_argument("--video", action="append", default=[], help="video frames as .npy (repeatable)")
-    r.add_argument("--speaker", default=None, help="the voice (Qwen2.5-Omni: e.g. Chelsie, Ethan)")
+    r.add_argument(
+        "--speaker",
+        default=None,
+        help="the voice (Qwen2.5-Omni: Chelsie, Ethan; Qwen3-Omni: Aiden, Chelsie, Ethan; any case)",
+    )
     add_engine_arguments(r)
     r.add_argument("--coordinator-address", default=None, help="host:port of process 0 (multi-process)")
     r.add_argument(

@@ -65,6 +65,11 @@ def test_run_speaks_a_plain_prompt_on_qwen3_omni(qwen3_omni_dir, tmp_path, capsy
     rate, samples = read_wav(wav)
     assert rate == 24_000 and samples.size > 0
     assert f"wrote {wav}" in capsys.readouterr().err
+    # without --output-dir the text is printed, and the audio made is said to be unwritten
+    assert main([*args, "--max-num-seqs", "2", "--max-model-len", "256"]) == 0
+    err = capsys.readouterr().err
+    seconds = samples.size / rate
+    assert f"{seconds:.2f} s of audio made and not written: --output-dir DIR writes it as a WAV" in err
 
 
 def test_run_refuses_bad_input_in_one_line(omni_dir, tmp_path, capsys) -> None:
