@@ -13,6 +13,7 @@ import asyncio
 import base64
 import io
 import logging
+import re
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -321,8 +322,14 @@ def test_a_npy_video_data_url_becomes_its_frames() -> None:
     )
     assert got.dtype == frames.dtype
     np.testing.assert_array_equal(got, frames)
-    with pytest.raises(ValueError, match=r"^messages\.0\.content\.0\.video_url: not a readable \.npy"):
-        media.video("messages.0.content.0.video_url", data_url("video/mp4", b"\x00\x00\x00 ftypisom"), None)
+    where = "messages.0.content.0.video_url"
+    # anything but a .npy file: numpy would read it as a pickle and speak of allow_pickle
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(where)}: not a \.npy array of frames \(no \.npy header\)$"
+    ):
+        media.video(where, data_url("video/mp4", b"\x00\x00\x00 ftypisom"), None)
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)}: not a readable \.npy array of frames"):
+        media.video(where, data_url("application/octet-stream", buffer.getvalue()[:-10]), None)  # truncated
 
 
 def test_input_audio_is_the_wav_file_it_carries() -> None:

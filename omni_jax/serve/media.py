@@ -80,10 +80,16 @@ def audio_file(where: str, url: str, allowed: Path | None) -> bytes:
     return _url_bytes(where, url, allowed)
 
 
+NPY_MAGIC = b"\x93NUMPY"
+"""The first bytes of every ``.npy`` file."""
+
+
 def video(where: str, url: str, allowed: Path | None) -> np.ndarray:
     """Decoded frames ``[frames, H, W, 3]`` from a URL of a ``.npy`` array (no video decoder is a
     dependency: decode real video files to frames first)."""
     raw = _url_bytes(where, url, allowed)
+    if not raw.startswith(NPY_MAGIC):  # np.load reads anything else as a pickle, and says so
+        raise FieldError(where, "not a .npy array of frames (no .npy header)")
     try:
         frames = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
