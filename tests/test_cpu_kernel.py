@@ -112,17 +112,48 @@ def test_loading_the_kernel_keeps_denormals() -> None:
 
 
 def test_switched_off_or_without_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu.paged_decode_target.cache_clear()
+    cpu._paged_decode_target.cache_clear()
     try:
         monkeypatch.setenv(cpu.ENV_SWITCH, "0")
         assert cpu.paged_decode_target() is None
-        cpu.paged_decode_target.cache_clear()
+        cpu._paged_decode_target.cache_clear()
         monkeypatch.delenv(cpu.ENV_SWITCH)
         monkeypatch.setattr(cpu, "_compiler", lambda: None)
         with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
             assert cpu.paged_decode_target() is None
     finally:
-        cpu.paged_decode_target.cache_clear()
+        cpu._paged_decode_target.cache_clear()
+
+
+def test_threads_asking_at_once_build_the_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warm-up traces programs on several threads: each asked for the kernel first and built it
+    (the server logged "building" twice). Now the first builds and the others wait for it."""
+    import threading
+    import time
+
+    built = cpu._build
+    lib = built(cpu._compiler())
+    calls: list[str] = []
+
+    def slow_build(compiler: str) -> Path:
+        calls.append(compiler)
+        time.sleep(0.2)
+        return lib
+
+    cpu._paged_decode_target.cache_clear()
+    try:
+        monkeypatch.setattr(cpu, "_build", slow_build)
+        targets: list[str | None] = []
+        threads = [
+            threading.Thread(target=lambda: targets.append(cpu.paged_decode_target())) for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(calls) == 1 and targets == [cpu.PAGED_DECODE_TARGET] * 4
+    finally:
+        cpu._paged_decode_target.cache_clear()
 
 
 def test_a_failed_build_says_what_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

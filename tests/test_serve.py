@@ -945,7 +945,7 @@ def test_a_client_that_disconnects_aborts_its_request_and_the_others_finish(qwen
     m = wait_idle(server, timeout=5)
     assert (
         m[("omni_jax:kv_pages_free", (("stage", "llm"),))]
-        == m[("omni_jax:kv_pages_total", (("stage", "llm"),))]
+        == m[("omni_jax:kv_pages_capacity", (("stage", "llm"),))]
     )
     time.sleep(0.5)  # a request still running would be counted as it ends
     now_ended, now_aborted, now_tokens = counters(server)
@@ -1023,7 +1023,7 @@ METRIC_NAMES = {
         "omni_jax:num_requests_running",
         "omni_jax:num_requests_waiting",
         "omni_jax:kv_pages_free",
-        "omni_jax:kv_pages_total",
+        "omni_jax:kv_pages_capacity",
         "omni_jax:num_requests",
         "omni_jax:queue_waiting",
     ],
@@ -1059,7 +1059,7 @@ def test_metrics_are_prometheus_text_with_the_servers_names(qwen) -> None:
     assert grew("omni_jax:time_to_first_audio_seconds_count") == 0
     llm = (("stage", "llm"),)
     assert after[("omni_jax:num_requests_running", llm)] == after[("omni_jax:num_requests_waiting", llm)] == 0
-    assert after[("omni_jax:kv_pages_free", llm)] == after[("omni_jax:kv_pages_total", llm)] > 0
+    assert after[("omni_jax:kv_pages_free", llm)] == after[("omni_jax:kv_pages_capacity", llm)] > 0
     compiled = ("omni_jax:xla_compilations_total", ())
     assert after[compiled] == qwen.server.at_ready[compiled] >= 21  # warm-up's programs, then none
 
@@ -1315,4 +1315,4 @@ def test_32_concurrent_streams_all_complete_unmixed(omni) -> None:
     m = wait_idle(omni.server)
     for stage in ("thinker", "talker"):
         labels = (("stage", stage),)
-        assert m[("omni_jax:kv_pages_free", labels)] == m[("omni_jax:kv_pages_total", labels)]
+        assert m[("omni_jax:kv_pages_free", labels)] == m[("omni_jax:kv_pages_capacity", labels)]

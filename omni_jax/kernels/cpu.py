@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -86,10 +87,19 @@ def _build(compiler: str) -> Path:
     return lib
 
 
-@functools.cache
+_TARGET_LOCK = threading.Lock()
+
+
 def paged_decode_target() -> str | None:
     """The registered FFI target of the CPU paged decode kernel, built if needed; ``None``
-    when the kernels are off or no C++ compiler is found (with a warning, once)."""
+    when the kernels are off or no C++ compiler is found (with a warning, once). One caller at
+    a time: warm-up traces programs on several threads, which all built the kernel at once."""
+    with _TARGET_LOCK:
+        return _paged_decode_target()
+
+
+@functools.cache
+def _paged_decode_target() -> str | None:
     if os.environ.get(ENV_SWITCH) == "0":
         return None
     compiler = _compiler()

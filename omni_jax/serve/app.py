@@ -196,7 +196,7 @@ class _Server:
         before the end gets nothing (499 in the log); a request a stage failed is a 500."""
         events = reply(self.pipe, serve, request_id, self.metrics, time.perf_counter())
         try:
-            first = await self.unless_disconnected(request, anext(events))
+            first = await self.unless_disconnected(request, request_id, anext(events))
         except QueueFullError as e:
             raise HTTPError(
                 429, f"the server's queue is full ({e}); retry later", retry_after=RETRY_QUEUE_S
@@ -212,14 +212,14 @@ class _Server:
             return Response(status_code=CLIENT_GONE)
         if serve.stream:
             return StreamingResponse(stream(events, first), media_type="text/event-stream")
-        gathered = await self.unless_disconnected(request, _gather(events, first))
+        gathered = await self.unless_disconnected(request, request_id, _gather(events, first))
         if gathered is None:
             return Response(status_code=CLIENT_GONE)
         if gathered.end.finish_reason == "error":
             raise HTTPError(500, f"the request failed: {gathered.end.error}")
         return JSONResponse(whole(gathered))
 
-    async def unless_disconnected(self, request: Request, work: Awaitable[T]) -> T | None:
+    async def unless_disconnected(self, request: Request, request_id: str, work: Awaitable[T]) -> T | None:
         """``await work``, or cancel it and return ``None`` if the client disconnects first."""
         task = asyncio.ensure_future(work)
         watch = asyncio.ensure_future(_disconnected(request))
@@ -232,7 +232,7 @@ class _Server:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        log.info("client disconnected; its request was aborted")
+        log.info("%s: client disconnected; its request was aborted", request_id)
         return None
 
 

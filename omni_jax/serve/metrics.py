@@ -42,7 +42,7 @@ class _EngineLoad(Collector):
             "omni_jax:kv_pages_free", "Free KV cache pages of an AR stage", labels=["stage"]
         )
         total = GaugeMetricFamily(
-            "omni_jax:kv_pages_total", "KV cache pages of an AR stage", labels=["stage"]
+            "omni_jax:kv_pages_capacity", "KV cache pages of an AR stage", labels=["stage"]
         )
         for name, load in stats.stages.items():
             running.add_metric([name], load.running)
