@@ -26,13 +26,20 @@ rate is refused before any is done."""
 
 
 def read_wav(source: str | Path | BinaryIO, rate: int, max_seconds: float | None = None) -> np.ndarray:
-    """A WAV file (a path or an open binary file) as float32 mono at ``rate`` Hz.
+    """A WAV file (a path or an open binary file) as float32 mono at ``rate`` Hz: the file as
+    :func:`decode_wav` reads it, at another rate resampled (:func:`resample`). ``ValueError`` as
+    :func:`decode_wav`'s."""
+    audio, source_rate = decode_wav(source, max_seconds)
+    return resample(audio, source_rate, rate)
 
-    Integer PCM is scaled to [-1, 1), channels are averaged, and another rate is resampled
-    (:func:`resample`). ``ValueError`` for what is not a readable WAV, holds no samples, has a
-    rate outside :data:`WAV_RATES` or lasts over ``max_seconds`` (both checked before
-    resampling), its message a predicate (``"holds no samples"``) for the caller to put after
-    the input's name.
+
+def decode_wav(source: str | Path | BinaryIO, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+    """A WAV file (a path or an open binary file) as float32 mono at its own rate, and the rate.
+
+    Integer PCM is scaled to [-1, 1) and channels are averaged. ``ValueError`` for what is not a
+    readable WAV, holds no samples, has a rate outside :data:`WAV_RATES` or lasts over
+    ``max_seconds`` (both read from the header), its message a predicate (``"holds no
+    samples"``) for the caller to put after the input's name.
     """
     import struct
 
@@ -53,7 +60,7 @@ def read_wav(source: str | Path | BinaryIO, rate: int, max_seconds: float | None
         audio = audio.mean(axis=1)
     if audio.size == 0:
         raise ValueError("holds no samples")
-    return resample(audio, source_rate, rate)
+    return audio, int(source_rate)
 
 
 def check_clip(samples: int, source_rate: int, max_seconds: float | None) -> None:

@@ -37,6 +37,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -488,7 +489,8 @@ def test_completions_equal_run(qwen, kind, stream) -> None:
 
 def test_max_tokens_fill_the_context_to_its_end(qwen) -> None:
     """A ``max_tokens`` that fills the context exactly is served (one more is refused: REFUSALS);
-    without one, the reply stops at the context's end, as vLLM's server does."""
+    without one, the stage's default (64 tokens) stops at the context's end instead of being
+    refused."""
     client = qwen.server.client()
     prompt = [7] * 16_380
     for given in ({"max_tokens": 4}, {}):
@@ -685,7 +687,7 @@ REFUSALS = {
     "min_tokens over max_tokens": (
         {**GOOD, "min_tokens": 5},
         400,
-        "request 0: stage 'llm': min_tokens=5 must not exceed max_tokens",
+        "stage 'llm': min_tokens=5 must not exceed max_tokens",
         "min_tokens",
     ),
     "unserved OpenAI field": ({**GOOD, "tools": []}, 400, "unsupported field 'tools'", "tools"),
@@ -694,7 +696,7 @@ REFUSALS = {
     "over-long prompt": (
         {"model": "tiny-qwen2", "prompt": [7] * 17_000, "max_tokens": 2},
         400,
-        "request 0: prompt has 17000 tokens, max_model_len is 16384",
+        "prompt has 17000 tokens, max_model_len is 16384",
         None,
     ),
     "bad base64 image": (
@@ -718,13 +720,13 @@ REFUSALS = {
     "image to a text model": (
         {**GOOD, "messages": image_message(PNG_URL)},
         400,
-        "request 0: stage 'llm' takes no multi_modal_data",
+        "stage 'llm' takes no multi_modal_data",
         None,
     ),
     "audio from a text model": (
         {**GOOD, "modalities": ["text", "audio"]},
         400,
-        "request 0: modalities ['audio'] not produced by the built stages ['llm']",
+        "modalities ['audio'] not produced by the built stages ['llm']",
         None,
     ),
     "wrong model": ({**GOOD, "model": "gpt-4o"}, 404, "the model 'gpt-4o' does not exist here", "model"),
@@ -743,7 +745,7 @@ REFUSALS = {
     "max_tokens past the context": (
         {"model": "tiny-qwen2", "prompt": [7] * 16_000, "max_tokens": 385},
         400,
-        "request 0: 'max_tokens' or 'max_completion_tokens' is too large: 385. This model's maximum context "
+        "'max_tokens' or 'max_completion_tokens' is too large: 385. This model's maximum context "
         "length is 16384 tokens and your request has 16000 input tokens (385 > 16384 - 16000)",
         "max_tokens",
     ),
@@ -785,6 +787,7 @@ def test_a_bad_request_gets_openai_error_json_naming_the_problem(qwen, good_ref,
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
         error = check_error(http.post(path, **kw), status, TYPES[status], says)
         assert error["param"] == param
+        assert not error["message"].startswith("request ")  # run()'s prompt index: not the server's
         check_good_request(http, good_ref)
     metrics = qwen.server.metrics()
     assert metrics[("omni_jax:request_refused_total", (("status", str(status)),))] == refused_before + 1
@@ -798,6 +801,18 @@ def test_a_request_without_model_is_served_by_the_served_model(qwen, good_ref) -
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "tiny-qwen2"
     assert r.json()["choices"][0]["message"]["content"] == good_ref.text
+
+
+def test_response_format_text_is_served_and_json_refused(qwen, good_ref) -> None:
+    """SDKs send ``response_format: {"type": "text"}`` by default: the plain reply, as vLLM's
+    server answers; a JSON format (guided decoding, which the server does not do) is refused."""
+    with qwen.server.http() as http:
+        r = http.post("/v1/chat/completions", json={**GOOD, "response_format": {"type": "text"}})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == good_ref.text
+        r = http.post("/v1/chat/completions", json={**GOOD, "response_format": {"type": "json_object"}})
+    error = check_error(r, 400, "invalid_request_error", "response_format.type: Input should be 'text'")
+    assert error["param"] == "response_format.type"
 
 
 def test_the_openai_client_reads_the_refusals(qwen) -> None:
@@ -1316,3 +1331,51 @@ def test_32_concurrent_streams_all_complete_unmixed(omni) -> None:
     for stage in ("thinker", "talker"):
         labels = (("stage", stage),)
         assert m[("omni_jax:kv_pages_free", labels)] == m[("omni_jax:kv_pages_capacity", labels)]
+
+
+def test_shutdown_timeout_cuts_what_is_left_and_answers_the_queued(qwen_dir, tmp_path) -> None:
+    """``--shutdown-timeout 3``: SIGTERM drains for 3 s, then cuts what is still running (a
+    stream under way ends where it is) and answers a request still queued with a 503 saying so;
+    the server exits at once after, each cut logged in one line, no traceback. Without the
+    timeout the drain had no end (122 s for long replies), past any orchestrator's grace period;
+    the queued request got a plain-text 500 and the log a traceback."""
+    sizes = dict(QWEN_SIZES, max_num_seqs=1)
+    args = ["--no-warmup", "--shutdown-timeout", "3", *size_args(sizes)]
+    server = Server("drain", qwen_dir, tmp_path / "drain.log", *args).start()
+    try:
+        server.wait_healthy()
+        running = threading.Event()
+
+        def long_stream() -> list[str]:
+            body = chat_body("drain", "hello", max_tokens=DOOMED_TOKENS, ignore_eos=True, stream=True)
+            lines: list[str] = []
+            with pytest.raises(httpx.RemoteProtocolError), server.http() as http:  # cut mid-stream
+                with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        lines.append(line)
+                        running.set()
+            return lines
+
+        with ThreadPoolExecutor(2) as pool:
+            streamed = pool.submit(long_stream)
+            assert running.wait(120), server.log_tail()
+            with server.http() as http:
+                queued = pool.submit(
+                    http.post, "/v1/chat/completions", json=chat_body("drain", "hi", max_tokens=4)
+                )
+                time.sleep(1.0)  # the queued request is in (max_num_seqs 1: it waits)
+                assert server.proc is not None
+                signalled = time.monotonic()
+                server.proc.terminate()
+                server.proc.wait(60)
+                took = time.monotonic() - signalled
+                r = queued.result()
+            lines = streamed.result()
+        assert 3.0 <= took < 13.0, took
+        check_error(r, 503, "service_unavailable", "the server is shutting down")
+        assert lines and "data: [DONE]" not in lines
+        log = server.log.read_text(errors="replace")
+        assert "cut by the shutdown mid-response" in log and "cut by the shutdown before it answered" in log
+        assert "Traceback" not in log, server.log_tail()
+    finally:
+        server.stop()

@@ -38,6 +38,7 @@ from omni_jax.serve.protocol import (
     MAX_TOP_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
+    FieldError,
     invalid_request_message,
 )
 from omni_jax.serve.reply import End, Piece, Usage, reply
@@ -245,7 +246,8 @@ def test_a_bad_image_data_url_is_refused_naming_the_part(url: str, problem: str)
 
 def test_vllms_audio_url_part_is_read_as_input_audio_is() -> None:
     """The same WAV as an ``audio_url`` data URL and as ``input_audio`` base64: the same item."""
-    wav = wav_bytes(np.linspace(-0.5, 0.5, 800, dtype=np.float32), 16_000)
+    samples = np.linspace(-0.5, 0.5, 800, dtype=np.float32)
+    wav = wav_bytes(samples, 16_000, "float32")
     parts = [
         {"type": "audio_url", "audio_url": {"url": data_url("audio/wav", wav)}},
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
@@ -254,7 +256,9 @@ def test_vllms_audio_url_part_is_read_as_input_audio_is() -> None:
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
     assert body.model is None  # left out: the served model
     items = convert._content("messages.0", body.messages[0], None)
-    assert items[0] == items[1] == {"type": "audio", "audio": wav}
+    for item in items[:2]:
+        assert item["type"] == "audio" and item["audio"][1] == 16_000
+        np.testing.assert_array_equal(item["audio"][0], samples)
     with pytest.raises(ValueError, match=r"^messages\.0\.content\.0\.audio_url: file: URLs are refused"):
         media.audio_file("messages.0.content.0.audio_url", "file:///etc/hostname", None)
 
@@ -333,10 +337,20 @@ def test_a_npy_video_data_url_becomes_its_frames() -> None:
 
 
 def test_input_audio_is_the_wav_file_it_carries() -> None:
-    raw = wav_bytes(np.linspace(-1, 1, 50, dtype=np.float32), 16_000)
-    assert media.audio("a", base64.b64encode(raw).decode()) == raw
-    with pytest.raises(ValueError, match=r"^messages\.0\.content\.2\.input_audio\.data: not valid base64"):
-        media.audio("messages.0.content.2.input_audio.data", "UklGR@@@")
+    """Decoded to ``(samples, rate)`` at the file's own rate, so that a file that cannot be read
+    is refused naming its field (the stage refused it with ``param: null``)."""
+    samples = np.linspace(-1, 1, 50, dtype=np.float32)
+    raw = wav_bytes(samples, 8_000, "float32")
+    got, rate = media.audio("a", base64.b64encode(raw).decode())
+    assert rate == 8_000
+    np.testing.assert_array_equal(got, samples)
+    where = "messages.0.content.2.input_audio.data"
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)}: not valid base64"):
+        media.audio(where, "UklGR@@@")
+    with pytest.raises(FieldError, match=rf"^{re.escape(where)}: the WAV file is not a readable WAV file"):
+        media.audio(where, base64.b64encode(raw[:30]).decode())
+    with pytest.raises(FieldError, match=rf"^{re.escape(where)}: the WAV file holds no samples$"):
+        media.audio(where, base64.b64encode(wav_bytes(np.zeros(0, np.float32), 16_000)).decode())
 
 
 # -- WAV in and out ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -202,11 +203,9 @@ class _Server:
                 429, f"the server's queue is full ({e}); retry later", retry_after=RETRY_QUEUE_S
             ) from None
         except UnknownSpeakerError as e:
-            raise HTTPError(400, str(e), "audio.voice") from None
-        except ParamError as e:  # a sampling field the stage refused: the request field of its name
-            raise HTTPError(400, str(e), e.field) from None
+            raise _bad_request(e, "audio.voice") from None
         except ValueError as e:
-            raise HTTPError(400, str(e)) from None
+            raise _bad_request(e) from None
         if first is None:
             await events.aclose()
             return Response(status_code=CLIENT_GONE)
@@ -225,6 +224,9 @@ class _Server:
         watch = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # cut by the shutdown's timeout: the request goes with it
+            task.cancel()
+            raise
         finally:
             watch.cancel()
         if task in done:
@@ -234,6 +236,22 @@ class _Server:
             await task
         log.info("%s: client disconnected; its request was aborted", request_id)
         return None
+
+
+REQUEST_INDEX = re.compile(r"^request \d+: ")
+"""The prefix the pipeline's refusals name a prompt by: its index in ``run()``'s list, which a
+server request (always the one prompt, 0) does not need."""
+
+
+def _bad_request(e: ValueError, param: str | None = None) -> HTTPError:
+    """A refusal as a 400 naming the request field it is about where that is known: a
+    :class:`FieldError`'s, a stage's :class:`ParamError` (a sampling field: the request field of
+    its name), or ``param``."""
+    if isinstance(e, FieldError):
+        param = e.param
+    elif isinstance(e, ParamError):
+        param = e.field
+    return HTTPError(400, REQUEST_INDEX.sub("", str(e), count=1), param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +294,12 @@ class _Contained:
     once. Starlette answers such an exception in its outermost layer and then raises it on to
     the server, which logs a second traceback and closes the client's connection (a keep-alive
     client's next request then failed with a reset); here it ends at this request. An exception
-    after the response started (a stream under way) is logged, and the response ends there."""
+    after the response started (a stream under way) is logged, and the response ends there.
+
+    A request the shutdown's timeout (``--shutdown-timeout``) cuts before it answered gets a 503
+    saying so, where the server sent a plain-text 500 and a traceback; a stream under way ends
+    where it was (as the timeout means), logged in one line. Either way the cancellation ends
+    here: the request is answered, and its generation was cancelled with it."""
 
     def __init__(self, app: ASGIApp, on_error: Callable[[], None]) -> None:
         self.app, self.on_error = app, on_error
@@ -294,6 +317,14 @@ class _Contained:
 
         try:
             await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            when = "mid-response" if started else "before it answered"
+            log.warning("%s %s: cut by the shutdown %s", scope["method"], scope["path"], when)
+            if not started:
+                body = responses.error_json(
+                    503, "the server is shutting down: the request was cut before it answered"
+                )
+                await JSONResponse(body, status_code=503)(scope, receive, send)
         except Exception as e:  # noqa: BLE001 - one request's fault: answered, logged, the server goes on
             log.exception("request failed")
             self.on_error()
@@ -390,7 +421,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
                 convert.chat_request, pipe.pipeline, parsed, settings.allowed_media
             )
         except ValueError as e:
-            raise HTTPError(400, str(e), e.param if isinstance(e, FieldError) else None) from None
+            raise _bad_request(e) from None
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def whole(reply: _Gathered) -> dict[str, Any]:
@@ -424,7 +455,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         try:
             serve = convert.completion_request(pipe.pipeline, parsed)
         except ValueError as e:
-            raise HTTPError(400, str(e), e.param if isinstance(e, FieldError) else None) from None
+            raise _bad_request(e) from None
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def whole(reply: _Gathered) -> dict[str, Any]:

@@ -68,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve at once without compiling ahead (first requests of each shape compile: for development)",
     )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=positive,
+        default=None,
+        help="seconds SIGTERM waits for requests in flight before cutting them (default: until they end)",
+    )
     add_engine_arguments(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -105,7 +111,11 @@ def run(args: argparse.Namespace) -> int:
             warmup=not args.no_warmup,
         )
         config = uvicorn.Config(
-            build_app(pipe, settings), host=args.host, port=args.port, log_level=args.log_level
+            build_app(pipe, settings),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
         )
         ListeningServer(config).run(sockets=[sock])
     return 0

@@ -3,7 +3,8 @@
 The server fetches nothing over the network: an image or video is a ``data:`` URL, or a
 ``file://`` URL under the folder ``--allowed-local-media-path`` names (refused without it, and
 for any path that resolves outside it); audio is base64 WAV (``input_audio``). Each decoder
-returns what :meth:`OmniJaxPipeline.chat_prompt` takes (a PIL image, WAV bytes, a frame array)
+returns what :meth:`OmniJaxPipeline.chat_prompt` takes (a PIL image, a WAV file's
+``(samples, sample_rate)``, a frame array)
 or raises :class:`~omni_jax.serve.protocol.FieldError` naming the content part, so a bad item
 is a 400 naming it before any work.
 """
@@ -18,6 +19,7 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+from omni_jax.audio_io import decode_wav
 from omni_jax.image_io import read_image
 from omni_jax.serve.protocol import FieldError
 
@@ -70,14 +72,24 @@ def image(where: str, url: str, allowed: Path | None) -> object:
         raise FieldError(where, f"not a readable image ({e})") from None
 
 
-def audio(where: str, data: str) -> bytes:
-    """The WAV file an ``input_audio`` carries (the stage decodes and resamples it)."""
-    return _base64(where, data)
+def audio(where: str, data: str) -> tuple[np.ndarray, int]:
+    """The WAV file an ``input_audio`` carries, decoded: ``(samples, sample_rate)``, the form
+    ``multi_modal_data`` takes (the stage resamples it as it would the file)."""
+    return _wav(where, _base64(where, data))
 
 
-def audio_file(where: str, url: str, allowed: Path | None) -> bytes:
-    """The WAV file an ``audio_url`` points at (a data URL, or an allowed file URL)."""
-    return _url_bytes(where, url, allowed)
+def audio_file(where: str, url: str, allowed: Path | None) -> tuple[np.ndarray, int]:
+    """The WAV file an ``audio_url`` points at (a data URL, or an allowed file URL), decoded as
+    :func:`audio`'s."""
+    return _wav(where, _url_bytes(where, url, allowed))
+
+
+def _wav(where: str, raw: bytes) -> tuple[np.ndarray, int]:
+    """Decoded here, so that a WAV file that cannot be read is refused naming its field."""
+    try:
+        return decode_wav(io.BytesIO(raw))
+    except ValueError as e:
+        raise FieldError(where, f"the WAV file {e}") from None
 
 
 NPY_MAGIC = b"\x93NUMPY"

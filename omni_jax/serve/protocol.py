@@ -3,8 +3,9 @@
 Requests are parsed into these records before anything else happens, so a field of the wrong type
 or value is a 400 naming it (:func:`invalid_request_message`). Types are strict, as OpenAI's API
 holds them: ``"8"`` is not a number nor ``true`` an integer (an integer is a number). Fields
-OpenAI defines that the server does not serve (``tools``, ``response_format``, ``echo``, ...)
-and unknown fields are refused by name rather than ignored, as OpenAI's own API does.
+OpenAI defines that the server does not serve (``tools``, ``echo``, ...) and unknown fields
+are refused by name rather than ignored, as OpenAI's own API does; ``response_format`` is taken
+when it asks for plain text (SDKs send ``{"type": "text"}`` by default) and refused otherwise.
 Log-probabilities are served, with up to :data:`MAX_TOP_LOGPROBS` most likely tokens beside
 each, and so are the sampling fields vLLM adds (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
@@ -105,6 +106,13 @@ class AudioOutput(_Strict):
     format: Literal["wav", "pcm16"] = "wav"
 
 
+class TextFormat(_Strict):
+    """``response_format`` as many SDKs send it by default: plain text, what every reply is (no
+    guided decoding: ``json_object`` and ``json_schema`` are refused)."""
+
+    type: Literal["text"]
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -140,6 +148,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: TextFormat | None = None
 
 
 class CompletionRequest(_Sampling):
