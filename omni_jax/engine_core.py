@@ -30,6 +30,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
+from omni_jax.engine.sampling import SamplingParams
 from omni_jax.intake import Admission
 from omni_jax.outputs import OmniRequestOutput, StageOutput
 from omni_jax.profiling import scope
@@ -42,6 +43,7 @@ from omni_jax.stages.base import (
     StageResult,
     text_stage,
 )
+from omni_jax.stop_text import StopText
 from omni_jax.text_stream import TextStream
 
 
@@ -62,7 +64,14 @@ class _Flight:
     reply: list[int] = dataclasses.field(default_factory=list)
     reply_logprobs: list[dict[int, float]] | None = None
     text: TextStream | None = None
+    stop: StopText | None = None
     rows: dict[int, list[np.ndarray]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def watched(self) -> bool:
+        """Whether the core follows its reply token by token: to stream it, or to cut it at a
+        stop string."""
+        return self.stream or self.stop is not None
 
     @property
     def stage(self) -> int:
@@ -139,7 +148,10 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use by a running request")
         out = OmniRequestOutput(request_id=request_id, prompt_token_ids=admission.input.token_ids)
         flight = _Flight(admission, out, stream=stream)
-        if stream and self.tokenizer is not None:
+        params = None if self.text_stage is None else admission.stage_params[self.text_stage]
+        if isinstance(params, SamplingParams) and params.stop_strings:  # intake checked the tokenizer
+            flight.stop = StopText(params.stop_strings, params.include_stop_str_in_output)
+        if flight.watched and self.tokenizer is not None:
             flight.text = TextStream(self.tokenizer)
         self._submit(flight, 0, admission.input)
         self._flights[request_id] = flight
@@ -211,7 +223,7 @@ class EngineCore:
                 out.logprobs = list(flight.reply_logprobs)
             if flight.text is not None:
                 out.text = self.tokenizer.decode(flight.reply, skip_special_tokens=True)
-                self._update(flight).text_delta += flight.text.finish(out.text)
+                self._finish_text(flight, out)
         return self._end(flight)
 
     def fail(self, error: str) -> list[OmniRequestOutput]:
@@ -233,18 +245,56 @@ class EngineCore:
     def _stream_tokens(
         self, flight: _Flight, ids: list[int], logprobs: list[dict[int, float]] | None
     ) -> None:
-        if not flight.stream:
+        """The text stage's new tokens of a watched request: its deltas when streamed, and its
+        end when they complete a stop string."""
+        if not flight.watched:
             return
         flight.reply += ids
-        update = self._update(flight)
-        update.token_ids_delta += ids
         if logprobs is not None:
             if flight.reply_logprobs is None:
                 flight.reply_logprobs = []
             flight.reply_logprobs += logprobs
-            update.logprobs_delta += logprobs
-        if flight.text is not None:
-            update.text_delta += flight.text.update(flight.reply)
+        text = flight.text.update(flight.reply) if flight.text is not None else ""
+        if flight.stop is not None:
+            text = flight.stop.feed(text)
+        if flight.stream:
+            update = self._update(flight)
+            update.token_ids_delta += ids
+            if logprobs is not None:
+                update.logprobs_delta += logprobs
+            update.text_delta += text
+        if flight.stop is not None and flight.stop.hit:
+            self._updates[flight.output.request_id] = self._stopped(flight)
+
+    def _stopped(self, flight: _Flight) -> OmniRequestOutput:
+        """A stop string cut the text stage's reply: the request ends there (its stages drop it,
+        freeing its KV pages), its text cut as :class:`StopText` cut it, its tokens those
+        generated up to it (as vLLM reports them), ``finish_reason="stop"``."""
+        assert flight.stop is not None and self.text_stage is not None
+        out = flight.output
+        out.token_ids, out.text, out.finish_reason = list(flight.reply), flight.stop.kept, "stop"
+        logprobs = None if flight.reply_logprobs is None else list(flight.reply_logprobs)
+        out.logprobs = logprobs
+        name = self.stages[self.text_stage].config.name
+        out.stage_outputs[name] = StageOutput(
+            token_ids=list(flight.reply), finish_reason="stop", logprobs=logprobs
+        )
+        return self._end(flight)
+
+    def _finish_text(self, flight: _Flight, out: OmniRequestOutput) -> None:
+        """The reply's text is whole (``out.text``): what the stream had not sent yet, cut at a
+        stop string (``out.text`` then ends there too), goes in the last update."""
+        if flight.text is None or out.text is None:
+            return
+        rest = flight.text.finish(out.text)
+        if flight.stop is not None:
+            rest = flight.stop.feed(rest)
+            if flight.stop.hit:
+                out.text = flight.stop.kept
+            else:
+                rest += flight.stop.flush()
+        if flight.stream:
+            self._update(flight).text_delta += rest
 
     def _stream_audio(self, flight: _Flight, samples: np.ndarray, sample_rate: int | None) -> None:
         if not flight.stream:
@@ -414,8 +464,9 @@ class EngineCore:
             out.logprobs = result.logprobs
             if self.tokenizer is not None:
                 out.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            if flight.text is not None and out.text is not None:
-                self._update(flight).text_delta += flight.text.finish(out.text)
+            self._finish_text(flight, out)
+            if flight.stop is not None and flight.stop.hit:  # completed by the tokens that ended it
+                out.finish_reason = out.stage_outputs[stage.config.name].finish_reason = "stop"
         elif stage.config.final_output == "audio":
             out.audio, out.sample_rate = result.audio, result.sample_rate
             if self.text_stage is None:

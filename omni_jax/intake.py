@@ -19,7 +19,7 @@ import numpy as np
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.models.tokenizer import no_tokenizer
 from omni_jax.stages.ar import ARStage
-from omni_jax.stages.base import Stage, StageInput
+from omni_jax.stages.base import Stage, StageInput, text_stage
 from omni_jax.stages.code2wav_params import Token2WavParams
 
 Prompt = str | dict[str, Any]
@@ -82,6 +82,7 @@ class Intake:
             per_request = [p[i] for p in params]
             for si, stage in enumerate(self.stages):
                 stage.validate(i, request if si == 0 else None, per_request[si], request.prompt)
+            self._check_stop(i, request.prompt, per_request)
             if within_context and isinstance(first, ARStage):
                 first.check_room(i, request, per_request[0])
             admitted.append(Admission(i, request_id, request, per_request))
@@ -155,6 +156,30 @@ class Intake:
                     f"or a list of {n} (one per prompt)"
                 )
         return out
+
+    def _check_stop(self, index: int, prompt: dict[str, Any], params: list[StageParams]) -> None:
+        """Stop strings cut the text stage's reply, which the engine core reads as text: they
+        need a tokenizer, and a reply no later stage speaks (the talker reads the thinker's
+        states as they come: a cut reply would already be partly spoken)."""
+        text = text_stage(self.stages)
+        for si, (stage, p) in enumerate(zip(self.stages, params, strict=True)):
+            if not (isinstance(p, SamplingParams) and p.stop_strings):
+                continue
+            if si != text:
+                raise ValueError(
+                    f"request {index}: stage {stage.config.name!r}: stop strings cut the text stage's reply "
+                    "alone, and this stage writes no text"
+                )
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"request {index}: stop strings need a tokenizer, and {no_tokenizer(self.model_dir)}"
+                )
+            wanted = prompt.get("modalities")
+            speaks = si + 1 < len(self.stages) and (wanted is None or "audio" in wanted)
+            if speaks:
+                raise ValueError(
+                    f"request {index}: stop strings are served for text output only (modalities ['text'])"
+                )
 
     def _check_modalities(self, index: int, prompt: dict[str, Any]) -> None:
         """``modalities`` lists outputs the built stages can produce (``"text"``, ``"audio"``)."""

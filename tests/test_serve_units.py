@@ -43,84 +43,7 @@ from omni_jax.serve.protocol import (
 )
 from omni_jax.serve.reply import End, Piece, Usage, reply
 from omni_jax.serve.responses import audio_data
-from omni_jax.serve.stop import StopText
 from omni_jax.testing import build_tokenizer
-
-# -- stop strings -----------------------------------------------------------------------------
-
-
-def stream(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
-    """What the server sends for ``deltas`` (as :func:`omni_jax.serve.reply.reply` drives
-    ``StopText``: ``flush`` after the last delta unless a stop string ended the text)."""
-    stop = StopText(stops)
-    sent = "".join(stop.feed(d) for d in deltas)
-    if not stop.hit:
-        sent += stop.flush()
-    return sent, stop.hit
-
-
-def test_a_stop_string_split_across_deltas_is_cut_with_the_text_before_it_kept() -> None:
-    stop = StopText(["STOP"])
-    assert stop.feed("hello wo") == "hello"  # the last len("STOP") - 1 characters wait
-    assert stop.feed("rld ST") == " world"  # " ST" could be the start of "STOP"
-    assert not stop.hit
-    assert stop.feed("OP and more") == " "
-    assert stop.hit
-    assert stop.feed("after the stop") == "" and stop.flush() == ""
-
-
-def test_a_stop_string_arriving_one_character_at_a_time() -> None:
-    assert stream(["</s>"], list("abc</s>def")) == ("abc", True)
-    assert stream(["</s>"], list("abc</sdef")) == ("abc</sdef", False)
-
-
-def test_the_earliest_stop_string_wins_whatever_its_place_in_the_list() -> None:
-    assert stream(["zz", "b"], ["a", "bz", "z"]) == ("a", True)
-    assert stream(["b", "zz"], ["azz", "b"]) == ("a", True)
-    # a longer stop string starting earlier beats a shorter one completed first
-    assert stream(["abcd", "c"], ["xab", "cd"]) == ("x", True)
-    # ... but a stop string completed in an earlier delta ends the text there (the reply stops)
-    assert stream(["bc", "abcd"], ["xab", "c", "d"]) == ("xa", True)
-
-
-def test_the_held_tail_is_flushed_when_no_stop_string_comes() -> None:
-    stop = StopText(["xyz"])
-    assert stop.feed("abcxy") == "abc"
-    assert stop.flush() == "xy" and not stop.hit
-    assert stop.flush() == ""
-
-
-def test_no_stop_strings_pass_everything_at_once() -> None:
-    stop = StopText([])
-    assert [stop.feed(d) for d in ["a", "bc", ""]] == ["a", "bc", ""]
-    assert stop.flush() == "" and not stop.hit
-
-
-def first_stop(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
-    """The reference: the text so far is searched whole after each delta, and cut at the earliest
-    start of the stop strings in it, as soon as one is complete."""
-    text = ""
-    for delta in deltas:
-        text += delta
-        found = [text.find(s) for s in stops if s in text]
-        if found:
-            return text[: min(found)], True
-    return text, False
-
-
-@settings(max_examples=400, deadline=None)
-@given(
-    text=st.text(alphabet="abc", max_size=30),
-    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
-    cuts=st.lists(st.integers(0, 30), max_size=8),
-)
-def test_any_split_sends_the_text_up_to_the_first_complete_stop_string(
-    text: str, stops: list[str], cuts: list[int]
-) -> None:
-    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
-    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    assert stream(stops, deltas) == first_stop(stops, deltas)
-
 
 # -- refusals of a request body ---------------------------------------------------------------
 
@@ -545,7 +468,7 @@ def _count(metrics: ServeMetrics, name: str, **labels: str) -> float:
 
 
 def _serve_request() -> ServeRequest:
-    return ServeRequest({"prompt": "hi"}, [], (), None, stream=True, include_usage=False)
+    return ServeRequest({"prompt": "hi"}, [], None, stream=True, include_usage=False)
 
 
 def test_a_failed_request_ends_with_its_error_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -103,8 +103,10 @@ _SAMPLING_TYPES: tuple[FieldType, ...] = (
     ("min_tokens", is_int, False, "an integer >= 0"),
     ("ignore_eos", is_bool, False, "True or False"),
     ("logprobs", is_int, True, f"an integer in [0, {MAX_LOGPROBS}]"),
+    ("include_stop_str_in_output", is_bool, False, "True or False"),
 )
-"""Each :class:`SamplingParams` field's type (``stop_token_ids`` is checked on its own)."""
+"""Each :class:`SamplingParams` field's type (``stop_token_ids`` and ``stop`` are checked on
+their own)."""
 
 
 @dataclasses.dataclass
@@ -124,6 +126,14 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (a str is one stop string). The engine core cuts the text stage's
+        reply at the first one (:class:`~omni_jax.stop_text.StopText`); no sampler reads them."""
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first field of the wrong type, else the first out of
@@ -140,6 +150,15 @@ class SamplingParams:
                 raise ParamError(
                     f"stop_token_ids contains {t!r}, which is not a token id (an int)", "stop_token_ids"
                 )
+        strings = self.stop
+        if not (
+            strings is None
+            or isinstance(strings, str)
+            or (isinstance(strings, (list, tuple)) and all(isinstance(x, str) for x in strings))
+        ):
+            raise ParamError(f"stop={strings!r} must be a str, a list of str or None", "stop")
+        if any(not x for x in self.stop_strings):
+            raise ParamError("stop strings must not be empty", "stop")
         checks = [
             ("temperature", is_finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),

@@ -1,7 +1,7 @@
 """``omni-jax serve``: an OpenAI-compatible HTTP server over :class:`~omni_jax.AsyncOmniJaxPipeline`.
 
 ``protocol`` (the request schema), ``media`` (data and file URLs as prompt items), ``convert``
-(a request as a prompt and per-stage params), ``stop`` (stop strings), ``reply`` (one request's
+(a request as a prompt and per-stage params, stop strings in the text stage's), ``reply`` (one request's
 pieces and end), ``responses`` (OpenAI's response JSON and SSE), ``metrics`` (Prometheus),
 ``app`` (the FastAPI routes) and ``cli`` (the command). Needs the ``serve`` extra (FastAPI,
 uvicorn, prometheus-client); importing this package alone does not.

@@ -42,13 +42,13 @@ SAMPLING_FIELDS = (
 @dataclasses.dataclass(frozen=True)
 class ServeRequest:
     """What one HTTP request asks of the pipeline: ``prompt`` and ``sampling_params_list`` as
-    :meth:`AsyncOmniJaxPipeline.generate` takes them, the stop strings the server cuts the text
-    at, the audio format asked for (``None``: no audio), and how many of the most likely tokens
-    the reply shows beside each token's log-probability (``None``: no log-probabilities)."""
+    :meth:`AsyncOmniJaxPipeline.generate` takes them (the text stage's with the request's stop
+    strings, which the engine cuts the text at), the audio format asked for (``None``: no
+    audio), and how many of the most likely tokens the reply shows beside each token's
+    log-probability (``None``: no log-probabilities)."""
 
     prompt: dict[str, Any]
     sampling_params_list: list[StageParams] | StageParams
-    stop: tuple[str, ...]
     audio_format: Literal["wav", "pcm16"] | None
     stream: bool
     include_usage: bool
@@ -79,6 +79,9 @@ def _stage_params(
     max_tokens = _max_tokens(request)
     if max_tokens is not None:
         given["max_tokens"] = max_tokens
+    stop = _stop(request.stop)
+    if stop:
+        given["stop"] = list(stop)
     if logprobs is not None:
         given["logprobs"] = logprobs
     params = []
@@ -153,8 +156,7 @@ def chat_request(
     ]
     modalities = request.modalities or (["text", "audio"] if request.audio is not None else ["text"])
     wants_audio = "audio" in modalities
-    stop = _stop(request.stop)
-    if stop and wants_audio:
+    if _stop(request.stop) and wants_audio:
         raise FieldError("stop", "stop strings are served for text output only (modalities ['text'])")
     if request.top_logprobs is not None and not request.logprobs:
         raise FieldError("top_logprobs", "asked without logprobs: true")
@@ -168,7 +170,6 @@ def chat_request(
     return ServeRequest(
         prompt=prompt,
         sampling_params_list=params,
-        stop=stop,
         audio_format=(request.audio.format if request.audio is not None else "wav") if wants_audio else None,
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
@@ -194,7 +195,6 @@ def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) ->
     return ServeRequest(
         prompt=prompt,
         sampling_params_list=_stage_params(pipeline, request, request.logprobs),
-        stop=_stop(request.stop),
         audio_format=None,
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,

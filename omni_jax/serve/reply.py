@@ -1,7 +1,8 @@
 """One served request's reply as it is produced: text pieces, audio pieces, then its end.
 
-Both the streaming and the whole-response paths read a request through :func:`reply`, so stop
-strings, usage, finish reasons and the metrics are worked out once. The first event comes with
+Both the streaming and the whole-response paths read a request through :func:`reply`, so usage,
+finish reasons and the metrics are worked out once (stop strings are the engine's: it cuts the
+text and ends the request with ``finish_reason="stop"``). The first event comes with
 the request's first update, after admission: a request the stages refuse raises ``ValueError``
 (``QueueFullError`` when the queue is full) before it, while the HTTP status can still say so.
 """
@@ -19,7 +20,6 @@ import numpy as np
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline
 from omni_jax.serve.convert import ServeRequest
 from omni_jax.serve.metrics import ServeMetrics
-from omni_jax.serve.stop import StopText
 
 log = logging.getLogger("omni_jax.serve")
 
@@ -71,7 +71,6 @@ async def reply(
     Prompt tokens count at the request's first update (it was admitted), reply tokens as they
     come, so an aborted request's work is in the counters too; a refused one (``ValueError``
     before any update) counts nowhere here (the app counts it by status)."""
-    stop = StopText(request.stop)
     updates = pipe.generate(
         request.prompt,
         request.sampling_params_list,
@@ -89,9 +88,7 @@ async def reply(
                 metrics.prompt_tokens.inc(prompt_tokens)
             tokens += len(out.token_ids_delta)
             metrics.generation_tokens.inc(len(out.token_ids_delta))
-            text = stop.feed(out.text_delta)
-            if out.finished and not stop.hit:
-                text += stop.flush()
+            text = out.text_delta
             if text and first_text:
                 metrics.ttft.observe(time.perf_counter() - arrival)
                 first_text = False
@@ -102,8 +99,8 @@ async def reply(
                     first_audio = False
                 metrics.audio_seconds.inc(audio.size / out.sample_rate)
             yield Piece(text, audio, out.sample_rate if audio is not None else None, out.logprobs_delta)
-            if stop.hit or out.finished:
-                reason = "stop" if stop.hit else (out.finish_reason or "stop")
+            if out.finished:
+                reason = out.finish_reason or "stop"
                 ended = True
                 if reason == "error":  # the client gets the message; the operator's log too
                     log.warning("request %s failed: %s", request_id, out.error)
