@@ -80,6 +80,7 @@ def test_audio_forms_equal_the_array(processor) -> None:
     [
         ((tone(1.0, 440, 0), 100), r"audio has a sample rate of 100 Hz; audio is read at 1000 to 384000 Hz"),
         ((tone(1.0, 440, 0), 8_000.5), r"audio sample rate must be a whole number of Hz, got 8000.5"),
+        ((tone(1.0, 440, 0), float("inf")), r"audio sample rate must be a whole number of Hz, got inf"),
         ((np.zeros(31 * 8_000, np.float32), 8_000), r"audio is 31.00 s long \(248000 samples at 8000 Hz\)"),
         (
             (np.zeros(100, np.int16), 8_000),
@@ -91,6 +92,7 @@ def test_audio_forms_equal_the_array(processor) -> None:
     ids=[
         "rate too low",
         "fractional rate",
+        "infinite rate",
         "31 s at 8 kHz",
         "int16 with a rate",
         "path with a rate",

@@ -215,7 +215,7 @@ def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.nda
     rate = SAMPLE_RATE
     if isinstance(item, tuple) and len(item) == 2 and _is_number(item[1]):
         item, rate = item
-        if rate != int(rate):
+        if not (np.isfinite(rate) and rate == int(rate)):
             raise _fail(index, f"audio sample rate must be a whole number of Hz, got {rate!r}")
         rate = int(rate)
     if isinstance(item, list) and item and all(_is_number(x) for x in item):
