@@ -196,13 +196,21 @@ def _is_number(value: Any) -> bool:
     )
 
 
+def _is_rated(value: Any) -> bool:
+    """vLLM's ``(clip, sample_rate)`` form of one clip."""
+    return isinstance(value, tuple) and len(value) == 2 and _is_number(value[1])
+
+
+def _is_numbers(value: Any) -> bool:
+    """A clip given as a list of numbers."""
+    return isinstance(value, list) and bool(value) and all(_is_number(x) for x in value)
+
+
 def _audio_items(value: Any) -> list[Any]:
     """A ``multi_modal_data["audio"]`` value as its clips, read as vLLM reads it: a
     ``(clip, sample_rate)`` tuple, or a list of numbers, is one clip; otherwise a list or tuple
     holds clips, and anything else is one clip."""
-    rated = isinstance(value, tuple) and len(value) == 2 and _is_number(value[1])
-    numbers = isinstance(value, list) and bool(value) and all(_is_number(x) for x in value)
-    return [value] if rated or numbers else _as_list(value)
+    return [value] if _is_rated(value) or _is_numbers(value) else _as_list(value)
 
 
 def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.ndarray:
@@ -213,12 +221,12 @@ def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.nda
     them unscaled."""
     max_seconds = None if max_samples is None else max_samples / SAMPLE_RATE
     rate = SAMPLE_RATE
-    if isinstance(item, tuple) and len(item) == 2 and _is_number(item[1]):
+    if _is_rated(item):
         item, rate = item
         if not (np.isfinite(rate) and rate == int(rate)):
             raise _fail(index, f"audio sample rate must be a whole number of Hz, got {rate!r}")
         rate = int(rate)
-    if isinstance(item, list) and item and all(_is_number(x) for x in item):
+    if _is_numbers(item):
         item = np.asarray(item, np.float32)
     if isinstance(item, (str, Path)) and rate == SAMPLE_RATE:
         audio = read_audio(index, item, max_seconds)
