@@ -136,6 +136,12 @@ def test_seeded_noise_reproduces(pipes) -> None:
     seed = drawn.metrics["code2wav"]["seed"]
     replay = pipe.run(prompt, Token2WavParams(num_steps=3, seed=seed), progress=False)[0]
     np.testing.assert_array_equal(drawn.audio, replay.audio)
+    negative, word = (
+        pipe.run(prompt, Token2WavParams(num_steps=3, seed=s), progress=False)[0] for s in (-2, 2**64 - 2)
+    )
+    np.testing.assert_array_equal(negative.audio, word.audio)  # torch's manual_seed reading of -2
+    fresh = [pipe.run(prompt, Token2WavParams(num_steps=3, seed=-1), progress=False)[0] for _ in "ab"]
+    assert fresh[0].metrics["code2wav"]["seed"] != fresh[1].metrics["code2wav"]["seed"]  # vLLM's -1: no seed
 
 
 def test_a_voice_is_found_whatever_its_case(pipes) -> None:
@@ -167,7 +173,7 @@ BAD_REQUESTS = [
     ),
     (TWO, Token2WavParams(num_steps=0), "stage 'code2wav': num_steps=0"),
     (TWO, Token2WavParams(guidance_scale=float("nan")), "stage 'code2wav': guidance_scale=nan"),
-    (TWO, Token2WavParams(seed=-3), "stage 'code2wav': seed=-3"),
+    (TWO, Token2WavParams(seed=-(2**63) - 1), "stage 'code2wav': seed=-9223372036854775809"),
     (TWO, Token2WavParams(chunk_codes=12), "stage 'code2wav': chunk_codes=12 needs stream=True"),
     (TWO, Token2WavParams(stream=True, chunk_codes=0), "stage 'code2wav': chunk_codes=0 must be"),
     (

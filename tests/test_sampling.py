@@ -78,10 +78,10 @@ def with_history(st: SamplingTensors, histories: list[list[int]]) -> SamplingTen
 
 
 def test_packed_rows_hold_each_rows_own_values() -> None:
-    """Every row's seed words (``seed_words``: the full 63-bit range) and suppressed ids land
+    """Every row's seed words (``seed_words``: the full 64-bit range) and suppressed ids land
     in its own row, padding rows stay neutral, the ids the penalties read are left to the
     device (one ``-1`` column), and a row past the suppression width is refused."""
-    seeds = [0, 1, 2**32 + 5, 2**63 - 1, 123456789012345]
+    seeds = [0, 1, 2**32 + 5, 2**63 + 123456789012345, 2**64 - 1]
     rows = pack_sampling(
         [SamplingParams(temperature=0.5 + i) for i in range(5)],
         [0, 1, 0, 1, 0],
@@ -187,6 +187,38 @@ def test_seeded_request_is_batch_invariant(pipe) -> None:
     assert alone == again == mixed[2].token_ids
     different_seed = pipe.run([target], SamplingParams(**{**params.__dict__, "seed": 99}), progress=False)
     assert different_seed[0].token_ids != alone
+
+
+def test_negative_seeds_are_read_as_vllm_reads_them(pipe) -> None:
+    """vLLM takes any int64 seed: ``-1`` as no seed, and any other as torch's ``manual_seed``
+    reads it (a negative one as its 64-bit two's complement). So does the engine: ``-2`` samples
+    as ``2**64 - 2``, two ``-1`` requests draw apart, and past either end of torch's range a
+    seed is refused."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    drawn = [
+        pipe.run(prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True), False)[0]
+        for s in (-2, 2**64 - 2, 1, -1, -1)
+    ]
+    assert drawn[0].token_ids == drawn[1].token_ids != drawn[2].token_ids
+    assert drawn[3].token_ids != drawn[4].token_ids
+    for bad in (-(2**63) - 1, 2**64):
+        with pytest.raises(
+            ValueError, match=f"seed={bad} must be an integer from -2\\*\\*63 to 2\\*\\*64 - 1"
+        ):
+            pipe.run(prompt, SamplingParams(seed=bad), progress=False)
+
+
+def test_a_temperature_below_vllms_floor_draws_at_it(pipe, caplog) -> None:
+    """A temperature of 1e-9 drew token 0 at every step (XLA's softmax of logits divided by it
+    is NaN); as in vLLM, a temperature above 0 and below 1e-2 draws at 1e-2, with a warning
+    naming the request."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    tiny, floor = (
+        pipe.run(prompt, SamplingParams(temperature=t, seed=3, max_tokens=12, ignore_eos=True), False)[0]
+        for t in (1e-9, 1e-2)
+    )
+    assert tiny.token_ids == floor.token_ids and 0 not in tiny.token_ids
+    assert "temperature 1e-09 is below 0.01" in caplog.text
 
 
 def test_top_k_one_is_greedy(pipe) -> None:

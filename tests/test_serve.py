@@ -678,10 +678,10 @@ REFUSALS = {
         "stream_options: only allowed with stream: true",
         "stream_options",
     ),
-    "seed past 63 bits": (
+    "seed past 64 bits": (
         {**GOOD, "seed": 2**64},
         400,
-        "seed=18446744073709551616 must be an integer from 0 to 2**63 - 1",
+        "seed=18446744073709551616 must be an integer from -2**63 to 2**64 - 1",
         "seed",
     ),
     "min_tokens over max_tokens": (

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Generic
 
 from omni_jax.engine.ar_runner import ARRunner, Dispatched
 from omni_jax.engine.kv_cache import PageAllocator
-from omni_jax.engine.sampling import SamplingParams
+from omni_jax.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from omni_jax.engine.scheduler import ARRequest, Scheduler, SchedulerConfig
 from omni_jax.engine.step import S, StepRow
-from omni_jax.parallel.distributed import random_seed
+from omni_jax.parallel.distributed import request_seed
 from omni_jax.profiling import scope
+
+log = logging.getLogger(__name__)
 
 
 class AREngine(Generic[S]):
@@ -86,7 +89,15 @@ class AREngine(Generic[S]):
             raise ValueError(
                 f"request {request_id!r} asks stage {self.name!r} for hidden states it does not capture"
             )
-        seed = params.seed if params.seed is not None else random_seed()
+        if 0 < params.temperature < MIN_TEMPERATURE:
+            log.warning(
+                "request %r: temperature %s is below %s, where sampling comes out NaN; it draws at %s",
+                request_id,
+                params.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
+        seed = request_seed(params.seed)
         req: ARRequest[S] = ARRequest(
             request_id=request_id,
             arrival=self._arrivals,

@@ -87,8 +87,22 @@ TOP_K_ALL = 2**31 - 1
 """The largest ``top_k`` a row's int32 column holds: a request's larger ``top_k`` keeps every
 token, as this one does (no vocabulary is that large), so it is packed as this."""
 
-SEED_RANGE = "from 0 to 2**63 - 1"
-"""The seeds a request may give, as the messages say it: 63 bits (:func:`seed_words`)."""
+SEED_RANGE = "from -2**63 to 2**64 - 1"
+"""The seeds a request may give, as the messages say it: torch's ``manual_seed`` range, each read
+as a 64-bit word, and ``-1`` as no seed, as vLLM reads it
+(:func:`~omni_jax.parallel.distributed.request_seed`)."""
+
+MIN_TEMPERATURE = 1e-2
+"""The lowest temperature a sampled row draws at; a request's lower one (above 0) is raised to
+it, as vLLM raises it. Logits divided by 1e-9 reach 1e10, and XLA's softmax of those comes out
+NaN, which truncation then drops whole, so every draw fell to token 0."""
+
+
+def drawn_temperature(temperature: float) -> float:
+    """The temperature a row draws at: 0 (greedy) as given, any other at least
+    :data:`MIN_TEMPERATURE`."""
+    return max(temperature, MIN_TEMPERATURE) if temperature > 0 else 0.0
+
 
 _SAMPLING_TYPES: tuple[FieldType, ...] = (
     ("temperature", is_real, False, "a real number >= 0"),
@@ -183,7 +197,7 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, f"must be an integer {SEED_RANGE}"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, f"must be an integer {SEED_RANGE}"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -344,7 +358,7 @@ def top_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.A
 
 
 def seed_words(seed: SeedT) -> tuple[SeedT, SeedT]:
-    """A 63-bit seed as the two uint32 words of a raw threefry key (an int, or a uint64 array of
+    """A 64-bit seed as the two uint32 words of a raw threefry key (an int, or a uint64 array of
     seeds: every row's at once)."""
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
@@ -373,7 +387,7 @@ def pack_sampling(
     seed_rows = np.zeros((batch, 2), np.uint32)
     seed_rows[:n, 0], seed_rows[:n, 1] = seed_words(np.fromiter(seeds, np.uint64, n))
     return SamplingTensors(
-        temperature=col([p.temperature for p in params], np.float32, 0.0),
+        temperature=col([drawn_temperature(p.temperature) for p in params], np.float32, 0.0),
         top_k=col([min(p.top_k, TOP_K_ALL) for p in params], np.int32, -1),
         top_p=col([p.top_p for p in params], np.float32, 1.0),
         min_p=col([p.min_p for p in params], np.float32, 0.0),

@@ -89,6 +89,13 @@ def random_seed() -> int:
     return hi << 32 | lo
 
 
+def request_seed(seed: int | None) -> int:
+    """The 64-bit word a request draws from, as vLLM reads its seed: ``None`` and ``-1`` ask for
+    a fresh :func:`random_seed`; any other seed is read as torch's ``manual_seed`` reads it (a
+    negative one is its two's complement)."""
+    return random_seed() if seed is None or seed == -1 else int(seed) & (2**64 - 1)
+
+
 def _canonical(value: Any) -> bytes:
     """``value`` as bytes that two processes given equal values produce alike: containers by
     their items (a dict's sorted by key), arrays and images by their pixels, dataclasses by their

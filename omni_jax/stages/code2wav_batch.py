@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from omni_jax.engine.buckets import ladder
 from omni_jax.engine.generation_runner import GenerationRunner, PaddedBatch, Solve
-from omni_jax.parallel.distributed import random_seed
+from omni_jax.parallel.distributed import request_seed
 from omni_jax.stages.code2wav_params import Token2WavParams
 
 MIN_CODES = 32
@@ -90,7 +90,7 @@ class Code2WavRequest:
     ) -> Code2WavRequest:
         seed = None
         if params.initial_noise is None:
-            seed = params.seed if params.seed is not None else random_seed()
+            seed = request_seed(params.seed)
         return cls(request_id, codes, speaker_embedding, reference_mel, params, seed)
 
 

@@ -56,7 +56,7 @@ class Token2WavParams:
         for name in ("guidance_scale", "sway_coefficient"):
             if not is_finite(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be finite")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed={self.seed!r} must be an integer {SEED_RANGE}")
         if self.initial_noise is not None:
             noise = np.asarray(self.initial_noise)

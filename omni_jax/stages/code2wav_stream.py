@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from omni_jax.engine.compilation import ProgramCall
 from omni_jax.engine.generation_runner import PaddedBatch
 from omni_jax.models.qwen2_5_omni.chunk_plan import Chunk, ChunkKind, ChunkPlanner
-from omni_jax.parallel.distributed import random_seed
+from omni_jax.parallel.distributed import request_seed
 from omni_jax.parallel.rules import fetch
 from omni_jax.stages.chunk_loop import StreamedChunk, StreamedDecoder, StreamState
 from omni_jax.stages.code2wav_params import Token2WavParams
@@ -176,7 +176,7 @@ class ChunkedDecoder(StreamedDecoder[StreamRequest, Chunk, ChunkBatch, ChunkSolv
             planner = self.plan(params)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
-        seed = params.seed if params.seed is not None else random_seed()
+        seed = request_seed(params.seed)
         return self._start(
             StreamRequest(
                 request_id,
