@@ -507,15 +507,43 @@ def test_max_tokens_fill_the_context_to_its_end(qwen) -> None:
 TOP = 3
 
 
+def openai_token(tokenizer: Any, token_id: int) -> str:
+    """How OpenAI writes a token: its text decoded alone, or, where it holds part of a
+    character, ``bytes:`` and its bytes escaped (from GPT-2's byte alphabet, Qwen's)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    raw = bytes(byte_of[c] for c in tokenizer.convert_ids_to_tokens(token_id))
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def most_likely(ref: OmniRequestOutput, tokenizer: Any) -> list[tuple[str, float, list[tuple[str, float]]]]:
-    """Per reply token of ``run()`` with ``logprobs=TOP``: its text (decoded alone), its
+    """Per reply token of ``run()`` with ``logprobs=TOP``: its text (:func:`openai_token`), its
     log-probability and the ``TOP`` most likely tokens', the most likely first."""
     assert ref.logprobs is not None
     want = []
     for token, entry in zip(ref.token_ids, ref.logprobs, strict=True):
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:TOP]
-        want.append((tokenizer.decode([token]), entry[token], [(tokenizer.decode([t]), v) for t, v in top]))
+        want.append(
+            (
+                openai_token(tokenizer, token),
+                entry[token],
+                [(openai_token(tokenizer, t), v) for t, v in top],
+            )
+        )
     return want
+
+
+def spelled(token: str, raw: list[int]) -> bool:
+    """Whether a logprobs entry's token is its bytes: their text, or ``bytes:`` and them
+    escaped where they are not whole characters."""
+    try:
+        return token == bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return token == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def check_chat_logprobs(content: list[Any], want: list[tuple[str, float, list[tuple[str, float]]]]) -> None:
@@ -523,9 +551,9 @@ def check_chat_logprobs(content: list[Any], want: list[tuple[str, float, list[tu
     assert len(content) == len(want)
     for got, (token, logprob, top) in zip(content, want, strict=True):
         assert (got.token, got.logprob) == (token, logprob)
-        assert bytes(got.bytes).decode("utf-8", errors="replace") == token
+        assert spelled(got.token, got.bytes)
         assert [(t.token, t.logprob) for t in got.top_logprobs] == top
-        assert all(bytes(t.bytes).decode("utf-8", errors="replace") == t.token for t in got.top_logprobs)
+        assert all(spelled(t.token, t.bytes) for t in got.top_logprobs)
 
 
 def test_chat_logprobs_are_runs(qwen) -> None:
@@ -547,10 +575,10 @@ def test_chat_logprobs_are_runs(qwen) -> None:
     r = client.chat.completions.create(**fields)
     assert r.choices[0].message.content == ref.text
     check_chat_logprobs(r.choices[0].logprobs.content, want)
-    # A character split across tokens reads U+FFFD token by token; the bytes rebuild it.
+    # A character split across tokens reads as its bytes token by token; the bytes rebuild it.
     joined = b"".join(bytes(e.bytes) for e in r.choices[0].logprobs.content)
     assert joined.decode("utf-8", errors="replace") == qwen.ref.tokenizer.decode(ref.token_ids)
-    assert "\ufffd" in "".join(e.token for e in r.choices[0].logprobs.content)  # this reply has one
+    assert any(e.token.startswith("bytes:\\x") for e in r.choices[0].logprobs.content)  # this reply has one
     chunks = list(client.chat.completions.create(stream=True, **fields))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     streamed = [e for c in chunks if c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
@@ -565,10 +593,11 @@ def test_chat_logprobs_are_runs(qwen) -> None:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_completion_logprobs_are_runs(qwen, stream) -> None:
-    """A completion's ``logprobs: N``: OpenAI's legacy lists, the tokens' texts laid end to end
-    from ``text_offset`` 0 (a stream's chunks continue the count). ``top_logprobs`` maps texts
-    to log-probabilities, so tokens that read alike (pieces of a character, U+FFFD) share one
-    key, as in vLLM."""
+    """A completion's ``logprobs: N``: OpenAI's legacy lists. ``top_logprobs`` maps texts to
+    log-probabilities, a piece of a character written as its bytes (``bytes:\\x..``), so that
+    the pieces at a step keep a key each (vLLM reads them all U+FFFD, one key). ``text_offset``
+    is where each whole token's text stands in the completion's (a stream's chunks continue
+    the count)."""
     prompt = COMPLETION_PROMPTS["token ids"]
     params = stage_params(qwen.ref, temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=TOP)
     ref = run_one(qwen.ref, {"prompt_token_ids": prompt}, params)
@@ -593,9 +622,15 @@ def test_completion_logprobs_are_runs(qwen, stream) -> None:
     assert [v for c in lists for v in c.token_logprobs] == [v for _, v, _ in want]
     tops = [top for c in lists for top in c.top_logprobs]
     assert [list(top.items()) for top in tops] == [list(dict(top).items()) for _, _, top in want]
-    assert [o for c in lists for o in c.text_offset] == [
-        sum(map(len, tokens[:i])) for i in range(len(tokens))
-    ]
+    assert sum(t.startswith("bytes:") for t in tokens) > 0  # this reply has pieces of characters
+    assert all(len(top) == TOP for top in tops)
+    offsets = [o for c in lists for o in c.text_offset]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert all(
+        ref.text[o : o + len(t)] == t
+        for t, o in zip(tokens, offsets, strict=True)
+        if not t.startswith("bytes:")
+    )
 
 
 def test_a_raw_stream_is_server_sent_events(qwen) -> None:

@@ -430,11 +430,29 @@ def test_the_byte_level_alphabet_is_the_tokenizers() -> None:
 def test_token_bytes_joined_are_the_texts_bytes(ids: list[int]) -> None:
     """OpenAI's ``bytes``: any tokens' bytes, joined, decode to the tokenizer's text of them (a
     character split across tokens, or a chat special, included): what a client rebuilds the
-    text from where a token alone reads U+FFFD."""
+    text from where a token alone is part of a character."""
     reader = logprobs.token_reader(TOKENIZER)
     joined = b"".join(reader.raw(i) for i in ids)
     assert joined.decode("utf-8", errors="replace") == TOKENIZER.decode(ids)
-    assert all(reader.raw(i).decode("utf-8", errors="replace") == reader.text(i) for i in ids)
+    for i in ids:
+        try:
+            assert reader.text(i) == reader.raw(i).decode("utf-8")
+        except UnicodeDecodeError:
+            assert reader.text(i) == "bytes:" + "".join(f"\\x{b:02x}" for b in reader.raw(i))
+
+
+def test_pieces_of_a_character_read_apart() -> None:
+    """A token holding part of a character reads as OpenAI writes it, ``bytes:`` and its bytes,
+    so that a completion's ``top_logprobs`` keeps one key per token (U+FFFD for each, vLLM's
+    reading, kept one), and ``text_offset`` places the character's pieces where it starts."""
+    lead, tail = (TOKENIZER.convert_tokens_to_ids(c) for c in ("Ã", "©"))  # é's two bytes
+    h = TOKENIZER.convert_tokens_to_ids("h")
+    reader = logprobs.token_reader(TOKENIZER)
+    assert (reader.text(lead), reader.text(tail), reader.text(h)) == ("bytes:\\xc3", "bytes:\\xa9", "h")
+    lists = logprobs.CompletionLogprobs(3, reader)
+    got = lists.json([{lead: -0.5, tail: -0.6, h: -0.7}, {tail: -0.1}, {h: -0.2}])
+    assert got["top_logprobs"][0] == {"bytes:\\xc3": -0.5, "bytes:\\xa9": -0.6, "h": -0.7}
+    assert got["text_offset"] == [0, 0, 1]  # "é" starts at 0, "h" after it
 
 
 # -- a reply's end and its metrics ---------------------------------------------------------------

@@ -4,19 +4,27 @@ The pipeline gives, per output token, ``{token id: log-probability}``: the sampl
 then the ``SamplingParams.logprobs`` most likely ones (:class:`~omni_jax.OmniRequestOutput`).
 Chat completions show them as ``logprobs.content``: per token its text, log-probability, bytes
 and ``top_logprobs`` (the most likely first); completions as the legacy lists ``tokens``,
-``token_logprobs``, ``top_logprobs`` (text -> log-probability) and ``text_offset``. A token's text
-is the tokenizer's decoding of it alone (special tokens included), so a token that holds part of
-a character reads as U+FFFD, as in vLLM; its ``bytes`` are the token's own, so that, as OpenAI
-means them, a reply's tokens' bytes joined are its text's UTF-8 even where a character spans
-tokens (for byte-level BPE vocabularies, Qwen's: the bytes each vocabulary character stands for;
-for other tokenizers the UTF-8 of the token's text). Every generated token is listed, as vLLM
-lists them: the stop token and the tokens a ``stop`` string cut off follow the reply's own, so
-their bytes (and a completion's ``text_offset``) run past its text. Without a tokenizer a token
-reads ``token_id:<id>``, vLLM's ``return_tokens_as_token_ids`` form.
+``token_logprobs``, ``top_logprobs`` (text -> log-probability) and ``text_offset``.
+
+A token's ``bytes`` are the token's own, so that, as OpenAI means them, a reply's tokens' bytes
+joined are its text's UTF-8 even where a character spans tokens (for byte-level BPE
+vocabularies, Qwen's: the bytes each vocabulary character stands for; for other tokenizers the
+UTF-8 of the token's text). Its text is the tokenizer's decoding of it alone (special tokens
+included), except for a token that holds part of a character: that reads as OpenAI writes one,
+``bytes:`` and its bytes escaped (``bytes:\\xe2\\x80``). vLLM reads each as U+FFFD, so that
+all of them at a step share one key of a completion's ``top_logprobs``, and the sampled one's
+value can be lost. A completion's ``text_offset`` is where each token's text starts in the
+text its tokens' bytes spell (a token inside a character: where that character starts).
+
+Every generated token is listed, as vLLM lists them: the stop token and the tokens a ``stop``
+string cut off follow the reply's own, so their bytes (and a completion's ``text_offset``) run
+past its text. Without a tokenizer a token reads ``token_id:<id>``, vLLM's
+``return_tokens_as_token_ids`` form.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -58,7 +66,7 @@ def token_reader(tokenizer: PreTrainedTokenizerBase | None) -> TokenReader:
     alphabet = byte_level_alphabet()
     added = frozenset(tokenizer.added_tokens_decoder)  # a property that builds its dict anew
 
-    def text(token_id: int) -> str:
+    def decoded(token_id: int) -> str:
         return tokenizer.decode([token_id])
 
     def raw(token_id: int) -> bytes:
@@ -71,7 +79,17 @@ def token_reader(tokenizer: PreTrainedTokenizerBase | None) -> TokenReader:
             and all(c in alphabet for c in piece)
         ):
             return bytes(alphabet[c] for c in piece)
-        return text(token_id).encode("utf-8")
+        return decoded(token_id).encode("utf-8")
+
+    def text(token_id: int) -> str:
+        s = decoded(token_id)
+        if "\ufffd" not in s:
+            return s
+        own = raw(token_id)
+        try:
+            return own.decode("utf-8")  # a token of U+FFFD itself
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in own)
 
     return TokenReader(text, raw)
 
@@ -100,17 +118,18 @@ class CompletionLogprobs:
     pieces before (a stream's chunks continue one text)."""
 
     def __init__(self, top: int, tokens: TokenReader):
-        self.top, self.text = top, tokens.text
+        self.top, self.tokens = top, tokens
+        self.spelled = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        """Reads the tokens' bytes as they are listed; a character not yet whole waits in it."""
         self.offset = 0
 
     def json(self, entries: Sequence[dict[int, float]]) -> dict[str, Any]:
         tokens, logprobs, tops, offsets = [], [], [], []
         for entry in entries:
             sampled, logprob = next(iter(entry.items()))
-            s = self.text(sampled)
-            tokens.append(s)
+            tokens.append(self.tokens.text(sampled))
             logprobs.append(logprob)
-            tops.append({self.text(t): v for t, v in _top(entry, self.top)})
+            tops.append({self.tokens.text(t): v for t, v in _top(entry, self.top)})
             offsets.append(self.offset)
-            self.offset += len(s)
+            self.offset += len(self.spelled.decode(self.tokens.raw(sampled)))
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
