@@ -1197,15 +1197,58 @@ def test_text_and_audio_equal_run(omni, fmt) -> None:
     chunks = list(client.chat.completions.create(stream=True, **omni_request(STORY, "Ethan", fmt, 11, 12)))
     deltas = [c.choices[0].delta for c in chunks]
     assert "".join(d.content or "" for d in deltas) == ref.text
-    pieces = [decode_audio(d.audio.data, fmt) for d in deltas if d.audio is not None]
+    # OpenAI's streamed transcript: the text again, in the audio object of each text chunk.
+    spoken = [d for d in deltas if d.audio is not None]
+    assert "".join(d.audio.transcript for d in spoken) == ref.text
+    assert all(d.audio.transcript == d.content for d in spoken if d.audio.data is None)
+    assert len({(d.audio.id, d.audio.expires_at) for d in spoken}) == 1  # one reply, one audio
+    pieces = [decode_audio(d.audio.data, fmt) for d in spoken if d.audio.data is not None]
     assert len(pieces) == streamed.metrics["code2wav"]["chunks"] > 1
-    assert all(d.content is None for d in deltas if d.audio is not None)
+    assert all(d.content is None for d in spoken if d.audio.data is not None)
     if fmt == "pcm16":
         np.testing.assert_array_equal(np.concatenate(pieces), pcm16(streamed.audio))
     else:  # each piece a WAV of its own samples
         for piece, lo in zip(pieces, np.cumsum([0] + [len(p) for p in pieces[:-1]]), strict=True):
             np.testing.assert_array_equal(piece, pcm16(streamed.audio[lo : lo + len(piece)]))
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_spoken_reply_is_referred_to_by_its_audio_id(omni, stream) -> None:
+    """OpenAI's multi-turn audio: the next request sends the spoken reply back as ``{"role":
+    "assistant", "audio": {"id": ...}}``, without content, and it stands for what the reply
+    said: the same reply as with the transcript written out. An id not kept (or audio in
+    another role's message) is a 400 naming the field."""
+    client = omni.server.client()
+    first = omni_request(STORY, "Chelsie", "pcm16", seed=3, max_tokens=6)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **first))
+        spoken = [c.choices[0].delta.audio for c in chunks if c.choices and c.choices[0].delta.audio]
+        audio_id, said = spoken[0].id, "".join(a.transcript for a in spoken)
+    else:
+        message = client.chat.completions.create(**first).choices[0].message
+        audio_id, said = message.audio.id, message.audio.transcript
+    assert said
+    follow = [{"role": "user", "content": "and then?"}]
+    by_id, written = (
+        client.chat.completions.create(**omni_request(STORY + [turn] + follow, "Chelsie", "pcm16", 4, 6))
+        for turn in ({"role": "assistant", "audio": {"id": audio_id}}, {"role": "assistant", "content": said})
+    )
+    assert by_id.usage.prompt_tokens == written.usage.prompt_tokens
+    assert by_id.choices[0].message.content == written.choices[0].message.content
+    with omni.server.http() as http:
+        unknown = {"role": "assistant", "audio": {"id": "audio-chatcmpl-elsewhere"}}
+        r = http.post(
+            "/v1/chat/completions", json=omni_request(STORY + [unknown] + follow, "Chelsie", "wav", 4, 6)
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.audio.id"
+        assert (
+            "no spoken reply's audio of id 'audio-chatcmpl-elsewhere' is kept here"
+            in r.json()["error"]["message"]
+        )
+        user = {"role": "user", "content": "hi", "audio": {"id": audio_id}}
+        r = http.post("/v1/chat/completions", json=omni_request([user], "Chelsie", "wav", 4, 6))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.audio"
 
 
 def test_the_seed_decides_the_spoken_audio(omni) -> None:

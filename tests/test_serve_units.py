@@ -43,6 +43,7 @@ from omni_jax.serve.protocol import (
 )
 from omni_jax.serve.reply import End, Piece, Usage, reply
 from omni_jax.serve.responses import audio_data
+from omni_jax.serve.transcripts import Transcripts
 from omni_jax.testing import build_tokenizer
 
 # -- refusals of a request body ---------------------------------------------------------------
@@ -638,3 +639,18 @@ def test_an_unhandled_fault_is_a_500_json_and_the_server_goes_on() -> None:
             "code": 500,
         }
         assert client.get("/health").status_code in (200, 503)
+
+
+def test_transcripts_are_kept_until_their_audio_expires_and_at_most_so_many() -> None:
+    """A spoken reply's transcript answers for its audio id until ``expires_at``; past the
+    bound the oldest goes first, so the server's memory holds whatever the traffic."""
+    now = [100.0]
+    kept = Transcripts(limit=2, clock=lambda: now[0])
+    kept.keep("audio-a", "one", expires_at=110)
+    kept.keep("audio-b", "two", expires_at=200)
+    assert (kept.said("audio-a"), kept.said("audio-b"), kept.said("audio-c")) == ("one", "two", None)
+    now[0] = 110.0
+    assert kept.said("audio-a") is None and kept.said("audio-b") == "two"
+    kept.keep("audio-c", "three", expires_at=200)
+    kept.keep("audio-d", "four", expires_at=200)
+    assert (kept.said("audio-b"), kept.said("audio-c"), kept.said("audio-d")) == (None, "three", "four")

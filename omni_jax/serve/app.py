@@ -43,6 +43,7 @@ from omni_jax.serve.protocol import (
     invalid_request_message,
 )
 from omni_jax.serve.reply import End, Piece, reply
+from omni_jax.serve.transcripts import Transcripts
 from omni_jax.voices import UnknownSpeakerError
 
 log = logging.getLogger("omni_jax.serve")
@@ -97,6 +98,7 @@ class _Server:
     def __init__(self, pipe: AsyncOmniJaxPipeline, settings: ServeSettings):
         self.pipe = pipe
         self.settings = settings
+        self.transcripts = Transcripts()
         self.metrics = ServeMetrics(lambda: pipe.stats, lambda: pipe.waiting, lambda: pipe.xla_compilations)
         self.ready = not settings.warmup
         self.warmup_error: str | None = None
@@ -264,6 +266,16 @@ class _Head:
     model: str
     created: int
     tokens: logprobs.TokenReader
+    transcripts: Transcripts
+
+    @property
+    def audio_id(self) -> str:
+        return f"audio-{self.request_id}"
+
+    @property
+    def expires_at(self) -> int:
+        """Of the reply's audio: :data:`~omni_jax.serve.responses.AUDIO_EXPIRY_S` after the request."""
+        return self.created + responses.AUDIO_EXPIRY_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,11 +430,12 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         parsed = await server.admit(request, ChatCompletionRequest)
         try:
             serve = await asyncio.to_thread(
-                convert.chat_request, pipe.pipeline, parsed, settings.allowed_media
+                convert.chat_request, pipe.pipeline, parsed, settings.allowed_media, server.transcripts.said
             )
         except ValueError as e:
             raise _bad_request(e) from None
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = _Head(serve, request_id, settings.model_name, created, tokens, server.transcripts)
 
         def whole(reply: _Gathered) -> dict[str, Any]:
             audio_json, end = None, reply.end
@@ -431,7 +444,8 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
                 pieces = [p.audio for p in reply.audio]
                 samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
                 data = responses.audio_data(samples, end.sample_rate, serve.audio_format)
-                audio_json = responses.audio_json(f"audio-{request_id}", data, reply.text)
+                audio_json = responses.audio_json(head.audio_id, head.expires_at, reply.text, data)
+                server.transcripts.keep(head.audio_id, reply.text, head.expires_at)
             return responses.chat_completion(
                 request_id,
                 settings.model_name,
@@ -444,7 +458,6 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             )
 
         def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
-            head = _Head(serve, request_id, settings.model_name, created, tokens)
             return _chat_stream(events, first, head)
 
         return await server.respond(request, serve, request_id, stream, whole)
@@ -472,7 +485,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             )
 
         def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
-            head = _Head(serve, request_id, settings.model_name, created, tokens)
+            head = _Head(serve, request_id, settings.model_name, created, tokens, server.transcripts)
             return _completion_stream(events, first, head)
 
         return await server.respond(request, serve, request_id, stream, whole)
@@ -485,28 +498,39 @@ async def _chat_stream(
 ) -> AsyncIterator[bytes]:
     """SSE ``chat.completion.chunk``s: the role, ``delta.content`` as text comes (with its
     tokens' ``logprobs`` when asked: a chunk of tokens whose text is not out yet has empty
-    content), ``delta.audio`` as audio comes, the finish reason, the usage if asked, ``[DONE]``.
-    Closed early (the client gone), it aborts the request."""
+    content; a spoken reply's text chunks carry it as ``delta.audio.transcript`` too, as
+    OpenAI's do), ``delta.audio.data`` as audio comes, the finish reason, the usage if asked,
+    ``[DONE]``. Closed early (the client gone), it aborts the request."""
 
     serve = head.serve
+    spoken = serve.audio_format is not None
 
     def chunk(delta: dict[str, Any] | None, **kw: Any) -> bytes:
         return responses.sse(responses.chat_chunk(head.request_id, head.model, head.created, delta, **kw))
 
-    audio_id = f"audio-{head.request_id}"
+    def text(piece: str) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": piece}
+        if spoken and piece:
+            delta["audio"] = responses.audio_json(head.audio_id, head.expires_at, piece)
+        return delta
+
+    said: list[str] = []
     try:
         yield chunk({"role": "assistant", "content": ""})
         event = first
         while not isinstance(event, End):
+            said.append(event.text)
             if event.logprobs and serve.logprobs is not None:
                 entries = logprobs.chat(event.logprobs, serve.logprobs, head.tokens)
-                yield chunk({"content": event.text}, logprobs=entries)
+                yield chunk(text(event.text), logprobs=entries)
             elif event.text:
-                yield chunk({"content": event.text})
+                yield chunk(text(event.text))
             if event.audio is not None and serve.audio_format is not None:
                 data = responses.audio_data(event.audio, event.sample_rate, serve.audio_format)
-                yield chunk({"audio": responses.audio_json(audio_id, data, "")})
+                yield chunk({"audio": responses.audio_json(head.audio_id, head.expires_at, "", data)})
             event = await anext(events)
+        if spoken and event.finish_reason != "error" and event.sample_rate is not None:
+            head.transcripts.keep(head.audio_id, "".join(said), head.expires_at)
         yield _end_events(event, chunk({}, finish_reason=event.finish_reason))
         if serve.include_usage and event.finish_reason != "error":
             yield chunk(None, usage=event.usage.json())

@@ -14,6 +14,7 @@ the stages' own messages; what only the server can tell is refused here.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -109,9 +110,21 @@ def _common(request: ChatCompletionRequest | CompletionRequest) -> None:
         raise FieldError("stream_options", "only allowed with stream: true")
 
 
-def _content(where: str, message: Message, allowed: Path | None) -> str | list[dict[str, Any]]:
+def _content(
+    where: str, message: Message, allowed: Path | None, said: Callable[[str], str | None]
+) -> str | list[dict[str, Any]]:
     """A message's content as :meth:`OmniJaxPipeline.chat_prompt` reads it: text parts alone are
-    joined into one string (what text-only chat templates expect)."""
+    joined into one string (what text-only chat templates expect). An assistant message without
+    content but with an earlier reply's ``audio.id`` says what that reply said (``said``)."""
+    if message.content is None and message.audio is not None:
+        transcript = said(message.audio.id)
+        if transcript is None:
+            raise FieldError(
+                f"{where}.audio.id",
+                f"no spoken reply's audio of id {message.audio.id!r} is kept here "
+                "(not this server's, or expired)",
+            )
+        return transcript
     if message.content is None:  # an assistant turn that said nothing
         return ""
     if isinstance(message.content, str):
@@ -143,14 +156,18 @@ def _content(where: str, message: Message, allowed: Path | None) -> str | list[d
 
 
 def chat_request(
-    pipeline: OmniJaxPipeline, request: ChatCompletionRequest, allowed_media: Path | None
+    pipeline: OmniJaxPipeline,
+    request: ChatCompletionRequest,
+    allowed_media: Path | None,
+    said: Callable[[str], str | None],
 ) -> ServeRequest:
-    """``ValueError`` naming the field for what the server cannot serve."""
+    """``ValueError`` naming the field for what the server cannot serve. ``said``: what an
+    earlier spoken reply said, by its audio's id (``None``: not kept)."""
     _common(request)
     messages = [
         {
             "role": "system" if m.role == "developer" else m.role,
-            "content": _content(f"messages.{i}", m, allowed_media),
+            "content": _content(f"messages.{i}", m, allowed_media, said),
         }
         for i, m in enumerate(request.messages)
     ]

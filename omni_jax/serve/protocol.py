@@ -16,7 +16,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 MAX_TOP_LOGPROBS = 20
@@ -87,18 +95,37 @@ ContentPart = Annotated[
 ]
 
 
+class AssistantAudio(_Strict):
+    """An earlier spoken reply, by its audio's id (OpenAI's multi-turn audio): it stands for
+    what that reply said (:class:`~omni_jax.serve.transcripts.Transcripts`)."""
+
+    id: str
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = Field(
-        None, description="null or absent only in an assistant message (an earlier turn that said nothing)"
+        None,
+        description="null or absent only in an assistant message (an earlier turn that said nothing, "
+        "or one whose audio is given)",
     )
     name: str | None = None
+    audio: AssistantAudio | None = None
 
     @model_validator(mode="after")
     def _content_given(self) -> Message:
         if self.content is None and self.role != "assistant":
             raise PydanticCustomError("missing", "a {role} message needs content", {"role": self.role})
         return self
+
+    @field_validator("audio")
+    @classmethod
+    def _assistant_audio(cls, audio: AssistantAudio | None, info: ValidationInfo) -> AssistantAudio | None:
+        if audio is not None and info.data.get("role") != "assistant":
+            raise PydanticCustomError(
+                "assistant_only", "only an assistant message has audio (an earlier spoken reply)", {}
+            )
+        return audio
 
 
 class AudioOutput(_Strict):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from typing import Any, Literal
 
 import numpy as np
@@ -18,8 +17,9 @@ import numpy as np
 from omni_jax.audio_io import pcm16, wav_bytes
 
 AUDIO_EXPIRY_S = 3600
-"""``expires_at`` is an hour on: the server keeps no audio (nothing can be referred to later),
-but OpenAI clients read the field."""
+"""``expires_at`` is an hour after the request: until then a later request may refer to the
+reply by its audio's id (:mod:`omni_jax.serve.transcripts`, which keeps what it said, not the
+audio)."""
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -49,12 +49,15 @@ def audio_data(samples: np.ndarray, rate: int, fmt: Literal["wav", "pcm16"]) -> 
     return base64.b64encode(raw).decode("ascii")
 
 
-def audio_json(audio_id: str, data: str, transcript: str) -> dict[str, Any]:
+def audio_json(audio_id: str, expires_at: int, transcript: str, data: str | None = None) -> dict[str, Any]:
+    """OpenAI's ``audio`` object. A stream carries the transcript in its text chunks, without
+    ``data``, and the samples in chunks of their own, with an empty transcript; one reply's
+    chunks share one ``expires_at``."""
     return {
         "id": audio_id,
-        "data": data,
+        **({} if data is None else {"data": data}),
         "transcript": transcript,
-        "expires_at": int(time.time()) + AUDIO_EXPIRY_S,
+        "expires_at": expires_at,
     }
 
 
