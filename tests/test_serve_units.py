@@ -179,7 +179,7 @@ def test_vllms_audio_url_part_is_read_as_input_audio_is() -> None:
     ]
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
     assert body.model is None  # left out: the served model
-    items = convert._content("messages.0", body.messages[0], None)
+    items = convert._content("messages.0", body.messages[0], None, Transcripts().said)
     for item in items[:2]:
         assert item["type"] == "audio" and item["audio"][1] == 16_000
         np.testing.assert_array_equal(item["audio"][0], samples)
