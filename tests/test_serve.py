@@ -53,6 +53,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scipy.io import wavfile
 from stage_yamls import Whole, edited_stages
 
+import omni_jax
 from omni_jax import OmniJaxPipeline, OmniRequestOutput, Token2WavParams
 from omni_jax.audio_io import pcm16, read_wav, wav_bytes
 from omni_jax.testing import OMNI_CODEC, build_tiny_qwen2
@@ -487,6 +488,72 @@ def test_completions_equal_run(qwen, kind, stream) -> None:
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats_count_the_tokens_so_far_in_every_chunk(qwen, endpoint) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries the request's
+    usage so far, counting up to the final usage chunk's."""
+    fields: dict[str, Any] = dict(
+        model="tiny-qwen2",
+        temperature=0,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    client = qwen.server.client()
+    if endpoint == "chat":
+        chunks = list(client.chat.completions.create(messages=MESSAGES[0], **fields))
+    else:
+        chunks = list(client.completions.create(prompt="hello world", **fields))
+    *pieces, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    counts = [c.usage.completion_tokens for c in pieces]
+    assert counts == sorted(counts) and counts[-1] == 12 and len(set(counts)) > 3
+    assert {c.usage.prompt_tokens for c in pieces} == {last.usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in pieces)
+    del fields["stream_options"]["continuous_usage_stats"]
+    plain = list(client.completions.create(prompt="hello world", **fields))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 12
+
+
+def test_openais_bookkeeping_fields_and_vllms_include_stop_str_are_taken(qwen) -> None:
+    """``user``, ``metadata``, ``service_tier`` and ``store: false`` change nothing; vLLM's
+    ``include_stop_str_in_output`` keeps the stop string in the text, as ``run()`` does."""
+    ref = chat_ref(qwen.ref, MESSAGES[0], temperature=0.0, max_tokens=12, ignore_eos=True)
+    stop = ref.text[3:5]
+    client = qwen.server.client()
+    fields: dict[str, Any] = dict(model="tiny-qwen2", messages=MESSAGES[0], temperature=0, max_tokens=12)
+    r = client.chat.completions.create(
+        **fields,
+        user="u-1",
+        metadata={"team": "a"},
+        service_tier="auto",
+        store=False,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].message.content == ref.text
+    for keep in (False, True):
+        want = chat_ref(
+            qwen.ref,
+            MESSAGES[0],
+            temperature=0.0,
+            max_tokens=12,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=keep,
+        )
+        assert want.text.endswith(stop) == keep
+        extra = {"ignore_eos": True, "include_stop_str_in_output": keep}
+        got = client.chat.completions.create(**fields, stop=stop, extra_body=extra)
+        assert (got.choices[0].message.content, got.choices[0].finish_reason) == (want.text, "stop")
+
+
+def test_health_answers_head_and_vllms_ping_and_version(qwen) -> None:
+    with httpx.Client(base_url=qwen.server.url, timeout=60) as http:  # no key: not /v1 routes
+        assert http.head("/health").status_code == 200
+        assert http.get("/ping").json() == http.post("/ping").json() == {"status": "ok"}
+        assert http.get("/version").json() == {"version": omni_jax.__version__}
+
+
 def test_max_tokens_fill_the_context_to_its_end(qwen) -> None:
     """A ``max_tokens`` that fills the context exactly is served (one more is refused: REFUSALS);
     without one, the stage's default (64 tokens) stops at the context's end instead of being
@@ -726,6 +793,7 @@ REFUSALS = {
         "min_tokens",
     ),
     "unserved OpenAI field": ({**GOOD, "tools": []}, 400, "unsupported field 'tools'", "tools"),
+    "store": ({**GOOD, "store": True}, 400, "store: Input should be False", "store"),
     "n=2": ({**GOOD, "n": 2}, 400, "n: only n=1 is served, got 2", "n"),
     "empty stop": ({**GOOD, "stop": ["x", ""]}, 400, "stop: stop strings must not be empty", "stop"),
     "over-long prompt": (
@@ -761,8 +829,14 @@ REFUSALS = {
     "audio from a text model": (
         {**GOOD, "modalities": ["text", "audio"]},
         400,
-        "modalities ['audio'] not produced by the built stages ['llm']",
-        None,
+        "modalities: this server's stages ['llm'] write text only: it answers with text, not audio",
+        "modalities",
+    ),
+    "a voice from a text model": (  # an audio object alone asks for audio
+        {**GOOD, "audio": {"voice": "Chelsie", "format": "wav"}},
+        400,
+        "audio: this server's stages ['llm'] write text only",
+        "audio",
     ),
     "wrong model": ({**GOOD, "model": "gpt-4o"}, 404, "the model 'gpt-4o' does not exist here", "model"),
     "top_logprobs alone": (
@@ -884,6 +958,7 @@ def test_a_missing_or_wrong_api_key_gets_401(qwen, good_ref, key) -> None:
             ("POST", "/v1/chat/completions", GOOD),
             ("POST", "/v1/completions", {"model": "tiny-qwen2", "prompt": "x"}),
             ("GET", "/v1/models", None),
+            ("GET", "/v1/nothing", None),  # the key comes before the route: no 404 without it
         ]:
             r = http.request(method, path, json=body, headers=headers)
             check_error(r, 401, "authentication_error", "a valid API key is required")

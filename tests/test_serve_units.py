@@ -487,7 +487,7 @@ def _count(metrics: ServeMetrics, name: str, **labels: str) -> float:
 
 
 def _serve_request() -> ServeRequest:
-    return ServeRequest({"prompt": "hi"}, [], None, stream=True, include_usage=False)
+    return ServeRequest({"prompt": "hi"}, [], None, stream=True, include_usage=False, continuous_usage=False)
 
 
 def test_a_failed_request_ends_with_its_error_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omni_jax import ParamError
+from omni_jax import ParamError, __version__
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
 from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, logprobs, responses
 from omni_jax.serve.metrics import ServeMetrics
@@ -42,7 +42,7 @@ from omni_jax.serve.protocol import (
     FieldError,
     invalid_request_message,
 )
-from omni_jax.serve.reply import End, Piece, reply
+from omni_jax.serve.reply import End, Piece, Usage, reply
 from omni_jax.serve.transcripts import Transcripts
 from omni_jax.voices import UnknownSpeakerError
 
@@ -378,9 +378,15 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         )
 
     @app.exception_handler(HTTPException)
-    async def unrouted(_: Request, e: HTTPException) -> JSONResponse:
+    async def unrouted(request: Request, e: HTTPException) -> JSONResponse:
         """Routing's own refusals (an unknown path, a method a route does not take) in OpenAI's
-        error JSON too, as every other error the server sends."""
+        error JSON too, as every other error the server sends. Under ``/v1`` the key comes
+        first, as on every ``/v1`` route: a client without it learns nothing of the routes."""
+        if request.url.path.startswith("/v1"):
+            try:
+                server.authorize(request)
+            except HTTPError as denied:
+                return await refused(request, denied)
         server.metrics.refused.labels(str(e.status_code)).inc()
         return JSONResponse(
             responses.error_json(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers
@@ -388,12 +394,18 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
 
     app.add_middleware(_Contained, on_error=lambda: server.metrics.refused.labels("500").inc())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
+        """200 once warm, 503 before (and why); ``/ping`` is vLLM's name for it (SageMaker's)."""
         if pipe.running and server.ready:
             return JSONResponse({"status": "ok"})
         reason = "engine stopped" if not pipe.running else (server.warmup_error or "warming up")
         return JSONResponse({"status": reason}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -505,7 +517,9 @@ async def _chat_stream(
     serve = head.serve
     spoken = serve.audio_format is not None
 
-    def chunk(delta: dict[str, Any] | None, **kw: Any) -> bytes:
+    def chunk(delta: dict[str, Any] | None, so_far: Usage | None = None, **kw: Any) -> bytes:
+        if serve.continuous_usage and so_far is not None:
+            kw["usage"] = so_far.json()
         return responses.sse(responses.chat_chunk(head.request_id, head.model, head.created, delta, **kw))
 
     def text(piece: str) -> dict[str, Any]:
@@ -516,22 +530,23 @@ async def _chat_stream(
 
     said: list[str] = []
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        yield chunk({"role": "assistant", "content": ""}, first.usage)
         event = first
         while not isinstance(event, End):
             said.append(event.text)
             if event.logprobs and serve.logprobs is not None:
                 entries = logprobs.chat(event.logprobs, serve.logprobs, head.tokens)
-                yield chunk(text(event.text), logprobs=entries)
+                yield chunk(text(event.text), event.usage, logprobs=entries)
             elif event.text:
-                yield chunk(text(event.text))
+                yield chunk(text(event.text), event.usage)
             if event.audio is not None and serve.audio_format is not None:
                 data = responses.audio_data(event.audio, event.sample_rate, serve.audio_format)
-                yield chunk({"audio": responses.audio_json(head.audio_id, head.expires_at, "", data)})
+                audio = responses.audio_json(head.audio_id, head.expires_at, "", data)
+                yield chunk({"audio": audio}, event.usage)
             event = await anext(events)
         if spoken and event.finish_reason != "error" and event.sample_rate is not None:
             head.transcripts.keep(head.audio_id, "".join(said), head.expires_at)
-        yield _end_events(event, chunk({}, finish_reason=event.finish_reason))
+        yield _end_events(event, chunk({}, event.usage, finish_reason=event.finish_reason))
         if serve.include_usage and event.finish_reason != "error":
             yield chunk(None, usage=event.usage.json())
         yield responses.sse("[DONE]")
@@ -545,10 +560,13 @@ async def _completion_stream(
     """SSE ``text_completion`` chunks: text as it comes (with its tokens' ``logprobs`` when
     asked), the finish reason, usage, ``[DONE]``."""
 
-    def chunk(text: str, finish_reason: str | None = None, lists: dict[str, Any] | None = None) -> bytes:
+    def chunk(
+        text: str, so_far: Usage, finish_reason: str | None = None, lists: dict[str, Any] | None = None
+    ) -> bytes:
+        usage = so_far.json() if head.serve.continuous_usage else None
         return responses.sse(
             responses.completion(
-                head.request_id, head.model, head.created, text, finish_reason, None, True, lists
+                head.request_id, head.model, head.created, text, finish_reason, usage, True, lists
             )
         )
 
@@ -558,11 +576,11 @@ async def _completion_stream(
         event = first
         while not isinstance(event, End):
             if event.logprobs and lists is not None:
-                yield chunk(event.text, lists=lists.json(event.logprobs))
+                yield chunk(event.text, event.usage, lists=lists.json(event.logprobs))
             elif event.text:
-                yield chunk(event.text)
+                yield chunk(event.text, event.usage)
             event = await anext(events)
-        yield _end_events(event, chunk("", event.finish_reason))
+        yield _end_events(event, chunk("", event.usage, event.finish_reason))
         if head.serve.include_usage and event.finish_reason != "error":
             usage = responses.completion(
                 head.request_id, head.model, head.created, "", None, event.usage.json()

@@ -36,6 +36,7 @@ SAMPLING_FIELDS = (
     "seed",
     "stop_token_ids",
     "ignore_eos",
+    "include_stop_str_in_output",
 )
 """The request fields that are :class:`~omni_jax.SamplingParams` fields of the same name."""
 
@@ -53,6 +54,9 @@ class ServeRequest:
     audio_format: Literal["wav", "pcm16"] | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool
+    """``include_usage``: a last chunk holds the usage; ``continuous_usage``: every chunk holds
+    the request's tokens so far too (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
     logprobs: int | None = None
     within_context: bool = False
     """The request gave ``max_tokens``: it must fit in the context after the prompt (a 400
@@ -101,6 +105,13 @@ def _stage_params(
 def _max_tokens(request: ChatCompletionRequest | CompletionRequest) -> int | None:
     """The request's ``max_completion_tokens`` (chat) or else ``max_tokens``; ``None``: neither."""
     return getattr(request, "max_completion_tokens", None) or request.max_tokens
+
+
+def _usage(request: ChatCompletionRequest | CompletionRequest) -> dict[str, bool]:
+    """:class:`ServeRequest`'s ``include_usage`` and ``continuous_usage``."""
+    options = request.stream_options
+    include = options is not None and options.include_usage
+    return {"include_usage": include, "continuous_usage": include and options.continuous_usage_stats}
 
 
 def _common(request: ChatCompletionRequest | CompletionRequest) -> None:
@@ -173,6 +184,12 @@ def chat_request(
     ]
     modalities = request.modalities or (["text", "audio"] if request.audio is not None else ["text"])
     wants_audio = "audio" in modalities
+    if wants_audio and not pipeline.speaks:
+        raise FieldError(
+            "modalities" if request.modalities else "audio",
+            f"this server's stages {[s.config.name for s in pipeline.stages]} write text only: "
+            "it answers with text, not audio",
+        )
     if _stop(request.stop) and wants_audio:
         raise FieldError("stop", "stop strings are served for text output only (modalities ['text'])")
     if request.top_logprobs is not None and not request.logprobs:
@@ -189,7 +206,7 @@ def chat_request(
         sampling_params_list=params,
         audio_format=(request.audio.format if request.audio is not None else "wav") if wants_audio else None,
         stream=request.stream,
-        include_usage=request.stream_options is not None and request.stream_options.include_usage,
+        **_usage(request),
         logprobs=logprobs,
         within_context=_max_tokens(request) is not None,
     )
@@ -214,7 +231,7 @@ def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) ->
         sampling_params_list=_stage_params(pipeline, request, request.logprobs),
         audio_format=None,
         stream=request.stream,
-        include_usage=request.stream_options is not None and request.stream_options.include_usage,
+        **_usage(request),
         logprobs=request.logprobs,
         within_context=_max_tokens(request) is not None,
     )

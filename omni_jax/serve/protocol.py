@@ -8,7 +8,9 @@ are refused by name rather than ignored, as OpenAI's own API does; ``response_fo
 when it asks for plain text (SDKs send ``{"type": "text"}`` by default) and refused otherwise.
 Log-probabilities are served, with up to :data:`MAX_TOP_LOGPROBS` most likely tokens beside
 each, and so are the sampling fields vLLM adds (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``). OpenAI's
+bookkeeping fields are taken and change nothing: ``user``, ``metadata``, ``service_tier`` (one
+tier is served), ``store: false`` (nothing is stored: ``true`` is refused).
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class TextFormat(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with ``include_usage``, every chunk carries the request's tokens so far."""
 
 
 class _Sampling(_Strict):
@@ -162,10 +166,16 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: Literal[False] | None = Field(
+        None, description="no reply is stored: a request asking to store is refused"
+    )
+    service_tier: str | None = Field(None, description="one tier is served, whatever is asked")
 
 
 class ChatCompletionRequest(_Sampling):

@@ -47,6 +47,8 @@ class Piece:
     audio: np.ndarray | None = None
     sample_rate: int | None = None
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    usage: Usage | None = None
+    """The request's tokens so far (vLLM's ``continuous_usage_stats`` put them in each chunk)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +100,13 @@ async def reply(
                     metrics.ttfa.observe(time.perf_counter() - arrival)
                     first_audio = False
                 metrics.audio_seconds.inc(audio.size / out.sample_rate)
-            yield Piece(text, audio, out.sample_rate if audio is not None else None, out.logprobs_delta)
+            yield Piece(
+                text,
+                audio,
+                out.sample_rate if audio is not None else None,
+                out.logprobs_delta,
+                Usage(prompt_tokens, tokens),
+            )
             if out.finished:
                 reason = out.finish_reason or "stop"
                 ended = True
