@@ -54,7 +54,8 @@ class _Flight:
     tokens), those that took it (``taken``), its output so far, and when streamed, the text
     stage's tokens delivered so far (and their log-probabilities, when it asked for them).
     ``rows``: per stage whose outputs carry hidden states, those it handed on to the next
-    stage as they were computed (its result then holds only the rest)."""
+    stage as they were computed (its result then holds only the rest). ``text_params``: the
+    text stage's params of the request, which say what of its reply the text holds."""
 
     admission: Admission
     output: OmniRequestOutput
@@ -66,12 +67,28 @@ class _Flight:
     text: TextStream | None = None
     stop: StopText | None = None
     rows: dict[int, list[np.ndarray]] = dataclasses.field(default_factory=dict)
+    text_params: SamplingParams | None = None
 
     @property
     def watched(self) -> bool:
         """Whether the core follows its reply token by token: to stream it, or to cut it at a
         stop string."""
         return self.stream or self.stop is not None
+
+    @property
+    def min_tokens(self) -> int:
+        """How many of the reply's first tokens no stop string may end in (vLLM's detokenizer
+        looks for one only once the reply is longer)."""
+        return 0 if self.text_params is None else self.text_params.min_tokens
+
+    def shown(self, ids: list[int], reason: str | None) -> list[int]:
+        """The tokens of the reply ``ids`` whose text the reply's text holds: all but a last one
+        that stopped the text stage (``reason`` ``"stop"``: a stop id or EOS, which may be an
+        ordinary token with text of its own), unless the request asked for stop text
+        (``include_stop_str_in_output``). vLLM's detokenizer leaves that token out so; its id
+        stays in ``token_ids``."""
+        keep = self.text_params is not None and self.text_params.include_stop_str_in_output
+        return ids[:-1] if reason == "stop" and not keep and ids else ids
 
     @property
     def stage(self) -> int:
@@ -149,8 +166,10 @@ class EngineCore:
         out = OmniRequestOutput(request_id=request_id, prompt_token_ids=admission.input.token_ids)
         flight = _Flight(admission, out, stream=stream)
         params = None if self.text_stage is None else admission.stage_params[self.text_stage]
-        if isinstance(params, SamplingParams) and params.stop_strings:  # intake checked the tokenizer
-            flight.stop = StopText(params.stop_strings, params.include_stop_str_in_output)
+        if isinstance(params, SamplingParams):
+            flight.text_params = params
+            if params.stop_strings:  # intake checked the tokenizer
+                flight.stop = StopText(params.stop_strings, params.include_stop_str_in_output)
         if flight.watched and self.tokenizer is not None:
             flight.text = TextStream(self.tokenizer)
         self._submit(flight, 0, admission.input)
@@ -178,10 +197,15 @@ class EngineCore:
             with scope(f"stage/{stage.config.name}"):
                 done = stage.step(block=wait or not others)
             self._stalled = self._stalled and done.idle
+            finished = {result.request_id: result.finish_reason for result in done.finished}
             if si == self.text_stage:
                 for request_id, ids in done.new_tokens.items():
-                    self._stream_tokens(self._flights[request_id], ids, done.new_logprobs.get(request_id))
-            finished = {result.request_id for result in done.finished}
+                    self._stream_tokens(
+                        self._flights[request_id],
+                        ids,
+                        done.new_logprobs.get(request_id),
+                        finished.get(request_id),
+                    )
             if done.new_rows and stage.outputs_hidden:
                 self._keep_rows(si, done.new_rows)
             fed = dict.fromkeys([*done.new_tokens, *done.new_rows])  # in order: every process feeds alike
@@ -223,7 +247,7 @@ class EngineCore:
                 out.logprobs = list(flight.reply_logprobs)
             if flight.text is not None:
                 out.text = self.tokenizer.decode(flight.reply, skip_special_tokens=True)
-                self._finish_text(flight, out)
+                self._finish_text(flight, out, len(flight.reply))
         return self._end(flight)
 
     def fail(self, error: str) -> list[OmniRequestOutput]:
@@ -243,20 +267,25 @@ class EngineCore:
         return update
 
     def _stream_tokens(
-        self, flight: _Flight, ids: list[int], logprobs: list[dict[int, float]] | None
+        self,
+        flight: _Flight,
+        ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        reason: str | None,
     ) -> None:
         """The text stage's new tokens of a watched request: its deltas when streamed, and its
-        end when they complete a stop string."""
+        end when they complete a stop string. ``reason``: the stage's ``finish_reason`` when
+        these tokens ended the request there (a stop token's text is then left out:
+        :meth:`_Flight.shown`), else ``None``."""
         if not flight.watched:
             return
+        start = len(flight.reply)
         flight.reply += ids
         if logprobs is not None:
             if flight.reply_logprobs is None:
                 flight.reply_logprobs = []
             flight.reply_logprobs += logprobs
-        text = flight.text.update(flight.reply) if flight.text is not None else ""
-        if flight.stop is not None:
-            text = flight.stop.feed(text)
+        text = self._new_text(flight, start, flight.shown(flight.reply, reason))
         if flight.stream:
             update = self._update(flight)
             update.token_ids_delta += ids
@@ -265,6 +294,24 @@ class EngineCore:
             update.text_delta += text
         if flight.stop is not None and flight.stop.hit:
             self._updates[flight.output.request_id] = self._stopped(flight)
+
+    @staticmethod
+    def _new_text(flight: _Flight, start: int, shown: list[int]) -> str:
+        """The text that the tokens ``shown[start:]`` (the reply's shown tokens so far, past
+        ``start`` read before) complete, as far as it may be sent: through :class:`StopText`,
+        which searches for stop strings only the text of tokens past ``min_tokens`` (those up
+        to it are fed unchecked, as vLLM moves its stop check past them)."""
+        if flight.text is None:
+            return ""
+        if flight.stop is None:
+            return flight.text.update(shown)
+        unchecked = min(max(start, flight.min_tokens), len(shown))  # the tokens before it: under min_tokens
+        text = ""
+        if unchecked > start:
+            text = flight.stop.feed(flight.text.update(shown[:unchecked]), check=False)
+        if len(shown) > unchecked:
+            text += flight.stop.feed(flight.text.update(shown))
+        return text
 
     def _stopped(self, flight: _Flight) -> OmniRequestOutput:
         """A stop string cut the text stage's reply: the request ends there (its stages drop it,
@@ -281,14 +328,15 @@ class EngineCore:
         )
         return self._end(flight)
 
-    def _finish_text(self, flight: _Flight, out: OmniRequestOutput) -> None:
-        """The reply's text is whole (``out.text``): what the stream had not sent yet, cut at a
-        stop string (``out.text`` then ends there too), goes in the last update."""
+    def _finish_text(self, flight: _Flight, out: OmniRequestOutput, shown: int) -> None:
+        """The reply's text is whole (``out.text``, the text of its first ``shown`` tokens): what
+        the stream had not sent yet, cut at a stop string (``out.text`` then ends there too; none
+        counts while ``shown`` is at most ``min_tokens``), goes in the last update."""
         if flight.text is None or out.text is None:
             return
         rest = flight.text.finish(out.text)
         if flight.stop is not None:
-            rest = flight.stop.feed(rest)
+            rest = flight.stop.feed(rest, check=shown > flight.min_tokens)
             if flight.stop.hit:
                 out.text = flight.stop.kept
             else:
@@ -462,9 +510,10 @@ class EngineCore:
             out.token_ids = list(result.token_ids)
             out.finish_reason = result.finish_reason
             out.logprobs = result.logprobs
+            shown = flight.shown(result.token_ids, result.finish_reason)
             if self.tokenizer is not None:
-                out.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            self._finish_text(flight, out)
+                out.text = self.tokenizer.decode(shown, skip_special_tokens=True)
+            self._finish_text(flight, out, len(shown))
             if flight.stop is not None and flight.stop.hit:  # completed by the tokens that ended it
                 out.finish_reason = out.stage_outputs[stage.config.name].finish_reason = "stop"
         elif stage.config.final_output == "audio":

@@ -47,6 +47,10 @@ class OmniRequestOutput:
     a failed request, without the tokens it streamed before the fault. An abort, or a fault
     outside the stages, keeps what was streamed.
 
+    ``text``: the text of ``token_ids`` (the text stage's), cut at a stop string; as in vLLM,
+    without the text of a last token that stopped the stage (a stop id or EOS) unless
+    ``SamplingParams.include_stop_str_in_output``.
+
     ``logprobs`` (vLLM's form): one dict per output token, token id -> log-probability under
     the model's log-softmax: the sampled token first, then the ``SamplingParams.logprobs`` most
     likely tokens (one entry fewer when the sampled token is among them).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import jax
 import numpy as np
@@ -16,7 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.engine.sampling import (
     SamplingTensors,
     draw_tokens,
@@ -168,6 +169,28 @@ def test_draws_follow_the_distribution() -> None:
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
 
 
+@pytest.mark.parametrize(
+    "params,name",
+    [
+        (SamplingParams(temperature=0.5, seed=3), "n"),
+        (SamplingParams(temperature=0.5, seed=3), "prompt_logprobs"),
+        (SamplingParams(temperature=0.5, seed=3), "max_token"),
+        (Token2WavParams(num_steps=4, seed=3), "num_step"),
+    ],
+    ids=["n", "prompt_logprobs", "misspelt", "token2wav misspelt"],
+)
+def test_a_field_the_params_lack_cannot_be_set(params, name) -> None:
+    """Setting a field the params do not have (vLLM's ``n`` or ``prompt_logprobs``, which are
+    not served, or a misspelling) raises instead of being silently ignored; their own fields are
+    still set, and they still copy and pickle (the engine copies them per request, and sends them
+    to the other processes of a multi-process run)."""
+    with pytest.raises(AttributeError, match=name):
+        setattr(params, name, 3)
+    params.seed = 4
+    assert params.seed == 4 and not hasattr(params, name)
+    assert pickle.loads(pickle.dumps(params)) == params == dataclasses.replace(params)
+
+
 @pytest.fixture(scope="module")
 def pipe(qwen2_dir):
     return OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=8, page_size=8, max_model_len=128)
@@ -185,7 +208,7 @@ def test_seeded_request_is_batch_invariant(pipe) -> None:
         others[:2] + [target] + others[2:], other_params[:2] + [params] + other_params[2:], False
     )
     assert alone == again == mixed[2].token_ids
-    different_seed = pipe.run([target], SamplingParams(**{**params.__dict__, "seed": 99}), progress=False)
+    different_seed = pipe.run([target], dataclasses.replace(params, seed=99), progress=False)
     assert different_seed[0].token_ids != alone
 
 

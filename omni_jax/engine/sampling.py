@@ -123,9 +123,13 @@ _SAMPLING_TYPES: tuple[FieldType, ...] = (
 their own)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class SamplingParams:
-    """How one AR stage decodes one request (field names and meaning follow vLLM)."""
+    """How one AR stage decodes one request (field names and meaning follow vLLM).
+
+    Slotted: assigning a field it does not have (a misspelling, or vLLM's ``n`` or
+    ``prompt_logprobs``, which are not served) raises ``AttributeError`` instead of being
+    silently ignored."""
 
     temperature: float = 1.0
     top_p: float = 1.0
