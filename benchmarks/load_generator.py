@@ -9,7 +9,8 @@ compressed or stretched in time, and two rates differ in their load alone. Each 
 - TTFT: from sending to the first chunk with non-empty ``delta.content``;
 - TPOT: ``(last content chunk - first content chunk) / (completion tokens - 1)``, the tokens
   counted from the usage chunk (a chunk may carry several tokens' text, or a token none);
-- TTFA: from sending to the first chunk with ``delta.audio``;
+- TTFA: from sending to the first chunk with ``delta.audio.data`` (a spoken reply's text chunks carry
+  ``delta.audio`` too, with its transcript alone);
 - e2e: from sending to ``[DONE]``;
 - audio seconds: each audio chunk is a WAV file of its own (OpenAI's ``"wav"`` format), its
   frames over its rate.

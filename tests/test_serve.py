@@ -554,6 +554,86 @@ def test_health_answers_head_and_vllms_ping_and_version(qwen) -> None:
         assert http.get("/version").json() == {"version": omni_jax.__version__}
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_n_choices_are_runs_seeded_apart(qwen, stream) -> None:
+    """``n`` replies to one chat prompt: choice ``j`` is run()'s with the seed plus ``j`` (they
+    differ, and the request repeats), the prompt's tokens counted once in the usage; streamed,
+    each chunk names its choice, and each choice has its role, text and finish reason."""
+    messages = MESSAGES[0]
+    prompt = qwen.ref.chat_prompt(messages)
+    refs = [
+        run_one(
+            qwen.ref,
+            prompt,
+            stage_params(qwen.ref, temperature=1.0, max_tokens=8, ignore_eos=True, seed=5 + j),
+        )
+        for j in range(3)
+    ]
+    assert len({r.text for r in refs}) == 3
+    client = qwen.server.client()
+    body: dict[str, Any] = dict(
+        model="tiny-qwen2", messages=messages, n=3, seed=5, temperature=1.0, max_tokens=8
+    )
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **body
+            )
+        )
+        *pieces, last = chunks
+        texts = [
+            "".join(c.choices[0].delta.content or "" for c in pieces if c.choices[0].index == j)
+            for j in range(3)
+        ]
+        roles = [c.choices[0].index for c in pieces if c.choices[0].delta.role == "assistant"]
+        ends = {c.choices[0].index: c.choices[0].finish_reason for c in pieces if c.choices[0].finish_reason}
+        assert sorted(roles) == [0, 1, 2] and ends == {0: "length", 1: "length", 2: "length"}
+        usage = last.usage
+    else:
+        r = client.chat.completions.create(extra_body={"ignore_eos": True}, **body)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        texts = [c.message.content for c in r.choices]
+        usage = r.usage
+    assert texts == [ref.text for ref in refs]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(refs[0].prompt_token_ids), 3 * 8)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_completion_of_several_prompts_has_their_choices_in_order(qwen, stream) -> None:
+    """A list of prompts, ``n=2`` each: OpenAI's choices, each prompt's ``n`` together, each
+    run()'s; every prompt's tokens counted once."""
+    prompts = [COMPLETION_PROMPTS["token ids"], [9, 8, 7]]
+    refs = [
+        run_one(
+            qwen.ref,
+            {"prompt_token_ids": p},
+            stage_params(qwen.ref, seed=3 + j, temperature=1.0, max_tokens=6, ignore_eos=True),
+        )
+        for p in prompts
+        for j in range(2)
+    ]
+    client = qwen.server.client()
+    body: dict[str, Any] = dict(
+        model="tiny-qwen2",
+        prompt=prompts,
+        n=2,
+        seed=3,
+        temperature=1.0,
+        max_tokens=6,
+        extra_body={"ignore_eos": True},
+    )
+    if stream:
+        *pieces, last = client.completions.create(stream=True, stream_options={"include_usage": True}, **body)
+        texts = ["".join(c.choices[0].text for c in pieces if c.choices[0].index == i) for i in range(4)]
+        usage = last.usage
+    else:
+        r = client.completions.create(**body)
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        texts, usage = [c.text for c in r.choices], r.usage
+    assert texts == [ref.text for ref in refs]
+    assert usage.prompt_tokens == len(prompts[0]) + len(prompts[1]) and usage.completion_tokens == 4 * 6
+
+
 def test_max_tokens_fill_the_context_to_its_end(qwen) -> None:
     """A ``max_tokens`` that fills the context exactly is served (one more is refused: REFUSALS);
     without one, the stage's default (64 tokens) stops at the context's end instead of being
@@ -794,7 +874,7 @@ REFUSALS = {
     ),
     "unserved OpenAI field": ({**GOOD, "tools": []}, 400, "unsupported field 'tools'", "tools"),
     "store": ({**GOOD, "store": True}, 400, "store: Input should be False", "store"),
-    "n=2": ({**GOOD, "n": 2}, 400, "n: only n=1 is served, got 2", "n"),
+    "n past OpenAI's bound": ({**GOOD, "n": 129}, 400, "n: Input should be less than or equal to 128", "n"),
     "empty stop": ({**GOOD, "stop": ["x", ""]}, 400, "stop: stop strings must not be empty", "stop"),
     "over-long prompt": (
         {"model": "tiny-qwen2", "prompt": [7] * 17_000, "max_tokens": 2},
@@ -926,8 +1006,8 @@ def test_response_format_text_is_served_and_json_refused(qwen, good_ref) -> None
 
 def test_the_openai_client_reads_the_refusals(qwen) -> None:
     client = qwen.server.client()
-    with pytest.raises(openai.BadRequestError, match="only n=1 is served") as e:
-        client.chat.completions.create(model="tiny-qwen2", messages=MESSAGES[0], n=2)
+    with pytest.raises(openai.BadRequestError, match="n: Input should be greater than or equal to 1") as e:
+        client.chat.completions.create(model="tiny-qwen2", messages=MESSAGES[0], n=0)
     assert e.value.status_code == 400 and e.value.type == "invalid_request_error"
     with pytest.raises(openai.NotFoundError, match="does not exist here") as e:
         client.chat.completions.create(model="nope", messages=MESSAGES[0])
@@ -1450,7 +1530,7 @@ def test_32_concurrent_streams_all_complete_unmixed(omni) -> None:
         async for chunk in stream:
             delta = chunk.choices[0].delta
             text += delta.content or ""
-            if delta.audio is not None:
+            if delta.audio is not None and delta.audio.data is not None:
                 audio.append(decode_audio(delta.audio.data, "pcm16"))
             finish = chunk.choices[0].finish_reason or finish
         return text, (np.concatenate(audio) if audio else None), finish

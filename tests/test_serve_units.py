@@ -32,7 +32,7 @@ from omni_jax.engine.sampling import MAX_LOGPROBS
 from omni_jax.engine_core import EngineStats
 from omni_jax.outputs import OmniRequestOutput
 from omni_jax.serve import convert, logprobs, media
-from omni_jax.serve.convert import ServeRequest
+from omni_jax.serve.convert import Choice
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import (
     MAX_TOP_LOGPROBS,
@@ -486,8 +486,8 @@ def _count(metrics: ServeMetrics, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-def _serve_request() -> ServeRequest:
-    return ServeRequest({"prompt": "hi"}, [], None, stream=True, include_usage=False, continuous_usage=False)
+def _serve_request() -> Choice:
+    return Choice({"prompt": "hi"}, [])
 
 
 def test_a_failed_request_ends_with_its_error_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_jax import ParamError, __version__
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
-from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, logprobs, responses
+from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, fanout, logprobs, responses
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import (
     ChatCompletionRequest,
@@ -191,15 +191,20 @@ class _Server:
         request: Request,
         serve: convert.ServeRequest,
         request_id: str,
-        stream: Callable[[AsyncIterator[Piece | End], Piece | End], AsyncIterator[bytes]],
-        whole: Callable[[_Gathered], dict[str, Any]],
+        stream: Callable[[AsyncIterator[tuple[int, Piece | End]]], AsyncIterator[bytes]],
+        whole: Callable[[list[fanout.Gathered]], dict[str, Any]],
     ) -> Response:
-        """Run the request: its queue and admission checks, then an SSE response from
-        ``stream(events, first)`` or the JSON ``whole(gathered)``. A client gone
-        before the end gets nothing (499 in the log); a request a stage failed is a 500."""
-        events = reply(self.pipe, serve, request_id, self.metrics, time.perf_counter())
+        """Run the request's choices: their queue and admission checks, then an SSE response
+        from ``stream(events)`` or the JSON ``whole(replies)``. A client gone before the end gets
+        nothing (499 in the log); a request a stage failed is a 500."""
+        choices = serve.choices()
+        ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
+        arrival = time.perf_counter()
+        replies = [
+            reply(self.pipe, c, rid, self.metrics, arrival) for c, rid in zip(choices, ids, strict=True)
+        ]
         try:
-            first = await self.unless_disconnected(request, request_id, anext(events))
+            first = await self.unless_disconnected(request, request_id, fanout.firsts(replies))
         except QueueFullError as e:
             raise HTTPError(
                 429, f"the server's queue is full ({e}); retry later", retry_after=RETRY_QUEUE_S
@@ -209,15 +214,17 @@ class _Server:
         except ValueError as e:
             raise _bad_request(e) from None
         if first is None:
-            await events.aclose()
+            await fanout.close(replies)
             return Response(status_code=CLIENT_GONE)
         if serve.stream:
-            return StreamingResponse(stream(events, first), media_type="text/event-stream")
-        gathered = await self.unless_disconnected(request, request_id, _gather(events, first))
+            return StreamingResponse(stream(fanout.merged(replies, first)), media_type="text/event-stream")
+        gathered = await self.unless_disconnected(request, request_id, fanout.gathered(replies, first))
         if gathered is None:
+            await fanout.close(replies)
             return Response(status_code=CLIENT_GONE)
-        if gathered.end.finish_reason == "error":
-            raise HTTPError(500, f"the request failed: {gathered.end.error}")
+        failed = next((g.end for g in gathered if g.end.finish_reason == "error"), None)
+        if failed is not None:
+            raise HTTPError(500, f"the request failed: {failed.error}")
         return JSONResponse(whole(gathered))
 
     async def unless_disconnected(self, request: Request, request_id: str, work: Awaitable[T]) -> T | None:
@@ -268,37 +275,15 @@ class _Head:
     tokens: logprobs.TokenReader
     transcripts: Transcripts
 
-    @property
-    def audio_id(self) -> str:
-        return f"audio-{self.request_id}"
+    def audio_id(self, index: int) -> str:
+        """Choice ``index``'s audio: the request's own id when it asked for one reply."""
+        one = len(self.serve.prompts) * self.serve.n == 1
+        return f"audio-{self.request_id}" if one else f"audio-{self.request_id}-{index}"
 
     @property
     def expires_at(self) -> int:
         """Of the reply's audio: :data:`~omni_jax.serve.responses.AUDIO_EXPIRY_S` after the request."""
         return self.created + responses.AUDIO_EXPIRY_S
-
-
-@dataclasses.dataclass(frozen=True)
-class _Gathered:
-    """A whole reply: its text, its audio pieces, its tokens' log-probabilities (when asked) and
-    its end."""
-
-    text: str
-    audio: list[Piece]
-    logprobs: list[dict[int, float]]
-    end: End
-
-
-async def _gather(events: AsyncIterator[Piece | End], first: Piece | End) -> _Gathered:
-    text, audio, entries = [], [], []
-    event = first
-    while not isinstance(event, End):
-        text.append(event.text)
-        entries += event.logprobs
-        if event.audio is not None:
-            audio.append(event)
-        event = await anext(events)
-    return _Gathered("".join(text), audio, entries, event)
 
 
 class _Contained:
@@ -449,30 +434,28 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = _Head(serve, request_id, settings.model_name, created, tokens, server.transcripts)
 
-        def whole(reply: _Gathered) -> dict[str, Any]:
+        def choice(index: int, reply: fanout.Gathered) -> dict[str, Any]:
             audio_json, end = None, reply.end
             if serve.audio_format is not None and end.sample_rate is not None:
                 # A talker that stopped at once leaves zero samples: still an audio object.
                 pieces = [p.audio for p in reply.audio]
                 samples = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
                 data = responses.audio_data(samples, end.sample_rate, serve.audio_format)
-                audio_json = responses.audio_json(head.audio_id, head.expires_at, reply.text, data)
-                server.transcripts.keep(head.audio_id, reply.text, head.expires_at)
-            return responses.chat_completion(
-                request_id,
-                settings.model_name,
-                created,
-                reply.text,
-                end.finish_reason,
-                end.usage.json(),
-                audio_json,
-                None if serve.logprobs is None else logprobs.chat(reply.logprobs, serve.logprobs, tokens),
+                audio_json = responses.audio_json(head.audio_id(index), head.expires_at, reply.text, data)
+                server.transcripts.keep(head.audio_id(index), reply.text, head.expires_at)
+            entries = (
+                None if serve.logprobs is None else logprobs.chat(reply.logprobs, serve.logprobs, tokens)
             )
+            return responses.chat_choice(index, reply.text, end.finish_reason, audio_json, entries)
 
-        def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
-            return _chat_stream(events, first, head)
+        def whole(replies: list[fanout.Gathered]) -> dict[str, Any]:
+            choices = [choice(i, r) for i, r in enumerate(replies)]
+            usage = fanout.total_usage({i: r.end for i, r in enumerate(replies)}, serve.n)
+            return responses.chat_completion(request_id, settings.model_name, created, choices, usage.json())
 
-        return await server.respond(request, serve, request_id, stream, whole)
+        return await server.respond(
+            request, serve, request_id, lambda events: _chat_stream(events, head), whole
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -482,113 +465,126 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         except ValueError as e:
             raise _bad_request(e) from None
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = _Head(serve, request_id, settings.model_name, created, tokens, server.transcripts)
 
-        def whole(reply: _Gathered) -> dict[str, Any]:
-            return responses.completion(
-                request_id,
-                settings.model_name,
-                created,
-                reply.text,
-                reply.end.finish_reason,
-                reply.end.usage.json(),
-                logprobs=None
+        def choice(index: int, reply: fanout.Gathered) -> dict[str, Any]:
+            lists = (
+                None
                 if serve.logprobs is None
-                else logprobs.CompletionLogprobs(serve.logprobs, tokens).json(reply.logprobs),
+                else logprobs.CompletionLogprobs(serve.logprobs, tokens).json(reply.logprobs)
             )
+            return responses.completion_choice(index, reply.text, reply.end.finish_reason, lists)
 
-        def stream(events: AsyncIterator[Piece | End], first: Piece | End) -> AsyncIterator[bytes]:
-            head = _Head(serve, request_id, settings.model_name, created, tokens, server.transcripts)
-            return _completion_stream(events, first, head)
+        def whole(replies: list[fanout.Gathered]) -> dict[str, Any]:
+            choices = [choice(i, r) for i, r in enumerate(replies)]
+            usage = fanout.total_usage({i: r.end for i, r in enumerate(replies)}, serve.n)
+            return responses.completion(request_id, settings.model_name, created, choices, usage.json())
 
-        return await server.respond(request, serve, request_id, stream, whole)
+        return await server.respond(
+            request, serve, request_id, lambda events: _completion_stream(events, head), whole
+        )
 
     return app
 
 
-async def _chat_stream(
-    events: AsyncIterator[Piece | End], first: Piece | End, head: _Head
-) -> AsyncIterator[bytes]:
-    """SSE ``chat.completion.chunk``s: the role, ``delta.content`` as text comes (with its
-    tokens' ``logprobs`` when asked: a chunk of tokens whose text is not out yet has empty
-    content; a spoken reply's text chunks carry it as ``delta.audio.transcript`` too, as
-    OpenAI's do), ``delta.audio.data`` as audio comes, the finish reason, the usage if asked,
-    ``[DONE]``. Closed early (the client gone), it aborts the request."""
+async def _chat_stream(events: AsyncIterator[tuple[int, Piece | End]], head: _Head) -> AsyncIterator[bytes]:
+    """SSE ``chat.completion.chunk``s, each of one choice (its ``index``): its role first, then
+    ``delta.content`` as text comes (with its tokens' ``logprobs`` when asked: a chunk of tokens
+    whose text is not out yet has empty content; a spoken reply's text chunks carry it as
+    ``delta.audio.transcript`` too, as OpenAI's do), ``delta.audio.data`` as audio comes, and its
+    finish reason; once every choice has ended, the usage if asked, then ``[DONE]``. Closed
+    early (the client gone), it aborts the requests."""
 
     serve = head.serve
     spoken = serve.audio_format is not None
 
-    def chunk(delta: dict[str, Any] | None, so_far: Usage | None = None, **kw: Any) -> bytes:
+    def chunk(index: int, delta: dict[str, Any] | None, so_far: Usage | None = None, **kw: Any) -> bytes:
         if serve.continuous_usage and so_far is not None:
             kw["usage"] = so_far.json()
-        return responses.sse(responses.chat_chunk(head.request_id, head.model, head.created, delta, **kw))
+        chat_chunk = responses.chat_chunk(head.request_id, head.model, head.created, delta, index=index, **kw)
+        return responses.sse(chat_chunk)
 
-    def text(piece: str) -> dict[str, Any]:
+    def text(index: int, piece: str) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": piece}
         if spoken and piece:
-            delta["audio"] = responses.audio_json(head.audio_id, head.expires_at, piece)
+            delta["audio"] = responses.audio_json(head.audio_id(index), head.expires_at, piece)
         return delta
 
-    said: list[str] = []
+    said: dict[int, list[str]] = {}
+    ends: dict[int, End] = {}
     try:
-        yield chunk({"role": "assistant", "content": ""}, first.usage)
-        event = first
-        while not isinstance(event, End):
-            said.append(event.text)
+        async for index, event in events:
+            if index not in said:
+                said[index] = []
+                yield chunk(index, {"role": "assistant", "content": ""}, event.usage)
+            if isinstance(event, End):
+                if spoken and event.finish_reason != "error" and event.sample_rate is not None:
+                    head.transcripts.keep(head.audio_id(index), "".join(said[index]), head.expires_at)
+                yield _end_events(event, chunk(index, {}, event.usage, finish_reason=event.finish_reason))
+                if event.finish_reason == "error":  # the others are aborted as the stream closes
+                    yield responses.sse("[DONE]")
+                    return
+                ends[index] = event
+                continue
+            said[index].append(event.text)
             if event.logprobs and serve.logprobs is not None:
                 entries = logprobs.chat(event.logprobs, serve.logprobs, head.tokens)
-                yield chunk(text(event.text), event.usage, logprobs=entries)
+                yield chunk(index, text(index, event.text), event.usage, logprobs=entries)
             elif event.text:
-                yield chunk(text(event.text), event.usage)
+                yield chunk(index, text(index, event.text), event.usage)
             if event.audio is not None and serve.audio_format is not None:
                 data = responses.audio_data(event.audio, event.sample_rate, serve.audio_format)
-                audio = responses.audio_json(head.audio_id, head.expires_at, "", data)
-                yield chunk({"audio": audio}, event.usage)
-            event = await anext(events)
-        if spoken and event.finish_reason != "error" and event.sample_rate is not None:
-            head.transcripts.keep(head.audio_id, "".join(said), head.expires_at)
-        yield _end_events(event, chunk({}, event.usage, finish_reason=event.finish_reason))
-        if serve.include_usage and event.finish_reason != "error":
-            yield chunk(None, usage=event.usage.json())
+                audio = responses.audio_json(head.audio_id(index), head.expires_at, "", data)
+                yield chunk(index, {"audio": audio}, event.usage)
+        if serve.include_usage:
+            yield chunk(0, None, usage=fanout.total_usage(ends, serve.n).json())
         yield responses.sse("[DONE]")
     finally:
-        await events.aclose()
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _completion_stream(
-    events: AsyncIterator[Piece | End], first: Piece | End, head: _Head
+    events: AsyncIterator[tuple[int, Piece | End]], head: _Head
 ) -> AsyncIterator[bytes]:
-    """SSE ``text_completion`` chunks: text as it comes (with its tokens' ``logprobs`` when
-    asked), the finish reason, usage, ``[DONE]``."""
+    """SSE ``text_completion`` chunks, each of one choice (its ``index``): text as it comes (with
+    its tokens' ``logprobs`` when asked), its finish reason; once every choice has ended, the
+    usage if asked, then ``[DONE]``."""
+    serve = head.serve
 
     def chunk(
-        text: str, so_far: Usage, finish_reason: str | None = None, lists: dict[str, Any] | None = None
+        index: int,
+        text: str,
+        so_far: Usage,
+        finish_reason: str | None = None,
+        lists: dict[str, Any] | None = None,
     ) -> bytes:
-        usage = so_far.json() if head.serve.continuous_usage else None
+        usage = so_far.json() if serve.continuous_usage else None
+        choice = responses.completion_choice(index, text, finish_reason, lists)
         return responses.sse(
-            responses.completion(
-                head.request_id, head.model, head.created, text, finish_reason, usage, True, lists
-            )
+            responses.completion(head.request_id, head.model, head.created, [choice], usage, chunk=True)
         )
 
-    asked = head.serve.logprobs
-    lists = None if asked is None else logprobs.CompletionLogprobs(asked, head.tokens)
+    lists: dict[int, logprobs.CompletionLogprobs] = {}
+    ends: dict[int, End] = {}
     try:
-        event = first
-        while not isinstance(event, End):
-            if event.logprobs and lists is not None:
-                yield chunk(event.text, event.usage, lists=lists.json(event.logprobs))
+        async for index, event in events:
+            if isinstance(event, End):
+                yield _end_events(event, chunk(index, "", event.usage, event.finish_reason))
+                if event.finish_reason == "error":  # the others are aborted as the stream closes
+                    yield responses.sse("[DONE]")
+                    return
+                ends[index] = event
+            elif event.logprobs and serve.logprobs is not None:
+                pieces = lists.setdefault(index, logprobs.CompletionLogprobs(serve.logprobs, head.tokens))
+                yield chunk(index, event.text, event.usage, lists=pieces.json(event.logprobs))
             elif event.text:
-                yield chunk(event.text, event.usage)
-            event = await anext(events)
-        yield _end_events(event, chunk("", event.usage, event.finish_reason))
-        if head.serve.include_usage and event.finish_reason != "error":
-            usage = responses.completion(
-                head.request_id, head.model, head.created, "", None, event.usage.json()
-            )
-            yield responses.sse({**usage, "choices": []})
+                yield chunk(index, event.text, event.usage)
+        if serve.include_usage:
+            usage = fanout.total_usage(ends, serve.n).json()
+            yield responses.sse(responses.completion(head.request_id, head.model, head.created, [], usage))
         yield responses.sse("[DONE]")
     finally:
-        await events.aclose()
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 def _end_events(end: End, finish_chunk: bytes) -> bytes:

@@ -42,14 +42,26 @@ SAMPLING_FIELDS = (
 
 
 @dataclasses.dataclass(frozen=True)
+class Choice:
+    """One engine request of an HTTP request (one of its ``choices``): ``prompt`` and
+    ``sampling_params_list`` as :meth:`AsyncOmniJaxPipeline.generate` takes them."""
+
+    prompt: dict[str, Any]
+    sampling_params_list: list[StageParams] | StageParams
+    within_context: bool = False
+    """The request gave ``max_tokens``: it must fit in the context after the prompt (a 400
+    otherwise, as vLLM's server answers; without one, the reply stops at the context's end)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ServeRequest:
-    """What one HTTP request asks of the pipeline: ``prompt`` and ``sampling_params_list`` as
-    :meth:`AsyncOmniJaxPipeline.generate` takes them (the text stage's with the request's stop
+    """What one HTTP request asks of the pipeline: its prompts (a completion may give several),
+    ``n`` replies to each, the stages' params (the text stage's with the request's stop
     strings, which the engine cuts the text at), the audio format asked for (``None``: no
     audio), and how many of the most likely tokens the reply shows beside each token's
     log-probability (``None``: no log-probabilities)."""
 
-    prompt: dict[str, Any]
+    prompts: list[dict[str, Any]]
     sampling_params_list: list[StageParams] | StageParams
     audio_format: Literal["wav", "pcm16"] | None
     stream: bool
@@ -59,8 +71,27 @@ class ServeRequest:
     the request's tokens so far too (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
     logprobs: int | None = None
     within_context: bool = False
-    """The request gave ``max_tokens``: it must fit in the context after the prompt (a 400
-    otherwise, as vLLM's server answers; without one, the reply stops at the context's end)."""
+    """As :attr:`Choice.within_context`."""
+    n: int = 1
+
+    def choices(self) -> list[Choice]:
+        """The engine requests, in OpenAI's order of ``choices`` (each prompt's ``n`` together).
+        Reply ``j`` of a prompt draws with each seeded stage's seed plus ``j``, as vLLM seeds
+        its ``n`` samples: they differ, and a seeded request still repeats itself."""
+        return [
+            Choice(prompt, _seeded(self.sampling_params_list, j), self.within_context)
+            for prompt in self.prompts
+            for j in range(self.n)
+        ]
+
+
+def _seeded(params: list[StageParams] | StageParams, offset: int) -> list[StageParams] | StageParams:
+    """``params`` with every seed but none and ``-1`` (vLLM's no seed) moved on by ``offset``."""
+    if isinstance(params, list):
+        return [_seeded(p, offset) for p in params]  # type: ignore[misc]
+    if offset == 0 or params.seed is None or params.seed == -1:
+        return params
+    return dataclasses.replace(params, seed=params.seed + offset)
 
 
 def _stop(value: str | list[str] | None) -> tuple[str, ...]:
@@ -115,8 +146,6 @@ def _usage(request: ChatCompletionRequest | CompletionRequest) -> dict[str, bool
 
 
 def _common(request: ChatCompletionRequest | CompletionRequest) -> None:
-    if request.n != 1:
-        raise FieldError("n", f"only n=1 is served, got {request.n}")
     if request.stream_options is not None and not request.stream:
         raise FieldError("stream_options", "only allowed with stream: true")
 
@@ -202,36 +231,37 @@ def chat_request(
     if wants_audio and request.audio is not None:
         prompt["speaker"] = request.audio.voice
     return ServeRequest(
-        prompt=prompt,
+        prompts=[prompt],
         sampling_params_list=params,
         audio_format=(request.audio.format if request.audio is not None else "wav") if wants_audio else None,
         stream=request.stream,
         **_usage(request),
         logprobs=logprobs,
         within_context=_max_tokens(request) is not None,
+        n=request.n,
     )
 
 
 def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) -> ServeRequest:
-    """A completion is text only, whatever stages follow the text stage."""
+    """A completion is text only, whatever stages follow the text stage. ``prompt`` may be a
+    list of prompts (texts or token-id lists), each with ``n`` choices of its own, as in
+    OpenAI's API."""
     _common(request)
     value = request.prompt
-    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-        if len(value) != 1:
-            raise FieldError("prompt", f"one prompt per request is served, got {len(value)}")
-        value = value[0]
-    if isinstance(value, str):
-        prompt: dict[str, Any] = {"prompt": value}
-    else:
-        prompt = {"prompt_token_ids": list(value)}
-    if pipeline.speaks:
-        prompt["modalities"] = ["text"]
+    several = isinstance(value, list) and bool(value) and isinstance(value[0], (str, list))
+    prompts: list[dict[str, Any]] = []
+    for one in value if several else [value]:  # type: ignore[union-attr]
+        prompt: dict[str, Any] = {"prompt": one} if isinstance(one, str) else {"prompt_token_ids": list(one)}
+        if pipeline.speaks:
+            prompt["modalities"] = ["text"]
+        prompts.append(prompt)
     return ServeRequest(
-        prompt=prompt,
+        prompts=prompts,
         sampling_params_list=_stage_params(pipeline, request, request.logprobs),
         audio_format=None,
         stream=request.stream,
         **_usage(request),
         logprobs=request.logprobs,
         within_context=_max_tokens(request) is not None,
+        n=request.n,
     )

@@ -35,6 +35,10 @@ completion's ``logprobs`` to): beyond it a request is refused by the schema, nam
 the engine's own bound (``SamplingParams.logprobs``) is the same."""
 
 
+MAX_N = 128
+"""OpenAI's bound on ``n``, the replies a request asks for (each an engine request)."""
+
+
 class FieldError(ValueError):
     """What the server cannot serve in one field of a request: a 400 whose ``param`` names it."""
 
@@ -167,7 +171,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline
-from omni_jax.serve.convert import ServeRequest
+from omni_jax.serve.convert import Choice
 from omni_jax.serve.metrics import ServeMetrics
 
 log = logging.getLogger("omni_jax.serve")
@@ -64,7 +64,7 @@ class End:
 
 
 async def reply(
-    pipe: AsyncOmniJaxPipeline, request: ServeRequest, request_id: str, metrics: ServeMetrics, arrival: float
+    pipe: AsyncOmniJaxPipeline, request: Choice, request_id: str, metrics: ServeMetrics, arrival: float
 ) -> AsyncIterator[Piece | End]:
     """The request's pieces, then one :class:`End`. Closing the iterator early (a client gone)
     aborts the request in the engine and counts it as ended with ``"abort"``, as vLLM's metrics

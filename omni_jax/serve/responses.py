@@ -61,25 +61,28 @@ def audio_json(audio_id: str, expires_at: int, transcript: str, data: str | None
     }
 
 
-def chat_completion(
-    request_id: str,
-    model: str,
-    created: int,
+def chat_choice(
+    index: int,
     text: str,
     finish_reason: str,
-    usage: dict[str, int],
     audio: dict[str, Any] | None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if audio is not None:
         message["audio"] = audio
+    return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def chat_completion(
+    request_id: str, model: str, created: int, choices: list[dict[str, Any]], usage: dict[str, int]
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "choices": choices,
         "usage": usage,
     }
 
@@ -92,12 +95,14 @@ def chat_chunk(
     finish_reason: str | None = None,
     usage: dict[str, int] | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One ``chat.completion.chunk``; ``delta=None``: the usage chunk (no choices)."""
+    """One ``chat.completion.chunk`` of choice ``index``; ``delta=None``: the usage chunk (no
+    choices)."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
+        else [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
     )
     chunk: dict[str, Any] = {
         "id": request_id,
@@ -111,15 +116,19 @@ def chat_chunk(
     return chunk
 
 
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
 def completion(
     request_id: str,
     model: str,
     created: int,
-    text: str,
-    finish_reason: str | None,
+    choices: list[dict[str, Any]],
     usage: dict[str, int] | None,
     chunk: bool = False,
-    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A ``text_completion`` (also each of its stream's chunks, which OpenAI names the same)."""
     body: dict[str, Any] = {
@@ -127,7 +136,7 @@ def completion(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "choices": choices,
     }
     if usage is not None or not chunk:
         body["usage"] = usage
