@@ -634,6 +634,29 @@ def test_a_completion_of_several_prompts_has_their_choices_in_order(qwen, stream
     assert usage.prompt_tokens == len(prompts[0]) + len(prompts[1]) and usage.completion_tokens == 4 * 6
 
 
+def test_one_prompt_refused_refuses_the_whole_request(qwen, good_ref) -> None:
+    """A completion of two prompts, the second too long: a 400 naming it, and the first, which
+    the stage admitted, is aborted, not left running (its KV pages free again)."""
+    with qwen.server.http() as http:
+        body = {
+            "model": "tiny-qwen2",
+            "prompt": [[5, 6, 7], [7] * 17_000],
+            "max_tokens": 30,
+            "ignore_eos": True,
+        }
+        error = check_error(
+            http.post("/v1/completions", json=body), 400, "invalid_request_error", "17000 tokens"
+        )
+        assert error["param"] is None
+        check_good_request(http, good_ref)
+    metrics = qwen.server.metrics()
+    assert metrics[("omni_jax:num_requests", ())] == 0
+    assert (
+        metrics[("omni_jax:kv_pages_free", (("stage", "llm"),))]
+        == metrics[("omni_jax:kv_pages_capacity", (("stage", "llm"),))]
+    )
+
+
 def test_max_tokens_fill_the_context_to_its_end(qwen) -> None:
     """A ``max_tokens`` that fills the context exactly is served (one more is refused: REFUSALS);
     without one, the stage's default (64 tokens) stops at the context's end instead of being
