@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server over an :class:`AsyncOmniJaxPipeline` (FastAPI).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and one model's
-card, ``GET /v1/models/{model}``), ``GET /health`` and ``GET /metrics``. A request is checked in
+card, ``GET /v1/models/{model}``), ``GET /health`` (and ``HEAD``, and vLLM's ``/ping``),
+``GET /version`` and ``GET /metrics``. A request is checked in
 this order, and refused with OpenAI's error JSON at the first problem: API key (401), warm (503),
 body size (413), schema (400, naming the field), model name (404), what the server cannot serve
 (400), queue (429), then the stages' own admission (400, with their message). Only then does a
