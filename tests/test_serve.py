@@ -211,10 +211,14 @@ def qwen_dir(tmp_path_factory) -> Path:
     return build_tiny_qwen2(path, seed=0, max_position_embeddings=16384)
 
 
+WEB_APP = "https://app.example"
+"""The one web origin the Qwen2 server lets browsers call it from (CORS)."""
+
+
 @pytest.fixture(scope="module")
 def qwen(request, qwen_dir, tmp_path_factory) -> Iterator[Served]:
     log = tmp_path_factory.mktemp("serve") / "qwen.log"
-    args = ["--max-body-bytes", str(MAX_BODY), *size_args(QWEN_SIZES)]
+    args = ["--max-body-bytes", str(MAX_BODY), "--allowed-origins", WEB_APP, *size_args(QWEN_SIZES)]
     server = Server("tiny-qwen2", qwen_dir, log, *args, key=API_KEY)
     yield from serve(request, server, lambda: OmniJaxPipeline.from_pretrained(qwen_dir, **QWEN_SIZES))
 
@@ -655,6 +659,24 @@ def test_one_prompt_refused_refuses_the_whole_request(qwen, good_ref) -> None:
         metrics[("omni_jax:kv_pages_free", (("stage", "llm"),))]
         == metrics[("omni_jax:kv_pages_capacity", (("stage", "llm"),))]
     )
+
+
+def test_browsers_may_call_from_the_allowed_origins_alone(qwen, queue) -> None:
+    """``--allowed-origins``: a page of that origin passes the preflight and reads the replies
+    (the key still required); another origin's preflight is refused, and a server started
+    without the option answers no preflight at all (no CORS headers)."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    with httpx.Client(base_url=qwen.server.url, timeout=60) as http:
+        r = http.options("/v1/chat/completions", headers={"Origin": WEB_APP, **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == WEB_APP
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = http.options("/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = http.get("/v1/models", headers={"Origin": WEB_APP})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == WEB_APP
+    with queue.server.http() as http:
+        r = http.options("/v1/chat/completions", headers={"Origin": WEB_APP, **preflight})
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
 
 
 def test_max_tokens_fill_the_context_to_its_end(qwen) -> None:

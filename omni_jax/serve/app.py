@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
@@ -65,13 +66,17 @@ RETRY_WARMING_S = 10
 class ServeSettings:
     """``model_name``: what clients put in ``model``; ``api_key``: required as a bearer token on
     ``/v1`` routes when set; ``allowed_media``: the folder ``file://`` media URLs may be read
-    from (``None``: none); ``warmup``: compile every program before ``/health`` turns 200."""
+    from (``None``: none); ``warmup``: compile every program before ``/health`` turns 200;
+    ``allowed_origins``: the web origins whose pages a browser lets call the server (CORS;
+    ``"*"``: any). None by default, unlike vLLM's ``*``: a server on a laptop's loopback
+    without a key would otherwise answer any web page its user opens."""
 
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_media: Path | None = None
     warmup: bool = True
+    allowed_origins: tuple[str, ...] = ()
 
 
 class HTTPError(Exception):
@@ -379,6 +384,13 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         )
 
     app.add_middleware(_Contained, on_error=lambda: server.metrics.refused.labels("500").inc())
+    if settings.allowed_origins:  # outermost: a preflight is answered before any route or key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     @app.api_route("/ping", methods=["GET", "POST"])

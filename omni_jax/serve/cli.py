@@ -64,6 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--allowed-local-media-path", default=None, help="a folder file:// media URLs may be read from"
     )
     p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=(),
+        metavar="ORIGIN",
+        help="web origins whose pages may call the server (CORS), e.g. https://app.example.com, "
+        "or '*' for any (default: none; vLLM's is '*')",
+    )
+    p.add_argument(
         "--no-warmup",
         action="store_true",
         help="serve at once without compiling ahead (first requests of each shape compile: for development)",
@@ -109,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             allowed_media=allowed,
             warmup=not args.no_warmup,
+            allowed_origins=tuple(args.allowed_origins),
         )
         config = uvicorn.Config(
             build_app(pipe, settings),
