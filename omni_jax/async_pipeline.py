@@ -166,6 +166,12 @@ class AsyncOmniJaxPipeline:
             if admitting:
                 self._admitting -= 1
 
+    async def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """:meth:`OmniJaxPipeline.prompt_token_ids`, on the thread that admits requests (the
+        processors are not shared between threads)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._intake, self.pipeline.prompt_token_ids, prompt)
+
     async def abort(self, request_id: str) -> None:
         """Take the request out of whichever stage holds it, freeing its KV pages or its place in
         the solve queue; its ``generate`` ends with ``finish_reason="abort"``. Nothing happens for

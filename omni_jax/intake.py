@@ -77,7 +77,7 @@ class Intake:
         admitted = []
         first = self.stages[0]
         for i, (prompt, request_id) in enumerate(zip(prompts, request_ids, strict=True)):
-            request = first.prepare(i, self._prompt_input(i, prompt))
+            request = self.prepared(i, prompt)
             self._check_modalities(i, request.prompt)
             per_request = [p[i] for p in params]
             for si, stage in enumerate(self.stages):
@@ -87,6 +87,12 @@ class Intake:
                 first.check_room(i, request, per_request[0])
             admitted.append(Admission(i, request_id, request, per_request))
         return admitted
+
+    def prepared(self, index: int, prompt: Prompt) -> StageInput:
+        """``prompt`` as the first stage reads it: its token ids (each media item's placeholder
+        expanded to the item's length) and what its steps need; ``ValueError`` naming
+        ``index`` for a prompt it cannot read."""
+        return self.stages[0].prepare(index, self._prompt_input(index, prompt))
 
     def _prompt_input(self, index: int, prompt: Prompt) -> StageInput:
         if isinstance(prompt, str):

@@ -259,6 +259,13 @@ class OmniJaxPipeline:
             prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs)
         return prompt
 
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """The token ids the first stage reads for ``prompt``, as :meth:`run` prepares them (a
+        media item's placeholder expanded to its length): what counts against
+        ``max_model_len``, and vLLM's ``/tokenize``. ``ValueError`` for a prompt ``run`` refuses
+        the same way."""
+        return list(self.intake.prepared(0, prompt).token_ids)
+
     def warmup(self, progress: bool = True) -> WarmupReport:
         """Compile every program traffic can need, stage by stage, ahead of it: after this no
         request mix compiles anything (docs/ARCHITECTURE.md, "Compile once"). ``progress``: a bar over the

@@ -679,6 +679,42 @@ def test_browsers_may_call_from_the_allowed_origins_alone(qwen, queue) -> None:
         assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
 
 
+def test_vllms_tokenize_and_detokenize(qwen) -> None:
+    """``/tokenize``: a prompt's ids (or chat messages', written with the chat template), their
+    count and the context, each token's text when asked; ``/detokenize`` reads them back. The
+    key is required, and a bad body or id is a 400 naming it."""
+    tokenizer = qwen.ref.tokenizer
+    chat = qwen.ref.chat_prompt(MESSAGES[0])["prompt"]
+    with qwen.server.http() as http:
+        r = http.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
+        want = tokenizer("hello world")["input_ids"]
+        assert (r["tokens"], r["count"], r["max_model_len"]) == (want, len(want), 16384)
+        assert r["token_strs"] == [tokenizer.decode([t]) for t in want]
+        r = http.post("/tokenize", json={"model": "tiny-qwen2", "messages": MESSAGES[0]}).json()
+        assert r["tokens"] == tokenizer(chat)["input_ids"] and r["token_strs"] is None
+        assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {
+            "prompt": tokenizer.decode(r["tokens"])
+        }
+        error = check_error(
+            http.post("/detokenize", json={"tokens": [5, 10**6]}),
+            400,
+            "invalid_request_error",
+            "token id 1000000 is outside",
+        )
+        assert error["param"] == "tokens"
+        check_error(
+            http.post("/tokenize", json={}), 400, "invalid_request_error", "give 'prompt' or 'messages'"
+        )
+        check_error(
+            http.post("/tokenize", json={"prompt": "x", "model": "gpt-4o"}),
+            404,
+            "not_found_error",
+            "does not exist",
+        )
+    with httpx.Client(base_url=qwen.server.url, timeout=60) as http:
+        check_error(http.post("/tokenize", json={"prompt": "x"}), 401, "authentication_error", "API key")
+
+
 def test_max_tokens_fill_the_context_to_its_end(qwen) -> None:
     """A ``max_tokens`` that fills the context exactly is served (one more is refused: REFUSALS);
     without one, the stage's default (64 tokens) stops at the context's end instead of being
@@ -1521,6 +1557,10 @@ def test_image_and_audio_input_in_one_message(omni) -> None:
     assert r.choices[0].message.content == ref.text
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
     np.testing.assert_array_equal(decode_audio(r.choices[0].message.audio.data, "wav"), pcm16(ref.audio))
+    # vLLM's /tokenize counts the messages as the request was counted: the media expanded.
+    with omni.server.http() as http:
+        counted = http.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()
+    assert counted["tokens"] == ref.prompt_token_ids and counted["count"] == r.usage.prompt_tokens
 
 
 def test_an_unknown_voice_is_refused_and_the_next_request_served(omni) -> None:

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (and one model's
 card, ``GET /v1/models/{model}``), ``GET /health`` (and ``HEAD``, and vLLM's ``/ping``),
-``GET /version`` and ``GET /metrics``. A request is checked in
+``GET /version``, ``GET /metrics``, and vLLM's ``POST /tokenize`` and ``POST /detokenize``. A
+request is checked in
 this order, and refused with OpenAI's error JSON at the first problem: API key (401), warm (503),
 body size (413), schema (400, naming the field), model name (404), what the server cannot serve
 (400), queue (429), then the stages' own admission (400, with their message). Only then does a
@@ -41,7 +42,9 @@ from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     FieldError,
+    TokenizeRequest,
     invalid_request_message,
 )
 from omni_jax.serve.reply import End, Piece, Usage, reply
@@ -434,6 +437,49 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         if model != settings.model_name:
             raise HTTPError(404, f"the model {model!r} does not exist here", "model")
         return JSONResponse(card())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's: the token ids a prompt (or chat messages, written with the chat template) is
+        read as, a media item's placeholder expanded to its length as a request's would be, and
+        the context they count against."""
+        parsed = await server.admit(request, TokenizeRequest)
+        try:
+            if parsed.messages is not None:
+                messages = await asyncio.to_thread(
+                    convert.chat_messages, parsed.messages, settings.allowed_media, server.transcripts.said
+                )
+                prompt = pipe.pipeline.chat_prompt(
+                    messages, add_generation_prompt=parsed.add_generation_prompt
+                )
+            else:
+                prompt = {"prompt": parsed.prompt}
+            ids = await pipe.prompt_token_ids(prompt)
+        except ValueError as e:
+            raise _bad_request(e) from None
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": pipe.pipeline.max_model_len,
+                "tokens": ids,
+                "token_strs": [tokens.text(i) for i in ids] if parsed.return_token_strs else None,
+            }
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        """vLLM's: the text of token ids."""
+        parsed = await server.admit(request, DetokenizeRequest)
+        tokenizer = pipe.pipeline.tokenizer
+        if tokenizer is None:
+            raise HTTPError(400, "this checkpoint has no tokenizer: its token ids have no text")
+        vocab = len(tokenizer)
+        bad = next((t for t in parsed.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HTTPError(
+                400, f"token id {bad} is outside the tokenizer's vocabulary [0, {vocab})", "tokens"
+            )
+        return JSONResponse({"prompt": tokenizer.decode(parsed.tokens)})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

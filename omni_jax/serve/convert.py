@@ -195,6 +195,20 @@ def _content(
     return items
 
 
+def chat_messages(
+    messages: list[Message], allowed_media: Path | None, said: Callable[[str], str | None]
+) -> list[dict[str, Any]]:
+    """Request messages as :meth:`OmniJaxPipeline.chat_prompt` takes them (``developer`` is the
+    template's ``system``); ``said`` as :func:`chat_request`'s."""
+    return [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": _content(f"messages.{i}", m, allowed_media, said),
+        }
+        for i, m in enumerate(messages)
+    ]
+
+
 def chat_request(
     pipeline: OmniJaxPipeline,
     request: ChatCompletionRequest,
@@ -204,13 +218,7 @@ def chat_request(
     """``ValueError`` naming the field for what the server cannot serve. ``said``: what an
     earlier spoken reply said, by its audio's id (``None``: not kept)."""
     _common(request)
-    messages = [
-        {
-            "role": "system" if m.role == "developer" else m.role,
-            "content": _content(f"messages.{i}", m, allowed_media, said),
-        }
-        for i, m in enumerate(request.messages)
-    ]
+    messages = chat_messages(request.messages, allowed_media, said)
     modalities = request.modalities or (["text", "audio"] if request.audio is not None else ["text"])
     wants_audio = "audio" in modalities
     if wants_audio and not pipeline.speaks:

@@ -197,6 +197,27 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` written with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("missing", "give 'prompt' or 'messages', one of them", {})
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 UNION_MEMBER = re.compile(r"\[|^(str|int|float|bool|bytes|none)$")
 """A location part that names a union's member (``str``, ``list[int]``, ``tagged-union[...]``),
 which pydantic puts in an error's location: not a field of the request."""
