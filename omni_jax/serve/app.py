@@ -201,11 +201,13 @@ class _Server:
         serve: convert.ServeRequest,
         request_id: str,
         stream: Callable[[AsyncIterator[tuple[int, Piece | End]]], AsyncIterator[bytes]],
-        whole: Callable[[list[fanout.Gathered]], dict[str, Any]],
+        choice: Callable[[int, fanout.Gathered], dict[str, Any]],
+        whole: Callable[[list[dict[str, Any]], Usage], dict[str, Any]],
     ) -> Response:
         """Run the request's choices: their queue and admission checks, then an SSE response
-        from ``stream(events)`` or the JSON ``whole(replies)``. A client gone before the end gets
-        nothing (499 in the log); a request a stage failed is a 500."""
+        from ``stream(events)``, or the JSON ``whole(choices, usage)`` of each reply's
+        ``choice(index, reply)``. A client gone before the end gets nothing (499 in the log); a
+        request a stage failed is a 500."""
         choices = serve.choices()
         ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
         arrival = time.perf_counter()
@@ -234,7 +236,8 @@ class _Server:
         failed = next((g.end for g in gathered if g.end.finish_reason == "error"), None)
         if failed is not None:
             raise HTTPError(500, f"the request failed: {failed.error}")
-        return JSONResponse(whole(gathered))
+        usage = fanout.total_usage({i: g.end for i, g in enumerate(gathered)}, serve.n)
+        return JSONResponse(whole([choice(i, g) for i, g in enumerate(gathered)], usage))
 
     async def unless_disconnected(self, request: Request, request_id: str, work: Awaitable[T]) -> T | None:
         """``await work``, or cancel it and return ``None`` if the client disconnects first."""
@@ -507,13 +510,11 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             )
             return responses.chat_choice(index, reply.text, end.finish_reason, audio_json, entries)
 
-        def whole(replies: list[fanout.Gathered]) -> dict[str, Any]:
-            choices = [choice(i, r) for i, r in enumerate(replies)]
-            usage = fanout.total_usage({i: r.end for i, r in enumerate(replies)}, serve.n)
+        def whole(choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
             return responses.chat_completion(request_id, settings.model_name, created, choices, usage.json())
 
         return await server.respond(
-            request, serve, request_id, lambda events: _chat_stream(events, head), whole
+            request, serve, request_id, lambda events: _chat_stream(events, head), choice, whole
         )
 
     @app.post("/v1/completions")
@@ -534,13 +535,11 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             )
             return responses.completion_choice(index, reply.text, reply.end.finish_reason, lists)
 
-        def whole(replies: list[fanout.Gathered]) -> dict[str, Any]:
-            choices = [choice(i, r) for i, r in enumerate(replies)]
-            usage = fanout.total_usage({i: r.end for i, r in enumerate(replies)}, serve.n)
+        def whole(choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
             return responses.completion(request_id, settings.model_name, created, choices, usage.json())
 
         return await server.respond(
-            request, serve, request_id, lambda events: _completion_stream(events, head), whole
+            request, serve, request_id, lambda events: _completion_stream(events, head), choice, whole
         )
 
     return app
