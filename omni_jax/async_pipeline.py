@@ -116,6 +116,7 @@ class AsyncOmniJaxPipeline:
         request_id: str | None = None,
         *,
         within_context: bool = False,
+        admitted: asyncio.Event | None = None,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Updates of one request as it runs (see :class:`OmniRequestOutput`), the last one
         ``finished``. ``prompt`` and ``sampling_params_list`` are as for one prompt of
@@ -123,7 +124,9 @@ class AsyncOmniJaxPipeline:
         ``request_id``: unique among the requests running (default: one is made);
         ``within_context``: also refuse a first stage's ``max_tokens`` that does not fit in its
         context after the prompt (the server's rule for an explicit ``max_tokens``, as vLLM's;
-        else the reply stops at the context's end, ``finish_reason="length"``). Closing the
+        else the reply stops at the context's end, ``finish_reason="length"``); ``admitted``: set
+        once the engine has taken the request in, before its first update (a server admitting
+        several requests as one need not wait for their first tokens). Closing the
         generator or cancelling its consumer before the last update aborts the request.
         ``RuntimeError`` once the pipeline is closed; :class:`QueueFullError` when
         ``max_waiting`` requests wait already (both before anything is taken in)."""
@@ -154,6 +157,8 @@ class AsyncOmniJaxPipeline:
                 await asyncio.wrap_future(self._engine.add(admission, sink))
                 self._admitting -= 1  # the engine's stats count it from here
                 admitting = False
+                if admitted is not None:
+                    admitted.set()
                 while not finished:
                     out = await updates.get()
                     finished = out.finished

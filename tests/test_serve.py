@@ -1289,6 +1289,35 @@ def test_a_full_queue_gets_429_and_the_accepted_requests_complete(queue) -> None
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == short_ref.text
 
 
+def test_several_replies_stream_while_one_waits_for_its_place(queue) -> None:
+    """``--max-num-seqs 1``: of ``n=2`` replies one runs while the other waits for a place. The
+    first's text streams as it is made (it used to wait for the second's first token, after the
+    first had ended); ``n=3`` can never be admitted whole (one runs, one may wait): a 400
+    naming ``n``, not a 429 to retry."""
+    body = {"model": "queue", "prompt": "hello", "n": 2, "max_tokens": 200, "temperature": 0, "stream": True}
+    arrivals: list[tuple[float, dict[str, Any]]] = []
+    with queue.server.http() as http:
+        start = time.perf_counter()
+        with http.stream("POST", "/v1/completions", json={**body, "ignore_eos": True}) as r:
+            assert r.status_code == 200
+            for event in sse_events(r.iter_lines()):
+                arrivals.append((time.perf_counter() - start, event))
+        error = check_error(
+            http.post("/v1/completions", json={**body, "n": 3}),
+            400,
+            "invalid_request_error",
+            "3 replies (n times the prompts) can never be admitted at once: the first stage runs 1 and "
+            "--max-queue lets 1 wait",
+        )
+        assert error["param"] == "n"
+    choice0 = [
+        (t, e["choices"][0]) for t, e in arrivals if e.get("choices") and e["choices"][0]["index"] == 0
+    ]
+    first_text = next(t for t, c in choice0 if c["text"])
+    finished = next(t for t, c in choice0 if c["finish_reason"])
+    assert first_text < finished / 2, (first_text, finished)
+
+
 # -- metrics -----------------------------------------------------------------------------------------
 
 METRIC_NAMES = {

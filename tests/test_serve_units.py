@@ -14,6 +14,7 @@ import base64
 import io
 import logging
 import re
+import time
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,12 +28,13 @@ from PIL import Image
 from pydantic import ValidationError
 from scipy.io import wavfile
 
+from omni_jax import SamplingParams
 from omni_jax.audio_io import PCM16_SCALE, pcm16, read_wav, wav_bytes
 from omni_jax.engine.sampling import MAX_LOGPROBS
 from omni_jax.engine_core import EngineStats
 from omni_jax.outputs import OmniRequestOutput
-from omni_jax.serve import convert, logprobs, media
-from omni_jax.serve.convert import Choice
+from omni_jax.serve import convert, fanout, logprobs, media
+from omni_jax.serve.convert import Choice, ServeRequest
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import (
     MAX_TOP_LOGPROBS,
@@ -654,3 +656,115 @@ def test_transcripts_are_kept_until_their_audio_expires_and_at_most_so_many() ->
     kept.keep("audio-c", "three", expires_at=200)
     kept.keep("audio-d", "four", expires_at=200)
     assert (kept.said("audio-b"), kept.said("audio-c"), kept.said("audio-d")) == (None, "three", "four")
+
+
+# -- several replies as one response (fanout) ----------------------------------------------------
+
+
+async def _slow(
+    closed: list[str], name: str, admitted: asyncio.Event | None = None, first: float = 0.0
+) -> AsyncIterator[Piece | End]:
+    """A reply admitted at once, its first token ``first`` seconds later, that takes 10 s more
+    to end; records being closed."""
+    try:
+        if admitted is not None:
+            admitted.set()
+        await asyncio.sleep(first)
+        for _ in range(1000):
+            await asyncio.sleep(0.01)
+            yield Piece("a")
+        yield End("length", Usage(1, 1000))
+    finally:
+        closed.append(name)
+
+
+async def _failing(closed: list[str]) -> AsyncIterator[Piece | End]:
+    try:
+        yield End("error", Usage(1, 0), "stage 'llm': non-finite logits")
+    finally:
+        closed.append("failing")
+
+
+async def _refused() -> AsyncIterator[Piece | End]:
+    raise ValueError("request 0: empty prompt")
+    yield End("stop", Usage(0, 0))  # an async generator, refused at its first step
+
+
+def _signals(n: int) -> list[asyncio.Event]:
+    return [asyncio.Event() for _ in range(n)]
+
+
+def test_a_request_is_admitted_without_waiting_for_its_first_tokens() -> None:
+    """A reply queued behind a full batch is admitted long before its first token: the others'
+    text must not wait for it."""
+
+    async def main() -> float:
+        closed: list[str] = []
+        signals = _signals(2)
+        replies = [_slow(closed, "a", signals[0], first=30), _slow(closed, "b", signals[1], first=30)]
+        start = time.perf_counter()
+        firsts = await fanout.admit(replies, signals)
+        took = time.perf_counter() - start
+        for first in firsts:
+            first.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        await fanout.close(replies)
+        assert sorted(closed) == ["a", "b"]
+        return took
+
+    assert asyncio.run(main()) < 10  # each first token is 30 s away
+
+
+def test_one_reply_refused_closes_the_others_and_refuses_the_request() -> None:
+    async def main() -> list[str]:
+        closed: list[str] = []
+        signals = _signals(2)
+        with pytest.raises(ValueError, match="empty prompt"):
+            await fanout.admit([_slow(closed, "a", signals[0]), _refused()], signals)
+        return closed
+
+    assert asyncio.run(main()) == ["a"]
+
+
+def test_a_failed_reply_ends_its_siblings_at_once() -> None:
+    """A whole response: the first reply a stage failed is answered at once (a 500 naming its
+    choice), and the replies still running are aborted, not read to their end."""
+
+    async def main() -> tuple[list[fanout.Gathered], list[str], float]:
+        closed: list[str] = []
+        signals = _signals(2)
+        replies = [_slow(closed, "slow", signals[0]), _failing(closed)]
+        signals[1].set()
+        start = time.perf_counter()
+        got = await fanout.gathered(replies, await fanout.admit(replies, signals))
+        return got, closed, time.perf_counter() - start
+
+    got, closed, took = asyncio.run(main())
+    assert [(g.index, g.end.error) for g in got] == [(1, "stage 'llm': non-finite logits")]
+    assert sorted(closed) == ["failing", "slow"] and took < 1
+
+
+def test_a_stream_closed_early_closes_every_reply() -> None:
+    async def main() -> list[str]:
+        closed: list[str] = []
+        signals = _signals(3)
+        replies = [_slow(closed, name, s) for name, s in zip("abc", signals, strict=True)]
+        events = fanout.merged(replies, await fanout.admit(replies, signals))
+        seen = [await anext(events) for _ in range(5)]
+        assert {index for index, _ in seen} <= {0, 1, 2}
+        await events.aclose()
+        return closed
+
+    assert sorted(asyncio.run(main())) == ["a", "b", "c"]
+
+
+def test_n_replies_are_seeded_apart_as_64_bit_words() -> None:
+    """Reply ``j`` draws from the seed plus ``j`` as a 64-bit word: ``-2`` moved on by one is
+    not ``-1`` (vLLM's no seed), the largest seed wraps to 0, and ``-1`` stays unseeded."""
+
+    def seeded(given: int) -> list[int | None]:
+        request = ServeRequest([{"prompt": "hi"}], SamplingParams(seed=given), None, False, False, False, n=3)
+        return [c.sampling_params_list.seed for c in request.choices()]  # type: ignore[union-attr]
+
+    seeds = {given: seeded(given) for given in (5, -2, 2**64 - 1, -1)}
+    assert seeds == {5: [5, 6, 7], -2: [-2, 2**64 - 1, 0], 2**64 - 1: [2**64 - 1, 0, 1], -1: [-1, -1, -1]}

@@ -209,13 +209,16 @@ class _Server:
         ``choice(index, reply)``. A client gone before the end gets nothing (499 in the log); a
         request a stage failed is a 500."""
         choices = serve.choices()
+        self.check_room(len(choices))
         ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
         arrival = time.perf_counter()
+        admitted = [asyncio.Event() for _ in choices]
         replies = [
-            reply(self.pipe, c, rid, self.metrics, arrival) for c, rid in zip(choices, ids, strict=True)
+            reply(self.pipe, c, rid, self.metrics, arrival, signal)
+            for c, rid, signal in zip(choices, ids, admitted, strict=True)
         ]
         try:
-            first = await self.unless_disconnected(request, request_id, fanout.firsts(replies))
+            first = await self.unless_disconnected(request, request_id, fanout.admit(replies, admitted))
         except QueueFullError as e:
             raise HTTPError(
                 429, f"the server's queue is full ({e}); retry later", retry_after=RETRY_QUEUE_S
@@ -233,11 +236,23 @@ class _Server:
         if gathered is None:
             await fanout.close(replies)
             return Response(status_code=CLIENT_GONE)
-        failed = next((g.end for g in gathered if g.end.finish_reason == "error"), None)
+        failed = next((g for g in gathered if g.end.finish_reason == "error"), None)
         if failed is not None:
-            raise HTTPError(500, f"the request failed: {failed.error}")
-        usage = fanout.total_usage({i: g.end for i, g in enumerate(gathered)}, serve.n)
-        return JSONResponse(whole([choice(i, g) for i, g in enumerate(gathered)], usage))
+            raise HTTPError(500, _failed(serve, failed.index, failed.end))
+        usage = fanout.total_usage({g.index: g.end for g in gathered}, serve.n)
+        return JSONResponse(whole([choice(g.index, g) for g in gathered], usage))
+
+    def check_room(self, replies: int) -> None:
+        """A request of more replies than the first stage runs at once and ``--max-queue`` lets
+        wait can never be admitted whole: a 400 naming ``n``, not a 429 a client would retry."""
+        capacity, queue = self.pipe.stats.first.capacity, self.pipe.max_waiting
+        if replies > 1 and capacity is not None and queue is not None and replies > capacity + queue:
+            raise HTTPError(
+                400,
+                f"{replies} replies (n times the prompts) can never be admitted at once: the first stage "
+                f"runs {capacity} and --max-queue lets {queue} wait",
+                "n",
+            )
 
     async def unless_disconnected(self, request: Request, request_id: str, work: Awaitable[T]) -> T | None:
         """``await work``, or cancel it and return ``None`` if the client disconnects first."""
@@ -578,7 +593,8 @@ async def _chat_stream(events: AsyncIterator[tuple[int, Piece | End]], head: _He
             if isinstance(event, End):
                 if spoken and event.finish_reason != "error" and event.sample_rate is not None:
                     head.transcripts.keep(head.audio_id(index), "".join(said[index]), head.expires_at)
-                yield _end_events(event, chunk(index, {}, event.usage, finish_reason=event.finish_reason))
+                finish = chunk(index, {}, event.usage, finish_reason=event.finish_reason)
+                yield _end_events(event, finish, head, index)
                 if event.finish_reason == "error":  # the others are aborted as the stream closes
                     yield responses.sse("[DONE]")
                     return
@@ -627,7 +643,7 @@ async def _completion_stream(
     try:
         async for index, event in events:
             if isinstance(event, End):
-                yield _end_events(event, chunk(index, "", event.usage, event.finish_reason))
+                yield _end_events(event, chunk(index, "", event.usage, event.finish_reason), head, index)
                 if event.finish_reason == "error":  # the others are aborted as the stream closes
                     yield responses.sse("[DONE]")
                     return
@@ -645,9 +661,15 @@ async def _completion_stream(
         await events.aclose()  # type: ignore[attr-defined]
 
 
-def _end_events(end: End, finish_chunk: bytes) -> bytes:
-    """The stream's end: the chunk with the finish reason, or an ``error`` event when a stage
-    failed the request (vLLM's convention: the status was sent with the first chunk)."""
+def _end_events(end: End, finish_chunk: bytes, head: _Head, index: int) -> bytes:
+    """A choice's end: the chunk with the finish reason, or an ``error`` event when a stage
+    failed it (vLLM's convention: the status was sent with the first chunk)."""
     if end.finish_reason == "error":
-        return responses.sse(responses.error_json(500, f"the request failed: {end.error}"))
+        return responses.sse(responses.error_json(500, _failed(head.serve, index, end)))
     return finish_chunk
+
+
+def _failed(serve: convert.ServeRequest, index: int, end: End) -> str:
+    """What a reply a stage failed says: its choice too, when the request asked for several."""
+    several = len(serve.prompts) * serve.n > 1
+    return f"the request failed{f' (choice {index})' if several else ''}: {end.error}"

@@ -86,12 +86,14 @@ class ServeRequest:
 
 
 def _seeded(params: list[StageParams] | StageParams, offset: int) -> list[StageParams] | StageParams:
-    """``params`` with every seed but none and ``-1`` (vLLM's no seed) moved on by ``offset``."""
+    """``params`` with every seed but none and ``-1`` (vLLM's no seed) moved on by ``offset``,
+    as the 64-bit word it draws from (so ``-2`` moved on by one is not ``-1``, and the largest
+    seed wraps to 0)."""
     if isinstance(params, list):
         return [_seeded(p, offset) for p in params]  # type: ignore[misc]
     if offset == 0 or params.seed is None or params.seed == -1:
         return params
-    return dataclasses.replace(params, seed=params.seed + offset)
+    return dataclasses.replace(params, seed=(params.seed + offset) & (2**64 - 1))
 
 
 def _stop(value: str | list[str] | None) -> tuple[str, ...]:

@@ -2,9 +2,14 @@
 prompts, each an engine request of its own (:meth:`~omni_jax.serve.convert.ServeRequest.choices`).
 
 They run side by side in the engine (batched like any other requests). A request is admitted
-when all of its replies are: one refused closes the others (aborting them) and its refusal is
-the request's. A streamed response interleaves their events as they come, each with its
-choice's index; a whole one waits for all of them.
+when all of its replies are (:func:`admit`: each taken in by the engine, not yet its first
+token, so that a reply queued behind a full batch does not hold back the others): one refused
+closes the others (aborting them) and its refusal is the request's. A streamed response
+interleaves their events as they come, each with its choice's index (:func:`merged`); a whole one
+waits for all of them, or for the first that fails (:func:`gathered`), which ends the others.
+
+Closing is shielded from cancellation: a client gone cancels the response's task at every
+await, and the replies still running must be aborted all the same.
 """
 
 from __future__ import annotations
@@ -13,47 +18,69 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
+import anyio
+
 from omni_jax.serve.reply import End, Piece, Usage
 
 Replies = Sequence[AsyncIterator[Piece | End]]
+Firsts = list["asyncio.Future[Piece | End]"]
+"""Each reply's first event, being awaited since its admission."""
 
 
-async def firsts(replies: Replies) -> list[Piece | End]:
-    """Each reply's first event (it comes once the stages admitted it), awaited together; when
-    any is refused (or all are cancelled), every reply is closed and the first refusal raised."""
-    got = await asyncio.gather(*(anext(r) for r in replies), return_exceptions=True)
-    refused = [g for g in got if isinstance(g, BaseException)]
-    if refused:
-        await close(replies)
-        raise refused[0]
-    return got  # type: ignore[return-value]
+async def admit(replies: Replies, admitted: Sequence[asyncio.Event]) -> Firsts:
+    """Start every reply and return once each is admitted (its ``admitted`` set) or has ended
+    early; when any is refused (or this is cancelled), every reply is closed and the first
+    refusal raised."""
+    firsts: Firsts = [asyncio.ensure_future(anext(r)) for r in replies]  # type: ignore[arg-type]
+    try:
+        for first, signal in zip(firsts, admitted, strict=True):
+            waiting = asyncio.ensure_future(signal.wait())
+            try:
+                await asyncio.wait({first, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting.cancel()
+            if first.done() and not first.cancelled() and first.exception() is not None:
+                raise first.exception()  # type: ignore[misc]
+    except BaseException:
+        await _end(firsts, replies)
+        raise
+    return firsts
 
 
 async def close(replies: Replies) -> None:
     """Close every reply: those still running are aborted in the engine."""
-    for r in replies:
-        await r.aclose()  # type: ignore[attr-defined]
+    with anyio.CancelScope(shield=True):
+        for r in replies:
+            await r.aclose()  # type: ignore[attr-defined]
 
 
-async def merged(replies: Replies, first: list[Piece | End]) -> AsyncIterator[tuple[int, Piece | End]]:
-    """``(choice index, event)`` as the replies make them, their first events first, until every
-    reply has ended. Closed early (the client gone), it closes every reply."""
+async def _end(tasks: Sequence[asyncio.Future], replies: Replies) -> None:  # type: ignore[type-arg]
+    """Cancel what still reads the replies, then close them."""
+    for task in tasks:
+        task.cancel()
+    with anyio.CancelScope(shield=True):
+        await asyncio.gather(*tasks, return_exceptions=True)
+    await close(replies)
+
+
+async def merged(replies: Replies, firsts: Firsts) -> AsyncIterator[tuple[int, Piece | End]]:
+    """``(choice index, event)`` as the replies make them, until every reply has ended. Closed
+    early (the client gone), it ends every reply."""
     queue: asyncio.Queue[tuple[int, Piece | End | BaseException]] = asyncio.Queue()
 
-    async def pump(index: int, events: AsyncIterator[Piece | End]) -> None:
+    async def pump(index: int) -> None:
         try:
-            async for event in events:
+            event = await firsts[index]
+            await queue.put((index, event))
+            while not isinstance(event, End):
+                event = await anext(replies[index])
                 await queue.put((index, event))
         except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
             await queue.put((index, e))
 
-    pumps: list[asyncio.Task[None]] = []
+    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(replies))]
     try:
-        for index, event in enumerate(first):
-            yield index, event
-        running = [i for i, event in enumerate(first) if not isinstance(event, End)]
-        pumps = [asyncio.create_task(pump(i, replies[i])) for i in running]
-        left = len(running)
+        left = len(replies)
         while left:
             index, event = await queue.get()
             if isinstance(event, BaseException):
@@ -61,38 +88,51 @@ async def merged(replies: Replies, first: list[Piece | End]) -> AsyncIterator[tu
             left -= isinstance(event, End)
             yield index, event
     finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-        await close(replies)
+        await _end([*pumps, *firsts], replies)
 
 
 @dataclasses.dataclass(frozen=True)
 class Gathered:
-    """A whole reply: its text, its audio pieces, its tokens' log-probabilities (when asked) and
-    its end."""
+    """A whole reply (choice ``index``): its text, its audio pieces, its tokens'
+    log-probabilities (when asked) and its end."""
 
+    index: int
     text: str
     audio: list[Piece]
     logprobs: list[dict[int, float]]
     end: End
 
 
-async def gathered(replies: Replies, first: list[Piece | End]) -> list[Gathered]:
-    """Every reply read to its end, side by side."""
-    return list(await asyncio.gather(*(_gather(r, f) for r, f in zip(replies, first, strict=True))))
+async def gathered(replies: Replies, firsts: Firsts) -> list[Gathered]:
+    """Every reply read to its end, side by side, in choice order; or, as soon as one fails
+    (``finish_reason`` ``"error"``), that one alone, the others ended at once."""
+    jobs = [
+        asyncio.ensure_future(_gather(i, r, f)) for i, (r, f) in enumerate(zip(replies, firsts, strict=True))
+    ]
+    try:
+        pending: set[asyncio.Future[Gathered]] = set(jobs)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = [job.result() for job in done if job.result().end.finish_reason == "error"]
+            if failed:
+                return failed
+        return [job.result() for job in jobs]
+    finally:
+        await _end([*jobs, *firsts], replies)
 
 
-async def _gather(events: AsyncIterator[Piece | End], first: Piece | End) -> Gathered:
+async def _gather(
+    index: int, events: AsyncIterator[Piece | End], first: asyncio.Future[Piece | End]
+) -> Gathered:
     text, audio, entries = [], [], []
-    event = first
+    event = await first
     while not isinstance(event, End):
         text.append(event.text)
         entries += event.logprobs
         if event.audio is not None:
             audio.append(event)
         event = await anext(events)
-    return Gathered("".join(text), audio, entries, event)
+    return Gathered(index, "".join(text), audio, entries, event)
 
 
 def total_usage(ends: dict[int, End], n: int) -> Usage:

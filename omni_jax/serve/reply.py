@@ -64,11 +64,17 @@ class End:
 
 
 async def reply(
-    pipe: AsyncOmniJaxPipeline, request: Choice, request_id: str, metrics: ServeMetrics, arrival: float
+    pipe: AsyncOmniJaxPipeline,
+    request: Choice,
+    request_id: str,
+    metrics: ServeMetrics,
+    arrival: float,
+    admitted: asyncio.Event | None = None,
 ) -> AsyncIterator[Piece | End]:
     """The request's pieces, then one :class:`End`. Closing the iterator early (a client gone)
     aborts the request in the engine and counts it as ended with ``"abort"``, as vLLM's metrics
-    do. ``arrival``: ``time.perf_counter()`` when it came.
+    do. ``arrival``: ``time.perf_counter()`` when it came; ``admitted``: set when the engine has
+    taken it in (:meth:`AsyncOmniJaxPipeline.generate`).
 
     Prompt tokens count at the request's first update (it was admitted), reply tokens as they
     come, so an aborted request's work is in the counters too; a refused one (``ValueError``
@@ -78,6 +84,7 @@ async def reply(
         request.sampling_params_list,
         request_id=request_id,
         within_context=request.within_context,
+        admitted=admitted,
     )
     first_text = first_audio = True
     prompt_tokens: int | None = None
