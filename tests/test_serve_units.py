@@ -470,9 +470,17 @@ class _Pipe:
         self.closed = False
 
     async def generate(
-        self, prompt: Any, params: Any, request_id: str, *, within_context: bool = False
+        self,
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        *,
+        within_context: bool = False,
+        admitted: asyncio.Event | None = None,
     ) -> AsyncIterator[OmniRequestOutput]:
         try:
+            if admitted is not None:
+                admitted.set()
             for update in self.updates:
                 yield update
         finally:
