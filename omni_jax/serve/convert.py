@@ -68,7 +68,7 @@ class ServeRequest:
     include_usage: bool
     continuous_usage: bool
     """``include_usage``: a last chunk holds the usage; ``continuous_usage``: every chunk holds
-    the request's tokens so far too (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
+    its choice's tokens so far too (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
     logprobs: int | None = None
     within_context: bool = False
     """As :attr:`Choice.within_context`."""

@@ -149,7 +149,7 @@ class TextFormat(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
-    """vLLM's: with ``include_usage``, every chunk carries the request's tokens so far."""
+    """vLLM's: with ``include_usage``, every chunk carries its choice's tokens so far."""
 
 
 class _Sampling(_Strict):

@@ -48,7 +48,7 @@ class Piece:
     sample_rate: int | None = None
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     usage: Usage | None = None
-    """The request's tokens so far (vLLM's ``continuous_usage_stats`` put them in each chunk)."""
+    """The reply's tokens so far (vLLM's ``continuous_usage_stats`` put them in each chunk)."""
 
 
 @dataclasses.dataclass(frozen=True)
