@@ -713,10 +713,7 @@ def test_a_request_is_admitted_without_waiting_for_its_first_tokens() -> None:
         start = time.perf_counter()
         firsts = await fanout.admit(replies, signals)
         took = time.perf_counter() - start
-        for first in firsts:
-            first.cancel()
-        await asyncio.gather(*firsts, return_exceptions=True)
-        await fanout.close(replies)
+        await fanout.end(firsts, replies)
         assert sorted(closed) == ["a", "b"]
         return took
 

@@ -208,9 +208,9 @@ class _Server:
         from ``stream(events)``, or the JSON ``whole(choices, usage)`` of each reply's
         ``choice(index, reply)``. A client gone before the end gets nothing (499 in the log); a
         request a stage failed is a 500."""
+        self.check_room(serve.replies)
         choices = serve.choices()
-        self.check_room(len(choices))
-        ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
+        ids = [request_id] if serve.replies == 1 else [f"{request_id}-{i}" for i in range(serve.replies)]
         arrival = time.perf_counter()
         admitted = [asyncio.Event() for _ in choices]
         replies = [
@@ -227,14 +227,13 @@ class _Server:
             raise _bad_request(e, "audio.voice") from None
         except ValueError as e:
             raise _bad_request(e) from None
-        if first is None:
-            await fanout.close(replies)
+        if first is None:  # admit ended what it had started
             return Response(status_code=CLIENT_GONE)
         if serve.stream:
             return StreamingResponse(stream(fanout.merged(replies, first)), media_type="text/event-stream")
         gathered = await self.unless_disconnected(request, request_id, fanout.gathered(replies, first))
-        if gathered is None:
-            await fanout.close(replies)
+        if gathered is None:  # gathering cut, perhaps before it began: end what admit started
+            await fanout.end(first, replies)
             return Response(status_code=CLIENT_GONE)
         failed = next((g for g in gathered if g.end.finish_reason == "error"), None)
         if failed is not None:
@@ -304,7 +303,7 @@ class _Head:
 
     def audio_id(self, index: int) -> str:
         """Choice ``index``'s audio: the request's own id when it asked for one reply."""
-        one = len(self.serve.prompts) * self.serve.n == 1
+        one = self.serve.replies == 1
         return f"audio-{self.request_id}" if one else f"audio-{self.request_id}-{index}"
 
     @property
@@ -671,5 +670,5 @@ def _end_events(end: End, finish_chunk: bytes, head: _Head, index: int) -> bytes
 
 def _failed(serve: convert.ServeRequest, index: int, end: End) -> str:
     """What a reply a stage failed says: its choice too, when the request asked for several."""
-    several = len(serve.prompts) * serve.n > 1
+    several = serve.replies > 1
     return f"the request failed{f' (choice {index})' if several else ''}: {end.error}"

@@ -74,6 +74,11 @@ class ServeRequest:
     """As :attr:`Choice.within_context`."""
     n: int = 1
 
+    @property
+    def replies(self) -> int:
+        """How many engine requests it makes: ``n`` per prompt."""
+        return len(self.prompts) * self.n
+
     def choices(self) -> list[Choice]:
         """The engine requests, in OpenAI's order of ``choices`` (each prompt's ``n`` together).
         Reply ``j`` of a prompt draws with each seeded stage's seed plus ``j``, as vLLM seeds

@@ -42,25 +42,20 @@ async def admit(replies: Replies, admitted: Sequence[asyncio.Event]) -> Firsts:
             if first.done() and not first.cancelled() and first.exception() is not None:
                 raise first.exception()  # type: ignore[misc]
     except BaseException:
-        await _end(firsts, replies)
+        await end(firsts, replies)
         raise
     return firsts
 
 
-async def close(replies: Replies) -> None:
-    """Close every reply: those still running are aborted in the engine."""
-    with anyio.CancelScope(shield=True):
-        for r in replies:
-            await r.aclose()  # type: ignore[attr-defined]
-
-
-async def _end(tasks: Sequence[asyncio.Future], replies: Replies) -> None:  # type: ignore[type-arg]
-    """Cancel what still reads the replies, then close them."""
+async def end(tasks: Sequence[asyncio.Future], replies: Replies) -> None:  # type: ignore[type-arg]
+    """Cancel what still reads the replies (``tasks``), then close every reply: those still
+    running are aborted in the engine."""
     for task in tasks:
         task.cancel()
     with anyio.CancelScope(shield=True):
         await asyncio.gather(*tasks, return_exceptions=True)
-    await close(replies)
+        for r in replies:
+            await r.aclose()  # type: ignore[attr-defined]
 
 
 async def merged(replies: Replies, firsts: Firsts) -> AsyncIterator[tuple[int, Piece | End]]:
@@ -88,7 +83,7 @@ async def merged(replies: Replies, firsts: Firsts) -> AsyncIterator[tuple[int, P
             left -= isinstance(event, End)
             yield index, event
     finally:
-        await _end([*pumps, *firsts], replies)
+        await end([*pumps, *firsts], replies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +113,7 @@ async def gathered(replies: Replies, firsts: Firsts) -> list[Gathered]:
                 return failed
         return [job.result() for job in jobs]
     finally:
-        await _end([*jobs, *firsts], replies)
+        await end([*jobs, *firsts], replies)
 
 
 async def _gather(
