@@ -245,7 +245,7 @@ BAD = [
     (
         {"prompt": "x", "multi_modal_data": {"image": [1]}},
         None,
-        "request 0: stage 'llm' takes no multi_modal_data",
+        "request 0: this model takes no image: its stage 'llm' reads no multi_modal_data",
     ),
     ("hello", SamplingParams(temperature=-1.0), "request 0: stage 'llm': temperature"),
     ("hello", "greedy", "sampling params must be one SamplingParams"),

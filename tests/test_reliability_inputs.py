@@ -327,7 +327,7 @@ def code2wav(omni_dir) -> OmniJaxPipeline:
         (
             {"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"audio": AUDIO}},
             None,
-            "stage .code2wav. takes no multi_modal_data",
+            "this model takes no audio: its stage .code2wav. reads no multi_modal_data",
         ),
         ({"prompt_token_ids": [1, 2], "speaker": "Nobody"}, None, "unknown speaker 'Nobody'"),
         ({"prompt_token_ids": [1, 2.0]}, None, "prompt_token_ids must be a list of ints"),

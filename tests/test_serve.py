@@ -950,7 +950,7 @@ REFUSALS = {
     "min_tokens over max_tokens": (
         {**GOOD, "min_tokens": 5},
         400,
-        "stage 'llm': min_tokens=5 must not exceed max_tokens",
+        "min_tokens=5 must not exceed max_tokens",
         "min_tokens",
     ),
     "unserved OpenAI field": ({**GOOD, "tools": []}, 400, "unsupported field 'tools'", "tools"),
@@ -984,7 +984,7 @@ REFUSALS = {
     "image to a text model": (
         {**GOOD, "messages": image_message(PNG_URL)},
         400,
-        "stage 'llm' takes no multi_modal_data",
+        "this model takes no image: its stage 'llm' reads no multi_modal_data",
         None,
     ),
     "audio from a text model": (
@@ -1058,6 +1058,7 @@ def test_a_bad_request_gets_openai_error_json_naming_the_problem(qwen, good_ref,
         error = check_error(http.post(path, **kw), status, TYPES[status], says)
         assert error["param"] == param
         assert not error["message"].startswith("request ")  # run()'s prompt index: not the server's
+        assert not error["message"].startswith("stage ")  # a stage the client never named
         check_good_request(http, good_ref)
     metrics = qwen.server.metrics()
     assert metrics[("omni_jax:request_refused_total", (("status", str(status)),))] == refused_before + 1

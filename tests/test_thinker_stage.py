@@ -310,7 +310,9 @@ def test_modalities_text_and_talker_without_thinker(omni_dir, pipe) -> None:
 
 def test_text_model_refuses_multimodal_data(qwen2_dir) -> None:
     pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=2)
-    with pytest.raises(ValueError, match="request 0: stage 'llm' takes no multi_modal_data"):
+    with pytest.raises(
+        ValueError, match="request 0: this model takes no audio: its stage 'llm' reads no multi_modal_data"
+    ):
         pipe.run({"prompt": "hi", "multi_modal_data": {"audio": AUDIO}}, progress=False)
 
 

@@ -276,17 +276,22 @@ class _Server:
 REQUEST_INDEX = re.compile(r"^request \d+: ")
 """The prefix the pipeline's refusals name a prompt by: its index in ``run()``'s list, which a
 server request (always the one prompt, 0) does not need."""
+STAGE_NAME = re.compile(r"^stage '[^']*': ")
+"""The prefix a stage's :class:`ParamError` names it by: a server's client set the field on the
+request, not on a stage it never sees."""
 
 
 def _bad_request(e: ValueError, param: str | None = None) -> HTTPError:
     """A refusal as a 400 naming the request field it is about where that is known: a
     :class:`FieldError`'s, a stage's :class:`ParamError` (a sampling field: the request field of
     its name), or ``param``."""
+    message = REQUEST_INDEX.sub("", str(e), count=1)
     if isinstance(e, FieldError):
         param = e.param
     elif isinstance(e, ParamError):
         param = e.field
-    return HTTPError(400, REQUEST_INDEX.sub("", str(e), count=1), param)
+        message = STAGE_NAME.sub("", message, count=1)
+    return HTTPError(400, message, param)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -276,8 +276,13 @@ def check_params(stage: Stage, index: int, params: Any, *args: Any) -> None:
 
 def no_multimodal(stage: Stage, index: int, request: StageInput) -> StageInput:
     """:meth:`Stage.prepare` of a stage that takes no multimodal data."""
-    if request.prompt.get("multi_modal_data"):
-        raise ValueError(f"request {index}: stage {stage.config.name!r} takes no multi_modal_data")
+    media = request.prompt.get("multi_modal_data")
+    if media:
+        kinds = " or ".join(sorted(map(str, media))) if isinstance(media, dict) else "media"
+        raise ValueError(
+            f"request {index}: this model takes no {kinds}: its stage {stage.config.name!r} reads no "
+            "multi_modal_data"
+        )
     return request
 
 
