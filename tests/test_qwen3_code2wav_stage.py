@@ -305,6 +305,7 @@ BAD_REQUESTS = [
     ({"prompt_token_ids": [1, 2, 3, CODEBOOK_SIZE]}, None, r"codec id 32 outside the vocabulary \[0, 32\)"),
     ({"prompt_token_ids": [-1, 2, 3, 4]}, None, "codec id -1 outside"),
     ({"prompt_token_ids": []}, None, "empty prompt"),
+    ({**FOUR, "speaker": "Ethan"}, None, "this code2wav takes no speaker: the voice is in the codes"),
     (
         FOUR,
         Token2WavParams(stream=True, chunk_codes=11),

@@ -237,7 +237,8 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
     offline request longer than the engine option ``max_frames`` (default
     :data:`DEFAULT_MAX_FRAMES`) is decoded in pieces as ``generate`` decodes it
     (:data:`OFFLINE_CONTEXT`), its audio whole once its last piece has landed; a streamed one
-    chunk by chunk. A prompt's ``"speaker"`` is not read: the voice is in the codes.
+    chunk by chunk. A prompt with a ``"speaker"`` is refused: the voice is in the codes (the
+    talker chose it), and a silently ignored voice would be a surprise.
 
     Fed by a talker (:meth:`feed`), the tokens are the same frame-major codes, the talker's stop
     token already cut (that is the talker wiring's business): a step's tokens may end inside a
@@ -327,6 +328,11 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
         self._check_params(index, params)
         if request is None:
             return
+        if request.prompt.get("speaker") is not None:
+            raise ValueError(
+                f"request {index}: this code2wav takes no speaker: the voice is in the codes, chosen by "
+                "the talker that wrote them"
+            )
         codes = request.token_ids
         check_ids(index, codes, self.spec.codebook_size, kind="codec")
         q = self.spec.num_quantizers
