@@ -26,10 +26,10 @@ import numpy as np
 
 
 def _build_qwen2_5_omni(path: Path) -> None:
-    from omni_jax.models.hf_config import thinker_ids_unflagged
+    from omni_jax.models.hf_config import own_fields_unflagged
     from omni_jax.testing import build_tiny_qwen2_5_omni
 
-    with thinker_ids_unflagged():  # the builder makes the config, which transformers checks
+    with own_fields_unflagged():  # the builder makes the config, which transformers checks
         build_tiny_qwen2_5_omni(path, seed=0)
 
 

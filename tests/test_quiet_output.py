@@ -3,6 +3,8 @@
 - Loading a Qwen2.5-Omni checkpoint prints none of transformers' "may result in unexpected
   behavior" warnings about the talker's thinker-vocabulary ids (the checkpoint's own, correct
   fields), while such an id outside the thinker's vocabulary is refused by name.
+- Loading a Qwen3-Omni checkpoint prints none of transformers' rope warnings about its M-RoPE
+  keys (``mrope_section``), which transformers itself writes and its validation does not know.
 - ``run()``'s requests bar says when XLA is compiling, and how many programs it compiled.
 - ``save_wav`` writes 16-bit PCM that Python's ``wave`` opens; float32 on request.
 """
@@ -27,6 +29,7 @@ from omni_jax.safetensors_io import CheckpointError
 from omni_jax.weights import load_hf_config
 
 WARNING = "may result in unexpected behavior"
+ROPE_WARNING = "Unrecognized keys in `rope_parameters` for 'rope_type'='default': {'mrope_section'}"
 
 
 def stderr_of(code: str) -> str:
@@ -55,6 +58,21 @@ def test_transformers_itself_warns(omni_dir) -> None:
 def test_loading_prints_no_config_warnings(omni_dir, code) -> None:
     err = stderr_of(code.format(d=str(omni_dir)))
     assert WARNING not in err, err
+
+
+def test_transformers_itself_warns_about_qwen3_omnis_mrope_keys(qwen3_omni_dir) -> None:
+    err = stderr_of(
+        f"from transformers import AutoConfig; AutoConfig.from_pretrained({str(qwen3_omni_dir)!r})"
+    )
+    assert ROPE_WARNING in err, err
+
+
+def test_loading_qwen3_omni_prints_no_rope_warnings(qwen3_omni_dir) -> None:
+    err = stderr_of(
+        "from omni_jax import OmniJaxPipeline\n"
+        f"OmniJaxPipeline.from_pretrained({str(qwen3_omni_dir)!r}, max_model_len=128)"
+    )
+    assert "rope_parameters" not in err, err
 
 
 def test_thinker_id_outside_the_thinker_vocabulary_is_refused(omni_dir, tmp_path) -> None:

@@ -5,8 +5,10 @@ transformers checks every ``*_token_id`` of a config against that config's own v
 the talker's codec vocabulary here, so every correct checkpoint draws seven "may result in
 unexpected behavior" warnings, each time a process first builds its config (``AutoConfig``,
 and ``AutoTokenizer`` too, which reads the config to pick a class). Loads done here drop
-exactly those seven messages and check the fields against the thinker's vocabulary instead;
-every other message passes through.
+exactly those seven messages and check the fields against the thinker's vocabulary instead.
+Likewise a Qwen3-Omni config's M-RoPE keys (:data:`MROPE_KEYS`), which its models read and
+transformers' rope validation does not know on some sub-configs: six warnings a pipeline load.
+Every other message passes through.
 
 A config transformers' own validation refuses (its strict dataclass checks: a field of the
 wrong type, fields that contradict each other) raises :class:`ConfigRefusedError`, a
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,15 @@ THINKER_IDS_IN_TALKER = (
 """Qwen2.5-Omni talker fields that index the *thinker's* vocabulary: the text specials the
 talker embeds with the thinker's table, and the media markers its M-RoPE positions follow."""
 
+MROPE_KEYS = frozenset({"mrope_section", "interleaved", "mrope_interleaved"})
+"""``rope_parameters`` keys of a multimodal rotary embedding: the models read them
+(``mrope_section`` splits the rotary dimensions between time, height and width)."""
+
 _VALIDATION_LOGGER = "transformers.configuration_utils"
+_ROPE_LOGGER = "transformers.modeling_rope_utils"
+_UNRECOGNIZED_ROPE_KEYS = re.compile(
+    r"^Unrecognized keys in `rope_parameters` for 'rope_type'='\w+': \{(.*)\}$"
+)
 
 
 class ConfigRefusedError(ValueError):
@@ -76,6 +87,17 @@ class _ThinkerIdsUnflagged(logging.Filter):
         return not any(message.startswith(f"Model config: {name} must be ") for name in THINKER_IDS_IN_TALKER)
 
 
+class _MropeKeysUnflagged(logging.Filter):
+    """Drops transformers' rope warning when every key it names is one of :data:`MROPE_KEYS`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = _UNRECOGNIZED_ROPE_KEYS.match(record.getMessage())
+        if found is None:
+            return True
+        keys = {key.strip().strip("'\"") for key in found.group(1).split(",")}
+        return not keys <= MROPE_KEYS
+
+
 class _RefusalUnlogged(logging.Filter):
     """Drops the error transformers logs, the whole config printed (tens of lines), before it
     raises the ``AttributeError`` of a read-only property set in ``config.json``; the
@@ -86,16 +108,21 @@ class _RefusalUnlogged(logging.Filter):
 
 
 @contextlib.contextmanager
-def thinker_ids_unflagged() -> Iterator[None]:
+def own_fields_unflagged() -> Iterator[None]:
     """While open, transformers' config validation does not warn about the talker's
-    thinker-vocabulary ids (for loads that build the config themselves, e.g. ``AutoTokenizer``)."""
-    logger = logging.getLogger(_VALIDATION_LOGGER)
-    unflagged = _ThinkerIdsUnflagged()
-    logger.addFilter(unflagged)
+    thinker-vocabulary ids or the M-RoPE keys (for loads that build the config themselves,
+    e.g. ``AutoTokenizer``)."""
+    filters = [
+        (logging.getLogger(_VALIDATION_LOGGER), _ThinkerIdsUnflagged()),
+        (logging.getLogger(_ROPE_LOGGER), _MropeKeysUnflagged()),
+    ]
+    for logger, unflagged in filters:
+        logger.addFilter(unflagged)
     try:
         yield
     finally:
-        logger.removeFilter(unflagged)
+        for logger, unflagged in filters:
+            logger.removeFilter(unflagged)
 
 
 def check_thinker_ids(cfg: Any) -> None:
@@ -122,7 +149,7 @@ def read_config(model_dir: str | Path) -> Any:
     unlogged = _RefusalUnlogged()
     logger.addFilter(unlogged)
     try:
-        with thinker_ids_unflagged():
+        with own_fields_unflagged():
             cfg = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except _refusals() as e:
         raise ConfigRefusedError(f"transformers refuses this config: {_reason(e)}") from e

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omni_jax.models.hf_config import thinker_ids_unflagged
+from omni_jax.models.hf_config import own_fields_unflagged
 
 VOCABULARIES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 """File sets any one of which holds a tokenizer's vocabulary (fast, byte-level BPE, SentencePiece)."""
@@ -37,5 +37,5 @@ def load_tokenizer(path: str | Path) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    with thinker_ids_unflagged():  # AutoTokenizer builds the checkpoint's config
+    with own_fields_unflagged():  # AutoTokenizer builds the checkpoint's config
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
