@@ -27,7 +27,7 @@ from flax import nnx
 from omni_jax import Token2WavParams
 from omni_jax.full_forward import full_forward
 from omni_jax.jit import StaticGraph
-from omni_jax.models.hf_config import thinker_ids_unflagged
+from omni_jax.models.hf_config import own_fields_unflagged
 from omni_jax.models.qwen2_5_omni.rope_index import get_rope_index
 from omni_jax.models.qwen2_5_omni.speakers import TORCH_FILE, load_speakers
 from omni_jax.models.qwen2_5_omni.talker import TalkerEmbeds
@@ -75,7 +75,7 @@ def _reference_loading(progress: bool) -> Iterator[None]:
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        with thinker_ids_unflagged():
+        with own_fields_unflagged():
             yield
     finally:
         if shown:
