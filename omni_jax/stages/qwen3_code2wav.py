@@ -291,6 +291,17 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
         )
         return cls(sc, runner, decoder, spec, max_frames, sc.default_params(Token2WavParams))
 
+    def prepare(self, index: int, request: StageInput) -> StageInput:
+        """A prompt given to this stage first: no media, and no speaker (the voice is in the codes;
+        a full pipeline's speaker is the talker's, and its prompt reaches this stage by
+        :meth:`accept`)."""
+        if request.prompt.get("speaker") is not None:
+            raise ValueError(
+                f"request {index}: this code2wav takes no speaker: the voice is in the codes, chosen by "
+                "the talker that wrote them"
+            )
+        return super().prepare(index, request)
+
     def accept(self, index: int, upstream: StageResult, prompt: dict[str, Any]) -> StageInput | None:
         """The talker's frames (its stop token cut by the talker wiring); ``None`` when it made
         none, so there is nothing to voice."""
@@ -328,11 +339,6 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
         self._check_params(index, params)
         if request is None:
             return
-        if request.prompt.get("speaker") is not None:
-            raise ValueError(
-                f"request {index}: this code2wav takes no speaker: the voice is in the codes, chosen by "
-                "the talker that wrote them"
-            )
         codes = request.token_ids
         check_ids(index, codes, self.spec.codebook_size, kind="codec")
         q = self.spec.num_quantizers
