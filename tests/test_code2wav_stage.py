@@ -18,7 +18,7 @@ import torch
 from parity import rel_err
 from stand_ins import rows_nearly_free
 
-from omni_jax import OmniJaxPipeline, Token2WavParams
+from omni_jax import OmniJaxPipeline, ParamError, Token2WavParams
 from omni_jax.models.qwen2_5_omni import speakers
 from omni_jax.models.qwen2_5_omni.speakers import load_speakers
 from omni_jax.models.qwen2_5_omni.token2wav import token2wav_compiled
@@ -206,6 +206,28 @@ def test_bad_request_refused_before_work(pipes, bad, params, match) -> None:
         pipe.run([good, bad], per_prompt, progress=False)
     assert not pipe.stages[0].has_work()
     assert pipe.run(good, Token2WavParams(num_steps=2), progress=False)[0].finish_reason == "stop"
+
+
+BAD_FIELDS = [
+    (Token2WavParams(num_steps=0), "num_steps"),
+    (Token2WavParams(num_steps="3"), "num_steps"),
+    (Token2WavParams(guidance_scale=float("inf")), "guidance_scale"),
+    (Token2WavParams(seed=2**64), "seed"),
+    (Token2WavParams(initial_noise=np.zeros((4, 8), np.int32)), "initial_noise"),
+    (Token2WavParams(stream=True, initial_noise=noise(0, 2)), "initial_noise"),
+    (Token2WavParams(chunk_codes=12), "chunk_codes"),
+    (Token2WavParams(stream=True, chunk_codes=0), "chunk_codes"),
+    (Token2WavParams(stream=True, chunk_codes=146), "chunk_codes"),
+    (Token2WavParams(stream=True, chunk_codes=5), "chunk_codes"),
+]
+
+
+@pytest.mark.parametrize("params,field", BAD_FIELDS)
+def test_a_bad_value_is_a_param_error_naming_its_field(pipes, params, field) -> None:
+    """As ``SamplingParams``' are: what a server answers with a 400 naming the request field."""
+    with pytest.raises(ParamError, match="request 0: stage 'code2wav': " + field) as e:
+        pipes["hf"].run({"prompt_token_ids": [1, 2]}, params, progress=False)
+    assert e.value.field == field
 
 
 def test_params_list_must_match_prompts(pipes) -> None:

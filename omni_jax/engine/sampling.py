@@ -92,6 +92,12 @@ SEED_RANGE = "from -2**63 to 2**64 - 1"
 as a 64-bit word, and ``-1`` as no seed, as vLLM reads it
 (:func:`~omni_jax.parallel.distributed.request_seed`)."""
 
+
+def seed_in_range(seed: int | None) -> bool:
+    """Whether ``seed`` is ``None`` or in :data:`SEED_RANGE`."""
+    return seed is None or -(2**63) <= seed < 2**64
+
+
 MIN_TEMPERATURE = 1e-2
 """The lowest temperature a sampled row draws at; a request's lower one (above 0) is raised to
 it, as vLLM raises it. Logits divided by 1e-9 reach 1e10, and XLA's softmax of those comes out
@@ -201,7 +207,7 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
-            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, f"must be an integer {SEED_RANGE}"),
+            ("seed", seed_in_range(self.seed), f"must be an integer {SEED_RANGE}"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -13,12 +13,21 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Collection
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import numpy as np
 
 from omni_jax.engine.generation_runner import GenerationResult, GenerationRunner, PaddedBatch
-from omni_jax.stages.base import StageInput, StageLoad, StageResult, StageStep, check_params, no_multimodal
+from omni_jax.engine.sampling import ParamError
+from omni_jax.stages.base import (
+    StageInput,
+    StageLoad,
+    StageParams,
+    StageResult,
+    StageStep,
+    check_params,
+    no_multimodal,
+)
 from omni_jax.stages.chunk_loop import StreamedChunk, StreamedDecoder
 from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.config import StageConfig
@@ -140,14 +149,16 @@ class Code2WavStageBase(Generic[Q, B, D]):
         """``ValueError`` when the decoder cannot cut a streamed request with ``params``."""
         raise NotImplementedError
 
-    def _check_params(self, index: int, params: Any) -> None:
-        """:func:`~omni_jax.stages.base.check_params`, then whether a streamed request can be cut."""
+    def _check_params(self, index: int, params: StageParams) -> None:
+        """:func:`~omni_jax.stages.base.check_params`, then whether a streamed request can be cut
+        (a :class:`ParamError` naming ``chunk_codes``, the one field the cut depends on)."""
         check_params(self, index, params)
-        if self.streams(params):
+        checked = cast(Token2WavParams, params)  # check_params refused any other type
+        if self.streams(checked):
             try:
-                self._check_stream(params)
+                self._check_stream(checked)
             except ValueError as e:
-                raise ValueError(f"request {index}: stage {self.config.name!r}: {e}") from None
+                raise ParamError(f"request {index}: stage {self.config.name!r}: {e}", "chunk_codes") from None
 
     def prepare(self, index: int, request: StageInput) -> StageInput:
         return no_multimodal(self, index, request)

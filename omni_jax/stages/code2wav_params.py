@@ -10,11 +10,13 @@ import numpy as np
 from omni_jax.engine.sampling import (
     SEED_RANGE,
     FieldType,
+    ParamError,
     check_field_types,
     is_bool,
     is_finite,
     is_int,
     is_real,
+    seed_in_range,
 )
 
 _TOKEN2WAV_TYPES: tuple[FieldType, ...] = (
@@ -48,30 +50,33 @@ class Token2WavParams:
     chunk_codes: int | None = None
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field of the wrong type, else the first bad value
-        (shape checks need the codes); types come first so that the value checks only ever
+        """Raise :class:`ParamError` naming the first field of the wrong type, else the first bad
+        value (shape checks need the codes); types come first so that the value checks only ever
         compare numbers."""
         check_field_types(self, _TOKEN2WAV_TYPES)
         if not 1 <= self.num_steps < 2**31:  # the solve's step count is an int32
-            raise ValueError(f"num_steps={self.num_steps!r} must be an integer from 1 to 2**31 - 1")
+            raise ParamError(
+                f"num_steps={self.num_steps!r} must be an integer from 1 to 2**31 - 1", "num_steps"
+            )
         for name in ("guidance_scale", "sway_coefficient"):
             if not is_finite(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be finite")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed={self.seed!r} must be an integer {SEED_RANGE}")
+                raise ParamError(f"{name}={getattr(self, name)!r} must be finite", name)
+        if not seed_in_range(self.seed):
+            raise ParamError(f"seed={self.seed!r} must be an integer {SEED_RANGE}", "seed")
         if self.initial_noise is not None:
             noise = np.asarray(self.initial_noise)
             if noise.ndim != 2 or not np.issubdtype(noise.dtype, np.floating):
-                raise ValueError(
+                raise ParamError(
                     "initial_noise must be a float array [mel_frames, mel_dim], got shape "
-                    f"{noise.shape}, dtype {noise.dtype}"
+                    f"{noise.shape}, dtype {noise.dtype}",
+                    "initial_noise",
                 )
             if not np.all(np.isfinite(noise)):
-                raise ValueError("initial_noise contains non-finite values")
+                raise ParamError("initial_noise contains non-finite values", "initial_noise")
         if self.stream and self.initial_noise is not None:
-            raise ValueError("initial_noise cannot be given with stream=True: give a seed")
+            raise ParamError("initial_noise cannot be given with stream=True: give a seed", "initial_noise")
         if self.chunk_codes is not None:
             if not self.stream:
-                raise ValueError(f"chunk_codes={self.chunk_codes!r} needs stream=True")
+                raise ParamError(f"chunk_codes={self.chunk_codes!r} needs stream=True", "chunk_codes")
             if self.chunk_codes < 1:
-                raise ValueError(f"chunk_codes={self.chunk_codes!r} must be an integer >= 1")
+                raise ParamError(f"chunk_codes={self.chunk_codes!r} must be an integer >= 1", "chunk_codes")
