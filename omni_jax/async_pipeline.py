@@ -22,7 +22,7 @@ import jax
 from omni_jax.engine.compilation import CompileCounter
 from omni_jax.engine_core import EngineStats
 from omni_jax.engine_thread import EngineThread
-from omni_jax.intake import Prompt
+from omni_jax.intake import Prompt, SamplingParamsList
 from omni_jax.outputs import OmniRequestOutput, WarmupReport
 from omni_jax.parallel.distributed import process_count_asked
 from omni_jax.pipeline import OmniJaxPipeline
@@ -112,7 +112,7 @@ class AsyncOmniJaxPipeline:
     async def generate(
         self,
         prompt: Prompt,
-        sampling_params_list: Any = None,
+        sampling_params_list: SamplingParamsList = None,
         request_id: str | None = None,
         *,
         within_context: bool = False,

@@ -19,8 +19,7 @@ import numpy as np
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.models.tokenizer import no_tokenizer
 from omni_jax.stages.ar import ARStage
-from omni_jax.stages.base import Stage, StageInput, text_stage
-from omni_jax.stages.code2wav_params import Token2WavParams
+from omni_jax.stages.base import Stage, StageInput, StageParams, text_stage
 
 Prompt = str | dict[str, Any]
 PROMPT_KEYS = (
@@ -33,8 +32,15 @@ PROMPT_KEYS = (
 )
 """What a prompt dict may hold; any other key is refused, so that a typo (``"speakr"``) is an
 error rather than a default voice."""
-StageParams = SamplingParams | Token2WavParams
-"""One stage's params for one request (:attr:`Stage.params_type`)."""
+StageParamsEntry = StageParams | Sequence[StageParams] | None
+"""What a request gives one stage in ``sampling_params_list``: one params object for every
+prompt, a list or tuple of one per prompt, or ``None`` (the stage's defaults)."""
+SamplingParamsList = StageParamsEntry | Sequence[StageParamsEntry]
+"""What :meth:`OmniJaxPipeline.run <omni_jax.pipeline.OmniJaxPipeline.run>` and
+:meth:`AsyncOmniJaxPipeline.generate <omni_jax.async_pipeline.AsyncOmniJaxPipeline.generate>`
+take as ``sampling_params_list``: ``None`` (every stage's defaults); for a single stage, its
+:data:`StageParamsEntry`; for several, a list or tuple of one entry per stage. The stages check
+each params object's type (:func:`~omni_jax.stages.base.check_params`)."""
 
 
 @dataclasses.dataclass
@@ -64,7 +70,7 @@ class Intake:
     def admit(
         self,
         prompts: Sequence[Prompt],
-        sampling_params_list: Any,
+        sampling_params_list: SamplingParamsList,
         request_ids: Sequence[str],
         within_context: bool = False,
     ) -> list[Admission]:
@@ -133,7 +139,7 @@ class Intake:
             return StageInput(list(self.tokenizer(prompt["prompt"])["input_ids"]), prompt)
         raise ValueError(f"request {index}: prompt dict needs 'prompt' or 'prompt_token_ids'")
 
-    def _stage_params(self, sampling_params_list: Any, n: int) -> list[list[StageParams]]:
+    def _stage_params(self, sampling_params_list: SamplingParamsList, n: int) -> list[list[StageParams]]:
         """Per stage, per request params, following the contract's conventions."""
         stages = self.stages
         if sampling_params_list is None:

@@ -23,7 +23,7 @@ from omni_jax.architectures import architecture_of
 from omni_jax.engine.compilation import CompileCounter, enable_persistent_cache
 from omni_jax.engine_args import check_attention_backend, check_sizes, check_stage_names, dtype_name
 from omni_jax.engine_core import EngineCore
-from omni_jax.intake import Intake, Prompt
+from omni_jax.intake import Intake, Prompt, SamplingParamsList
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
 from omni_jax.outputs import OmniRequestOutput, StageWarmup, WarmupReport
 from omni_jax.parallel.distributed import check_agreement, is_main_process, random_seed
@@ -287,7 +287,10 @@ class OmniJaxPipeline:
         return WarmupReport(stages)
 
     def run(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params_list: Any = None, progress: bool = True
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params_list: SamplingParamsList = None,
+        progress: bool = True,
     ) -> list[OmniRequestOutput]:
         """Run every prompt through the stages; outputs come back in prompt order.
 

@@ -64,7 +64,7 @@ from omni_jax.engine.kv_cache import CacheConfig, init_kv_cache, pages_needed
 from omni_jax.engine.sampling import SamplingTensors, draw_tokens, pack_sampling, top_logprobs
 from omni_jax.engine.step import DrawHook, FlatStep, StepInputs, StepResult, StepRow, TokenInputs
 from omni_jax.jit import compute_dtype, exact_matmuls
-from omni_jax.models.attention import AttentionMetadata, Backend
+from omni_jax.models.attention import AttentionMetadata, Backend, KVCache
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import put
 
@@ -97,12 +97,12 @@ class ARModel(Protocol):
         self,
         embeds: jax.Array,
         positions: jax.Array,
-        kv_cache: Any,
+        kv_cache: KVCache,
         md: AttentionMetadata,
         backend: Backend,
         layer_inputs: Any,
         tap: int | None,
-    ) -> tuple[jax.Array, Any, jax.Array | None]: ...
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]: ...
 
     def logits(self, hidden: jax.Array) -> jax.Array: ...
 
@@ -121,7 +121,7 @@ def _forward_fn(
     graphdef: nnx.GraphDef,
     treedef: Any,
     leaves: list[jax.Array],
-    kv_cache: Any,
+    kv_cache: KVCache,
     ids: jax.Array,
     drawn: jax.Array,
     feedback: jax.Array | None,
@@ -213,7 +213,7 @@ def _logprobs_fn(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.A
     return top_logprobs(logits, tokens)
 
 
-def _scrub_fn(kv_cache: Any, pages: jax.Array) -> Any:
+def _scrub_fn(kv_cache: KVCache, pages: jax.Array) -> KVCache:
     """Zero ``pages`` of every layer (out-of-range ids are dropped): a failed request's pages
     may hold NaN, which attention over a later owner's unwritten tail would read as ``0 * NaN``."""
     return [(k.at[:, pages].set(0, mode="drop"), v.at[:, pages].set(0, mode="drop")) for k, v in kv_cache]

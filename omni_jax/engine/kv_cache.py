@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from omni_jax.engine.buckets import ceil_div
+from omni_jax.models.attention import KVCache
 
 IntOrArray = TypeVar("IntOrArray", int, np.ndarray)
 
@@ -136,7 +137,7 @@ def init_kv_cache(
     head_dim: int,
     dtype: jnp.dtype,
     sharding: jax.sharding.Sharding | None = None,
-) -> list[tuple[jax.Array, jax.Array]]:
+) -> KVCache:
     """Zeroed ``[(K, V)] * num_layers``, each ``[kv_heads, num_pages, page_size, head_dim]``.
 
     With ``sharding`` each device allocates only its own shard (the zeros are made by a

@@ -29,6 +29,9 @@ from omni_jax.kernels.cpu import paged_decode_target
 
 Backend = Literal["auto", "jnp", "pallas", "pallas_interpret", "cpu"]
 
+KVCache = list[tuple[jax.Array, jax.Array]]
+"""A model's paged KV cache: one ``(K, V)`` per layer, each in the layout above."""
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 

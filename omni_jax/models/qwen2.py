@@ -15,12 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from omni_jax.models.attention import AttentionMetadata, Backend, paged_attention, write_kv
+from omni_jax.models.attention import AttentionMetadata, Backend, KVCache, paged_attention, write_kv
 from omni_jax.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
 from omni_jax.models.param_map import ParamRule, linear_kernel
 from omni_jax.parallel.rules import ShardRule, replicated_kv_heads
-
-KVCache = list[tuple[jax.Array, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)

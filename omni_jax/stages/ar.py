@@ -31,6 +31,7 @@ from omni_jax.stages.base import (
     Stage,
     StageInput,
     StageLoad,
+    StageParams,
     StageResult,
     StageStep,
     check_ids,
@@ -227,7 +228,11 @@ class ARStage(Generic[S]):
         return self.engine.runner.embed_tokens(ids)
 
     def validate(
-        self, index: int, request: StageInput[S] | None, params: Any, prompt: dict[str, Any] | None = None
+        self,
+        index: int,
+        request: StageInput[S] | None,
+        params: StageParams,
+        prompt: dict[str, Any] | None = None,
     ) -> None:
         if prompt is not None and self.frontend is not None:
             self.frontend.check_prompt(index, prompt)
@@ -241,7 +246,7 @@ class ARStage(Generic[S]):
                     f"max_model_len is {self.max_model_len} (at least one token must be generated)"
                 )
         check_params(self, index, params, self.vocab_size)
-        self._check_held_back(index, params)
+        self._check_held_back(index, cast(SamplingParams, params))  # check_params refused any other type
 
     def check_room(self, index: int, request: StageInput[S], params: SamplingParams) -> None:
         """``ParamError`` (``max_tokens``) when the prompt and ``params.max_tokens`` together exceed

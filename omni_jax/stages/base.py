@@ -13,10 +13,15 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from omni_jax.engine.sampling import ParamError
+from omni_jax.engine.sampling import ParamError, SamplingParams
+from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.config import StageConfig
 
 S = TypeVar("S")
+
+StageParams = SamplingParams | Token2WavParams
+"""One stage's params for one request: an AR stage's :class:`SamplingParams`, a code2wav stage's
+:class:`Token2WavParams` (:attr:`Stage.params_type` says which)."""
 
 
 @dataclasses.dataclass
@@ -152,9 +157,25 @@ class StageLoad:
 
 
 class Stage(Protocol):
+    """One part of a model's pipeline (a thinker, a talker, a code2wav): it takes requests with
+    their params, advances them when stepped, and hands each finished one on as a
+    :class:`StageResult` that the next stage may accept. What the pipeline and the engine core
+    call on every stage, AR or generation, and nothing more: how a stage batches and what it
+    holds stay inside it.
+
+    A protocol rather than a base class: the stages share no implementation through it (AR
+    stages and code2wav stages are built on different engines), so a stage satisfies it by its
+    methods alone, and the callers depend on this interface, not on any stage's class.
+
+    ``params_type`` is the params class a request must give this stage (checked by
+    :func:`check_params`), and ``defaults`` the params a request that gives it none gets
+    (:meth:`StageConfig.default_params <omni_jax.stages.config.StageConfig.default_params>`);
+    ``accepts_text``: whether, as the first stage, it takes a text prompt (else token ids only).
+    """
+
     config: StageConfig
-    params_type: type
-    defaults: Any
+    params_type: type[StageParams]
+    defaults: StageParams
     accepts_text: bool
 
     def prepare(self, index: int, request: StageInput) -> StageInput:
@@ -174,10 +195,16 @@ class Stage(Protocol):
     (``engine.output_hidden_states: true``); it then captures them for every request."""
 
     def validate(
-        self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
+        self,
+        index: int,
+        request: StageInput | None,
+        params: StageParams,
+        prompt: dict[str, Any] | None = None,
     ) -> None:
         """Raise ``ValueError`` naming request ``index``; ``request`` is None when an earlier stage
-        will produce it (then only ``params`` and the user's ``prompt`` can be checked)."""
+        will produce it (then only ``params`` and the user's ``prompt`` can be checked). ``params``
+        is what the user gave this stage, not yet checked: one of another stage's type is refused
+        (:func:`check_params`)."""
 
     def connect(self, upstream: Stage) -> None:
         """Called once at build time with the stage that feeds this one; ``ValueError`` when it
@@ -189,7 +216,7 @@ class Stage(Protocol):
         with empty output). ``ValueError`` when the result cannot feed this stage: the pipeline
         ends only that request, with the message."""
 
-    def submit(self, request_id: str, request: StageInput, params: Any) -> None: ...
+    def submit(self, request_id: str, request: StageInput, params: StageParams) -> None: ...
 
     def step(self, block: bool = True) -> StageStep:
         """Advance every request the stage holds by one step (one AR step, or one solve).
@@ -223,10 +250,10 @@ class FedStage(Stage, Protocol):
     :meth:`Stage.accept` and :meth:`Stage.submit` on the finished result. A fed stage may finish
     the request before the stage feeding it does."""
 
-    def streams(self, params: Any) -> bool:
+    def streams(self, params: StageParams) -> bool:
         """Whether a request with ``params`` (validated) is fed to this stage as it is made."""
 
-    def open(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
+    def open(self, request_id: str, prompt: dict[str, Any], params: StageParams) -> None:
         """Take the request, before any of its tokens; its params and prompt were validated."""
 
     def feed(
@@ -258,7 +285,7 @@ def require_state(state: S | None, stage: str) -> S:
     return state
 
 
-def check_params(stage: Stage, index: int, params: Any, *args: Any) -> None:
+def check_params(stage: Stage, index: int, params: StageParams, *args: int) -> None:
     """Type, then values (``params.validate(*args)``), naming the request and the stage."""
     if not isinstance(params, stage.params_type):
         raise ValueError(

@@ -27,7 +27,7 @@ from omni_jax.models.qwen2_5_omni.chunk_plan import ChunkPlanner
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, token2wav_compiled
 from omni_jax.models.qwen2_5_omni.token2wav_chunk import token2wav_chunk_compiled
-from omni_jax.stages.base import HiddenHandoff, StageInput, StageResult, check_ids
+from omni_jax.stages.base import HiddenHandoff, StageInput, StageParams, StageResult, check_ids
 from omni_jax.stages.code2wav_batch import (
     Code2WavBatch,
     Code2WavRequest,
@@ -252,7 +252,11 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
         return True
 
     def validate(
-        self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
+        self,
+        index: int,
+        request: StageInput | None,
+        params: StageParams,
+        prompt: dict[str, Any] | None = None,
     ) -> None:
         self._check_params(index, params)
         if prompt is not None:

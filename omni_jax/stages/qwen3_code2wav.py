@@ -36,7 +36,7 @@ from omni_jax.engine.buckets import ladder
 from omni_jax.engine.generation_runner import GenerationResult, GenerationRunner, PaddedBatch
 from omni_jax.models.qwen3_omni.code2wav import Code2Wav, code2wav_chunk_compiled, code2wav_compiled
 from omni_jax.models.qwen3_omni.code2wav_layers import Code2WavSpec
-from omni_jax.stages.base import HiddenHandoff, StageInput, StageResult, check_ids
+from omni_jax.stages.base import HiddenHandoff, StageInput, StageParams, StageResult, check_ids
 from omni_jax.stages.code2wav_common import Code2WavStageBase, stream_setting
 from omni_jax.stages.code2wav_params import Token2WavParams
 from omni_jax.stages.config import StageConfig
@@ -334,7 +334,11 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
         return True
 
     def validate(
-        self, index: int, request: StageInput | None, params: Any, prompt: dict[str, Any] | None = None
+        self,
+        index: int,
+        request: StageInput | None,
+        params: StageParams,
+        prompt: dict[str, Any] | None = None,
     ) -> None:
         self._check_params(index, params)
         if request is None:

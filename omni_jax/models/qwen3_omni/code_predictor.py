@@ -32,11 +32,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from omni_jax.jit import StaticGraph, compute_dtype, exact_matmuls
-from omni_jax.models.attention import AttentionMetadata
+from omni_jax.models.attention import AttentionMetadata, KVCache
 from omni_jax.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
 from omni_jax.models.moe import collect_numbered, expert_kernel, stacked_groups
 from omni_jax.models.param_map import ParamRule, prefixed
-from omni_jax.models.qwen2 import KVCache, Qwen2Spec
+from omni_jax.models.qwen2 import Qwen2Spec
 from omni_jax.models.qwen3_omni.text_decoder import TEXT_DECODER_RULES, Qwen3OmniLayer, Qwen3OmniTextSpec
 from omni_jax.safetensors_io import TensorReader
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from omni_jax.models.attention import AttentionMetadata, Backend
+from omni_jax.models.attention import AttentionMetadata, Backend, KVCache
 from omni_jax.models.layers import RMSNorm, SwiGLU
 from omni_jax.models.moe import (
     EXPERT_RULES,
@@ -41,7 +41,6 @@ from omni_jax.models.moe import (
 )
 from omni_jax.models.param_map import ParamRule, linear_kernel, prefixed
 from omni_jax.models.qwen2 import (
-    KVCache,
     Qwen2Attention,
     Qwen2ForCausalLM,
     Qwen2Layer,
