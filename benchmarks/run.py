@@ -1,5 +1,6 @@
-"""``python -m benchmarks.run --suite {ar,code2wav,e2e,soak,ar_qwen3,code2wav_qwen3,e2e_qwen3,all}
---model {tiny,small,PATH} [--reference] [--json FILE] [--profile DIR] [--dtype D] [--mesh data=D,model=M]``
+"""``python -m benchmarks.run --suite {ar,code2wav,e2e,soak,memory,serve,e2e_stream,ar_qwen3,code2wav_qwen3,
+e2e_qwen3,e2e_qwen3_stream,all} --model {tiny,small,PATH} [--reference] [--json FILE] [--profile DIR]
+[--dtype D] [--mesh data=D,model=M]``
 (also ``omni-jax bench ...``); ``--suite e2e --stream``: streamed speech against offline decoding
 (:mod:`benchmarks.stream_suite`); ``--suite e2e_qwen3 --stream``: Qwen3-Omni's time to first audio,
 streamed, against transformers' time to its audio and our offline decoding
@@ -9,8 +10,11 @@ streamed, against transformers' time to its audio and our offline decoding
 suite names the model family: ``ar`` runs Qwen2, ``code2wav`` and ``e2e`` Qwen2.5-Omni,
 ``ar_qwen3`` Qwen3-Omni's thinker, ``code2wav_qwen3`` its code2wav and ``e2e_qwen3`` all of it (a
 PATH must be of the suite's ``model_type``: ``--suite ar_qwen3 --model /ckpt/Qwen3-Omni-30B-A3B-Instruct``).
-``all`` runs every registered suite but the soak (with a PATH, those whose ``model_type`` it is),
-each in a process of its own (:func:`run_isolated`). Each suite
+``soak``, ``memory`` (:mod:`benchmarks.memory_suite`) and ``serve`` (:mod:`benchmarks.serve_suite`)
+run Qwen2 (``serve`` a Qwen2.5-Omni PATH too); ``e2e_stream`` and ``e2e_qwen3_stream`` are what
+``--stream`` runs. ``all`` runs every registered suite but five (``soak``, ``memory``,
+``serve``, ``e2e_stream``, ``e2e_qwen3_stream``, asked for by name; with a PATH, those whose
+``model_type`` it is), each in a process of its own (:func:`run_isolated`). Each suite
 warms up (compile time reported on its own), measures ours and, with ``--reference``, the
 transformers / PyTorch reference on the same requests in this process, prints a table and, with
 ``--json``, writes the result (a list of results for ``all``); the schema is in
@@ -43,8 +47,9 @@ from omni_jax.parallel.mesh import parse_mesh
 class Suite:
     """``module`` has ``run(path, args) -> dict`` and ``table(result) -> str``; ``model_type`` is
     the checkpoint kind it runs (the key of :data:`benchmarks.models.BUILDERS` for tiny / small);
-    ``in_all``: whether ``--suite all`` runs it (the soak is asked for by name); ``also``: other
-    ``model_type``s it runs from a checkpoint PATH; ``builds``: the key of
+    ``in_all``: whether ``--suite all`` runs it (the soak, memory, serve and streamed suites are
+    asked for by name); ``also``: other ``model_type``s it runs from a checkpoint PATH;
+    ``builds``: the key of
     :data:`benchmarks.models.BUILDERS` its tiny / small are built by, when not ``model_type``'s
     (a variant of that model_type)."""
 
@@ -138,7 +143,12 @@ def parse_stream_sizes(text: str) -> dict[str, int]:
 
 def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--suite", choices=[*SUITES, "all"], default="ar")
+    p.add_argument(
+        "--suite",
+        choices=[*SUITES, "all"],
+        default="ar",
+        help="the suite to run (default ar); all: every suite but soak, memory, serve and the streamed ones",
+    )
     p.add_argument("--model", default="small", help="tiny | small | a checkpoint directory")
     p.add_argument("--reference", action="store_true", help="also run the PyTorch reference")
     p.add_argument("--json", default=None, help="write the result here")
@@ -150,7 +160,12 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         action="store_true",
         help="with --profile: also trace every Python call (slows the host; figures then not comparable)",
     )
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="ours and the reference's dtype (default: ours the checkpoint's, the reference float32)",
+    )
     p.add_argument(
         "--mesh",
         type=parse_mesh,
@@ -158,7 +173,11 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         help="our engine's mesh, e.g. data=2,model=4 (on CPU emulate devices with "
         "XLA_FLAGS=--xla_force_host_platform_device_count=8)",
     )
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "bench"))
+    p.add_argument(
+        "--cache-dir",
+        default=str(Path.home() / ".cache" / "omni_jax" / "bench"),
+        help="where tiny and small checkpoints are built and kept",
+    )
     ar = p.add_argument_group("ar suite (--num-requests, --max-tokens and our engine's sizes: e2e too)")
     ar.add_argument(
         "--num-requests",

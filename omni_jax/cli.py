@@ -127,8 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="omni-jax")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="generate for one prompt")
-    r.add_argument("model")
-    r.add_argument("--prompt", required=True)
+    r.add_argument("model", help="an HF checkpoint dir or a checkpoints_convert dir")
+    r.add_argument(
+        "--prompt",
+        required=True,
+        help="the text: the user's turn of a chat when the pipeline speaks or media are given, "
+        "else completed as given",
+    )
     r.add_argument("--max-tokens", type=int, default=64, help="of the text (first) stage")
     r.add_argument("--temperature", type=float, default=0.0, help="of the text (first) stage")
     r.add_argument("--seed", type=int, default=None, help="seeds every stage's sampling (reproducible runs)")
@@ -169,11 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=serve_cli.run)
     d = sub.add_parser("demo", help="build a tiny model locally and run it end to end")
     d.add_argument("--model", choices=list(DEMO_MODELS), default="qwen2.5-omni", help="which tiny model")
-    d.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "demo"))
-    d.add_argument("--output-dir", default="omni_jax_demo_output")
+    d.add_argument(
+        "--cache-dir",
+        default=str(Path.home() / ".cache" / "omni_jax" / "demo"),
+        help="where the built checkpoint is kept, rebuilt only when its recipe changes",
+    )
+    d.add_argument(
+        "--output-dir",
+        default="omni_jax_demo_output",
+        help="write each reply's text and WAV and the report here",
+    )
     d.set_defaults(fn=_demo)
     b = sub.add_parser("bench", help="benchmarks (see python -m benchmarks.run --help)")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="benchmarks.run's arguments")
     b.set_defaults(fn=_bench)
     args, unknown = p.parse_known_args(argv)
     if unknown:  # said by the subcommand, whose --help lists what it takes

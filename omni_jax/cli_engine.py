@@ -18,6 +18,10 @@ from typing import Any
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 """``--dtype``'s values (``omni_jax.weights.DTYPES``, kept apart so that ``--help`` needs no JAX)."""
 
+ATTENTION_BACKENDS = ("auto", "jnp", "pallas", "pallas_interpret", "cpu")
+"""``--attention-backend``'s values (``omni_jax.models.attention.Backend``'s names, kept apart so
+that ``--help`` needs no JAX)."""
+
 
 def positive(value: str) -> int:
     """An argparse type: an integer of at least 1."""
@@ -74,7 +78,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, planning: bool = False) 
     p.add_argument(
         "--num-pages", type=positive, default=None, help="KV-cache pages (default: as many as fit)"
     )
-    p.add_argument("--attention-backend", default="auto")
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="the paged attention path: auto (default: a decode kernel where one fits, Pallas on GPU "
+        "below float32 or the C++ kernel on CPU, else jnp), jnp (gather), pallas, pallas_interpret "
+        "(the Pallas kernel interpreted, on any backend) or cpu (the C++ kernel)",
+    )
     p.add_argument(
         "--limit-mm-per-prompt",
         type=media_limits,

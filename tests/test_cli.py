@@ -198,3 +198,14 @@ def test_dtype_flag_offers_the_dtypes_loading_serves() -> None:
     from omni_jax.weights import DTYPES
 
     assert DTYPE_CHOICES == DTYPES
+
+
+def test_attention_backend_flag_offers_the_backends_attention_takes() -> None:
+    """``--attention-backend``'s choices are declared apart from attention's ``Backend`` (``--help``
+    imports no JAX): they must stay the same list."""
+    import typing
+
+    from omni_jax.cli_engine import ATTENTION_BACKENDS
+    from omni_jax.models.attention import Backend
+
+    assert ATTENTION_BACKENDS == typing.get_args(Backend)

@@ -105,7 +105,8 @@ CASES = {
     ),
     "attention backend": (
         ["run", "{q}", "--prompt", "hi", "--attention-backend", "flash"],
-        r"attention_backend='flash' is not one of auto, jnp, pallas, pallas_interpret, cpu$",
+        r"omni-jax run: argument --attention-backend: invalid choice: 'flash' \(choose from .*auto.*jnp.*"
+        r"pallas.*pallas_interpret.*cpu.*\)",
     ),
     "stage twice": (
         ["run", "{o}", "--prompt", "hi", "--stages", "thinker,thinker"],

@@ -2,8 +2,12 @@
 
 ``protocol`` (the request schema), ``media`` (data and file URLs as prompt items), ``convert``
 (a request as a prompt and per-stage params, stop strings in the text stage's), ``reply`` (one request's
-pieces and end), ``responses`` (OpenAI's response JSON and SSE), ``metrics`` (Prometheus),
-``app`` (the FastAPI routes) and ``cli`` (the command). Needs the ``serve`` extra (FastAPI,
+pieces and end), ``fanout`` (a request's several replies, its ``n`` choices or a completion's
+prompts, admitted and read as one response), ``logprobs`` (the pipeline's log-probabilities in
+OpenAI's chat and legacy completion forms), ``transcripts`` (what spoken replies said, by their
+audio's id, for multi-turn audio), ``responses`` (OpenAI's response JSON and SSE), ``metrics``
+(Prometheus), ``app`` (the FastAPI routes), ``listen`` (the address bound before the pipeline is
+built, handed to uvicorn) and ``cli`` (the command). Needs the ``serve`` extra (FastAPI,
 uvicorn, prometheus-client); importing this package alone does not.
 """
 

@@ -39,8 +39,13 @@ def _api_key(value: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``omni-jax serve``'s flags to ``p``: the server's own and the engine's
+    (:func:`~omni_jax.cli_engine.add_engine_arguments`), so serve builds the pipeline ``run``
+    and ``plan`` describe with the same flags."""
     p.add_argument("model", help="an HF checkpoint dir or a checkpoints_convert dir")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every IPv4 interface)"
+    )
     p.add_argument("--port", type=_port, default=8000, help="0: any free port")
     p.add_argument(
         "--served-model-name", default=None, help="the name clients send as 'model' (default: PATH)"
@@ -83,10 +88,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds SIGTERM waits for requests in flight before cutting them (default: until they end)",
     )
     add_engine_arguments(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the server's and the engine's logging level (default: info)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve ``args.model`` until interrupted (the order of the module docstring: bind the
+    address, build the pipeline, listen); 0 once the server has stopped. A missing ``serve``
+    extra, a bad ``--allowed-local-media-path`` or an address that cannot be had is a
+    ``ValueError`` / ``OSError``: one line and exit 2."""
     try:
         import uvicorn
 
