@@ -369,6 +369,9 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 
 def architecture_of(hf_config: Any) -> Architecture:
+    """The :class:`Architecture` serving ``hf_config``: the first of its ``architectures`` names
+    that :data:`ARCHITECTURES` holds. ``ValueError`` naming them and the supported ones otherwise,
+    so an unserved checkpoint is refused before anything is built from it."""
     names = list(getattr(hf_config, "architectures", None) or [])
     for n in names:
         if n in ARCHITECTURES:

@@ -103,10 +103,15 @@ def architecture(model_dir: str | Path, hf_config: Any) -> Architecture:
 
 
 def is_converted(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` is a ``checkpoints_convert`` output (it has the :data:`MANIFEST`), so
+    it is restored from Orbax rather than read from HF safetensors."""
     return (Path(model_dir) / MANIFEST).exists()
 
 
 def read_manifest(model_dir: str | Path) -> dict[str, Any]:
+    """A converted dir's :data:`MANIFEST`, checked before anything relies on it: of this
+    :data:`FORMAT_VERSION` and with its architecture, dtype, stages and shapes.
+    ``CheckpointError`` naming the file when it is unreadable, of another format or incomplete."""
     path = Path(model_dir) / MANIFEST
     try:
         manifest = json.loads(path.read_text())

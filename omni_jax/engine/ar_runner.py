@@ -15,7 +15,7 @@ inputs its embedding merges) comes from the stage's :class:`~omni_jax.engine.ste
 
 Compile once: the programs are a small closed set, all compiled by :meth:`ARRunner.warmup`.
 A stage whose model does more with each drawn token on device (a
-:class:`~omni_jax.engine.step.DrawHook`: Qwen3-Omni's code predictor) adds one program per
+:class:`~omni_jax.engine.step.DrawHook`: e.g. a talker-like stage's code predictor) adds one program per
 sequence bucket and hook form, fed the sampled tokens and the final hidden state of each
 sequence's last token, which the forward then returns too.
 The forward's shape is its token rows (:meth:`ARRunner.rows_bucket`; with the jnp attention
@@ -76,10 +76,10 @@ class ARModel(Protocol):
     ``model.forward(model.embed(tokens, extra), positions, kv_cache, md, backend,
     model.layer_inputs(tokens, extra), tap)``, where ``extra`` is the stage's packed step inputs
     (:meth:`~omni_jax.engine.step.StepInputs.pack`), ``layer_inputs`` what the model's layers
-    read of them beyond the embeddings (Qwen3-Omni's DeepStack features; ``None`` for a model
-    whose layers read nothing more), and ``tap`` which of transformers' ``hidden_states`` to
-    return beside the final ones (:attr:`ARRunner.capture_layer`; ``None``: none). The rest
-    sizes the stage before
+    read of them beyond the embeddings (e.g. features some layers add to their hidden states;
+    ``None`` for a model whose layers read nothing more), and ``tap`` which of transformers'
+    ``hidden_states`` to return beside the final ones (:attr:`ARRunner.capture_layer`;
+    ``None``: none). The rest sizes the stage before
     anything is allocated (an abstract model, ``nnx.eval_shape``, answers them too):
     ``kv_cache_shape`` is ``(layers, kv_heads, head_dim)`` of the paged cache;
     ``num_query_heads`` the attention heads a query has (the cache may store KV heads

@@ -1,7 +1,7 @@
 """Shape buckets: the few padded sizes every jitted program is compiled for.
 
-A dimension that varies with the workload (an AR step's token rows and sequences, code2wav's
-rows and codes) is padded up to a size from a closed set: a power of two (:func:`bucket`) or,
+A dimension that varies with the workload (an AR step's token rows and sequences, a generation
+stage's rows and codes) is padded up to a size from a closed set: a power of two (:func:`bucket`) or,
 where padding is paid in compute, one of a few sizes per octave (:func:`fine_bucket`,
 :func:`ladder`). The number of distinct programs is then a small multiple of the logarithm of
 the largest size, all compiled at warm-up, so steady-state serving never compiles.

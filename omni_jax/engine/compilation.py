@@ -25,7 +25,7 @@ _LOAD_EVENT = "/jax/compilation_cache/cache_retrieval_time_sec"  # a persistent-
 ENV_CACHE_DIR = "OMNI_JAX_COMPILATION_CACHE"
 MAX_COMPILE_THREADS = 8
 """Most programs :func:`compile_ahead` compiles at once: each compilation holds its own
-working memory (a code2wav program's, on the host, about a gigabyte at real widths)."""
+working memory on the host (a large program's, at real widths, a gigabyte or so)."""
 
 
 def enable_persistent_cache(path: str | Path | None | bool = None) -> Path | None:
@@ -86,16 +86,16 @@ def compile_ahead(calls: Sequence[Compilable]) -> None:
     """Compile the programs of ``calls`` side by side, running none of them.
 
     Each thread traces and lowers one call (Python, one at a time under the GIL) and hands it to
-    XLA, whose compilation releases the GIL: with a minute of XLA work per code2wav program on a
-    GPU host, compilations overlapping is what makes a warm-up of dozens of programs take
-    minutes instead of half an hour. A program compiled ahead is the one the later call runs:
+    XLA, whose compilation releases the GIL: XLA's work is most of a large program's compile
+    time, so compilations overlapping is what keeps a warm-up of dozens of such programs short
+    (measured: ``benchmarks/RESULTS.md``). A program compiled ahead is the one the later call runs:
     jit's trace, lowering and compilation caches are shared by ``lower(...).compile()`` and the
     call, so the call compiles nothing. Running the programs is left to the caller, one at a
     time, so warm-up never holds more than one program's working memory on the device.
 
     A failed compilation or an interrupt (Ctrl-C during a server's warm-up) cancels the programs
     not yet started and returns once the running ones end: XLA cannot stop a compilation, but
-    dozens of queued minute-long ones must not keep the process alive.
+    dozens of queued long ones must not keep the process alive.
     """
     if not calls:
         return

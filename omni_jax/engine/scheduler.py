@@ -25,8 +25,8 @@ read (those up to its own length) before any draw reads them, since the device r
 in dispatch order and a recomputed request starts from its first token.
 
 A request's tokens run only as far as their inputs are there (the stage's
-:meth:`~omni_jax.engine.step.StepInputs.available`): a talker taken while the thinker still
-generates waits, running, for the thinker rows its next token reads.
+:meth:`~omni_jax.engine.step.StepInputs.available`): a request of a stage fed by another,
+taken while that stage still generates, waits, running, for the rows of it its next token reads.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class ARRequest(Generic[S]):
     first_token_time: float | None = None  # perf_counter() when the first output token arrived
     pending: int = 0  # tokens drawn by dispatched steps whose values the host has not read
     state: S | None = None
-    suppress_ids: tuple[int, ...] = ()  # never sampled (e.g. the talker's codec BOS)
+    suppress_ids: tuple[int, ...] = ()  # never sampled (e.g. a codec's BOS a stage reads but never draws)
     capture_hidden: bool = False
     captured: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     captured_start: int = 0  # the computed token of the first row ``captured`` holds (earlier ones released)
@@ -149,7 +149,7 @@ class ARRequest(Generic[S]):
 
     def release_captured(self, row: int) -> None:
         """Forget the captured blocks wholly before computed token ``row``: a stage that reads
-        them as they come (the talker started early) took them, and a long multimodal prompt's
+        them as they come (a stage fed by this one, started early) took them, and a long multimodal prompt's
         rows are held once, not twice. The last block keeps its widths (no rows), so the rows
         from ``row`` on can be empty."""
         start, blocks = self.captured_start, self.captured

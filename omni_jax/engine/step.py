@@ -123,8 +123,8 @@ class StepInputs(Protocol[S_contra]):
     a model that draws its tokens and nothing more.
 
     ``available`` is how many of a request's tokens have their inputs now (``None``: all of
-    them): a request taken while the stage feeding it still runs (the talker started on the
-    thinker's first tokens) reads inputs that arrive as that stage makes them, so its row of a
+    them): a request taken while the stage feeding it still runs (started on that stage's first
+    tokens) reads inputs that arrive as that stage makes them, so its row of a
     token past them waits (the scheduler leaves it out of the step).
     """
 
@@ -141,10 +141,10 @@ class StepInputs(Protocol[S_contra]):
 
 
 class DrawHook(Protocol[S_contra]):
-    """A model's work on each step's drawn tokens, on device, before the host reads them:
-    Qwen3-Omni's talker draws a codec frame's first code and its code predictor fills the
-    frame's other codebooks from the hidden state that scored it, in the same step (the
-    reference runs it at the start of the next one; the frame is the same).
+    """A model's work on each step's drawn tokens, on device, before the host reads them: e.g. a
+    talker-like stage that draws a codec frame's first code, whose second model fills the
+    frame's other codebooks from the hidden state that scored it, in the same step (a reference
+    may run that at the start of the next one; the frame is the same).
 
     ``run(model, hidden, tokens, inputs)`` is traced into one program per sequence bucket and
     ``inputs`` structure (``model``: the merged AR model; ``hidden [S, D]``: the final hidden

@@ -33,7 +33,8 @@ def _no_tracer_origin_messages() -> Iterator[None]:
     assignment, and under a trace that raises an ``AttributeError`` whose message walks every
     equation traced so far (jax's ``_origin_msg``; jax-ml/jax#40041 removes the walk): building
     a model abstractly, one random-number counter update per parameter, is then quadratic in its
-    parameters (Qwen2.5-Omni-7B's memory plan spent 95% of its time there). The message is
+    parameters (most of Qwen2.5-Omni-7B's memory plan went there: ``benchmarks/RESULTS.md``,
+    Memory). The message is
     discarded by ``getattr``; only its origin part is skipped, and only here (another thread
     tracing meanwhile gets its messages without origin too).
     """

@@ -99,8 +99,9 @@ def expert_path() -> str:
     """How the experts run: ``OMNI_JAX_MOE`` when it names a formulation, else ``grouped``
     (``ragged_dot``) on TPUs, whose ragged dot is a grouped GEMM, and ``dense`` on CPUs and GPUs,
     whose ``ragged_dot`` XLA lowers to a masked dense product over every expert for every routed
-    row (``E`` times the routed FLOPs, against ``E / k`` for dense; on an H200 at Qwen3-Omni's
-    widths it was slower from 128 rows up, RESULTS.md). ``ValueError`` on another value."""
+    row (``E`` times the routed FLOPs, against ``E / k`` for dense; measured slower than dense at
+    Qwen3-Omni's widths on a GPU: ``benchmarks/RESULTS.md``, MoE formulations). ``ValueError`` on
+    another value."""
     default = "grouped" if jax.default_backend() == "tpu" else "dense"
     return formulation(MOE_SWITCH, ("grouped", "dense"), default)
 
@@ -206,8 +207,8 @@ def dense_experts(
     chosen = experts[..., None] == jnp.arange(gate.shape[0])  # [N, k, E]
     combine = jnp.sum(jnp.where(chosen, weights[..., None], 0), axis=1).T  # [E, N]
     # The rows once per expert, so each projection is a batched matmul over the experts: XLA's
-    # CPU dot of unbatched rows against a stack of weights is many times slower (a decode row
-    # reads the stack at a tenth of the memory bandwidth).
+    # CPU dot of unbatched rows against a stack of weights is far slower (a decode row reads the
+    # stack well short of the memory bandwidth).
     xs = jnp.broadcast_to(x, (gate.shape[0], *x.shape))
     h = jax.nn.silu(jnp.einsum("end,edi->eni", xs, gate)) * jnp.einsum("end,edi->eni", xs, up)
     out = jnp.einsum("eni,eid->end", h, down)

@@ -421,8 +421,8 @@ class ThinkerStepInputs:
 
     def warmup(self) -> int:
         """Compile every program of :attr:`buckets` (from shapes: nothing runs), side by side
-        (:func:`compile_ahead`: on a GPU host an encoder program at real widths compiles for
-        seconds, one at a time that is minutes of start-up); returns how many encoder programs
+        (:func:`compile_ahead`: an encoder program at real widths is slow to compile, and compiled
+        one at a time they would add up to a long start-up); returns how many encoder programs
         there are."""
         compile_ahead(
             [
