@@ -52,8 +52,9 @@ class _Flight:
     """A request on its way through the stage graph: the stages holding it (``holders``, in
     order: the one it was submitted to, then those fed as the stage before each makes its
     tokens), those that took it (``taken``), its output so far, and when streamed, the text
-    stage's tokens delivered so far (and their log-probabilities, when it asked for them).
-    ``rows``: per stage whose outputs carry hidden states, those it handed on to the next
+    stage's tokens delivered so far (and their log-probabilities, when it asked for them), and
+    the audio delivered so far (``audio``, at ``sample_rate``: an aborted request's output holds
+    what was played). ``rows``: per stage whose outputs carry hidden states, those it handed on to the next
     stage as they were computed (its result then holds only the rest). ``text_params``: the
     text stage's params of the request, which say what of its reply the text holds."""
 
@@ -68,6 +69,8 @@ class _Flight:
     stop: StopText | None = None
     rows: dict[int, list[np.ndarray]] = dataclasses.field(default_factory=dict)
     text_params: SamplingParams | None = None
+    audio: list[np.ndarray] = dataclasses.field(default_factory=list)
+    sample_rate: int | None = None
 
     @property
     def watched(self) -> bool:
@@ -235,7 +238,7 @@ class EngineCore:
         """Take the request out of the stage that holds it, which frees what it held at once
         (an AR stage's KV pages); returns its output, ``finished`` with ``finish_reason``
         ``"abort"`` (``"error"`` with ``error`` when a fault ends it), holding what was streamed
-        of its text. ``None`` when no such request is in the graph."""
+        of its text and audio. ``None`` when no such request is in the graph."""
         flight = self._flights.get(request_id)
         if flight is None:
             return None
@@ -248,6 +251,8 @@ class EngineCore:
             if flight.text is not None:
                 out.text = self.tokenizer.decode(flight.reply, skip_special_tokens=True)
                 self._finish_text(flight, out, len(flight.reply))
+        if flight.audio:
+            out.audio, out.sample_rate = np.concatenate(flight.audio), flight.sample_rate
         return self._end(flight)
 
     def fail(self, error: str) -> list[OmniRequestOutput]:
@@ -347,6 +352,8 @@ class EngineCore:
     def _stream_audio(self, flight: _Flight, samples: np.ndarray, sample_rate: int | None) -> None:
         if not flight.stream:
             return
+        flight.audio.append(samples)
+        flight.sample_rate = sample_rate
         update = self._update(flight)
         previous = update.audio_delta
         update.audio_delta = samples if previous is None else np.concatenate([previous, samples])

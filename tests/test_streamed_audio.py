@@ -412,14 +412,17 @@ def test_generate_streams_audio_chunks(pipe) -> None:
 
 def test_abort_mid_stream_frees_both_stages(pipe) -> None:
     """An abort after the first audio drops the request from the talker (its KV pages back) and
-    from code2wav (no chunk of it left)."""
+    from code2wav (no chunk of it left); its output holds the audio delivered before it."""
     talker, code2wav = pipe.stages[1], pipe.stages[2]
     tell_story(pipe, "aborted", story_params(200, seed=1, num_steps=2))
-    while not any(u.audio_delta is not None for u in pipe.core.step()):
-        pass
+    played: list[np.ndarray] = []
+    while not played:
+        played += [u.audio_delta for u in pipe.core.step() if u.audio_delta is not None]
     assert talker.load().running == 1 and code2wav.load().running == 1
     out = pipe.core.abort("aborted")
     assert out is not None and out.finish_reason == "abort" and out.finished
+    np.testing.assert_array_equal(out.audio, np.concatenate(played))
+    assert out.sample_rate == code2wav.sample_rate and out.audio_delta is None
     pages = talker.engine.scheduler.allocator
     assert pages.num_free == pages.num_pages
     assert (code2wav.load().running, code2wav.load().waiting) == (0, 0)
