@@ -150,7 +150,7 @@ class _Cursor:
 
 
 def _part_tensors(
-    model_dir: Path, arch: Architecture, part: ModelPart, cfg: Any, progress: bool, cursor: _Cursor
+    arch: Architecture, part: ModelPart, cfg: Any, progress: bool, cursor: _Cursor
 ) -> Iterator[tuple[str, TensorReader]]:
     """Readers of ``part``'s tensors; those of other parts (served or not yet, or that another
     part drops) are skipped, strays are errors. ``cursor`` follows the file being read."""
@@ -246,7 +246,7 @@ def _read_hf_part(
     try:
         values = fill_params(
             abstract,
-            _part_tensors(model_dir, arch, part, cfg, progress, cursor),
+            _part_tensors(arch, part, cfg, progress, cursor),
             part.rules(cfg),
             place,
             ignore=part.ignore(cfg),

@@ -53,11 +53,6 @@ def conv2d_kernel(x: np.ndarray) -> np.ndarray:
     return np.transpose(x, (2, 3, 1, 0))
 
 
-def conv3d_kernel(x: np.ndarray) -> np.ndarray:
-    """torch ``Conv3d.weight`` ``[out, in, kt, kh, kw]`` -> ``nnx.Conv`` ``[kt, kh, kw, in, out]``."""
-    return np.transpose(x, (2, 3, 4, 1, 0))
-
-
 @dataclass(frozen=True)
 class ParamRule:
     """One HF-name pattern and where its tensor goes.

@@ -35,7 +35,7 @@ class Token2WavParams:
     """Solver settings; ``initial_noise [mel_frames, mel_dim]`` replaces the random start.
 
     ``stream``: decode in chunks as the codes arrive (the stage's chunk sizes, or every chunk
-    ``chunk_codes`` new codes, none longer than the stage's largest) instead of once the
+    after the first ``chunk_codes`` new codes, none longer than the stage's largest) instead of once the
     request's codes are all there; a streamed request's noise comes from its seed, since its
     length is unknown when its first chunk is solved. Slotted: assigning a field it does not
     have (a misspelling) raises ``AttributeError`` instead of being silently ignored.

@@ -41,7 +41,7 @@ from omni_jax.engine.compilation import ProgramCall
 from omni_jax.engine.generation_runner import PaddedBatch
 from omni_jax.models.qwen3_omni.code2wav import ChunkWindow
 from omni_jax.parallel.rules import fetch
-from omni_jax.stages.chunk_loop import StreamedChunk, StreamedDecoder, StreamState
+from omni_jax.stages.chunk_loop import StreamedDecoder, StreamState
 
 ChunkSolve = Callable[..., tuple[jax.Array, jax.Array]]
 """``solve(graph, state, codes [B, Q, W], context [B], frames [B], *, join) -> (new samples [B, S],
@@ -143,11 +143,6 @@ class FrameStream(StreamState):
         q = self.num_quantizers
         flat = np.asarray(self.codes[(w.start - w.context) * q : w.end * q], np.int32)
         return flat.reshape(w.frames, q).T
-
-
-FrameChunk = StreamedChunk[ChunkWindow]
-"""A chunk's new audio (:class:`~omni_jax.stages.chunk_loop.StreamedChunk`): empty, with no
-``chunk``, for a request that finished with every frame already voiced."""
 
 
 @dataclasses.dataclass
