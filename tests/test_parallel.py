@@ -172,5 +172,28 @@ def test_distributed_start_needs_all_three_settings(monkeypatch) -> None:
         monkeypatch.delenv(var, raising=False)
     assert initialize() is False  # nothing configured: one process, nothing to join
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
-    with pytest.raises(ValueError, match="missing \\['JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'\\]"):
+    with pytest.raises(
+        ValueError,
+        match="missing the process count \\(--num-processes or JAX_NUM_PROCESSES\\), this process's id "
+        "\\(--process-id or JAX_PROCESS_ID\\)$",
+    ):
+        initialize()
+
+
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"JAX_NUM_PROCESSES": "x"}, "JAX_NUM_PROCESSES='x' must be an integer"),
+        ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "two"}, "JAX_PROCESS_ID='two' must be an integer"),
+        ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "an id in \\[0, count\\); got count 2, id 2"),
+        ({"JAX_NUM_PROCESSES": "0", "JAX_PROCESS_ID": "0"}, "a process count >= 1"),
+    ],
+)
+def test_distributed_settings_are_checked_by_name(monkeypatch, env, match) -> None:
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
+    for var in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
         initialize()

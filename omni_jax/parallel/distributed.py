@@ -38,25 +38,44 @@ def initialize(
     if jax.distributed.is_initialized():
         return True
     coordinator_address = coordinator_address or os.environ.get(ENV_ADDRESS)
-    if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
-        num_processes = int(os.environ[ENV_NUM_PROCESSES])
-    if process_id is None and os.environ.get(ENV_PROCESS_ID):
-        process_id = int(os.environ[ENV_PROCESS_ID])
+    if num_processes is None:
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(ENV_PROCESS_ID)
     if coordinator_address is None and num_processes is None and process_id is None:
         return False
     missing = [
-        name
-        for name, value in (
-            (ENV_ADDRESS, coordinator_address),
-            (ENV_NUM_PROCESSES, num_processes),
-            (ENV_PROCESS_ID, process_id),
+        f"{what} ({flag} or {env})"
+        for what, flag, env, value in (
+            ("the coordinator's address", "--coordinator-address", ENV_ADDRESS, coordinator_address),
+            ("the process count", "--num-processes", ENV_NUM_PROCESSES, num_processes),
+            ("this process's id", "--process-id", ENV_PROCESS_ID, process_id),
         )
         if value is None
     ]
     if missing:
-        raise ValueError(f"a multi-process start needs address, process count and id; missing {missing}")
+        raise ValueError(
+            f"a multi-process start needs address, process count and id; missing {', '.join(missing)}"
+        )
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"a multi-process start needs a process count >= 1 and an id in [0, count); "
+            f"got count {num_processes}, id {process_id}"
+        )
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     return True
+
+
+def _env_int(name: str) -> int | None:
+    """The integer environment variable ``name`` (``None`` when unset or empty); ``ValueError``
+    naming it when it holds something else."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be an integer") from None
 
 
 def process_count_asked() -> int:
@@ -64,8 +83,8 @@ def process_count_asked() -> int:
     (``JAX_NUM_PROCESSES``; 1 when unset), without joining it."""
     if jax.distributed.is_initialized():
         return jax.process_count()
-    value = os.environ.get(ENV_NUM_PROCESSES)
-    return int(value) if value and value.isdigit() else 1
+    asked = _env_int(ENV_NUM_PROCESSES)
+    return 1 if asked is None else asked
 
 
 def is_main_process() -> bool:
