@@ -9,6 +9,7 @@ traceback instead, and an error that is not the user's (a bug) keeps its traceba
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -130,6 +131,10 @@ CASES = {
     ),
     "too many devices": (["run", "{q}", "--prompt", "hi", "--mesh", "data=64"], r"the mesh needs 64 devices"),
     "mesh syntax": (["run", "{q}", "--prompt", "hi", "--mesh", "bogus"], r"mesh 'bogus': expected axis=size"),
+    "mesh axis twice": (
+        ["plan", "{q}", "--mesh", "model=2,model=4"],
+        r"mesh 'model=2,model=4': axis 'model' is given twice",
+    ),
     "stage without its input": (
         ["run", "{o}", "--prompt", "hi", "--stages", "talker"],
         r"stage 'talker' reads 'thinker''s output and cannot take a prompt",
@@ -220,9 +225,9 @@ def test_a_bug_keeps_its_traceback(qwen2_converted, monkeypatch) -> None:
         main(["run", str(qwen2_converted), "--prompt", "hi"])
 
 
-def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "omni_jax.cli", *argv], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "omni_jax.cli", *argv], capture_output=True, text=True, timeout=600, env=env
     )
 
 
@@ -235,3 +240,14 @@ def test_fresh_process_prints_exactly_one_line(omni_dir, tmp_path) -> None:
     assert done.returncode == 1
     assert "Traceback (most recent call last)" in done.stderr
     assert done.stderr.rstrip().endswith("not a checkpoint directory (no config.json)")
+
+
+def test_fresh_serve_prints_exactly_one_line(qwen2_converted) -> None:
+    """The server's logging shows none of JAX's own INFO lines (its backend probing: "Unable to
+    initialize backend 'tpu'") above the mistake's one line. JAX probes its backends only when
+    ``JAX_PLATFORMS`` (which the tests set) leaves them open, as a user's shell does."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    done = cli("serve", str(qwen2_converted), "--port", "0", "--mesh", "model=3", env=env)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    assert "the mesh needs 3 devices" in done.stderr, done.stderr

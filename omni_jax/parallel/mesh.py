@@ -39,12 +39,15 @@ def mesh_shape(shape: Mapping[str, int] | None) -> dict[str, int]:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,model=4"`` (the command-line form) -> ``{"data": 2, "model": 4}``."""
+    """``"data=2,model=4"`` (the command-line form) -> ``{"data": 2, "model": 4}``; an axis
+    named twice is refused (which one was meant cannot be known)."""
     out: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         axis, sep, size = item.partition("=")
         if not sep or not size.strip().isdigit():
             raise ValueError(f"mesh {text!r}: expected axis=size pairs like 'data=2,model=4'")
+        if axis.strip() in out:
+            raise ValueError(f"mesh {text!r}: axis {axis.strip()!r} is given twice")
         out[axis.strip()] = int(size)
     return mesh_shape(out)
 

@@ -119,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(
             level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+        if logging.getLogger().level > logging.DEBUG:  # JAX's backend probing, e.g. "no TPU"
+            logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
         pipe = AsyncOmniJaxPipeline.from_pretrained(
             args.model,
             **EngineOptions.from_args(args).pipeline_kwargs(),
