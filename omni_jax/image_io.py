@@ -21,7 +21,12 @@ def read_image(source: str | Path | BinaryIO) -> Image.Image:
     ``UnidentifiedImageError`` for what it cannot read, ``DecompressionBombError`` for a header
     of too many pixels) for the caller to name the input."""
     with Image.open(source) as img:
-        return ImageOps.exif_transpose(img).convert("RGB")
+        return upright_rgb(img)
+
+
+def upright_rgb(img: Image.Image) -> Image.Image:
+    """An opened image decoded as RGB, upright by its EXIF orientation (alpha dropped)."""
+    return ImageOps.exif_transpose(img).convert("RGB")
 
 
 def composite_rgb(image: Image.Image) -> Image.Image:

@@ -1121,6 +1121,7 @@ def test_a_missing_or_wrong_api_key_gets_401(qwen, good_ref, key) -> None:
             ("POST", "/v1/completions", {"model": "tiny-qwen2", "prompt": "x"}),
             ("GET", "/v1/models", None),
             ("GET", "/v1/nothing", None),  # the key comes before the route: no 404 without it
+            ("POST", "/v1/chat/completions/", GOOD),  # nor a redirect telling the route exists
         ]:
             r = http.request(method, path, json=body, headers=headers)
             check_error(r, 401, "authentication_error", "a valid API key is required")
@@ -1130,6 +1131,41 @@ def test_a_missing_or_wrong_api_key_gets_401(qwen, good_ref, key) -> None:
             openai.OpenAI(base_url=f"{qwen.server.url}/v1", api_key=key, max_retries=0).models.list()
     with qwen.server.http() as http:
         check_good_request(http, good_ref)
+
+
+def test_a_trailing_slash_is_an_unknown_path_not_a_redirect(qwen) -> None:
+    """Starlette would redirect it, with a Location taken from the Host header."""
+    with qwen.server.http() as http:
+        r = http.get("/metrics/", headers={"host": "elsewhere.example"})
+        check_error(r, 404, "not_found_error", "Not Found")
+        assert "location" not in r.headers
+
+
+@pytest.mark.parametrize(
+    "kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
+)
+def test_a_body_a_browser_sends_without_asking_is_refused_with_415(qwen, good_ref, kind) -> None:
+    """A web page may post a form or plain text to any site without a CORS preflight: read as
+    JSON, it would make a keyless server generate for any page its user opens. JSON (with a
+    charset, or ``+json``) and no Content-Type at all are read, as FastAPI reads a JSON body."""
+    before = qwen.server.metrics()
+    with qwen.server.http() as http:
+        body = json.dumps(GOOD).encode()
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = http.post(path, content=body, headers={"content-type": kind})
+            check_error(
+                r,
+                415,
+                "invalid_request_error",
+                f"must be JSON (Content-Type: application/json), not {kind!r}",
+            )
+        for json_kind in ("application/json; charset=utf-8", "application/vnd.api+json"):
+            r = http.post("/v1/chat/completions", content=body, headers={"content-type": json_kind})
+            assert r.status_code == 200, r.text
+        r = http.post("/v1/chat/completions", content=body)
+        assert "content-type" not in r.request.headers and r.status_code == 200, r.text
+    key = ("omni_jax:request_refused_total", (("status", "415"),))
+    assert qwen.server.metrics()[key] == before.get(key, 0) + 2
 
 
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])

@@ -181,7 +181,7 @@ def test_vllms_audio_url_part_is_read_as_input_audio_is() -> None:
     ]
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
     assert body.model is None  # left out: the served model
-    items = convert._content("messages.0", body.messages[0], None, Transcripts().said)
+    items = convert._content("messages.0", body.messages[0], media.MediaReader(), Transcripts().said)
     for item in items[:2]:
         assert item["type"] == "audio" and item["audio"][1] == 16_000
         np.testing.assert_array_equal(item["audio"][0], samples)
@@ -204,6 +204,29 @@ def test_an_image_claiming_too_many_pixels_is_refused_naming_the_part() -> None:
     """PIL refuses a header of 400 M pixels as a decompression bomb (not an ``OSError``)."""
     with pytest.raises(ValueError, match=r"^img: not a readable image \(Image size \(400000000 pixels\)"):
         media.image("img", data_url("image/png", png_claiming(20_000, 20_000)), None)
+
+
+def test_a_requests_images_share_a_pixel_budget_checked_before_decoding(monkeypatch) -> None:
+    """A few kilobytes of PNG claiming 13000 x 13000 pixels (under PIL's bomb limit) are refused
+    from the header, before decoding; a request's images count together."""
+    bomb = data_url("image/png", png_claiming(13_000, 13_000))
+    assert len(bomb) < 100_000
+    decoded = []
+    monkeypatch.setattr(media, "upright_rgb", lambda img: decoded.append(img.size) or img.convert("RGB"))
+    with pytest.raises(
+        ValueError, match=r"^img: an image of 13000x13000 pixels takes .* past the 33554432 pixels"
+    ):
+        media.MediaReader().image("img", bomb)
+    assert decoded == []
+    small = data_url("image/png", png_bytes(PIXELS[..., :3], "RGB"))  # 7 x 5
+    reader = media.MediaReader(max_image_pixels=60)
+    reader.image("a", small)
+    with pytest.raises(ValueError, match=r"^b: an image of 7x5 pixels takes .* past the 25 pixels left"):
+        reader.image("b", small)
+    assert reader.pixels == 35 and decoded == [(7, 5)]
+    np.testing.assert_array_equal(
+        np.asarray(media.MediaReader(max_image_pixels=None).image("c", small)), PIXELS[..., :3]
+    )
 
 
 @pytest.mark.parametrize(

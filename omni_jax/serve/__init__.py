@@ -13,3 +13,9 @@ uvicorn, prometheus-client); importing this package alone does not.
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 """A request body's largest size (413 beyond): room for a few base64 images and a minute of audio."""
+
+DEFAULT_MAX_IMAGE_PIXELS = 2**25
+"""The pixels a request's images may decode to together by default (about 33.5 million: an
+8K frame, or eight 4K ones; the models' processors scale each image down to about 12.8 million
+anyway). Decoding and preprocessing take about 13 bytes a pixel at their peak, and a compressed
+image of a few kilobytes can declare hundreds of millions."""

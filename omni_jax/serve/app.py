@@ -5,7 +5,8 @@ card, ``GET /v1/models/{model}``), ``GET /health`` (and ``HEAD``, and vLLM's ``/
 ``GET /version``, ``GET /metrics``, and vLLM's ``POST /tokenize`` and ``POST /detokenize``. A
 request is checked in
 this order, and refused with OpenAI's error JSON at the first problem: API key (401), warm (503),
-body size (413), schema (400, naming the field), model name (404), what the server cannot serve
+a body that is not JSON by its ``Content-Type`` (415), body size (413), schema (400, naming the
+field), model name (404), what the server cannot serve
 (400), queue (429), then the stages' own admission (400, with their message). Only then does a
 response start, so a streamed reply's 200 means the request is running. A client that disconnects
 aborts its request (its KV pages and solve slot are freed at once); a fault in one request ends it
@@ -37,7 +38,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_jax import ParamError, __version__
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
-from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, convert, fanout, logprobs, responses
+from omni_jax.serve import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    convert,
+    fanout,
+    logprobs,
+    media,
+    responses,
+)
 from omni_jax.serve.metrics import ServeMetrics
 from omni_jax.serve.protocol import (
     ChatCompletionRequest,
@@ -69,7 +78,8 @@ RETRY_WARMING_S = 10
 class ServeSettings:
     """``model_name``: what clients put in ``model``; ``api_key``: required as a bearer token on
     ``/v1`` routes when set; ``allowed_media``: the folder ``file://`` media URLs may be read
-    from (``None``: none); ``warmup``: compile every program before ``/health`` turns 200;
+    from (``None``: none); ``max_image_pixels``: the most pixels a request's images may decode
+    to together (``None``: no limit); ``warmup``: compile every program before ``/health`` turns 200;
     ``allowed_origins``: the web origins whose pages a browser lets call the server (CORS;
     ``"*"``: any). None by default, unlike vLLM's ``*``: a server on a laptop's loopback
     without a key would otherwise answer any web page its user opens."""
@@ -78,8 +88,13 @@ class ServeSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allowed_media: Path | None = None
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
     warmup: bool = True
     allowed_origins: tuple[str, ...] = ()
+
+    def media_reader(self) -> media.MediaReader:
+        """A reader for one request's media."""
+        return media.MediaReader(self.allowed_media, self.max_image_pixels)
 
 
 class HTTPError(Exception):
@@ -190,10 +205,14 @@ class _Server:
         return parsed
 
     async def admit(self, request: Request, schema: type[M]) -> M:
-        """The checks before a request is converted: key, warm, body size, schema, model."""
+        """The checks before a request is converted: key, warm, content type, body size, schema,
+        model. The body is parsed in a worker thread: a large one takes seconds to validate, which
+        on the event loop would hold up every other request's stream."""
         self.authorize(request)
         self.require_ready()
-        return self.parse(schema, await self.body(request))
+        _require_json(request)
+        body = await self.body(request)
+        return await asyncio.to_thread(self.parse, schema, body)
 
     async def respond(
         self,
@@ -271,6 +290,20 @@ class _Server:
             await task
         log.info("%s: client disconnected; its request was aborted", request_id)
         return None
+
+
+def _require_json(request: Request) -> None:
+    """415 unless the body says it is JSON (``application/json`` or ``application/*+json``) or
+    says nothing, as FastAPI reads a JSON body. A browser sends a form or plain text to another
+    site without asking it first (no CORS preflight), so reading those as JSON would let any web
+    page its user opens make a keyless local server generate."""
+    given = request.headers.get("content-type")
+    if given is None:
+        return
+    kind = given.split(";", 1)[0].strip().lower()
+    family, _, subtype = kind.partition("/")
+    if kind != "application/json" and not (family == "application" and subtype.endswith("+json")):
+        raise HTTPError(415, f"the request body must be JSON (Content-Type: application/json), not {given!r}")
 
 
 REQUEST_INDEX = re.compile(r"^request \d+: ")
@@ -381,7 +414,9 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             else:
                 await asyncio.to_thread(pipe.close)
 
-    app = FastAPI(title="omni-jax", lifespan=lifespan)
+    # No redirect of a path with a trailing slash: it would answer before the key check (a
+    # keyless client would learn the route exists), with a Location built from the Host header.
+    app = FastAPI(title="omni-jax", lifespan=lifespan, redirect_slashes=False)
     app.state.server = server
     tokens = logprobs.token_reader(pipe.pipeline.tokenizer)
 
@@ -469,7 +504,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         try:
             if parsed.messages is not None:
                 messages = await asyncio.to_thread(
-                    convert.chat_messages, parsed.messages, settings.allowed_media, server.transcripts.said
+                    convert.chat_messages, parsed.messages, settings.media_reader(), server.transcripts.said
                 )
                 prompt = pipe.pipeline.chat_prompt(
                     messages, add_generation_prompt=parsed.add_generation_prompt
@@ -508,7 +543,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         parsed = await server.admit(request, ChatCompletionRequest)
         try:
             serve = await asyncio.to_thread(
-                convert.chat_request, pipe.pipeline, parsed, settings.allowed_media, server.transcripts.said
+                convert.chat_request, pipe.pipeline, parsed, settings.media_reader(), server.transcripts.said
             )
         except ValueError as e:
             raise _bad_request(e) from None

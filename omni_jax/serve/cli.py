@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from omni_jax.cli_engine import EngineOptions, add_engine_arguments, positive
-from omni_jax.serve import DEFAULT_MAX_BODY_BYTES
+from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
 
 def _port(value: str) -> int:
@@ -67,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--allowed-local-media-path", default=None, help="a folder file:// media URLs may be read from"
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=positive,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="the most pixels a request's images may decode to together (checked from their headers)",
     )
     p.add_argument(
         "--allowed-origins",
@@ -132,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
             allowed_media=allowed,
+            max_image_pixels=args.max_image_pixels,
             warmup=not args.no_warmup,
             allowed_origins=tuple(args.allowed_origins),
         )

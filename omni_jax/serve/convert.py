@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 from omni_jax import Token2WavParams
@@ -158,7 +157,7 @@ def _common(request: ChatCompletionRequest | CompletionRequest) -> None:
 
 
 def _content(
-    where: str, message: Message, allowed: Path | None, said: Callable[[str], str | None]
+    where: str, message: Message, reader: media.MediaReader, said: Callable[[str], str | None]
 ) -> str | list[dict[str, Any]]:
     """A message's content as :meth:`OmniJaxPipeline.chat_prompt` reads it: text parts alone are
     joined into one string (what text-only chat templates expect). An assistant message without
@@ -182,35 +181,30 @@ def _content(
         if part.type == "text":
             items.append({"type": "text", "text": part.text})
         elif part.type == "image_url":
-            items.append(
-                {"type": "image", "image": media.image(f"{at}.image_url", part.image_url.url, allowed)}
-            )
+            items.append({"type": "image", "image": reader.image(f"{at}.image_url", part.image_url.url)})
         elif part.type == "input_audio":
             items.append(
-                {"type": "audio", "audio": media.audio(f"{at}.input_audio.data", part.input_audio.data)}
+                {"type": "audio", "audio": reader.audio(f"{at}.input_audio.data", part.input_audio.data)}
             )
         elif part.type == "audio_url":
-            items.append(
-                {"type": "audio", "audio": media.audio_file(f"{at}.audio_url", part.audio_url.url, allowed)}
-            )
+            items.append({"type": "audio", "audio": reader.audio_file(f"{at}.audio_url", part.audio_url.url)})
         else:
-            items.append(
-                {"type": "video", "video": media.video(f"{at}.video_url", part.video_url.url, allowed)}
-            )
+            items.append({"type": "video", "video": reader.video(f"{at}.video_url", part.video_url.url)})
     if all(item["type"] == "text" for item in items):
         return "".join(item["text"] for item in items)
     return items
 
 
 def chat_messages(
-    messages: list[Message], allowed_media: Path | None, said: Callable[[str], str | None]
+    messages: list[Message], reader: media.MediaReader, said: Callable[[str], str | None]
 ) -> list[dict[str, Any]]:
     """Request messages as :meth:`OmniJaxPipeline.chat_prompt` takes them (``developer`` is the
-    template's ``system``); ``said`` as :func:`chat_request`'s."""
+    template's ``system``), their media read by ``reader`` (the request's own); ``said`` as
+    :func:`chat_request`'s."""
     return [
         {
             "role": "system" if m.role == "developer" else m.role,
-            "content": _content(f"messages.{i}", m, allowed_media, said),
+            "content": _content(f"messages.{i}", m, reader, said),
         }
         for i, m in enumerate(messages)
     ]
@@ -219,13 +213,14 @@ def chat_messages(
 def chat_request(
     pipeline: OmniJaxPipeline,
     request: ChatCompletionRequest,
-    allowed_media: Path | None,
+    reader: media.MediaReader,
     said: Callable[[str], str | None],
 ) -> ServeRequest:
-    """``ValueError`` naming the field for what the server cannot serve. ``said``: what an
-    earlier spoken reply said, by its audio's id (``None``: not kept)."""
+    """``ValueError`` naming the field for what the server cannot serve. ``reader``: the
+    request's media reader; ``said``: what an earlier spoken reply said, by its audio's id
+    (``None``: not kept)."""
     _common(request)
-    messages = chat_messages(request.messages, allowed_media, said)
+    messages = chat_messages(request.messages, reader, said)
     modalities = request.modalities or (["text", "audio"] if request.audio is not None else ["text"])
     wants_audio = "audio" in modalities
     if wants_audio and not pipeline.speaks:

@@ -6,21 +6,26 @@ for any path that resolves outside it); audio is base64 WAV (``input_audio``). E
 returns what :meth:`OmniJaxPipeline.chat_prompt` takes (a PIL image, a WAV file's
 ``(samples, sample_rate)``, a frame array)
 or raises :class:`~omni_jax.serve.protocol.FieldError` naming the content part, so a bad item
-is a 400 naming it before any work.
+is a 400 naming it before any work. A request's images together may decode to at most
+``--max-image-pixels`` (:class:`MediaReader`), checked from each file's header before it is
+decoded: a compressed image of a few kilobytes can hold gigabytes of pixels.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import numpy as np
+from PIL import Image, UnidentifiedImageError
 
 from omni_jax.audio_io import decode_wav
-from omni_jax.image_io import read_image
+from omni_jax.image_io import upright_rgb
+from omni_jax.serve import DEFAULT_MAX_IMAGE_PIXELS
 from omni_jax.serve.protocol import FieldError
 
 
@@ -58,18 +63,29 @@ def _url_bytes(where: str, url: str, allowed: Path | None) -> bytes:
     return path.read_bytes()
 
 
-def image(where: str, url: str, allowed: Path | None) -> object:
+def image(where: str, url: str, allowed: Path | None, room: int | None = None) -> Image.Image:
     """A PIL image, RGB, from an image URL: its file read as a prompt's image path is
-    (:func:`~omni_jax.image_io.read_image`: upright by its EXIF orientation, alpha dropped)."""
-    from PIL import Image, UnidentifiedImageError
-
+    (:func:`~omni_jax.image_io.read_image`: upright by its EXIF orientation, alpha dropped).
+    ``room``: the most pixels it may have, checked before it is decoded."""
     raw = _url_bytes(where, url, allowed)
     try:
-        return read_image(io.BytesIO(raw))
+        opened = Image.open(io.BytesIO(raw))
     except UnidentifiedImageError:
         raise FieldError(where, "not a readable image (no image format recognised)") from None
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise FieldError(where, f"not a readable image ({e})") from None
+    with opened:
+        width, height = opened.size
+        if room is not None and width * height > room:
+            raise FieldError(
+                where,
+                f"an image of {width}x{height} pixels takes the request's images past the {room} "
+                "pixels left of the server's limit (--max-image-pixels)",
+            )
+        try:
+            return upright_rgb(opened)
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
+            raise FieldError(where, f"not a readable image ({e})") from None
 
 
 def audio(where: str, data: str) -> tuple[np.ndarray, int]:
@@ -94,6 +110,32 @@ def _wav(where: str, raw: bytes) -> tuple[np.ndarray, int]:
 
 NPY_MAGIC = b"\x93NUMPY"
 """The first bytes of every ``.npy`` file."""
+
+
+@dataclasses.dataclass
+class MediaReader:
+    """One request's media, read by the server's rules: file URLs under ``allowed`` only, and
+    its images together at most ``max_image_pixels`` (``None``: no limit); ``pixels`` counts
+    those read so far."""
+
+    allowed: Path | None = None
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
+    pixels: int = 0
+
+    def image(self, where: str, url: str) -> Image.Image:
+        room = None if self.max_image_pixels is None else self.max_image_pixels - self.pixels
+        img = image(where, url, self.allowed, room)
+        self.pixels += img.width * img.height
+        return img
+
+    def audio(self, where: str, data: str) -> tuple[np.ndarray, int]:
+        return audio(where, data)
+
+    def audio_file(self, where: str, url: str) -> tuple[np.ndarray, int]:
+        return audio_file(where, url, self.allowed)
+
+    def video(self, where: str, url: str) -> np.ndarray:
+        return video(where, url, self.allowed)
 
 
 def video(where: str, url: str, allowed: Path | None) -> np.ndarray:

@@ -27,6 +27,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
