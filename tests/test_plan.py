@@ -17,7 +17,7 @@ import jax
 import pytest
 import yaml
 from flax import nnx
-from stage_yamls import edited_stages, shipped_config
+from stage_yamls import Whole, edited_stages, shipped_config
 
 from omni_jax import OmniJaxPipeline
 from omni_jax.cli import main as cli_main
@@ -304,7 +304,7 @@ def test_plan_lays_stages_out_as_loading_does(omni_7b, tmp_path) -> None:
 def test_an_ar_part_cannot_run_as_a_generation_stage(omni_7b, tmp_path) -> None:
     """Which stage class a ``kind: generation`` stage gets is its part's (``GenerationStage``):
     a YAML making the thinker one is refused by name, in the plan as in ``from_pretrained``."""
-    cfg = omni_stage_yaml(tmp_path, {"thinker": {"kind": "generation"}})
+    cfg = omni_stage_yaml(tmp_path, {"thinker": {"kind": "generation", "default_sampling": Whole()}})
     with pytest.raises(ValueError, match="stage 'thinker' is an AR part: the stage YAML cannot make it"):
         plan_memory(omni_7b, stage_config=cfg)
 

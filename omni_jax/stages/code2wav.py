@@ -80,9 +80,9 @@ def solve_limits(sc: StageConfig, model: Token2Wav, max_input: int | None) -> tu
     (``None`` when it reads prompts): a talker of ``max_model_len`` 512 never hands on more codes,
     so longer solves would be programs compiled for nothing."""
     dit = model.dit
-    max_batch = int(sc.engine.get("max_batch", DEFAULT_MAX_BATCH))
+    max_batch = sc.engine_int("max_batch", DEFAULT_MAX_BATCH)
     positions = dit.max_position_embeddings // dit.repeats
-    max_codes = min(int(sc.engine.get("max_codes", DEFAULT_MAX_CODES)), positions, max_input or positions)
+    max_codes = min(sc.engine_int("max_codes", DEFAULT_MAX_CODES), positions, max_input or positions)
     if max_batch < 1 or max_codes < 1:
         raise ValueError(f"stage {sc.name!r}: max_batch={max_batch} and max_codes={max_codes} must be >= 1")
     return max_batch, max_codes
@@ -91,10 +91,7 @@ def solve_limits(sc: StageConfig, model: Token2Wav, max_input: int | None) -> tu
 def max_solve_codes(sc: StageConfig) -> int:
     """The stage YAML's ``engine.max_solve_codes`` (default :data:`DEFAULT_MAX_SOLVE_CODES`): the
     most rows x codes of one offline solve (a request alone always runs, whatever its length)."""
-    cells = int(sc.engine.get("max_solve_codes", DEFAULT_MAX_SOLVE_CODES))
-    if cells < 1:
-        raise ValueError(f"stage {sc.name!r}: max_solve_codes={cells} must be >= 1")
-    return cells
+    return sc.engine_int("max_solve_codes", DEFAULT_MAX_SOLVE_CODES)
 
 
 STREAM_KEYS = {
@@ -226,7 +223,15 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
             return None
         return StageInput(codes, prompt, upstream=upstream)
 
-    def open(self, request_id: str, prompt: dict[str, Any], params: Token2WavParams) -> None:
+    def open(
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: Token2WavParams,
+        capture_hidden: bool = False,
+        stream_hidden: bool = False,
+    ) -> None:
+        del capture_hidden, stream_hidden  # codes in, audio out: no hidden states
         speaker = self.voices.pick(0, prompt)
         request = self.decoder.add(request_id, speaker.cond, speaker.ref_mel, dataclasses.replace(params))
         self._opened(request_id, request.codes, {"seed": request.seed})

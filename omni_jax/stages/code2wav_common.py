@@ -18,7 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 import numpy as np
 
 from omni_jax.engine.generation_runner import GenerationResult, GenerationRunner, PaddedBatch
-from omni_jax.engine.sampling import ParamError
+from omni_jax.engine.sampling import ParamError, is_int
 from omni_jax.stages.base import (
     StageInput,
     StageLoad,
@@ -84,7 +84,10 @@ def stream_setting(sc: StageConfig, keys: Collection[str], build: Callable[[dict
         raise ValueError(
             f"stage {sc.name!r}: unknown engine.stream keys {sorted(unknown)} (known: {sorted(keys)})"
         )
-    values = {k: int(v) for k, v in given.items()}
+    bad = next((k for k, v in given.items() if not is_int(v)), None)
+    if bad is not None:
+        raise ValueError(f"stage {sc.name!r}: engine.stream.{bad}={given[bad]!r} must be an integer")
+    values = dict(given)
     try:
         return build(values)
     except ValueError as e:

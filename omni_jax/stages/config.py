@@ -8,7 +8,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from omni_jax.engine.sampling import SamplingParams, is_int
 from omni_jax.parallel.mesh import mesh_shape
+from omni_jax.stages.code2wav_params import Token2WavParams
 
 SHIPPED_DIR = Path(__file__).parent
 """Where the shipped stage YAMLs (one per architecture) live."""
@@ -45,17 +47,56 @@ class StageConfig:
     needs_input: bool = False
 
     def __post_init__(self) -> None:
+        """Every setting's type and value, naming the stage and the key: checked when the YAML is
+        read, before any weight is, so that a deployment's mistake is not found by its first
+        request (a bad default would refuse every request as if its client had erred)."""
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a stage's name must be a non-empty string, got {self.name!r}")
         if self.kind not in ("ar", "generation"):
             raise ValueError(f"stage {self.name!r}: kind must be 'ar' or 'generation', not {self.kind!r}")
+        if not isinstance(self.input, str):
+            raise ValueError(
+                f"stage {self.name!r}: input must be 'prompt' or a stage's name, got {self.input!r}"
+            )
+        if self.final_output not in (None, "text", "audio"):
+            raise ValueError(
+                f"stage {self.name!r}: final_output must be 'text' or 'audio', not {self.final_output!r}"
+            )
+        for key in ("default_sampling", "engine"):
+            if not isinstance(getattr(self, key), dict):
+                raise ValueError(f"stage {self.name!r}: {key} must be a mapping, got {getattr(self, key)!r}")
+        if self.default_speaker is not None and not isinstance(self.default_speaker, str):
+            raise ValueError(
+                f"stage {self.name!r}: default_speaker must be a voice's name, got {self.default_speaker!r}"
+            )
+        if not isinstance(self.needs_input, bool):
+            raise ValueError(
+                f"stage {self.name!r}: needs_input must be true or false, got {self.needs_input!r}"
+            )
         if self.mesh is not None:
             try:
                 mesh_shape(self.mesh)
             except ValueError as e:
                 raise ValueError(f"stage {self.name!r}: {e}") from None
-        if self.devices is not None and not all(isinstance(d, int) and d >= 0 for d in self.devices):
+        if self.devices is not None and not (
+            isinstance(self.devices, list)
+            and self.devices
+            and all(is_int(d) and d >= 0 for d in self.devices)
+        ):
             raise ValueError(
-                f"stage {self.name!r}: devices must be a list of device indices, got {self.devices}"
+                f"stage {self.name!r}: devices must be a non-empty list of device indices, "
+                f"got {self.devices!r}"
             )
+        self.default_params(SamplingParams if self.kind == "ar" else Token2WavParams)
+
+    def engine_int(self, key: str, default: int) -> int:
+        """The ``engine`` setting ``key`` (``default`` when absent), a positive integer;
+        ``ValueError`` naming the stage and the key for anything else (``"8"``, ``2.7`` or
+        ``true`` are not read as numbers)."""
+        value = self.engine.get(key, default)
+        if not is_int(value) or value < 1:
+            raise ValueError(f"stage {self.name!r}: engine.{key}={value!r} must be a positive integer")
+        return value
 
     def check_engine_keys(self, known: tuple[str, ...]) -> None:
         """``ValueError`` naming the stage and every ``engine`` key outside ``known`` (the keys
@@ -65,12 +106,22 @@ class StageConfig:
             raise ValueError(f"stage {self.name!r}: unknown engine keys {unknown} (known: {list(known)})")
 
     def default_params(self, params_type: type[P], overrides: dict[str, Any] | None = None) -> P:
-        """``params_type(**default_sampling, **overrides)``, naming unknown keys."""
+        """``params_type(**default_sampling, **overrides)``, checked: ``ValueError`` naming the
+        stage for an unknown key or a value the params refuse."""
         values = {**self.default_sampling, **(overrides or {})}
         unknown = set(values) - {f.name for f in dataclasses.fields(params_type)}  # type: ignore[arg-type]
         if unknown:
-            raise ValueError(f"stage {self.name!r}: unknown default_sampling keys {sorted(unknown)}")
-        return params_type(**values)
+            raise ValueError(
+                f"stage {self.name!r}: unknown default_sampling keys {sorted(unknown)} "
+                f"(a {self.kind!r} stage takes {params_type.__name__}'s fields)"
+            )
+        params = params_type(**values)
+        try:
+            params.validate()  # type: ignore[attr-defined]
+        except ValueError as e:
+            where = "default_sampling" if not overrides else "default_sampling with generation_config.json's"
+            raise ValueError(f"stage {self.name!r}: {where}: {e}") from None
+        return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +188,14 @@ def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:
         raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or "architecture" not in raw:
         raise ValueError(f"{path}: a stage config is a mapping with 'architecture' and a list of 'stages'")
+    extra = sorted(set(raw) - {"architecture", "stages", "allow_shared_devices"})
+    if extra:
+        raise ValueError(f"{path}: unknown keys {extra} (known: architecture, stages, allow_shared_devices)")
+    if not raw["stages"]:
+        raise ValueError(f"{path}: 'stages' lists no stage")
+    shared = raw.get("allow_shared_devices", False)
+    if not isinstance(shared, bool):
+        raise ValueError(f"{path}: allow_shared_devices must be true or false, got {shared!r}")
     known = {f.name for f in dataclasses.fields(StageConfig)}
     required = {
         f.name
@@ -152,9 +211,8 @@ def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:
             raise ValueError(f"{path}: stage {s.get('name')!r} has unknown keys {sorted(extra)}")
         if missing:
             raise ValueError(f"{path}: stage {s.get('name', i)!r} needs the keys {sorted(missing)}")
-        stages.append(StageConfig(**s))
-    return PipelineConfig(
-        architecture=raw["architecture"],
-        stages=tuple(stages),
-        allow_shared_devices=bool(raw.get("allow_shared_devices", False)),
-    )
+        try:
+            stages.append(StageConfig(**s))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return PipelineConfig(architecture=raw["architecture"], stages=tuple(stages), allow_shared_devices=shared)

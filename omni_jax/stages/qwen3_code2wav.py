@@ -101,8 +101,8 @@ def solve_limits(sc: StageConfig, spec: Code2WavSpec, max_input: int | None) -> 
     can be longer, else :data:`OFFLINE_CONTEXT` more (``max_frames`` then capped to leave room for
     it in the positions)."""
     positions = spec.max_position_embeddings
-    max_batch = int(sc.engine.get("max_batch", DEFAULT_MAX_BATCH))
-    max_frames = min(int(sc.engine.get("max_frames", DEFAULT_MAX_FRAMES)), positions)
+    max_batch = sc.engine_int("max_batch", DEFAULT_MAX_BATCH)
+    max_frames = min(sc.engine_int("max_frames", DEFAULT_MAX_FRAMES), positions)
     if max_batch < 1 or max_frames < 1:
         raise ValueError(f"stage {sc.name!r}: max_batch={max_batch} and max_frames={max_frames} must be >= 1")
     if max_input is not None and max_input <= max_frames:
@@ -309,7 +309,15 @@ class Qwen3Code2WavStage(Code2WavStageBase[FramesRequest, FramesBatch, FrameDeco
             return None
         return StageInput(list(upstream.token_ids), prompt, upstream=upstream)
 
-    def open(self, request_id: str, prompt: dict[str, Any], params: Token2WavParams) -> None:
+    def open(
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: Token2WavParams,
+        capture_hidden: bool = False,
+        stream_hidden: bool = False,
+    ) -> None:
+        del capture_hidden, stream_hidden  # codes in, audio out: no hidden states
         self._opened(request_id, self.decoder.add(request_id, params.chunk_codes).codes)
 
     def feed(

@@ -1,0 +1,122 @@
+"""A stage YAML's mistakes are refused when it is read, before any weight is, naming the file,
+the stage and the key: a bad ``default_sampling`` value would otherwise pass loading and warm-up
+and then refuse every request as if its client had erred; a setting of the wrong container
+type would be a raw ``TypeError``; a boolean or number of the wrong type would be coerced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omni_jax import SamplingParams
+from omni_jax.stages.config import SHIPPED_DIR, StageConfig, load_pipeline_config
+
+
+def shipped() -> dict[str, Any]:
+    return yaml.safe_load((SHIPPED_DIR / "qwen2_5_omni.yaml").read_text())
+
+
+def edited(path: Path, edit) -> Path:
+    raw = shipped()
+    edit(raw)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def stage(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(s for s in raw["stages"] if s["name"] == name)
+
+
+CASES = {
+    "a default the params refuse": (
+        lambda r: stage(r, "talker")["default_sampling"].update(temperature="hot"),
+        r"stage 'talker': default_sampling: temperature='hot' must be a real number",
+    ),
+    "a default out of range": (
+        lambda r: stage(r, "thinker")["default_sampling"].update(max_tokens=0),
+        r"stage 'thinker': default_sampling: max_tokens=0 must be >= 1",
+    ),
+    "a code2wav default out of range": (
+        lambda r: stage(r, "code2wav")["default_sampling"].update(num_steps=0),
+        r"stage 'code2wav': default_sampling: num_steps=0 must be an integer from 1",
+    ),
+    "a default of another stage kind": (
+        lambda r: stage(r, "code2wav")["default_sampling"].update(temperature=0.5),
+        r"stage 'code2wav': unknown default_sampling keys \['temperature'\]",
+    ),
+    "default_sampling a list": (
+        lambda r: stage(r, "thinker").update(default_sampling=[1]),
+        r"stage 'thinker': default_sampling must be a mapping, got \[1\]",
+    ),
+    "engine a list": (
+        lambda r: stage(r, "talker").update(engine=["early_start"]),
+        r"stage 'talker': engine must be a mapping, got \['early_start'\]",
+    ),
+    "devices a number": (
+        lambda r: stage(r, "talker").update(devices=0),
+        r"stage 'talker': devices must be a non-empty list of device indices, got 0",
+    ),
+    "devices empty": (
+        lambda r: stage(r, "talker").update(devices=[]),
+        r"stage 'talker': devices must be a non-empty list of device indices, got \[\]",
+    ),
+    "final_output unknown": (
+        lambda r: stage(r, "thinker").update(final_output="speech"),
+        r"stage 'thinker': final_output must be 'text' or 'audio', not 'speech'",
+    ),
+    "needs_input a string": (
+        lambda r: stage(r, "talker").update(needs_input="no"),
+        r"stage 'talker': needs_input must be true or false, got 'no'",
+    ),
+    "default_speaker a number": (
+        lambda r: stage(r, "code2wav").update(default_speaker=5),
+        r"stage 'code2wav': default_speaker must be a voice's name, got 5",
+    ),
+    "a name not a string": (
+        lambda r: stage(r, "talker").update(name=123),
+        r"a stage's name must be a non-empty string, got 123",
+    ),
+    "no stages": (lambda r: r.update(stages=[]), r"'stages' lists no stage$"),
+    "allow_shared_devices a string": (
+        lambda r: r.update(allow_shared_devices="false"),
+        r"allow_shared_devices must be true or false, got 'false'",
+    ),
+    "an unknown top-level key": (
+        lambda r: r.update(allow_shared_device=True),
+        r"unknown keys \['allow_shared_device'\] \(known: architecture, stages, allow_shared_devices\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit,match", list(CASES.values()), ids=list(CASES))
+def test_a_mistake_is_refused_when_the_yaml_is_read(tmp_path, edit, match) -> None:
+    path = edited(tmp_path / "stages.yaml", edit)
+    with pytest.raises(ValueError, match=r"stages.yaml: " + match):
+        load_pipeline_config(path)
+
+
+def test_the_shipped_yamls_pass() -> None:
+    for path in sorted(SHIPPED_DIR.glob("*.yaml")):
+        assert load_pipeline_config(path).stages
+
+
+@pytest.mark.parametrize("value", ["8", 2.7, True, 0, -1])
+def test_an_engine_number_is_a_positive_integer_not_coerced(value) -> None:
+    sc = StageConfig("code2wav", "generation", "talker", engine={"max_batch": value})
+    with pytest.raises(
+        ValueError, match=rf"stage 'code2wav': engine.max_batch={value!r} must be a positive integer"
+    ):
+        sc.engine_int("max_batch", 8)
+    assert StageConfig("code2wav", "generation", "talker").engine_int("max_batch", 8) == 8
+
+
+def test_a_checkpoints_generation_defaults_are_checked_too() -> None:
+    """``generation_config.json``'s sampling fields join the YAML's at build: checked alike."""
+    sc = StageConfig("llm", "ar", "prompt", default_sampling={"temperature": 0.0})
+    with pytest.raises(
+        ValueError, match=r"stage 'llm': default_sampling with generation_config.json's: top_p=0.0 must be"
+    ):
+        sc.default_params(SamplingParams, {"top_p": 0.0})
