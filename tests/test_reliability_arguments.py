@@ -115,7 +115,7 @@ BAD_SAMPLING_TYPES: list[tuple[dict[str, Any], str]] = [
     ({"temperature": None}, "temperature=None must be a real number >= 0"),
     ({"temperature": "0"}, "temperature='0' must be a real number >= 0"),
     ({"temperature": True}, "temperature=True must be a real number >= 0"),
-    ({"temperature": float("inf")}, "temperature=inf must be >= 0"),
+    ({"temperature": float("inf")}, "temperature=inf must be finite and >= 0"),
     ({"temperature": 10**400}, "temperature=1000"),
     ({"top_p": "1"}, "top_p='1' must be a real number in (0, 1]"),
     ({"min_p": None}, "min_p=None must be a real number in [0, 1]"),

@@ -17,8 +17,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
+from omni_jax import OmniJaxPipeline, ParamError, SamplingParams, Token2WavParams
 from omni_jax.engine.sampling import (
+    MAX_STOP_CHARS,
     SamplingTensors,
     draw_tokens,
     first_argmax,
@@ -189,6 +190,40 @@ def test_a_field_the_params_lack_cannot_be_set(params, name) -> None:
     params.seed = 4
     assert params.seed == 4 and not hasattr(params, name)
     assert pickle.loads(pickle.dumps(params)) == params == dataclasses.replace(params)
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        # max_tokens left at its default (a client that never sent one): the message says it
+        (SamplingParams(min_tokens=238), "min_tokens=238 must not exceed max_tokens=16"),
+        (SamplingParams(min_tokens=9, max_tokens=8), "min_tokens=9 must not exceed max_tokens=8"),
+        # refused for not being finite, which the message says (inf is > 0, nan neither way)
+        (SamplingParams(repetition_penalty=float("inf")), "repetition_penalty=inf must be finite and > 0"),
+        (SamplingParams(repetition_penalty=float("nan")), "repetition_penalty=nan must be finite and > 0"),
+        (SamplingParams(temperature=float("nan")), "temperature=nan must be finite and >= 0"),
+        (SamplingParams(temperature=float("inf")), "temperature=inf must be finite and >= 0"),
+        (SamplingParams(temperature=-1.0), "temperature=-1.0 must be finite and >= 0"),
+    ],
+    ids=["min over default max", "min over max", "rep inf", "rep nan", "temp nan", "temp inf", "temp < 0"],
+)
+def test_a_refusal_says_what_the_value_was_held_to(params: SamplingParams, message: str) -> None:
+    with pytest.raises(ParamError) as e:
+        params.validate()
+    assert str(e.value) == message and e.value.field == message.split("=")[0]
+
+
+def test_stop_strings_are_bounded_by_their_total_length() -> None:
+    """Their number alone costs a step nothing (``StopText`` looks them up by length), but many
+    distinct lengths do, up to their total length: a request holding more is refused, naming
+    ``stop`` (the server's 400)."""
+    most = ["x" * 1000] * (MAX_STOP_CHARS // 1000) + ["y" * (MAX_STOP_CHARS % 1000)]
+    SamplingParams(stop=most).validate()
+    SamplingParams(stop=[str(i) for i in range(10_000)]).validate()  # many, short: served
+    for stop in (most + ["z"], "s" * (MAX_STOP_CHARS + 1)):
+        with pytest.raises(ParamError, match=rf"^stop strings hold {MAX_STOP_CHARS + 1} characters") as e:
+            SamplingParams(stop=stop).validate()
+        assert e.value.field == "stop" and str(e.value).endswith(f"together, at most {MAX_STOP_CHARS}")
 
 
 @pytest.fixture(scope="module")

@@ -950,13 +950,20 @@ REFUSALS = {
     "min_tokens over max_tokens": (
         {**GOOD, "min_tokens": 5},
         400,
-        "min_tokens=5 must not exceed max_tokens",
+        "min_tokens=5 must not exceed max_tokens=3",
         "min_tokens",
     ),
     "unserved OpenAI field": ({**GOOD, "tools": []}, 400, "unsupported field 'tools'", "tools"),
     "store": ({**GOOD, "store": True}, 400, "store: Input should be False", "store"),
+    "store as 0": ({**GOOD, "store": 0}, 400, "store: Input should be a valid boolean", "store"),
     "n past OpenAI's bound": ({**GOOD, "n": 129}, 400, "n: Input should be less than or equal to 128", "n"),
     "empty stop": ({**GOOD, "stop": ["x", ""]}, 400, "stop: stop strings must not be empty", "stop"),
+    "stop strings past their bound": (
+        {**GOOD, "stop": ["x" * 1000] * 66},
+        400,
+        "stop strings hold 66000 characters together, at most 65536",
+        "stop",
+    ),
     "over-long prompt": (
         {"model": "tiny-qwen2", "prompt": [7] * 17_000, "max_tokens": 2},
         400,

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +136,61 @@ def test_include_keeps_the_stop_string_and_kept_is_what_was_sent() -> None:
     assert stop.hit and stop.kept == "a ST" and stop.feed("more") == ""
     plain = StopText(["xyz"])
     assert plain.feed("abcxy") + plain.flush() == plain.kept == "abcxy"
+
+
+def first_stop_included(stops: list[str], deltas: list[str], unchecked: int = 0) -> tuple[str, bool]:
+    """``first_stop`` through the stop string: of those starting earliest, the shortest."""
+    text, hit = first_stop(stops, deltas, unchecked)
+    if not hit:
+        return text, False
+    whole, boundary = "".join(deltas), len("".join(deltas[:unchecked]))
+    at = len(text)
+    ending = [s for s in stops if whole.startswith(s, at) and at + len(s) > boundary]
+    # the delta the stop string was found in: the first after which one ending past it is whole
+    ends = [len("".join(deltas[: i + 1])) for i in range(len(deltas))]
+    done = next(e for e in ends[unchecked:] if any(at + len(s) <= e for s in ending))
+    return whole[: at + min(len(s) for s in ending if at + len(s) <= done)], True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab", max_size=30),
+    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=6), max_size=30),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+    unchecked=st.integers(0, 4),
+)
+def test_many_stop_strings_of_many_lengths_cut_at_the_earliest_then_shortest(
+    text: str, stops: list[str], cuts: list[int], unchecked: int
+) -> None:
+    """Many stop strings sharing their characters, of many lengths (so several end at once, and
+    several start where the earliest does): cut before the earliest, or through the shortest of
+    those starting there with ``include``."""
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert stream(stops, deltas, unchecked) == first_stop(stops, deltas, unchecked)
+    stop = StopText(stops, include=True)
+    sent = "".join(stop.feed(d, check=i >= unchecked) for i, d in enumerate(deltas))
+    if not stop.hit:
+        sent += stop.flush()
+    assert (sent, stop.hit) == first_stop_included(stops, deltas, unchecked)
+
+
+def test_a_step_costs_the_same_whatever_the_number_of_stop_strings() -> None:
+    """A delta is looked up by where a stop string could end in it, never searched once per
+    stop string: 230 deltas against 20,000 stop strings took 2 s that way (every request in its
+    batch waited on it); now a few milliseconds."""
+    stops = [f"stop string number {i:06d}" for i in range(20_000)]  # none occurs
+    deltas = [" word" for _ in range(230)]
+    start = time.perf_counter()
+    stop = StopText(stops)
+    sent = "".join(stop.feed(d) for d in deltas) + stop.flush()
+    assert sent == "".join(deltas) and not stop.hit
+    assert time.perf_counter() - start < 0.25
+
+
+def test_an_empty_stop_string_is_refused() -> None:
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        StopText(["x", ""])
 
 
 # -- the engine ----------------------------------------------------------------------------------

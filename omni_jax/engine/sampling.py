@@ -93,6 +93,16 @@ as a 64-bit word, and ``-1`` as no seed, as vLLM reads it
 (:func:`~omni_jax.parallel.distributed.request_seed`)."""
 
 
+MAX_STOP_CHARS = 65536
+"""The most characters a request's ``stop`` strings may hold together (OpenAI allows 4 stop
+strings, vLLM any). Their number costs a step nothing (:class:`~omni_jax.stop_text.StopText`
+looks the text ending in each new character up by length), but stop strings of many distinct
+lengths do: each new character of a reply is looked up once per length of those ending in it.
+Crafted so (lengths 2, 3, 4, ... all ending in the character the reply repeats), stop strings
+at this bound cost about 0.3 ms a step of 4 characters, and 2 MB of them 1.5 ms, slowing every
+request in the batch; and their setup grows with their size (50 ms for 2 MB)."""
+
+
 def seed_in_range(seed: int | None) -> bool:
     """Whether ``seed`` is ``None`` or in :data:`SEED_RANGE`."""
     return seed is None or -(2**63) <= seed < 2**64
@@ -183,15 +193,20 @@ class SamplingParams:
             raise ParamError(f"stop={strings!r} must be a str, a list of str or None", "stop")
         if any(not x for x in self.stop_strings):
             raise ParamError("stop strings must not be empty", "stop")
+        chars = sum(map(len, self.stop_strings))
+        if chars > MAX_STOP_CHARS:
+            raise ParamError(
+                f"stop strings hold {chars} characters together, at most {MAX_STOP_CHARS}", "stop"
+            )
         checks = [
-            ("temperature", is_finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+            ("temperature", is_finite(self.temperature) and self.temperature >= 0, "must be finite and >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "must be -1 or 0 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             (
                 "repetition_penalty",
                 is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-                "must be > 0",
+                "must be finite and > 0",
             ),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
@@ -200,7 +215,7 @@ class SamplingParams:
             (
                 "min_tokens",
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
-                "must not exceed max_tokens",
+                f"must not exceed max_tokens={self.max_tokens!r}",
             ),
             (
                 "logprobs",

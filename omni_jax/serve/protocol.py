@@ -176,10 +176,17 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
-    store: Literal[False] | None = Field(
-        None, description="no reply is stored: a request asking to store is refused"
-    )
+    store: bool | None = Field(None, description="no reply is stored: a request asking to store is refused")
     service_tier: str | None = Field(None, description="one tier is served, whatever is asked")
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, store: bool | None) -> bool | None:
+        """``false`` only, a strict bool: pydantic's ``Literal[False]`` took ``0`` and ``0.0``
+        (equal to ``False`` in Python), strict mode or not."""
+        if store:
+            raise PydanticCustomError("literal_error", "Input should be False", {})
+        return store
 
 
 class ChatCompletionRequest(_Sampling):
