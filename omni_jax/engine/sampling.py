@@ -97,10 +97,9 @@ MAX_STOP_CHARS = 65536
 """The most characters a request's ``stop`` strings may hold together (OpenAI allows 4 stop
 strings, vLLM any). Their number costs a step nothing (:class:`~omni_jax.stop_text.StopText`
 looks the text ending in each new character up by length), but stop strings of many distinct
-lengths do: each new character of a reply is looked up once per length of those ending in it.
-Crafted so (lengths 2, 3, 4, ... all ending in the character the reply repeats), stop strings
-at this bound cost about 0.3 ms a step of 4 characters, and 2 MB of them 1.5 ms, slowing every
-request in the batch; and their setup grows with their size (50 ms for 2 MB)."""
+lengths do: each new character of a reply is looked up once per length of those ending in it,
+and their setup grows with their size; crafted so (lengths 2, 3, 4, ... all ending in the
+character the reply repeats), megabytes of them would slow every request in the batch."""
 
 
 def seed_in_range(seed: int | None) -> bool:
