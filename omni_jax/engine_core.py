@@ -436,7 +436,9 @@ class EngineCore:
     def _submit(self, flight: _Flight, si: int, request: StageInput) -> None:
         """Submit the request to stage ``si``, and open it on each next stage that takes it fed
         (:class:`~omni_jax.stages.base.FedStage`) with the request's params, in a chain: the talker
-        fed by the thinker, code2wav by the talker."""
+        fed by the thinker, code2wav by the talker. Each stage captures (and streams) the
+        request's hidden states as :meth:`_capture_hidden` says, whether submitted here or, fed,
+        once it submits the request itself."""
         admission = flight.admission
         fed = self._fed_chain(flight, si)
         request.capture_hidden = self._capture_hidden(flight, si)
@@ -444,8 +446,13 @@ class EngineCore:
         self.stages[si].submit(admission.request_id, request, admission.stage_params[si])
         flight.hold(si)
         for nxt in fed:
+            capture = self._capture_hidden(flight, nxt)  # as for a stage submitted to here
             cast(FedStage, self.stages[nxt]).open(
-                admission.request_id, admission.prompt, admission.stage_params[nxt]
+                admission.request_id,
+                admission.prompt,
+                admission.stage_params[nxt],
+                capture_hidden=capture,
+                stream_hidden=capture and nxt + 1 in fed,
             )
             flight.hold(nxt)
 

@@ -5,6 +5,7 @@ took them as they were computed."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +80,32 @@ def test_thinker_states_whole_while_the_talker_takes_them_as_computed(omni_dir, 
         assert hidden.shape == (len(computed), hf.config.thinker_config.text_config.hidden_size)
         assert rel_err(hidden, reference_states(hf.thinker.model, computed)) < RTOL
         assert out.stage_outputs["talker"].hidden_states is None
+
+
+def test_talker_states_whether_it_starts_early_or_late(omni_dir, tmp_path):
+    """Started early (the shipped ``early_start``), the talker takes the request fed and submits it
+    itself once the thinker's first rows are there: its outputs must hold its hidden states as they
+    do when it takes the thinker's finished result, whether or not code2wav takes its codes as it
+    makes them (then it hands its rows on step by step)."""
+    thinker = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    talker = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    width = json.loads((Path(omni_dir) / "config.json").read_text())["talker_config"]["hidden_size"]
+    states = {}
+    for early in (True, False):
+        config = edited_stages(
+            tmp_path / f"early_{early}.yaml",
+            "qwen2_5_omni",
+            talker={"engine": {"output_hidden_states": True, "early_start": early}},
+        )
+        pipe = OmniJaxPipeline.from_pretrained(omni_dir, max_num_seqs=1, stage_config=config)
+        assert pipe.stages[1].streams(talker) is early
+        for stream in (False, True) if early else (False,):
+            params = [thinker, talker, Token2WavParams(num_steps=2, stream=stream)]
+            (out,) = pipe.run(["hello there"], params, progress=False)
+            hidden = out.stage_outputs["talker"].hidden_states
+            metrics = out.metrics["talker"]
+            computed = metrics["num_prompt_tokens"] + metrics["num_output_tokens"] - 1
+            assert hidden is not None and hidden.shape == (computed, width)
+            states[early, stream] = hidden
+    np.testing.assert_array_equal(states[True, False], states[False, False])
+    np.testing.assert_array_equal(states[True, True], states[False, False])

@@ -296,8 +296,15 @@ class ARStage(Generic[S]):
         reads its hidden states, unless the stage YAML's ``engine.early_start`` is false."""
         return self.reads_hidden and self.config.engine.get("early_start", True)
 
-    def open(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
-        self._fed[request_id] = _Fed(prompt, params)
+    def open(
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        capture_hidden: bool = False,
+        stream_hidden: bool = False,
+    ) -> None:
+        self._fed[request_id] = _Fed(prompt, params, capture_hidden, stream_hidden)
 
     def feed(
         self,
@@ -337,6 +344,7 @@ class ARStage(Generic[S]):
                     del self._fed[request_id]
                 return not final
             self.validate(index, request, fed.params)
+            request.capture_hidden, request.stream_hidden = fed.capture_hidden, fed.stream_hidden
             self.submit(request_id, request, fed.params)
             fed.state, fed.parts = cast(S, request.state), []
         elif part is not None:
@@ -469,11 +477,14 @@ class _Submitted(Generic[S]):
 
 @dataclasses.dataclass
 class _Fed(Generic[S]):
-    """A request taken while the previous stage still generates it: its prompt and params, the
-    parts of that stage's handoff gathered before it could start, then its state once submitted."""
+    """A request taken while the previous stage still generates it: its prompt and params, whether
+    it captures and streams its hidden states once submitted (:meth:`ARStage.open`), the parts of
+    that stage's handoff gathered before it could start, then its state once submitted."""
 
     prompt: dict[str, Any]
     params: SamplingParams
+    capture_hidden: bool = False
+    stream_hidden: bool = False
     parts: list[HiddenHandoff] = dataclasses.field(default_factory=list)
     state: S | None = None
 

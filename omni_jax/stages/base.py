@@ -253,8 +253,18 @@ class FedStage(Stage, Protocol):
     def streams(self, params: StageParams) -> bool:
         """Whether a request with ``params`` (validated) is fed to this stage as it is made."""
 
-    def open(self, request_id: str, prompt: dict[str, Any], params: StageParams) -> None:
-        """Take the request, before any of its tokens; its params and prompt were validated."""
+    def open(
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: StageParams,
+        capture_hidden: bool = False,
+        stream_hidden: bool = False,
+    ) -> None:
+        """Take the request, before any of its tokens; its params and prompt were validated.
+        ``capture_hidden``, ``stream_hidden``: what the request's :class:`StageInput` carries
+        when the stage submits it, as the engine core sets them for a stage it submits to (a
+        stage that captures no hidden states ignores them)."""
 
     def feed(
         self,
