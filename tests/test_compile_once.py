@@ -12,7 +12,7 @@ import pytest
 from test_reliability_limits import plan_of
 from test_run_greedy import hf_greedy
 
-from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax import OmniJaxPipeline, ParamError, SamplingParams
 from omni_jax.engine.compilation import (
     MAX_COMPILE_THREADS,
     CompileCounter,
@@ -133,8 +133,9 @@ def test_too_many_held_back_stop_ids_are_refused(qwen2_dir) -> None:
     request holding back more is refused before any work, naming it."""
     pipe = OmniJaxPipeline.from_pretrained(qwen2_dir, max_num_seqs=2, page_size=8, max_model_len=64)
     many = list(range(3, 3 + SUPPRESS_WIDTH + 1))
-    with pytest.raises(ValueError, match=r"request 0: .*min_tokens=2 holds back \d+ stop ids"):
+    with pytest.raises(ParamError, match=r"request 0: .*min_tokens=2 holds back \d+ stop ids") as e:
         pipe.run({"prompt_token_ids": [1, 2]}, SamplingParams(min_tokens=2, stop_token_ids=many), False)
+    assert e.value.field == "min_tokens"  # a server's 400 names it
     (out,) = pipe.run({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, stop_token_ids=many), False)
     assert out.error is None
     with pytest.raises(ValueError, match=rf"logprobs=21 must be in \[0, {MAX_LOGPROBS}\]"):

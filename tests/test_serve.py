@@ -651,7 +651,7 @@ def test_one_prompt_refused_refuses_the_whole_request(qwen, good_ref) -> None:
         error = check_error(
             http.post("/v1/completions", json=body), 400, "invalid_request_error", "17000 tokens"
         )
-        assert error["param"] is None
+        assert error["param"] == "prompt"
         check_good_request(http, good_ref)
     metrics = qwen.server.metrics()
     assert metrics[("omni_jax:num_requests", ())] == 0
@@ -968,7 +968,13 @@ REFUSALS = {
         {"model": "tiny-qwen2", "prompt": [7] * 17_000, "max_tokens": 2},
         400,
         "prompt has 17000 tokens, max_model_len is 16384",
-        None,
+        "prompt",
+    ),
+    "over-long chat": (
+        {**GOOD, "messages": [{"role": "user", "content": "x " * 17_000}]},
+        400,
+        "max_model_len is 16384",
+        "messages",
     ),
     "bad base64 image": (
         {**GOOD, "messages": image_message("data:image/png;base64,iVBOR!!!w0KGgo")},
@@ -992,7 +998,7 @@ REFUSALS = {
         {**GOOD, "messages": image_message(PNG_URL)},
         400,
         "this model takes no image: its stage 'llm' reads no multi_modal_data",
-        None,
+        "messages",
     ),
     "audio from a text model": (
         {**GOOD, "modalities": ["text", "audio"]},
@@ -1030,7 +1036,7 @@ REFUSALS = {
         {**GOOD, "max_completion_tokens": 16_384},
         400,
         "'max_tokens' or 'max_completion_tokens' is too large: 16384. This model's maximum context",
-        "max_tokens",
+        "max_completion_tokens",
     ),
     "too many completion logprobs": (
         {"model": "tiny-qwen2", "prompt": "x", "logprobs": 21},

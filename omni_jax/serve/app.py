@@ -23,7 +23,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -244,8 +244,8 @@ class _Server:
             ) from None
         except UnknownSpeakerError as e:
             raise _bad_request(e, "audio.voice") from None
-        except ValueError as e:
-            raise _bad_request(e) from None
+        except ValueError as e:  # a sampling field's, or else the prompt's
+            raise _bad_request(e, serve.prompt_field, {"max_tokens": serve.max_tokens_field}) from None
         if first is None:  # admit ended what it had started
             return Response(status_code=CLIENT_GONE)
         if serve.stream:
@@ -314,15 +314,17 @@ STAGE_NAME = re.compile(r"^stage '[^']*': ")
 request, not on a stage it never sees."""
 
 
-def _bad_request(e: ValueError, param: str | None = None) -> HTTPError:
+def _bad_request(
+    e: ValueError, param: str | None = None, renamed: Mapping[str, str] | None = None
+) -> HTTPError:
     """A refusal as a 400 naming the request field it is about where that is known: a
     :class:`FieldError`'s, a stage's :class:`ParamError` (a sampling field: the request field of
-    its name), or ``param``."""
+    its name, or the one ``renamed`` gives it), or ``param``."""
     message = REQUEST_INDEX.sub("", str(e), count=1)
     if isinstance(e, FieldError):
         param = e.param
     elif isinstance(e, ParamError):
-        param = e.field
+        param = (renamed or {}).get(e.field, e.field)
         message = STAGE_NAME.sub("", message, count=1)
     return HTTPError(400, message, param)
 

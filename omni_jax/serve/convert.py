@@ -72,6 +72,13 @@ class ServeRequest:
     within_context: bool = False
     """As :attr:`Choice.within_context`."""
     n: int = 1
+    prompt_field: str = "messages"
+    """The request field the prompt came from (``messages``, or a completion's ``prompt``): what
+    a refusal of the prompt (too long, media a model takes no) names as its ``param``, as
+    OpenAI's context-length errors do."""
+    max_tokens_field: str = "max_tokens"
+    """The field the reply's length came from (``max_completion_tokens`` when a chat request
+    gave it): what a refusal of that length names."""
 
     @property
     def replies(self) -> int:
@@ -249,6 +256,7 @@ def chat_request(
         logprobs=logprobs,
         within_context=_max_tokens(request) is not None,
         n=request.n,
+        max_tokens_field="max_completion_tokens" if request.max_completion_tokens else "max_tokens",
     )
 
 
@@ -274,4 +282,5 @@ def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) ->
         logprobs=request.logprobs,
         within_context=_max_tokens(request) is not None,
         n=request.n,
+        prompt_field="prompt",
     )

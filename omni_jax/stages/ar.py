@@ -273,9 +273,10 @@ class ARStage(Generic[S]):
         if not params.ignore_eos:
             held |= set(self.engine.eos_token_ids)
         if len(held) > SUPPRESS_WIDTH:
-            raise ValueError(
+            raise ParamError(
                 f"request {index}: stage {self.config.name!r}: min_tokens={params.min_tokens} holds back "
-                f"{len(held)} stop ids (stop_token_ids and EOS); at most {SUPPRESS_WIDTH} can be held back"
+                f"{len(held)} stop ids (stop_token_ids and EOS); at most {SUPPRESS_WIDTH} can be held back",
+                "min_tokens",
             )
 
     def submit(self, request_id: str, request: StageInput[S], params: SamplingParams) -> None:
