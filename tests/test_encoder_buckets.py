@@ -61,7 +61,7 @@ MEDIA = [
     user(image(480, 640, 4)),  # 34x46 patches: most of the 2048 a prompt of 512 tokens can hold
     user(image(100, 100, 5), image(200, 120, 6), image(64, 300, 7)),  # several images in one prompt
     user({"type": "video", "video": frames(6, 60, 80, 8)}),
-    user({"type": "video", "video": frames(16, 448, 448, 9)}),
+    user({"type": "video", "video": frames(2, 448, 448, 9)}),  # 256 tokens: a larger video is refused unread
     user(audio(0.7, 10)),
     user(audio(3.0, 11)),
     user(audio(12.0, 12)),

@@ -91,6 +91,12 @@ THINKER_CASES: dict[str, tuple[str, Callable[[], Any], str, dict[str, Any]]] = {
     "empty audio": ("audio", lambda: np.zeros(0, np.float32), r"audio is empty", {}),
     "nan audio": ("audio", _nan_audio, r"audio contains 1 non-finite value\(s\) \(NaN or inf\)", {}),
     "inf audio": ("audio", lambda: np.full(800, np.inf, np.float32), r"audio contains 800 non-finite", {}),
+    "float64 audio past float32": (
+        "audio",
+        lambda: np.full(1600, 1e300),
+        r"audio holds values past float32's range \(largest magnitude 1e\+300\)",
+        {},
+    ),
     "31 s audio": (
         "audio",
         lambda: np.zeros(31 * 16_000, np.float32),
@@ -143,6 +149,30 @@ THINKER_CASES: dict[str, tuple[str, Callable[[], Any], str, dict[str, Any]]] = {
         {},
     ),
     "nan video": ("video", lambda: np.full((2, 28, 28, 3), np.nan, np.float32), r"video contains", {}),
+    "float64 video past float32": (
+        "video",
+        lambda: np.full((2, 28, 28, 3), -1e300),
+        r"video holds values past float32's range",
+        {},
+    ),
+    "fps a bool": (
+        "video",
+        lambda: frames(2, 28, 28, 1),
+        r"fps must be a positive finite number, got True",
+        {"fps": True},
+    ),
+    "fps infinite": (
+        "video",
+        lambda: frames(2, 28, 28, 1),
+        r"fps must be a positive finite number, got inf",
+        {"fps": float("inf")},
+    ),
+    "use_audio_in_video a string": (
+        "video",
+        lambda: frames(2, 28, 28, 1),
+        r"use_audio_in_video must be true or false, got 'yes'",
+        {"use_audio_in_video": "yes"},
+    ),
     "complex video": (
         "video",
         lambda: np.zeros((2, 28, 28, 3), np.complex64),
@@ -179,6 +209,67 @@ def test_bad_audio_track_of_a_video_refused(pipe, monkeypatch) -> None:
     prompt = with_media(pipe, "video", frames(2, 28, 28, 1), use_audio_in_video=True)
     prompt["multi_modal_data"]["audio"] = [_nan_audio()]
     refused(pipe, monkeypatch, prompt, r"audio contains 1 non-finite")
+
+
+def test_an_audio_track_too_short_for_a_token_is_refused_by_name(pipe, monkeypatch) -> None:
+    """A video's audio track of too few samples for one audio token leaves its video no audio
+    span: refused naming the track (it was numpy's "zero-size array to reduction operation")."""
+    prompt = with_media(pipe, "video", frames(2, 28, 28, 1), use_audio_in_video=True)
+    prompt["multi_modal_data"]["audio"] = [np.full(100, 0.01, np.float32)]
+    refused(
+        pipe,
+        monkeypatch,
+        prompt,
+        r"video 0's audio track of 100 samples \(at 16000 Hz\) is too short for one",
+    )
+
+
+class NoResizing:
+    """A video processor that answers :meth:`least_tokens` and refuses to resize any frame."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        self.temporal_patch_size = processor.temporal_patch_size
+
+    def least_tokens(self, frames: int) -> int:
+        return self.processor.least_tokens(frames)
+
+    def __call__(self, video: np.ndarray) -> Any:
+        raise AssertionError(f"{len(video)} frames were resized")
+
+
+def test_a_video_no_context_holds_is_refused_before_its_frames_are(pipe, monkeypatch) -> None:
+    """A video whose frames, each pair at least ``min_pixels``, expand past ``max_model_len`` is
+    refused from its frame count (800 frames of 32x32 took 21 s and 3 GB to be refused for their
+    length); so are media over ``limit_mm_per_prompt``: neither resizes a frame."""
+    frontend = pipe.stages[0].frontend
+    monkeypatch.setattr(frontend.processor, "video_processor", NoResizing(frontend.processor.video_processor))
+    frames_over = 2 * (pipe.stages[0].max_model_len // 128 + 1)  # 128 tokens a pair at the least
+    prompt = with_media(pipe, "video", frames(frames_over, 28, 28, 1))
+    least = (frames_over // 2) * 128
+    refused(
+        pipe, monkeypatch, prompt, rf"prompt has at least {least + len(prompt_ids(pipe, prompt)) - 1} tokens"
+    )
+    monkeypatch.setattr(frontend, "limits", thinker_module.MediaLimits(video=0))
+    refused(
+        pipe,
+        monkeypatch,
+        with_media(pipe, "video", frames(2, 28, 28, 1)),
+        r"1 video item\(s\), more than the 0",
+    )
+
+
+def prompt_ids(pipe: OmniJaxPipeline, prompt: dict[str, Any]) -> list[int]:
+    """The prompt's token ids before its placeholders are expanded."""
+    return pipe.tokenizer(prompt["prompt"])["input_ids"]
+
+
+def test_numpy_numbers_are_an_fps(pipe) -> None:
+    """``fps`` as numpy gives it (``np.float32(2)``) is the same rate as ``2.0``."""
+    prompts = [with_media(pipe, "video", frames(2, 28, 28, 1), fps=fps) for fps in (2.0, np.float32(2))]
+    (a, b) = pipe.intake.admit(prompts, GREEDY, ["np-fps-a", "np-fps-b"])
+    assert a.input.token_ids == b.input.token_ids
+    np.testing.assert_array_equal(a.input.state.positions, b.input.state.positions)
 
 
 def test_max_tokens_within_context_counts_the_expanded_prompt(pipe) -> None:

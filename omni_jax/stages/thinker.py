@@ -36,6 +36,7 @@ so no request mix compiles an encoder after it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -187,12 +188,11 @@ class MediaLimits:
             vision_tokens=() if self.image == 0 and self.video == 0 else buckets.vision_tokens,
         )
 
-    def check(self, index: int, inputs: OmniInputs) -> None:
+    def check(self, index: int, counts: dict[str, int]) -> None:
         """``ValueError`` naming request ``index`` when its prompt holds more of a kind than
-        allowed (a video's audio track counts as audio)."""
-        counts = (len(inputs.audio_features), len(inputs.image_grid_thw), len(inputs.video_grid_thw))
-        for kind, n in zip(MEDIA_KINDS, counts, strict=True):
-            limit = getattr(self, kind)
+        allowed (``counts``: the items of each kind; a video's audio track counts as audio)."""
+        for kind in MEDIA_KINDS:
+            limit, n = getattr(self, kind), counts.get(kind, 0)
             if limit is not None and n > limit:
                 raise ValueError(
                     f"request {index}: {n} {kind} item(s), more than the {limit} a prompt may hold here "
@@ -549,8 +549,8 @@ class ThinkerFrontend:
                 raise ValueError(f"request {index}: this checkpoint has no preprocessor_config.json")
             inputs = OmniInputs(input_ids=list(request.token_ids))
         else:
-            inputs = self.processor.process(index, request.token_ids, data, **kwargs)
-            self.limits.check(index, inputs)
+            admit = functools.partial(self._admit, index)
+            inputs = self.processor.process(index, request.token_ids, data, admit=admit, **kwargs)
             # A prompt past max_model_len is refused by the stage's validation, naming its
             # length: the limit such a prompt's frames exceed (the vision calls stop there).
             if self.max_model_len is None or len(inputs.input_ids) < self.max_model_len:
@@ -564,6 +564,19 @@ class ThinkerFrontend:
         before = {t: np.concatenate([[0], np.cumsum(ids == t)]) for t in self.step_inputs.token_ids}
         state = ThinkerRequest(inputs, positions, delta, before)
         return dataclasses.replace(request, token_ids=list(inputs.input_ids), state=state)
+
+    def _admit(self, index: int, counts: dict[str, int], least_tokens: int) -> None:
+        """Refuse request ``index`` before its media are featurised: more items of a kind than
+        :class:`MediaLimits` allow, or a prompt whose videos alone take it to ``max_model_len``
+        (hundreds of frames cost seconds and gigabytes to resize, then were refused for their
+        length)."""
+        self.limits.check(index, counts)
+        if self.max_model_len is not None and least_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {index}: prompt has at least {least_tokens} tokens (its videos' frames expanded "
+                f"at their smallest size), max_model_len is {self.max_model_len} (at least one token must "
+                "be generated)"
+            )
 
     def rope_index(self, inputs: OmniInputs) -> tuple[np.ndarray, int]:
         """The prompt's M-RoPE positions and ``rope_delta`` (``ValueError`` when its placeholders

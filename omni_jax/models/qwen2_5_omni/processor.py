@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +39,9 @@ from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
 
 SAMPLE_RATE = 16_000
 """The feature extractor's (and so every audio input's) sampling rate."""
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest magnitude a media value may have: what float32, the encoders' dtype, holds."""
 
 DEFAULT_VIDEO_FPS = 2.0
 """Frames per second a video's frames are assumed to be sampled at, as the reference assumes
@@ -53,6 +57,14 @@ POSITION_ID_PER_SECONDS = 25
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def least_video_tokens(frames: int, temporal_patch: int, min_pixels: int, patch: int, merge: int) -> int:
+    """The fewest placeholder tokens a video of ``frames`` frames expands to, from its frame count
+    alone: every frame pair (``temporal_patch``) is resized to at least ``min_pixels``, each
+    ``(patch * merge)**2`` of them one token. Known before any frame is resized, so that a video
+    no prompt could hold is refused without paying for its frames."""
+    return -(-frames // temporal_patch) * -(-min_pixels // (patch * merge) ** 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +86,12 @@ class VideoProcessor:
     rescale_factor: float = 1 / 255
     min_pixels: int = VIDEO_SIZE["shortest_edge"]
     max_pixels: int = VIDEO_SIZE["longest_edge"]
+
+    def least_tokens(self, frames: int) -> int:
+        """:func:`least_video_tokens` of a video of ``frames`` frames."""
+        return least_video_tokens(
+            frames, self.temporal_patch_size, self.min_pixels, self.patch_size, self.merge_size
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> VideoProcessor:
@@ -185,9 +203,16 @@ def _describe(item: Any) -> str:
 
 
 def _check_finite(index: int, kind: str, array: np.ndarray) -> None:
-    if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+    """Finite values, within float32's range: the encoders read media in float32, where a float64
+    ``1e300`` becomes ``inf`` (non-finite logits at run time, where it is refused here)."""
+    if not np.issubdtype(array.dtype, np.floating):
+        return
+    if not np.isfinite(array).all():
         bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
         raise _fail(index, f"{kind} contains {bad} non-finite value(s) (NaN or inf)")
+    largest = float(np.abs(array).max())
+    if largest > FLOAT32_MAX:
+        raise _fail(index, f"{kind} holds values past float32's range (largest magnitude {largest:.3g})")
 
 
 def _is_number(value: Any) -> bool:
@@ -389,7 +414,10 @@ def _video_item(index: int, item: Any) -> np.ndarray:
 
 class TorchvisionVideoProcessor:
     """transformers' own ``Qwen2VLVideoProcessor`` (torchvision), called as the composite calls
-    it, behind :class:`VideoProcessor`'s interface."""
+    it (with :attr:`size`), behind :class:`VideoProcessor`'s interface."""
+
+    size: dict[str, int] = VIDEO_SIZE
+    """The pixel bounds the composite passes on every call."""
 
     def __init__(self, processor: Any):
         self.processor = processor
@@ -403,9 +431,16 @@ class TorchvisionVideoProcessor:
         return cls(Qwen2VLVideoProcessor.from_pretrained(str(path), local_files_only=True))
 
     def __call__(self, video: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
-        out = self.processor([video], size=dict(VIDEO_SIZE), return_tensors="np")
+        out = self.processor([video], size=dict(self.size), return_tensors="np")
         (grid,) = out["video_grid_thw"]
         return np.asarray(out["pixel_values_videos"], np.float32), (int(grid[0]), int(grid[1]), int(grid[2]))
+
+    def least_tokens(self, frames: int) -> int:
+        """:func:`least_video_tokens` of a video of ``frames`` frames."""
+        p = self.processor
+        return least_video_tokens(
+            frames, p.temporal_patch_size, self.size["shortest_edge"], p.patch_size, p.merge_size
+        )
 
 
 PixelBackend = Literal["torchvision", "pil"]
@@ -564,6 +599,7 @@ class OmniProcessor:
         *,
         use_audio_in_video: bool = False,
         fps: float | None = None,
+        admit: Callable[[dict[str, int], int], None] | None = None,
     ) -> OmniInputs:
         """Check, featurise and expand one prompt; ``ValueError`` naming request ``index`` on bad input.
 
@@ -571,13 +607,24 @@ class OmniProcessor:
         each after its modality's start token. ``fps`` is the rate the video frames were
         sampled at (default :attr:`default_fps`). With ``use_audio_in_video``, ``audio`` holds
         one track per video (in video order) and the prompt has no audio placeholders of its own.
+        ``admit``, when given, is called with the items of each kind (``audio``, its videos'
+        tracks included, ``image``, ``video``) and the fewest tokens the prompt can expand to
+        (its videos' :meth:`VideoProcessor.least_tokens`, its other items none) once they
+        are checked and before any is featurised, so that a caller's per-prompt limits and
+        context refuse a prompt before its media cost time and memory.
         """
+        if not isinstance(use_audio_in_video, (bool, np.bool_)):  # "no" would be true
+            raise _fail(index, f"use_audio_in_video must be true or false, got {use_audio_in_video!r}")
+        if fps is not None and not (_is_number(fps) and 0 < fps < math.inf):
+            raise _fail(index, f"fps must be a positive finite number, got {fps!r}")
         data = self._check_forms(index, multi_modal_data)
         ids = [int(t) for t in token_ids]
         audios, images, videos = data.get("audio", []), data.get("image", []), data.get("video", [])
         self._check_counts(index, ids, len(audios), len(images), len(videos), use_audio_in_video)
-        if fps is not None and not (isinstance(fps, (int, float)) and fps > 0):
-            raise _fail(index, f"fps must be a positive number, got {fps!r}")
+        if admit is not None:
+            placeholders = sum(ids.count(t) for t in (self.audio_id, self.image_id, self.video_id))
+            least = len(ids) - placeholders + sum(self.video_processor.least_tokens(len(v)) for v in videos)
+            admit({"audio": len(audios), "image": len(images), "video": len(videos)}, least)
         out = OmniInputs(input_ids=[], use_audio_in_video=use_audio_in_video and bool(videos))
         try:
             if audios:
@@ -590,6 +637,14 @@ class OmniProcessor:
                 out.video_grid_thw.append(grid)
         except ValueError as e:  # e.g. an aspect ratio the resize refuses, a clip too short to transform
             raise _fail(index, str(e)) from None
+        if out.use_audio_in_video:  # a track of no token would leave its video's audio span empty
+            for v, (track, frames) in enumerate(zip(audios, out.audio_seqlens, strict=True)):
+                if self.audio_tokens(frames) == 0:
+                    raise _fail(
+                        index,
+                        f"video {v}'s audio track of {len(track)} samples (at {SAMPLE_RATE} Hz) is too "
+                        "short for one audio token",
+                    )
         seconds = self.video_processor.temporal_patch_size / (fps or self.default_fps)
         out.video_second_per_grid = [seconds] * len(videos)
         out.input_ids = self._expand(ids, out)

@@ -52,10 +52,7 @@ VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
 class Qwen3TorchvisionVideoProcessor(TorchvisionVideoProcessor):
     """transformers' ``Qwen2VLVideoProcessor`` called with Qwen3-Omni's :data:`VIDEO_SIZE`."""
 
-    def __call__(self, video: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
-        out = self.processor([video], size=dict(VIDEO_SIZE), return_tensors="np")
-        (grid,) = out["video_grid_thw"]
-        return np.asarray(out["pixel_values_videos"], np.float32), (int(grid[0]), int(grid[1]), int(grid[2]))
+    size = VIDEO_SIZE
 
 
 class Qwen3OmniProcessor(OmniProcessor):
