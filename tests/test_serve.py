@@ -34,6 +34,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -1289,6 +1290,44 @@ def test_a_client_that_disconnects_aborts_its_request_and_the_others_finish(qwen
     doomed_tokens = now_tokens - tokens - sum(lengths)
     assert (3 if stream else 0) <= doomed_tokens < DOOMED_TOKENS / 4, server.log_tail()
     assert server.log.read_text().count(gone) == logged + (0 if stream else 1)
+
+
+def test_a_clients_request_id_names_its_reply(qwen) -> None:
+    """``X-Request-Id`` (vLLM's header) makes the reply's ``id``; a second request of an id still
+    running is refused naming the header, and the running one finishes; a header of spaces or
+    past 256 characters is refused. Without the header, ids are random and distinct."""
+    server = qwen.server
+    with server.http() as http:
+        body = chat_body("tiny-qwen2", "hello", max_tokens=4)
+        r = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-42"})
+        assert (r.status_code, r.json()["id"]) == (200, "chatcmpl-trace-42")
+        completion = {"model": "tiny-qwen2", "prompt": "hello", "max_tokens": 2}
+        r = http.post("/v1/completions", json=completion, headers={"X-Request-Id": "trace-42"})
+        assert (r.status_code, r.json()["id"]) == (200, "cmpl-trace-42")
+        ids = {http.post("/v1/chat/completions", json=body).json()["id"] for _ in range(2)}
+        assert len(ids) == 2 and all(re.fullmatch(r"chatcmpl-[0-9a-f]{32}", i) for i in ids)
+        for bad in ("two words", "x" * 257):
+            r = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": bad})
+            assert r.status_code == 400
+            assert r.json()["error"]["message"] == "X-Request-Id must be 1 to 256 visible ASCII characters"
+
+    async def twice() -> tuple[httpx.Response, httpx.Response]:
+        long = chat_body("tiny-qwen2", "hello", max_tokens=LONG_TOKENS, ignore_eos=True)
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as http:
+            first = asyncio.create_task(
+                http.post("/v1/chat/completions", json=long, headers={"X-Request-Id": "same"})
+            )
+            while server.metrics().get(("omni_jax:num_requests_running", (("stage", "llm"),)), 0) < 1:
+                await asyncio.sleep(0.01)
+            again = await http.post("/v1/chat/completions", json=long, headers={"X-Request-Id": "same"})
+            return await first, again
+
+    first, again = asyncio.run(asyncio.wait_for(twice(), 120))
+    assert (first.status_code, len(first.json()["choices"][0]["message"]["content"]) > 0) == (200, True)
+    assert again.status_code == 400
+    assert again.json()["error"]["message"] == (
+        "X-Request-Id: a request of id 'chatcmpl-same' is still running; give each its own"
+    )
 
 
 # -- the queue --------------------------------------------------------------------------------------

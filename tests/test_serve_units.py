@@ -64,6 +64,13 @@ def test_a_field_of_the_wrong_type_is_named_by_its_path() -> None:
     assert param == "max_tokens" and message.startswith("max_tokens: ") and "integer" in message
     message, param = refusal(ChatCompletionRequest, CHAT % ', "temperature": 7')
     assert param == "temperature" and "less than or equal to 2" in message
+    for field, literal in (
+        ("temperature", "NaN"),
+        ("repetition_penalty", "Infinity"),
+        ("top_p", "-Infinity"),
+    ):
+        message, param = refusal(ChatCompletionRequest, CHAT % f', "{field}": {literal}')
+        assert (param, message) == (field, f"{field}: Input should be a finite number"), literal
     body = '{"model": "m", "messages": [{"role": "robot", "content": "hi"}]}'
     message, param = refusal(ChatCompletionRequest, body)
     assert param == "messages.0.role" and message.startswith("messages.0.role: ")

@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_jax import ParamError, __version__
-from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
+from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError, RequestIdInUseError
 from omni_jax.serve import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -244,6 +244,10 @@ class _Server:
             ) from None
         except UnknownSpeakerError as e:
             raise _bad_request(e, "audio.voice") from None
+        except RequestIdInUseError:
+            raise HTTPError(
+                400, f"X-Request-Id: a request of id {request_id!r} is still running; give each its own"
+            ) from None
         except ValueError as e:  # a sampling field's, or else the prompt's
             raise _bad_request(e, serve.prompt_field, {"max_tokens": serve.max_tokens_field}) from None
         if first is None:  # admit ended what it had started
@@ -290,6 +294,22 @@ class _Server:
             await task
         log.info("%s: client disconnected; its request was aborted", request_id)
         return None
+
+
+CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
+"""What an ``X-Request-Id`` header may hold: 1 to 256 visible ASCII characters."""
+
+
+def _request_id(request: Request, kind: str) -> str:
+    """The reply's id: ``kind-`` and the client's ``X-Request-Id`` header when it sends one (as
+    vLLM's server: a caller's own id follows its request into the reply, the log and
+    ``abort``), else a random one; a 400 for a header :data:`CLIENT_REQUEST_ID` refuses."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return f"{kind}-{uuid.uuid4().hex}"
+    if not CLIENT_REQUEST_ID.fullmatch(given):
+        raise HTTPError(400, "X-Request-Id must be 1 to 256 visible ASCII characters")
+    return f"{kind}-{given}"
 
 
 def _require_json(request: Request) -> None:
@@ -340,11 +360,14 @@ class _Head:
     created: int
     tokens: logprobs.TokenReader
     transcripts: Transcripts
+    audio_key: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
     def audio_id(self, index: int) -> str:
-        """Choice ``index``'s audio: the request's own id when it asked for one reply."""
+        """Choice ``index``'s audio: ``audio-`` and the reply's :attr:`audio_key` (its own, not
+        the request id, which a client may choose and reuse: a later reply would take over an
+        earlier one's transcript), with the choice's index when it asked for more than one."""
         one = self.serve.replies == 1
-        return f"audio-{self.request_id}" if one else f"audio-{self.request_id}-{index}"
+        return f"audio-{self.audio_key}" if one else f"audio-{self.audio_key}-{index}"
 
     @property
     def expires_at(self) -> int:
@@ -549,7 +572,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             )
         except ValueError as e:
             raise _bad_request(e) from None
-        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        request_id, created = _request_id(request, "chatcmpl"), int(time.time())
         head = _Head(serve, request_id, settings.model_name, created, tokens, server.transcripts)
 
         def choice(index: int, reply: fanout.Gathered) -> dict[str, Any]:
@@ -580,7 +603,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             serve = convert.completion_request(pipe.pipeline, parsed)
         except ValueError as e:
             raise _bad_request(e) from None
-        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        request_id, created = _request_id(request, "cmpl"), int(time.time())
         head = _Head(serve, request_id, settings.model_name, created, tokens, server.transcripts)
 
         def choice(index: int, reply: fanout.Gathered) -> dict[str, Any]:
