@@ -68,10 +68,25 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, planning: bool = False) 
     p.add_argument("--stages", type=_stage_list, default=None, help="build only these stages, e.g. thinker")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default: the checkpoint's")
     p.add_argument("--mesh", default=None, help="every stage's mesh, e.g. data=2,model=4")
-    p.add_argument("--max-num-seqs", type=positive, default=None, help="sequences an AR stage runs at once")
-    p.add_argument("--max-model-len", type=positive, default=None, help="tokens a sequence may hold")
+    p.add_argument(
+        "--max-num-seqs",
+        type=positive,
+        default=None,
+        help="sequences each AR stage runs at once (default: the stage YAML's, else 64)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=positive,
+        default=None,
+        help="tokens a sequence may hold (default: the stage YAML's, else the model's, at most 4096)",
+    )
     p.add_argument("--page-size", type=positive, default=None, help="tokens a KV-cache page holds")
-    p.add_argument("--max-num-batched-tokens", type=positive, default=None, help="token rows of one step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive,
+        default=None,
+        help="token rows of one AR step (default: the stage YAML's, else 2048)",
+    )
     p.add_argument("--stage-config", default=None, help="a stage YAML in place of the architecture's")
     if planning:
         return

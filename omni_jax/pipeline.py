@@ -135,7 +135,9 @@ class OmniJaxPipeline:
 
         hf_config = load_hf_config(path)
         arch = architecture_of(hf_config)
-        config = load_pipeline_config(stage_config or arch.stage_yaml).select(stages)
+        config = load_pipeline_config(stage_config or arch.stage_yaml)
+        config.check_architecture(arch.name, path)
+        config = config.select(stages)
         if limit_mm_per_prompt is not None:
             config = config.with_media_limits(limit_mm_per_prompt)
         engine = (dtype, mesh, max_num_seqs, max_model_len, num_pages, page_size, max_num_batched_tokens)
@@ -153,7 +155,7 @@ class OmniJaxPipeline:
         )
         for sc in config.stages:  # refuse stages not served yet, or not splittable so, before loading
             arch.part(sc.name).shard_rules(hf_config, meshes[sc.name].shape["model"])
-        engine = engine_settings(
+        engine = dict(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             page_size=page_size,
@@ -178,7 +180,7 @@ class OmniJaxPipeline:
                 )
                 continue
             # The frontend sizes its encoder calls to the prompts the stage admits.
-            stage_engine = {**engine, "max_model_len": lengths[sc.name]}
+            stage_engine = {**engine_settings(sc, **engine), "max_model_len": lengths[sc.name]}
             frontend = None
             if part.frontend is not None:
                 frontend = part.frontend(hf_config, model, path, sc, stage_engine["max_model_len"])

@@ -25,7 +25,14 @@ from omni_jax.engine.memory import GIB
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
 from omni_jax.parallel.mesh import AXES, mesh_shape
 from omni_jax.parallel.placement import StagePlacement, stage_layouts
-from omni_jax.preflight import PlannedMesh, check_stage_engines, engine_settings, part_dtype, stage_demand
+from omni_jax.preflight import (
+    ENGINE_DEFAULTS,
+    PlannedMesh,
+    check_stage_engines,
+    engine_settings,
+    part_dtype,
+    stage_demand,
+)
 from omni_jax.stages.config import load_pipeline_config
 
 GPU_SIZES_GIB = (24, 40, 80)
@@ -48,6 +55,8 @@ class StagePlan:
     step: int  # largest step's temporaries (AR) or largest solve (generation), estimates
     sequence_kv: int  # one sequence of max_model_len tokens (0: no KV cache)
     full_kv: int  # max_num_seqs such sequences (what a default cache would like)
+    max_model_len: int | None = None  # an AR stage's sizes (None: a generation stage)
+    max_num_seqs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +95,18 @@ class MemoryPlan:
     architecture: str
     stages: tuple[StagePlan, ...]
     devices: tuple[DevicePlan, ...]
-    max_model_len: int | None  # of the AR stages (None without one)
-    max_num_seqs: int
+    max_model_len: int | None  # the longest of the AR stages' (None without one)
+    max_num_seqs: int  # the most of the AR stages' (the default without one)
     mem_fraction: float
+
+    def _sizes(self, key: str) -> str:
+        """The AR stages' ``key``: one number when they agree, else each with its stage (a
+        stage YAML may size each AR stage)."""
+        ar = [s for s in self.stages if s.max_model_len is not None]
+        values = {getattr(s, key) for s in ar}
+        if len(values) <= 1:
+            return str(getattr(self, key))
+        return ", ".join(f"{getattr(s, key)} ({s.name})" for s in ar)
 
     @property
     def weights(self) -> int:
@@ -108,13 +126,14 @@ class MemoryPlan:
 
     def table(self, gpu_sizes_gib: tuple[float, ...] = GPU_SIZES_GIB) -> str:
         g = size_text
-        length = f"max_model_len {self.max_model_len}, " if self.max_model_len else ""
+        length = f"max_model_len {self._sizes('max_model_len')}, " if self.max_model_len else ""
+        seqs = self._sizes("max_num_seqs")
         lines = [
-            f"{self.architecture} ({self.path / 'config.json'}): {length}max_num_seqs {self.max_num_seqs}; "
+            f"{self.architecture} ({self.path / 'config.json'}): {length}max_num_seqs {seqs}; "
             f"weights {g(self.weights)} summed over every device (replicas included)",
             "",
             "per stage, on each of its devices"
-            + (f" (KV all: {self.max_num_seqs} sequences, a default cache):" if self.max_model_len else ":"),
+            + (f" (KV all: {seqs} sequences, a default cache):" if self.max_model_len else ":"),
         ]
         stage_rows = [STAGE_HEADER]
         for s in self.stages:
@@ -208,9 +227,11 @@ def plan_memory(
     path = Path(path)
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)
-    config = load_pipeline_config(stage_config or arch.stage_yaml).select(stages)
+    config = load_pipeline_config(stage_config or arch.stage_yaml)
+    config.check_architecture(arch.name, path)
+    config = config.select(stages)
     check_stage_engines(arch, config.stages)
-    engine = engine_settings(
+    engine = dict(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         page_size=page_size,
@@ -226,13 +247,17 @@ def plan_memory(
     for sc in config.stages:
         shape, devices = layouts[sc.name].shape, layouts[sc.name].indices
         mesh = PlannedMesh(shape, platform)
-        fixed, cache = stage_demand(path, hf_config, arch, sc, mesh, dtype, lengths, **engine)
+        fixed, cache = stage_demand(
+            path, hf_config, arch, sc, mesh, dtype, lengths, **engine_settings(sc, **engine)
+        )
         weights = fixed.pop(f"stage {sc.name!r} weights")
         sequence_kv = full_kv = 0
+        sizes: tuple[int | None, int | None] = (None, None)
         if cache is not None:
             lengths[sc.name] = cache.geometry.max_model_len
             sequence_kv = cache.memory.kv_bytes(cache.geometry.pages_per_seq)
             full_kv = cache.memory.kv_bytes(cache.geometry.pages_per_seq * cache.max_num_seqs)
+            sizes = (cache.geometry.max_model_len, cache.max_num_seqs)
         stage_dtype = part_dtype(path, hf_config, arch.part(sc.name).dtype, dtype)
         plans.append(
             StagePlan(
@@ -245,15 +270,18 @@ def plan_memory(
                 sum(fixed.values()),
                 sequence_kv,
                 full_kv,
+                *sizes,
             )
         )
+    seqs = [s.max_num_seqs for s in plans if s.max_num_seqs is not None]
+    most_seqs = max(seqs) if seqs else max_num_seqs or ENGINE_DEFAULTS["max_num_seqs"]
     return MemoryPlan(
         path=path,
         architecture=arch.name,
         stages=tuple(plans),
-        devices=_per_device(plans, engine["max_num_seqs"]),
+        devices=_per_device(plans, most_seqs),
         max_model_len=max(lengths.values()) if lengths else None,
-        max_num_seqs=engine["max_num_seqs"],
+        max_num_seqs=most_seqs,
         mem_fraction=jax_mem_fraction(),
     )
 
@@ -274,9 +302,12 @@ def jax_mem_fraction() -> float:
 
 
 def _per_device(plans: list[StagePlan], max_num_seqs: int) -> tuple[DevicePlan, ...]:
+    """Each device's stages added up; its sequences capped by the fewest ``max_num_seqs`` of the
+    AR stages there (a request needs a place in each), ``max_num_seqs`` on a device without one."""
     out = []
     for device in sorted({d for s in plans for d in s.devices}):
         here = [s for s in plans if device in s.devices]
+        capped = [s.max_num_seqs for s in here if s.max_num_seqs is not None]
         out.append(
             DevicePlan(
                 device=device,
@@ -285,7 +316,7 @@ def _per_device(plans: list[StagePlan], max_num_seqs: int) -> tuple[DevicePlan, 
                 steps=sum(s.step for s in here),
                 sequence_kv=sum(s.sequence_kv for s in here),
                 full_kv=sum(s.full_kv for s in here),
-                max_num_seqs=max_num_seqs,
+                max_num_seqs=min(capped) if capped else max_num_seqs,
             )
         )
     return tuple(out)

@@ -41,10 +41,18 @@ ENGINE_DEFAULTS = {"max_num_seqs": 64, "page_size": 16, "max_num_batched_tokens"
 ``max_position_embeddings``, at most 4096, see :meth:`CachePlan.of`)."""
 
 
-def engine_settings(**sizes: int | None) -> dict[str, int | None]:
-    """:meth:`CachePlan.of`'s settings from ``from_pretrained``'s: each size not given (``None``)
-    takes its :data:`ENGINE_DEFAULTS` value; ``max_model_len`` stays ``None`` (the model's)."""
-    return {k: ENGINE_DEFAULTS[k] if v is None and k in ENGINE_DEFAULTS else v for k, v in sizes.items()}
+def engine_settings(sc: StageConfig, **sizes: int | None) -> dict[str, int | None]:
+    """Stage ``sc``'s :meth:`CachePlan.of` settings from ``from_pretrained``'s: a size given
+    applies to every AR stage; one not given (``None``) takes the stage YAML's ``engine`` value
+    (:data:`~omni_jax.stages.ar.STAGE_SIZES`: a thinker and a talker may differ, as in vLLM-omni's
+    per-stage ``engine_args``), else its :data:`ENGINE_DEFAULTS` value; ``max_model_len`` set by
+    neither stays ``None`` (the model's)."""
+    settings: dict[str, int | None] = {}
+    for key, given in sizes.items():
+        if given is None and key in sc.engine:
+            given = sc.engine_int(key, 1)
+        settings[key] = ENGINE_DEFAULTS.get(key) if given is None else given
+    return settings
 
 
 def part_dtype(path: Path, hf_config: Any, part_dtype: str | None, dtype: str | None) -> str:
@@ -162,15 +170,18 @@ def stage_needs(
     **engine: Any,
 ) -> list[StageNeeds]:
     """:class:`StageNeeds` of every stage, in build order; reads only ``config.json``. ``engine``:
-    :meth:`CachePlan.of`'s settings (``max_num_seqs``, ``max_model_len``, ``page_size``,
-    ``max_num_batched_tokens``), as the AR stages will be built with them."""
+    ``from_pretrained``'s sizes (``max_num_seqs``, ``max_model_len``, ``page_size``,
+    ``max_num_batched_tokens``; ``None``: the stage YAML's or the default, :func:`engine_settings`),
+    as the AR stages will be built with them."""
     path = Path(path)
     arch = architecture_of(hf_config)
     needs: list[StageNeeds] = []
     lengths: dict[str, int] = {}
     for sc in stages:
         mesh = meshes[sc.name]
-        fixed, plan = stage_demand(path, hf_config, arch, sc, mesh, dtype, lengths, **engine)
+        fixed, plan = stage_demand(
+            path, hf_config, arch, sc, mesh, dtype, lengths, **engine_settings(sc, **engine)
+        )
         if plan is not None:
             lengths[sc.name] = plan.geometry.max_model_len
         needs.append(StageNeeds(sc.name, fixed, plan, memory_pools(local_devices(mesh))))
@@ -179,9 +190,12 @@ def stage_needs(
 
 def check_memory_before_loading(needs: list[StageNeeds], num_pages: int | None) -> None:
     """``ValueError`` naming the pool, the needed and the available bytes, item by item, when the
-    stages' weights, KV caches and largest steps cannot fit."""
+    stages' weights, KV caches and largest steps cannot fit, or when ``num_pages`` cannot hold
+    one sequence of an AR stage."""
     pools: dict[object, tuple[jax.Device, dict[str, int]]] = {}
     for stage in needs:
+        if stage.plan is not None and num_pages is not None:
+            stage.plan.check_pages(num_pages, stage.name)
         for device, count in stage.pools:
             _, pool = pools.setdefault(pool_key(device), (device, {}))
             for k, v in stage.demand(num_pages).items():

@@ -155,6 +155,20 @@ def test_a_voice_is_found_whatever_its_case(pipes) -> None:
     assert rel_err(chelsie, ethan) > 0.05, "the voices should differ, or the test shows nothing"
 
 
+def test_the_yaml_default_voice_must_be_the_checkpoints(omni_dir) -> None:
+    """A stage YAML's ``default_speaker`` is matched as a prompt's voice is (any case); one the
+    checkpoint lacks is refused naming its voices, where it used to fall back to the first voice
+    and serve every prompt without a ``speaker`` in it."""
+    voices = load_speakers(omni_dir)
+    assert speakers.Voices(voices, "ethan").default == "Ethan"
+    assert speakers.Voices(voices).default == "Chelsie"
+    with pytest.raises(
+        ValueError,
+        match=r"default_speaker 'Ethen' is not one of the checkpoint's voices \['Chelsie', 'Ethan'\]",
+    ):
+        speakers.Voices(voices, "Ethen")
+
+
 TWO = {"prompt_token_ids": [1, 2]}
 BAD_REQUESTS = [
     ({**TWO, "speaker": "Nobody"}, None, r"unknown speaker 'Nobody'; known speakers: \['Chelsie', 'Ethan'\]"),

@@ -442,7 +442,11 @@ def test_planner_of_the_model(ours: Token2Wav) -> None:
     "stream,match",
     [
         ({"chunk_frames": 6}, r"unknown engine.stream keys \['chunk_frames'\]"),
-        ({"max_chunk_codes": 12}, "engine.stream: max_chunk=24 must be at least chunk=72"),
+        (
+            {"max_chunk_codes": 12},
+            r"engine.stream: max_chunk=24 must be at least chunk=72 "
+            r"\(chunk is chunk_codes x 2, max_chunk is max_chunk_codes x 2\)$",
+        ),
         (
             {"max_chunk_codes": 240},
             r"the longest chunk window, 552 mel frames, exceeds the DiT's max_position",
@@ -451,7 +455,8 @@ def test_planner_of_the_model(ours: Token2Wav) -> None:
 )
 def test_stage_stream_settings_are_checked(ours: Token2Wav, stream: dict, match: str) -> None:
     """The stage YAML's ``engine.stream`` is refused at build time, naming the stage, for an
-    unknown key, a largest chunk under the chunk, or a window longer than the DiT's positions."""
+    unknown key, a largest chunk under the chunk (with the YAML keys of the planner's constants
+    it names), or a window longer than the DiT's positions."""
     config = StageConfig("code2wav", "generation", "talker", engine={"stream": stream})
     with pytest.raises(ValueError, match=f"stage 'code2wav': .*{match}"):
         stream_planner(config, ours)

@@ -395,7 +395,8 @@ def test_growing_rows_and_handoff_parts() -> None:
         (
             {"early_strat": True},
             r"stage 'talker': unknown engine keys \['early_strat'\] "
-            r"\(known: \['early_start', 'limit_mm_per_prompt', 'output_hidden_states'\]\)",
+            r"\(known: \['early_start', 'limit_mm_per_prompt', 'output_hidden_states', 'max_num_seqs', "
+            r"'max_model_len', 'max_num_batched_tokens'\]\)",
         ),
         ({"early_start": "yes"}, "stage 'talker': engine.early_start='yes' must be true or false"),
     ],

@@ -153,6 +153,29 @@ def test_tiny_omni_plan_weights_are_the_loaded_stages(omni_dir) -> None:
     assert device.least == sum(s.weights + s.step + s.sequence_kv for s in plan.stages)
 
 
+def test_stages_sized_apart_are_planned_apart(omni_dir, tmp_path) -> None:
+    """A stage YAML sizing the thinker and the talker apart: each stage's cache at its own
+    sizes (as :func:`plan_memory` of one stage at those sizes), the header naming each, and a
+    device's sequences capped by the fewest ``max_num_seqs`` of its AR stages."""
+    path = edited_stages(
+        tmp_path / "sized.yaml",
+        "qwen2_5_omni",
+        thinker={"engine": {"max_model_len": 256, "max_num_seqs": 4}},
+        talker={"engine": {"max_model_len": 512, "max_num_seqs": 2}},
+    )
+    plan = plan_memory(omni_dir, stage_config=path)
+    thinker, talker, _ = plan.stages
+    assert [(s.max_model_len, s.max_num_seqs) for s in plan.stages] == [(256, 4), (512, 2), (None, None)]
+    (alone,) = plan_memory(omni_dir, stages=["thinker"], max_model_len=256, max_num_seqs=4).stages
+    assert (thinker.sequence_kv, thinker.full_kv) == (alone.sequence_kv, alone.full_kv)
+    talker_alike = plan_memory(omni_dir, max_model_len=512, max_num_seqs=2).stages[1]
+    assert (talker.sequence_kv, talker.full_kv) == (talker_alike.sequence_kv, talker_alike.full_kv)
+    header = plan.table().splitlines()[0]
+    assert "max_model_len 256 (thinker), 512 (talker), max_num_seqs 4 (thinker), 2 (talker);" in header
+    assert (plan.max_model_len, plan.max_num_seqs, plan.devices[0].max_num_seqs) == (512, 4, 2)
+    assert plan.sequences(80 << 30) == 2
+
+
 UNUSED = ("audio_tower.audio_bos_eos_token.weight",)
 """The one parameter of transformers' model no stage serves (its forward never reads it either)."""
 
@@ -395,7 +418,8 @@ def test_cli_mistakes_are_one_line_and_exit_2(omni_dir, tmp_path, capsys) -> Non
             "qwen2_5_omni",
             "talker",
             "early_strat",
-            "['early_start', 'limit_mm_per_prompt', 'output_hidden_states']",
+            "['early_start', 'limit_mm_per_prompt', 'output_hidden_states', 'max_num_seqs', "
+            "'max_model_len', 'max_num_batched_tokens']",
         ),
         ("qwen2_5_omni", "code2wav", "max_code", "['max_batch', 'max_codes', 'max_solve_codes', 'stream']"),
         ("qwen3_omni", "code2wav", "max_codes", "['max_batch', 'max_frames', 'stream']"),

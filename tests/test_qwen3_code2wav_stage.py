@@ -139,7 +139,11 @@ def test_shipped_chunks_grow_from_vllm_omnis() -> None:
 @pytest.mark.parametrize(
     "stream,match",
     [
-        ({"max_chunk_frames": 20}, "max_chunk=20 must be at least chunk=25"),
+        (
+            {"max_chunk_frames": 20},
+            r"max_chunk=20 must be at least chunk=25 "
+            r"\(chunk is chunk_frames, max_chunk is max_chunk_frames\)$",
+        ),
         ({"chunk_codes": 5}, r"unknown engine.stream keys \['chunk_codes'\]"),
         ({"max_chunk_frames": 1000}, r"the widest chunk window, 1025 frames, exceeds the transformer's"),
     ],

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import pytest
+import yaml
 
 from omni_jax import OmniJaxPipeline
 from omni_jax.architectures import architecture_of
@@ -23,7 +24,7 @@ from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools
 from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, stage_meshes
 from omni_jax.preflight import cache_shares, check_memory_before_loading, stage_needs
-from omni_jax.stages.config import load_pipeline_config
+from omni_jax.stages.config import SHIPPED_DIR, load_pipeline_config
 from omni_jax.weights import load_hf_config
 
 BYTES = r"\d+\.\d\d GiB \((\d+) bytes\)"
@@ -174,7 +175,7 @@ def test_accelerators_count_their_own_memory_cpus_the_hosts() -> None:
         memory.refuse_unless_fits("x", {"a": 1 << 30, "b": 1 << 30}, [gpu0, gpu1])  # type: ignore[list-item]
 
 
-def test_from_pretrained_refuses_before_reading_weights(omni_dir, monkeypatch) -> None:
+def test_from_pretrained_refuses_before_reading_weights(omni_dir, monkeypatch, tmp_path) -> None:
     """``from_pretrained`` runs the check above first: an impossible cache is refused with the
     numbers and no weight file is opened."""
     from omni_jax import pipeline
@@ -185,6 +186,20 @@ def test_from_pretrained_refuses_before_reading_weights(omni_dir, monkeypatch) -
     monkeypatch.setattr(pipeline, "load_part", no_loading)
     with pytest.raises(ValueError, match=r"the pipeline needs .*stage 'talker' KV cache \(100000000 pages"):
         OmniJaxPipeline.from_pretrained(omni_dir, num_pages=10**8)
+    # Streamed decoding constants code2wav refuses: here too.
+    bad_stream = tmp_path / "stages.yaml"
+    stages = yaml.safe_load((SHIPPED_DIR / "qwen2_5_omni.yaml").read_text())
+    stages["stages"][2]["engine"]["stream"] = {"max_chunk_codes": 12}
+    bad_stream.write_text(yaml.safe_dump(stages))
+    with pytest.raises(ValueError, match=r"stage 'code2wav': engine.stream: max_chunk=24 must be at least"):
+        OmniJaxPipeline.from_pretrained(omni_dir, stage_config=bad_stream)
+    # Too few pages for one sequence: refused here too, not after the weights have loaded.
+    with pytest.raises(
+        ValueError,
+        match=r"stage 'thinker': num_pages=3 x page_size=16 cannot hold one sequence of max_model_len=256 "
+        r"\(16 pages\); raise num_pages or lower max_model_len",
+    ):
+        OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], num_pages=3, max_model_len=256)
 
 
 def test_code2wav_largest_solve_refused_with_the_numbers(omni_dir) -> None:

@@ -120,3 +120,52 @@ def test_a_checkpoints_generation_defaults_are_checked_too() -> None:
         ValueError, match=r"stage 'llm': default_sampling with generation_config.json's: top_p=0.0 must be"
     ):
         sc.default_params(SamplingParams, {"top_p": 0.0})
+
+
+def test_an_ar_stage_sizes_its_own_engine(omni_dir, tmp_path) -> None:
+    """A stage YAML's ``engine`` may size each AR stage (vLLM-omni's per-stage ``engine_args``):
+    a thinker and a talker of different ``max_model_len`` and ``max_num_seqs``;
+    ``from_pretrained``'s argument, when given, sizes every AR stage instead; a size that is not a
+    positive integer is refused naming the stage, before any weight is read."""
+    from omni_jax import OmniJaxPipeline
+
+    def sizes(r: dict[str, Any]) -> None:
+        stage(r, "thinker")["engine"] = {"max_model_len": 256, "max_num_seqs": 4}
+        stage(r, "talker")["engine"].update(max_model_len=512, max_num_seqs=2, max_num_batched_tokens=128)
+
+    path = edited(tmp_path / "sized.yaml", sizes)
+    pipe = OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker", "talker"], stage_config=path)
+    thinker, talker = pipe.stages
+    assert (thinker.max_model_len, thinker.load().capacity) == (256, 4)
+    assert (talker.max_model_len, talker.load().capacity) == (512, 2)
+    assert talker.engine.scheduler.cfg.max_num_batched_tokens == 128
+    pipe = OmniJaxPipeline.from_pretrained(
+        omni_dir, stages=["thinker", "talker"], stage_config=path, max_model_len=384, max_num_seqs=3
+    )
+    assert [(s.max_model_len, s.load().capacity) for s in pipe.stages] == [(384, 3), (384, 3)]
+    bad = edited(tmp_path / "bad.yaml", lambda r: stage(r, "talker")["engine"].update(max_num_seqs="8"))
+    with pytest.raises(
+        ValueError, match=r"stage 'talker': engine.max_num_seqs='8' must be a positive integer"
+    ):
+        OmniJaxPipeline.from_pretrained(omni_dir, stage_config=bad)
+
+
+def test_a_yaml_of_another_architecture_is_refused(qwen2_dir, tmp_path) -> None:
+    """A stage YAML names the architecture it is written for, and a checkpoint of another one is
+    refused: Qwen2's graph relabelled as Qwen2.5-Omni's would otherwise load a Qwen2 checkpoint
+    under that model's settings, the stage names being the same."""
+    from omni_jax import OmniJaxPipeline
+    from omni_jax.planning import plan_memory
+
+    raw = yaml.safe_load((SHIPPED_DIR / "qwen2.yaml").read_text())
+    raw["architecture"] = "Qwen2_5OmniForConditionalGeneration"
+    path = tmp_path / "relabelled.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    match = (
+        r"the stage config is for Qwen2_5OmniForConditionalGeneration, but .* is a Qwen2ForCausalLM "
+        r"checkpoint: start from that architecture's YAML in "
+    )
+    with pytest.raises(ValueError, match=match):
+        OmniJaxPipeline.from_pretrained(qwen2_dir, stage_config=path)
+    with pytest.raises(ValueError, match=match):
+        plan_memory(qwen2_dir, stage_config=path)

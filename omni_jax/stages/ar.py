@@ -501,17 +501,25 @@ class _Fed(Generic[S]):
         )
 
 
-AR_ENGINE_OPTIONS = ("early_start", "limit_mm_per_prompt", "output_hidden_states")
-"""The stage YAML's ``engine`` keys of an AR stage (the engine's sizes are
-``from_pretrained``'s arguments): ``early_start``, a bool (:meth:`ARStage.streams`);
-``limit_mm_per_prompt``, a thinker's media per prompt (:class:`~omni_jax.stages.thinker.MediaLimits`,
-which checks it); ``output_hidden_states``, a bool (:attr:`~omni_jax.stages.base.Stage.outputs_hidden`)."""
+STAGE_SIZES = ("max_num_seqs", "max_model_len", "max_num_batched_tokens")
+"""The engine sizes an AR stage's YAML ``engine`` may set for that stage alone, positive integers
+(``from_pretrained``'s argument, when given, sets them for every AR stage instead:
+:func:`~omni_jax.preflight.engine_settings`)."""
+
+AR_ENGINE_OPTIONS = ("early_start", "limit_mm_per_prompt", "output_hidden_states", *STAGE_SIZES)
+"""The stage YAML's ``engine`` keys of an AR stage: ``early_start``, a bool
+(:meth:`ARStage.streams`); ``limit_mm_per_prompt``, a thinker's media per prompt
+(:class:`~omni_jax.stages.thinker.MediaLimits`, which checks it); ``output_hidden_states``, a bool
+(:attr:`~omni_jax.stages.base.Stage.outputs_hidden`); the :data:`STAGE_SIZES`."""
 
 
 def check_engine_options(sc: StageConfig) -> None:
-    """``ValueError`` naming the stage for an ``engine`` key an AR stage does not read, or an
-    ``early_start`` or ``output_hidden_states`` that is not a bool."""
+    """``ValueError`` naming the stage for an ``engine`` key an AR stage does not read, an
+    ``early_start`` or ``output_hidden_states`` that is not a bool, or a size that is not a
+    positive integer."""
     sc.check_engine_keys(AR_ENGINE_OPTIONS)
+    for key in STAGE_SIZES:
+        sc.engine_int(key, 1)
     for key, default in (("early_start", True), ("output_hidden_states", False)):
         if not isinstance(sc.engine.get(key, default), bool):
             raise ValueError(f"stage {sc.name!r}: engine.{key}={sc.engine[key]!r} must be true or false")
@@ -616,11 +624,7 @@ class CachePlan:
                 for d, count in memory_pools(devices)
             )
             num_pages = max(per_seq, min(per_seq * self.max_num_seqs, fit))
-        if num_pages < per_seq:
-            raise ValueError(
-                f"num_pages={num_pages} x page_size={g.page_size} cannot hold one sequence of "
-                f"max_model_len={g.max_model_len}"
-            )
+        self.check_pages(num_pages, name)
         refuse_unless_fits(
             f"stage {name!r} (KV cache and largest step)",
             self.memory.demand(num_pages),
@@ -628,6 +632,17 @@ class CachePlan:
             hint=self.hint(devices),
         )
         return num_pages
+
+    def check_pages(self, num_pages: int, name: str) -> None:
+        """``ValueError`` when ``num_pages`` cannot hold one full-length sequence (checked before
+        any weight is read, and again when the cache is built)."""
+        g = self.geometry
+        if num_pages < g.pages_per_seq:
+            raise ValueError(
+                f"stage {name!r}: num_pages={num_pages} x page_size={g.page_size} cannot hold one "
+                f"sequence of max_model_len={g.max_model_len} ({g.pages_per_seq} pages); raise "
+                "num_pages or lower max_model_len"
+            )
 
     def hint(self, devices: list[jax.Device]) -> str:
         fit = min(

@@ -122,13 +122,24 @@ def stream_planner(sc: StageConfig, model: Token2Wav) -> ChunkPlanner:
             )
         return planner
 
-    return stream_setting(sc, STREAM_KEYS, build)
+    repeats = model.dit.repeats
+    terms = {
+        "chunk": ("chunk_codes", repeats),
+        "first_chunk": ("first_chunk_codes", repeats),
+        "past": ("past_codes", repeats),
+        "future": ("future_codes", repeats),
+        "overlap": ("overlap_frames", 1),
+        "max_chunk": ("max_chunk_codes", repeats),
+    }
+    return stream_setting(sc, STREAM_KEYS, build, terms)
 
 
 def solve_demand(sc: StageConfig, model: Token2Wav, max_input: int | None) -> dict[str, int]:
-    """The largest solve's temporaries, for the start-up memory check (an estimate: see
+    """The largest offline solve's temporaries, for the start-up memory check (an estimate: see
     :func:`omni_jax.models.qwen2_5_omni.token2wav.solve_bytes_per_code`); ``max_input`` as in
-    :func:`solve_limits`."""
+    :func:`solve_limits`. The chunk planner is built here too, from the abstract model, so that
+    a bad ``engine.stream`` is refused before any weight is read."""
+    stream_planner(sc, model)
     max_batch, max_codes = solve_limits(sc, model, max_input)
     buckets = SolveBuckets.build(max_batch, code_buckets(max_codes), max_cells=max_solve_codes(sc))
     rows, codes = buckets.largest()
@@ -144,8 +155,8 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
     engine option ``max_codes`` codes (default :data:`DEFAULT_MAX_CODES`), never more than
     ``max_position_embeddings // repeats``, the reference's limit on mel length; waiting requests
     share a solve of at most ``max_solve_codes`` rows x codes (:func:`max_solve_codes`). A prompt
-    without ``"speaker"`` uses :attr:`default_speaker`: the YAML's ``default_speaker`` when the
-    checkpoint has that voice, else the checkpoint's first voice.
+    without ``"speaker"`` uses :attr:`default_speaker`: the YAML's ``default_speaker`` (a voice
+    the checkpoint lacks is refused at load), else the checkpoint's first voice.
     """
 
     sample_rate = SAMPLE_RATE

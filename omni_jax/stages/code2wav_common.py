@@ -11,8 +11,9 @@ stage adds its voices or frames, its checks and what its results count (codes or
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import numpy as np
@@ -73,11 +74,18 @@ def streaming_on(sc: StageConfig) -> bool:
     return True
 
 
-def stream_setting(sc: StageConfig, keys: Collection[str], build: Callable[[dict[str, int]], T]) -> T:
+def stream_setting(
+    sc: StageConfig,
+    keys: Collection[str],
+    build: Callable[[dict[str, int]], T],
+    terms: Mapping[str, tuple[str, int]],
+) -> T:
     """The stage YAML's ``engine.stream`` (each value an int) made into the stage's streamed
     decoding constants by ``build`` (the family's own when it is ``false``: the decoder is built,
     and never used); ``ValueError`` naming the stage for a key not in ``keys`` or constants
-    ``build`` refuses."""
+    ``build`` refuses. ``terms``: for each constant ``build``'s refusals name, the YAML key it
+    comes from and the factor from the key's units to its own, so that a refusal also says
+    which keys to change."""
     given = dict(sc.engine.get("stream") or {}) if streaming_on(sc) else {}
     unknown = set(given) - set(keys)
     if unknown:
@@ -91,7 +99,18 @@ def stream_setting(sc: StageConfig, keys: Collection[str], build: Callable[[dict
     try:
         return build(values)
     except ValueError as e:
-        raise ValueError(f"stage {sc.name!r}: engine.stream: {e}") from None
+        raise ValueError(f"stage {sc.name!r}: engine.stream: {e}{_legend(str(e), terms)}") from None
+
+
+def _legend(problem: str, terms: Mapping[str, tuple[str, int]]) -> str:
+    """The YAML keys of the constants ``problem`` names (``chunk=72``), in parentheses; empty
+    when it names none."""
+    named = [
+        f"{name} is {key}" if factor == 1 else f"{name} is {key} x {factor}"
+        for name, (key, factor) in terms.items()
+        if re.search(rf"\b{name}=", problem)
+    ]
+    return f" ({', '.join(named)})" if named else ""
 
 
 @dataclasses.dataclass

@@ -132,6 +132,16 @@ class PipelineConfig:
     stages: tuple[StageConfig, ...]
     allow_shared_devices: bool = False
 
+    def check_architecture(self, name: str, checkpoint: Path) -> None:
+        """``ValueError`` when the config is written for another architecture than ``name``,
+        ``checkpoint``'s: its stages, defaults and engine settings are another model's, and
+        stage names they share would load without complaint."""
+        if self.architecture != name:
+            raise ValueError(
+                f"the stage config is for {self.architecture}, but {checkpoint} is a {name} checkpoint: "
+                f"start from that architecture's YAML in {SHIPPED_DIR}"
+            )
+
     def select(self, names: list[str] | None) -> PipelineConfig:
         """The stages ``names`` lists (``None``: all the config has), as a graph that runs: the
         first takes the prompt, each later one reads the one before it (stage i is fed stage

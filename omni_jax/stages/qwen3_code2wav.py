@@ -138,7 +138,8 @@ def stream_plan(sc: StageConfig, positions: int) -> StreamPlan:
             )
         return plan
 
-    return stream_setting(sc, STREAM_KEYS, build)
+    terms = {name: (f"{name}_frames", 1) for name in ("chunk", "first_chunk", "left_context", "max_chunk")}
+    return stream_setting(sc, STREAM_KEYS, build, terms)
 
 
 def solve_bytes(spec: Code2WavSpec, rows: int, frames: int) -> int:

@@ -67,7 +67,7 @@ from omni_jax.stages.base import (
 )
 from omni_jax.stages.rows import GrowingRows
 from omni_jax.stages.talker import TalkerPositions
-from omni_jax.voices import voice_named
+from omni_jax.voices import default_voice, voice_named
 
 PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8
 """The code predictor's truncation whenever the talker samples (``prepare_inputs_for_generation``
@@ -270,12 +270,7 @@ class Qwen3TalkerFrontend:
         self.rope = rope
         self.eos_token_ids = (spec.codec_eos,)
         self.speakers = dict(spec.speakers)
-        self.default_speaker = default_speaker or DEFAULT_SPEAKER
-        if self.default_speaker.lower() not in self.speakers:
-            raise ValueError(
-                f"default_speaker {self.default_speaker!r} is not one of the checkpoint's voices "
-                f"{sorted(self.speakers)}"
-            )
+        self.default_speaker = default_voice(default_speaker or DEFAULT_SPEAKER, self.speakers)
         self.placeholders = np.array([rope.audio_token_id, rope.image_token_id, rope.video_token_id])
         dtype = np.dtype(model.model.embed_tokens.embedding.dtype)
         self.step_inputs = TalkerStepInputs(spec, dtype)

@@ -34,7 +34,6 @@ from omni_jax.preflight import (
     PlannedMesh,
     check_memory_before_loading,
     device_weight_bytes,
-    engine_settings,
     stage_needs,
 )
 from omni_jax.stages.config import load_pipeline_config
@@ -103,9 +102,7 @@ def test_thinker_plan_and_refusal_count_the_experts_each_device_holds(
     # every device's share of the weights.
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 0)
     stages = load_pipeline_config(architecture_of(hf_config).stage_yaml).select(["thinker"]).stages
-    engine = engine_settings(
-        max_num_seqs=None, max_model_len=None, page_size=None, max_num_batched_tokens=None
-    )
+    engine = dict(max_num_seqs=None, max_model_len=None, page_size=None, max_num_batched_tokens=None)
     needs = stage_needs(path, hf_config, stages, {"thinker": mesh}, dtype=None, **engine)
     with pytest.raises(ValueError, match="the pipeline needs") as refused:
         check_memory_before_loading(needs, None)

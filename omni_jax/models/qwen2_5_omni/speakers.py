@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from omni_jax.safetensors_io import iter_safetensors
-from omni_jax.voices import voice_named
+from omni_jax.voices import default_voice, voice_named
 
 TORCH_FILE = "spk_dict.pt"
 TENSOR_FILE = "speakers.safetensors"
@@ -128,15 +128,15 @@ class Voices:
 
     The talker (its text-stream BOS) and code2wav (conditioning and reference mel) both read a
     request's voice, so both resolve it here and give the same answer and the same error.
-    ``preferred``: the stage config's default voice, used when the checkpoint has it (else the
-    checkpoint's first voice).
+    ``preferred``: the stage config's default voice (:func:`~omni_jax.voices.default_voice`:
+    ``ValueError`` when the checkpoint has no such voice); ``None``: the checkpoint's first voice.
     """
 
     def __init__(self, speakers: dict[str, Speaker], preferred: str | None = None):
         if not speakers:
             raise ValueError(f"no speakers ({TORCH_FILE}, or {INDEX_FILE} from conversion)")
         self.speakers = speakers
-        self.default = preferred if preferred in speakers else next(iter(speakers))
+        self.default = next(iter(speakers)) if preferred is None else default_voice(preferred, speakers)
 
     @classmethod
     def load(cls, model_dir: str | Path, preferred: str | None = None) -> Voices:
