@@ -21,7 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
-SOURCES = ("omni_jax", "checkpoints_convert")
+SOURCES = ("omni_jax", "checkpoints_convert", "benchmarks")
 EXTERNAL = ("jax", "flax", "numpy", "transformers", "nnx")
 CHECKED_SUFFIXES = (".py", ".md", ".yaml", ".toml", ".txt", ".cfg")
 
