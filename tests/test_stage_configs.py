@@ -169,3 +169,17 @@ def test_a_yaml_of_another_architecture_is_refused(qwen2_dir, tmp_path) -> None:
         OmniJaxPipeline.from_pretrained(qwen2_dir, stage_config=path)
     with pytest.raises(ValueError, match=match):
         plan_memory(qwen2_dir, stage_config=path)
+
+
+def test_a_vllm_omni_stage_config_is_refused_with_the_mapping(tmp_path) -> None:
+    """A vLLM-omni user's own stage YAML (``stage_args``) is refused saying where each of its
+    settings goes here, not as a YAML with unknown keys."""
+    path = tmp_path / "vllm_omni.yaml"
+    stage = {"stage_id": 0, "engine_args": {"model_stage": "thinker", "max_model_len": 8192}}
+    path.write_text(yaml.safe_dump({"stage_args": [stage]}))
+    with pytest.raises(
+        ValueError,
+        match=r"vllm_omni.yaml: a vLLM-omni stage config \(stage_args\), not omni_jax's: .*'name' "
+        r"\(engine_args.model_stage\).*'engine' \(engine_args' max_num_seqs, max_model_len",
+    ):
+        load_pipeline_config(path)

@@ -182,6 +182,17 @@ class PipelineConfig:
         )
 
 
+VLLM_OMNI_FORMAT = (
+    "a vLLM-omni stage config (stage_args), not omni_jax's: an omni_jax stage YAML has "
+    "'architecture' (engine_args.model_arch) and 'stages', each with 'name' (engine_args.model_stage), "
+    "'kind' (ar, or generation for code2wav), 'input' (the stage engine_input_source names, or prompt), "
+    "'final_output' (final_output_type), 'default_sampling' (default_sampling_params), 'devices' "
+    "(runtime.devices, as a list) and 'engine' (engine_args' max_num_seqs, max_model_len and "
+    f"max_num_batched_tokens); start from the architecture's YAML in {SHIPPED_DIR}"
+)
+"""The refusal of a vLLM-omni YAML: what each of its settings is called here."""
+
+
 def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:
     """A shipped YAML by file name, or a user's own YAML by path; ``ValueError`` naming the file
     for one that is missing, is not YAML, or is not a stage graph (a user's typo is one line,
@@ -196,6 +207,8 @@ def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if isinstance(raw, dict) and "stage_args" in raw:
+        raise ValueError(f"{path}: {VLLM_OMNI_FORMAT}")
     if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or "architecture" not in raw:
         raise ValueError(f"{path}: a stage config is a mapping with 'architecture' and a list of 'stages'")
     extra = sorted(set(raw) - {"architecture", "stages", "allow_shared_devices"})
