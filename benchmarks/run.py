@@ -96,10 +96,35 @@ STREAMED = {"e2e": "e2e_stream", "e2e_qwen3": "e2e_qwen3_stream"}
 
 
 def parse_batch_sizes(text: str) -> list[int]:
-    sizes = sorted({int(s) for s in text.split(",") if s.strip()})
-    if not sizes or sizes[0] < 1:
+    parts = [s.strip() for s in text.split(",") if s.strip()]
+    if not parts or not all(s.isdigit() and int(s) >= 1 for s in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: positive batch sizes, e.g. 1,8")
-    return sizes
+    return sorted({int(s) for s in parts})
+
+
+def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any checkpoint is built or anything run, the counts no suite can use and a
+    ``--json`` that could not be written (a finished run's result would be lost at its end)."""
+    if args.max_tokens < 2:
+        p.error("--max-tokens must be >= 2 (time per output token needs two tokens)")
+    for flag, value in (
+        ("--num-requests", args.num_requests),
+        ("--min-prompt", args.min_prompt),
+        ("--min-codes", args.min_codes),
+        ("--repeats", args.repeats),
+    ):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    for low, high in (("min_prompt", "max_prompt"), ("min_codes", "max_codes")):
+        if getattr(args, low) > getattr(args, high):
+            p.error(
+                f"--{low.replace('_', '-')} {getattr(args, low)} exceeds --{high.replace('_', '-')} "
+                f"{getattr(args, high)}"
+            )
+    if args.json is not None:
+        folder = Path(args.json).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            p.error(f"--json {args.json}: cannot write a file in {folder}")
 
 
 def parse_ref_batches(text: str) -> list[int | str]:
@@ -372,9 +397,9 @@ def run_isolated(names: list[str], argv: list[str], command: str, json_path: str
 
 def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser(prog).parse_args(argv)
-    if args.max_tokens < 2:
-        raise SystemExit("--max-tokens must be >= 2 (time per output token needs two tokens)")
+    p = parser(prog)
+    args = p.parse_args(argv)
+    check_arguments(p, args)
     # Compile times are only real with JAX's persistent cache off; OMNI_JAX_COMPILATION_CACHE=DIR
     # turns it on (the JSON records which).
     os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")
@@ -417,4 +442,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from omni_jax.cli_errors import run_command
+
+    sys.exit(run_command(lambda args: main(args.rest), argparse.Namespace(rest=sys.argv[1:], debug=False)))

@@ -45,6 +45,17 @@ def run(args: argparse.Namespace) -> int:
     from omni_jax.weights import check_sources, convert
 
     if args.check_sources:
+        ignored = [
+            flag
+            for flag, given in (
+                ("--dtype", args.dtype),
+                ("--overwrite", args.overwrite),
+                ("--verify", args.verify),
+            )
+            if given
+        ]
+        if ignored:  # they shape a conversion, and --check-sources converts nothing
+            raise ValueError(f"--check-sources converts nothing, so {', '.join(ignored)} would do nothing")
         changed = check_sources(args.src, args.dst, progress=not args.quiet)
         if changed:
             which = ", ".join(changed)

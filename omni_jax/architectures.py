@@ -368,6 +368,11 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+def architecture_names(arch: Architecture) -> list[str]:
+    """The HF ``architectures`` names :data:`ARCHITECTURES` serves ``arch`` under (its aliases)."""
+    return [name for name, served in ARCHITECTURES.items() if served is arch]
+
+
 def architecture_of(hf_config: Any) -> Architecture:
     """The :class:`Architecture` serving ``hf_config``: the first of its ``architectures`` names
     that :data:`ARCHITECTURES` holds. ``ValueError`` naming them and the supported ones otherwise,

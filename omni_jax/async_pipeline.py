@@ -37,11 +37,6 @@ class QueueFullError(RuntimeError):
     """``generate`` refused a request: ``max_waiting`` requests already wait (a server's 429)."""
 
 
-class RequestIdInUseError(ValueError):
-    """``generate`` was given the ``request_id`` of a request still running: its own type so
-    that a server can name the header a client chose it by."""
-
-
 class AsyncOmniJaxPipeline:
     """An :class:`OmniJaxPipeline` served to asyncio callers (the public API).
 
@@ -206,9 +201,7 @@ class AsyncOmniJaxPipeline:
         """``request_id``, or a fresh one, reserved for one ``generate``."""
         if request_id is None:
             request_id = next(i for i in map(str, self._ids) if i not in self._live)
-        elif not isinstance(request_id, str):
+        elif not isinstance(request_id, str) or request_id in self._live:
             raise ValueError(f"request_id must be a str not in use by a running request, got {request_id!r}")
-        elif request_id in self._live:
-            raise RequestIdInUseError(f"request_id {request_id!r} is in use by a running request")
         self._live.add(request_id)
         return request_id

@@ -17,6 +17,7 @@ Warnings print as ``warning: <message>`` lines.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -64,12 +65,17 @@ def _warning_line(
 
 def output_folder(flag: str, path: str | Path) -> Path:
     """The folder ``flag`` names, made now (with its parents), before any work: a path that
-    cannot be a folder (a file is there) is a mistake to say at once, not after the run."""
+    cannot be a folder (a file is there), or a folder this process cannot write into (read-only,
+    another user's), is a mistake to say at once, not after the run."""
+    if not str(path):
+        raise OSError(f"{flag}: an empty path names no folder")
     folder = Path(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OSError(f"{flag} {path}: cannot be made a folder ({e.strerror or e})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OSError(f"{flag} {path}: this process cannot write into it")
     return folder
 
 

@@ -52,6 +52,19 @@ def check_attention_backend(backend: Any) -> None:
         raise ValueError(f"attention_backend={backend!r} is not one of {', '.join(choices)}")
 
 
+def check_backend_platform(backend: Backend, platform: str) -> None:
+    """``backend`` runs on ``platform`` (JAX's default backend): the Pallas kernel compiles for
+    a GPU or TPU and the C++ kernel for the CPU. Checked once JAX's backend is up, so that the
+    flag is named at start-up, not in the first step's compiler error."""
+    if backend == "pallas" and platform == "cpu":
+        raise ValueError(
+            "attention_backend='pallas' compiles its kernel for a GPU or TPU; on CPU use 'cpu', 'jnp' "
+            "or 'pallas_interpret' (the kernel interpreted, for tests)"
+        )
+    if backend == "cpu" and platform != "cpu":
+        raise ValueError(f"attention_backend='cpu' is the CPU backend's kernel; this is a {platform} backend")
+
+
 def check_sizes(**sizes: Any) -> None:
     """Each engine size given is a positive integer (``None`` takes the default), so a 0 or a
     negative is refused by name instead of falling back to a default or failing later."""

@@ -1,9 +1,11 @@
-"""Signals during a conversion, so that an interrupted one leaves nothing behind.
+"""Signals during a conversion or a command-line run, so that an interrupted one stops and
+leaves nothing behind.
 
 A conversion writes into a temp dir beside its destination and renames it at the end; Ctrl-C
 must remove that dir, and SIGTERM (a process manager's stop), whose default ends the process at
 once, must too. :class:`Interrupts` turns both into exceptions that run the conversion's
-cleanup, then lets the process end as it would have.
+cleanup, then lets the process end as it would have. ``omni-jax run`` uses it for the Ctrl-C
+that JAX's garbage-collection callback swallows while a checkpoint loads.
 """
 
 from __future__ import annotations

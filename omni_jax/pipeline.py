@@ -19,9 +19,15 @@ from typing import Any
 
 import jax
 
-from omni_jax.architectures import architecture_of
+from omni_jax.architectures import architecture_names, architecture_of
 from omni_jax.engine.compilation import CompileCounter, enable_persistent_cache
-from omni_jax.engine_args import check_attention_backend, check_sizes, check_stage_names, dtype_name
+from omni_jax.engine_args import (
+    check_attention_backend,
+    check_backend_platform,
+    check_sizes,
+    check_stage_names,
+    dtype_name,
+)
 from omni_jax.engine_core import EngineCore
 from omni_jax.intake import Intake, Prompt, SamplingParamsList
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
@@ -32,6 +38,7 @@ from omni_jax.parallel.mesh import mesh_shape
 from omni_jax.parallel.placement import StagePlacement, sharded_or_none, stage_meshes
 from omni_jax.preflight import (
     cache_shares,
+    check_fed_lengths,
     check_memory_before_loading,
     check_stage_engines,
     engine_settings,
@@ -128,6 +135,7 @@ class OmniJaxPipeline:
             max_num_batched_tokens=max_num_batched_tokens,
         )
         initialize_distributed()
+        check_backend_platform(attention_backend, jax.default_backend())
         enable_persistent_cache(compilation_cache)
         if not (path / "config.json").exists():
             raise ValueError(f"{path}: not a checkpoint directory (no config.json)")
@@ -136,7 +144,7 @@ class OmniJaxPipeline:
         hf_config = load_hf_config(path)
         arch = architecture_of(hf_config)
         config = load_pipeline_config(stage_config or arch.stage_yaml)
-        config.check_architecture(arch.name, path)
+        config.check_architecture(architecture_names(arch), path)
         config = config.select(stages)
         if limit_mm_per_prompt is not None:
             config = config.with_media_limits(limit_mm_per_prompt)
@@ -170,6 +178,7 @@ class OmniJaxPipeline:
         # Each AR stage's max_model_len, resolved once by its cache plan: what the stage admits,
         # and what it hands on at most to the stage it feeds.
         lengths = {s.name: s.plan.geometry.max_model_len for s in needs if s.plan is not None}
+        check_fed_lengths(config.stages, lengths)
         for sc in config.stages:
             stage_mesh = sharded_or_none(meshes[sc.name])
             model, _ = load_part(path, sc.name, dtype=dtype, mesh=stage_mesh, progress=progress)

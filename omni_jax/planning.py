@@ -20,7 +20,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from omni_jax.architectures import architecture_of
+from omni_jax.architectures import architecture_names, architecture_of
 from omni_jax.engine.memory import GIB
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
 from omni_jax.parallel.mesh import AXES, mesh_shape
@@ -28,6 +28,7 @@ from omni_jax.parallel.placement import StagePlacement, stage_layouts
 from omni_jax.preflight import (
     ENGINE_DEFAULTS,
     PlannedMesh,
+    check_fed_lengths,
     check_stage_engines,
     engine_settings,
     part_dtype,
@@ -228,7 +229,7 @@ def plan_memory(
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)
     config = load_pipeline_config(stage_config or arch.stage_yaml)
-    config.check_architecture(arch.name, path)
+    config.check_architecture(architecture_names(arch), path)
     config = config.select(stages)
     check_stage_engines(arch, config.stages)
     engine = dict(
@@ -273,6 +274,7 @@ def plan_memory(
                 *sizes,
             )
         )
+    check_fed_lengths(config.stages, lengths)
     seqs = [s.max_num_seqs for s in plans if s.max_num_seqs is not None]
     most_seqs = max(seqs) if seqs else max_num_seqs or ENGINE_DEFAULTS["max_num_seqs"]
     return MemoryPlan(

@@ -188,6 +188,20 @@ def stage_needs(
     return needs
 
 
+def check_fed_lengths(stages: Sequence[StageConfig], lengths: dict[str, int]) -> None:
+    """``ValueError`` when an AR stage fed by an AR stage holds a shorter sequence than it (a
+    stage YAML may size them apart): a prompt the first admits would fail at the hand-on, after
+    its work, where it must be refused before any."""
+    for sc in stages:
+        fed, own = lengths.get(sc.input), lengths.get(sc.name)
+        if fed is not None and own is not None and own < fed:
+            raise ValueError(
+                f"stage {sc.name!r}: max_model_len={own} is shorter than that of {sc.input!r}, which feeds "
+                f"it ({fed}): a prompt {sc.input!r} admits could not be handed on; give {sc.name!r} at "
+                f"least {fed}"
+            )
+
+
 def check_memory_before_loading(needs: list[StageNeeds], num_pages: int | None) -> None:
     """``ValueError`` naming the pool, the needed and the available bytes, item by item, when the
     stages' weights, KV caches and largest steps cannot fit, or when ``num_pages`` cannot hold

@@ -419,12 +419,15 @@ def _convert(
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         interrupts.check()
-        _replace(tmp, dst, overwrite)
+        old = _replace(tmp, dst, overwrite)
     except BaseException:
         # write_stage has returned or raised, so nothing writes into tmp any more.
         with interrupts.deferred():
             _remove_tree(tmp)
         raise
+    if old is not None:  # a Ctrl-C now would leave part of the replaced conversion behind
+        with interrupts.deferred():
+            shutil.rmtree(old, ignore_errors=True)
     return dst
 
 
@@ -494,11 +497,12 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise DestinationExistsError(f"destination {dst} holds the source {src}; refusing to replace it")
 
 
-def _replace(tmp: Path, dst: Path, overwrite: bool) -> None:
-    """Move the finished ``tmp`` to ``dst``; an old ``dst`` (``overwrite``) goes only after."""
+def _replace(tmp: Path, dst: Path, overwrite: bool) -> Path | None:
+    """Move the finished ``tmp`` to ``dst``; an old ``dst`` (``overwrite``) is moved aside, and
+    its new place returned for the caller to remove (``None`` when there was none)."""
     if not (dst.exists() or dst.is_symlink()):
         tmp.rename(dst)  # fails if a non-empty dst appeared since the check
-        return
+        return None
     _check_destination(tmp, dst, overwrite)
     old = _sibling(dst, "old")
     dst.rename(old)
@@ -507,7 +511,7 @@ def _replace(tmp: Path, dst: Path, overwrite: bool) -> None:
     except BaseException:
         old.rename(dst)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    return old
 
 
 def _sibling(dst: Path, kind: str) -> Path:

@@ -799,6 +799,27 @@ def test_suite_choices() -> None:
         main(["--suite", "ar", "--max-tokens", "1"])
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--num-requests", "0"], "--num-requests must be >= 1, got 0"),
+        (["--min-prompt", "50", "--max-prompt", "10"], "--min-prompt 50 exceeds --max-prompt 10"),
+        (["--min-codes", "90", "--max-codes", "60"], "--min-codes 90 exceeds --max-codes 60"),
+        (["--batch-sizes", "0,x"], "argument --batch-sizes: '0,x': positive batch sizes"),
+        (["--json", "/nonexistent/dir/out.json"], "--json /nonexistent/dir/out.json: cannot write a file in"),
+    ],
+)
+def test_a_bench_mistake_is_one_line_before_any_work(argv, message, tmp_path, capsys) -> None:
+    """Counts no suite can use and a ``--json`` that could not be written are refused before any
+    checkpoint is built (they were numpy's errors, or a finished run's lost result)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--suite", "ar", "--model", "tiny", "--cache-dir", str(tmp_path), *argv])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: python -m benchmarks.run: ") and message in line, line
+    assert not any(tmp_path.iterdir())  # no checkpoint was built
+
+
 def test_omni_jax_bench_passes_through(monkeypatch: pytest.MonkeyPatch) -> None:
     from omni_jax import cli
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -95,6 +96,18 @@ CASES = {
     "output folder is a file": (
         ["run", "{q}", "--prompt", "hi", "--output-dir", "{t}/file"],
         r"--output-dir .*file: cannot be made a folder \(File exists\)$",
+    ),
+    "pallas on a CPU": (
+        ["run", "{q}", "--prompt", "hi", "--attention-backend", "pallas"],
+        r"attention_backend='pallas' compiles its kernel for a GPU or TPU; on CPU use 'cpu', 'jnp' or",
+    ),
+    "check-sources with conversion flags": (
+        ["convert", "{t}/src", "{t}/dst", "--check-sources", "--overwrite", "--dtype", "bfloat16"],
+        r"--check-sources converts nothing, so --dtype, --overwrite would do nothing$",
+    ),
+    "output folder empty": (
+        ["run", "{q}", "--prompt", "hi", "--output-dir", ""],
+        r"--output-dir: an empty path names no folder$",
     ),
     "demo output folder is a file": (
         ["demo", "--cache-dir", "{t}/cache", "--output-dir", "{t}/file"],
@@ -251,3 +264,23 @@ def test_fresh_serve_prints_exactly_one_line(qwen2_converted) -> None:
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
     assert "the mesh needs 3 devices" in done.stderr, done.stderr
+
+
+def test_a_ctrl_c_swallowed_while_loading_still_ends_the_run(qwen2_converted, monkeypatch, capsys) -> None:
+    """JAX's garbage-collection callback swallows a KeyboardInterrupt raised inside it ("Exception
+    ignored in"), so a Ctrl-C while a checkpoint loaded let ``run`` carry on and exit 0. The run
+    checks for it after loading: ``interrupted``, exit 130, and nothing generated."""
+    loaded = OmniJaxPipeline.from_pretrained.__func__
+
+    def load_and_swallow(cls, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        pipe = loaded(cls, *args, **kwargs)
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass  # what the callback does with it
+        monkeypatch.setattr(pipe, "run", lambda *a, **k: pytest.fail("the run went on"))
+        return pipe
+
+    monkeypatch.setattr(OmniJaxPipeline, "from_pretrained", classmethod(load_and_swallow))
+    assert exit_code(["run", str(qwen2_converted), "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"

@@ -187,6 +187,15 @@ def test_distributed_start_needs_all_three_settings(monkeypatch) -> None:
         ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "two"}, "JAX_PROCESS_ID='two' must be an integer"),
         ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "an id in \\[0, count\\); got count 2, id 2"),
         ({"JAX_NUM_PROCESSES": "0", "JAX_PROCESS_ID": "0"}, "a process count >= 1"),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "nohostport", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"},
+            r"coordinator address 'nohostport' \(--coordinator-address or JAX_COORDINATOR_ADDRESS\) must be "
+            "HOST:PORT with a port from 1 to 65535",
+        ),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "localhost:abc", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"},
+            r"coordinator address 'localhost:abc' ",
+        ),
     ],
 )
 def test_distributed_settings_are_checked_by_name(monkeypatch, env, match) -> None:

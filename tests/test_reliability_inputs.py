@@ -250,6 +250,8 @@ def test_a_video_no_context_holds_is_refused_before_its_frames_are(pipe, monkeyp
     refused(
         pipe, monkeypatch, prompt, rf"prompt has at least {least + len(prompt_ids(pipe, prompt)) - 1} tokens"
     )
+    # Without a video the stage's own check refuses an over-long prompt, with its exact length.
+    refused(pipe, monkeypatch, {"prompt": "hello " * 600}, r"prompt has \d+ tokens, max_model_len is")
     monkeypatch.setattr(frontend, "limits", thinker_module.MediaLimits(video=0))
     refused(
         pipe,

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -1293,17 +1293,17 @@ def test_a_client_that_disconnects_aborts_its_request_and_the_others_finish(qwen
 
 
 def test_a_clients_request_id_names_its_reply(qwen) -> None:
-    """``X-Request-Id`` (vLLM's header) makes the reply's ``id``; a second request of an id still
-    running is refused naming the header, and the running one finishes; a header of spaces or
-    past 256 characters is refused. Without the header, ids are random and distinct."""
+    """``X-Request-Id`` (vLLM's header) makes the reply's ``id``, for one reply or several, and a
+    client may reuse it while a request of that id still runs (both complete, as run() says); a
+    header of spaces or past 256 characters is refused. Without the header, ids are random."""
     server = qwen.server
     with server.http() as http:
         body = chat_body("tiny-qwen2", "hello", max_tokens=4)
         r = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-42"})
         assert (r.status_code, r.json()["id"]) == (200, "chatcmpl-trace-42")
-        completion = {"model": "tiny-qwen2", "prompt": "hello", "max_tokens": 2}
+        completion = {"model": "tiny-qwen2", "prompt": "hello", "max_tokens": 2, "n": 2}
         r = http.post("/v1/completions", json=completion, headers={"X-Request-Id": "trace-42"})
-        assert (r.status_code, r.json()["id"]) == (200, "cmpl-trace-42")
+        assert (r.status_code, r.json()["id"], len(r.json()["choices"])) == (200, "cmpl-trace-42", 2)
         ids = {http.post("/v1/chat/completions", json=body).json()["id"] for _ in range(2)}
         assert len(ids) == 2 and all(re.fullmatch(r"chatcmpl-[0-9a-f]{32}", i) for i in ids)
         for bad in ("two words", "x" * 257):
@@ -1311,23 +1311,31 @@ def test_a_clients_request_id_names_its_reply(qwen) -> None:
             assert r.status_code == 400
             assert r.json()["error"]["message"] == "X-Request-Id must be 1 to 256 visible ASCII characters"
 
-    async def twice() -> tuple[httpx.Response, httpx.Response]:
-        long = chat_body("tiny-qwen2", "hello", max_tokens=LONG_TOKENS, ignore_eos=True)
+    prompt, lengths = "hello", (LONG_TOKENS, 40)
+    refs = [
+        chat_ref(
+            qwen.ref, [{"role": "user", "content": prompt}], temperature=0.0, max_tokens=n, ignore_eos=True
+        )
+        for n in lengths
+    ]
+
+    async def twice() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as http:
-            first = asyncio.create_task(
-                http.post("/v1/chat/completions", json=long, headers={"X-Request-Id": "same"})
-            )
+
+            def send(n: int) -> Awaitable[httpx.Response]:
+                body = chat_body("tiny-qwen2", prompt, temperature=0, max_tokens=n, ignore_eos=True)
+                return http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "same"})
+
+            first = asyncio.create_task(send(lengths[0]))
             while server.metrics().get(("omni_jax:num_requests_running", (("stage", "llm"),)), 0) < 1:
                 await asyncio.sleep(0.01)
-            again = await http.post("/v1/chat/completions", json=long, headers={"X-Request-Id": "same"})
-            return await first, again
+            again = await send(lengths[1])
+            return [await first, again]
 
-    first, again = asyncio.run(asyncio.wait_for(twice(), 120))
-    assert (first.status_code, len(first.json()["choices"][0]["message"]["content"]) > 0) == (200, True)
-    assert again.status_code == 400
-    assert again.json()["error"]["message"] == (
-        "X-Request-Id: a request of id 'chatcmpl-same' is still running; give each its own"
-    )
+    replies = asyncio.run(asyncio.wait_for(twice(), 120))
+    assert [r.status_code for r in replies] == [200, 200]
+    assert [r.json()["id"] for r in replies] == ["chatcmpl-same"] * 2
+    assert [r.json()["choices"][0]["message"]["content"] for r in replies] == [ref.text for ref in refs]
 
 
 # -- the queue --------------------------------------------------------------------------------------
@@ -1603,6 +1611,17 @@ def test_a_spoken_reply_is_referred_to_by_its_audio_id(omni, stream) -> None:
         user = {"role": "user", "content": "hi", "audio": {"id": audio_id}}
         r = http.post("/v1/chat/completions", json=omni_request([user], "Chelsie", "wav", 4, 6))
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.audio"
+        if not stream:  # replies of one reused X-Request-Id: each keeps its own audio id
+            reused = [
+                http.post(
+                    "/v1/chat/completions",
+                    json=omni_request(STORY, "Chelsie", "wav", seed=seed, max_tokens=6),
+                    headers={"X-Request-Id": "mine"},
+                ).json()
+                for seed in (3, 4)
+            ]
+            assert [r["id"] for r in reused] == ["chatcmpl-mine"] * 2
+            assert len({r["choices"][0]["message"]["audio"]["id"] for r in reused}) == 2
 
 
 def test_the_seed_decides_the_spoken_audio(omni) -> None:

@@ -5,6 +5,7 @@ type would be a raw ``TypeError``; a boolean or number of the wrong type would b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,7 @@ def test_an_ar_stage_sizes_its_own_engine(omni_dir, tmp_path) -> None:
     ``from_pretrained``'s argument, when given, sizes every AR stage instead; a size that is not a
     positive integer is refused naming the stage, before any weight is read."""
     from omni_jax import OmniJaxPipeline
+    from omni_jax.planning import plan_memory
 
     def sizes(r: dict[str, Any]) -> None:
         stage(r, "thinker")["engine"] = {"max_model_len": 256, "max_num_seqs": 4}
@@ -143,6 +145,14 @@ def test_an_ar_stage_sizes_its_own_engine(omni_dir, tmp_path) -> None:
         omni_dir, stages=["thinker", "talker"], stage_config=path, max_model_len=384, max_num_seqs=3
     )
     assert [(s.max_model_len, s.load().capacity) for s in pipe.stages] == [(384, 3), (384, 3)]
+    short = edited(tmp_path / "short.yaml", lambda r: stage(r, "talker")["engine"].update(max_model_len=128))
+    match = (
+        r"stage 'talker': max_model_len=128 is shorter than that of 'thinker', which feeds it \(512\): a "
+        r"prompt 'thinker' admits could not be handed on; give 'talker' at least 512"
+    )
+    for build in (OmniJaxPipeline.from_pretrained, plan_memory):
+        with pytest.raises(ValueError, match=match):
+            build(omni_dir, stage_config=short)
     bad = edited(tmp_path / "bad.yaml", lambda r: stage(r, "talker")["engine"].update(max_num_seqs="8"))
     with pytest.raises(
         ValueError, match=r"stage 'talker': engine.max_num_seqs='8' must be a positive integer"
@@ -183,3 +193,35 @@ def test_a_vllm_omni_stage_config_is_refused_with_the_mapping(tmp_path) -> None:
         r"\(engine_args.model_stage\).*'engine' \(engine_args' max_num_seqs, max_model_len",
     ):
         load_pipeline_config(path)
+
+
+def test_a_yaml_may_name_an_alias_of_its_architecture(omni_dir, tmp_path) -> None:
+    """Early hub releases of Qwen2.5-Omni name it ``Qwen2_5OmniModel`` in config.json: the shipped
+    YAML serves such a checkpoint, and a YAML naming the alias serves the current name's."""
+    from omni_jax.planning import plan_memory
+
+    early = tmp_path / "early"
+    early.mkdir()
+    config = json.loads((omni_dir / "config.json").read_text())
+    (early / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2_5OmniModel"]}))
+    assert [s.name for s in plan_memory(early).stages] == ["thinker", "talker", "code2wav"]
+    aliased = edited(tmp_path / "aliased.yaml", lambda r: r.update(architecture="Qwen2_5OmniModel"))
+    assert len(plan_memory(omni_dir, stage_config=aliased).stages) == 3
+
+
+def test_a_qwen3_talkers_default_voice_must_be_the_checkpoints(qwen3_omni_dir, tmp_path) -> None:
+    """Qwen3-Omni's voices are the config's speaker ids: a misspelt YAML ``default_speaker`` is
+    refused naming them, and one in another case is the checkpoint's voice."""
+    from stage_yamls import edited_stages
+
+    from omni_jax import OmniJaxPipeline
+
+    def load(voice: str) -> OmniJaxPipeline:
+        path = edited_stages(tmp_path / f"{voice}.yaml", "qwen3_omni", talker={"default_speaker": voice})
+        return OmniJaxPipeline.from_pretrained(
+            qwen3_omni_dir, stages=["thinker", "talker"], stage_config=path
+        )
+
+    with pytest.raises(ValueError, match=r"default_speaker 'Ethen' is not one of the checkpoint's voices \["):
+        load("Ethen")
+    assert load("ETHAN").stages[1].frontend.default_speaker == "ethan"

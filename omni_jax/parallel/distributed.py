@@ -62,8 +62,21 @@ def initialize(
             f"a multi-process start needs a process count >= 1 and an id in [0, count); "
             f"got count {num_processes}, id {process_id}"
         )
+    _check_address(coordinator_address)
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     return True
+
+
+def _check_address(address: str) -> None:
+    """``ValueError`` naming the flag and the variable unless ``address`` is ``HOST:PORT`` (a
+    bracketed IPv6 host too) with a port in 1 to 65535: JAX's runtime raised an IndexError on
+    ``nohostport`` and crashed the process (a segmentation fault) on ``localhost:abc``."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"coordinator address {address!r} (--coordinator-address or {ENV_ADDRESS}) must be HOST:PORT "
+            "with a port from 1 to 65535"
+        )
 
 
 def _env_int(name: str) -> int | None:

@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_jax import ParamError, __version__
-from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError, RequestIdInUseError
+from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
 from omni_jax.serve import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -244,10 +244,6 @@ class _Server:
             ) from None
         except UnknownSpeakerError as e:
             raise _bad_request(e, "audio.voice") from None
-        except RequestIdInUseError:
-            raise HTTPError(
-                400, f"X-Request-Id: a request of id {request_id!r} is still running; give each its own"
-            ) from None
         except ValueError as e:  # a sampling field's, or else the prompt's
             raise _bad_request(e, serve.prompt_field, {"max_tokens": serve.max_tokens_field}) from None
         if first is None:  # admit ended what it had started
@@ -300,16 +296,19 @@ CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
 """What an ``X-Request-Id`` header may hold: 1 to 256 visible ASCII characters."""
 
 
-def _request_id(request: Request, kind: str) -> str:
-    """The reply's id: ``kind-`` and the client's ``X-Request-Id`` header when it sends one (as
-    vLLM's server: a caller's own id follows its request into the reply, the log and
-    ``abort``), else a random one; a 400 for a header :data:`CLIENT_REQUEST_ID` refuses."""
+def _request_ids(request: Request, kind: str) -> tuple[str, str]:
+    """``(reply id, engine id)``. The reply's id is ``kind-`` and the client's ``X-Request-Id``
+    header when it sends one (as vLLM's server: a caller's own id follows its request into the
+    reply and the log), else a random one; a 400 for a header :data:`CLIENT_REQUEST_ID`
+    refuses. The engine's id is the reply's, made unique with a random suffix when the client
+    chose it: a client may reuse its ids, even for requests still running."""
     given = request.headers.get("x-request-id")
     if given is None:
-        return f"{kind}-{uuid.uuid4().hex}"
+        reply_id = f"{kind}-{uuid.uuid4().hex}"
+        return reply_id, reply_id
     if not CLIENT_REQUEST_ID.fullmatch(given):
         raise HTTPError(400, "X-Request-Id must be 1 to 256 visible ASCII characters")
-    return f"{kind}-{given}"
+    return f"{kind}-{given}", f"{kind}-{given}-{uuid.uuid4().hex[:12]}"
 
 
 def _require_json(request: Request) -> None:
@@ -572,7 +571,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             )
         except ValueError as e:
             raise _bad_request(e) from None
-        request_id, created = _request_id(request, "chatcmpl"), int(time.time())
+        (request_id, engine_id), created = _request_ids(request, "chatcmpl"), int(time.time())
         head = _Head(serve, request_id, settings.model_name, created, tokens, server.transcripts)
 
         def choice(index: int, reply: fanout.Gathered) -> dict[str, Any]:
@@ -593,7 +592,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             return responses.chat_completion(request_id, settings.model_name, created, choices, usage.json())
 
         return await server.respond(
-            request, serve, request_id, lambda events: _chat_stream(events, head), choice, whole
+            request, serve, engine_id, lambda events: _chat_stream(events, head), choice, whole
         )
 
     @app.post("/v1/completions")
@@ -603,7 +602,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             serve = convert.completion_request(pipe.pipeline, parsed)
         except ValueError as e:
             raise _bad_request(e) from None
-        request_id, created = _request_id(request, "cmpl"), int(time.time())
+        (request_id, engine_id), created = _request_ids(request, "cmpl"), int(time.time())
         head = _Head(serve, request_id, settings.model_name, created, tokens, server.transcripts)
 
         def choice(index: int, reply: fanout.Gathered) -> dict[str, Any]:
@@ -618,7 +617,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
             return responses.completion(request_id, settings.model_name, created, choices, usage.json())
 
         return await server.respond(
-            request, serve, request_id, lambda events: _completion_stream(events, head), choice, whole
+            request, serve, engine_id, lambda events: _completion_stream(events, head), choice, whole
         )
 
     return app

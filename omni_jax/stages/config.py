@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,8 +27,10 @@ class StageConfig:
     the user's prompt feeds it instead). ``final_output``: ``"text"`` or ``"audio"``.
     ``default_sampling``: fields of the stage's params (``SamplingParams`` / ``Token2WavParams``)
     used when ``run()`` gets none. ``default_speaker``: the voice when a prompt names none.
-    ``engine``: engine settings (``max_batch``, ``max_codes``, ``max_solve_codes`` for a
-    generation stage; ``early_start`` for an AR stage that reads the previous one's hidden states).
+    ``engine``: engine settings (``max_batch``, ``max_codes``, ``max_solve_codes``, ``stream``
+    for a generation stage; for an AR stage ``early_start`` when it reads the previous one's
+    hidden states, ``output_hidden_states``, a thinker's ``limit_mm_per_prompt``, and its own
+    sizes, :data:`~omni_jax.stages.ar.STAGE_SIZES`).
     ``mesh``: ``{"data": D, "model": M}`` for this stage (default: ``from_pretrained(mesh=...)``).
     ``devices``: indices into ``jax.devices()`` the stage runs on (default: the first ``D * M``);
     without ``mesh`` they are all split over ``model``.
@@ -132,14 +135,16 @@ class PipelineConfig:
     stages: tuple[StageConfig, ...]
     allow_shared_devices: bool = False
 
-    def check_architecture(self, name: str, checkpoint: Path) -> None:
-        """``ValueError`` when the config is written for another architecture than ``name``,
-        ``checkpoint``'s: its stages, defaults and engine settings are another model's, and
-        stage names they share would load without complaint."""
-        if self.architecture != name:
+    def check_architecture(self, names: Collection[str], checkpoint: Path) -> None:
+        """``ValueError`` when the config is written for another architecture than
+        ``checkpoint``'s, served under ``names`` (an architecture's aliases: early hub releases
+        of Qwen2.5-Omni name it ``Qwen2_5OmniModel``): its stages, defaults and engine settings
+        are another model's, and stage names they share would load without complaint."""
+        if self.architecture not in names:
             raise ValueError(
-                f"the stage config is for {self.architecture}, but {checkpoint} is a {name} checkpoint: "
-                f"start from that architecture's YAML in {SHIPPED_DIR}"
+                f"the stage config is for {self.architecture}, but {checkpoint} is a "
+                f"{' / '.join(sorted(names))} checkpoint: start from that architecture's YAML in "
+                f"{SHIPPED_DIR}"
             )
 
     def select(self, names: list[str] | None) -> PipelineConfig:

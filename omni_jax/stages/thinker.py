@@ -571,7 +571,8 @@ class ThinkerFrontend:
         (hundreds of frames cost seconds and gigabytes to resize, then were refused for their
         length)."""
         self.limits.check(index, counts)
-        if self.max_model_len is not None and least_tokens >= self.max_model_len:
+        # Without videos the stage's own check, which has the exact length, refuses it.
+        if counts["video"] and self.max_model_len is not None and least_tokens >= self.max_model_len:
             raise ValueError(
                 f"request {index}: prompt has at least {least_tokens} tokens (its videos' frames expanded "
                 f"at their smallest size), max_model_len is {self.max_model_len} (at least one token must "
