@@ -138,7 +138,8 @@ class OmniJaxPipeline:
         check_backend_platform(attention_backend, jax.default_backend())
         enable_persistent_cache(compilation_cache)
         if not (path / "config.json").exists():
-            raise ValueError(f"{path}: not a checkpoint directory (no config.json)")
+            missing = "no such checkpoint directory" if not path.exists() else None
+            raise ValueError(f"{path}: {missing or 'not a checkpoint directory (no config.json)'}")
         from omni_jax.weights import load_hf_config
 
         hf_config = load_hf_config(path)

@@ -9,6 +9,7 @@ traceback instead, and an error that is not the user's (a bug) keeps its traceba
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -66,7 +67,11 @@ def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
 # (argv after the program name with {q} a converted Qwen2, {o} the HF Qwen2.5-Omni, {b} a broken
 # conversion, {v} an Omni without voices, {t} a temp dir; a regex the one line must match)
 CASES = {
-    "missing checkpoint": (["run", "{t}/nope", "--prompt", "hi"], r"nope: not a checkpoint directory"),
+    "missing checkpoint": (["run", "{t}/nope", "--prompt", "hi"], r"nope: no such checkpoint directory$"),
+    "checkpoint without config": (
+        ["run", "{t}", "--prompt", "hi"],
+        r": not a checkpoint directory \(no config",
+    ),
     "broken conversion": (["run", "{b}", "--prompt", "hi"], r"params/llm: missing; the converted checkpoint"),
     "dtype typo": (
         ["run", "{q}", "--prompt", "hi", "--dtype", "bf17"],
@@ -84,6 +89,10 @@ CASES = {
     "plan stage config": (
         ["plan", "{q}", "--stage-config", "{t}/none.yaml"],
         r"stage config .*none.yaml: no such file$",
+    ),
+    "stage config a directory": (
+        ["plan", "{q}", "--stage-config", "{t}"],
+        r"stage config .*: cannot be read as a YAML file \(IsADirectoryError\)$",
     ),
     "stage config not YAML": (
         ["run", "{q}", "--prompt", "hi", "--stage-config", "{t}/broken.yaml"],
@@ -104,6 +113,10 @@ CASES = {
     "check-sources with conversion flags": (
         ["convert", "{t}/src", "{t}/dst", "--check-sources", "--overwrite", "--dtype", "bfloat16"],
         r"--check-sources converts nothing, so --dtype, --overwrite would do nothing$",
+    ),
+    "config size not positive": (
+        ["plan", "{t}/bad_size"],
+        r"bad_size/config.json: cannot read the model config \(hidden_size=-4 must be a positive integer\)$",
     ),
     "output folder empty": (
         ["run", "{q}", "--prompt", "hi", "--output-dir", ""],
@@ -202,6 +215,9 @@ def test_mistake_is_one_line_and_exit_2(
     (tmp_path / "flat.yaml").write_text("stages: 5\n")
     (tmp_path / "config_only").mkdir()
     (tmp_path / "config_only" / "config.json").write_text((omni_dir / "config.json").read_text())
+    (tmp_path / "bad_size").mkdir()
+    config = json.loads((qwen2_converted / "config.json").read_text())
+    (tmp_path / "bad_size" / "config.json").write_text(json.dumps({**config, "hidden_size": -4}))
     paths = dict(q=qwen2_converted, o=omni_dir, b=broken, v=voiceless, t=tmp_path)
     assert exit_code([a.format(**paths) for a in argv]) == 2
     line = one_error_line(capsys)
@@ -252,7 +268,7 @@ def test_fresh_process_prints_exactly_one_line(omni_dir, tmp_path) -> None:
     done = cli("run", str(tmp_path / "nope"), "--prompt", "hi", "--debug")
     assert done.returncode == 1
     assert "Traceback (most recent call last)" in done.stderr
-    assert done.stderr.rstrip().endswith("not a checkpoint directory (no config.json)")
+    assert done.stderr.rstrip().endswith("nope: no such checkpoint directory")
 
 
 def test_fresh_serve_prints_exactly_one_line(qwen2_converted) -> None:
@@ -284,3 +300,20 @@ def test_a_ctrl_c_swallowed_while_loading_still_ends_the_run(qwen2_converted, mo
     monkeypatch.setattr(OmniJaxPipeline, "from_pretrained", classmethod(load_and_swallow))
     assert exit_code(["run", str(qwen2_converted), "--prompt", "hi"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_help_and_the_parser_do_not_import_jax() -> None:
+    """``omni-jax --help`` (and every parser mistake) answers without importing JAX, which takes
+    seconds: the package's exports and ``checkpoints_convert.convert`` load on first use."""
+    code = (
+        "import sys\nfrom omni_jax.cli import main\n"
+        "for argv in (['--help'], ['run', '--help'], ['convert', '--help'], ['run']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "import omni_jax, checkpoints_convert\n"
+        "print(sorted(m for m in ('jax', 'flax', 'transformers') if m in sys.modules))\n"
+        "from omni_jax import OmniJaxPipeline\nfrom checkpoints_convert import convert\n"
+        "print(OmniJaxPipeline.__module__, convert.__module__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-2:] == ["[]", "omni_jax.pipeline omni_jax.weights"], done.stdout

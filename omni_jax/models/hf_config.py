@@ -138,6 +138,35 @@ def check_thinker_ids(cfg: Any) -> None:
             raise ValueError(f"talker_config.{name}={value} is outside the thinker's vocabulary [0, {vocab})")
 
 
+SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+"""The sizes a model's modules are built from: a config with one not a positive integer is
+refused by name (``hidden_size: -4`` was a TypeError deep in a module's constructor, and
+``num_hidden_layers: 0`` a ZeroDivisionError when the cache was planned)."""
+
+
+def check_sizes(cfg: Any, where: str = "") -> None:
+    """``ValueError`` naming the field (``thinker_config.text_config.hidden_size``) when one of
+    :data:`SIZE_FIELDS`, in ``cfg`` or any config nested in it, is set and not a positive
+    integer (``None``, which some configs use for "derive it", is left to the model)."""
+    for name, value in vars(cfg).items():
+        if (
+            name in SIZE_FIELDS
+            and value is not None
+            and (isinstance(value, bool) or not isinstance(value, int) or value < 1)
+        ):
+            raise ValueError(f"{where}{name}={value!r} must be a positive integer")
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a nested PretrainedConfig
+            check_sizes(value, f"{where}{name}.")
+
+
 def read_config(model_dir: str | Path) -> Any:
     """``AutoConfig.from_pretrained(model_dir)`` (local files only), quiet about the talker's
     thinker-vocabulary ids and checked by :func:`check_thinker_ids`; a config transformers'
@@ -156,4 +185,5 @@ def read_config(model_dir: str | Path) -> Any:
     finally:
         logger.removeFilter(unlogged)
     check_thinker_ids(cfg)
+    check_sizes(cfg)
     return cfg

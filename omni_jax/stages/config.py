@@ -212,6 +212,10 @@ def load_pipeline_config(yaml_name_or_path: str | Path) -> PipelineConfig:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, not text
+        raise ValueError(
+            f"stage config {path}: cannot be read as a YAML file ({e.__class__.__name__})"
+        ) from None
     if isinstance(raw, dict) and "stage_args" in raw:
         raise ValueError(f"{path}: {VLLM_OMNI_FORMAT}")
     if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list) or "architecture" not in raw:
