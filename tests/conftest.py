@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -77,3 +78,12 @@ def qwen3_omni_dir(tmp_path_factory: pytest.TempPathFactory):
     from omni_jax.testing_qwen3_omni import build_tiny_qwen3_omni
 
     return build_tiny_qwen3_omni(tmp_path_factory.mktemp("qwen3_omni") / "hf", seed=0)
+
+
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test, as in a terminal (a test runner's worker may
+    ignore SIGINT, and then no Ctrl-C reaches the code under test)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

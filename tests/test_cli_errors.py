@@ -282,7 +282,9 @@ def test_fresh_serve_prints_exactly_one_line(qwen2_converted) -> None:
     assert "the mesh needs 3 devices" in done.stderr, done.stderr
 
 
-def test_a_ctrl_c_swallowed_while_loading_still_ends_the_run(qwen2_converted, monkeypatch, capsys) -> None:
+def test_a_ctrl_c_swallowed_while_loading_still_ends_the_run(
+    qwen2_converted, monkeypatch, capsys, default_sigint
+) -> None:
     """JAX's garbage-collection callback swallows a KeyboardInterrupt raised inside it ("Exception
     ignored in"), so a Ctrl-C while a checkpoint loaded let ``run`` carry on and exit 0. The run
     checks for it after loading: ``interrupted``, exit 130, and nothing generated."""

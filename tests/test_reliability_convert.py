@@ -334,14 +334,6 @@ def orbax_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(ORBAX_THREADS)]
 
 
-@pytest.fixture
-def default_sigint():
-    """Python's own SIGINT handler for the test (a test runner may have set another)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 def test_ctrl_c_while_orbax_writes_stops_the_writes_before_the_temp_dir_goes(
     qwen2_dir, tmp_path, monkeypatch, default_sigint
 ) -> None:
