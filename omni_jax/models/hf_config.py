@@ -152,7 +152,7 @@ refused by name (``hidden_size: -4`` was a TypeError deep in a module's construc
 ``num_hidden_layers: 0`` a ZeroDivisionError when the cache was planned)."""
 
 
-def check_sizes(cfg: Any, where: str = "") -> None:
+def check_config_sizes(cfg: Any, where: str = "") -> None:
     """``ValueError`` naming the field (``thinker_config.text_config.hidden_size``) when one of
     :data:`SIZE_FIELDS`, in ``cfg`` or any config nested in it, is set and not a positive
     integer (``None``, which some configs use for "derive it", is left to the model)."""
@@ -164,7 +164,7 @@ def check_sizes(cfg: Any, where: str = "") -> None:
         ):
             raise ValueError(f"{where}{name}={value!r} must be a positive integer")
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a nested PretrainedConfig
-            check_sizes(value, f"{where}{name}.")
+            check_config_sizes(value, f"{where}{name}.")
 
 
 def read_config(model_dir: str | Path) -> Any:
@@ -185,5 +185,5 @@ def read_config(model_dir: str | Path) -> Any:
     finally:
         logger.removeFilter(unlogged)
     check_thinker_ids(cfg)
-    check_sizes(cfg)
+    check_config_sizes(cfg)
     return cfg
