@@ -110,9 +110,11 @@ def stream_planner(sc: StageConfig, model: Token2Wav) -> ChunkPlanner:
     """The streamed decoding constants: Qwen's, or those of the stage YAML's ``engine.stream``
     (e.g. ``{chunk_codes: 36}``; a request's ``chunk_codes`` may be at most its largest chunk)."""
 
+    # Each key's units to the planner's mel frames: codes are repeats frames each.
+    factor = {key: 1 if key == "overlap_frames" else model.dit.repeats for key in STREAM_KEYS}
+
     def build(given: dict[str, int]) -> ChunkPlanner:
-        scale = {"overlap_frames": 1}
-        chosen = {STREAM_KEYS[k]: v * scale.get(k, model.dit.repeats) for k, v in given.items()}
+        chosen = {STREAM_KEYS[k]: v * factor[k] for k, v in given.items()}
         planner = ChunkPlanner.for_model(model, **chosen)
         positions = model.dit.max_position_embeddings
         if planner.window_frames > positions:
@@ -122,15 +124,8 @@ def stream_planner(sc: StageConfig, model: Token2Wav) -> ChunkPlanner:
             )
         return planner
 
-    repeats = model.dit.repeats
-    terms = {
-        "chunk": ("chunk_codes", repeats),
-        "first_chunk": ("first_chunk_codes", repeats),
-        "past": ("past_codes", repeats),
-        "future": ("future_codes", repeats),
-        "overlap": ("overlap_frames", 1),
-        "max_chunk": ("max_chunk_codes", repeats),
-    }
+    # The planner's refusals name the first chunk by its property, first_chunk.
+    terms = {("first_chunk" if c == "first" else c): (key, factor[key]) for key, c in STREAM_KEYS.items()}
     return stream_setting(sc, STREAM_KEYS, build, terms)
 
 

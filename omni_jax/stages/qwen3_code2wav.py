@@ -138,7 +138,7 @@ def stream_plan(sc: StageConfig, positions: int) -> StreamPlan:
             )
         return plan
 
-    terms = {name: (f"{name}_frames", 1) for name in ("chunk", "first_chunk", "left_context", "max_chunk")}
+    terms = {key.removesuffix("_frames"): (key, 1) for key in STREAM_KEYS}  # the plan's names, in frames
     return stream_setting(sc, STREAM_KEYS, build, terms)
 
 
