@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from omni_jax.architectures import architecture_names, architecture_of
+from omni_jax.architectures import architecture_of
 from omni_jax.engine.compilation import CompileCounter, enable_persistent_cache
 from omni_jax.engine_args import (
     check_attention_backend,
@@ -42,13 +42,14 @@ from omni_jax.preflight import (
     check_memory_before_loading,
     check_stage_engines,
     engine_settings,
+    stage_graph,
     stage_needs,
 )
 from omni_jax.progress import RequestsBar, WarmupBar
 from omni_jax.safetensors_io import checkpoint_files
 from omni_jax.stages.ar import ARStage
 from omni_jax.stages.base import Stage
-from omni_jax.stages.config import PipelineConfig, load_pipeline_config
+from omni_jax.stages.config import PipelineConfig
 from omni_jax.weights import is_converted, load_part
 
 
@@ -144,9 +145,7 @@ class OmniJaxPipeline:
 
         hf_config = load_hf_config(path)
         arch = architecture_of(hf_config)
-        config = load_pipeline_config(stage_config or arch.stage_yaml)
-        config.check_architecture(architecture_names(arch), path)
-        config = config.select(stages)
+        config = stage_graph(path, arch, stage_config, stages)
         if limit_mm_per_prompt is not None:
             config = config.with_media_limits(limit_mm_per_prompt)
         engine = (dtype, mesh, max_num_seqs, max_model_len, num_pages, page_size, max_num_batched_tokens)

@@ -20,7 +20,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from omni_jax.architectures import architecture_names, architecture_of
+from omni_jax.architectures import architecture_of
 from omni_jax.engine.memory import GIB
 from omni_jax.engine_args import check_sizes, check_stage_names, dtype_name
 from omni_jax.parallel.mesh import AXES, mesh_shape
@@ -33,8 +33,8 @@ from omni_jax.preflight import (
     engine_settings,
     part_dtype,
     stage_demand,
+    stage_graph,
 )
-from omni_jax.stages.config import load_pipeline_config
 
 GPU_SIZES_GIB = (24, 40, 80)
 JAX_MEM_FRACTION = 0.75
@@ -228,9 +228,7 @@ def plan_memory(
     path = Path(path)
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)
-    config = load_pipeline_config(stage_config or arch.stage_yaml)
-    config.check_architecture(architecture_names(arch), path)
-    config = config.select(stages)
+    config = stage_graph(path, arch, stage_config, stages)
     check_stage_engines(arch, config.stages)
     engine = dict(
         max_num_seqs=max_num_seqs,

@@ -27,13 +27,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from omni_jax.architectures import Architecture, architecture_of
+from omni_jax.architectures import Architecture, architecture_names, architecture_of
 from omni_jax.engine.memory import STEP_ITEM, available_bytes, format_bytes, memory_pools, pool_key
 from omni_jax.models.loading import abstract_model
 from omni_jax.parallel.mesh import AXES, axis_size
 from omni_jax.parallel.rules import ShardRule, partition_spec
 from omni_jax.stages.ar import CachePlan, CacheShare, check_engine_options, local_devices
-from omni_jax.stages.config import StageConfig
+from omni_jax.stages.config import PipelineConfig, StageConfig, load_pipeline_config
 from omni_jax.stages.thinker import MediaLimits
 
 ENGINE_DEFAULTS = {"max_num_seqs": 64, "page_size": 16, "max_num_batched_tokens": 2048}
@@ -53,6 +53,16 @@ def engine_settings(sc: StageConfig, **sizes: int | None) -> dict[str, int | Non
             given = sc.engine_int(key, 1)
         settings[key] = ENGINE_DEFAULTS.get(key) if given is None else given
     return settings
+
+
+def stage_graph(
+    path: Path, arch: Architecture, stage_config: str | Path | None, stages: list[str] | None
+) -> PipelineConfig:
+    """The stage graph ``from_pretrained`` and ``plan`` build: ``stage_config`` (else the
+    architecture's YAML), held to the checkpoint's architecture, cut to ``stages``."""
+    config = load_pipeline_config(stage_config or arch.stage_yaml)
+    config.check_architecture(architecture_names(arch), path)
+    return config.select(stages)
 
 
 def part_dtype(path: Path, hf_config: Any, part_dtype: str | None, dtype: str | None) -> str:
