@@ -88,6 +88,7 @@ class Intake:
             per_request = [p[i] for p in params]
             for si, stage in enumerate(self.stages):
                 stage.validate(i, request if si == 0 else None, per_request[si], request.prompt)
+            self._check_fed(i, request)
             self._check_stop(i, request.prompt, per_request)
             if within_context and isinstance(first, ARStage):
                 first.check_room(i, request, per_request[0])
@@ -192,6 +193,24 @@ class Intake:
                 raise ValueError(
                     f"request {index}: stop strings are served for text output only (modalities ['text'])"
                 )
+
+    def _check_fed(self, index: int, request: StageInput) -> None:
+        """Each AR stage the first stage feeds, and that the request reaches, can take the prompt
+        it will build from ``request`` (:meth:`ARStage.check_fed
+        <omni_jax.stages.ar.ARStage.check_fed>`)."""
+        first = self.stages[0].config.name
+        for si, stage in enumerate(self.stages[1:], 1):
+            if self._ends_before(request.prompt, si):
+                return
+            if isinstance(stage, ARStage) and stage.config.input == first:
+                stage.check_fed(index, request)
+
+    def _ends_before(self, prompt: dict[str, Any], si: int) -> bool:
+        """Whether the request ends before stage ``si``: ``modalities`` without ``"audio"`` ends
+        it with the stage that writes its text."""
+        wanted = prompt.get("modalities")
+        writes_text = any(s.config.final_output == "text" for s in self.stages[:si])
+        return wanted is not None and "audio" not in wanted and writes_text
 
     def _check_modalities(self, index: int, prompt: dict[str, Any]) -> None:
         """``modalities`` lists outputs the built stages can produce (``"text"``, ``"audio"``)."""

@@ -54,8 +54,11 @@ class ARFrontend(Protocol[S]):
     ``step_inputs`` supplies each step's rotary positions and extra embedding inputs to the
     engine; ``warmup`` compiles the frontend's own programs (e.g. encoders) and returns how many.
     ``describe`` says what a request's prompt expanded to, for messages (``""``: nothing to
-    add); ``media`` is the layout of its prompt's media, handed to a stage reading this one's
-    hidden states. ``eos_token_ids``: the stage's stop tokens (``None``: the checkpoint's
+    add); ``fed_length`` how long this stage's prompt will be for a request whose feeding stage's
+    prompt is ``prompt_ids`` (``None`` when the stage reads the user's prompt), so that a request
+    this stage could not take is refused before the feeding stage's work; ``media`` is the
+    layout of its prompt's media, handed to a stage reading this one's hidden states.
+    ``eos_token_ids``: the stage's stop tokens (``None``: the checkpoint's
     ``generation_config.json``, which describes the first stage); ``suppress_ids``: tokens
     never sampled.
 
@@ -87,6 +90,8 @@ class ARFrontend(Protocol[S]):
     def grow(self, state: S, part: HiddenHandoff, final: bool) -> None: ...
 
     def describe(self, state: S | None) -> str: ...
+
+    def fed_length(self, prompt_ids: list[int]) -> int | None: ...
 
     def media(self, state: S | None) -> PromptMedia: ...
 
@@ -260,6 +265,21 @@ class ARStage(Generic[S]):
                 f"maximum context length is {self.max_model_len} tokens and your request has {n} input "
                 f"tokens ({m} > {self.max_model_len} - {n})",
                 "max_tokens",
+            )
+
+    def check_fed(self, index: int, fed: StageInput[Any]) -> None:
+        """``ValueError`` when the prompt this stage would build from ``fed`` (the feeding stage's
+        prepared input) leaves it no room for one token: refused at admission, not after the
+        feeding stage's work (a stage of the feeding one's ``max_model_len`` is a few tokens short
+        for a prompt near its end)."""
+        n = None if self.frontend is None else self.frontend.fed_length(fed.token_ids)
+        if n is not None and n >= self.max_model_len:
+            name = self.config.name
+            raise ValueError(
+                f"request {index}: stage {name!r}'s prompt would have {n} tokens (built from a prompt of "
+                f"{len(fed.token_ids)}), its max_model_len is {self.max_model_len} (at least one token must "
+                f"be generated); shorten the prompt, give {name!r} a longer max_model_len, or ask for "
+                "modalities ['text']"
             )
 
     def _check_held_back(self, index: int, params: SamplingParams) -> None:

@@ -439,6 +439,11 @@ class Qwen3TalkerFrontend:
         """Nothing to add: the talker's prompt is the thinker's user turns and the reply's start."""
         return ""
 
+    def fed_length(self, prompt_ids: list[int]) -> int:
+        """The user turns' tokens, then the reply's start: the assistant turn's first three
+        tokens, four pads, the BOS and its fourth token (:meth:`_request`)."""
+        return int(self._user_mask(np.asarray(prompt_ids)).sum()) + 3 + 4 + 1 + 1
+
     def media(self, state: TalkerRequest | None) -> PromptMedia:
         """None: the talker's prompt holds no media of its own."""
         return PromptMedia()

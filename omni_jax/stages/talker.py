@@ -246,6 +246,10 @@ class TalkerFrontend:
         """Nothing to add: the talker's prompt is codec ids, one per thinker prompt token."""
         return ""
 
+    def fed_length(self, prompt_ids: list[int]) -> int:
+        """One codec id per thinker prompt token, then the pad and BOS (:meth:`_request`)."""
+        return len(prompt_ids) + 2
+
     def media(self, state: TalkerRequest | None) -> PromptMedia:
         """None: the talker's prompt holds no media of its own."""
         return PromptMedia()

@@ -607,6 +607,10 @@ class ThinkerFrontend:
         """What the prompt's media expanded to (:attr:`ThinkerRequest.media_summary`)."""
         return "" if state is None else state.media_summary
 
+    def fed_length(self, prompt_ids: list[int]) -> None:
+        """None: the thinker reads the user's prompt."""
+        return None
+
     def media(self, state: ThinkerRequest | None) -> PromptMedia:
         """The layout of the prompt's media, for the talker's rotary positions."""
         inputs = require_state(state, "thinker").inputs
