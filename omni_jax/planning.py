@@ -143,13 +143,15 @@ class MemoryPlan:
             stage_rows.append((s.name, device_ranges(s.devices), mesh, s.dtype, g(s.weights), g(s.step), *kv))
         lines += aligned(stage_rows)
         lines += ["", "per device (least: weights, steps and one sequence):"]
-        device_rows = [DEVICE_HEADER]
+        alike: dict[tuple[str, ...], list[int]] = {}  # a row per run of devices that hold the same
         for d in self.devices:
             full = d.weights + d.steps + d.full_kv
             kv = g(d.sequence_kv) if d.sequence_kv else "-"  # a device of generation stages holds no cache
-            cells = (g(d.weights), g(d.steps), kv, g(d.least), g(full))
-            device_rows.append((str(d.device), ",".join(d.stages), *cells))
-        lines += aligned(device_rows)
+            alike.setdefault(
+                (",".join(d.stages), g(d.weights), g(d.steps), kv, g(d.least), g(full)), []
+            ).append(d.device)
+        rows = sorted((devices, cells) for cells, devices in alike.items())
+        lines += aligned([DEVICE_HEADER, *((device_ranges(devices), *cells) for devices, cells in rows)])
         lines += ["", f"GPUs (JAX uses {self.mem_fraction:.0%} of one: XLA_PYTHON_CLIENT_MEM_FRACTION):"]
         width = max(3, *(len(f"{size:g}") for size in gpu_sizes_gib))
         for size in gpu_sizes_gib:
@@ -174,7 +176,7 @@ def size_text(n: int) -> str:
 
 
 STAGE_HEADER = ("stage", "devices", "mesh", "dtype", "weights", "largest step", "KV 1 seq", "KV all")
-DEVICE_HEADER = ("device", "stages", "weights", "steps", "KV 1 seq", "least", "with KV all")
+DEVICE_HEADER = ("devices", "stages", "weights", "steps", "KV 1 seq", "least", "with KV all")
 
 
 def aligned(rows: list[tuple[str, ...]]) -> list[str]:
@@ -305,8 +307,9 @@ def _per_device(plans: list[StagePlan], max_num_seqs: int) -> tuple[DevicePlan, 
     """Each device's stages added up; its sequences capped by the fewest ``max_num_seqs`` of the
     AR stages there (a request needs a place in each), ``max_num_seqs`` on a device without one."""
     out = []
-    for device in sorted({d for s in plans for d in s.devices}):
-        here = [s for s in plans if device in s.devices]
+    placed = [(s, set(s.devices)) for s in plans]
+    for device in sorted(set().union(*(on for _, on in placed))):
+        here = [s for s, on in placed if device in on]
         capped = [s.max_num_seqs for s in here if s.max_num_seqs is not None]
         out.append(
             DevicePlan(

@@ -43,6 +43,11 @@ def test_mesh_shape_defaults_and_refusals() -> None:
         parse_mesh("data:2")
     with pytest.raises(ValueError, match=r"^mesh='data=2,model=2' must be a dict of axis sizes .*got str$"):
         mesh_shape("data=2,model=2")  # type: ignore[arg-type]  # the command line's form, in Python
+    assert mesh_shape({"data": 1024, "model": 1024}) == {"data": 1024, "model": 1024}
+    with pytest.raises(ValueError, match=r"2097152 devices, more than the 1048576 allowed"):
+        mesh_shape({"data": 2048, "model": 1024})
+    with pytest.raises(ValueError, match=r"99999999999999999999 devices"):  # was an OverflowError
+        parse_mesh("model=99999999999999999999")
 
 
 def test_one_device_mesh_and_too_many_devices() -> None:

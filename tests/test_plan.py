@@ -263,15 +263,22 @@ def test_qwen2_5_omni_7b_from_config_alone(plan_7b) -> None:
 
 def test_plan_table_columns_line_up_on_many_devices(omni_7b) -> None:
     """Each column is as wide as its widest cell: eight devices' list (as a run, ``0-7``) and
-    the device table's stage lists keep every later column under its header."""
+    the device table's stage lists keep every later column under its header. Devices that hold
+    the same are one row: eight alike are one, and a mesh of thousands is a few lines, not a
+    line per device (``--mesh data=100000`` printed 100,015 lines, after minutes)."""
     lines = plan_memory(omni_7b, mesh={"data": 2, "model": 4}, dtype="bfloat16").table().splitlines()
-    for title, rows in (("stage", 3), ("device", 8)):
+    for title, rows in (("stage", 3), ("devices", 1)):
         at = next(i for i, line in enumerate(lines) if line.startswith(title + " "))
         header, body = lines[at], lines[at + 1 : at + 1 + rows]
         starts = [m.start() for m in re.finditer(r"(?<=  )\S", header)]
         for line in body:
             assert all(line[i - 2 : i] == "  " and line[i] != " " for i in starts), (header, line)
     assert re.search(r"^thinker +0-7 +data=2,model=4 ", "\n".join(lines), re.M)
+    assert re.search(r"^0-7 +thinker,talker,code2wav ", "\n".join(lines), re.M)
+    wide = plan_memory(omni_7b, mesh={"data": 5000, "model": 4}, dtype="bfloat16").table()
+    assert len(wide.splitlines()) == len(lines) and re.search(
+        r"^0-19999 +thinker,talker,code2wav ", wide, re.M
+    )
     assert device_ranges([0, 1, 2, 3, 6]) == "0-3,6" and device_ranges([5]) == "5"
 
 
@@ -306,6 +313,8 @@ def test_plan_lays_stages_out_as_loading_does(omni_7b, tmp_path) -> None:
         (0, ("thinker", "code2wav")),
         (1, ("thinker",)),
     ]
+    rows = [line.split()[:2] for line in plan.table().split("per device")[1].splitlines()[2:5]]
+    assert rows == [["0", "thinker,code2wav"], ["1-3", "thinker"], ["4-5", "talker"]]
     for layouts, message in (
         (
             {"thinker": {"devices": [0, 1]}, "talker": {"devices": [1, 2]}},
@@ -377,7 +386,7 @@ def test_cli_prints_the_plan(omni_dir, capsys) -> None:
     assert "max_model_len 128, max_num_seqs 64" in out
     assert re.search(r"^thinker +0-1 +data=1,model=2 +float32 ", out, re.M)
     assert re.search(r"^code2wav +0-1 ", out, re.M)
-    assert re.search(r"^1 +thinker,talker,code2wav ", out, re.M)
+    assert re.search(r"^0-1 +thinker,talker,code2wav ", out, re.M)  # the two devices hold the same
     for gib in (24, 40, 80):
         assert re.search(rf"^ +{gib} GiB: fits, 64 sequences at once$", out, re.M)
 

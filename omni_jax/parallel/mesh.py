@@ -17,11 +17,15 @@ import numpy as np
 from jax.sharding import Mesh
 
 AXES = ("data", "model")
+MAX_DEVICES = 1 << 20
+"""The most devices a mesh may span: far beyond any machine JAX runs on, so that a mistyped
+size is refused at once rather than planned or allocated device by device."""
 
 
 def mesh_shape(shape: Mapping[str, int] | None) -> dict[str, int]:
     """``{"data": D, "model": M}`` with missing axes set to 1; refuses what is not a mapping (the
-    command line's ``"data=2,model=4"`` is :func:`parse_mesh`'s), unknown axes and sizes < 1."""
+    command line's ``"data=2,model=4"`` is :func:`parse_mesh`'s), unknown axes, sizes < 1 and
+    meshes of more than :data:`MAX_DEVICES` devices."""
     if shape is not None and not isinstance(shape, Mapping):
         raise ValueError(
             f"mesh={shape!r} must be a dict of axis sizes like {{'data': 2, 'model': 4}}, "
@@ -35,6 +39,10 @@ def mesh_shape(shape: Mapping[str, int] | None) -> dict[str, int]:
     for axis, size in out.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"mesh {shape}: axis {axis!r} must be a positive int, got {size!r}")
+    if math.prod(out.values()) > MAX_DEVICES:
+        raise ValueError(
+            f"mesh {shape}: {math.prod(out.values())} devices, more than the {MAX_DEVICES} allowed"
+        )
     return out
 
 
