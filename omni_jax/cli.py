@@ -90,12 +90,16 @@ def _run(args: argparse.Namespace) -> int:
     if out_dir is not None:
         (out_dir / f"{out.request_id}.txt").write_text(out.text or " ".join(map(str, out.token_ids)))
         print(f"wrote {out_dir / (out.request_id + '.txt')}", file=sys.stderr)
+        wav = out_dir / f"{out.request_id}.wav"
         if out.audio is not None:
-            wav = out.save_wav(out_dir / f"{out.request_id}.wav")
+            out.save_wav(wav)
             print(
                 f"wrote {wav} ({len(out.audio) / out.sample_rate:.2f} s at {out.sample_rate} Hz)",
                 file=sys.stderr,
             )
+        elif wav.exists():  # an earlier run's voice beside this run's text would read as its own
+            wav.unlink()
+            print(f"removed {wav}, an earlier run's: this one made no audio", file=sys.stderr)
     return 0
 
 

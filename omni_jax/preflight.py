@@ -71,7 +71,7 @@ def part_dtype(path: Path, hf_config: Any, part_dtype: str | None, dtype: str | 
 
     if part_dtype or dtype:
         return part_dtype or dtype  # type: ignore[return-value]
-    return read_manifest(path)["dtype"] if is_converted(path) else checkpoint_dtype(hf_config)
+    return read_manifest(path)["dtype"] if is_converted(path) else checkpoint_dtype(hf_config, path)
 
 
 @dataclasses.dataclass(frozen=True)

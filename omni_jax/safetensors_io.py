@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import struct
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -157,26 +158,56 @@ def tensor_readers(path: Path) -> Iterator[tuple[str, TensorReader]]:
             yield name, lambda array=array: array
 
 
+WEIGHT_SOURCES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""Where an HF checkpoint dir's weights are, in transformers' order: the first present is read
+(a dir holding a single file and a stale index, or safetensors beside ``.bin`` shards, gives
+the weights transformers loads)."""
+SHARD_INDEXES = tuple(name for name in WEIGHT_SOURCES if name.endswith(".index.json"))
+
+
+def weights_source(model_dir: Path) -> Path | None:
+    """The first of :data:`WEIGHT_SOURCES` in ``model_dir``: a weight file or a shard index
+    (``None``: none, e.g. a dir of ``config.json`` alone)."""
+    return next((model_dir / n for n in WEIGHT_SOURCES if (model_dir / n).exists()), None)
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The weight files of an HF checkpoint dir, sharded (with an index) or single."""
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = model_dir / index_name
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = sorted({model_dir / f for f in weight_map.values()})
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(
-                    f"{index}: corrupt shard index ({type(e).__name__}: {first_line(e)})"
-                ) from e
-            missing = [str(f) for f in files if not f.exists()]
-            if missing:
-                raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
-            return files
-    for single in ("model.safetensors", "pytorch_model.bin"):
-        if (model_dir / single).exists():
-            return [model_dir / single]
-    raise CheckpointError(f"{model_dir}: no model.safetensors, pytorch_model.bin or shard index found")
+    """The weight files of an HF checkpoint dir, sharded (with an index) or single
+    (:func:`weights_source`)."""
+    source = weights_source(model_dir)
+    if source is None:
+        raise CheckpointError(f"{model_dir}: no model.safetensors, pytorch_model.bin or shard index found")
+    if source.name not in SHARD_INDEXES:
+        return [source]
+    try:
+        weight_map = json.loads(source.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{source}: corrupt shard index ({type(e).__name__}: {first_line(e)})") from e
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise CheckpointError(f"{source}: lists shard(s) that do not exist: {', '.join(missing)}")
+    return files
+
+
+def stored_dtype(model_dir: Path) -> str | None:
+    """The dtype of the first floating-point tensor of the checkpoint's first weight file (in
+    name order), as transformers' ``dtype="auto"`` reads a checkpoint whose config names none;
+    ``None`` when the dir holds no weights (a plan from ``config.json`` alone)."""
+    if weights_source(model_dir) is None:
+        return None
+    first = checkpoint_files(model_dir)[0]
+    if first.suffix == ".safetensors":
+        header = read_header(first)[1]
+        kinds = (header[name]["dtype"] for name in sorted(header))
+        return next((str(np.dtype(_DTYPES[k])) for k in kinds if k.startswith(("F", "BF"))), None)
+    arrays = (array for _, array in sorted(iter_torch_bin(first), key=lambda item: item[0]))
+    return next((str(a.dtype) for a in arrays if a.dtype.kind == "f" or a.dtype == ml_dtypes.bfloat16), None)
 
 
 def count_tensors(files: list[Path]) -> int | None:
@@ -200,8 +231,8 @@ def iter_torch_bin(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         import torch
     except ImportError as e:
         raise CheckpointError(f"{path}: .bin checkpoints need torch (pip install 'omni-jax[torch]')") from e
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:  # only zip-format files map; older pickles (``_use_new_zipfile_serialization=False``) load whole
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as e:  # torch raises many kinds (RuntimeError, UnpicklingError, EOFError...)
         raise CheckpointError(f"{path}: unreadable PyTorch checkpoint ({first_line(e)})") from e
     for name, t in state.items():

@@ -54,18 +54,20 @@ from omni_jax.orbax_io import DeferredArray, restore_stage, stored_arrays, write
 from omni_jax.parallel.mesh import axis_size
 from omni_jax.parallel.rules import Layout, layout, put_cast
 from omni_jax.safetensors_io import (
+    SHARD_INDEXES,
     CheckpointError,
     TensorReader,
     checkpoint_files,
     count_tensors,
     first_line,
+    stored_dtype,
     tensor_readers,
+    weights_source,
 )
 
 MANIFEST = "omni_jax.json"
 FORMAT_VERSION = 1
 SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
-WEIGHT_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 DTYPES = ("float32", "bfloat16", "float16")
 HASH_CHUNK = 8 << 20
 
@@ -126,10 +128,17 @@ def read_manifest(model_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def checkpoint_dtype(hf_config: Any) -> str:
-    """The dtype the checkpoint declares (``dtype`` / ``torch_dtype``), float32 if none."""
-    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32"
-    return str(d).removeprefix("torch.")
+def checkpoint_dtype(hf_config: Any, model_dir: Path) -> str:
+    """The dtype the checkpoint declares (``dtype`` / ``torch_dtype``); without one, that of its
+    weights (:func:`~omni_jax.safetensors_io.stored_dtype`, as transformers' default
+    ``dtype="auto"``: a bfloat16 checkpoint is not loaded at twice its size); float32 when
+    neither is known (a plan from ``config.json`` alone)."""
+    d = (
+        getattr(hf_config, "dtype", None)
+        or getattr(hf_config, "torch_dtype", None)
+        or stored_dtype(model_dir)
+    )
+    return str(d or "float32").removeprefix("torch.")
 
 
 class _Cursor:
@@ -145,8 +154,7 @@ class _Cursor:
             return self.file
         if len(self.files) == 1:
             return self.files[0]
-        index = [model_dir / f for f in WEIGHT_FILES if (model_dir / f).exists()]
-        return index[0] if index else model_dir
+        return weights_source(model_dir) or model_dir
 
 
 def _part_tensors(
@@ -216,7 +224,7 @@ def load_part(
         graphdef, abstract = abstract_params(part.make(cfg, dtype))
         values = _restore_stage(model_dir, stage, abstract, manifest, dtype, sharding)
     else:
-        dtype = part.dtype or dtype or checkpoint_dtype(cfg)
+        dtype = part.dtype or dtype or checkpoint_dtype(cfg, model_dir)
 
         def place(path: FlaxPath, read: TensorReader) -> jax.Array:
             x = read()
@@ -374,7 +382,7 @@ def _convert(
             f"{src}: already converted (it has {MANIFEST}); pass the Hugging Face checkpoint"
         )
     arch = architecture(src, cfg)
-    dtype = dtype or checkpoint_dtype(cfg)
+    dtype = dtype or checkpoint_dtype(cfg, src)
     if dtype not in DTYPES:
         raise CheckpointError(f"{src / 'config.json'}: unsupported dtype {dtype!r} (convert with --dtype)")
     weights = checkpoint_files(src)
@@ -382,7 +390,7 @@ def _convert(
     converters = dict(arch.side_files)
     side = list(_side_files(src, converters))
     arch.warn_missing_files(src)
-    index = [src / f for f in WEIGHT_FILES if (src / f).exists()]
+    index = [f for f in [weights_source(src)] if f is not None and f.name in SHARD_INDEXES]
     dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(dst)
     interrupts.check()
@@ -399,6 +407,7 @@ def _convert(
             write_stage(tmp / "params" / part.stage, values, progress)
             shapes[part.stage] = {format_path(p): list(v.shape) for p, v in values.items()}
             dtypes[part.stage] = {format_path(p): str(v.dtype) for p, v in values.items()}
+            _check_written(dst, tmp / "params" / part.stage, {"shapes": shapes, "dtypes": dtypes}, part.stage)
         for f in side:
             if f.name in converters:
                 try:
@@ -480,7 +489,27 @@ def _deferred(dtype: str) -> Callable[[FlaxPath, TensorReader], DeferredArray]:
     return lambda path, read: DeferredArray(read, tuple(read().shape), target)
 
 
+GLOB_MAGIC = re.compile(r"\\|\[[^\]]*\]")
+"""What Orbax's writer, which globs its directory's path, does not read literally: a backslash
+or a bracketed class (``a[1]``)."""
+
+
+def _check_written(dst: Path, stage_dir: Path, manifest: dict[str, Any], stage: str) -> None:
+    """``CheckpointError`` unless ``stage_dir`` holds the stage as written: Orbax's save can end
+    without error having written part of it (its merge step skipped), a conversion that would
+    report success and fail at load."""
+    try:
+        _check_stored(stage_dir, stored_arrays(stage_dir), manifest, stage)
+    except (CheckpointError, ParamMismatchError) as e:
+        raise CheckpointError(f"converting to {dst}: stage {stage!r} was not written whole ({e})") from e
+
+
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    if GLOB_MAGIC.search(str(dst.absolute())):
+        raise ValueError(
+            f"destination {dst}: Orbax reads the path as a glob pattern (a backslash or '[...]' is not "
+            "taken literally) and would write an incomplete checkpoint; pick a path without them"
+        )
     if not (dst.exists() or dst.is_symlink()):
         return
     if not overwrite:
@@ -551,10 +580,14 @@ def check_sources(src: str | Path, dst: str | Path, progress: bool = False) -> l
 
 
 def _side_files(src: Path, converted: Iterable[str]) -> Iterable[Path]:
-    """Config, tokenizer and processor files, and those the architecture converts (speakers)."""
+    """Config, tokenizer and processor files, and those the architecture converts (speakers);
+    ``CheckpointError`` for one that is a broken link (a hub cache's snapshot whose blob is
+    missing, an interrupted download), which would otherwise be left out without a word."""
     converted = set(converted)
     for f in sorted(src.iterdir()):
-        if not f.is_file() or f.name in WEIGHT_FILES:
+        if f.name in SHARD_INDEXES or not (f.suffix in SIDE_FILE_SUFFIXES or f.name in converted):
             continue
-        if f.suffix in SIDE_FILE_SUFFIXES or f.name in converted:
+        if f.is_symlink() and not f.exists():
+            raise CheckpointError(f"{f}: a broken link (to {os.readlink(f)}); download the checkpoint again")
+        if f.is_file():
             yield f

@@ -3,6 +3,7 @@ process, through ``main``)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from PIL import Image
 from scipy.io import wavfile
 
+from omni_jax import OmniJaxPipeline
 from omni_jax.cli import main
 
 
@@ -55,7 +57,7 @@ def test_run_writes_text_and_wav(omni_dir, tmp_path, capsys) -> None:
     assert f"wrote {wav}" in capsys.readouterr().err
 
 
-def test_run_speaks_a_plain_prompt_on_qwen3_omni(qwen3_omni_dir, tmp_path, capsys) -> None:
+def test_run_speaks_a_plain_prompt_on_qwen3_omni(qwen3_omni_dir, tmp_path, capsys, monkeypatch) -> None:
     """``--prompt`` alone on a pipeline that speaks is the user's chat turn: Qwen3-Omni's talker
     voices the assistant turn the chat template opens (a bare text has none)."""
     out = tmp_path / "out"
@@ -65,6 +67,12 @@ def test_run_speaks_a_plain_prompt_on_qwen3_omni(qwen3_omni_dir, tmp_path, capsy
     rate, samples = read_wav(wav)
     assert rate == 24_000 and samples.size > 0
     assert f"wrote {wav}" in capsys.readouterr().err
+    # a text-only run into the same folder removes the earlier run's voice, which is not its own
+    # (a new process numbers its requests from 0 again, as the reset counter does here)
+    monkeypatch.setattr(OmniJaxPipeline, "_ids", itertools.count(int(wav.stem)))
+    assert main([*args, "--max-model-len", "256", "--stages", "thinker", "--output-dir", str(out)]) == 0
+    assert not wav.exists() and [p.name for p in out.iterdir()] == [f"{wav.stem}.txt"]
+    assert f"removed {wav}, an earlier run's: this one made no audio" in capsys.readouterr().err
     # without --output-dir the text is printed, and the audio made is said to be unwritten
     assert main([*args, "--max-num-seqs", "2", "--max-model-len", "256"]) == 0
     err = capsys.readouterr().err

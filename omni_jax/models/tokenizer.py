@@ -8,11 +8,13 @@ vocabulary, and the messages for a missing one name those files and the checkpoi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from omni_jax.models.hf_config import own_fields_unflagged
 
+CHAT_TEMPLATE_JSON = "chat_template.json"
 VOCABULARIES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 """File sets any one of which holds a tokenizer's vocabulary (fast, byte-level BPE, SentencePiece)."""
 
@@ -32,10 +34,30 @@ def no_tokenizer(path: str | Path) -> str:
 
 
 def load_tokenizer(path: str | Path) -> Any | None:
-    """The checkpoint's tokenizer, or ``None`` when :func:`has_vocabulary` finds none."""
+    """The checkpoint's tokenizer, or ``None`` when :func:`has_vocabulary` finds none. Its chat
+    template is the tokenizer's own, else ``chat_template.json``'s, where transformers'
+    processor finds it (hub repos written for the processor ship it there alone)."""
     if not has_vocabulary(path):
         return None
     from transformers import AutoTokenizer
 
     with own_fields_unflagged():  # AutoTokenizer builds the checkpoint's config
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = processor_chat_template(Path(path))
+    return tokenizer
+
+
+def processor_chat_template(path: Path) -> str | None:
+    """The template in ``path/chat_template.json`` (``{"chat_template": ...}``), if any;
+    ``ValueError`` naming the file when it holds none."""
+    file = path / CHAT_TEMPLATE_JSON
+    if not file.is_file():
+        return None
+    try:
+        template = json.loads(file.read_text())["chat_template"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{file}: no chat template ({type(e).__name__}: {e})") from e
+    if not isinstance(template, str):
+        raise ValueError(f"{file}: 'chat_template' is a {type(template).__name__}, not a string")
+    return template

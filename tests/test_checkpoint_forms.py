@@ -1,0 +1,159 @@
+"""Checkpoints in the forms real ones come in, read as transformers reads them.
+
+A hub repo may hold a stale shard index beside its single file, or safetensors beside older
+``.bin`` shards; an older tool writes ``.bin`` files in torch's pre-zip format, a config
+without a dtype, or the chat template only in ``chat_template.json``; a hub cache's snapshot
+links to blobs an interrupted download never fetched; a destination's path may hold
+characters Orbax's writer reads as a glob pattern. Each is a copy of the tiny Qwen2 (or
+Qwen2.5-Omni) checkpoint in that form.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from omni_jax import OmniJaxPipeline
+from omni_jax.safetensors_io import CheckpointError
+from omni_jax.testing import build_tiny_qwen2
+from omni_jax.weights import MANIFEST, checkpoint_dtype, convert, load_hf_config, load_part
+
+
+def params_of(model_dir: Path) -> dict:
+    model, _ = load_part(model_dir, "llm")
+    return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
+
+
+def copy_of(src: Path, tmp_path: Path, name: str = "src") -> Path:
+    return Path(shutil.copytree(src, tmp_path / name))
+
+
+def zeroed(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.zeros_like(v) for k, v in state.items()}
+
+
+def test_a_single_file_is_read_before_a_stale_index_and_safetensors_before_bin(qwen2_dir, tmp_path) -> None:
+    """transformers' order: ``model.safetensors``, its index, ``pytorch_model.bin``, its index.
+    The stale files hold zeros, so reading them would change every weight."""
+    want = params_of(qwen2_dir)
+    state = load_file(qwen2_dir / "model.safetensors")
+    stale_index = copy_of(qwen2_dir, tmp_path, "stale_index")
+    save_file(zeroed(state), stale_index / "old-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {k: "old-00001-of-00001.safetensors" for k in state}}
+    (stale_index / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_same_params(params_of(stale_index), want)
+
+    beside_bin = copy_of(qwen2_dir, tmp_path, "beside_bin")
+    torch.save({k: torch.zeros(v.shape) for k, v in state.items()}, beside_bin / "pytorch_model-1.bin")
+    index = {"metadata": {}, "weight_map": {k: "pytorch_model-1.bin" for k in state}}
+    (beside_bin / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    assert_same_params(params_of(beside_bin), want)
+    dst = convert(beside_bin, tmp_path / "conv", progress=False)
+    sources = json.loads((dst / MANIFEST).read_text())["sources"]
+    assert "model.safetensors" in sources and not {
+        "pytorch_model-1.bin",
+        "pytorch_model.bin.index.json",
+    } & set(sources)
+
+
+def test_a_pre_zip_torch_file_loads(qwen2_dir, tmp_path) -> None:
+    """``torch.save(..., _use_new_zipfile_serialization=False)`` files cannot be memory-mapped;
+    they are read whole, as transformers reads them."""
+    src = copy_of(qwen2_dir, tmp_path)
+    state = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    tensors = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
+    torch.save(tensors, src / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert_same_params(params_of(src), params_of(qwen2_dir))
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory) -> Path:
+    return build_tiny_qwen2(tmp_path_factory.mktemp("bf16") / "hf", seed=2, dtype="bfloat16")
+
+
+def test_without_a_config_dtype_the_weights_dtype_is_taken(bf16_dir, tmp_path) -> None:
+    """transformers' ``dtype="auto"``: a bfloat16 checkpoint whose config names no dtype loads
+    in bfloat16 (it was float32, twice the memory), and converts to bfloat16."""
+    src = copy_of(bf16_dir, tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg.pop("dtype", None) or cfg.pop("torch_dtype")
+    cfg.pop("torch_dtype", None)
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint_dtype(load_hf_config(src), src) == "bfloat16"
+    assert {str(v.dtype) for v in params_of(src).values()} == {"bfloat16"}
+    dst = convert(src, tmp_path / "conv", progress=False)
+    assert json.loads((dst / MANIFEST).read_text())["dtype"] == "bfloat16"
+    only_config = tmp_path / "only_config"
+    only_config.mkdir()
+    shutil.copy(src / "config.json", only_config)
+    assert checkpoint_dtype(load_hf_config(only_config), only_config) == "float32"  # nothing else to go by
+
+
+def test_a_chat_template_in_chat_template_json_is_used(omni_dir, tmp_path) -> None:
+    """Hub repos written for the processor ship the template in ``chat_template.json`` alone."""
+    want = OmniJaxPipeline.from_pretrained(omni_dir, stages=["thinker"], max_model_len=128)
+    messages = [{"role": "user", "content": "hello"}]
+    src = copy_of(omni_dir, tmp_path)
+    template = want.tokenizer.chat_template
+    (src / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    (src / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    pipe = OmniJaxPipeline.from_pretrained(src, stages=["thinker"], max_model_len=128)
+    assert pipe.chat_prompt(messages) == want.chat_prompt(messages)
+    (src / "chat_template.json").write_text(json.dumps({"template": template}))
+    with pytest.raises(ValueError, match=r"chat_template\.json: no chat template \(KeyError"):
+        OmniJaxPipeline.from_pretrained(src, stages=["thinker"], max_model_len=128)
+
+
+def test_a_broken_link_in_a_hub_snapshot_is_named(qwen2_dir, tmp_path) -> None:
+    """A snapshot's ``tokenizer.json`` links to a blob that was never downloaded: the conversion
+    names it (it used to leave the tokenizer out without a word)."""
+    src = copy_of(qwen2_dir, tmp_path)
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to("../../blobs/0123abcd")
+    dst = tmp_path / "conv"
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"{src}/tokenizer.json: a broken link (to ../../blobs/")
+    ):
+        convert(src, dst, progress=False)
+    assert not dst.exists() and not list(tmp_path.glob(".conv.*"))
+
+
+@pytest.mark.parametrize("name", ["a[1]", "a\\b"])
+def test_a_destination_orbax_would_glob_is_refused(qwen2_dir, tmp_path, name) -> None:
+    """Orbax's writer globs its directory's path: under ``a[1]`` or ``a\\b`` it skipped its merge
+    step and the conversion reported success, then failed to load."""
+    with pytest.raises(ValueError, match=r"Orbax reads the path as a glob pattern"):
+        convert(qwen2_dir, tmp_path / name / "conv", progress=False)
+    assert not (tmp_path / name).exists()
+
+
+def test_a_stage_orbax_did_not_write_whole_fails_the_conversion(qwen2_dir, tmp_path, monkeypatch) -> None:
+    """Without the path check, the written stage is read back and found incomplete: the
+    conversion fails and leaves nothing (the check behind the path check)."""
+    import omni_jax.weights as weights
+
+    monkeypatch.setattr(weights, "GLOB_MAGIC", re.compile(r"(?!)"))
+    dst = tmp_path / "a[1]" / "conv"
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"converting to {dst}: stage 'llm' was not written whole")
+    ):
+        convert(qwen2_dir, dst, progress=False)
+    assert not dst.exists() and not list(dst.parent.glob(".conv.*"))
