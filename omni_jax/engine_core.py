@@ -41,6 +41,7 @@ from omni_jax.stages.base import (
     StageInput,
     StageLoad,
     StageResult,
+    text_only,
     text_stage,
 )
 from omni_jax.stop_text import StopText
@@ -500,9 +501,8 @@ class EngineCore:
 
     def _done_after(self, flight: _Flight, stage_index: int) -> bool:
         """``modalities=["text"]``: the request ends with the stage that produces its text."""
-        wanted = flight.admission.prompt.get("modalities")
         produces_text = self.stages[stage_index].config.final_output == "text"
-        return wanted is not None and "audio" not in wanted and produces_text
+        return text_only(flight.admission.prompt) and produces_text
 
     def _stage_done(self, flight: _Flight, stage_index: int, result: StageResult) -> None:
         stage = self.stages[stage_index]

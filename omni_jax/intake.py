@@ -12,14 +12,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from omni_jax.engine.sampling import SamplingParams
 from omni_jax.models.tokenizer import no_tokenizer
 from omni_jax.stages.ar import ARStage
-from omni_jax.stages.base import Stage, StageInput, StageParams, text_stage
+from omni_jax.stages.base import Stage, StageInput, StageParams, text_only, text_stage
 
 Prompt = str | dict[str, Any]
 PROMPT_KEYS = (
@@ -88,7 +88,7 @@ class Intake:
             per_request = [p[i] for p in params]
             for si, stage in enumerate(self.stages):
                 stage.validate(i, request if si == 0 else None, per_request[si], request.prompt)
-            self._check_fed(i, request)
+            self._check_fed(i, request, per_request[0])
             self._check_stop(i, request.prompt, per_request)
             if within_context and isinstance(first, ARStage):
                 first.check_room(i, request, per_request[0])
@@ -187,30 +187,27 @@ class Intake:
                 raise ValueError(
                     f"request {index}: stop strings need a tokenizer, and {no_tokenizer(self.model_dir)}"
                 )
-            wanted = prompt.get("modalities")
-            speaks = si + 1 < len(self.stages) and (wanted is None or "audio" in wanted)
-            if speaks:
+            if si + 1 < len(self.stages) and not text_only(prompt):
                 raise ValueError(
                     f"request {index}: stop strings are served for text output only (modalities ['text'])"
                 )
 
-    def _check_fed(self, index: int, request: StageInput) -> None:
-        """Each AR stage the first stage feeds, and that the request reaches, can take the prompt
-        it will build from ``request`` (:meth:`ARStage.check_fed
-        <omni_jax.stages.ar.ARStage.check_fed>`)."""
-        first = self.stages[0].config.name
-        for si, stage in enumerate(self.stages[1:], 1):
-            if self._ends_before(request.prompt, si):
-                return
-            if isinstance(stage, ARStage) and stage.config.input == first:
-                stage.check_fed(index, request)
-
-    def _ends_before(self, prompt: dict[str, Any], si: int) -> bool:
-        """Whether the request ends before stage ``si``: ``modalities`` without ``"audio"`` ends
-        it with the stage that writes its text."""
-        wanted = prompt.get("modalities")
-        writes_text = any(s.config.final_output == "text" for s in self.stages[:si])
-        return wanted is not None and "audio" not in wanted and writes_text
+    def _check_fed(self, index: int, request: StageInput, params: StageParams) -> None:
+        """Each AR stage an AR first stage feeds, when the request reaches it, can take the
+        prompt it will build from ``request`` (:meth:`ARStage.check_fed
+        <omni_jax.stages.ar.ARStage.check_fed>`), given the most tokens the first stage can
+        write for it (its ``max_tokens``, and its context after the prompt)."""
+        first = self.stages[0]
+        if not isinstance(first, ARStage) or (
+            first.config.final_output == "text" and text_only(request.prompt)
+        ):
+            return
+        room = first.max_model_len - len(request.token_ids)
+        most = cast(SamplingParams, params).max_tokens  # validate refused any other type
+        reply_room = room if most is None else min(room, most)
+        for stage in self.stages[1:]:
+            if isinstance(stage, ARStage) and stage.config.input == first.config.name:
+                stage.check_fed(index, request, reply_room)
 
     def _check_modalities(self, index: int, prompt: dict[str, Any]) -> None:
         """``modalities`` lists outputs the built stages can produce (``"text"``, ``"audio"``)."""

@@ -61,6 +61,13 @@ def test_qwen2_5_omni_talker_prompt_room(omni_dir, monkeypatch) -> None:
     pipe = OmniJaxPipeline.from_pretrained(omni_dir, max_model_len=LENGTH, max_num_seqs=2)
     base = pipe.tokenizer("hello there")["input_ids"]
     check_boundary(pipe, monkeypatch, lambda k: base + base[:1] * k)
+    # A reply that cannot reach two tokens is not voiced: the talker never takes it, so its
+    # length is no reason to refuse (the context leaves one token, or max_tokens is 1).
+    for length, most in ((LENGTH - 1, 8), (LENGTH - 2, 1)):
+        short = SamplingParams(temperature=0.0, max_tokens=most, ignore_eos=True)
+        ids = base + base[:1] * (length - len(base))
+        (out,) = pipe.run([{"prompt_token_ids": ids}], [short, None, None], progress=False)
+        assert out.error is None and len(out.token_ids) == 1 and out.audio is not None and out.audio.size == 0
 
 
 def test_qwen3_omni_talker_prompt_room(qwen3_omni_dir, monkeypatch) -> None:

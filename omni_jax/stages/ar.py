@@ -55,8 +55,9 @@ class ARFrontend(Protocol[S]):
     engine; ``warmup`` compiles the frontend's own programs (e.g. encoders) and returns how many.
     ``describe`` says what a request's prompt expanded to, for messages (``""``: nothing to
     add); ``fed_length`` how long this stage's prompt will be for a request whose feeding stage's
-    prompt is ``prompt_ids`` (``None`` when the stage reads the user's prompt), so that a request
-    this stage could not take is refused before the feeding stage's work; ``media`` is the
+    prompt is ``prompt_ids`` and which that stage can write at most ``reply_room`` tokens of
+    (``None`` when this stage would never take it, or reads the user's prompt), so that a
+    request this stage could not take is refused before the feeding stage's work; ``media`` is the
     layout of its prompt's media, handed to a stage reading this one's hidden states.
     ``eos_token_ids``: the stage's stop tokens (``None``: the checkpoint's
     ``generation_config.json``, which describes the first stage); ``suppress_ids``: tokens
@@ -91,7 +92,7 @@ class ARFrontend(Protocol[S]):
 
     def describe(self, state: S | None) -> str: ...
 
-    def fed_length(self, prompt_ids: list[int]) -> int | None: ...
+    def fed_length(self, prompt_ids: list[int], reply_room: int) -> int | None: ...
 
     def media(self, state: S | None) -> PromptMedia: ...
 
@@ -267,12 +268,12 @@ class ARStage(Generic[S]):
                 "max_tokens",
             )
 
-    def check_fed(self, index: int, fed: StageInput[Any]) -> None:
+    def check_fed(self, index: int, fed: StageInput[Any], reply_room: int) -> None:
         """``ValueError`` when the prompt this stage would build from ``fed`` (the feeding stage's
-        prepared input) leaves it no room for one token: refused at admission, not after the
-        feeding stage's work (a stage of the feeding one's ``max_model_len`` is a few tokens short
-        for a prompt near its end)."""
-        n = None if self.frontend is None else self.frontend.fed_length(fed.token_ids)
+        prepared input, of which that stage can write at most ``reply_room`` tokens) leaves it
+        no room for one token: refused at admission, not after the feeding stage's work (a stage
+        of the feeding one's ``max_model_len`` is a few tokens short for a prompt near its end)."""
+        n = None if self.frontend is None else self.frontend.fed_length(fed.token_ids, reply_room)
         if n is not None and n >= self.max_model_len:
             name = self.config.name
             raise ValueError(

@@ -287,6 +287,18 @@ def text_stage(stages: Sequence[Stage]) -> int | None:
     return next((i for i, s in enumerate(stages) if s.config.final_output == "text"), None)
 
 
+def text_only(prompt: dict[str, Any]) -> bool:
+    """Whether ``prompt`` asks for no audio (``modalities`` without ``"audio"``): the request
+    then ends with the stage that writes its text, and no later stage runs for it."""
+    wanted = prompt.get("modalities")
+    return wanted is not None and "audio" not in wanted
+
+
+SHORTEST_VOICED = 2
+"""The fewest reply tokens a talker voices (both families' ``generate``): a shorter reply ends
+the request with the text stage, with no audio."""
+
+
 def require_state(state: S | None, stage: str) -> S:
     """A request's stage state, which its frontend's ``prepare`` or ``accept`` made; a request
     without one never went through them (a bug, not bad input)."""

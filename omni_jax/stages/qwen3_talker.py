@@ -58,12 +58,14 @@ from omni_jax.models.qwen3_omni.talker import (
     ThinkerRows,
 )
 from omni_jax.stages.base import (
+    SHORTEST_VOICED,
     HiddenHandoff,
     PromptMedia,
     Stage,
     StageInput,
     StageResult,
     require_state,
+    text_only,
 )
 from omni_jax.stages.rows import GrowingRows
 from omni_jax.stages.talker import TalkerPositions
@@ -296,8 +298,7 @@ class Qwen3TalkerFrontend:
         talker's prompt is built from): a bare prompt is refused before any work, not after the
         thinker has run."""
         self._speaker(index, prompt)
-        wanted = prompt.get("modalities")
-        if wanted is not None and "audio" not in wanted:
+        if text_only(prompt):
             return
         if "prompt_token_ids" in prompt:
             has_turn = len(self._assistant_starts(prompt["prompt_token_ids"])) > 0
@@ -344,7 +345,7 @@ class Qwen3TalkerFrontend:
         if handoff is None:
             raise ValueError("the thinker kept no hidden states for this request")
         n, g = len(handoff.prompt_ids), len(handoff.reply_ids)
-        if g < 2:
+        if g < SHORTEST_VOICED:
             return None
         computed = n + g - 1
         if len(handoff.hidden_states) != computed or len(handoff.embeds) != computed:
@@ -361,7 +362,7 @@ class Qwen3TalkerFrontend:
         """The talker's prompt from the thinker's rows so far (``part``, from the first token),
         once its reply has two tokens (a shorter one is not voiced) and the rows of the last
         assistant turn's first four tokens are computed (the prompt reads them); ``None`` before."""
-        if len(part.reply_ids) < 2 or part.end < self._assistant(part.prompt_ids) + 4:
+        if len(part.reply_ids) < SHORTEST_VOICED or part.end < self._assistant(part.prompt_ids) + 4:
             return None
         return self._request(index, part, prompt, False)
 
@@ -439,9 +440,12 @@ class Qwen3TalkerFrontend:
         """Nothing to add: the talker's prompt is the thinker's user turns and the reply's start."""
         return ""
 
-    def fed_length(self, prompt_ids: list[int]) -> int:
+    def fed_length(self, prompt_ids: list[int], reply_room: int) -> int | None:
         """The user turns' tokens, then the reply's start: the assistant turn's first three
-        tokens, four pads, the BOS and its fourth token (:meth:`_request`)."""
+        tokens, four pads, the BOS and its fourth token (:meth:`_request`); ``None`` when the
+        reply cannot be long enough to voice."""
+        if reply_room < SHORTEST_VOICED:
+            return None
         return int(self._user_mask(np.asarray(prompt_ids)).sum()) + 3 + 4 + 1 + 1
 
     def media(self, state: TalkerRequest | None) -> PromptMedia:

@@ -36,7 +36,15 @@ from omni_jax.engine.step import StepRow
 from omni_jax.models.qwen2_5_omni.rope_index import media_rope_index, positions_for
 from omni_jax.models.qwen2_5_omni.speakers import Voices
 from omni_jax.models.qwen2_5_omni.talker import Talker, TalkerEmbeds
-from omni_jax.stages.base import HiddenHandoff, PromptMedia, Stage, StageInput, StageResult, require_state
+from omni_jax.stages.base import (
+    SHORTEST_VOICED,
+    HiddenHandoff,
+    PromptMedia,
+    Stage,
+    StageInput,
+    StageResult,
+    require_state,
+)
 from omni_jax.stages.rows import GrowingRows
 
 
@@ -186,7 +194,7 @@ class TalkerFrontend:
         if handoff is None:
             raise ValueError("the thinker kept no hidden states for this request")
         n, g = len(handoff.prompt_ids), len(handoff.reply_ids)
-        if g < 2:
+        if g < SHORTEST_VOICED:
             return None
         if len(handoff.hidden_states) != n + g - 1:
             raise ValueError(
@@ -202,7 +210,7 @@ class TalkerFrontend:
         """The talker's prompt from the thinker's rows so far (``part``, from the first token),
         once its reply has two tokens (a shorter one is not voiced) and the first is computed:
         the prompt reads the rows up to it; ``None`` before."""
-        if len(part.reply_ids) < 2 or part.end < len(part.prompt_ids) + 1:
+        if len(part.reply_ids) < SHORTEST_VOICED or part.end < len(part.prompt_ids) + 1:
             return None
         return self._request(index, part, prompt, final=False)
 
@@ -246,9 +254,10 @@ class TalkerFrontend:
         """Nothing to add: the talker's prompt is codec ids, one per thinker prompt token."""
         return ""
 
-    def fed_length(self, prompt_ids: list[int]) -> int:
-        """One codec id per thinker prompt token, then the pad and BOS (:meth:`_request`)."""
-        return len(prompt_ids) + 2
+    def fed_length(self, prompt_ids: list[int], reply_room: int) -> int | None:
+        """One codec id per thinker prompt token, then the pad and BOS (:meth:`_request`);
+        ``None`` when the reply cannot be long enough to voice."""
+        return None if reply_room < SHORTEST_VOICED else len(prompt_ids) + 2
 
     def media(self, state: TalkerRequest | None) -> PromptMedia:
         """None: the talker's prompt holds no media of its own."""

@@ -607,7 +607,7 @@ class ThinkerFrontend:
         """What the prompt's media expanded to (:attr:`ThinkerRequest.media_summary`)."""
         return "" if state is None else state.media_summary
 
-    def fed_length(self, prompt_ids: list[int]) -> None:
+    def fed_length(self, prompt_ids: list[int], reply_room: int) -> None:
         """None: the thinker reads the user's prompt."""
         return None
 
