@@ -375,13 +375,27 @@ def architecture_names(arch: Architecture) -> list[str]:
 
 def architecture_of(hf_config: Any) -> Architecture:
     """The :class:`Architecture` serving ``hf_config``: the first of its ``architectures`` names
-    that :data:`ARCHITECTURES` holds. ``ValueError`` naming them and the supported ones otherwise,
-    so an unserved checkpoint is refused before anything is built from it."""
+    that :data:`ARCHITECTURES` holds; for a config that names none, the one its ``model_type``
+    maps to in transformers' auto classes (:func:`auto_architectures`, as ``AutoModel`` loads
+    it). ``ValueError`` naming them and the supported ones otherwise, so an unserved checkpoint
+    is refused before anything is built from it."""
     names = list(getattr(hf_config, "architectures", None) or [])
-    for n in names:
+    model_type = getattr(hf_config, "model_type", None)
+    for n in names or auto_architectures(model_type):
         if n in ARCHITECTURES:
             return ARCHITECTURES[n]
-    raise ValueError(
-        f"unsupported architecture {names or getattr(hf_config, 'model_type', None)!r}; "
-        f"supported: {sorted(ARCHITECTURES)}"
-    )
+    found = repr(names) if names else f"(none named; model_type {model_type!r})"
+    raise ValueError(f"unsupported architecture {found}; supported: {sorted(ARCHITECTURES)}")
+
+
+def auto_architectures(model_type: str | None) -> list[str]:
+    """The names of :data:`ARCHITECTURES` that transformers' auto classes map ``model_type`` to
+    (``"qwen2"``: ``Qwen2ForCausalLM``)."""
+    from transformers.models.auto import modeling_auto
+
+    mapped: set[str] = set()
+    for key, table in vars(modeling_auto).items():
+        if key.endswith("_MAPPING_NAMES") and isinstance(table, dict) and model_type in table:
+            value = table[model_type]
+            mapped.update(value if isinstance(value, (list, tuple)) else [value])
+    return sorted(mapped & set(ARCHITECTURES))

@@ -13,6 +13,7 @@ are read through it when it is installed.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import struct
@@ -182,31 +183,42 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     source = weights_source(model_dir)
     if source is None:
         raise CheckpointError(f"{model_dir}: no model.safetensors, pytorch_model.bin or shard index found")
-    if source.name not in SHARD_INDEXES:
-        return [source]
-    try:
-        weight_map = json.loads(source.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{source}: corrupt shard index ({type(e).__name__}: {first_line(e)})") from e
+    files = _listed_files(source)
     missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise CheckpointError(f"{source}: lists shard(s) that do not exist: {', '.join(missing)}")
     return files
 
 
+def _listed_files(source: Path) -> list[Path]:
+    """The weight files ``source`` (a :func:`weights_source`) stands for, in name order: itself,
+    or the shards its index lists, whether or not they are there."""
+    if source.name not in SHARD_INDEXES:
+        return [source]
+    try:
+        weight_map = json.loads(source.read_text())["weight_map"]
+        return sorted({source.parent / f for f in weight_map.values()})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{source}: corrupt shard index ({type(e).__name__}: {first_line(e)})") from e
+
+
 def stored_dtype(model_dir: Path) -> str | None:
     """The dtype of the first floating-point tensor of the checkpoint's first weight file (in
-    name order), as transformers' ``dtype="auto"`` reads a checkpoint whose config names none;
-    ``None`` when the dir holds no weights (a plan from ``config.json`` alone)."""
-    if weights_source(model_dir) is None:
+    name order for safetensors, stored order for ``.bin``), as transformers' ``dtype="auto"``
+    reads a checkpoint whose config names none. ``None`` when that file cannot tell without
+    being downloaded or without torch (``omni-jax plan`` reads ``config.json`` alone, perhaps
+    before the weights are there)."""
+    source = weights_source(model_dir)
+    first = None if source is None else _listed_files(source)[0]
+    if first is None or not first.exists():
         return None
-    first = checkpoint_files(model_dir)[0]
     if first.suffix == ".safetensors":
         header = read_header(first)[1]
         kinds = (header[name]["dtype"] for name in sorted(header))
         return next((str(np.dtype(_DTYPES[k])) for k in kinds if k.startswith(("F", "BF"))), None)
-    arrays = (array for _, array in sorted(iter_torch_bin(first), key=lambda item: item[0]))
+    if importlib.util.find_spec("torch") is None:
+        return None
+    arrays = (array for _, array in iter_torch_bin(first))
     return next((str(a.dtype) for a in arrays if a.dtype.kind == "f" or a.dtype == ml_dtypes.bfloat16), None)
 
 

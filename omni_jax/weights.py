@@ -281,8 +281,11 @@ def _restore_stage(
     read only metadata; the arrays are read once, by the restore.
     """
     stage_dir = model_dir / "params" / stage
-    stored = stored_arrays(stage_dir)
-    _check_stored(stage_dir, stored, manifest, stage)
+    recorded = manifest["shapes"].get(stage)
+    if recorded is None:
+        raise CheckpointError(f"{model_dir / MANIFEST}: corrupt manifest, no shapes of {stage!r}")
+    dtypes = manifest.get("dtypes", {}).get(stage, {})  # absent in manifests written before dtypes
+    _check_stored(stage_dir, stored_arrays(stage_dir), recorded, dtypes)
     shapes = {parse_path(k): tuple(v) for k, v in manifest["shapes"][stage].items()}
     for path, var in abstract.items():
         if path not in shapes:
@@ -312,14 +315,13 @@ def _restore_stage(
 
 
 def _check_stored(
-    stage_dir: Path, stored: dict[str, tuple[tuple[int, ...], str]], manifest: dict[str, Any], stage: str
+    stage_dir: Path,
+    stored: dict[str, tuple[tuple[int, ...], str]],
+    shapes: dict[str, list[int]],
+    dtypes: dict[str, str],
 ) -> None:
-    shapes = manifest["shapes"].get(stage)
-    if shapes is None:
-        raise CheckpointError(
-            f"{stage_dir.parent.parent / MANIFEST}: corrupt manifest, no shapes of {stage!r}"
-        )
-    dtypes = manifest.get("dtypes", {}).get(stage, {})  # absent in manifests written before dtypes
+    """``ParamMismatchError`` unless the arrays ``stage_dir`` stores are those the manifest
+    records for it (``shapes`` and ``dtypes`` by name; a tensor without a dtype is not checked)."""
     for name, shape in shapes.items():
         if name not in stored:
             raise ParamMismatchError(f"{stage_dir}: tensor {name!r} listed in {MANIFEST} is not stored")
@@ -407,7 +409,7 @@ def _convert(
             write_stage(tmp / "params" / part.stage, values, progress)
             shapes[part.stage] = {format_path(p): list(v.shape) for p, v in values.items()}
             dtypes[part.stage] = {format_path(p): str(v.dtype) for p, v in values.items()}
-            _check_written(dst, tmp / "params" / part.stage, {"shapes": shapes, "dtypes": dtypes}, part.stage)
+            _check_written(dst, tmp / "params" / part.stage, shapes[part.stage], dtypes[part.stage])
         for f in side:
             if f.name in converters:
                 try:
@@ -494,14 +496,16 @@ GLOB_MAGIC = re.compile(r"\\|\[[^\]]*\]")
 or a bracketed class (``a[1]``)."""
 
 
-def _check_written(dst: Path, stage_dir: Path, manifest: dict[str, Any], stage: str) -> None:
+def _check_written(dst: Path, stage_dir: Path, shapes: dict[str, list[int]], dtypes: dict[str, str]) -> None:
     """``CheckpointError`` unless ``stage_dir`` holds the stage as written: Orbax's save can end
     without error having written part of it (its merge step skipped), a conversion that would
     report success and fail at load."""
     try:
-        _check_stored(stage_dir, stored_arrays(stage_dir), manifest, stage)
+        _check_stored(stage_dir, stored_arrays(stage_dir), shapes, dtypes)
     except (CheckpointError, ParamMismatchError) as e:
-        raise CheckpointError(f"converting to {dst}: stage {stage!r} was not written whole ({e})") from e
+        raise CheckpointError(
+            f"converting to {dst}: stage {stage_dir.name!r} was not written whole ({e})"
+        ) from e
 
 
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:

@@ -22,6 +22,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from omni_jax import OmniJaxPipeline
+from omni_jax.architectures import architecture_of, auto_architectures
+from omni_jax.planning import plan_memory
 from omni_jax.safetensors_io import CheckpointError
 from omni_jax.testing import build_tiny_qwen2
 from omni_jax.weights import MANIFEST, checkpoint_dtype, convert, load_hf_config, load_part
@@ -102,6 +104,11 @@ def test_without_a_config_dtype_the_weights_dtype_is_taken(bf16_dir, tmp_path) -
     only_config.mkdir()
     shutil.copy(src / "config.json", only_config)
     assert checkpoint_dtype(load_hf_config(only_config), only_config) == "float32"  # nothing else to go by
+    # a plan before the download: the hub's index is there, its shards not yet
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}
+    (only_config / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert checkpoint_dtype(load_hf_config(only_config), only_config) == "float32"
+    assert {s.dtype for s in plan_memory(only_config).stages} == {"float32"}
 
 
 def test_a_chat_template_in_chat_template_json_is_used(omni_dir, tmp_path) -> None:
@@ -157,3 +164,21 @@ def test_a_stage_orbax_did_not_write_whole_fails_the_conversion(qwen2_dir, tmp_p
     ):
         convert(qwen2_dir, dst, progress=False)
     assert not dst.exists() and not list(dst.parent.glob(".conv.*"))
+
+
+def test_a_config_naming_no_architecture_is_served_by_its_model_type(qwen2_dir, tmp_path) -> None:
+    """As transformers' ``AutoModel`` loads it: ``model_type`` picks the architecture (it was
+    refused as "unsupported architecture 'qwen2'")."""
+    src = copy_of(qwen2_dir, tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["architectures"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_same_params(params_of(src), params_of(qwen2_dir))
+    assert architecture_of(load_hf_config(src)).name == "Qwen2ForCausalLM"
+    assert auto_architectures("qwen2_5_omni") == ["Qwen2_5OmniForConditionalGeneration"]
+    assert auto_architectures("qwen3_omni_moe") == ["Qwen3OmniMoeForConditionalGeneration"]
+    llama = load_hf_config(src).to_dict() | {"model_type": "llama"}
+    with pytest.raises(
+        ValueError, match=r"unsupported architecture \(none named; model_type 'llama'\); supported"
+    ):
+        architecture_of(type("Config", (), llama))
