@@ -14,6 +14,8 @@ offline programs and 3 x 3 chunk programs, and nothing compiles after.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -134,6 +136,9 @@ def test_shipped_chunks_grow_from_vllm_omnis() -> None:
     assert [fixed.chunk_size(i) for i in range(4)] == [1, 25, 25, 25] and fixed.windows == [1, 50]
     small = plan.with_chunk(4)
     assert (small.first_chunk, small.chunk_size(3), small.windows) == (1, 4, [1, 29])
+    # a first chunk larger than the request's own is cut to it (none is longer than the rest)
+    late = dataclasses.replace(plan, first_chunk=8).with_chunk(2)
+    assert (late.first_chunk, late.chunk_size(0), late.chunk_size(1)) == (2, 2, 2)
 
 
 @pytest.mark.parametrize(

@@ -162,6 +162,25 @@ def test_bad_sampling_values_refused(pipe, prompts, params, match) -> None:
         pipe.run([{"prompt_token_ids": prompts[0]}], params, progress=False)
 
 
+def test_the_vocabulary_and_context_are_refused_at_their_edges(pipe) -> None:
+    """Ids are in ``[0, vocab_size)`` and a prompt leaves room for one token: the first id past
+    the vocabulary (an embedding read out of bounds) and a prompt of exactly ``max_model_len``
+    tokens (no room, as vLLM refuses it) are refused; one less of each runs."""
+    stage = pipe.stages[0]
+    v, n = stage.vocab_size, stage.max_model_len
+    for ids, match in (
+        ([1, v], rf"request 0: token id {v} outside the vocabulary"),
+        ([1] * n, rf"request 0: prompt has {n} tokens, max_model_len is {n}"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            pipe.run([{"prompt_token_ids": ids}], progress=False)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    outs = pipe.run(
+        [{"prompt_token_ids": [1, v - 1]}, {"prompt_token_ids": [1] * (n - 1)}], one, progress=False
+    )
+    assert [len(o.token_ids) for o in outs] == [1, 1]
+
+
 def test_per_prompt_params_list(pipe, prompts) -> None:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5, 1)]
     outs = pipe.run([{"prompt_token_ids": p} for p in prompts[:3]], params, progress=False)

@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (
 from omni_jax import OmniJaxPipeline, ParamError, SamplingParams, Token2WavParams
 from omni_jax.engine.sampling import (
     MAX_STOP_CHARS,
+    SUPPRESS_WIDTH,
     SamplingTensors,
     draw_tokens,
     first_argmax,
@@ -101,7 +102,9 @@ def test_packed_rows_hold_each_rows_own_values() -> None:
     )
     np.testing.assert_array_equal(rows.temperature, [0.5, 1.5, 2.5, 3.5, 4.5, 0, 0, 0])
     with pytest.raises(ValueError, match="token ids to suppress in one row"):
-        pack_sampling([SamplingParams()], [0], [0], [0], [list(range(1000))], batch=1)
+        pack_sampling([SamplingParams()], [0], [0], [0], [list(range(SUPPRESS_WIDTH + 1))], batch=1)
+    full = pack_sampling([SamplingParams()], [0], [0], [0], [list(range(SUPPRESS_WIDTH))], batch=1)
+    assert list(full.suppress[0]) == list(range(SUPPRESS_WIDTH))  # the width itself fits
 
 
 def test_processed_logits_match_transformers_per_row() -> None:
@@ -159,6 +162,38 @@ def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
     np.testing.assert_allclose(got, want, atol=1e-7)
 
 
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("frequency_penalty", 0.25)])
+def test_each_count_penalty_applies_alone(field: str, value: float) -> None:
+    """A row whose only penalty is presence or frequency is penalised (the step skips the
+    penalties when no row has one, and a request reads its ids only when one is set)."""
+    p = SamplingParams(temperature=1.0, **{field: value})
+    assert p.penalised and not SamplingParams(temperature=1.0).penalised
+    history = [3, 3, 5, 1, 1, 1]  # prompt [3, 3], output [5, 1, 1, 1]
+    st = with_history(pack_sampling([p], [2], [0], [0], [[]], batch=1), [history])
+    got = np.asarray(processed_logits(np.zeros((1, 8), np.float32), st))[0]
+    want = np.zeros(8, np.float32)
+    counts = {5: 1, 1: 3}
+    for t, c in counts.items():
+        want[t] -= value * (1 if field == "presence_penalty" else c)
+    np.testing.assert_allclose(got, want, atol=1e-7)
+
+
+def test_each_draw_of_a_request_has_its_own_noise() -> None:
+    """A request's noise is keyed by its seed and the draw's index: on a flat distribution its
+    first and second draws agree about one time in V, not every time."""
+    n = 2000
+    p = SamplingParams(temperature=1.0)
+    logits = np.zeros((n, V), np.float32)
+    draw = jax.jit(draw_tokens, static_argnames="greedy")
+    first, second = (
+        np.asarray(
+            draw(logits, pack_sampling([p] * n, [0] * n, list(range(n)), [i] * n, [[]] * n, n), greedy=False)
+        )
+        for i in (0, 1)
+    )
+    assert np.mean(first == second) < 3 / V
+
+
 def test_draws_follow_the_distribution() -> None:
     """Many seeds, one row each: the empirical frequencies approach softmax(logits / T)."""
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
@@ -204,13 +239,42 @@ def test_a_field_the_params_lack_cannot_be_set(params, name) -> None:
         (SamplingParams(temperature=float("nan")), "temperature=nan must be finite and >= 0"),
         (SamplingParams(temperature=float("inf")), "temperature=inf must be finite and >= 0"),
         (SamplingParams(temperature=-1.0), "temperature=-1.0 must be finite and >= 0"),
+        (SamplingParams(min_p=1.5), "min_p=1.5 must be in [0, 1]"),
+        (SamplingParams(presence_penalty=2.5), "presence_penalty=2.5 must be in [-2, 2]"),
+        (SamplingParams(frequency_penalty=-2.5), "frequency_penalty=-2.5 must be in [-2, 2]"),
+        (SamplingParams(stop_token_ids=[V]), f"stop_token_ids contains {V}, outside the vocabulary [0, {V})"),
     ],
-    ids=["min over default max", "min over max", "rep inf", "rep nan", "temp nan", "temp inf", "temp < 0"],
+    ids=[
+        "min over default max",
+        "min over max",
+        "rep inf",
+        "rep nan",
+        "temp nan",
+        "temp inf",
+        "temp < 0",
+        "min_p > 1",
+        "presence > 2",
+        "frequency < -2",
+        "stop id = vocab",
+    ],
 )
 def test_a_refusal_says_what_the_value_was_held_to(params: SamplingParams, message: str) -> None:
     with pytest.raises(ParamError) as e:
-        params.validate()
-    assert str(e.value) == message and e.value.field == message.split("=")[0]
+        params.validate(V)
+    assert str(e.value) == message and e.value.field == message.split("=")[0].split(" ")[0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(min_tokens=8, max_tokens=8),
+        SamplingParams(min_p=1.0, presence_penalty=2.0, frequency_penalty=-2.0),
+        SamplingParams(stop_token_ids=[0, V - 1]),
+    ],
+    ids=["min = max", "ranges' ends", "vocabulary's ends"],
+)
+def test_the_ends_of_each_range_are_taken(params: SamplingParams) -> None:
+    params.validate(V)
 
 
 def test_stop_strings_are_bounded_by_their_total_length() -> None:

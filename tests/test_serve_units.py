@@ -803,3 +803,43 @@ def test_n_replies_are_seeded_apart_as_64_bit_words() -> None:
 
     seeds = {given: seeded(given) for given in (5, -2, 2**64 - 1, -1)}
     assert seeds == {5: [5, 6, 7], -2: [-2, 2**64 - 1, 0], 2**64 - 1: [2**64 - 1, 0, 1], -1: [-1, -1, -1]}
+
+
+SAMPLING_VALUES = {
+    "temperature": 0.5,
+    "top_p": 0.5,
+    "top_k": 3,
+    "min_p": 0.1,
+    "repetition_penalty": 1.2,
+    "presence_penalty": 0.3,
+    "frequency_penalty": -0.4,
+    "min_tokens": 2,
+    "seed": 5,
+    "stop_token_ids": [7, 9],
+    "ignore_eos": True,
+    "include_stop_str_in_output": True,
+}
+"""A value other than the default for each sampling field a request may give."""
+
+
+def test_every_sampling_field_of_a_request_reaches_the_text_stage() -> None:
+    """Each field :data:`~omni_jax.serve.convert.SAMPLING_FIELDS` names arrives in the text
+    stage's params (a field left out of the list is silently dropped: the request is served
+    with the default); the later stages keep their defaults, seeded by the request's seed."""
+    from types import SimpleNamespace
+
+    from omni_jax import Token2WavParams
+
+    assert set(SAMPLING_VALUES) == set(convert.SAMPLING_FIELDS)
+    stages = [
+        SimpleNamespace(defaults=SamplingParams(), config=SimpleNamespace(name="thinker")),
+        SimpleNamespace(defaults=SamplingParams(temperature=0.9), config=SimpleNamespace(name="talker")),
+        SimpleNamespace(defaults=Token2WavParams(), config=SimpleNamespace(name="code2wav")),
+    ]
+    pipeline = SimpleNamespace(text_stage=0, stages=stages, speaks=True)
+    request = CompletionRequest(model="m", prompt="hello", max_tokens=12, **SAMPLING_VALUES)
+    served = convert.completion_request(pipeline, request)  # type: ignore[arg-type]  # what it reads
+    text, talker, code2wav = served.sampling_params_list  # type: ignore[misc]
+    assert {name: getattr(text, name) for name in SAMPLING_VALUES} == SAMPLING_VALUES
+    assert text.max_tokens == 12
+    assert talker == SamplingParams(temperature=0.9, seed=5) and code2wav == Token2WavParams(seed=5)
