@@ -156,7 +156,11 @@ def measured(path: Path) -> list[str]:
     for i, items in enumerate(media):
         prompt = pipe.chat_prompt([{"role": "user", "content": [*items, {"type": "text", "text": "x"}]}])
         ids = list(pipe.tokenizer(prompt["prompt"])["input_ids"])
-        prepared = frontend.prepare(i, StageInput(ids, prompt))
+        try:
+            prepared = frontend.prepare(i, StageInput(ids, prompt))
+        except ValueError as e:  # refused before its frames are resized: no context holds them
+            refused.append(f"request {i} ({str(e).removeprefix(f'request {i}: ')})")
+            continue
         if len(prepared.token_ids) < pipe.stages[0].max_model_len:
             requests.append(prepared.state)
         else:  # the stage refuses it at validation; its frames may exceed the vision calls

@@ -52,28 +52,35 @@ def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # From the start: a Ctrl-C that JAX's callbacks swallow (while JAX is imported, or a
+    # checkpoint loads) still ends the run, at the next check.
+    with Interrupts() as interrupts:
+        return _generate(args, interrupts)
+
+
+def _generate(args: argparse.Namespace, interrupts: Interrupts) -> int:
     from omni_jax import OmniJaxPipeline, SamplingParams
     from omni_jax.parallel import initialize
 
     engine = EngineOptions.from_args(args)
     out_dir = None if args.output_dir is None else output_folder("--output-dir", args.output_dir)
     initialize(args.coordinator_address, args.num_processes, args.process_id)
+    interrupts.check()
     # Bars for a person watching (loading a real checkpoint takes minutes); none in a log or a
     # pipe, where a mistake stays the one line it is.
     shown = sys.stderr.isatty()
-    with Interrupts() as interrupts:  # a Ctrl-C JAX's callbacks swallow still ends the run
-        pipe = OmniJaxPipeline.from_pretrained(args.model, progress=shown, **engine.pipeline_kwargs())
-        interrupts.check()
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        # The flags set the first (text) stage's sampling; later stages keep their YAML defaults,
-        # seeded by --seed too so that a seeded run says the same every time.
-        later = [
-            None if args.seed is None else dataclasses.replace(s.defaults, seed=args.seed)
-            for s in pipe.stages[1:]
-        ]
-        per_stage = params if len(pipe.stages) == 1 else [params, *later]
-        outs = pipe.run([_prompt(pipe, args)], per_stage, progress=shown)
-        interrupts.check()
+    pipe = OmniJaxPipeline.from_pretrained(args.model, progress=shown, **engine.pipeline_kwargs())
+    interrupts.check()
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    # The flags set the first (text) stage's sampling; later stages keep their YAML defaults,
+    # seeded by --seed too so that a seeded run says the same every time.
+    later = [
+        None if args.seed is None else dataclasses.replace(s.defaults, seed=args.seed)
+        for s in pipe.stages[1:]
+    ]
+    per_stage = params if len(pipe.stages) == 1 else [params, *later]
+    outs = pipe.run([_prompt(pipe, args)], per_stage, progress=shown)
+    interrupts.check()
     if not outs:  # not process 0 of a multi-process run: it printed nothing and wrote nothing
         return 0
     out = outs[0]

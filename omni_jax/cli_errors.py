@@ -26,6 +26,9 @@ from typing import Any, NoReturn, TextIO
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+"""A command whose output's reader went away (``omni-jax plan ... | head``): what a shell reports
+for a program SIGPIPE ended (128 + 13), and nothing on stderr, as for such a program."""
 """A command stopped by Ctrl-C: the shell's code for a process SIGINT ended (128 + 2)."""
 USER_ERRORS = (ValueError, OSError)
 
@@ -81,14 +84,20 @@ def output_folder(flag: str, path: str | Path) -> Path:
 
 def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """``command(args)``'s exit code; a user's mistake prints one line and returns
-    :data:`EXIT_USAGE`, Ctrl-C prints ``interrupted`` and returns :data:`EXIT_INTERRUPTED`
-    (each re-raised with its traceback under ``args.debug``)."""
+    :data:`EXIT_USAGE`, Ctrl-C prints ``interrupted`` and returns :data:`EXIT_INTERRUPTED`, a
+    closed stdout returns :data:`EXIT_BROKEN_PIPE` in silence (each re-raised with its
+    traceback under ``args.debug``)."""
     debug = bool(getattr(args, "debug", False))
     with warnings.catch_warnings():
         if not debug:
             warnings.showwarning = _warning_line
         try:
             return command(args)
+        except BrokenPipeError:  # before OSError: the reader of stdout is gone, not a mistake
+            if debug:
+                raise
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush too
+            return EXIT_BROKEN_PIPE
         except USER_ERRORS as e:
             if debug:
                 raise

@@ -260,6 +260,26 @@ def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
+def test_a_reader_gone_from_stdout_ends_the_command_in_silence(qwen2_dir) -> None:
+    """``omni-jax plan ... | head -1``: the reader closed the pipe, which is not the user's
+    mistake. It was ``error: [Errno 32] Broken pipe`` and exit 2 (when the plan outran the
+    pipe's buffer); now nothing on stderr and 141, a shell's code for a program SIGPIPE ended.
+    The reader is closed before the command starts, so its first write finds the pipe broken."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "omni_jax.cli", "plan", str(qwen2_dir)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
 def test_fresh_process_prints_exactly_one_line(omni_dir, tmp_path) -> None:
     """Nothing else reaches stderr either: no traceback, no transformers config warnings."""
     done = cli("run", str(omni_dir), "--prompt", "hi", "--speaker", "Nobody")
@@ -300,6 +320,26 @@ def test_a_ctrl_c_swallowed_while_loading_still_ends_the_run(
         return pipe
 
     monkeypatch.setattr(OmniJaxPipeline, "from_pretrained", classmethod(load_and_swallow))
+    assert exit_code(["run", str(qwen2_converted), "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_a_ctrl_c_swallowed_before_loading_still_ends_the_run(
+    qwen2_converted, monkeypatch, capsys, default_sigint
+) -> None:
+    """The same while JAX is imported and set up, before any checkpoint is read (the run took a
+    Ctrl-C 1-2 s after its start, then generated its whole reply and exited 0): ``interrupted``,
+    exit 130, and nothing loaded."""
+    import omni_jax.parallel
+
+    def swallow(*args: object) -> None:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass  # what JAX's garbage-collection callback does with it
+
+    monkeypatch.setattr(omni_jax.parallel, "initialize", swallow)
+    monkeypatch.setattr(OmniJaxPipeline, "from_pretrained", lambda *a, **k: pytest.fail("the run went on"))
     assert exit_code(["run", str(qwen2_converted), "--prompt", "hi"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
 

@@ -5,6 +5,7 @@ compiles an encoder after it; what no call can hold is refused at validation."""
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -462,3 +463,17 @@ def test_from_pretrained_limits_replace_the_yaml(
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["serve", str(omni_dir), "--limit-mm-per-prompt", "image=0"])
     assert exit_info.value.code == 2 and "must be a JSON object" in capsys.readouterr().err
+
+
+def test_the_encoder_benchmark_measures_a_step_after_warm_up(omni_dir) -> None:
+    """``python -m benchmarks.encoder_buckets``'s measured part runs: the media no context holds
+    are left out with the stage's reason (a video refused before its frames are resized ended
+    the script with a traceback), and the mixed step compiles nothing after ``warmup()``."""
+    from benchmarks.encoder_buckets import measured
+
+    lines = measured(omni_dir)
+    (left_out,) = [line for line in lines if line.startswith("longer than max_model_len")]
+    assert "request 3 (prompt has at least" in left_out  # the 16-frame video
+    assert re.fullmatch(
+        r"a step of [1-9]\d* media requests encoded in [\d.]+ s: 0 traces, 0 compilations", lines[-1]
+    )
