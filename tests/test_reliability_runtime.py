@@ -42,11 +42,17 @@ def cache_has_nan(pipe: OmniJaxPipeline) -> bool:
     )
 
 
-def test_non_finite_logits_end_only_that_request(qwen2_dir, hf_qwen2, poisoned) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "one_at_a_time"])
+def test_non_finite_logits_end_only_that_request(qwen2_dir, hf_qwen2, poisoned, overlap: bool) -> None:
+    """A NaN request ends with ``"error"`` alone, its pages zeroed before reuse, with steps overlapped
+    or read one at a time (``AREngine.overlap``). Overlapped, the failed request still has a row in
+    flight and its pages are scrubbed when that row is dropped; one at a time, only the failing row's
+    own read scrubs them, so both paths need a run: unscrubbed NaN pages poison whoever gets them."""
     # Few pages: the failed request's pages are handed to later requests in the same run.
     pipe = OmniJaxPipeline.from_pretrained(
         qwen2_dir, max_num_seqs=4, page_size=4, max_model_len=64, num_pages=24
     )
+    pipe.stages[0].engine.overlap = overlap
     vocab = hf_qwen2.config.vocab_size
     good = clean_prompts(vocab, [7, 13, 5, 21, 9, 30], seed=1)
     bad = good[1][:6] + [POISON] + good[1][6:]

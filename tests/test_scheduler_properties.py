@@ -198,6 +198,29 @@ def check_step(sched: Scheduler, step: list[tuple[ARRequest, StepRow]]) -> None:
     assert not idle, f"decoding requests left out of the step: {idle}"
     ended = [r.request_id for r in reqs if r.ends_by_length(max_len) and r.remaining == 1]
     assert not ended, f"requests whose pending tokens end them scheduled again: {ended}"
+    # Counted from the params, not through ARRequest.ends_by_length (which the check above
+    # trusts): a row draws token ``draw_index``, so it must be one the request can still take.
+    for r, row in step:
+        if row.sample:
+            assert r.params.max_tokens is None or row.draw_index < r.params.max_tokens, (
+                f"{r.request_id} draws token {row.draw_index} past max_tokens={r.params.max_tokens}"
+            )
+            assert row.prompt_len + row.draw_index < max_len, f"{r.request_id} draws past max_model_len"
+    check_exact_pages(sched, step)
+
+
+def check_exact_pages(sched: Scheduler, step: list[tuple[ARRequest, StepRow]]) -> None:
+    """Every running request holds exactly the pages of the tokens written so far: those its row
+    in ``step`` writes up to, else those it has computed. A page more (say, taken when the tokens
+    just fill the pages held) is a page no other request can have, and over a batch of requests
+    it preempts ones that fit."""
+    ends = {id(r): row.end for r, row in step}
+    page_size = sched.cfg.cache.page_size
+    for r in sched.running:
+        end = ends.get(id(r), r.num_computed)
+        assert len(r.pages) == pages_needed(end, page_size), (
+            f"{r.request_id} holds {len(r.pages)} pages for {end} tokens of {page_size}"
+        )
 
 
 def check_preemptions(
@@ -256,6 +279,7 @@ def drive(
     stall_limit = 2 * len(specs) * cfg.cache.max_model_len + 50
     high_water, last_progress = [0] * len(reqs), 0
     in_flight: tuple[list[tuple[ARRequest, StepRow]], StepResult] | None = None
+    draws = {r.request_id: 0 for r in reqs}  # each request's sampling rows dispatched
 
     def read(flight: tuple[list[tuple[ARRequest, StepRow]], StepResult]) -> None:
         for r in sched.update(*flight).finished:
@@ -285,7 +309,14 @@ def drive(
             read(in_flight)
             in_flight = None
         before = {id(r): len(r.pages) for r in sched.running}
+        queued = {id(r): r.num_preemptions for r in sched.waiting}
         step = sched.schedule()
+        readmitted = [
+            r.request_id for r in sched.waiting if queued.get(id(r), r.num_preemptions) < r.num_preemptions
+        ]
+        assert not readmitted, f"admitted and preempted in one schedule(): {readmitted}"
+        for r, row in step:
+            draws[r.request_id] += row.sample
         # An early read (may_preempt) can finish every request: the step is then rightly empty.
         assert step or in_flight or not sched.has_work(), (
             "the scheduler has work but scheduled nothing (the run would spin forever)"
@@ -317,6 +348,15 @@ def drive(
     assert alloc.num_free == num_pages, "pages not returned at the end of the run"
     assert not alloc._used
     assert set(finished) == {r.request_id for r in reqs}
+    # Every row dispatched for a request that ran to its length gave it a token; only a stop
+    # (EOS, a stop id, an abort) read while a row was in flight drops that row's token.
+    for r in reqs:
+        wasted = draws[r.request_id] - len(r.output_ids)
+        assert 0 <= wasted <= (0 if r.finish_reason == "length" else 1), (
+            r.request_id,
+            r.finish_reason,
+            wasted,
+        )
     return reqs, sched, finished
 
 
@@ -527,3 +567,84 @@ def test_a_request_is_itself_whatever_its_fields() -> None:
     assert list(sched.waiting) == [waiting] and twin.status is Status.FINISHED
     sched.fail(running, "ended while running")
     assert sched.running == [] and list(sched.waiting) == [waiting] and waiting.status is Status.WAITING
+
+
+def drawn(tokens: list[int]) -> StepResult:
+    """A step's results with these sampled ``tokens``, all finite (nothing else captured)."""
+    n = len(tokens)
+    outputs: dict[str, object] = {f.name: None for f in dataclasses.fields(StepResult)}
+    outputs.update(
+        tokens=np.asarray(tokens, np.int64),
+        finite=np.ones(n, bool),
+        logprob_ids=np.zeros((n, 1)),
+        logprobs=np.zeros((n, 1)),
+    )
+    return StepResult(**outputs)
+
+
+def test_a_request_holds_exactly_the_pages_its_tokens_fill() -> None:
+    """A prompt that exactly fills a page takes that page and no more, and each decode row takes a
+    page only when its token starts one. A page taken early (at a page's last token instead of past
+    it) leaves a request one page ahead all its life: a page no other request can have, so a full
+    batch preempts requests that fit."""
+    cfg = scheduler_config(
+        max_num_seqs=1, max_model_len=16, max_num_batched_tokens=16, page_size=4, max_prefill_chunk=16
+    )
+    sched = Scheduler(cfg, PageAllocator(4))
+    req = ARRequest("r0", 0, [0, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), 0)
+    sched.add(req)
+    held: list[tuple[int, int]] = []  # (tokens written up to, pages held) per step
+    while sched.has_work():
+        step = sched.schedule()
+        ((r, row),) = step
+        held.append((row.end, len(r.pages)))
+        sched.commit(step)
+        sched.update(step, drawn([2]))
+    assert held == [(4, 1), (5, 2), (6, 2), (7, 2), (8, 2), (9, 3)]
+    assert req.finish_reason == "length" and len(req.output_ids) == 6
+
+
+def test_no_row_is_scheduled_once_the_pending_tokens_reach_max_tokens() -> None:
+    """Overlapped steps (each scheduled before the one before it is read): a request whose pending
+    tokens reach ``max_tokens`` gets no further row. One more would draw a token past its limit
+    that is thrown away when the step before is read: a wasted decode row per request, every
+    request, in the engine's default mode; its tokens stay right, so only the rows show it."""
+    cfg = scheduler_config(
+        max_num_seqs=1, max_model_len=16, max_num_batched_tokens=16, page_size=4, max_prefill_chunk=16
+    )
+    sched = Scheduler(cfg, PageAllocator(4))
+    req = ARRequest("r0", 0, [0, 1, 2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), 0)
+    sched.add(req)
+    prefill = sched.schedule()
+    sched.commit(prefill)  # draws token 0, not read yet
+    decode = sched.schedule()
+    assert [(row.draw_index, row.pending_token) for _, row in decode] == [(1, True)]
+    sched.commit(decode)  # draws token 1, the last one max_tokens allows
+    assert sched.schedule() == []
+    assert sched.update(prefill, drawn([5])).finished == []
+    assert sched.update(decode, drawn([6])).finished == [req]
+    assert req.output_ids == [5, 6] and req.finish_reason == "length" and not sched.has_work()
+
+
+def test_a_newcomer_is_not_admitted_into_the_page_a_running_request_needs_next() -> None:
+    """One page free, and the running request's next token starts a page: a waiting request is
+    not admitted into it (the running one would take it back by preempting the newcomer in the
+    same ``schedule()``: a preemption, a recomputation and a lost id row for nothing)."""
+    cfg = scheduler_config(
+        max_num_seqs=2, max_model_len=16, max_num_batched_tokens=16, page_size=2, max_prefill_chunk=16
+    )
+    alloc = PageAllocator(2)
+    sched = Scheduler(cfg, alloc)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    old, new = ARRequest("old", 0, [0, 1], params, 0), ARRequest("new", 1, [0], params, 1)
+    sched.add(old)
+    step = sched.schedule()
+    sched.commit(step)
+    sched.update(step, drawn([2]))  # the old request's third token starts its second page
+    assert (len(old.pages), alloc.num_free) == (1, 1)
+    sched.add(new)
+    step = sched.schedule()
+    assert [(r.request_id, row.end) for r, row in step] == [("old", 3)]
+    assert list(sched.waiting) == [new] and new.status is Status.WAITING
+    assert new.num_preemptions == 0 and new.pages == [] and new.id_row == -1
+    assert len(old.pages) == 2 and alloc.num_free == 0
