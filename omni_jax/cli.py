@@ -52,20 +52,27 @@ def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # From the start: a Ctrl-C that JAX's callbacks swallow (while JAX is imported, or a
-    # checkpoint loads) still ends the run, at the next check.
-    with Interrupts() as interrupts:
-        return _generate(args, interrupts)
+    """``omni-jax run``: a Ctrl-C that JAX's callbacks swallow still ends it, while JAX is
+    imported and while the checkpoint loads and the prompt runs (:class:`Interrupts`, entered
+    again after ``initialize``: a multi-process run's ``jax.distributed`` puts a SIGTERM handler
+    of its own over any there, which only records the signal)."""
+    with Interrupts():
+        from omni_jax.parallel import initialize
 
-
-def _generate(args: argparse.Namespace, interrupts: Interrupts) -> int:
-    from omni_jax import OmniJaxPipeline, SamplingParams
-    from omni_jax.parallel import initialize
-
-    engine = EngineOptions.from_args(args)
-    out_dir = None if args.output_dir is None else output_folder("--output-dir", args.output_dir)
+        engine = EngineOptions.from_args(args)
+        out_dir = None if args.output_dir is None else output_folder("--output-dir", args.output_dir)
     initialize(args.coordinator_address, args.num_processes, args.process_id)
-    interrupts.check()
+    with Interrupts() as interrupts:
+        return _generate(args, engine, out_dir, interrupts)
+
+
+def _generate(
+    args: argparse.Namespace, engine: EngineOptions, out_dir: Path | None, interrupts: Interrupts
+) -> int:
+    """Load the pipeline, run the prompt, print (and write) the reply; ``interrupts`` is checked
+    between the steps where a swallowed Ctrl-C would otherwise let the run go on."""
+    from omni_jax import OmniJaxPipeline, SamplingParams
+
     # Bars for a person watching (loading a real checkpoint takes minutes); none in a log or a
     # pipe, where a mistake stays the one line it is.
     shown = sys.stderr.isatty()

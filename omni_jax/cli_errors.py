@@ -26,10 +26,10 @@ from typing import Any, NoReturn, TextIO
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+"""A command stopped by Ctrl-C: the shell's code for a process SIGINT ended (128 + 2)."""
 EXIT_BROKEN_PIPE = 141
 """A command whose output's reader went away (``omni-jax plan ... | head``): what a shell reports
 for a program SIGPIPE ended (128 + 13), and nothing on stderr, as for such a program."""
-"""A command stopped by Ctrl-C: the shell's code for a process SIGINT ended (128 + 2)."""
 USER_ERRORS = (ValueError, OSError)
 
 
@@ -92,11 +92,15 @@ def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Nam
         if not debug:
             warnings.showwarning = _warning_line
         try:
-            return command(args)
+            code = command(args)
+            sys.stdout.flush()  # a pipe's output is buffered: a gone reader shows here, not at exit
+            return code
         except BrokenPipeError:  # before OSError: the reader of stdout is gone, not a mistake
             if debug:
                 raise
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush too
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere at exit
+            os.close(devnull)
             return EXIT_BROKEN_PIPE
         except USER_ERRORS as e:
             if debug:

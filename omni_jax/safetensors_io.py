@@ -206,12 +206,13 @@ def stored_dtype(model_dir: Path) -> str | None:
     """The dtype of the first floating-point tensor of the checkpoint's first weight file (in
     name order for safetensors, stored order for ``.bin``), as transformers' ``dtype="auto"``
     reads a checkpoint whose config names none. ``None`` when that file cannot tell without
-    being downloaded or without torch (``omni-jax plan`` reads ``config.json`` alone, perhaps
-    before the weights are there)."""
+    being downloaded or without torch, or an index lists no file (``omni-jax plan`` reads
+    ``config.json`` alone, perhaps before the weights are there)."""
     source = weights_source(model_dir)
-    first = None if source is None else _listed_files(source)[0]
-    if first is None or not first.exists():
+    files = [] if source is None else _listed_files(source)
+    if not files or not files[0].exists():
         return None
+    first = files[0]
     if first.suffix == ".safetensors":
         header = read_header(first)[1]
         kinds = (header[name]["dtype"] for name in sorted(header))

@@ -286,7 +286,7 @@ def _restore_stage(
         raise CheckpointError(f"{model_dir / MANIFEST}: corrupt manifest, no shapes of {stage!r}")
     dtypes = manifest.get("dtypes", {}).get(stage, {})  # absent in manifests written before dtypes
     _check_stored(stage_dir, stored_arrays(stage_dir), recorded, dtypes)
-    shapes = {parse_path(k): tuple(v) for k, v in manifest["shapes"][stage].items()}
+    shapes = {parse_path(k): tuple(v) for k, v in recorded.items()}
     for path, var in abstract.items():
         if path not in shapes:
             raise ParamMismatchError(

@@ -109,6 +109,8 @@ def test_without_a_config_dtype_the_weights_dtype_is_taken(bf16_dir, tmp_path) -
     (only_config / "model.safetensors.index.json").write_text(json.dumps(index))
     assert checkpoint_dtype(load_hf_config(only_config), only_config) == "float32"
     assert {s.dtype for s in plan_memory(only_config).stages} == {"float32"}
+    (only_config / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    assert checkpoint_dtype(load_hf_config(only_config), only_config) == "float32"  # was an IndexError
 
 
 def test_a_chat_template_in_chat_template_json_is_used(omni_dir, tmp_path) -> None:

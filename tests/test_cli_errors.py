@@ -264,9 +264,12 @@ def test_a_reader_gone_from_stdout_ends_the_command_in_silence(qwen2_dir) -> Non
     """``omni-jax plan ... | head -1``: the reader closed the pipe, which is not the user's
     mistake. It was ``error: [Errno 32] Broken pipe`` and exit 2 (when the plan outran the
     pipe's buffer); now nothing on stderr and 141, a shell's code for a program SIGPIPE ended.
-    The reader is closed before the command starts, so its first write finds the pipe broken."""
+    The reader is closed before the command starts, so its first write finds the pipe broken;
+    stdout is buffered, as in a shell without ``PYTHONUNBUFFERED`` (the output then reaches the
+    pipe when it is flushed, which at the interpreter's exit was exit code 120)."""
     read, write = os.pipe()
     os.close(read)
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     try:
         done = subprocess.run(
             [sys.executable, "-m", "omni_jax.cli", "plan", str(qwen2_dir)],
@@ -274,6 +277,7 @@ def test_a_reader_gone_from_stdout_ends_the_command_in_silence(qwen2_dir) -> Non
             stderr=subprocess.PIPE,
             text=True,
             timeout=300,
+            env=buffered,
         )
     finally:
         os.close(write)
@@ -327,21 +331,48 @@ def test_a_ctrl_c_swallowed_while_loading_still_ends_the_run(
 def test_a_ctrl_c_swallowed_before_loading_still_ends_the_run(
     qwen2_converted, monkeypatch, capsys, default_sigint
 ) -> None:
-    """The same while JAX is imported and set up, before any checkpoint is read (the run took a
-    Ctrl-C 1-2 s after its start, then generated its whole reply and exited 0): ``interrupted``,
-    exit 130, and nothing loaded."""
-    import omni_jax.parallel
+    """The same while JAX is imported, before any checkpoint is read (the run took a Ctrl-C 1-2 s
+    after its start, then generated its whole reply and exited 0): ``interrupted``, exit 130,
+    and nothing loaded."""
+    import omni_jax.cli
 
-    def swallow(*args: object) -> None:
+    read = omni_jax.cli.EngineOptions.from_args
+
+    def swallow(args: object) -> object:
         try:
             signal.raise_signal(signal.SIGINT)
         except KeyboardInterrupt:
             pass  # what JAX's garbage-collection callback does with it
+        return read(args)
 
-    monkeypatch.setattr(omni_jax.parallel, "initialize", swallow)
+    monkeypatch.setattr(omni_jax.cli.EngineOptions, "from_args", staticmethod(swallow))
     monkeypatch.setattr(OmniJaxPipeline, "from_pretrained", lambda *a, **k: pytest.fail("the run went on"))
     assert exit_code(["run", str(qwen2_converted), "--prompt", "hi"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_sigterm_ends_a_multi_process_run(qwen2_converted) -> None:
+    """``jax.distributed.initialize`` puts a SIGTERM handler of its own (a preemption notifier
+    that only records the signal) over any there: a run whose interrupt handling began before
+    it ignored a process manager's stop, and finished its reply with exit 0. SIGTERM while the
+    checkpoint loads ends the process by SIGTERM. One process alone, so that no other must join."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import os, signal, sys, time\n"
+        "from omni_jax import OmniJaxPipeline\n"
+        "from omni_jax.cli import main\n"
+        "def load(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "    raise SystemExit('SIGTERM was ignored')\n"
+        "OmniJaxPipeline.from_pretrained = load\n"
+        f"sys.exit(main(['run', {str(qwen2_converted)!r}, '--prompt', 'hi', '--coordinator-address', "
+        f"'localhost:{port}', '--num-processes', '1', '--process-id', '0']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-2000:])
 
 
 def test_help_and_the_parser_do_not_import_jax() -> None:
