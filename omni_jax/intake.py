@@ -215,7 +215,8 @@ class Intake:
         if wanted is None:
             return
         produced = {s.config.final_output for s in self.stages}
-        if not isinstance(wanted, (list, tuple)) or not wanted or not set(wanted) <= {"text", "audio"}:
+        names = isinstance(wanted, (list, tuple)) and all(isinstance(m, str) for m in wanted)
+        if not names or not wanted or not set(wanted) <= {"text", "audio"}:
             raise ValueError(
                 f"request {index}: modalities must be a non-empty list of 'text'/'audio', got {wanted!r}"
             )

@@ -363,6 +363,7 @@ FULL_PARAMS = [
         ({"speaker": "Nobody"}, None, r"unknown speaker 'Nobody'; known speakers: \['Chelsie', 'Ethan'\]"),
         ({"speaker": ["Ethan"]}, None, r"speaker must be a voice name \(str\), got list"),
         ({"modalities": ["video"]}, None, r"modalities must be a non-empty list"),
+        ({"modalities": [["text"]]}, None, r"modalities must be a non-empty list"),  # was a TypeError
         (
             {"speakr": "Ethan"},
             None,
