@@ -39,6 +39,10 @@ def test_text_prompt_without_a_tokenizer_names_it_and_the_path(qwen2_dir, tmp_pa
         pipe.run(["hello"], greedy)
     with pytest.raises(ValueError, match=re.escape(f"{no_tokenizer(path)}, and so no chat template")):
         pipe.chat_prompt([{"role": "user", "content": "hello"}])
+    # stop strings are read from the reply's text: refused at admission, not failed at run time
+    stopped = SamplingParams(temperature=0.0, max_tokens=2, stop=["x"])
+    with pytest.raises(ValueError, match=re.escape(f"request 0: stop strings need a tokenizer, and {path}")):
+        pipe.run([{"prompt_token_ids": [1, 2, 3]}], stopped)
     (out,) = pipe.run([{"prompt_token_ids": [1, 2, 3]}], greedy)  # token ids are still served
     assert len(out.token_ids) == 2
 

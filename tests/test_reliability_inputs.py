@@ -211,6 +211,20 @@ def test_bad_audio_track_of_a_video_refused(pipe, monkeypatch) -> None:
     refused(pipe, monkeypatch, prompt, r"audio contains 1 non-finite")
 
 
+@pytest.mark.parametrize("tracks", [0, 2])
+def test_each_video_has_one_audio_track(pipe, monkeypatch, tracks: int) -> None:
+    """With ``use_audio_in_video`` the audio entries are the videos' tracks, one each: a second
+    track would be dropped, or paired with no video, without a word."""
+    prompt = with_media(pipe, "video", frames(2, 28, 28, 1), use_audio_in_video=True)
+    prompt["multi_modal_data"]["audio"] = [np.full(16_000, 0.01, np.float32)] * tracks
+    refused(
+        pipe,
+        monkeypatch,
+        prompt,
+        rf"use_audio_in_video needs one audio track per video: 1 videos, {tracks} audios",
+    )
+
+
 def test_an_audio_track_too_short_for_a_token_is_refused_by_name(pipe, monkeypatch) -> None:
     """A video's audio track of too few samples for one audio token leaves its video no audio
     span: refused naming the track (it was numpy's "zero-size array to reduction operation")."""

@@ -185,8 +185,9 @@ def test_per_prompt_params_list(pipe, prompts) -> None:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5, 1)]
     outs = pipe.run([{"prompt_token_ids": p} for p in prompts[:3]], params, progress=False)
     assert [len(o.token_ids) for o in outs] == [2, 5, 1]
-    with pytest.raises(ValueError, match="one SamplingParams or a list of 3"):
-        pipe.run([{"prompt_token_ids": p} for p in prompts[:3]], params[:2], progress=False)
+    for wrong in (params[:2], [*params, params[0]]):  # one too few, one too many (not cut to fit)
+        with pytest.raises(ValueError, match="one SamplingParams or a list of 3"):
+            pipe.run([{"prompt_token_ids": p} for p in prompts[:3]], wrong, progress=False)
 
 
 def test_ragged_steps_are_flat(qwen2_dir, hf_qwen2, prompts, monkeypatch) -> None:

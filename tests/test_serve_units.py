@@ -843,3 +843,54 @@ def test_every_sampling_field_of_a_request_reaches_the_text_stage() -> None:
     assert {name: getattr(text, name) for name in SAMPLING_VALUES} == SAMPLING_VALUES
     assert text.max_tokens == 12
     assert talker == SamplingParams(temperature=0.9, seed=5) and code2wav == Token2WavParams(seed=5)
+
+
+@pytest.mark.parametrize(
+    "stored,want",
+    [
+        (np.array([0, 64, 128, 255], np.uint8), [-1.0, -0.5, 0.0, 127 / 128]),
+        (np.array([2**30, -(2**31), 0], np.int32), [0.5, -1.0, 0.0]),
+        (np.array([16384, -32768], np.int16), [0.5, -1.0]),
+    ],
+    ids=["8-bit", "32-bit", "16-bit"],
+)
+def test_integer_wavs_are_read_on_their_own_full_scale(stored: np.ndarray, want: list[float]) -> None:
+    """Each integer WAV format maps its own full range to [-1, 1): 8-bit around 128, 32-bit by
+    2**31 (a 32-bit export read on 16-bit's scale is samples up to 65536 the encoder never saw)."""
+    buf = io.BytesIO()
+    wavfile.write(buf, 16_000, stored)
+    buf.seek(0)
+    np.testing.assert_array_equal(read_wav(buf, 16_000), np.asarray(want, np.float32))
+
+
+def test_a_clip_of_exactly_the_longest_length_is_taken() -> None:
+    """``max_seconds`` is the longest a clip may last, itself included (30 s for the encoder)."""
+    assert read_wav(io.BytesIO(wav_bytes(np.zeros(16_000), 16_000)), 16_000, max_seconds=1).size == 16_000
+    with pytest.raises(ValueError, match=r"over the 1 s it may last"):
+        read_wav(io.BytesIO(wav_bytes(np.zeros(16_001), 16_000)), 16_000, max_seconds=1)
+
+
+def test_the_cpu_kernel_is_refused_on_an_accelerator() -> None:
+    """Each kernel on the platform it compiles for, named at start-up (not in the first step's
+    compiler error)."""
+    from omni_jax.engine_args import check_backend_platform
+
+    with pytest.raises(
+        ValueError, match="attention_backend='cpu' is the CPU backend's kernel; this is a gpu"
+    ):
+        check_backend_platform("cpu", "gpu")
+    with pytest.raises(ValueError, match="attention_backend='pallas' compiles its kernel for a GPU or TPU"):
+        check_backend_platform("pallas", "cpu")
+    check_backend_platform("cpu", "cpu")
+    check_backend_platform("pallas", "gpu")
+
+
+def test_tokenize_takes_a_prompt_or_messages_not_both() -> None:
+    """``/tokenize`` with both would silently tokenize one of them."""
+    from omni_jax.serve.protocol import TokenizeRequest
+
+    both = '{"prompt": "x", "messages": [{"role": "user", "content": "y"}]}'
+    for body in ("{}", both):
+        with pytest.raises(ValidationError, match="give 'prompt' or 'messages', one of them"):
+            TokenizeRequest.model_validate_json(body)
+    TokenizeRequest.model_validate_json('{"prompt": "x"}')
