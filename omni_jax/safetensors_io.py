@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import struct
 import zipfile
 from collections.abc import Callable, Iterator
@@ -40,6 +41,15 @@ _DTYPES = {
 
 class CheckpointError(ValueError):
     """A checkpoint file is unreadable; the message names the file (and tensor)."""
+
+
+def check_link(path: Path) -> None:
+    """``CheckpointError`` when ``path`` is a broken link (a hub cache's snapshot whose blob is
+    missing, an interrupted download): read as absent, the file would be skipped without a word,
+    or another form of the weights read in its place."""
+    if path.is_symlink() and not path.exists():
+        target = os.readlink(path)
+        raise CheckpointError(f"{path}: a broken link (to {target}); download the checkpoint again")
 
 
 def first_line(e: BaseException) -> str:
@@ -173,8 +183,14 @@ SHARD_INDEXES = tuple(name for name in WEIGHT_SOURCES if name.endswith(".index.j
 
 def weights_source(model_dir: Path) -> Path | None:
     """The first of :data:`WEIGHT_SOURCES` in ``model_dir``: a weight file or a shard index
-    (``None``: none, e.g. a dir of ``config.json`` alone)."""
-    return next((model_dir / n for n in WEIGHT_SOURCES if (model_dir / n).exists()), None)
+    (``None``: none, e.g. a dir of ``config.json`` alone); ``CheckpointError`` for a broken link
+    met before it."""
+    for name in WEIGHT_SOURCES:
+        path = model_dir / name
+        check_link(path)
+        if path.exists():
+            return path
+    return None
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -184,6 +200,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if source is None:
         raise CheckpointError(f"{model_dir}: no model.safetensors, pytorch_model.bin or shard index found")
     files = _listed_files(source)
+    for f in files:
+        check_link(f)
     missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise CheckpointError(f"{source}: lists shard(s) that do not exist: {', '.join(missing)}")
@@ -200,6 +218,17 @@ def _listed_files(source: Path) -> list[Path]:
         return sorted({source.parent / f for f in weight_map.values()})
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{source}: corrupt shard index ({type(e).__name__}: {first_line(e)})") from e
+
+
+def unlisted_shards(model_dir: Path) -> list[str]:
+    """Names of the weight files in ``model_dir`` beside a shard index that does not list them
+    (an index left from an earlier save): their tensors are never read."""
+    source = weights_source(model_dir)
+    if source is None or source.name not in SHARD_INDEXES:
+        return []
+    suffix = source.name.removesuffix(".index.json").rsplit(".", 1)[1]
+    listed = set(_listed_files(source))
+    return sorted(f.name for f in model_dir.glob(f"*.{suffix}") if f not in listed)
 
 
 def stored_dtype(model_dir: Path) -> str | None:

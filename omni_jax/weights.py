@@ -44,6 +44,7 @@ from omni_jax.models.hf_config import ConfigRefusedError, read_config
 from omni_jax.models.loading import abstract_params, merge_params
 from omni_jax.models.param_map import (
     FlaxPath,
+    MissingParamsError,
     ParamMismatchError,
     fill_params,
     format_path,
@@ -57,11 +58,13 @@ from omni_jax.safetensors_io import (
     SHARD_INDEXES,
     CheckpointError,
     TensorReader,
+    check_link,
     checkpoint_files,
     count_tensors,
     first_line,
     stored_dtype,
     tensor_readers,
+    unlisted_shards,
     weights_source,
 )
 
@@ -260,7 +263,13 @@ def _read_hf_part(
             ignore=part.ignore(cfg),
         )
     except ParamMismatchError as e:
-        hint = "" if "a second time" in str(e) else f"; does {model_dir / 'config.json'} match the weights?"
+        unlisted = unlisted_shards(model_dir) if isinstance(e, MissingParamsError) else []
+        if unlisted:
+            hint = f"; the index does not list {', '.join(unlisted)} in {model_dir}: is it out of date?"
+        elif "a second time" in str(e):
+            hint = ""
+        else:
+            hint = f"; does {model_dir / 'config.json'} match the weights?"
         raise ParamMismatchError(f"{cursor.where(model_dir)}: {e}{hint}") from e
     return graphdef, abstract, values
 
@@ -585,13 +594,11 @@ def check_sources(src: str | Path, dst: str | Path, progress: bool = False) -> l
 
 def _side_files(src: Path, converted: Iterable[str]) -> Iterable[Path]:
     """Config, tokenizer and processor files, and those the architecture converts (speakers);
-    ``CheckpointError`` for one that is a broken link (a hub cache's snapshot whose blob is
-    missing, an interrupted download), which would otherwise be left out without a word."""
+    ``CheckpointError`` for one that is a broken link (:func:`check_link`)."""
     converted = set(converted)
     for f in sorted(src.iterdir()):
         if f.name in SHARD_INDEXES or not (f.suffix in SIDE_FILE_SUFFIXES or f.name in converted):
             continue
-        if f.is_symlink() and not f.exists():
-            raise CheckpointError(f"{f}: a broken link (to {os.readlink(f)}); download the checkpoint again")
+        check_link(f)
         if f.is_file():
             yield f

@@ -131,18 +131,24 @@ def test_a_chat_template_in_chat_template_json_is_used(omni_dir, tmp_path) -> No
         OmniJaxPipeline.from_pretrained(src, stages=["thinker"], max_model_len=128)
 
 
-def test_a_broken_link_in_a_hub_snapshot_is_named(qwen2_dir, tmp_path) -> None:
-    """A snapshot's ``tokenizer.json`` links to a blob that was never downloaded: the conversion
-    names it (it used to leave the tokenizer out without a word)."""
+@pytest.mark.parametrize("name", ["tokenizer.json", "model.safetensors"])
+def test_a_broken_link_in_a_hub_snapshot_is_named(qwen2_dir, tmp_path, name) -> None:
+    """A snapshot's file links to a blob that was never downloaded: the conversion and a direct
+    load name it. A tokenizer so linked used to be left out without a word, and weights so linked
+    read as absent ("no model.safetensors ... found", or another form of the weights read)."""
     src = copy_of(qwen2_dir, tmp_path)
-    (src / "tokenizer.json").unlink()
-    (src / "tokenizer.json").symlink_to("../../blobs/0123abcd")
+    (src / name).unlink()
+    (src / name).symlink_to("../../blobs/0123abcd")
     dst = tmp_path / "conv"
-    with pytest.raises(
-        CheckpointError, match=re.escape(f"{src}/tokenizer.json: a broken link (to ../../blobs/")
-    ):
+    broken = re.escape(
+        f"{src}/{name}: a broken link (to ../../blobs/0123abcd); download the checkpoint again"
+    )
+    with pytest.raises(CheckpointError, match=broken):
         convert(src, dst, progress=False)
     assert not dst.exists() and not list(tmp_path.glob(".conv.*"))
+    if name.endswith(".safetensors"):
+        with pytest.raises(CheckpointError, match=broken):
+            OmniJaxPipeline.from_pretrained(src, max_model_len=64)
 
 
 @pytest.mark.parametrize("name", ["a[1]", "a\\b"])

@@ -263,6 +263,19 @@ def test_sharded_faults_name_the_shard_or_the_index(sharded_dir, tmp_path) -> No
     refused(src, tmp_path / "d", literal(f"{index}: lists shard(s) that do not exist: {second}"))
     index.write_text("{")
     refused(src, tmp_path / "e", literal(f"{index}: corrupt shard index (JSONDecodeError"))
+    # An index that leaves a shard out (one from an earlier save): the shard is named.
+    src = copy_of(sharded_dir, tmp_path, "unlisted")
+    index = src / "model.safetensors.index.json"
+    kept = json.loads(index.read_text())
+    second = shards(src)[1]
+    kept["weight_map"] = {k: f for k, f in kept["weight_map"].items() if f != second.name}
+    index.write_text(json.dumps(kept))
+    refused(
+        src,
+        tmp_path / "f",
+        rf"{re.escape(str(index))}: checkpoint is missing parameters: .*; the index does not list "
+        rf"{re.escape(second.name)} in {re.escape(str(src))}: is it out of date\?$",
+    )
 
 
 @pytest.fixture(scope="module")

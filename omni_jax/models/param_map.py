@@ -107,6 +107,11 @@ class ParamMismatchError(ValueError):
     """A checkpoint does not fit the model: the message names the offending tensor."""
 
 
+class MissingParamsError(ParamMismatchError):
+    """A checkpoint has no tensor for some parameters (a config describing more layers or experts
+    than the weights hold, or a shard its index does not list)."""
+
+
 Placed = TypeVar("Placed")
 
 
@@ -158,5 +163,5 @@ def fill_params(
     missing = [format_path(p) for p in abstract_state if p not in out]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ParamMismatchError(f"checkpoint is missing parameters: {shown}")
+        raise MissingParamsError(f"checkpoint is missing parameters: {shown}")
     return out
