@@ -378,6 +378,7 @@ FULL_PARAMS = [
         ({"speaker": ["Ethan"]}, None, r"speaker must be a voice name \(str\), got list"),
         ({"modalities": ["video"]}, None, r"modalities must be a non-empty list"),
         ({"modalities": [["text"]]}, None, r"modalities must be a non-empty list"),  # was a TypeError
+        ({"modalities": []}, None, r"modalities must be a non-empty list of 'text'/'audio', got \[\]"),
         (
             {"speakr": "Ethan"},
             None,

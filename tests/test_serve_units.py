@@ -650,6 +650,29 @@ def test_a_shutdown_during_warm_up_does_not_wait_for_it(finish: bool) -> None:
     assert pipe.closed is finish
 
 
+def test_a_stopped_engine_is_a_503_on_health_and_on_every_request() -> None:
+    """An engine thread that has died (a fault, or the pipeline closed under the server) answers
+    each request with a 503 saying so, before its body is read, and ``/health`` turns 503 with
+    the reason: a load balancer takes the replica out instead of sending it more work."""
+    from fastapi.testclient import TestClient
+
+    from omni_jax.serve.app import ServeSettings, build_app
+
+    pipe = _Warming(finish=True)
+    with TestClient(build_app(pipe, ServeSettings(model_name="m"))) as client:  # type: ignore[arg-type]
+        for _ in range(100):
+            if client.get("/health").status_code == 200:
+                break
+        assert client.get("/health").status_code == 200
+        pipe.running = False
+        r = client.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "engine stopped"})
+        for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
+            r = client.post(path, content=b"not even JSON")
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"]["message"] == "the engine has stopped", path
+
+
 class _Faulty(_Warming):
     """A warm pipeline whose stats fail: ``GET /metrics`` meets an exception no handler takes."""
 

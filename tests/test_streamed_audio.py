@@ -160,7 +160,7 @@ def test_a_request_longer_than_an_offline_solve_is_decoded_in_chunks(voicer, omn
     ``max_tokens`` was raised past it) is decoded in chunks as the same request streamed is, its
     waveform whole, instead of failing after all its upstream work; a streamed request's windows
     are fixed, so it has no limit. Refused still: with ``initial_noise`` (chunks draw theirs from
-    the seed), and by a stage that decodes offline only."""
+    the seed), and by a stage that decodes offline only, which takes exactly ``max_codes``."""
     prompt = {"prompt_token_ids": codes(3, 33)}
     (offline,) = voicer.run(prompt, Token2WavParams(num_steps=2, seed=4), progress=False)
     (streamed,) = voicer.run(prompt, Token2WavParams(stream=True, num_steps=2, seed=4), progress=False)
@@ -174,6 +174,8 @@ def test_a_request_longer_than_an_offline_solve_is_decoded_in_chunks(voicer, omn
     offline_only = small_code2wav(omni_dir, tmp_path, False)
     with pytest.raises(ValueError, match="request 0: 9 codes exceed the limit of 8 .*offline only"):
         offline_only.run({"prompt_token_ids": codes(3, 9)}, progress=False)
+    (longest,) = offline_only.run({"prompt_token_ids": codes(3, 8)}, Token2WavParams(num_steps=2), progress=False)
+    assert longest.finish_reason == "stop" and longest.audio.size == 8 * REPEATS * hop
 
 
 def small_code2wav(
