@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,6 +35,16 @@ CONFIGS = {
             "rope_theta": 10000.0,
             "factor": 4.0,
             "original_max_position_embeddings": 128,
+        }
+    ),
+    "rope_yarn_mscale": dict(  # DeepSeek's keys: the attention factor is their ratio
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
         }
     ),
     "rope_llama3": dict(
@@ -131,10 +143,24 @@ def test_batched_rows_with_padding_match_single_rows() -> None:
         assert rel_err(logits[b, : len(s)], ref_logits) < RTOL
 
 
-def test_unknown_rope_type_is_refused() -> None:
-    cfg = tiny_qwen2_config(64, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    spec = Qwen2Spec.from_hf(cfg)
-    bad = Qwen2Spec(**{**spec.__dict__, "rope_parameters": (("rope_theta", 1e4), ("rope_type", "longrope"))})
-    model = Qwen2ForCausalLM(bad, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="unsupported rope_type 'longrope'"):
-        full_forward(model, [1, 2, 3])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+            "rope_type 'dynamic'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor 0.5",
+        ),
+        ({"hidden_act": "gelu"}, "decoder activation hidden_act='gelu' "),
+    ],
+)
+def test_a_config_the_decoder_would_run_differently_is_refused_at_load(change: dict, match: str) -> None:
+    """transformers runs these (a dynamic rotary, GELU); the decoder computes neither, so the spec
+    refuses them where the model is built: a dynamic rotary loaded and then failed every request,
+    GELU ran as SiLU and gave other tokens without an error."""
+    cfg = tiny_qwen2_config(64, **change)
+    with pytest.raises(ValueError, match=f"unsupported {re.escape(match)}"):
+        Qwen2Spec.from_hf(cfg)

@@ -47,11 +47,20 @@ class SwiGLU(nnx.Module):
 def _yarn_inv_freq(
     base: float, dim: int, params: Mapping[str, Any], max_pos: int
 ) -> tuple[np.ndarray, float]:
-    factor = float(params["factor"])
     orig = int(params.get("original_max_position_embeddings") or max_pos)
+    factor = float(params["factor"])
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+
     mscale = params.get("attention_factor")
     if mscale is None:
-        mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        both = params.get("mscale") and params.get("mscale_all_dim")
+        mscale = (
+            get_mscale(factor, params["mscale"]) / get_mscale(factor, params["mscale_all_dim"])
+            if both
+            else get_mscale(factor)
+        )
     beta_fast = float(params.get("beta_fast") or 32)
     beta_slow = float(params.get("beta_slow") or 1)
 
@@ -97,7 +106,10 @@ def rope_inv_freq(
     """
     rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
     base = float(rope_parameters["rope_theta"])
-    dim = int(head_dim * rope_parameters.get("partial_rotary_factor", 1.0))
+    partial = rope_parameters.get("partial_rotary_factor", 1.0)
+    if partial != 1:
+        raise ValueError(f"unsupported partial_rotary_factor {partial!r} (the rotary turns whole heads)")
+    dim = head_dim
     inv = (1.0 / (base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
     if rope_type == "default":
         return inv, 1.0

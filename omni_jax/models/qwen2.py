@@ -41,13 +41,19 @@ class Qwen2Spec:
 
     @classmethod
     def from_hf(cls, cfg: Any) -> Qwen2Spec:
-        """From an HF config object (``Qwen2Config`` or a text config shaped like it)."""
+        """From an HF config object (``Qwen2Config`` or a text config shaped like it); a config
+        the decoder would run differently from transformers (another activation, a rotary it does
+        not compute) is refused here, at load, not at the first step or never."""
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         rope = getattr(cfg, "rope_parameters", None) or {
             "rope_type": "default",
             "rope_theta": getattr(cfg, "rope_theta", 10000.0),
         }
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported decoder activation hidden_act={act!r} (supported: silu)")
+        rope_inv_freq(rope, head_dim, cfg.max_position_embeddings)  # refuses a rotary it cannot compute
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
         window = getattr(cfg, "sliding_window", None)
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
