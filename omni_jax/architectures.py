@@ -150,7 +150,10 @@ class Architecture:
     checkpoint without them serves only the other stages). ``restack``: a rewrite of the
     checkpoint's ``(name, reader)`` stream before its names are matched to any part's rules
     (Qwen3-Omni's checkpoints store one tensor per MoE expert and per code-predictor codebook;
-    its parts take them stacked, :func:`~omni_jax.models.qwen3_omni.talker.stack_talker_readers`)."""
+    its parts take them stacked, :func:`~omni_jax.models.qwen3_omni.talker.stack_talker_readers`).
+    ``voiced``: the stages a config with ``enable_audio_output: false`` does not have (transformers
+    then builds the thinker alone; Qwen3-Omni's Thinking and Captioner checkpoints ship no talker
+    or code2wav weights)."""
 
     name: str
     stage_yaml: str
@@ -159,6 +162,13 @@ class Architecture:
     side_files: tuple[tuple[str, SideFileConverter], ...] = ()
     stage_files: tuple[StageFile, ...] = ()
     restack: Callable[[Iterable[tuple[str, TensorReader]]], Iterator[tuple[str, TensorReader]]] | None = None
+    voiced: tuple[str, ...] = ()
+
+    def config_stages(self, hf_config: Any) -> list[str]:
+        """The stages ``hf_config`` describes: every part's, less the :attr:`voiced` ones when
+        its ``enable_audio_output`` is false."""
+        mute = getattr(hf_config, "enable_audio_output", True) is False
+        return [p.stage for p in self.parts if not (mute and p.stage in self.voiced)]
 
     def part(self, stage: str) -> ModelPart:
         for p in self.parts:
@@ -189,10 +199,10 @@ class Architecture:
         stopped = [s for s in wanted if s in blocked]
         return f"{model_dir}: {files}; stages {stopped} cannot run: load it with stages={served}"
 
-    def warn_missing_files(self, src: Path) -> None:
-        """At conversion: a source without a stage file converts, with a warning saying what the
-        result serves."""
-        message = self.missing_files(src, [p.stage for p in self.parts])
+    def warn_missing_files(self, src: Path, stages: list[str]) -> None:
+        """At conversion of ``stages``: a source without a stage file converts, with a warning
+        saying what the result serves."""
+        message = self.missing_files(src, stages)
         if message is not None:
             warnings.warn(message, UserWarning, stacklevel=3)
 
@@ -264,6 +274,7 @@ _QWEN2_5_OMNI = Architecture(
         ),
     ),
     side_files=((speakers.TORCH_FILE, speakers.convert_speakers),),
+    voiced=("talker", "code2wav"),
     stage_files=(
         StageFile(
             name=speakers.TORCH_FILE,
@@ -345,6 +356,7 @@ _QWEN3_OMNI = Architecture(
         ),
     ),
     restack=qwen3_talker.stack_talker_readers,
+    voiced=("talker", "code2wav"),
 )
 
 ARCHITECTURES: dict[str, Architecture] = {

@@ -145,7 +145,7 @@ class OmniJaxPipeline:
 
         hf_config = load_hf_config(path)
         arch = architecture_of(hf_config)
-        config = stage_graph(path, arch, stage_config, stages)
+        config = stage_graph(path, arch, hf_config, stage_config, stages)
         if limit_mm_per_prompt is not None:
             config = config.with_media_limits(limit_mm_per_prompt)
         engine = (dtype, mesh, max_num_seqs, max_model_len, num_pages, page_size, max_num_batched_tokens)

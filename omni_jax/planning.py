@@ -230,7 +230,7 @@ def plan_memory(
     path = Path(path)
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)
-    config = stage_graph(path, arch, stage_config, stages)
+    config = stage_graph(path, arch, hf_config, stage_config, stages)
     check_stage_engines(arch, config.stages)
     engine = dict(
         max_num_seqs=max_num_seqs,

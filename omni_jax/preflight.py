@@ -56,12 +56,25 @@ def engine_settings(sc: StageConfig, **sizes: int | None) -> dict[str, int | Non
 
 
 def stage_graph(
-    path: Path, arch: Architecture, stage_config: str | Path | None, stages: list[str] | None
+    path: Path, arch: Architecture, hf_config: Any, stage_config: str | Path | None, stages: list[str] | None
 ) -> PipelineConfig:
     """The stage graph ``from_pretrained`` and ``plan`` build: ``stage_config`` (else the
-    architecture's YAML), held to the checkpoint's architecture, cut to ``stages``."""
+    architecture's YAML), held to the checkpoint's architecture, cut to ``stages`` (``None``: those
+    the config describes, :meth:`Architecture.config_stages`). Asking for a stage the config does
+    not describe is a ``ValueError`` before anything loads (it failed on the missing weights, after
+    the thinker had loaded)."""
     config = load_pipeline_config(stage_config or arch.stage_yaml)
     config.check_architecture(architecture_names(arch), path)
+    described = arch.config_stages(hf_config)
+    absent = [name for name in stages or [] if name in arch.voiced and name not in described]
+    if absent:
+        raise ValueError(
+            f"{path / 'config.json'}: enable_audio_output is false (a checkpoint that does not speak, "
+            f"as Qwen3-Omni's Thinking and Captioner): stages {absent} cannot run; load it with "
+            f"stages={described}"
+        )
+    if stages is None and len(described) < len(arch.parts):
+        stages = [sc.name for sc in config.stages if sc.name in described]
     return config.select(stages)
 
 

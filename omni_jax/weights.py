@@ -400,7 +400,8 @@ def _convert(
     count_tensors(weights)  # reads (checks) every safetensors header before any work
     converters = dict(arch.side_files)
     side = list(_side_files(src, converters))
-    arch.warn_missing_files(src)
+    parts = [p for p in arch.parts if p.stage in arch.config_stages(cfg)]
+    arch.warn_missing_files(src, [p.stage for p in parts])
     index = [f for f in [weights_source(src)] if f is not None and f.name in SHARD_INDEXES]
     dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(dst)
@@ -411,7 +412,7 @@ def _convert(
         sources = hash_files(src, sorted(set(weights + index + side)), progress)
         shapes: dict[str, dict[str, list[int]]] = {}
         dtypes: dict[str, dict[str, str]] = {}
-        for part in arch.parts:
+        for part in parts:
             interrupts.check()
             part_dtype = part.dtype or dtype
             values = _read_hf_part(src, arch, part, cfg, part_dtype, False, _deferred(part_dtype))[2]
@@ -431,7 +432,7 @@ def _convert(
             "format": FORMAT_VERSION,
             "architecture": arch.name,
             "dtype": dtype,
-            "stages": [p.stage for p in arch.parts],
+            "stages": [p.stage for p in parts],
             "unserved": [stage for stage, _ in arch.unserved],
             "shapes": shapes,
             "dtypes": dtypes,

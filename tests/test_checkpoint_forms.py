@@ -21,7 +21,8 @@ import torch
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from omni_jax import OmniJaxPipeline
+from checkpoints_convert.cli import main as convert_main
+from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.architectures import architecture_of, auto_architectures
 from omni_jax.planning import plan_memory
 from omni_jax.safetensors_io import CheckpointError
@@ -190,3 +191,59 @@ def test_a_config_naming_no_architecture_is_served_by_its_model_type(qwen2_dir, 
         ValueError, match=r"unsupported architecture \(none named; model_type 'llama'\); supported"
     ):
         architecture_of(type("Config", (), llama))
+
+
+def mute_copy(src: Path, tmp_path: Path, kept: str) -> Path:
+    """``src`` as a checkpoint that does not speak, as Qwen3-Omni's Thinking and Captioner ship:
+    ``enable_audio_output: false`` and only the tensors named ``kept*`` (the thinker's)."""
+    out = tmp_path / "mute"
+    out.mkdir()
+    for f in src.iterdir():
+        if not f.name.startswith("model"):
+            shutil.copy2(f, out / f.name)
+    thinker = {k: v for shard in sorted(src.glob("model*.safetensors")) for k, v in load_file(shard).items()}
+    save_file({k: v for k, v in thinker.items() if k.startswith(kept)}, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "enable_audio_output": False}))
+    return out
+
+
+def test_a_checkpoint_that_does_not_speak_serves_its_thinker(qwen3_omni_dir, tmp_path) -> None:
+    """``enable_audio_output: false`` (transformers then builds the thinker alone): by default
+    the thinker alone is built, planned and converted, and gives the full checkpoint's thinker's
+    tokens; asking for the talker is refused before anything loads (it failed on the missing
+    talker weights, after the whole thinker had loaded)."""
+    src = mute_copy(qwen3_omni_dir, tmp_path, "thinker.")
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    pipe = OmniJaxPipeline.from_pretrained(src, max_model_len=128)
+    assert [s.config.name for s in pipe.stages] == ["thinker"]
+    (mine,) = pipe.run("hello there", params, progress=False)
+    full = OmniJaxPipeline.from_pretrained(qwen3_omni_dir, stages=["thinker"], max_model_len=128)
+    (want,) = full.run("hello there", params, progress=False)
+    assert mine.token_ids == want.token_ids and mine.audio is None
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{src}/config.json: enable_audio_output is false (a checkpoint that does not speak, as "
+            "Qwen3-Omni's Thinking and Captioner): stages ['talker'] cannot run; load it with "
+            "stages=['thinker']"
+        ),
+    ):
+        OmniJaxPipeline.from_pretrained(src, stages=["thinker", "talker"], max_model_len=128)
+    assert [s.name for s in plan_memory(src).stages] == ["thinker"]
+    dst = convert(src, tmp_path / "conv", progress=False)
+    assert json.loads((dst / MANIFEST).read_text())["stages"] == ["thinker"]
+    assert [s.config.name for s in OmniJaxPipeline.from_pretrained(dst, max_model_len=128).stages] == [
+        "thinker"
+    ]
+
+
+def test_a_qwen2_5_omni_that_does_not_speak_verifies_its_thinker(omni_dir, tmp_path, capsys) -> None:
+    """``--verify`` of a Qwen2.5-Omni with ``enable_audio_output: false``: transformers' model has
+    no talker (it was an AttributeError), so the thinker's logits are the one check."""
+    src = mute_copy(omni_dir, tmp_path, "thinker.")
+    dst = tmp_path / "conv"
+    assert convert_main([str(src), str(dst), "--verify", "--quiet"]) == 0
+    checks = [line for line in capsys.readouterr().out.splitlines() if line.startswith("verify: ")]
+    assert len(checks) == 1 and checks[0].startswith("verify: thinker logits over 16 tokens"), checks
+    assert json.loads((dst / MANIFEST).read_text())["stages"] == ["thinker"]
