@@ -174,7 +174,9 @@ def test_a_request_longer_than_an_offline_solve_is_decoded_in_chunks(voicer, omn
     offline_only = small_code2wav(omni_dir, tmp_path, False)
     with pytest.raises(ValueError, match="request 0: 9 codes exceed the limit of 8 .*offline only"):
         offline_only.run({"prompt_token_ids": codes(3, 9)}, progress=False)
-    (longest,) = offline_only.run({"prompt_token_ids": codes(3, 8)}, Token2WavParams(num_steps=2), progress=False)
+    (longest,) = offline_only.run(
+        {"prompt_token_ids": codes(3, 8)}, Token2WavParams(num_steps=2), progress=False
+    )
     assert longest.finish_reason == "stop" and longest.audio.size == 8 * REPEATS * hop
 
 
