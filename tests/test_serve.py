@@ -1790,10 +1790,12 @@ def test_32_concurrent_streams_all_complete_unmixed(omni) -> None:
 
 def test_shutdown_timeout_cuts_what_is_left_and_answers_the_queued(qwen_dir, tmp_path) -> None:
     """``--shutdown-timeout 3``: SIGTERM drains for 3 s, then cuts what is still running (a
-    stream under way ends where it is) and answers a request still queued with a 503 saying so;
-    the server exits at once after, each cut logged in one line, no traceback. Without the
-    timeout the drain had no end (122 s for long replies), past any orchestrator's grace period;
-    the queued request got a plain-text 500 and the log a traceback."""
+    stream under way ends where it is, with an error event saying why and ``[DONE]``) and answers
+    a request still queued with a 503 saying so; the server exits at once after, each cut logged
+    in one line, no traceback. Without the timeout the drain had no end (122 s for long replies),
+    past any orchestrator's grace period; the queued request got a plain-text 500 and the log a
+    traceback. The cut stream used to stop mid-body: clients saw a broken connection, and
+    uvicorn logged an ERROR for it ("ASGI callable returned without completing response")."""
     sizes = dict(QWEN_SIZES, max_num_seqs=1)
     args = ["--no-warmup", "--shutdown-timeout", "3", *size_args(sizes)]
     server = Server("drain", qwen_dir, tmp_path / "drain.log", *args).start()
@@ -1804,11 +1806,10 @@ def test_shutdown_timeout_cuts_what_is_left_and_answers_the_queued(qwen_dir, tmp
         def long_stream() -> list[str]:
             body = chat_body("drain", "hello", max_tokens=DOOMED_TOKENS, ignore_eos=True, stream=True)
             lines: list[str] = []
-            with pytest.raises(httpx.RemoteProtocolError), server.http() as http:  # cut mid-stream
-                with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        lines.append(line)
-                        running.set()
+            with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    running.set()
             return lines
 
         with ThreadPoolExecutor(2) as pool:
@@ -1828,9 +1829,20 @@ def test_shutdown_timeout_cuts_what_is_left_and_answers_the_queued(qwen_dir, tmp
             lines = streamed.result()
         assert 3.0 <= took < 13.0, took
         check_error(r, 503, "service_unavailable", "the server is shutting down")
-        assert lines and "data: [DONE]" not in lines
+        events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1, events[-3:]
+        cut = json.loads(events[-2].removeprefix("data: "))
+        assert cut == {
+            "error": {
+                "message": "the server is shutting down: the stream was cut",
+                "type": "service_unavailable",
+                "param": None,
+                "code": 503,
+            }
+        }
+        assert all('"finish_reason":"' not in line for line in events)  # cut, not ended
         log = server.log.read_text(errors="replace")
         assert "cut by the shutdown mid-response" in log and "cut by the shutdown before it answered" in log
-        assert "Traceback" not in log, server.log_tail()
+        assert "Traceback" not in log and "without completing response" not in log, server.log_tail()
     finally:
         server.stop()

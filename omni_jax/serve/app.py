@@ -383,8 +383,11 @@ class _Contained:
 
     A request the shutdown's timeout (``--shutdown-timeout``) cuts before it answered gets a 503
     saying so, where the server sent a plain-text 500 and a traceback; a stream under way ends
-    where it was (as the timeout means), logged in one line. Either way the cancellation ends
-    here: the request is answered, and its generation was cancelled with it."""
+    where it was (as the timeout means) with an ``error`` event saying so and ``[DONE]`` (a
+    stage's failure mid-stream ends the same way; the stream used to stop mid-body, which clients
+    read as a broken connection and uvicorn logged as an error), logged in one line. Either way
+    the cancellation ends here: the request is answered, and its generation was cancelled with
+    it."""
 
     def __init__(self, app: ASGIApp, on_error: Callable[[], None]) -> None:
         self.app, self.on_error = app, on_error
@@ -393,11 +396,17 @@ class _Contained:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = events = False
 
         async def sending(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, events
+            if message["type"] == "http.response.start":
+                started = True
+                events = (
+                    dict(message.get("headers", ()))
+                    .get(b"content-type", b"")
+                    .startswith(b"text/event-stream")
+                )
             await send(message)
 
         try:
@@ -405,7 +414,11 @@ class _Contained:
         except asyncio.CancelledError:
             when = "mid-response" if started else "before it answered"
             log.warning("%s %s: cut by the shutdown %s", scope["method"], scope["path"], when)
-            if not started:
+            if events:
+                said = responses.error_json(503, "the server is shutting down: the stream was cut")
+                body = responses.sse(said) + responses.sse("[DONE]")
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            elif not started:
                 body = responses.error_json(
                     503, "the server is shutting down: the request was cut before it answered"
                 )
