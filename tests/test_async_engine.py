@@ -298,6 +298,34 @@ def test_a_fault_no_stage_contains_ends_the_requests_in_flight_only(pipe, sync, 
     assert again.token_ids == sync.run(ids(10, 13), greedy(20), progress=False)[0].token_ids
 
 
+def test_the_admitted_event_is_set_by_the_first_update(pipe, sync) -> None:
+    """``admitted`` is set once the engine holds the request, by the time its first update is
+    handed over (the server admits a request's several replies on it, without waiting for each
+    one's first token), and a request never admitted leaves it unset."""
+
+    async def scenario() -> tuple[bool, list[OmniRequestOutput], bool]:
+        admitted, refused = asyncio.Event(), asyncio.Event()
+        updates = pipe.generate(ids(7, 60), greedy(6), admitted=admitted)
+        first = await anext(updates)
+        was_set = admitted.is_set()
+        rest = [out async for out in updates]
+        with pytest.raises(ValueError, match="empty prompt"):
+            await collect(pipe, {"prompt_token_ids": []}, greedy(6), admitted=refused)
+        return was_set, [first, *rest], refused.is_set()
+
+    was_set, outs, refused_set = run_async(scenario)
+    assert was_set and not refused_set
+    assert check_stream(outs).token_ids == sync.run(ids(7, 60), greedy(6), progress=False)[0].token_ids
+
+
+@pytest.mark.parametrize("bound", [0, -1, True, 1.5])
+def test_a_queue_bound_that_could_take_no_request_is_refused(bound: object) -> None:
+    """``max_waiting=0`` would refuse every request as queue-full: refused at construction, before
+    the pipeline is touched."""
+    with pytest.raises(ValueError, match=rf"^max_waiting={bound!r} must be a positive int or None$"):
+        AsyncOmniJaxPipeline(None, max_waiting=bound)  # type: ignore[arg-type]
+
+
 def test_a_burst_the_batch_has_room_for_is_not_refused_by_the_queue_bound(pipe, sync) -> None:
     """``max_waiting=1`` with four places in the batch: of six requests arriving at once at an
     idle engine, four take a place, one waits, and only the sixth is refused; the five complete."""

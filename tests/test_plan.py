@@ -290,6 +290,23 @@ def test_qwen2_5_omni_7b_on_a_mesh(omni_7b, plan_7b) -> None:
         assert s.devices == (0, 1, 2, 3)
         assert s.sequence_kv * 4 == whole[s.name].sequence_kv  # one of the 4 KV heads on each device
         assert whole[s.name].weights / 4 <= s.weights < whole[s.name].weights / 2  # norms, encoders whole
+    # the checkpoint as loaded: each device's share counted on every device that holds one
+    assert (
+        split.weights
+        == sum(s.weights * 4 for s in split.stages)
+        > sum(whole[s.name].weights for s in split.stages)
+    )
+
+
+def test_a_device_that_holds_its_least_serves_one_sequence() -> None:
+    """``least`` (weights, steps, one sequence of cache) is what a device must hold: exactly that
+    much fits and serves one sequence (not "fits, 0 sequences", where the cache's share of the
+    room is under a sequence), a byte less does not fit."""
+    from omni_jax.planning import DevicePlan
+
+    device = DevicePlan(0, ("thinker",), weights=1000, steps=100, sequence_kv=50, full_kv=400, max_num_seqs=8)
+    assert device.least == 1150
+    assert [device.sequences(n) for n in (1149, 1150, 1000 + 200 + 8 * 500)] == [0, 1, 8]
 
 
 def omni_stage_yaml(tmp_path: Path, layouts: dict[str, dict]) -> Path:
@@ -346,6 +363,8 @@ def test_jax_memory_fraction_is_read(omni_dir, monkeypatch) -> None:
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     plan = plan_memory(omni_dir)
     assert plan.mem_fraction == 0.95 and plan.usable(80 * GIB) == int(0.95 * 80 * GIB)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1")  # the whole device: the end of the range
+    assert plan_memory(omni_dir).usable(80 * GIB) == 80 * GIB
     for bad in ("abc", "1.5", "0", "nan"):  # JAX would not take these either
         monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", bad)
         with pytest.raises(

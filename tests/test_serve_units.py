@@ -231,6 +231,11 @@ def test_a_requests_images_share_a_pixel_budget_checked_before_decoding(monkeypa
     with pytest.raises(ValueError, match=r"^b: an image of 7x5 pixels takes .* past the 25 pixels left"):
         reader.image("b", small)
     assert reader.pixels == 35 and decoded == [(7, 5)]
+    exact = media.MediaReader(max_image_pixels=70)  # room for two, to the pixel
+    exact.image("a", small)
+    exact.image("b", small)
+    with pytest.raises(ValueError, match=r"^c: an image of 7x5 pixels takes .* past the 0 pixels left"):
+        exact.image("c", small)
     np.testing.assert_array_equal(
         np.asarray(media.MediaReader(max_image_pixels=None).image("c", small)), PIXELS[..., :3]
     )
@@ -290,6 +295,10 @@ def test_a_npy_video_data_url_becomes_its_frames() -> None:
         media.video(where, data_url("video/mp4", b"\x00\x00\x00 ftypisom"), None)
     with pytest.raises(ValueError, match=rf"^{re.escape(where)}: not a readable \.npy array of frames"):
         media.video(where, data_url("application/octet-stream", buffer.getvalue()[:-10]), None)  # truncated
+    pickled = io.BytesIO()  # a .npy header over a pickle: loading it would run the client's code
+    np.save(pickled, np.array([{"frames": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)}: not a readable .npy array .*allow_pickle"):
+        media.video(where, data_url("application/octet-stream", pickled.getvalue()), None)
 
 
 def test_input_audio_is_the_wav_file_it_carries() -> None:
@@ -779,7 +788,7 @@ def test_one_reply_refused_closes_the_others_and_refuses_the_request() -> None:
         signals = _signals(2)
         with pytest.raises(ValueError, match="empty prompt"):
             await fanout.admit([_slow(closed, "a", signals[0]), _refused()], signals)
-        return closed
+        return list(closed)  # as the loop runs on: asyncio.run's end closes what is left
 
     assert asyncio.run(main()) == ["a"]
 
@@ -795,7 +804,7 @@ def test_a_failed_reply_ends_its_siblings_at_once() -> None:
         signals[1].set()
         start = time.perf_counter()
         got = await fanout.gathered(replies, await fanout.admit(replies, signals))
-        return got, closed, time.perf_counter() - start
+        return got, list(closed), time.perf_counter() - start  # before asyncio.run closes the rest
 
     got, closed, took = asyncio.run(main())
     assert [(g.index, g.end.error) for g in got] == [(1, "stage 'llm': non-finite logits")]
@@ -811,7 +820,7 @@ def test_a_stream_closed_early_closes_every_reply() -> None:
         seen = [await anext(events) for _ in range(5)]
         assert {index for index, _ in seen} <= {0, 1, 2}
         await events.aclose()
-        return closed
+        return list(closed)  # before asyncio.run closes the rest
 
     assert sorted(asyncio.run(main())) == ["a", "b", "c"]
 
