@@ -97,6 +97,16 @@ def test_default_engine_sizes_make_few_programs(qwen2_dir) -> None:
     assert all(runner.rows_bucket(n) == min(s for s in forward if s >= n) for n in range(1, 2049))
 
 
+def test_one_sequence_still_steps_two_rows() -> None:
+    """``max_num_seqs=1`` steps carry :data:`MIN_ROWS` rows (one row made XLA copy each layer's
+    whole cache per step on CPU), and the rows stay a multiple of the ``data`` axis."""
+    from omni_jax.engine.buckets import MIN_ROWS, max_sequence_rows
+
+    assert MIN_ROWS == 2
+    assert [max_sequence_rows(n) for n in (1, 2, 3, 5)] == [2, 2, 4, 8]
+    assert [max_sequence_rows(1, data) for data in (2, 3, 4)] == [2, 3, 4]
+
+
 def test_step_ladder_stops_at_what_the_sequences_hold(qwen2_dir, hf_qwen2, monkeypatch) -> None:
     """Three sequences of 256 tokens hold 768, under the 2048-token budget: the forward sizes
     stop at 768 (no 1024 or 2048 program, which no step could fill), the memory plan's largest
@@ -281,6 +291,23 @@ def test_stages_hold_at_most_64_programs_at_the_released_positions(family, count
     pipe = OmniJaxPipeline.from_pretrained(released_positions(tiny, tmp_path / "released", family))
     assert stage_programs(pipe) == counts
     assert max(counts.values()) <= 64
+
+
+def test_the_cache_switch_yields_to_a_path_given(tmp_path, monkeypatch) -> None:
+    """``OMNI_JAX_COMPILATION_CACHE=0`` (the suite's setting) turns the default cache off, but a
+    path given to ``from_pretrained(compilation_cache=...)`` is used; ``False`` is always off."""
+    import jax
+
+    from omni_jax.engine.compilation import enable_persistent_cache
+
+    updates: dict[str, object] = {}
+    monkeypatch.setattr(jax.config, "update", lambda name, value: updates.__setitem__(name, value))
+    monkeypatch.setenv("OMNI_JAX_COMPILATION_CACHE", "0")
+    assert enable_persistent_cache() is None and enable_persistent_cache(False) is None and not updates
+    assert enable_persistent_cache(tmp_path / "xla") == tmp_path / "xla"
+    assert updates["jax_compilation_cache_dir"] == str(tmp_path / "xla") and (tmp_path / "xla").is_dir()
+    monkeypatch.setenv("OMNI_JAX_COMPILATION_CACHE", str(tmp_path / "env"))
+    assert enable_persistent_cache() == enable_persistent_cache(True) == tmp_path / "env"
 
 
 def test_a_program_from_the_persistent_cache_counts_as_a_load(tmp_path) -> None:

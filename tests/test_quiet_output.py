@@ -126,6 +126,22 @@ def test_save_wav_writes_16_bit_pcm_that_wave_opens(tmp_path: Path) -> None:
     np.testing.assert_array_equal(frames, want)
 
 
+def test_save_wav_of_no_audio_says_so(tmp_path: Path) -> None:
+    """A text reply, or audio without its rate, is refused naming the request, before any file."""
+    for given in (dict(audio=None, sample_rate=None), dict(audio=AUDIO, sample_rate=None)):
+        out = OmniRequestOutput(request_id="r7", prompt_token_ids=[1], **given)
+        with pytest.raises(ValueError, match="^request r7 has no audio$"):
+            out.save_wav(tmp_path / "n.wav")
+    assert not (tmp_path / "n.wav").exists()
+
+
+def test_a_warmup_report_sums_its_stages() -> None:
+    from omni_jax.outputs import StageWarmup, WarmupReport
+
+    report = WarmupReport({"a": StageWarmup(5, 3, 2, 1.5), "b": StageWarmup(4, 1, 3, 0.5)})
+    assert (report.programs, report.compiles, report.loads, report.seconds) == (9, 4, 5, 2.0)
+
+
 def test_save_wav_float32_on_request(tmp_path: Path) -> None:
     path = output().save_wav(tmp_path / "f.wav", sample_format="float32")
     rate, samples = wavfile.read(path)

@@ -95,6 +95,26 @@ def test_float_rgba_is_composited_on_white_and_refused_off_its_scale(processor) 
         ValueError, match=r"^request 0: image: float RGBA pixels must lie in \[0, 1\], got \[0, 255\]"
     ):
         processor.process(0, ids, {"image": rgba * 255})
+    below = rgba.copy()
+    below[0, 0, 0] = -0.5
+    with pytest.raises(
+        ValueError, match=r"^request 0: image: float RGBA pixels must lie in \[0, 1\], got \[-0.5, "
+    ):
+        processor.process(0, ids, {"image": below})
+
+
+def test_a_palette_image_with_a_transparent_colour_is_composited_on_white() -> None:
+    """A palette image (a GIF, an 8-bit PNG) marks one colour transparent, with no alpha band:
+    that colour's pixels become white, as an alpha band's would, not the colour itself."""
+    from omni_jax.image_io import composite_rgb
+
+    image = Image.new("P", (3, 2))
+    image.putpalette([10, 20, 30, 200, 100, 50] + [0, 0, 0] * 254)
+    image.putdata([0, 1, 0, 1, 1, 0])
+    image.info["transparency"] = 0
+    got = np.asarray(composite_rgb(image))
+    white, kept = np.array([255, 255, 255]), np.array([200, 100, 50])
+    np.testing.assert_array_equal(got.reshape(6, 3), [white, kept, white, kept, kept, white])
 
 
 def test_an_image_file_is_read_upright_by_its_exif_orientation(processor, tmp_path) -> None:
