@@ -132,6 +132,20 @@ def test_a_chat_template_in_chat_template_json_is_used(omni_dir, tmp_path) -> No
         OmniJaxPipeline.from_pretrained(src, stages=["thinker"], max_model_len=128)
 
 
+def test_the_processors_template_wins_over_the_tokenizers(omni_dir, tmp_path) -> None:
+    """A repo with a processor may ship a template for the tokenizer and another in
+    ``chat_template.json``: prompts use the one transformers' processor resolves (and vLLM
+    uses), not the tokenizer's."""
+    from transformers.processing_utils import ProcessorMixin
+
+    src = copy_of(omni_dir, tmp_path)
+    processor_template = "PROCESSOR {% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (src / "chat_template.json").write_text(json.dumps({"chat_template": processor_template}))
+    assert ProcessorMixin.get_processor_dict(str(src))[0]["chat_template"] == processor_template
+    pipe = OmniJaxPipeline.from_pretrained(src, stages=["thinker"], max_model_len=128)
+    assert pipe.chat_prompt([{"role": "user", "content": "hello"}]) == {"prompt": "PROCESSOR hello"}
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "model.safetensors"])
 def test_a_broken_link_in_a_hub_snapshot_is_named(qwen2_dir, tmp_path, name) -> None:
     """A snapshot's file links to a blob that was never downloaded: the conversion and a direct

@@ -15,6 +15,7 @@ from typing import Any
 from omni_jax.models.hf_config import own_fields_unflagged
 
 CHAT_TEMPLATE_JSON = "chat_template.json"
+PROCESSOR_CONFIG = "preprocessor_config.json"
 VOCABULARIES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 """File sets any one of which holds a tokenizer's vocabulary (fast, byte-level BPE, SentencePiece)."""
 
@@ -35,16 +36,22 @@ def no_tokenizer(path: str | Path) -> str:
 
 def load_tokenizer(path: str | Path) -> Any | None:
     """The checkpoint's tokenizer, or ``None`` when :func:`has_vocabulary` finds none. Its chat
-    template is the tokenizer's own, else ``chat_template.json``'s, where transformers'
-    processor finds it (hub repos written for the processor ship it there alone)."""
+    template is the one prompts are built with elsewhere: in a checkpoint with a processor
+    (``preprocessor_config.json``), ``chat_template.json``'s before the tokenizer's own, as
+    transformers' processor and vLLM pick it (a repo may ship both, and they may differ);
+    without one, the tokenizer's own, else ``chat_template.json``'s (hub repos written for the
+    processor ship it there alone)."""
     if not has_vocabulary(path):
         return None
     from transformers import AutoTokenizer
 
     with own_fields_unflagged():  # AutoTokenizer builds the checkpoint's config
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if tokenizer.chat_template is None:
-        tokenizer.chat_template = processor_chat_template(Path(path))
+    template = processor_chat_template(Path(path))
+    if template is not None and (
+        tokenizer.chat_template is None or (Path(path) / PROCESSOR_CONFIG).is_file()
+    ):
+        tokenizer.chat_template = template
     return tokenizer
 
 
