@@ -289,6 +289,12 @@ _QWEN2_5_OMNI = Architecture(
 
 def _qwen3_code2wav_make(cfg: Any, dtype: Any) -> Callable[[], nnx.Module]:
     spec = Code2WavSpec.from_hf(cfg.code2wav_config)
+    groups = cfg.talker_config.num_code_groups
+    if spec.num_quantizers != groups:  # each frame's codes would be read as other frames'
+        raise ValueError(
+            f"code2wav_config.num_quantizers={spec.num_quantizers}, but the talker makes {groups} codes a "
+            "frame (talker_config.num_code_groups)"
+        )
     return lambda: Code2Wav(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
 
 

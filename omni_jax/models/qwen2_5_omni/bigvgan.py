@@ -252,6 +252,15 @@ class BigVGAN(nnx.Module):
         rates = list(config.upsample_rates)
         kernels = list(config.upsample_kernel_sizes)
         ch0 = config.upsample_initial_channel
+        resblocks, dilations = (
+            list(config.resblock_kernel_sizes),
+            [list(d) for d in config.resblock_dilation_sizes],
+        )
+        if len(dilations) != len(resblocks) or any(len(d) != 3 for d in dilations):
+            raise ValueError(  # transformers' AMP blocks read three dilations each, zipped with the kernels
+                f"BigVGAN takes one list of 3 dilations per resblock kernel size, got resblock_kernel_sizes="
+                f"{resblocks} and resblock_dilation_sizes={dilations}"
+            )
         self.upsample_geometry = tuple((s, k, (k - s) // 2) for s, k in zip(rates, kernels, strict=True))
         self.num_kernels = len(config.resblock_kernel_sizes)
         self.conv_pre = nnx.Conv(config.mel_dim, ch0, 7, padding=((3, 3),), rngs=rngs)

@@ -54,7 +54,9 @@ class Code2WavSpec:
         if any(t != "sliding_attention" for t in cfg.layer_types):
             raise ValueError(f"code2wav supports sliding-attention layers only, not {cfg.layer_types}")
         heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         rope = cfg.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
+        rope_inv_freq(rope, head_dim, cfg.max_position_embeddings)  # refuses a rotary it cannot compute
         return cls(
             codebook_size=cfg.codebook_size,
             num_quantizers=cfg.num_quantizers,
@@ -63,7 +65,7 @@ class Code2WavSpec:
             num_layers=cfg.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=cfg.num_key_value_heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            head_dim=head_dim,
             sliding_window=cfg.sliding_window,
             rms_norm_eps=cfg.rms_norm_eps,
             attention_bias=bool(cfg.attention_bias),
