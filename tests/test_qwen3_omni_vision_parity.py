@@ -154,3 +154,37 @@ def test_calls_cut_by_the_plan_match_reference(reference, encoder, monkeypatch) 
         err = _err(got, _reference_forward(reference, [p], [g]))
         print(f"grid {g}: rel err {err:.2e}")
         assert err < TOLERANCE, (g, err)
+
+
+def test_a_merge_of_three_matches_reference() -> None:
+    """``spatial_merge_size=3`` merges units of 9 tokens: the calls hold whole units (they were
+    powers of two, and the first call failed: "a call of 256 tokens cannot hold 234")."""
+    torch.manual_seed(1)
+    cfg = Qwen3OmniMoeVisionEncoderConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        patch_size=2,
+        temporal_patch_size=2,
+        spatial_merge_size=3,
+        out_hidden_size=40,
+        num_position_embeddings=25,
+        deepstack_visual_indexes=[0, 1],
+    )
+    cfg._attn_implementation = "eager"
+    ref = Qwen3OmniMoeVisionEncoder(cfg).eval()
+    randomize_weights(ref, 1.0)
+    spec = VisionEncoderSpec.from_hf(cfg)
+    model = build_model(
+        lambda: VisionEncoder(spec, rngs=nnx.Rngs(0)),
+        torch_state_items(ref),
+        VISION_RULES,
+        ignore=VISION_IGNORE,
+    )
+    grids = [(1, 6, 9), (2, 3, 6)]
+    patches = [random_patches(np.random.default_rng(2), g, spec.patch_dim) for g in grids]
+    graphdef, state = nnx.split(model)
+    batch, split = prepare_vision_batch(patches, grids, spec)
+    got = _ours(CountedJit(graphdef)(state, batch))
+    assert _err([f[: split.total] for f in got], _reference_forward(ref, patches, grids)) < TOLERANCE

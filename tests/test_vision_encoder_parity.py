@@ -124,3 +124,31 @@ def test_calls_cut_by_the_plan_match_reference(monkeypatch) -> None:
         err = rel_err(np.concatenate(got), _reference_forward(ref, [p], [g]))
         print(f"grid {g}: rel err {err:.2e}")
         assert err < 1e-5, (g, err)
+
+
+def test_a_merge_of_three_matches_reference() -> None:
+    """``spatial_merge_size=3`` merges units of 9 tokens: the window layers' tile holds whole
+    units (a power of two of tokens did not, and the first call failed with a reshape error)."""
+    torch.manual_seed(1)
+    cfg = Qwen2_5OmniVisionEncoderConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        patch_size=2,
+        temporal_patch_size=2,
+        spatial_merge_size=3,
+        window_size=12,  # windows of 2x2 merged units = 36 tokens
+        out_hidden_size=40,
+        fullatt_block_indexes=[1],
+    )
+    cfg._attn_implementation = "eager"
+    ref = Qwen2_5OmniVisionEncoder(cfg).eval()
+    spec = VisionEncoderSpec.from_hf(cfg)
+    model = build_model(lambda: VisionEncoder(spec, rngs=nnx.Rngs(0)), torch_state_items(ref), VISION_RULES)
+    graphdef, state = nnx.split(model)
+    grids = [(1, 6, 9), (2, 3, 6)]
+    patches = [random_patches(np.random.default_rng(2), g, spec.patch_dim) for g in grids]
+    batch, rows = prepare_vision_batch(patches, grids, spec)
+    got = np.concatenate(rows.split(np.asarray(CountedJit(graphdef)(state, batch))))
+    assert rel_err(got, _reference_forward(ref, patches, grids)) < 1e-5

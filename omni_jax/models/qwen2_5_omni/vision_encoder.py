@@ -130,9 +130,10 @@ class VisionEncoderSpec(PatchGeometry):
 
     @property
     def band_tile(self) -> int:
-        """Query tile of the window layers: a power of two holding a whole window, so that a
-        window starting or ending in a tile lies within that tile and its two neighbours."""
-        return bucket_size(self.window_tokens)
+        """Query tile of the window layers: whole merge units (a power of two of them) holding a
+        whole window, so that a window starting or ending in a tile lies within that tile and its
+        two neighbours."""
+        return self.merge_unit * bucket_size(self.window_units**2)
 
     @property
     def token_unit(self) -> int:

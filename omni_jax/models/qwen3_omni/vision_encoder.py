@@ -101,8 +101,9 @@ class VisionEncoderSpec(PatchGeometry):
 
     @property
     def token_unit(self) -> int:
-        """Tokens of the smallest call, and the step of the call sizes."""
-        return bucket_size(UNIT_ROWS * self.merge_unit)
+        """Tokens of the smallest call, and the step of the call sizes: whole merge units (a
+        ``spatial_merge_size`` of 3 makes units of 9 tokens, which no power of two holds)."""
+        return self.merge_unit * bucket_size(UNIT_ROWS)
 
     def token_flops(self) -> int:
         """Multiply-adds x 2 per token of everything but attention scores (patch embedding,
