@@ -66,6 +66,9 @@ def stage_graph(
     config = load_pipeline_config(stage_config or arch.stage_yaml)
     config.check_architecture(architecture_names(arch), path)
     described = arch.config_stages(hf_config)
+    if stages is None and len(described) < len(arch.parts):
+        kept = [sc.name for sc in config.stages if sc.name in described]
+        stages = kept or [sc.name for sc in config.stages]  # a YAML of audio stages alone: refused
     absent = [name for name in stages or [] if name in arch.voiced and name not in described]
     if absent:
         raise ValueError(
@@ -73,8 +76,6 @@ def stage_graph(
             f"as Qwen3-Omni's Thinking and Captioner): stages {absent} cannot run; load it with "
             f"stages={described}"
         )
-    if stages is None and len(described) < len(arch.parts):
-        stages = [sc.name for sc in config.stages if sc.name in described]
     return config.select(stages)
 
 

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import struct
 import zipfile
 from collections.abc import Callable, Iterator
@@ -221,14 +222,18 @@ def _listed_files(source: Path) -> list[Path]:
 
 
 def unlisted_shards(model_dir: Path) -> list[str]:
-    """Names of the weight files in ``model_dir`` beside a shard index that does not list them
-    (an index left from an earlier save): their tensors are never read."""
+    """Names of the shards (``<name>-00003-of-00004.<ext>``) in ``model_dir`` beside a shard
+    index that does not list them (an index left from an earlier save): their tensors are never
+    read. Other weight files a repo ships (``training_args.bin``, an adapter) are not shards."""
     source = weights_source(model_dir)
     if source is None or source.name not in SHARD_INDEXES:
         return []
     suffix = source.name.removesuffix(".index.json").rsplit(".", 1)[1]
     listed = set(_listed_files(source))
-    return sorted(f.name for f in model_dir.glob(f"*.{suffix}") if f not in listed)
+    shard = re.compile(rf".+-\d+-of-\d+\.{suffix}")
+    return sorted(
+        f.name for f in model_dir.glob(f"*.{suffix}") if f not in listed and shard.fullmatch(f.name)
+    )
 
 
 def stored_dtype(model_dir: Path) -> str | None:

@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from stage_yamls import shipped_config
 
 from checkpoints_convert.cli import main as convert_main
 from omni_jax import OmniJaxPipeline, SamplingParams
@@ -244,6 +246,13 @@ def test_a_checkpoint_that_does_not_speak_serves_its_thinker(qwen3_omni_dir, tmp
         ),
     ):
         OmniJaxPipeline.from_pretrained(src, stages=["thinker", "talker"], max_model_len=128)
+    voice_only = shipped_config("qwen3_omni")  # a stage YAML of code2wav alone: nothing is left
+    voice_only["stages"] = [stage for stage in voice_only["stages"] if stage["name"] == "code2wav"]
+    (tmp_path / "code2wav.yaml").write_text(yaml.safe_dump(voice_only))
+    with pytest.raises(
+        ValueError, match=re.escape("stages ['code2wav'] cannot run; load it with stages=['thinker']")
+    ):
+        OmniJaxPipeline.from_pretrained(src, stage_config=tmp_path / "code2wav.yaml")
     assert [s.name for s in plan_memory(src).stages] == ["thinker"]
     dst = convert(src, tmp_path / "conv", progress=False)
     assert json.loads((dst / MANIFEST).read_text())["stages"] == ["thinker"]

@@ -164,3 +164,10 @@ def test_a_config_the_decoder_would_run_differently_is_refused_at_load(change: d
     cfg = tiny_qwen2_config(64, **change)
     with pytest.raises(ValueError, match=f"unsupported {re.escape(match)}"):
         Qwen2Spec.from_hf(cfg)
+
+
+def test_swish_is_silu() -> None:
+    """transformers runs ``hidden_act: swish`` as SiLU: taken, as ``silu`` is."""
+    assert Qwen2Spec.from_hf(tiny_qwen2_config(64, hidden_act="swish")) == Qwen2Spec.from_hf(
+        tiny_qwen2_config(64)
+    )

@@ -270,11 +270,22 @@ def test_sharded_faults_name_the_shard_or_the_index(sharded_dir, tmp_path) -> No
     second = shards(src)[1]
     kept["weight_map"] = {k: f for k, f in kept["weight_map"].items() if f != second.name}
     index.write_text(json.dumps(kept))
+    (src / "training_args.bin").write_bytes(b"not a shard")  # files a fine-tune ships beside: not named
+    (src / "adapter_model.safetensors").write_bytes(b"not a shard")
     refused(
         src,
         tmp_path / "f",
         rf"{re.escape(str(index))}: checkpoint is missing parameters: .*; the index does not list "
         rf"{re.escape(second.name)} in {re.escape(str(src))}: is it out of date\?$",
+    )
+    index.write_text((sharded_dir / index.name).read_text())  # every shard listed again
+    config = json.loads((src / "config.json").read_text())
+    deeper = {"num_hidden_layers": config["num_hidden_layers"] + 1}  # a layer no shard holds
+    if "layer_types" in config:
+        deeper["layer_types"] = [*config["layer_types"], "full_attention"]
+    (src / "config.json").write_text(json.dumps({**config, **deeper}))
+    refused(
+        src, tmp_path / "g", r"checkpoint is missing parameters: .*; does .*config\.json match the weights\?$"
     )
 
 

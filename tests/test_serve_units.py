@@ -713,6 +713,43 @@ def test_an_unhandled_fault_is_a_500_json_and_the_server_goes_on() -> None:
         assert client.get("/health").status_code in (200, 503)
 
 
+def _cut(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the client gets when the shutdown cancels an app after it sent ``messages``."""
+    from omni_jax.serve.app import _Contained
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        for message in messages:
+            await send(message)
+        raise asyncio.CancelledError
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions"}
+    asyncio.run(_Contained(app, lambda: None)(scope, None, send))  # type: ignore[arg-type]
+    return sent
+
+
+def test_a_stream_the_shutdown_cuts_ends_with_an_error_event_unless_it_had_ended() -> None:
+    """Cut mid-stream: an ``error`` event (503) and ``[DONE]`` end the body. Cut after the last
+    byte went out (as the response's task group ends): nothing more is sent; a body after the
+    end was uvicorn's "Unexpected ASGI message" traceback."""
+    start = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [(b"content-type", b"text/event-stream")],
+    }
+    chunk = {"type": "http.response.body", "body": b'data: {"x":1}\n\n', "more_body": True}
+    cut = _cut([start, chunk])
+    assert cut[:2] == [start, chunk] and len(cut) == 3 and cut[2]["more_body"] is False
+    said = b'data: {"error":{"message":"the server is shutting down: the stream was cut",'
+    assert cut[2]["body"].startswith(said) and cut[2]["body"].endswith(b"\n\ndata: [DONE]\n\n")
+    end = {"type": "http.response.body", "body": b"", "more_body": False}
+    assert _cut([start, chunk, end]) == [start, chunk, end]
+
+
 def test_transcripts_are_kept_until_their_audio_expires_and_at_most_so_many() -> None:
     """A spoken reply's transcript answers for its audio id until ``expires_at``; past the
     bound the oldest goes first, so the server's memory holds whatever the traffic."""

@@ -51,7 +51,7 @@ class Qwen2Spec:
             "rope_theta": getattr(cfg, "rope_theta", 10000.0),
         }
         act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # transformers' two names of one function
             raise ValueError(f"unsupported decoder activation hidden_act={act!r} (supported: silu)")
         rope_inv_freq(rope, head_dim, cfg.max_position_embeddings)  # refuses a rotary it cannot compute
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers

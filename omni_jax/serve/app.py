@@ -396,10 +396,10 @@ class _Contained:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = events = False
+        started = events = answered = False
 
         async def sending(message: Message) -> None:
-            nonlocal started, events
+            nonlocal started, events, answered
             if message["type"] == "http.response.start":
                 started = True
                 events = (
@@ -408,10 +408,13 @@ class _Contained:
                     .startswith(b"text/event-stream")
                 )
             await send(message)
+            answered = message["type"] == "http.response.body" and not message.get("more_body", False)
 
         try:
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
+            if answered:  # cut as the response's task group ended, after its last byte went out
+                return
             when = "mid-response" if started else "before it answered"
             log.warning("%s %s: cut by the shutdown %s", scope["method"], scope["path"], when)
             if events:
