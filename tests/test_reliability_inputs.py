@@ -9,7 +9,9 @@ codec ids outside the vocabulary and ``initial_noise`` of the wrong shape for a 
 pipeline (``test_code2wav_stage``).
 
 Limits the refusals encode: audio longer than the feature extractor's ``n_samples`` (30 s,
-its ``chunk_length``; the reference silently truncates) is refused; audio, images or videos
+its ``chunk_length``; Qwen2.5-Omni's processor cuts it there, Qwen3-Omni's takes it whole; the
+audio encoder's calls here hold that much) is refused, with advice that can be followed (a video's
+one track cannot be split into audio items); audio, images or videos
 that fit the extractor but expand the prompt past ``max_model_len`` are refused by the
 prompt-length check, which then says what the media expanded to. A WAV file at another rate
 is resampled to 16 kHz (``scipy.signal.resample_poly``), not refused.
@@ -100,7 +102,9 @@ THINKER_CASES: dict[str, tuple[str, Callable[[], Any], str, dict[str, Any]]] = {
     "31 s audio": (
         "audio",
         lambda: np.zeros(31 * 16_000, np.float32),
-        r"audio is 31.00 s long \(496000 samples at 16000 Hz\); the feature extractor takes at most 30 s",
+        r"audio is 31.00 s long \(496000 samples at 16000 Hz\); clips are taken up to the feature "
+        r"extractor's window of 30 s \(480000 samples, its chunk_length\), refused past it rather than cut: "
+        r"split it into several audio items of at most 30 s$",
         {},
     ),
     "25 s audio past max_model_len": (
@@ -209,6 +213,20 @@ def test_bad_audio_track_of_a_video_refused(pipe, monkeypatch) -> None:
     prompt = with_media(pipe, "video", frames(2, 28, 28, 1), use_audio_in_video=True)
     prompt["multi_modal_data"]["audio"] = [_nan_audio()]
     refused(pipe, monkeypatch, prompt, r"audio contains 1 non-finite")
+
+
+def test_long_audio_track_of_a_video_refused(pipe, monkeypatch) -> None:
+    """A video's 31 s track is refused with advice that can be followed: with
+    ``use_audio_in_video`` a video has one track, which cannot be split into audio items."""
+    prompt = with_media(pipe, "video", frames(2, 28, 28, 1), use_audio_in_video=True)
+    prompt["multi_modal_data"]["audio"] = [np.zeros(31 * 16_000, np.float32)]
+    refused(
+        pipe,
+        monkeypatch,
+        prompt,
+        r"audio is 31.00 s long .*: with use_audio_in_video a video has exactly one audio track, so split "
+        r"the video into videos of at most 30 s$",
+    )
 
 
 @pytest.mark.parametrize("tracks", [0, 2])

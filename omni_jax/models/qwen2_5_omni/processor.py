@@ -240,12 +240,13 @@ def _audio_items(value: Any) -> list[Any]:
     return [value] if _is_rated(value) or _is_numbers(value) else _as_list(value)
 
 
-def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.ndarray:
+def _audio_item(index: int, item: Any, max_samples: int | None, track: bool) -> np.ndarray:
     """A 1-D real float array at 16 kHz (or a list of numbers; or a ``(clip, sample_rate)``
     tuple, resampled as a WAV file is; or a .wav path, or a WAV file's bytes), not empty,
-    finite, at most ``max_samples`` long. Integer arrays are refused: their scale (PCM, or
-    values already in [-1, 1]) would be a guess, and transformers' feature extractor takes
-    them unscaled."""
+    finite, at most ``max_samples`` long. ``track``: the clip is a video's one audio track
+    (``use_audio_in_video``), so a longer one is refused with advice to split the video, not
+    the clip. Integer arrays are refused: their scale (PCM, or values already in [-1, 1]) would
+    be a guess, and transformers' feature extractor takes them unscaled."""
     max_seconds = None if max_samples is None else max_samples / SAMPLE_RATE
     rate = SAMPLE_RATE
     if _is_rated(item):
@@ -280,11 +281,18 @@ def _audio_item(index: int, item: Any, max_samples: int | None = None) -> np.nda
             raise _fail(index, f"audio {e}") from None
         audio = resample(audio.astype(np.float32, copy=False), rate, SAMPLE_RATE)
     if max_samples is not None and audio.size > max_samples:
+        most = f"{max_samples / SAMPLE_RATE:g} s"
+        shorten = (
+            f"with use_audio_in_video a video has exactly one audio track, so split the video into videos "
+            f"of at most {most}"
+            if track
+            else f"split it into several audio items of at most {most}"
+        )
         raise _fail(
             index,
             f"audio is {audio.size / SAMPLE_RATE:.2f} s long ({audio.size} samples at {SAMPLE_RATE} Hz); "
-            f"the feature extractor takes at most {max_samples / SAMPLE_RATE:g} s ({max_samples} samples, "
-            "its chunk_length; the reference truncates longer audio): split it into several audio items",
+            f"clips are taken up to the feature extractor's window of {most} ({max_samples} samples, its "
+            f"chunk_length), refused past it rather than cut: {shorten}",
         )
     return audio.astype(np.float32, copy=False)
 
@@ -619,7 +627,7 @@ class OmniProcessor:
             raise _fail(index, f"use_audio_in_video must be true or false, got {use_audio_in_video!r}")
         if fps is not None and not (_is_number(fps) and 0 < fps < math.inf):
             raise _fail(index, f"fps must be a positive finite number, got {fps!r}")
-        data = self._check_forms(index, multi_modal_data)
+        data = self._check_forms(index, multi_modal_data, use_audio_in_video)
         ids = [int(t) for t in token_ids]
         audios, images, videos = data.get("audio", []), data.get("image", []), data.get("video", [])
         self._check_counts(index, ids, len(audios), len(images), len(videos), use_audio_in_video)
@@ -652,14 +660,15 @@ class OmniProcessor:
         out.input_ids = self._expand(ids, out)
         return out
 
-    def _check_forms(self, index: int, mm: Any) -> dict[str, list[Any]]:
+    def _check_forms(self, index: int, mm: Any, use_audio_in_video: bool) -> dict[str, list[Any]]:
         if mm is None:
             return {}
         if not isinstance(mm, dict):
             raise _fail(index, f"multi_modal_data must be a dict, got {type(mm).__name__}")
         max_samples = getattr(self.feature_extractor, "n_samples", None)
+        tracks = use_audio_in_video and mm.get("video") is not None and bool(_video_items(mm["video"]))
         checks = {
-            "audio": lambda i, item: _audio_item(i, item, max_samples),
+            "audio": lambda i, item: _audio_item(i, item, max_samples, tracks),
             "image": _image_item,
             "video": _video_item,
         }
