@@ -66,15 +66,19 @@ def stage_graph(
     config = load_pipeline_config(stage_config or arch.stage_yaml)
     config.check_architecture(architecture_names(arch), path)
     described = arch.config_stages(hf_config)
+    runnable = [sc.name for sc in config.stages if sc.name in described]
     if stages is None and len(described) < len(arch.parts):
-        kept = [sc.name for sc in config.stages if sc.name in described]
-        stages = kept or [sc.name for sc in config.stages]  # a YAML of audio stages alone: refused
+        stages = runnable or [sc.name for sc in config.stages]  # a YAML of audio stages alone: refused
     absent = [name for name in stages or [] if name in arch.voiced and name not in described]
     if absent:
+        way_out = (
+            f"load it with stages={runnable}"
+            if runnable
+            else f"the stage config lists none of {described}: give one that does ({arch.stage_yaml} does)"
+        )
         raise ValueError(
             f"{path / 'config.json'}: enable_audio_output is false (a checkpoint that does not speak, "
-            f"as Qwen3-Omni's Thinking and Captioner): stages {absent} cannot run; load it with "
-            f"stages={described}"
+            f"as Qwen3-Omni's Thinking and Captioner): stages {absent} cannot run; {way_out}"
         )
     return config.select(stages)
 

@@ -250,7 +250,10 @@ def test_a_checkpoint_that_does_not_speak_serves_its_thinker(qwen3_omni_dir, tmp
     voice_only["stages"] = [stage for stage in voice_only["stages"] if stage["name"] == "code2wav"]
     (tmp_path / "code2wav.yaml").write_text(yaml.safe_dump(voice_only))
     with pytest.raises(
-        ValueError, match=re.escape("stages ['code2wav'] cannot run; load it with stages=['thinker']")
+        ValueError,
+        match=re.escape(
+            "stages ['code2wav'] cannot run; the stage config lists none of ['thinker']: give one"
+        ),
     ):
         OmniJaxPipeline.from_pretrained(src, stage_config=tmp_path / "code2wav.yaml")
     assert [s.name for s in plan_memory(src).stages] == ["thinker"]
