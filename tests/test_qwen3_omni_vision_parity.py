@@ -3,6 +3,8 @@ deepstack feature) on ragged batches of images and videos."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 import pytest
@@ -31,10 +33,9 @@ Features = list[np.ndarray]
 """An encoder's outputs for some items: the merged rows, then each deepstack feature's rows."""
 
 
-@pytest.fixture(scope="module")
-def reference() -> Qwen3OmniMoeVisionEncoder:
+def _reference_model(**changes: Any) -> Qwen3OmniMoeVisionEncoder:
     torch.manual_seed(0)
-    cfg = Qwen3OmniMoeVisionEncoderConfig(
+    sizes: dict[str, Any] = dict(
         depth=4,
         hidden_size=32,
         intermediate_size=48,
@@ -47,14 +48,14 @@ def reference() -> Qwen3OmniMoeVisionEncoder:
         num_position_embeddings=25,  # a 5x5 grid, resampled up and down to the frames
         deepstack_visual_indexes=[0, 2],
     )
+    cfg = Qwen3OmniMoeVisionEncoderConfig(**{**sizes, **changes})
     cfg._attn_implementation = "eager"
     model = Qwen3OmniMoeVisionEncoder(cfg).eval()
     randomize_weights(model, 1.0)
     return model
 
 
-@pytest.fixture(scope="module")
-def encoder(reference: Qwen3OmniMoeVisionEncoder) -> tuple[VisionEncoderSpec, nnx.GraphDef, nnx.State]:
+def _ours_of(reference: Qwen3OmniMoeVisionEncoder) -> tuple[VisionEncoderSpec, nnx.GraphDef, nnx.State]:
     spec = VisionEncoderSpec.from_hf(reference.config)
     model = build_model(
         lambda: VisionEncoder(spec, rngs=nnx.Rngs(0)),
@@ -64,6 +65,16 @@ def encoder(reference: Qwen3OmniMoeVisionEncoder) -> tuple[VisionEncoderSpec, nn
     )
     graphdef, state = nnx.split(model)
     return spec, graphdef, state
+
+
+@pytest.fixture(scope="module")
+def reference() -> Qwen3OmniMoeVisionEncoder:
+    return _reference_model()
+
+
+@pytest.fixture(scope="module")
+def encoder(reference: Qwen3OmniMoeVisionEncoder) -> tuple[VisionEncoderSpec, nnx.GraphDef, nnx.State]:
+    return _ours_of(reference)
 
 
 def _reference_forward(
@@ -159,32 +170,10 @@ def test_calls_cut_by_the_plan_match_reference(reference, encoder, monkeypatch) 
 def test_a_merge_of_three_matches_reference() -> None:
     """``spatial_merge_size=3`` merges units of 9 tokens: the calls hold whole units (they were
     powers of two, and the first call failed: "a call of 256 tokens cannot hold 234")."""
-    torch.manual_seed(1)
-    cfg = Qwen3OmniMoeVisionEncoderConfig(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=48,
-        num_heads=2,
-        patch_size=2,
-        temporal_patch_size=2,
-        spatial_merge_size=3,
-        out_hidden_size=40,
-        num_position_embeddings=25,
-        deepstack_visual_indexes=[0, 1],
-    )
-    cfg._attn_implementation = "eager"
-    ref = Qwen3OmniMoeVisionEncoder(cfg).eval()
-    randomize_weights(ref, 1.0)
-    spec = VisionEncoderSpec.from_hf(cfg)
-    model = build_model(
-        lambda: VisionEncoder(spec, rngs=nnx.Rngs(0)),
-        torch_state_items(ref),
-        VISION_RULES,
-        ignore=VISION_IGNORE,
-    )
+    ref = _reference_model(spatial_merge_size=3)
+    spec, graphdef, state = _ours_of(ref)
     grids = [(1, 6, 9), (2, 3, 6)]
     patches = [random_patches(np.random.default_rng(2), g, spec.patch_dim) for g in grids]
-    graphdef, state = nnx.split(model)
     batch, split = prepare_vision_batch(patches, grids, spec)
     got = _ours(CountedJit(graphdef)(state, batch))
     assert _err([f[: split.total] for f in got], _reference_forward(ref, patches, grids)) < TOLERANCE

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 import torch
@@ -22,9 +24,9 @@ from omni_jax.models.qwen2_5_omni.vision_encoder import (
 )
 
 
-def _reference() -> Qwen2_5OmniVisionEncoder:
+def _reference(**changes: Any) -> Qwen2_5OmniVisionEncoder:
     torch.manual_seed(0)
-    cfg = Qwen2_5OmniVisionEncoderConfig(
+    sizes: dict[str, Any] = dict(
         depth=3,
         hidden_size=32,
         intermediate_size=48,
@@ -37,6 +39,7 @@ def _reference() -> Qwen2_5OmniVisionEncoder:
         out_hidden_size=40,
         fullatt_block_indexes=[1],
     )
+    cfg = Qwen2_5OmniVisionEncoderConfig(**{**sizes, **changes})
     cfg._attn_implementation = "eager"
     return Qwen2_5OmniVisionEncoder(cfg).eval()
 
@@ -129,22 +132,8 @@ def test_calls_cut_by_the_plan_match_reference(monkeypatch) -> None:
 def test_a_merge_of_three_matches_reference() -> None:
     """``spatial_merge_size=3`` merges units of 9 tokens: the window layers' tile holds whole
     units (a power of two of tokens did not, and the first call failed with a reshape error)."""
-    torch.manual_seed(1)
-    cfg = Qwen2_5OmniVisionEncoderConfig(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=48,
-        num_heads=2,
-        patch_size=2,
-        temporal_patch_size=2,
-        spatial_merge_size=3,
-        window_size=12,  # windows of 2x2 merged units = 36 tokens
-        out_hidden_size=40,
-        fullatt_block_indexes=[1],
-    )
-    cfg._attn_implementation = "eager"
-    ref = Qwen2_5OmniVisionEncoder(cfg).eval()
-    spec = VisionEncoderSpec.from_hf(cfg)
+    ref = _reference(spatial_merge_size=3, window_size=12)  # windows of 2x2 merged units = 36 tokens
+    spec = VisionEncoderSpec.from_hf(ref.config)
     model = build_model(lambda: VisionEncoder(spec, rngs=nnx.Rngs(0)), torch_state_items(ref), VISION_RULES)
     graphdef, state = nnx.split(model)
     grids = [(1, 6, 9), (2, 3, 6)]
