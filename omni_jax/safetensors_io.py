@@ -241,7 +241,8 @@ def stored_dtype(model_dir: Path) -> str | None:
     name order for safetensors, stored order for ``.bin``), as transformers' ``dtype="auto"``
     reads a checkpoint whose config names none. ``None`` when that file cannot tell without
     being downloaded or without torch, or an index lists no file (``omni-jax plan`` reads
-    ``config.json`` alone, perhaps before the weights are there)."""
+    ``config.json`` alone, perhaps before the weights are there); ``CheckpointError`` for a weight
+    file that is a broken link (:func:`weights_source`), a download begun and not finished."""
     source = weights_source(model_dir)
     files = [] if source is None else _listed_files(source)
     if not files or not files[0].exists():
