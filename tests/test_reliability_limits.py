@@ -286,6 +286,46 @@ def test_solve_estimate_against_xla(omni_dir, widths, rows, codes) -> None:
     assert xla <= estimate <= 3 * xla, (estimate, xla)
 
 
+@pytest.mark.parametrize(
+    "dtype,budget,backend",
+    [("float32", 2048, "jnp"), ("float32", 2048, "auto"), ("bfloat16", 2048, "jnp"), ("bfloat16", 16, "jnp")],
+)
+def test_ar_step_estimate_against_xla(dtype: str, budget: int, backend: str) -> None:
+    """The AR plan's largest step (:attr:`ARMemory.step_bytes`, as the stage plans it) against
+    XLA's own count of that step's temporaries, at Qwen2-7B's widths (three layers, traced from
+    shapes, no weights): at least as large, at most twice. A prompt step of 2048 token rows and
+    a decode step of 16, float32 on the jnp path and the CPU kernel, and bfloat16, whose
+    products XLA's CPU compiler computes in float32 (every layer's weight copies at once, with
+    its default scheduler: :mod:`omni_jax.cpu_schedule`;
+    :func:`test_ar_step_estimate_under_the_depth_first_scheduler` runs the other)."""
+    from benchmarks.step_memory import step_memory
+
+    m = step_memory(dtype, layers=3, budget=budget, backend=backend)
+    assert m.xla <= m.estimate <= 2 * m.xla + (64 << 20), m
+
+
+def test_ar_step_estimate_under_the_depth_first_scheduler() -> None:
+    """With ``XLA_FLAGS`` turning the concurrency scheduler off (XLA reads it when its backend
+    starts: another process), a bfloat16 step converts one weight at a time, and the estimate
+    still bounds XLA's count within twice."""
+    import os
+    import subprocess
+    import sys
+
+    from omni_jax.cpu_schedule import FLAG
+
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --{FLAG}=false"}
+    test = f"{__file__}::test_ar_step_estimate_against_xla[bfloat16-2048-jnp]"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", test],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "1 passed" in done.stdout
+
+
 def test_default_caches_leave_room_for_later_stages(omni_dir, monkeypatch) -> None:
     """Sharing one memory, the thinker's default cache (built first) leaves the talker and
     code2wav what they need at the least, and splits the rest with the talker's cache by what

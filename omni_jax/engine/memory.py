@@ -9,7 +9,9 @@ its own, :mod:`omni_jax.engine.ar_runner`), and that path gathers each row's K a
 scores them in chunks of rows (one layer at a time), plus each token row's activations (as
 wide as the model says, ``activation_width``), the step's float32 logits, and what the
 penalties read: the id table the runner keeps between steps (``max_num_seqs x max_model_len``
-ids, on every device) and a penalised step's rows of it with their token counts.
+ids, on every device) and a penalised step's rows of it with their token counts. On CPUs,
+what XLA's scheduler holds beside (:mod:`omni_jax.cpu_schedule`): bfloat16 weights' float32
+copies, and rows per layer.
 
 What a device has left: ``bytes_limit - bytes_in_use`` from ``memory_stats()`` on accelerators;
 CPU devices report no statistics and allocate from host memory, so they count against the
@@ -90,6 +92,7 @@ class ARMemory:
     max_token_rows: int  # token rows of the largest step on one device
     chunk_bytes: int  # what the jnp path gathers and scores at once (attention.chunk_bytes)
     activation_width: int  # float32 values a token row holds at once on one device (see step_bytes)
+    cpu_bytes: int = 0  # what XLA's CPU scheduler holds beside the step (cpu_schedule.cpu_step_bytes)
 
     def kv_bytes(self, num_pages: int) -> int:
         """The cache with ``num_pages`` pages (plus the never-written null page)."""
@@ -100,14 +103,15 @@ class ARMemory:
         """The largest step's temporaries: one chunk of token rows' gathered K/V and float32
         scores (the jnp path, one layer at a time), every token row's activations, the step's
         float32 logits, and for the penalties the id table (int32) with a penalised step's rows
-        of it and their counts (float32) and seen flags."""
+        of it and their counts (float32) and seen flags; and :attr:`cpu_bytes`."""
         context = self.cache.table_tokens
         per_row = context * self.cache.token_bytes + self.num_heads * context * 4
         rows = min(self.max_token_rows, max(1, self.chunk_bytes // per_row))
         activations = self.max_token_rows * self.activation_width * 4
         length = self.cache.max_model_len
         penalties = self.max_num_seqs * length * 4 + self.max_rows * (length * 4 + self.vocab_size * 5)
-        return rows * per_row + activations + self.max_rows * self.vocab_size * 4 + penalties
+        logits = self.max_rows * self.vocab_size * 4
+        return rows * per_row + activations + logits + penalties + self.cpu_bytes
 
     def kv_item(self, num_pages: int) -> tuple[str, int]:
         """The cache as one line of a refusal: ``(what, bytes)``."""

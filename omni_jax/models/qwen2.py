@@ -321,9 +321,10 @@ class Qwen2ForCausalLM(nnx.Module):
     def activation_width(self, model: int) -> int:
         """Float32 values one token row of a step holds at once on one device, when a ``model``
         mesh axis of that size splits the layers (the engine's memory estimate): the SwiGLU's
-        gate and up outputs, split over ``model``, beside three vectors of the residual
-        stream's width, whole on every device."""
-        return 2 * self.spec.intermediate_size // model + 3 * self.spec.hidden_size
+        gate and up outputs and their product (XLA keeps all three: the down projection's dot
+        reads the product as a buffer of its own), split over ``model``, beside three vectors of
+        the residual stream's width, whole on every device."""
+        return 3 * self.spec.intermediate_size // model + 3 * self.spec.hidden_size
 
     def __call__(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Generic, Protocol, cast
@@ -14,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from omni_jax.cpu_schedule import cpu_step_bytes
 from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARModel, ARRunner
 from omni_jax.engine.buckets import max_sequence_rows, max_token_rows
@@ -611,21 +613,32 @@ class CachePlan:
             raise ValueError(f"max_num_seqs={max_num_seqs} and page_size={page_size} must be >= 1")
         if page_size > max_model_len:  # every sequence would reserve a page it can never fill
             raise ValueError(f"page_size={page_size} exceeds max_model_len={max_model_len}")
-        dtype = jnp.dtype(jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype)
+        params = jax.tree.leaves(nnx.state(model, nnx.Param))
+        dtype = jnp.dtype(params[0].dtype)
         geometry = CacheGeometry(layers, kv_heads, head_dim, dtype, page_size, max_model_len)
+        platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
         max_rows = max_sequence_rows(max_num_seqs, data)
+        token_rows = (
+            max_token_rows(max_num_batched_tokens, max_rows, max_num_seqs * max_model_len, data) // data
+        )
         memory = ARMemory(
             cache=geometry.shard(tp),
             num_heads=model.num_query_heads() // tp,
             vocab_size=model.vocab_size(),
             max_rows=max_rows // data,
             max_num_seqs=max_num_seqs,
-            max_token_rows=max_token_rows(
-                max_num_batched_tokens, max_rows, max_num_seqs * max_model_len, data
-            )
-            // data,
-            chunk_bytes=chunk_bytes(jax.default_backend() if mesh is None else mesh.devices.flat[0].platform),
+            max_token_rows=token_rows,
+            chunk_bytes=chunk_bytes(platform),
             activation_width=model.activation_width(tp),
+            cpu_bytes=0
+            if platform != "cpu"
+            else cpu_step_bytes(
+                [math.prod(p.shape) // tp for p in params],  # a model axis splits the large ones
+                dtype.itemsize,
+                layers,
+                token_rows,
+                model.num_query_heads() // tp * head_dim,
+            ),
         )
         return cls(geometry, max_num_seqs, memory)
 

@@ -247,9 +247,10 @@ class Talker(Qwen3OmniTextLM):
 
     def activation_width(self, model: int) -> int:
         """The sparse block's width (:meth:`Qwen3OmniTextLM.activation_width`) plus its shared
-        expert's gate and up outputs and gate logit, which it holds beside the routed experts'."""
+        expert's gate and up outputs and their product and gate logit, which it holds beside the
+        routed experts'."""
         shared = self.spec.moe.shared_expert_size if self.spec.moe is not None else 0
-        return super().activation_width(model) + 2 * shared // model + 1
+        return super().activation_width(model) + 3 * shared // model + 1
 
 
 def stack_talker_readers(tensors: Iterable[tuple[str, TensorReader]]) -> Iterator[tuple[str, TensorReader]]:

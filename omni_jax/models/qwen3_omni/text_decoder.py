@@ -210,19 +210,20 @@ class Qwen3OmniTextLM(Qwen2ForCausalLM):
     def activation_width(self, model: int) -> int:
         """Float32 values one token row of a step holds at once on one device, when a ``model``
         mesh axis of that size splits the MLPs' intermediate width: the widest MLP (a dense
-        layer's gate and up outputs; a sparse layer's router logits and, for each expert that
-        runs the row, its input row, gate and up outputs and output row: the ``k`` chosen ones
+        layer's gate and up outputs and their product, as :meth:`Qwen2ForCausalLM.activation_width`;
+        a sparse layer's router logits and, for each expert that runs the row, its input row,
+        gate and up outputs and their product and output row: the ``k`` chosen ones
         as grouped matmuls, every expert on this device where they run dense,
         :func:`~omni_jax.models.moe.expert_path`) beside three residual-width vectors."""
         spec = self.spec
-        widths = [2 * spec.intermediate_size // model] if not all(spec.sparse_layers) else []
+        widths = [3 * spec.intermediate_size // model] if not all(spec.sparse_layers) else []
         if spec.moe is not None:
             moe = spec.moe
-            inner = 2 * moe.intermediate_size // model
+            inner = 3 * moe.intermediate_size // model
             if expert_path() == "dense":
                 split = experts_split(moe.num_experts, model)
                 experts = moe.num_experts // model if split else moe.num_experts
-                inner = 2 * moe.intermediate_size if split else inner
+                inner = 3 * moe.intermediate_size if split else inner
             else:
                 experts = moe.top_k
             widths.append(moe.num_experts + experts * (inner + 2 * moe.hidden_size))
