@@ -46,10 +46,14 @@
 #             its own (STREAMS_COLD_S each; their measured runs may overlap, so these figures are
 #             not clean), then each again alone from its cache (STREAMS_WARM_S each, 0: not run): the
 #             clean ones;
+#   step_memory  the memory plan's largest AR step against XLA's count of the compiled step, at
+#             Qwen2-7B's widths in bfloat16 (STEP_LAYERS layers, default 28), budgets 2048 and 16,
+#             the default attention and the jnp path (benchmarks/step_memory.py); and whether this
+#             jaxlib knows --xla_cpu_enable_concurrency_optimized_scheduler (omni_jax/cpu_schedule.py);
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
 # STREAM_TOKENS the stream parts' step budget (text prompts are short: fewer token-row programs),
-# MOE_S, SHAPED_S, COMPILE_S, COMPILE3_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each
+# MOE_S, SHAPED_S, STEP_MEMORY_S (each of its runs), COMPILE_S, COMPILE3_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each
 # run), PROFILE_S, STREAM_S, STREAM3_S, STREAMS_COLD_S, STREAMS_WARM_S and TESTS_S bound the parts
 # (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's, C2W_BATCHES the
 # code2wav batch sizes, C2W_MODEL its model (small), XLA_CACHE the persistent caches' root, SUITE_MODEL the overlap and stream parts' model (small; tiny for a quick
@@ -257,6 +261,22 @@ tests() {
     -rfE --durations=20 >"$OUT/tests.log" 2>&1
   echo "tests exit $?"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
+}
+
+step_memory() {
+  echo "== step_memory: Qwen2-7B widths, ${STEP_LAYERS:-28} layers, bfloat16 (limit ${STEP_MEMORY_S:-120}s each)"
+  : >"$OUT/step_memory.log"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_enable_concurrency_optimized_scheduler=false" python3 -c "import jax; jax.devices()" \
+    >>"$OUT/step_memory.log" 2>&1
+  echo "XLA_FLAGS with the CPU scheduler flag: exit $?" | tee -a "$OUT/step_memory.log"
+  for budget in 2048 16; do
+    for backend in auto jnp; do
+      timeout -s INT "${STEP_MEMORY_S:-120}" python3 -m benchmarks.step_memory --dtype bfloat16 \
+        --layers "${STEP_LAYERS:-28}" --budget "$budget" --backend "$backend" >>"$OUT/step_memory.log" 2>&1
+      echo "budget $budget, $backend: exit $?" >>"$OUT/step_memory.log"
+    done
+  done
+  grep -E "^Qwen2|exit" "$OUT/step_memory.log"
 }
 
 for part in $PARTS; do
