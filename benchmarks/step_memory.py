@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from transformers import Qwen2Config
 
+from omni_jax.cpu_schedule import concurrency_scheduler
 from omni_jax.engine.ar_runner import _forward_fn
 from omni_jax.engine.buckets import max_sequence_rows
 from omni_jax.engine.kv_cache import init_kv_cache
@@ -127,9 +128,12 @@ def main() -> None:
     args = parser.parse_args()
     m = step_memory(args.dtype, args.layers, args.budget, args.backend)
     mib = 1 << 20
+    scheduler = ""
+    if jax.default_backend() == "cpu":
+        scheduler = f", XLA's {'concurrency' if concurrency_scheduler() else 'depth-first'} scheduler"
     print(
         f"Qwen2-7B widths, {args.layers} layers, {args.dtype}, budget {args.budget}, "
-        f"{args.backend} attention, {jax.default_backend()}: estimate {m.estimate / mib:.0f} MiB, "
+        f"{args.backend} attention, {jax.default_backend()}{scheduler}: estimate {m.estimate / mib:.0f} MiB, "
         f"XLA {m.xla / mib:.0f} MiB, ratio {m.ratio:.2f}"
     )
 

@@ -2,55 +2,67 @@
 
 XLA's CPU compiler orders a program's operations breadth-first by default, so that independent
 operations can run at once (``--xla_cpu_enable_concurrency_optimized_scheduler``, on unless
-``XLA_FLAGS`` turns it off): it starts each operation as soon as its inputs are ready. In a
-decoder step that is at the top of the program for what reads only the weights: the CPU
-multiplies bfloat16 in float32, and every layer's weights are converted at once and held
-together (the float32 copy of the whole model, about 28 GB at 7B beside its 15 GB of weights),
-and the jnp attention's chunked output and its reordering, two query-wide float32 rows per
-token row, are kept for every layer. Its depth-first scheduler (the
-flag set to ``false``) converts each weight just before its product and frees it after: a step
-then holds the largest weight's copy alone. That scheduler also makes the vocoders' many
-independent convolutions slower on CPU (code2wav about a fifth slower in
-``benchmarks.run --suite code2wav`` on 2 cores, ``benchmarks/RESULTS.md``), so it is not
-imposed: the memory plan (:class:`~omni_jax.engine.memory.ARMemory`) counts what the scheduler
-in effect holds, and a bfloat16 model on a CPU short of memory can take the flag. XLA reads it
-from ``XLA_FLAGS`` alone (a per-program compile option does not change the schedule), when the
-backend starts. Accelerators convert nothing and keep no per-layer rows, and add nothing.
+``XLA_FLAGS`` turns it off when the backend starts): it starts each operation as soon as its
+inputs are ready. In a decoder step that is at the top of the program for what reads only the
+weights: the CPU multiplies bfloat16 in float32, and every layer's weights are converted at
+once and held together (about 27 GiB at 7B, beside 14 GiB of weights), and the jnp attention's
+chunked output and its reordering, two query-wide float32 rows per token row, are kept for
+every layer. Its depth-first scheduler (the flag set to ``false``) converts each weight just
+before its product and frees it after: a step then holds the largest weight's copy alone. That
+scheduler also makes the vocoders' many independent convolutions slower on CPU (code2wav about
+a fifth slower in ``benchmarks.run --suite code2wav`` on 2 cores, ``benchmarks/RESULTS.md``),
+so it is not imposed: the memory plan (:class:`~omni_jax.engine.memory.ARMemory`) counts what
+the scheduler in effect holds. Which one is in effect is asked of XLA itself
+(:func:`concurrency_scheduler`): it reads the flag once, when its CPU backend starts, from
+``XLA_FLAGS`` alone (a per-program compile option does not change the schedule), so the
+variable as it is now may not be what XLA took. Accelerators convert nothing and keep no
+per-layer rows, and add nothing.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+import functools
+
+import jax
+import jax.numpy as jnp
 
 FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
+PROBE_LAYERS, PROBE_WIDTH = 8, 512
+"""The probe: a chain of this many bfloat16 ``PROBE_WIDTH``-square products."""
 
 
-def concurrency_scheduler(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether XLA's CPU compiler schedules for concurrency (its default): unless ``XLA_FLAGS``
-    sets :data:`FLAG` to false (the last setting wins, as XLA parses them)."""
-    value = True
-    for flag in environ.get("XLA_FLAGS", "").split():
-        name, _, setting = flag.lstrip("-").partition("=")
-        if name == FLAG:
-            value = setting.lower() not in ("false", "0")
-    return value
+@functools.cache
+def concurrency_scheduler() -> bool:
+    """Whether this process's XLA CPU compiler schedules for concurrency: a chain of
+    :data:`PROBE_LAYERS` bfloat16 products compiled for the CPU holds every weight's float32
+    copy at once under that scheduler, one or two under the depth-first one. Without a CPU
+    backend in this process (``JAX_PLATFORMS=cuda``), XLA's default (true) is assumed."""
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        return True
+    on_cpu = jax.sharding.SingleDeviceSharding(cpu)
+    weight = jax.ShapeDtypeStruct((PROBE_WIDTH, PROBE_WIDTH), jnp.bfloat16, sharding=on_cpu)
+    x = jax.ShapeDtypeStruct((1, PROBE_WIDTH), jnp.bfloat16, sharding=on_cpu)
+
+    def chain(x: jax.Array, weights: list[jax.Array]) -> jax.Array:
+        for w in weights:
+            x = jnp.tanh(x @ w)
+        return x
+
+    compiled = jax.jit(chain).lower(x, [weight] * PROBE_LAYERS).compile()
+    copy = 4 * PROBE_WIDTH * PROBE_WIDTH
+    return compiled.memory_analysis().temp_size_in_bytes > PROBE_LAYERS // 2 * copy
 
 
-def cpu_step_bytes(
-    weights: list[int],
-    itemsize: int,
-    layers: int,
-    token_rows: int,
-    query_width: int,
-    environ: Mapping[str, str] = os.environ,
-) -> int:
+def cpu_step_bytes(weights: list[int], itemsize: int, layers: int, token_rows: int, query_width: int) -> int:
     """What an AR step on CPU holds beyond its own temporaries, given its ``weights`` (each
-    parameter's element count), their ``itemsize``, its ``layers``, the step's ``token_rows``
-    and one device's ``query_width`` (heads times head size): narrower weights' float32
-    copies (all at once, or the largest alone with the depth-first scheduler), and with the
-    default scheduler two float32 query-wide rows per token row and layer."""
-    concurrent = concurrency_scheduler(environ)
+    parameter's element count, whole: a model axis's shards are counted as replicated), their
+    ``itemsize``, its ``layers``, the step's ``token_rows`` and one device's ``query_width``
+    (heads times head size): narrower weights' float32 copies (all at once, or the largest
+    alone with the depth-first scheduler), and with the default scheduler two float32
+    query-wide rows per token row and layer."""
+    concurrent = concurrency_scheduler()
     copies = 0 if itemsize >= 4 else 4 * (sum(weights) if concurrent else max(weights))
     rows = 2 * layers * token_rows * query_width * 4 if concurrent else 0
     return copies + rows

@@ -633,7 +633,7 @@ class CachePlan:
             cpu_bytes=0
             if platform != "cpu"
             else cpu_step_bytes(
-                [math.prod(p.shape) // tp for p in params],  # a model axis splits the large ones
+                [math.prod(p.shape) for p in params],
                 dtype.itemsize,
                 layers,
                 token_rows,
