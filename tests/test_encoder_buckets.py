@@ -66,7 +66,7 @@ MEDIA = [
     user(audio(0.7, 10)),
     user(audio(3.0, 11)),
     user(audio(12.0, 12)),
-    user(audio(29.9, 13)),  # the longest clip the feature extractor takes
+    user(audio(18.0, 13)),  # 9 chunks, the largest call (16): one filling 512 tokens is refused unread
     user(audio(2.0, 14), image(150, 150, 15)),
 ]
 """What one step may admit (every frame within what the tiny thinker's 512 positions hold, some
@@ -198,9 +198,9 @@ def test_default_buckets_take_what_the_processor_emits_and_a_prompt_holds(warm) 
 
 
 def test_no_encoder_compiles_after_warmup(warm) -> None:
-    """Images of many sizes, several in a prompt, videos and clips up to 30 s, encoded in one
-    step together and each alone: nothing traces or compiles, and a request's rows are the
-    same either way."""
+    """Images of many sizes, several in a prompt, videos and clips up to the largest call,
+    encoded in one step together and each alone: nothing traces or compiles, and a request's
+    rows are the same either way."""
     pipe, _, _ = warm
     step_inputs = frontend_of(pipe).step_inputs
     requests = [prepared(pipe, m, i) for i, m in enumerate(MEDIA)]

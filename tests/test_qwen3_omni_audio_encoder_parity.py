@@ -20,6 +20,7 @@ from omni_jax.models.qwen3_omni.audio_encoder import (
     audio_output_rows,
     prepare_audio_batch,
     reference_chunk_pad,
+    window_pieces,
 )
 from omni_jax.testing import randomize_weights
 
@@ -155,6 +156,43 @@ def test_clips_cut_into_calls_match_reference(reference, encoder) -> None:
         err = rel_err(rows, _reference_forward(reference, [f]))
         print(f"{f.shape[1]} frames: rel err {err:.2e}")
         assert err < TOLERANCE, (f.shape, err)
+
+
+def test_a_clip_longer_than_the_largest_call_is_encoded_in_pieces(reference, encoder) -> None:
+    """A clip of nine chunks and a tail, past calls of at most four chunks (windows of two), cut
+    at window edges into pieces of four, four and one and a tail chunks, each encoded as a clip
+    of its own with the clip's chunk pad, in the calls the planner cuts them into beside a short
+    clip of the same reference call: the pieces' rows, in order, equal the reference's rows of
+    the whole clip in that call. A cut inside a window (three chunks) does not."""
+    spec, graphdef, state = encoder
+    encode = CountedJit(graphdef)
+    lengths = [9 * CHUNK + 37, 60]
+    feats = _features(np.random.default_rng(3), lengths)
+    buckets = (1, 2, 4)
+    pieces = [window_pieces(n, spec, buckets[-1]) for n in lengths]
+    assert pieces == [[(0, 4 * CHUNK), (4 * CHUNK, 8 * CHUNK), (8 * CHUNK, lengths[0])], [(0, 60)]]
+    items = [(c, a, b) for c, cut in enumerate(pieces) for a, b in cut]
+    pad = reference_chunk_pad(lengths, spec)  # the reference call's longest chunk: a whole one
+    rows: list[list[np.ndarray]] = [[], []]
+    for call in plan_audio_calls([b - a for _, a, b in items], spec, buckets):
+        part = items[call.start : call.stop]
+        batch, split = prepare_audio_batch(
+            [feats[c][:, a:b] for c, a, b in part], spec, min_chunks=call.size, pad_frames=[pad] * len(part)
+        )
+        assert batch.features.shape[0] == call.size <= buckets[-1]
+        for (c, _, _), got in zip(part, split.split(np.asarray(encode(state, batch))), strict=True):
+            rows[c].append(got)
+    want = _reference_forward(reference, feats)
+    got = np.concatenate([np.concatenate(r) for r in rows])
+    assert got.shape == want.shape == (sum(audio_output_rows(n, spec) for n in lengths), 24)
+    err = rel_err(got, want)
+    print(f"pieces rel err {err:.2e}")
+    assert err < TOLERANCE, err
+
+    inside = [feats[0][:, : 3 * CHUNK], feats[0][:, 3 * CHUNK :]]  # a window cut in two
+    batch, split = prepare_audio_batch(inside, spec, min_chunks=16, pad_frames=[pad, pad])
+    cut = np.concatenate(split.split(np.asarray(encode(state, batch))))
+    assert rel_err(cut, want[: cut.shape[0]]) > 100 * TOLERANCE
 
 
 def test_spec_refuses_what_the_reference_miscounts() -> None:

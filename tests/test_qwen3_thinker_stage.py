@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from omni_reference import StandInVideoProcessor, frames, picture, reference_inputs, tone
+from parity import rel_err
 from stage_yamls import Whole, edited_stages
 
 from omni_jax import OmniJaxPipeline, SamplingParams
@@ -33,6 +34,7 @@ from omni_jax.testing import reference_omni_processor
 PROMPTS = ["tell me a story", "what is the capital of France?", "count to ten"]
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+RTOL = 1e-5  # float32, same math as the reference: the thinker parity tests' tolerance
 
 CLIP_A, CLIP_B = tone(0.61, 440, 0), tone(0.37, 330, 1)  # under one chunk: padded to the longer
 TRACK = tone(2.5, 220, 2)  # 250 mel frames: three chunks in two attention windows
@@ -96,18 +98,23 @@ def reference_reply(reference, prompt_ids: list[int], max_tokens: int) -> list[i
 
 
 @pytest.fixture(scope="module")
-def expected(pipe, reference, qwen3_omni_dir) -> dict[str, tuple[list[int], list[int]]]:
-    """Per case: (the reference processor's expanded prompt ids, the reference's greedy reply)."""
+def reference_processor(pipe, qwen3_omni_dir) -> Any:
+    """transformers' ``Qwen3OmniMoeProcessor`` from the checkpoint's parts (module docstring)."""
     from transformers import Qwen3OmniMoeProcessor
     from transformers.utils import is_torchvision_available
 
     ours = pipe.stages[0].frontend.processor
     stand_in = None if is_torchvision_available() else StandInVideoProcessor(ours.video_processor)
-    processor = reference_omni_processor(qwen3_omni_dir, stand_in, processor_class=Qwen3OmniMoeProcessor)
+    return reference_omni_processor(qwen3_omni_dir, stand_in, processor_class=Qwen3OmniMoeProcessor)
+
+
+@pytest.fixture(scope="module")
+def expected(pipe, reference, reference_processor) -> dict[str, tuple[list[int], list[int]]]:
+    """Per case: (the reference processor's expanded prompt ids, the reference's greedy reply)."""
     out = {}
     for case in CASES:
         prompt = our_prompt(pipe, case)
-        inputs = reference_inputs(processor, prompt)
+        inputs = reference_inputs(reference_processor, prompt)
         use_audio_in_video = bool(prompt.get("mm_processor_kwargs", {}).get("use_audio_in_video"))
         with torch.no_grad():
             seq = reference.thinker.generate(
@@ -151,6 +158,84 @@ def test_mixed_batch_equals_transformers_and_compiles_nothing_after_warmup(pipe,
     assert [o.prompt_token_ids for o in outs] == [expected[c][0] for c in order]
     assert (counter.traces, counter.compiles) == (0, 0)
     assert len({tuple(o.token_ids) for o in outs}) > 2  # the media matter
+
+
+@pytest.mark.parametrize("in_video", [False, True], ids=["clip", "video_track"])
+def test_audio_past_the_extractor_window_equals_transformers(
+    pipe, reference, reference_processor, in_video: bool
+) -> None:
+    """45 s of audio, past the tiny feature extractor's 30 s window (its ``chunk_length``), as a
+    clip or as a video's track (``use_audio_in_video``), which ``Qwen3OmniMoeProcessor``
+    featurises whole (``truncation=False``): our prompt ids (585 audio tokens) and features
+    equal its, and the thinker's 20 top log-probabilities (its logits, log-softmaxed) at each
+    greedy step and its reply (past the end-of-turn token: ``generate`` does not stop at it
+    here) equal transformers' thinker on its inputs, after
+    ``warmup()`` with nothing traced or compiled. The audio calls stay those of the window (up
+    to 32 chunks): the clip's 45 chunks are encoded in pieces of 32 and 13, cut at the edges of
+    its attention windows (two chunks each here)."""
+    step_inputs = pipe.stages[0].frontend.step_inputs
+    assert step_inputs.buckets.audio_chunks == (1, 2, 4, 8, 16, 32)
+    assert step_inputs.audio_pieces(4500) == [(0, 3200), (3200, 4500)]
+    clip = (np.random.default_rng(6).standard_normal(45 * 16_000) * 0.1).astype(np.float32)
+    if in_video:
+        prompt = pipe.chat_prompt(user({"type": "video", "video": VIDEO}), use_audio_in_video=True)
+        prompt["multi_modal_data"]["audio"] = [clip]
+    else:
+        prompt = pipe.chat_prompt(user({"type": "audio", "audio": clip}))
+    inputs = reference_inputs(reference_processor, prompt)
+    want_ids = inputs["input_ids"][0].tolist()
+    processor = pipe.stages[0].frontend.processor
+    ids = pipe.tokenizer(prompt["prompt"])["input_ids"]
+    ours = processor.process(0, ids, prompt["multi_modal_data"], use_audio_in_video=in_video)
+    assert ours.input_ids == want_ids and want_ids.count(processor.audio_id) == 585
+    (features,) = ours.audio_features
+    frames = int(inputs["feature_attention_mask"][0].sum())
+    np.testing.assert_array_equal(features, inputs["input_features"][0, :, :frames].numpy())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=20, ignore_eos=True)
+    with CompileCounter() as counter:
+        (out,) = pipe.run(prompt, params, progress=False)
+    assert (counter.traces, counter.compiles) == (0, 0)
+    with torch.no_grad():
+        seq = reference.thinker.generate(
+            **inputs,
+            use_audio_in_video=in_video,
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert out.prompt_token_ids == want_ids, out.error
+    assert out.token_ids == seq.sequences[0, len(want_ids) :].tolist()
+    got, want = [], []
+    for ours_step, logits in zip(out.logprobs, seq.logits, strict=True):
+        reference_step = torch.log_softmax(logits[0], -1).numpy()
+        got += list(ours_step.values())
+        want += [reference_step[t] for t in ours_step]
+    assert rel_err(np.array(got), np.array(want)) < RTOL, (got, want)
+
+
+def test_audio_past_max_model_len_is_refused_before_it_is_featurised(pipe, monkeypatch) -> None:
+    """80 s of audio (8000 mel frames: 1040 tokens) cannot fit a prompt of ``max_model_len``
+    (1024): the request is refused naming it, from the clip's samples, before its features are
+    computed; the pipeline runs on."""
+    assert pipe.stages[0].max_model_len == 1024
+    processor = pipe.stages[0].frontend.processor
+    assert processor.least_audio_tokens(80 * 16_000) == 1040
+
+    def featurised(audios):  # noqa: ANN001, ANN202 - Qwen3OmniProcessor.audio_features's
+        raise AssertionError("the clip was featurised")
+
+    monkeypatch.setattr(processor, "audio_features", featurised)
+    clip = np.full(80 * 16_000, 0.01, np.float32)
+    bad(
+        pipe,
+        pipe.chat_prompt(user({"type": "audio", "audio": clip})),
+        r"^request 1: prompt has at least 10\d\d tokens \(its audio clips expanded from their samples\), "
+        r"max_model_len is 1024 \(at least one token must be generated\)$",
+    )
+    monkeypatch.undo()
+    (out,) = pipe.run(our_prompt(pipe, "two_audios"), GREEDY, progress=False)
+    assert out.error is None
 
 
 def test_encoder_fault_ends_only_its_request(pipe, expected, monkeypatch) -> None:

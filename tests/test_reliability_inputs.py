@@ -8,12 +8,13 @@ sampling values and wrong array ranks/int audio (``test_run_greedy``, ``test_thi
 codec ids outside the vocabulary and ``initial_noise`` of the wrong shape for a code2wav-first
 pipeline (``test_code2wav_stage``).
 
-Limits the refusals encode: audio longer than the feature extractor's ``n_samples`` (30 s,
-its ``chunk_length``; Qwen2.5-Omni's processor cuts it there, Qwen3-Omni's takes it whole; the
-audio encoder's calls here hold that much) is refused, with advice that can be followed (a video's
-one track cannot be split into audio items); audio, images or videos
-that fit the extractor but expand the prompt past ``max_model_len`` are refused by the
-prompt-length check, which then says what the media expanded to. A WAV file at another rate
+Limits the refusals encode: Qwen2.5-Omni audio longer than the feature extractor's
+``n_samples`` (30 s, its ``chunk_length``; its processor cuts it there, Qwen3-Omni's takes it
+whole) is refused, with advice that can be followed (a video's one track cannot be split into
+audio items); audio whose tokens, counted from its samples, take the prompt to
+``max_model_len`` is refused before it is featurised; images, or audio that only the exact
+count takes there, are refused by the prompt-length check, which then says what the media
+expanded to. A WAV file at another rate
 is resampled to 16 kHz (``scipy.signal.resample_poly``), not refused.
 
 The last tests are run-time faults of the thinker's encoders (issue 6): a failure in the one
@@ -110,7 +111,7 @@ THINKER_CASES: dict[str, tuple[str, Callable[[], Any], str, dict[str, Any]]] = {
     "25 s audio past max_model_len": (
         "audio",
         lambda: tone(25.0, 440, 1),
-        r"prompt has \d+ tokens \(its media placeholders expanded to 625 audio tokens\), max_model_len is",
+        r"prompt has at least \d+ tokens \(its audio clips expanded from their samples\), max_model_len is",
         {},
     ),
     "zero-size image": ("image", lambda: np.zeros((0, 5, 3), np.uint8), r"image has an empty dimension", {}),

@@ -12,6 +12,10 @@ culprit ends), every encoder call has a size from :class:`EncoderBuckets`, compi
   step's pack (:meth:`Qwen3ThinkerStepInputs.pack`) splits them into the :class:`ThinkerMerge`
   that :meth:`Thinker.embed` and :meth:`Thinker.layer_inputs` read (audio rows fill only the
   first ``D`` columns: DeepStack never reads an audio row);
+- a clip may be longer than the extractor's window (the processor featurises it whole, only
+  ``max_model_len`` bounds it): it is encoded in pieces of whole attention windows, each at
+  most the largest audio call (:func:`window_pieces`), whose rows are the whole clip's, so the
+  audio calls stay those of the window, whatever ``max_model_len``;
 - the reference pads every audio chunk of one ``get_audio_features`` call, one request's clips,
   to that call's longest chunk, and the padding is not masked between its convolutions, so each
   clip is encoded with its request's pad (:func:`reference_chunk_pad`), whatever other clips
@@ -34,7 +38,12 @@ import numpy as np
 from omni_jax.engine.step import StepRow
 from omni_jax.models.qwen2_5_omni.audio_encoder import RowSplit
 from omni_jax.models.qwen2_5_omni.processor import OmniInputs
-from omni_jax.models.qwen3_omni.audio_encoder import AudioBatch, prepare_audio_batch, reference_chunk_pad
+from omni_jax.models.qwen3_omni.audio_encoder import (
+    AudioBatch,
+    prepare_audio_batch,
+    reference_chunk_pad,
+    window_pieces,
+)
 from omni_jax.models.qwen3_omni.processor import VIDEO_SIZE, Qwen3OmniProcessor
 from omni_jax.models.qwen3_omni.rope_index import media_rope_index
 from omni_jax.models.qwen3_omni.thinker import Thinker, ThinkerMerge
@@ -59,11 +68,16 @@ class Qwen3ThinkerStepInputs(ThinkerStepInputs):
         rows, deepstack = out
         return jnp.concatenate([rows, *deepstack], axis=-1)
 
+    def audio_pieces(self, frames: int) -> list[tuple[int, int]]:
+        """Whole attention windows, as many as the largest audio call holds, a piece (module
+        docstring)."""
+        return window_pieces(frames, self.spec.audio, self.buckets.audio_chunks[-1])
+
     def audio_batch(
         self, clips: Sequence[tuple[ThinkerRequest, np.ndarray]], chunks: int
     ) -> tuple[AudioBatch, RowSplit]:
-        """One audio encoder call, each clip's chunks padded as its request's reference call pads
-        them (its request's clips together)."""
+        """One audio encoder call, each clip's (or piece's) chunks padded as its request's
+        reference call pads them (its request's whole clips together)."""
         spec = self.spec.audio
         pads = [reference_chunk_pad([f.shape[1] for f in r.inputs.audio_features], spec) for r, _ in clips]
         return prepare_audio_batch([f for _, f in clips], spec, min_chunks=chunks, pad_frames=pads)

@@ -25,12 +25,15 @@ at a time to find the culprit: only it ends, with ``finish_reason="error"``, and
 on (:meth:`ThinkerStepInputs.prepare`).
 
 Every encoder call has a size from a fixed set (:class:`EncoderBuckets`): the audio encoder's
-chunk counts, powers of two up to what the feature extractor's longest clip needs; the vision
-encoder's token counts, the band tile times 1, 2, 3, 4, 6, 8, 12, ... (two sizes a doubling, so
-that past the smallest sizes a call is at most a third padding) up to what the largest image or
-video frame the processor emits needs, or a frame of ``max_model_len`` tokens where that is less
-(no admissible prompt holds a larger one). :meth:`ThinkerFrontend.warmup` compiles all of them,
-so no request mix compiles an encoder after it.
+chunk counts, powers of two up to what the feature extractor's window (``chunk_length``) needs,
+a longer clip (Qwen3-Omni's processor takes one) being encoded in pieces across calls
+(:meth:`ThinkerStepInputs.audio_pieces`), so that the largest call's memory does not grow with
+``max_model_len``; the vision encoder's token counts, the band tile times 1, 2, 3, 4, 6, 8, 12,
+... (two sizes a doubling, so that past the smallest sizes a call is at most a third padding) up
+to what the largest image or video frame the processor emits needs, or a frame of
+``max_model_len`` tokens where that is less (no admissible prompt holds a larger one).
+:meth:`ThinkerFrontend.warmup` compiles all of them, so no request mix compiles an encoder after
+it.
 """
 
 from __future__ import annotations
@@ -101,9 +104,11 @@ class EncoderBuckets:
         video_pixels: int = VIDEO_SIZE["longest_edge"],
         max_model_len: int | None = None,
     ) -> EncoderBuckets:
-        """Sized to the processor's own bounds: the feature extractor's longest clip (its
-        ``chunk_length``), and the most pixels its image processor or the video path
-        (``video_pixels``: the family's bound) resizes a frame to, so that any input it accepts
+        """Sized to the processor's own bounds: the feature extractor's window (its
+        ``chunk_length``; a longer clip, which Qwen3-Omni's processor takes, is encoded in pieces
+        of at most the largest call, :meth:`ThinkerStepInputs.audio_pieces`, so no audio call
+        grows with ``max_model_len``), and the most pixels its image processor or the video path
+        (``video_pixels``: the family's bound) resizes a frame to, so that any frame it accepts
         fits one call; vision calls from :data:`SMALLEST_VISION_CALL` tokens.
 
         ``max_model_len``: the longest prompt the stage admits. A frame of more patches than
@@ -122,14 +127,21 @@ class EncoderBuckets:
             vision_tokens=vision_token_buckets(vision, largest_frame, SMALLEST_VISION_CALL),
         )
 
-    def check(self, index: int, inputs: OmniInputs, spec: ThinkerSpec) -> None:
-        """``ValueError`` naming request ``index``, the item and the limit when a clip or a frame
+    def check(
+        self,
+        index: int,
+        inputs: OmniInputs,
+        spec: ThinkerSpec,
+        audio_pieces: Callable[[int], Sequence[tuple[int, int]]],
+    ) -> None:
+        """``ValueError`` naming request ``index``, the item and the limit when a piece of a clip
+        (``audio_pieces`` of its mel frames: :meth:`ThinkerStepInputs.audio_pieces`) or a frame
         needs more than the largest call."""
         if inputs.audio_features:
             most = self.audio_chunks[-1]
             frames = spec.audio.chunk_frames
             for i, n in enumerate(inputs.audio_seqlens):
-                if audio_chunks(n, spec.audio) > most:
+                if max(audio_chunks(b - a, spec.audio) for a, b in audio_pieces(n)) > most:
                     raise ValueError(
                         f"request {index}: audio {i} has {n} mel frames, more than the audio encoder's "
                         f"largest call takes ({most} chunks of {frames} frames = {most * frames} frames)"
@@ -313,10 +325,18 @@ class ThinkerStepInputs:
         here the output itself."""
         return out
 
+    def audio_pieces(self, frames: int) -> list[tuple[int, int]]:
+        """The ``(start, stop)`` mel frames of the pieces a clip of ``frames`` frames is encoded
+        in, each an item of :func:`plan_audio_calls`, whose rows, in order, are the clip's: here
+        the clip whole (Qwen2.5-Omni's processor takes no clip past the extractor's window, which
+        the largest call holds)."""
+        return [(0, frames)]
+
     def audio_batch(
         self, clips: Sequence[tuple[ThinkerRequest, np.ndarray]], chunks: int
     ) -> tuple[Any, RowSplit]:
-        """One audio encoder call of ``chunks`` chunks over ``clips`` (each with its request)."""
+        """One audio encoder call of ``chunks`` chunks over ``clips`` (each with its request; a
+        clip may be a piece of one: :meth:`audio_pieces`)."""
         return prepare_audio_batch([f for _, f in clips], self.spec.audio, min_chunks=chunks)
 
     def vision_batch(
@@ -347,17 +367,25 @@ class ThinkerStepInputs:
             }
 
     def _encode_audio(self, clips: list[tuple[ThinkerRequest, np.ndarray]]) -> list[np.ndarray]:
-        """Each clip's rows."""
+        """Each clip's rows (a long clip's pieces may come from several calls)."""
         if not clips:
             return []
         spec, buckets = self.spec.audio, self.buckets.audio_chunks
+        pieces = [(c, a, b) for c, (_, f) in enumerate(clips) for a, b in self.audio_pieces(f.shape[1])]
 
-        def dispatch() -> Iterator[tuple[RowSplit, jax.Array]]:
-            for call in plan_audio_calls([f.shape[1] for _, f in clips], spec, buckets):
-                batch, split = self.audio_batch(clips[call.start : call.stop], call.size)
-                yield split, self._audio(self._audio_state, batch)
+        def dispatch() -> Iterator[tuple[tuple[list[int], RowSplit], jax.Array]]:
+            for call in plan_audio_calls([b - a for _, a, b in pieces], spec, buckets):
+                items = pieces[call.start : call.stop]
+                batch, split = self.audio_batch(
+                    [(clips[c][0], clips[c][1][:, a:b]) for c, a, b in items], call.size
+                )
+                yield ([c for c, _, _ in items], split), self._audio(self._audio_state, batch)
 
-        return [rows for split, out in _one_ahead(dispatch()) for rows in split.split(out)]
+        rows: list[list[np.ndarray]] = [[] for _ in clips]
+        for (owners, split), out in _one_ahead(dispatch()):
+            for c, piece_rows in zip(owners, split.split(out), strict=True):
+                rows[c].append(piece_rows)
+        return [np.concatenate(r) for r in rows]
 
     def _encode_vision(
         self, patches: list[np.ndarray], grids: list[tuple[int, int, int]]
@@ -554,7 +582,7 @@ class ThinkerFrontend:
             # A prompt past max_model_len is refused by the stage's validation, naming its
             # length: the limit such a prompt's frames exceed (the vision calls stop there).
             if self.max_model_len is None or len(inputs.input_ids) < self.max_model_len:
-                self.step_inputs.buckets.check(index, inputs, self.spec)
+                self.step_inputs.buckets.check(index, inputs, self.spec, self.step_inputs.audio_pieces)
         try:
             positions, delta = self.rope_index(inputs)
         except (ValueError, IndexError) as e:
@@ -567,16 +595,24 @@ class ThinkerFrontend:
 
     def _admit(self, index: int, counts: dict[str, int], least_tokens: int) -> None:
         """Refuse request ``index`` before its media are featurised: more items of a kind than
-        :class:`MediaLimits` allow, or a prompt whose videos alone take it to ``max_model_len``
-        (hundreds of frames cost seconds and gigabytes to resize, then were refused for their
+        :class:`MediaLimits` allow, or a prompt whose clips and videos at their fewest tokens
+        take it to ``max_model_len`` (hundreds of frames cost seconds and gigabytes to resize,
+        and Qwen3-Omni featurises a clip of any length, before either was refused for its
         length)."""
         self.limits.check(index, counts)
-        # Without videos the stage's own check, which has the exact length, refuses it.
-        if counts["video"] and self.max_model_len is not None and least_tokens >= self.max_model_len:
+        # Without clips or videos the stage's own check, which has the exact length, refuses it.
+        counted = [
+            what
+            for kind, what in (
+                ("audio", "its audio clips expanded from their samples"),
+                ("video", "its videos' frames expanded at their smallest size"),
+            )
+            if counts[kind]
+        ]
+        if counted and self.max_model_len is not None and least_tokens >= self.max_model_len:
             raise ValueError(
-                f"request {index}: prompt has at least {least_tokens} tokens (its videos' frames expanded "
-                f"at their smallest size), max_model_len is {self.max_model_len} (at least one token must "
-                "be generated)"
+                f"request {index}: prompt has at least {least_tokens} tokens ({', '.join(counted)}), "
+                f"max_model_len is {self.max_model_len} (at least one token must be generated)"
             )
 
     def rope_index(self, inputs: OmniInputs) -> tuple[np.ndarray, int]:
@@ -588,10 +624,11 @@ class ThinkerFrontend:
         """Compile every encoder program ahead of traffic, from shapes (nothing runs); returns
         how many there are (none without a processor: text prompts only). Those are one audio
         program per chunk count of :attr:`EncoderBuckets.audio_chunks` (1, 2, 4, ... up to the
-        longest clip the feature extractor takes) and one vision program per token count of
-        :attr:`EncoderBuckets.vision_tokens` (the vision encoder's band tile times 1, 2, 3, 4, 6,
-        8, ... up to the largest frame the processor emits): every call :meth:`ThinkerStepInputs.encode`
-        can make, whatever the images, videos and clips a step admits."""
+        feature extractor's window; a longer clip is encoded in pieces of those calls) and one
+        vision program per token count of :attr:`EncoderBuckets.vision_tokens` (the vision
+        encoder's band tile times 1, 2, 3, 4, 6, 8, ... up to the largest frame the processor
+        emits): every call :meth:`ThinkerStepInputs.encode` can make, whatever the images, videos
+        and clips a step admits."""
         return self.step_inputs.warmup()
 
     def check_prompt(self, index: int, prompt: dict[str, Any]) -> None:

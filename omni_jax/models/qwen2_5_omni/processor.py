@@ -619,9 +619,10 @@ class OmniProcessor:
         one track per video (in video order) and the prompt has no audio placeholders of its own.
         ``admit``, when given, is called with the items of each kind (``audio``, its videos'
         tracks included, ``image``, ``video``) and the fewest tokens the prompt can expand to
-        (its videos' :meth:`VideoProcessor.least_tokens`, its other items none) once they
-        are checked and before any is featurised, so that a caller's per-prompt limits and
-        context refuse a prompt before its media cost time and memory.
+        (its clips' :meth:`least_audio_tokens`, its videos' :meth:`VideoProcessor.least_tokens`,
+        its images none) once they are checked and before any is featurised, so that a
+        caller's per-prompt limits and context refuse a prompt before its media cost time and
+        memory (a clip of an hour is refused from its length, not after its features).
         """
         if not isinstance(use_audio_in_video, (bool, np.bool_)):  # "no" would be true
             raise _fail(index, f"use_audio_in_video must be true or false, got {use_audio_in_video!r}")
@@ -633,7 +634,12 @@ class OmniProcessor:
         self._check_counts(index, ids, len(audios), len(images), len(videos), use_audio_in_video)
         if admit is not None:
             placeholders = sum(ids.count(t) for t in (self.audio_id, self.image_id, self.video_id))
-            least = len(ids) - placeholders + sum(self.video_processor.least_tokens(len(v)) for v in videos)
+            least = (
+                len(ids)
+                - placeholders
+                + sum(self.least_audio_tokens(len(a)) for a in audios)
+                + sum(self.video_processor.least_tokens(len(v)) for v in videos)
+            )
             admit({"audio": len(audios), "image": len(images), "video": len(videos)}, least)
         out = OmniInputs(input_ids=[], use_audio_in_video=use_audio_in_video and bool(videos))
         try:
@@ -660,12 +666,26 @@ class OmniProcessor:
         out.input_ids = self._expand(ids, out)
         return out
 
+    @property
+    def max_audio_samples(self) -> int | None:
+        """The longest clip :meth:`process` takes, in samples at :data:`SAMPLE_RATE` (None: any
+        length). Qwen2.5-Omni's is the feature extractor's ``n_samples`` (its ``chunk_length``;
+        300 s as released): transformers' processor cuts a longer clip to it, which is refused here rather
+        than done silently."""
+        return self.feature_extractor.n_samples
+
+    def least_audio_tokens(self, samples: int) -> int:
+        """The fewest placeholder tokens a clip of ``samples`` samples (at :data:`SAMPLE_RATE`)
+        expands to, known before it is featurised: the extractor gives it at least ``samples //
+        hop_length`` frames, and :meth:`audio_tokens` never falls as frames grow."""
+        return self.audio_tokens(samples // self.feature_extractor.hop_length)
+
     def _check_forms(self, index: int, mm: Any, use_audio_in_video: bool) -> dict[str, list[Any]]:
         if mm is None:
             return {}
         if not isinstance(mm, dict):
             raise _fail(index, f"multi_modal_data must be a dict, got {type(mm).__name__}")
-        max_samples = getattr(self.feature_extractor, "n_samples", None)
+        max_samples = self.max_audio_samples
         tracks = use_audio_in_video and mm.get("video") is not None and bool(_video_items(mm["video"]))
         checks = {
             "audio": lambda i, item: _audio_item(i, item, max_samples, tracks),

@@ -22,8 +22,14 @@ would pad it to (:func:`reference_chunk_pad`), and the padding beyond that lengt
 after each convolution, which reproduces the reference's result for any such length within the
 one fixed chunk shape.
 
+Nothing crosses a window's edge: the convolutions and the position embedding work per chunk
+(every chunk's positions start at 0), attention stays in a window, and the rest works per row.
+So a clip cut at window edges into pieces (:func:`window_pieces`), each encoded as a clip of its
+own, gives the clip's rows piece by piece, and a clip longer than the largest call (Qwen3-Omni's
+processor takes clips past the extractor's window) is encoded across calls of the usual sizes.
+
 Qwen2.5-Omni's ``audio_chunk_buckets`` and ``plan_audio_calls`` (the work is linear in the chunk
-count here too) give the call sizes and cut clips into calls, ``prepare_audio_batch``
+count here too) give the call sizes and cut clips (or pieces) into calls, ``prepare_audio_batch``
 builds each call's :class:`AudioBatch`, ``AudioEncoder(batch)`` returns ``[chunks * 13,
 output_dim]`` rows and the :class:`RowSplit` says which rows are whose.
 """
@@ -138,6 +144,18 @@ def audio_output_rows(frames: int, spec: AudioEncoderSpec) -> int:
     """Rows the encoder gives a clip of ``frames`` mel frames (the thinker's placeholder count)."""
     full, tail = divmod(frames, spec.chunk_frames)
     return full * spec.chunk_tokens + conv_stack_length(tail)
+
+
+def window_pieces(frames: int, spec: AudioEncoderSpec, most_chunks: int) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` mel frames of the pieces a clip of ``frames`` frames is encoded in,
+    in order: each the most whole attention windows ``most_chunks`` chunks hold (the last piece
+    the rest), so that each piece's rows, encoded as a clip of its own with the clip's chunk pad
+    (:func:`reference_chunk_pad` of its reference call), are the clip's rows there (module
+    docstring). Where ``most_chunks`` holds no whole window the clip stays whole."""
+    step = most_chunks // spec.window_chunks * spec.window_chunks * spec.chunk_frames
+    if step == 0:
+        return [(0, frames)]
+    return [(start, min(start + step, frames)) for start in range(0, frames, step)]
 
 
 def reference_chunk_pad(frames: Sequence[int], spec: AudioEncoderSpec) -> int:

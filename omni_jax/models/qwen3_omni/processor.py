@@ -5,7 +5,9 @@ with what ``Qwen3OmniMoeProcessor`` does differently.
   a 100-frame chunk; :func:`~omni_jax.models.qwen3_omni.rope_index.audio_token_count`).
 - The feature extractor pads the prompt's clips to the longest of them, not to its whole
   window (``padding=True``, ``truncation=False``), which changes the last frames of the
-  longest clip (its STFT reflects at its end instead of reading zeros).
+  longest clip (its STFT reflects at its end instead of reading zeros); and a clip longer than
+  the window (``chunk_length``) is featurised whole, not refused: only ``max_model_len`` bounds
+  it.
 - A video with its audio track interleaves the two token by token: a video token goes first
   while its frame's time (``t * seconds_per_grid * 13``) is at most the next audio token's
   index; Qwen2.5-Omni's interleaves 2-second chunks at 25 positions a second.
@@ -73,6 +75,13 @@ class Qwen3OmniProcessor(OmniProcessor):
         else:
             processor.video_processor = Qwen3TorchvisionVideoProcessor(video.processor)
         return processor
+
+    @property
+    def max_audio_samples(self) -> None:
+        """None: a clip of any length is featurised whole, as ``Qwen3OmniMoeProcessor`` does
+        (``truncation=False``); what bounds it is the prompt's ``max_model_len``, and its encoder
+        takes it across several calls (:func:`~omni_jax.models.qwen3_omni.audio_encoder.window_pieces`)."""
+        return None
 
     def audio_features(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
         """``[mel, frames]`` per audio, the extractor called as the composite calls it (padded to
