@@ -16,11 +16,13 @@ compared.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import scipy.io.wavfile
 import torch
 from omni_reference import StandInVideoProcessor, frames, picture, reference_inputs, tone
 from parity import rel_err
@@ -215,21 +217,48 @@ def test_audio_past_the_extractor_window_equals_transformers(
 
 
 def test_audio_past_max_model_len_is_refused_before_it_is_featurised(pipe, monkeypatch) -> None:
-    """80 s of audio (8000 mel frames: 1040 tokens) cannot fit a prompt of ``max_model_len``
-    (1024): the request is refused naming it, from the clip's samples, before its features are
-    computed; the pipeline runs on."""
+    """Audio that cannot fit a prompt of ``max_model_len`` (1024) is refused naming the request
+    before its features are computed, and the pipeline runs on: a clip whose own tokens fill it
+    (80 s: 8000 mel frames, 1040 tokens; the longest that stays under is 1259679 samples, 1023
+    tokens) as it is read, at 44.1 kHz before it is resampled (a WAV from its header, before it
+    is decoded);
+    a clip that fits alone but not beside the prompt's other tokens (78 s: 1014) from its
+    samples, before it is featurised."""
     assert pipe.stages[0].max_model_len == 1024
     processor = pipe.stages[0].frontend.processor
     assert processor.least_audio_tokens(80 * 16_000) == 1040
+    assert processor.longest_clip(1024) == 1259679
+    assert processor.least_audio_tokens(1259679) == 1023 and processor.least_audio_tokens(1259680) == 1024
 
-    def featurised(audios):  # noqa: ANN001, ANN202 - Qwen3OmniProcessor.audio_features's
-        raise AssertionError("the clip was featurised")
+    def never(*args):  # noqa: ANN002, ANN202 - audio_features's and resample's
+        raise AssertionError("the clip was featurised or resampled")
 
-    monkeypatch.setattr(processor, "audio_features", featurised)
+    monkeypatch.setattr(processor, "audio_features", never)
+    monkeypatch.setattr("omni_jax.models.qwen2_5_omni.processor.resample", never)
+    over = r"over the 78.7299 s it may last \(its audio tokens alone would fill max_model_len 1024\)$"
     clip = np.full(80 * 16_000, 0.01, np.float32)
     bad(
         pipe,
         pipe.chat_prompt(user({"type": "audio", "audio": clip})),
+        r"^request 1: audio is 80.00 s long.* " + over,
+    )
+    rated = (np.zeros(80 * 44_100, np.float32), 44_100)
+    bad(
+        pipe,
+        pipe.chat_prompt(user({"type": "audio", "audio": rated})),
+        r"^request 1: audio is 80.00 s long \(3528000 samples at 44100 Hz\), over the 78.7299 s it may last$",
+    )
+    wav = io.BytesIO()
+    scipy.io.wavfile.write(wav, 44_100, np.zeros(80 * 44_100, np.int16))
+    bad(
+        pipe,
+        pipe.chat_prompt(user({"type": "audio", "audio": wav.getvalue()})),
+        r"^request 1: audio \(WAV bytes\) is 80.00 s long \(3528000 samples at 44100 Hz\), "
+        r"over the 78.7299 s",
+    )
+    bad(
+        pipe,
+        pipe.chat_prompt(user({"type": "audio", "audio": clip[: 78 * 16_000]})),
         r"^request 1: prompt has at least 10\d\d tokens \(its audio clips expanded from their samples\), "
         r"max_model_len is 1024 \(at least one token must be generated\)$",
     )

@@ -578,7 +578,9 @@ class ThinkerFrontend:
             inputs = OmniInputs(input_ids=list(request.token_ids))
         else:
             admit = functools.partial(self._admit, index)
-            inputs = self.processor.process(index, request.token_ids, data, admit=admit, **kwargs)
+            inputs = self.processor.process(
+                index, request.token_ids, data, admit=admit, max_tokens=self.max_model_len, **kwargs
+            )
             # A prompt past max_model_len is refused by the stage's validation, naming its
             # length: the limit such a prompt's frames exceed (the vision calls stop there).
             if self.max_model_len is None or len(inputs.input_ids) < self.max_model_len:

@@ -240,13 +240,18 @@ def _audio_items(value: Any) -> list[Any]:
     return [value] if _is_rated(value) or _is_numbers(value) else _as_list(value)
 
 
-def _audio_item(index: int, item: Any, max_samples: int | None, track: bool) -> np.ndarray:
+def _audio_item(
+    index: int, item: Any, max_samples: int | None, track: bool, fills: str | None = None
+) -> np.ndarray:
     """A 1-D real float array at 16 kHz (or a list of numbers; or a ``(clip, sample_rate)``
     tuple, resampled as a WAV file is; or a .wav path, or a WAV file's bytes), not empty,
     finite, at most ``max_samples`` long. ``track``: the clip is a video's one audio track
     (``use_audio_in_video``), so a longer one is refused with advice to split the video, not
-    the clip. Integer arrays are refused: their scale (PCM, or values already in [-1, 1]) would
-    be a guess, and transformers' feature extractor takes them unscaled."""
+    the clip. ``fills``: ``max_samples`` is not the extractor's window but the longest clip
+    whose own tokens stay under this context (what it names): a file past it is refused from
+    its header (over the seconds it may last) before it is decoded or resampled. Integer arrays
+    are refused: their scale (PCM, or values already in [-1, 1]) would be a guess, and
+    transformers' feature extractor takes them unscaled."""
     max_seconds = None if max_samples is None else max_samples / SAMPLE_RATE
     rate = SAMPLE_RATE
     if _is_rated(item):
@@ -281,6 +286,13 @@ def _audio_item(index: int, item: Any, max_samples: int | None, track: bool) -> 
             raise _fail(index, f"audio {e}") from None
         audio = resample(audio.astype(np.float32, copy=False), rate, SAMPLE_RATE)
     if max_samples is not None and audio.size > max_samples:
+        if fills is not None:
+            raise _fail(
+                index,
+                f"audio is {audio.size / SAMPLE_RATE:.2f} s long ({audio.size} samples at {SAMPLE_RATE} Hz), "
+                f"over the {max_samples / SAMPLE_RATE:g} s it may last (its audio tokens alone would fill "
+                f"{fills})",
+            )
         most = f"{max_samples / SAMPLE_RATE:g} s"
         shorten = (
             f"with use_audio_in_video a video has exactly one audio track, so split the video into videos "
@@ -610,6 +622,7 @@ class OmniProcessor:
         use_audio_in_video: bool = False,
         fps: float | None = None,
         admit: Callable[[dict[str, int], int], None] | None = None,
+        max_tokens: int | None = None,
     ) -> OmniInputs:
         """Check, featurise and expand one prompt; ``ValueError`` naming request ``index`` on bad input.
 
@@ -623,12 +636,15 @@ class OmniProcessor:
         its images none) once they are checked and before any is featurised, so that a
         caller's per-prompt limits and context refuse a prompt before its media cost time and
         memory (a clip of an hour is refused from its length, not after its features).
+        ``max_tokens``: the longest prompt the caller takes (its ``max_model_len``); where the
+        family takes clips past the extractor's window, a clip whose own tokens would fill it is
+        refused as it is read (:meth:`longest_clip`), a file's from its header.
         """
         if not isinstance(use_audio_in_video, (bool, np.bool_)):  # "no" would be true
             raise _fail(index, f"use_audio_in_video must be true or false, got {use_audio_in_video!r}")
         if fps is not None and not (_is_number(fps) and 0 < fps < math.inf):
             raise _fail(index, f"fps must be a positive finite number, got {fps!r}")
-        data = self._check_forms(index, multi_modal_data, use_audio_in_video)
+        data = self._check_forms(index, multi_modal_data, use_audio_in_video, max_tokens)
         ids = [int(t) for t in token_ids]
         audios, images, videos = data.get("audio", []), data.get("image", []), data.get("video", [])
         self._check_counts(index, ids, len(audios), len(images), len(videos), use_audio_in_video)
@@ -680,15 +696,35 @@ class OmniProcessor:
         hop_length`` frames, and :meth:`audio_tokens` never falls as frames grow."""
         return self.audio_tokens(samples // self.feature_extractor.hop_length)
 
-    def _check_forms(self, index: int, mm: Any, use_audio_in_video: bool) -> dict[str, list[Any]]:
+    def longest_clip(self, tokens: int) -> int:
+        """The most samples a clip may have whose :meth:`least_audio_tokens` stay under
+        ``tokens``: a longer clip fills a prompt of that many tokens alone."""
+        frames = 1
+        while self.audio_tokens(frames) < tokens:  # an upper end: the count grows with the frames
+            frames *= 2
+        low, high = 0, frames  # audio_tokens(high) >= tokens; find the last frame count under it
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.audio_tokens(mid) < tokens else (low, mid)
+        return (low + 1) * self.feature_extractor.hop_length - 1
+
+    def _check_forms(
+        self, index: int, mm: Any, use_audio_in_video: bool, max_tokens: int | None
+    ) -> dict[str, list[Any]]:
+        """``mm``'s items checked and read. A family that takes clips past the extractor's
+        window (:attr:`max_audio_samples` None) bounds them by ``max_tokens`` instead
+        (:meth:`longest_clip`), so that a long file is refused from its header, not after it is
+        decoded and resampled."""
         if mm is None:
             return {}
         if not isinstance(mm, dict):
             raise _fail(index, f"multi_modal_data must be a dict, got {type(mm).__name__}")
-        max_samples = self.max_audio_samples
+        max_samples, fills = self.max_audio_samples, None
+        if max_samples is None and max_tokens is not None:
+            max_samples, fills = self.longest_clip(max_tokens), f"max_model_len {max_tokens}"
         tracks = use_audio_in_video and mm.get("video") is not None and bool(_video_items(mm["video"]))
         checks = {
-            "audio": lambda i, item: _audio_item(i, item, max_samples, tracks),
+            "audio": lambda i, item: _audio_item(i, item, max_samples, tracks, fills),
             "image": _image_item,
             "video": _video_item,
         }
