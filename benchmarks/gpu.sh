@@ -50,6 +50,8 @@
 #             Qwen2-7B's widths in bfloat16 (STEP_LAYERS layers, default 28), budgets 2048 and 16,
 #             the default attention and the jnp path (benchmarks/step_memory.py); and whether this
 #             jaxlib knows --xla_cpu_enable_concurrency_optimized_scheduler (omni_jax/cpu_schedule.py);
+#             and the plan's encoder calls (the host CPU's float32 count) against XLA's count of the
+#             whole bfloat16 encoder on the GPU, at the released widths (benchmarks/encoder_memory.py);
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
 # STREAM_TOKENS the stream parts' step budget (text prompts are short: fewer token-row programs),
@@ -276,7 +278,14 @@ step_memory() {
       echo "budget $budget, $backend: exit $?" >>"$OUT/step_memory.log"
     done
   done
-  grep -E "^Qwen2|exit" "$OUT/step_memory.log"
+  for model in qwen2_5_omni qwen3_omni; do
+    for encoder in audio vision; do
+      timeout -s INT "${STEP_MEMORY_S:-120}" python3 -m benchmarks.encoder_memory --model "$model" \
+        --encoder "$encoder" --dtype bfloat16 >>"$OUT/step_memory.log" 2>&1
+      echo "$model $encoder: exit $?" >>"$OUT/step_memory.log"
+    done
+  done
+  grep -E "^Qwen2|^qwen|exit" "$OUT/step_memory.log"
 }
 
 for part in $PARTS; do

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from omni_jax.engine.memory import ProgramBytes
 from omni_jax.models import qwen2
 from omni_jax.models.param_map import ParamRule, prefixed
 from omni_jax.models.qwen2_5_omni import speakers
@@ -85,6 +86,9 @@ class ModelPart:
     needs more than token ids (a multimodal processor, M-RoPE positions, encoder rows merged
     into its embeddings, another stage's hidden states), builds the stage's
     :class:`~omni_jax.stages.ar.ARFrontend` for prompts of at most ``max_model_len`` tokens.
+    ``encoder_memory(model, path, stage_config, max_model_len, platform)``, for an AR part whose
+    frontend runs encoders, is what their calls hold at most on a device of ``platform``
+    (read by the memory plan from the abstract model; ``None``: no encoder calls).
     ``generation``, for a part the stage YAML runs as a generation stage, builds that stage
     (:class:`GenerationStage`).
     """
@@ -96,6 +100,7 @@ class ModelPart:
     dtype: str | None = None
     partition: PartitionRules | None = None
     frontend: Callable[[Any, nnx.Module, Path, StageConfig, int], ARFrontend[Any]] | None = None
+    encoder_memory: Callable[[nnx.Module, Path, StageConfig, int, str], ProgramBytes | None] | None = None
     generation: GenerationStage | None = None
 
     def generation_stage(self) -> GenerationStage:
@@ -233,6 +238,20 @@ def _thinker_frontend(
     return ThinkerFrontend.build(model, path, limits, max_model_len)
 
 
+def _encoder_memory(
+    frontend: type[ThinkerFrontend],
+) -> Callable[[nnx.Module, Path, StageConfig, int, str], ProgramBytes | None]:
+    """A thinker part's ``encoder_memory``: ``frontend``'s, with the stage YAML's media limits."""
+
+    def memory(
+        model: nnx.Module, path: Path, stage_config: StageConfig, max_model_len: int, platform: str
+    ) -> ProgramBytes | None:
+        limits = MediaLimits.from_engine(stage_config.name, stage_config.engine)
+        return frontend.encoder_memory(model, path, limits, max_model_len, platform)
+
+    return memory
+
+
 def _talker_frontend(
     cfg: Any, model: nnx.Module, path: Path, stage_config: StageConfig, max_model_len: int
 ) -> ARFrontend[Any]:
@@ -249,6 +268,7 @@ _QWEN2_5_OMNI = Architecture(
             rules=lambda cfg: THINKER_RULES_IN_OMNI,
             ignore=lambda cfg: thinker_ignore(ThinkerSpec.from_hf(cfg.thinker_config), prefix="thinker."),
             frontend=_thinker_frontend,
+            encoder_memory=_encoder_memory(ThinkerFrontend),
             partition=lambda cfg, model: thinker_partition_rules(
                 ThinkerSpec.from_hf(cfg.thinker_config), model
             ),
@@ -336,6 +356,7 @@ _QWEN3_OMNI = Architecture(
                 qwen3_thinker.ThinkerSpec.from_hf(cfg.thinker_config), model
             ),
             frontend=_qwen3_thinker_frontend,
+            encoder_memory=_encoder_memory(Qwen3ThinkerFrontend),
         ),
         ModelPart(
             stage="talker",

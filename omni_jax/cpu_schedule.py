@@ -55,14 +55,19 @@ def concurrency_scheduler() -> bool:
     return compiled.memory_analysis().temp_size_in_bytes > PROBE_LAYERS // 2 * copy
 
 
+def weight_copies(weights: list[int], itemsize: int) -> int:
+    """The float32 copies a CPU program holds of its ``weights`` (each parameter's element count,
+    whole: a model axis's shards are counted as replicated) when they are narrower (``itemsize``
+    under 4): all at once, or the largest alone with the depth-first scheduler."""
+    if itemsize >= 4:
+        return 0
+    return 4 * (sum(weights) if concurrency_scheduler() else max(weights))
+
+
 def cpu_step_bytes(weights: list[int], itemsize: int, layers: int, token_rows: int, query_width: int) -> int:
-    """What an AR step on CPU holds beyond its own temporaries, given its ``weights`` (each
-    parameter's element count, whole: a model axis's shards are counted as replicated), their
-    ``itemsize``, its ``layers``, the step's ``token_rows`` and one device's ``query_width``
-    (heads times head size): narrower weights' float32 copies (all at once, or the largest
-    alone with the depth-first scheduler), and with the default scheduler two float32
-    query-wide rows per token row and layer."""
-    concurrent = concurrency_scheduler()
-    copies = 0 if itemsize >= 4 else 4 * (sum(weights) if concurrent else max(weights))
-    rows = 2 * layers * token_rows * query_width * 4 if concurrent else 0
-    return copies + rows
+    """What an AR step on CPU holds beyond its own temporaries, given its ``weights`` and their
+    ``itemsize`` (:func:`weight_copies`), its ``layers``, the step's ``token_rows`` and one
+    device's ``query_width`` (heads times head size): the weights' float32 copies, and with the
+    default scheduler two float32 query-wide rows per token row and layer."""
+    rows = 2 * layers * token_rows * query_width * 4 if concurrency_scheduler() else 0
+    return weight_copies(weights, itemsize) + rows

@@ -175,6 +175,7 @@ class OmniJaxPipeline:
         check_memory_before_loading(needs, num_pages)
         shares = cache_shares(needs)
         built: list[Stage] = []
+        encoders = {s.name: s.plan.memory.encoder for s in needs if s.plan is not None}
         # Each AR stage's max_model_len, resolved once by its cache plan: what the stage admits,
         # and what it hands on at most to the stage it feeds.
         lengths = {s.name: s.plan.geometry.max_model_len for s in needs if s.plan is not None}
@@ -203,6 +204,7 @@ class OmniJaxPipeline:
                     mesh=stage_mesh,
                     frontend=frontend,
                     share=shares[sc.name],
+                    encoder=encoders[sc.name],
                     **stage_engine,
                 )
             )

@@ -344,9 +344,10 @@ def test_default_caches_leave_room_for_later_stages(omni_dir, monkeypatch) -> No
     assert shares["thinker"].fraction == pytest.approx(want[0] / sum(want))
     assert shares["talker"].fraction == 1.0
 
-    # Enough for about 1000 thinker pages in its half of what the reservation and step leave.
+    # Enough for about 1000 thinker pages in its half of what the reservation, the step and the
+    # encoder call leave.
     mem = thinker.plan.memory
-    room = mem.step_bytes + 2 * 1000 * mem.cache.page_bytes
+    room = mem.beside_cache + 2 * 1000 * mem.cache.page_bytes
     available = shares["thinker"].reserved["host"] + int(room / 0.9)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: available)
     (device,) = jax.devices()

@@ -11,7 +11,9 @@ wide as the model says, ``activation_width``), the step's float32 logits, and wh
 penalties read: the id table the runner keeps between steps (``max_num_seqs x max_model_len``
 ids, on every device) and a penalised step's rows of it with their token counts. On CPUs,
 what XLA's scheduler holds beside (:mod:`omni_jax.cpu_schedule`): bfloat16 weights' float32
-copies, and rows per layer.
+copies, and rows per layer. Beside the step, the largest program the stage's frontend runs
+between steps (a thinker's encoder call, :class:`ProgramBytes`, counted by the stage:
+:mod:`omni_jax.stages.encoder_programs`).
 
 What a device has left: ``bytes_limit - bytes_in_use`` from ``memory_stats()`` on accelerators;
 CPU devices report no statistics and allocate from host memory, so they count against the
@@ -80,6 +82,15 @@ STEP_ITEM = "largest step's temporaries (estimate)"
 
 
 @dataclasses.dataclass(frozen=True)
+class ProgramBytes:
+    """A program an AR stage's frontend runs on its devices between steps (an encoder call),
+    and the bytes it holds there while it runs: ``what`` names it in a refusal."""
+
+    what: str
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ARMemory:
     """One AR stage's allocations besides its weights, per device (heads split over ``model``,
     rows over ``data``); see the module docstring for what the step estimate counts."""
@@ -93,6 +104,7 @@ class ARMemory:
     chunk_bytes: int  # what the jnp path gathers and scores at once (attention.chunk_bytes)
     activation_width: int  # float32 values a token row holds at once on one device (see step_bytes)
     cpu_bytes: int = 0  # what XLA's CPU scheduler holds beside the step (cpu_schedule.cpu_step_bytes)
+    encoder: ProgramBytes | None = None  # the frontend's largest encoder call (see beside_cache)
 
     def kv_bytes(self, num_pages: int) -> int:
         """The cache with ``num_pages`` pages (plus the never-written null page)."""
@@ -121,14 +133,30 @@ class ARMemory:
             self.kv_bytes(num_pages),
         )
 
+    def programs(self) -> dict[str, int]:
+        """What the stage's programs hold beside its weights and cache, item by item: the
+        largest step, and the frontend's largest :attr:`encoder` call. Both at once: with
+        steps overlapping (:class:`~omni_jax.engine.ar_engine.AREngine`), the step dispatched
+        last is still in flight while the next step's encoder calls run."""
+        items = {STEP_ITEM: self.step_bytes}
+        if self.encoder is not None:
+            items[f"largest encoder call ({self.encoder.what})"] = self.encoder.nbytes
+        return items
+
+    @property
+    def beside_cache(self) -> int:
+        """:meth:`programs`, added up."""
+        return sum(self.programs().values())
+
     def demand(self, num_pages: int) -> dict[str, int]:
         kv, kv_bytes = self.kv_item(num_pages)
-        return {kv: kv_bytes, STEP_ITEM: self.step_bytes}
+        return {kv: kv_bytes, **self.programs()}
 
     def pages_that_fit(self, available: int, memory_fraction: float = 0.9, share: float = 1.0) -> int:
         """Pages a cache can have within ``memory_fraction`` of ``available`` bytes next to the
-        step, taking ``share`` of the room the step leaves (other stages' caches take the rest)."""
-        return int((available * memory_fraction - self.step_bytes) * share // self.cache.page_bytes) - 1
+        stage's programs, taking ``share`` of the room they leave (other stages' caches take the
+        rest)."""
+        return int((available * memory_fraction - self.beside_cache) * share // self.cache.page_bytes) - 1
 
 
 def refuse_unless_fits(

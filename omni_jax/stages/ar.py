@@ -20,7 +20,14 @@ from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARModel, ARRunner
 from omni_jax.engine.buckets import max_sequence_rows, max_token_rows
 from omni_jax.engine.kv_cache import CacheConfig, CacheGeometry
-from omni_jax.engine.memory import ARMemory, available_bytes, memory_pools, pool_key, refuse_unless_fits
+from omni_jax.engine.memory import (
+    ARMemory,
+    ProgramBytes,
+    available_bytes,
+    memory_pools,
+    pool_key,
+    refuse_unless_fits,
+)
 from omni_jax.engine.sampling import SUPPRESS_WIDTH, ParamError, SamplingParams
 from omni_jax.engine.scheduler import ARRequest
 from omni_jax.engine.step import S, StepInputs
@@ -150,6 +157,7 @@ class ARStage(Generic[S]):
         mesh: Mesh | None = None,
         frontend: ARFrontend[Any] | None = None,
         share: CacheShare | None = None,
+        encoder: ProgramBytes | None = None,
     ) -> ARStage[Any]:
         """Size the KV cache for ``model`` and wire scheduler, runner and sampling defaults.
 
@@ -157,7 +165,9 @@ class ARStage(Generic[S]):
         ``model`` axis by KV heads (replicated heads when ``model`` exceeds them). A cache and
         largest step the devices cannot hold next to the weights are refused here, with the
         numbers (:meth:`CachePlan.num_pages`), before anything is allocated. ``share``: what a
-        default cache leaves to the stages built after this one on the same memory.
+        default cache leaves to the stages built after this one on the same memory. ``encoder``:
+        the frontend's largest encoder call, which the cache leaves room for (the memory plan's,
+        :class:`~omni_jax.preflight.StageNeeds`).
         """
         check_engine_options(sc)
         plan = CachePlan.of(
@@ -167,6 +177,7 @@ class ARStage(Generic[S]):
             max_model_len=max_model_len,
             page_size=page_size,
             max_num_batched_tokens=max_num_batched_tokens,
+            encoder=encoder,
         )
         num_pages = plan.num_pages(num_pages, local_devices(mesh), sc.name, share)
         runner = ARRunner(
@@ -602,7 +613,10 @@ class CachePlan:
         max_model_len: int | None,
         page_size: int,
         max_num_batched_tokens: int,
+        encoder: ProgramBytes | None = None,
     ) -> CachePlan:
+        """``encoder``: the frontend's largest encoder call (``ModelPart.encoder_memory``),
+        which the stage's devices hold beside its steps."""
         layers, kv_heads, head_dim = model.kv_cache_shape()
         tp, data = axis_size(mesh, "model"), axis_size(mesh, "data")
         kv_heads = replicated_kv_heads(kv_heads, model.num_query_heads(), tp)
@@ -639,6 +653,7 @@ class CachePlan:
                 token_rows,
                 model.num_query_heads() // tp * head_dim,
             ),
+            encoder=encoder,
         )
         return cls(geometry, max_num_seqs, memory)
 

@@ -63,7 +63,8 @@ class Qwen3ThinkerStepInputs(ThinkerStepInputs):
         self.layers = model.thinker_spec.deepstack_layers
         self.row_width = (1 + self.layers) * self.width
 
-    def vision_rows(self, out: tuple[jax.Array, tuple[jax.Array, ...]]) -> jax.Array:
+    @staticmethod
+    def vision_rows(out: tuple[jax.Array, tuple[jax.Array, ...]]) -> jax.Array:
         """``[rows, (1 + L) * D]``: each merged row, then its DeepStack features layer by layer."""
         rows, deepstack = out
         return jnp.concatenate([rows, *deepstack], axis=-1)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,9 +49,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from omni_jax.engine.compilation import compile_ahead
+from omni_jax.engine.compilation import compile_ahead, compile_threads
+from omni_jax.engine.memory import ProgramBytes
 from omni_jax.engine.step import StepRow, all_available
-from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.qwen2_5_omni.audio_encoder import (
     AudioBatch,
     RowSplit,
@@ -59,7 +60,7 @@ from omni_jax.models.qwen2_5_omni.audio_encoder import (
     plan_audio_calls,
     prepare_audio_batch,
 )
-from omni_jax.models.qwen2_5_omni.processor import VIDEO_SIZE, OmniInputs, OmniProcessor
+from omni_jax.models.qwen2_5_omni.processor import VIDEO_SIZE, MediaParts, OmniInputs, OmniProcessor
 from omni_jax.models.qwen2_5_omni.rope_index import media_rope_index, positions_for
 from omni_jax.models.qwen2_5_omni.thinker import PromptMerge, Thinker, ThinkerSpec
 from omni_jax.models.qwen2_5_omni.vision_encoder import (
@@ -70,6 +71,7 @@ from omni_jax.models.qwen2_5_omni.vision_encoder import (
     vision_token_buckets,
 )
 from omni_jax.stages.base import PromptMedia, Stage, StageInput, StageResult, require_state
+from omni_jax.stages.encoder_programs import CallBytes, EncoderPrograms, call_bytes
 
 T = TypeVar("T")
 
@@ -99,7 +101,7 @@ class EncoderBuckets:
     @classmethod
     def for_processor(
         cls,
-        processor: OmniProcessor,
+        processor: OmniProcessor | MediaParts,
         spec: ThinkerSpec,
         video_pixels: int = VIDEO_SIZE["longest_edge"],
         max_model_len: int | None = None,
@@ -212,52 +214,6 @@ class MediaLimits:
                 )
 
 
-class EncoderPrograms:
-    """One encoder's compiled programs, one per input shape: compiled ahead of traffic by
-    :meth:`compile` (warm-up, from shapes alone) or at a shape's first call, then reused.
-    ``output``, traced into them, makes the encoder's output the one ``[rows, width]`` array a
-    step merges (default: the output as it is)."""
-
-    def __init__(self, graphdef: nnx.GraphDef, output: Callable[[Any], jax.Array] | None = None):
-        def encode(state: nnx.State, batch: Any) -> jax.Array:
-            with exact_matmuls(compute_dtype(state)):
-                out = nnx.merge(graphdef, state)(batch)
-                return out if output is None else output(out)
-
-        self._jit = jax.jit(encode)
-        self._compiled: dict[tuple[Any, ...], jax.stages.Compiled] = {}
-
-    def compile(self, state: nnx.State, batch: Any) -> jax.stages.Compiled:
-        """The program for ``batch``'s shapes (arrays or ``jax.ShapeDtypeStruct``)."""
-        key = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(batch))
-        if key not in self._compiled:
-            self._compiled[key] = self._jit.lower(state, batch).compile()
-        return self._compiled[key]
-
-    def ahead(self, state: nnx.State, batch: Any) -> EncoderCall:
-        """``batch``'s program as a :func:`compile_ahead` call (compiled on its threads,
-        side by side with the others)."""
-        return EncoderCall(self, state, batch)
-
-    def __call__(self, state: nnx.State, batch: Any) -> jax.Array:
-        return self.compile(state, batch)(state, batch)
-
-    def __len__(self) -> int:
-        return len(self._compiled)
-
-
-@dataclasses.dataclass(frozen=True)
-class EncoderCall:
-    """One encoder program to compile ahead of traffic: its programs, weights and input shapes."""
-
-    programs: EncoderPrograms
-    state: nnx.State
-    batch: Any  # the encoder's batch record, of arrays or jax.ShapeDtypeStruct
-
-    def compile(self) -> jax.stages.Compiled:
-        return self.programs.compile(self.state, self.batch)
-
-
 @dataclasses.dataclass
 class ThinkerRequest:
     """The thinker's state of one request (its :attr:`StageInput.state`, opaque to the engine).
@@ -315,15 +271,43 @@ class ThinkerStepInputs:
         self.width = spec.text.hidden_size
         self.row_width = self.width
         self.dtype = np.dtype(model.model.embed_tokens.embedding.dtype)
+        self._audio_tower, self._visual = model.audio_tower, model.visual
         audio_def, self._audio_state = nnx.split(model.audio_tower)
         vision_def, self._vision_state = nnx.split(model.visual)
         self._audio = EncoderPrograms(audio_def)
         self._vision = EncoderPrograms(vision_def, self.vision_rows)
 
-    def vision_rows(self, out: Any) -> jax.Array:
+    @staticmethod
+    def vision_rows(out: Any) -> jax.Array:
         """The vision encoder's output as the rows a step merges (traced into its programs):
         here the output itself."""
         return out
+
+    def largest_call(self, platform: str) -> ProgramBytes | None:
+        """What the encoder calls hold at most on a device of ``platform``
+        (:func:`~omni_jax.stages.encoder_programs.call_bytes`): the largest call of
+        :attr:`buckets` (an audio call of the most chunks or a vision call of the most tokens)
+        running, beside the largest output of the call before it, which is being read
+        (:func:`_one_ahead`); ``None`` without encoder calls. The two encoders' programs are
+        compiled side by side: each is the whole encoder."""
+        calls: dict[str, Callable[[], CallBytes]] = {}
+        if self.buckets.audio_chunks:
+            n = self.buckets.audio_chunks[-1]
+            calls[f"audio, {n} chunks"] = functools.partial(
+                call_bytes, self._audio_tower, self.audio_batch_class, n, None, platform
+            )
+        if self.buckets.vision_tokens:
+            n = self.buckets.vision_tokens[-1]
+            calls[f"vision, {n} patches"] = functools.partial(
+                call_bytes, self._visual, self.vision_batch_class, n, self.vision_rows, platform
+            )
+        if not calls:
+            return None
+        with ThreadPoolExecutor(compile_threads(len(calls)), thread_name_prefix="compile") as pool:
+            counted = dict(zip(calls, pool.map(lambda count: count(), calls.values()), strict=True))
+        what, largest = max(counted.items(), key=lambda c: c[1].running)
+        read = max(c.output for c in counted.values())
+        return ProgramBytes(f"{what}, XLA's count", largest.running + read)
 
     def audio_pieces(self, frames: int) -> list[tuple[int, int]]:
         """The ``(start, stop)`` mel frames of the pieces a clip of ``frames`` frames is encoded
@@ -562,6 +546,20 @@ class ThinkerFrontend:
         has_processor = (Path(path) / "preprocessor_config.json").exists()
         processor = cls.processor_class.from_pretrained(path) if has_processor else None
         return cls(processor, model, limits=limits, max_model_len=max_model_len)
+
+    @classmethod
+    def encoder_memory(
+        cls, model: Thinker, path: Path, limits: MediaLimits, max_model_len: int, platform: str
+    ) -> ProgramBytes | None:
+        """What the encoder calls of a stage :meth:`build` would make hold at most on a device of
+        ``platform`` (:meth:`ThinkerStepInputs.largest_call`), for the memory plan: ``model`` may
+        be abstract, and of the checkpoint only ``preprocessor_config.json`` is read (none
+        there: text prompts only, no encoder calls)."""
+        if not (Path(path) / "preprocessor_config.json").exists():
+            return None
+        parts = MediaParts.from_pretrained(path)
+        buckets = EncoderBuckets.for_processor(parts, model.thinker_spec, cls.video_pixels, max_model_len)
+        return cls.step_inputs_class(model, limits.buckets(buckets)).largest_call(platform)
 
     def prepare(self, index: int, request: StageInput) -> StageInput:
         prompt = request.prompt

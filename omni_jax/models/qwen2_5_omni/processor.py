@@ -475,6 +475,45 @@ def default_pixel_backend() -> PixelBackend:
     return "torchvision" if is_torchvision_available() else "pil"
 
 
+@dataclasses.dataclass(frozen=True)
+class MediaParts:
+    """A checkpoint's feature extractor, image and video processors (``preprocessor_config.json``,
+    transformers' own classes): a processor without its tokenizer, which is all that sizes the
+    encoders' calls (the memory plan reads them before anything else is loaded)."""
+
+    feature_extractor: Any
+    image_processor: Any
+    video_processor: VideoProcessor | TorchvisionVideoProcessor
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, pixels: PixelBackend | None = None) -> MediaParts:
+        """Each part with transformers' own class from ``path``; image and video pixels on
+        ``pixels`` (default: :func:`default_pixel_backend`)."""
+        from transformers import WhisperFeatureExtractor
+
+        path = Path(path)
+        pixels = pixels or default_pixel_backend()
+        video: VideoProcessor | TorchvisionVideoProcessor
+        if pixels == "torchvision":
+            from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+            image_cls: Any = Qwen2VLImageProcessor
+            video = TorchvisionVideoProcessor.from_pretrained(path)
+        elif pixels == "pil":
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            image_cls, video = Qwen2VLImageProcessorPil, VideoProcessor.from_pretrained(path)
+        else:
+            raise ValueError(f"pixels must be 'torchvision' or 'pil', got {pixels!r}")
+        if not (path / "preprocessor_config.json").exists():
+            raise ValueError(f"{path}: no preprocessor_config.json (the audio and image processors)")
+        return cls(
+            WhisperFeatureExtractor.from_pretrained(str(path), local_files_only=True),
+            image_cls.from_pretrained(str(path), local_files_only=True),
+            video,
+        )
+
+
 class OmniProcessor:
     """The composite processor's job, from the checkpoint's own files (see the module docstring)."""
 
@@ -504,26 +543,10 @@ class OmniProcessor:
     def from_pretrained(
         cls, path: str | Path, tokenizer: Any = None, pixels: PixelBackend | None = None
     ) -> OmniProcessor:
-        """Each part with transformers' own class from ``path`` (``preprocessor_config.json``);
-        image and video pixels on ``pixels`` (default: :func:`default_pixel_backend`)."""
-        from transformers import WhisperFeatureExtractor
-
+        """Each part with transformers' own class from ``path`` (:meth:`MediaParts.from_pretrained`),
+        and its tokenizer (``tokenizer``, else the checkpoint's)."""
         path = Path(path)
-        pixels = pixels or default_pixel_backend()
-        video: VideoProcessor | TorchvisionVideoProcessor
-        if pixels == "torchvision":
-            from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-
-            image_cls: Any = Qwen2VLImageProcessor
-            video = TorchvisionVideoProcessor.from_pretrained(path)
-        elif pixels == "pil":
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-            image_cls, video = Qwen2VLImageProcessorPil, VideoProcessor.from_pretrained(path)
-        else:
-            raise ValueError(f"pixels must be 'torchvision' or 'pil', got {pixels!r}")
-        if not (path / "preprocessor_config.json").exists():
-            raise ValueError(f"{path}: no preprocessor_config.json (the audio and image processors)")
+        parts = MediaParts.from_pretrained(path, pixels)
         if tokenizer is None:
             tokenizer = load_tokenizer(path)
         if tokenizer is None:
@@ -533,12 +556,7 @@ class OmniProcessor:
         ]
         if missing:
             raise ValueError(f"{path}: the tokenizer does not name the multimodal placeholders {missing}")
-        return cls(
-            tokenizer,
-            WhisperFeatureExtractor.from_pretrained(str(path), local_files_only=True),
-            image_cls.from_pretrained(str(path), local_files_only=True),
-            video,
-        )
+        return cls(tokenizer, parts.feature_extractor, parts.image_processor, parts.video_processor)
 
     # -- the parts ----------------------------------------------------------------------
     def audio_features(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
