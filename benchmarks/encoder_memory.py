@@ -1,8 +1,8 @@
 """The memory plan's encoder call against XLA's own count of the whole encoder's program.
 
-The plan counts a thinker's largest encoder call from a program of one layer of each kind
-compiled in float32 (:func:`omni_jax.stages.encoder_programs.call_bytes`). This compiles the
-stage's own program of the whole encoder (:class:`~omni_jax.stages.encoder_programs.EncoderPrograms`,
+The plan counts a thinker's largest encoder call from the whole encoder's program compiled for
+the host's CPU in float32 (:func:`omni_jax.stages.encoder_programs.call_bytes`). This compiles
+the stage's own program of the whole encoder (:class:`~omni_jax.stages.encoder_programs.EncoderPrograms`,
 every layer, in the dtype asked) from shapes at the released checkpoints' widths, and prints
 XLA's count of what it holds while it runs (temporaries, inputs and output) beside the plan's.
 ``tests/test_encoder_memory.py`` holds the plan to XLA's count with it at small widths.

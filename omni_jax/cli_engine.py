@@ -63,8 +63,8 @@ def _stage_list(value: str) -> list[str]:
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, planning: bool = False) -> None:
     """Add ``from_pretrained``'s flags to ``p``; with ``planning``, only those that decide
-    memory (no ``--num-pages``, which fixes what the plan works out, nor the attention backend
-    and media limits)."""
+    memory (no ``--num-pages``, which fixes what the plan works out, nor the attention backend;
+    the media limits decide which encoder calls the thinker makes)."""
     p.add_argument("--stages", type=_stage_list, default=None, help="build only these stages, e.g. thinker")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default: the checkpoint's")
     p.add_argument("--mesh", default=None, help="every stage's mesh, e.g. data=2,model=4")
@@ -88,6 +88,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, planning: bool = False) 
         help="token rows of one AR step (default: the stage YAML's, else 2048)",
     )
     p.add_argument("--stage-config", default=None, help="a stage YAML in place of the architecture's")
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=media_limits,
+        default=None,
+        help='most media items of each kind a prompt may hold, e.g. \'{"image": 0, "video": 0}\' '
+        "(a kind at 0 is off: its encoder is not compiled)",
+    )
     if planning:
         return
     p.add_argument(
@@ -100,13 +107,6 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, planning: bool = False) 
         help="the paged attention path: auto (default: a decode kernel where one fits, Pallas on GPU "
         "below float32 or the C++ kernel on CPU, else jnp), jnp (gather), pallas, pallas_interpret "
         "(the Pallas kernel interpreted, on any backend) or cpu (the C++ kernel)",
-    )
-    p.add_argument(
-        "--limit-mm-per-prompt",
-        type=media_limits,
-        default=None,
-        help='most media items of each kind a prompt may hold, e.g. \'{"image": 0, "video": 0}\' '
-        "(a kind at 0 is off: its encoder is not compiled)",
     )
 
 
@@ -145,6 +145,6 @@ class EngineOptions:
         """Keyword arguments of :func:`~omni_jax.planning.plan_memory`: the pipeline's, less
         those that do not change its memory."""
         kwargs = self.pipeline_kwargs()
-        for name in ("num_pages", "attention_backend", "limit_mm_per_prompt"):
+        for name in ("num_pages", "attention_backend"):
             del kwargs[name]
         return kwargs

@@ -1,4 +1,4 @@
-"""Memory planning from ``config.json`` alone: what each device needs for a pipeline's stages.
+"""Memory planning from ``config.json``: what each device needs for a pipeline's stages.
 
 A plan tells, before any weight is downloaded, whether a checkpoint fits a GPU: per stage and per
 device, the bytes of its weights, of its largest step's temporaries (an AR stage) or largest
@@ -6,6 +6,8 @@ solve (code2wav), and of its KV cache, for one sequence of ``max_model_len`` tok
 ``max_num_seqs`` sequences a default cache would like. The figures are the start-up check's
 (:func:`omni_jax.preflight.stage_demand`: abstract models, nothing read or allocated), for
 meshes of accelerators this process need not have (:class:`~omni_jax.preflight.PlannedMesh`).
+A thinker's encoder calls are sized by ``preprocessor_config.json`` beside it, as the stage
+sizes them (without it the stage takes text prompts only and makes none).
 
 Fitting a GPU: JAX takes ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of its memory (0.75 unless that is
 set). The stages on a device fit when their weights, largest steps and one sequence of cache per
@@ -208,10 +210,12 @@ def plan_memory(
     *,
     max_num_batched_tokens: int | None = None,
     stage_config: str | Path | None = None,
+    limit_mm_per_prompt: dict[str, int] | None = None,
     platform: str = "gpu",
 ) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``from_pretrained(path, ...)`` with the same arguments, from
-    ``path/config.json`` alone, for devices of ``platform`` (the step estimates depend on it).
+    ``path/config.json`` (and ``preprocessor_config.json``: the module docstring), for devices of
+    ``platform`` (the step estimates depend on it).
 
     Raises ``ValueError`` for what ``from_pretrained`` would refuse before loading (an unknown
     stage, a mesh the model cannot be split by, overlapping device lists, ``max_model_len`` over
@@ -231,6 +235,8 @@ def plan_memory(
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)
     config = stage_graph(path, arch, hf_config, stage_config, stages)
+    if limit_mm_per_prompt is not None:
+        config = config.with_media_limits(limit_mm_per_prompt)
     check_stage_engines(arch, config.stages)
     engine = dict(
         max_num_seqs=max_num_seqs,

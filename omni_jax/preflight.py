@@ -32,13 +32,7 @@ from omni_jax.engine.memory import available_bytes, format_bytes, memory_pools, 
 from omni_jax.models.loading import abstract_model
 from omni_jax.parallel.mesh import AXES, axis_size
 from omni_jax.parallel.rules import ShardRule, partition_spec
-from omni_jax.stages.ar import (
-    CachePlan,
-    CacheShare,
-    check_engine_options,
-    local_devices,
-    resolve_max_model_len,
-)
+from omni_jax.stages.ar import CachePlan, CacheShare, check_engine_options, local_devices
 from omni_jax.stages.config import PipelineConfig, StageConfig, load_pipeline_config
 from omni_jax.stages.thinker import MediaLimits
 
@@ -187,11 +181,12 @@ def stage_demand(
     fixed = {f"stage {sc.name!r} weights": device_weight_bytes(model, rules, mesh)}
     plan = None
     if sc.kind == "ar":
-        encoder = None
+        plan = CachePlan.of(model, mesh, **engine)  # refuses bad sizes before the encoders are counted
         if part.encoder_memory is not None:
-            length = resolve_max_model_len(model, engine["max_model_len"])
-            encoder = part.encoder_memory(model, path, sc, length, mesh.devices.flat[0].platform)
-        plan = CachePlan.of(model, mesh, encoder=encoder, **engine)
+            platform = mesh.devices.flat[0].platform
+            plan = plan.with_encoder(
+                part.encoder_memory(model, path, sc, plan.geometry.max_model_len, platform)
+            )
         fixed |= {f"stage {sc.name!r} {what}": n for what, n in plan.memory.programs().items()}
     else:
         fixed |= part.generation_stage().demand(sc, model, lengths.get(sc.input))

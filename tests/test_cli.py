@@ -149,6 +149,8 @@ ENGINE_FLAGS = [
     "32",
     "--stage-config",
     "stages.yaml",
+    "--limit-mm-per-prompt",
+    '{"video": 0}',
 ]
 ENGINE_KWARGS = {
     "stages": ["thinker"],
@@ -159,9 +161,10 @@ ENGINE_KWARGS = {
     "page_size": 8,
     "max_num_batched_tokens": 32,
     "stage_config": "stages.yaml",
+    "limit_mm_per_prompt": {"video": 0},
 }
-BUILD_FLAGS = ["--num-pages", "40", "--attention-backend", "jnp", "--limit-mm-per-prompt", '{"video": 0}']
-BUILD_KWARGS = {"num_pages": 40, "attention_backend": "jnp", "limit_mm_per_prompt": {"video": 0}}
+BUILD_FLAGS = ["--num-pages", "40", "--attention-backend", "jnp"]
+BUILD_KWARGS = {"num_pages": 40, "attention_backend": "jnp"}
 
 
 class _Built(Exception):

@@ -177,8 +177,7 @@ class ARStage(Generic[S]):
             max_model_len=max_model_len,
             page_size=page_size,
             max_num_batched_tokens=max_num_batched_tokens,
-            encoder=encoder,
-        )
+        ).with_encoder(encoder)
         num_pages = plan.num_pages(num_pages, local_devices(mesh), sc.name, share)
         runner = ARRunner(
             model,
@@ -613,10 +612,7 @@ class CachePlan:
         max_model_len: int | None,
         page_size: int,
         max_num_batched_tokens: int,
-        encoder: ProgramBytes | None = None,
     ) -> CachePlan:
-        """``encoder``: the frontend's largest encoder call (``ModelPart.encoder_memory``),
-        which the stage's devices hold beside its steps."""
         layers, kv_heads, head_dim = model.kv_cache_shape()
         tp, data = axis_size(mesh, "model"), axis_size(mesh, "data")
         kv_heads = replicated_kv_heads(kv_heads, model.num_query_heads(), tp)
@@ -653,9 +649,13 @@ class CachePlan:
                 token_rows,
                 model.num_query_heads() // tp * head_dim,
             ),
-            encoder=encoder,
         )
         return cls(geometry, max_num_seqs, memory)
+
+    def with_encoder(self, encoder: ProgramBytes | None) -> CachePlan:
+        """This plan with the frontend's largest encoder call (``ModelPart.encoder_memory``),
+        which the stage's devices hold beside its steps (:meth:`ARMemory.programs`)."""
+        return dataclasses.replace(self, memory=dataclasses.replace(self.memory, encoder=encoder))
 
     def num_pages(
         self, num_pages: int | None, devices: list[jax.Device], name: str, share: CacheShare | None = None

@@ -13,7 +13,12 @@ process: float32 counts every value at full width, where an accelerator's bfloat
 half, and the CPU multiplies bfloat16 in float32 anyway. The whole encoder is compiled, not a
 part that would stand for it: XLA's CPU scheduler holds some values of one layer into the next
 (Qwen3-Omni's vision encoder holds about 120 MiB more with each layer at 16384 patches,
-``benchmarks/RESULTS.md``), so a few layers do not tell the rest. An analytic count would have
+``benchmarks/RESULTS.md``), so a few layers do not tell the rest. That scheduler is the host's:
+which one XLA took when its CPU backend started (:mod:`omni_jax.cpu_schedule`) moves the count
+(Qwen2.5-Omni-7B's vision call: 1833 MiB under the default, 1379 MiB depth-first), on a plan for
+a GPU too, where whether these counts bound the bfloat16 program's is still to be measured
+(``benchmarks/gpu.sh``'s ``step_memory`` part). Without a CPU backend (``JAX_PLATFORMS=cuda``)
+the float32 program is compiled for the default device and counted there. An analytic count would have
 to follow every encoder's operations and be kept in step with them; this follows the code.
 Beside the temporaries, a call holds its inputs and its output (counted in float32 too), and the
 stage reads one call's output while the next runs (two outputs at once); on CPU, a bfloat16
@@ -101,9 +106,9 @@ def tree_bytes(tree: Any) -> int:
 def _on_host(tree: Any) -> Any:
     """``tree``'s shapes placed on this host's CPU (the default device without a CPU backend)."""
     try:
-        device = jax.devices("cpu")[0]
+        device = jax.local_devices(backend="cpu")[0]
     except RuntimeError:
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]
     on = jax.sharding.SingleDeviceSharding(device)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), tree)
 
