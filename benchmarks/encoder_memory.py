@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from benchmarks.encoder_buckets import REAL_VISION
 from omni_jax.cpu_schedule import concurrency_scheduler
 from omni_jax.models.qwen2_5_omni import audio_encoder as audio25
 from omni_jax.models.qwen2_5_omni import vision_encoder as vision25
@@ -41,19 +42,7 @@ RELEASED: dict[tuple[str, str], Any] = {
         n_window=100,
         output_dim=3584,
     ),
-    ("qwen2_5_omni", "vision"): vision25.VisionEncoderSpec(
-        depth=32,
-        hidden_size=1280,
-        intermediate_size=3420,
-        num_heads=16,
-        in_channels=3,
-        patch_size=14,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        window_size=112,
-        out_hidden_size=3584,
-        fullatt_block_indexes=(7, 15, 23, 31),
-    ),
+    ("qwen2_5_omni", "vision"): vision25.VisionEncoderSpec(**REAL_VISION),
     ("qwen3_omni", "audio"): audio3.AudioEncoderSpec(
         num_mel_bins=128,
         d_model=1280,
