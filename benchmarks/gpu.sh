@@ -3,7 +3,8 @@
 # them (default: all but c2w_warm), each under its own time limit, each writing its log and
 # results under $OUT as it goes, so a part cut short still reports what it measured:
 #   moe       the MoE block's formulations (grouped ragged_dot, XLA or Pallas Triton lowering;
-#             dense) at Qwen3-Omni's widths against transformers (benchmarks/moe_lowering.py);
+#             dense; assigned, pair by pair) at Qwen3-Omni's widths against transformers, decode
+#             rows to 128 (benchmarks/moe_lowering.py);
 #   shaped    the real-width AR suite (benchmarks/shaped_suite.py, transformers on the same shapes);
 #   compile   one code2wav program's compile time (benchmarks/compile_time.py), one process each
 #             (XLA's autotuning results last a process: a later compile of the same convolutions
@@ -96,7 +97,7 @@ seed_cache() {  # a persistent cache's root: AUTOTUNE_SEED's autotuning results 
 
 moe() {
   echo "== MoE formulations (limit ${MOE_S:-90}s)"
-  timeout -s INT "${MOE_S:-90}" python3 -m benchmarks.moe_lowering --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
+  timeout -s INT "${MOE_S:-90}" python3 -m benchmarks.moe_lowering --tokens 1,2,4,8,16,32,128 --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
   echo "moe exit $?"
   grep -E "^N=|cannot run" "$OUT/moe.log"
 }

@@ -185,9 +185,9 @@ class AttentionProbe:
 def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
     """The attention backend asked for and the paths it resolved to (``probe``), the CPU kernel's
     switch and compiler, the pixel backend the processor resizes images and videos with, how
-    MoE experts run (:func:`~omni_jax.models.moe.expert_path`) and how the Qwen2.5-Omni vocoder
+    MoE experts may run (:func:`~omni_jax.models.moe.expert_forms`) and how the Qwen2.5-Omni vocoder
     writes its ``sin^2`` (:func:`~omni_jax.models.qwen2_5_omni.bigvgan.sin_form`)."""
-    from omni_jax.models.moe import expert_path
+    from omni_jax.models.moe import expert_forms
     from omni_jax.models.qwen2_5_omni.bigvgan import sin_form
     from omni_jax.models.qwen2_5_omni.processor import default_pixel_backend
 
@@ -198,7 +198,7 @@ def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
         "cpu_kernels_switch": os.environ.get(cpu_kernels.ENV_SWITCH, "unset (on)"),
         "cxx_compiler": cpu_kernels._compiler(),
         "pixels": default_pixel_backend(),
-        "moe_experts": expert_path(),
+        "moe_experts": " or ".join(expert_forms()),
         "vocoder_sin": sin_form(),
     }
 

@@ -1,23 +1,26 @@
 """``python -m benchmarks.moe_lowering``: Qwen3-Omni's sparse MoE block, ours against transformers', per
 formulation of the experts and lowering of ``jax.lax.ragged_dot``.
 
-Our block (:class:`omni_jax.models.moe.SparseMoeBlock`) runs each projection either as one
-grouped matmul, ``ragged_dot`` (``grouped``), whose speed is the backend's lowering, or as
-every expert on every row (``dense``, ``E / k`` times the routed FLOPs in plain matmuls);
-``OMNI_JAX_MOE`` picks, else :func:`omni_jax.models.moe.expert_path` (grouped on TPUs, dense
-elsewhere). On a GPU, XLA's default lowering of ``ragged_dot`` is a masked dense product over
-every expert for every routed row (``E`` times the routed FLOPs), while
-``jax_ragged_dot_use_gpu_pallas_triton_lowering`` would make it a grouped GEMM (a lowering this
-jax cannot build is reported as such in its row: jax 0.11.2's wheel lacks the module). This
-measures the three (grouped with either lowering, dense), at the released thinker's widths by default
-(hidden 2048, experts of width 768, 128 experts, top 8), for several token counts (a decode
-step's rows up to a prefill chunk's), and transformers' block on the same weights with each of
-its experts implementations it can run here (``eager``: a loop over the hit experts; ``grouped_mm`` /
-``batched_mm``), taking its fastest. Per token count it prints milliseconds per call (best of
-``--repeats`` after a warm-up call, compile apart), the routed work's TFLOP/s
-(``6 * N * k * D * I``), the ratio to transformers' fastest, and the largest difference of each
-of our outputs from transformers' (float32 by default, so the lowerings must agree to rounding).
-``--json`` writes the table. On CPU use small widths (``--experts 16 --hidden 256 --inner 128``).
+Our block (:class:`omni_jax.models.moe.SparseMoeBlock`) runs each projection as one grouped
+matmul, ``ragged_dot`` (``grouped``), whose speed is the backend's lowering, as every expert on
+every row (``dense``, ``E / k`` times the routed FLOPs in plain matmuls), or one (row, expert)
+pair at a time, reading only the chosen experts (``assigned``); ``OMNI_JAX_MOE`` picks, else
+:func:`omni_jax.models.moe.expert_path` (grouped on TPUs; elsewhere assigned where a step routes
+fewer pairs than the experts, dense otherwise). On a GPU, XLA's default lowering of
+``ragged_dot`` is a masked dense product over every expert for every routed row (``E`` times the
+routed FLOPs), while ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` would make it a grouped
+GEMM (a lowering this jax cannot build is reported as such in its row: jax 0.11.2's wheel lacks
+the module). This measures the four (grouped with either lowering, dense, assigned), at the
+released thinker's widths by default (hidden 2048, experts of width 768, 128 experts, top 8),
+for several token counts (a decode step's rows up to a prefill chunk's), and transformers' block
+on the same weights with each of its experts implementations it can run here (``eager``: a loop
+over the hit experts; ``grouped_mm`` / ``batched_mm``), taking its fastest. Per token count it
+prints milliseconds per call (best of ``--repeats`` after a warm-up call, compile apart), the
+routed work's TFLOP/s (``6 * N * k * D * I``), the ratio to transformers' fastest, and the
+largest difference of each of our outputs from transformers' (float32 by default, so the
+lowerings must agree to rounding). ``--json`` writes the table. On CPU, the released widths
+(2.4 GB of float32 experts) take decode-sized token counts (``--tokens 1,2,4,8,16``); larger
+ones, small widths (``--experts 16 --hidden 256 --inner 128``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ LOWERINGS = {
     "grouped": ("grouped", False),
     "grouped_pallas_triton": ("grouped", True),
     "dense": ("dense", False),
+    "assigned": ("assigned", False),
 }
 """Ours: the experts' formulation (``OMNI_JAX_MOE``) and the value of
 ``jax_ragged_dot_use_gpu_pallas_triton_lowering``, both read at trace time."""
@@ -122,7 +126,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for lowering, (path, flag) in LOWERINGS.items():
             os.environ[MOE_SWITCH] = path
             jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", flag)
-            fn = jax.jit(exactly)  # a fresh jit: both are read when tracing
+            # A new function for each: jit keeps one trace per function, and both settings are
+            # read only when it traces (a second jax.jit(exactly) would run the first's program).
+            fn = jax.jit(lambda s, v: exactly(s, v))
             xs = jnp.asarray(x)
             start = time.perf_counter()
             try:

@@ -20,7 +20,6 @@ import pytest
 
 from benchmarks import agreement, harness
 from benchmarks.run import SUITES, main, parser
-from omni_jax.models.moe import expert_path
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -46,7 +45,11 @@ def _check_common(result: dict, suite: str) -> None:
     assert env["threads"]["torch_intra_op"] == env["threads"]["xla_intra_op"] == env["cores"] >= 1
     backends = result["backends"]
     assert backends["attention"] == "auto" and backends["pixels"] in ("pil", "torchvision")
-    assert backends["moe_experts"] == expert_path() and backends["vocoder_sin"] == "native"  # conftest's
+    assert (
+        backends["moe_experts"]
+        == {"cpu": "assigned or dense", "tpu": "grouped"}.get(jax.default_backend(), "dense")
+        and backends["vocoder_sin"] == "native"
+    )  # conftest's
     ours = result["compile"]["ours"]
     assert ours["warmup_programs"] > 0 and ours["warmup_s"] > 0 and ours["xla_compiles"] > 0
     assert (

@@ -29,6 +29,7 @@ from omni_jax.models.moe import (
     MOE_SWITCH,
     MoESpec,
     SparseMoeBlock,
+    expert_forms,
     expert_path,
     route,
     stack_expert_arrays,
@@ -118,14 +119,14 @@ def reference(hf: torch.nn.Module, x: np.ndarray) -> np.ndarray:
         return hf(torch.from_numpy(x)).numpy()
 
 
-@pytest.mark.parametrize("path", ["grouped", "dense"])
+@pytest.mark.parametrize("path", ["grouped", "dense", "assigned"])
 @pytest.mark.parametrize("name", ["thinker_norm_topk", "thinker_raw_topk", "talker_shared"])
 def test_block_matches_transformers(name: str, path: str, monkeypatch) -> None:
     """A ragged-looking ``[B, T, D]`` batch through the block, eager and jitted, from either
     expert layout (transformers' fused in-memory tensors, checkpoints' per-expert ones), with
-    the experts as grouped matmuls and as every expert on every row."""
+    the experts as grouped matmuls, as every expert on every row and pair by pair."""
     monkeypatch.setenv(MOE_SWITCH, path)
-    assert expert_path() == path
+    assert expert_forms() == (path,) and expert_path(1, EXPERTS) == expert_path(10**6, EXPERTS) == path
     hf, spec = make_case(name)
     x = np.random.default_rng(1).standard_normal((3, 37, D)).astype(np.float32)
     want = reference(hf, x)
@@ -167,18 +168,41 @@ def test_route_matches_the_reference_router() -> None:
         assert rel_err(weights, ref_weights.numpy()) < RTOL
 
 
-def test_expert_path_follows_the_switch_and_the_backend(monkeypatch) -> None:
-    """Unset or ``auto``: grouped on a TPU (its ragged dot is a grouped GEMM), dense on CPUs and
-    GPUs (theirs is E times the routed FLOPs); a named path is taken as named; anything else is
-    refused."""
-    auto = "grouped" if jax.default_backend() == "tpu" else "dense"
-    monkeypatch.delenv(MOE_SWITCH, raising=False)
-    assert expert_path() == auto
-    monkeypatch.setenv(MOE_SWITCH, "auto")
-    assert expert_path() == auto
+def test_expert_path_follows_the_switch_the_backend_and_the_pairs(monkeypatch) -> None:
+    """Unset or ``auto``: grouped on a TPU (its ragged dot is a grouped GEMM); on a CPU (whose
+    ragged dot is E times the routed FLOPs) pair by pair when a step routes fewer (row, expert)
+    pairs than the experts, dense from as many; dense on a GPU; a named path is taken as named
+    at any count; anything else is refused."""
+    forms = {"tpu": ("grouped",), "cpu": ("assigned", "dense")}.get(jax.default_backend(), ("dense",))
+    for value in (None, "auto"):
+        if value is None:
+            monkeypatch.delenv(MOE_SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(MOE_SWITCH, value)
+        assert expert_forms() == forms
+        assert expert_path(127, 128) == forms[0]
+        assert expert_path(128, 128) == forms[-1]
     monkeypatch.setenv(MOE_SWITCH, "sparse")
-    with pytest.raises(ValueError, match="OMNI_JAX_MOE='sparse': expected grouped, dense or auto"):
-        expert_path()
+    with pytest.raises(ValueError, match="OMNI_JAX_MOE='sparse': expected grouped, dense, assigned or auto"):
+        expert_path(1, 8)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="pair by pair is a CPU's choice")
+@pytest.mark.parametrize(("rows", "path"), [(2, "assigned"), (3, "dense")])
+def test_a_step_runs_pair_by_pair_below_as_many_pairs_as_experts(rows: int, path: str, monkeypatch) -> None:
+    """Unset ``OMNI_JAX_MOE`` on a CPU: 2 rows route 6 pairs over 8 experts and run pair
+    by pair (a loop whose body reads one expert: a ``scan`` in the trace), 3 rows route 9 and
+    run dense (no loop); both equal transformers."""
+    monkeypatch.delenv(MOE_SWITCH, raising=False)
+    assert expert_path(rows * TOP_K, EXPERTS) == path
+    hf, spec = make_case("thinker_norm_topk")
+    block = load(spec, torch_state_items(hf))
+    x = np.random.default_rng(3).standard_normal((1, rows, D)).astype(np.float32)
+    traced = str(jax.make_jaxpr(lambda v: block(v))(jnp.asarray(x)))
+    assert ("scan[" in traced) == (path == "assigned")
+    graphdef, state = nnx.split(block)
+    got = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v))(state, jnp.asarray(x))
+    assert rel_err(got, reference(hf, x)) < RTOL
 
 
 def test_missing_expert_is_refused() -> None:

@@ -23,9 +23,17 @@ instruction); on CPUs, and on GPUs with jax 0.11 (whose Pallas Triton lowering,
 (``E`` times the FLOPs, ``E * N * k * D`` temporary values). Where that is so, the block runs
 every expert on every row instead (:func:`dense_experts`: plain matmuls, ``E / k`` times the
 routed FLOPs, ``E * N * I`` temporary values) and weights each expert's output by the row's
-routing weight for it, zero where it was not chosen. :func:`expert_path` picks: ``grouped`` on
-TPUs, ``dense`` elsewhere, or what ``OMNI_JAX_MOE`` says. The numbers are the same either way
-(float32: up to summation order).
+routing weight for it, zero where it was not chosen. That reads every expert's weights, which a
+step with few rows does not need: a decode step of one row routes ``k`` of Qwen3-Omni's 128
+experts, and its cost is the bytes it reads. So on CPUs a step that routes fewer (row, expert)
+pairs than the experts runs them one pair at a time (:func:`assigned_experts`), reading only
+the chosen experts' weights. :func:`expert_path` picks: ``grouped`` on TPUs; ``assigned`` for
+such steps and ``dense`` for the rest on CPUs; ``dense`` on GPUs, where the pair loop's cost per
+pair (its kernels) is not yet measured against dense's one pass over the experts
+(``benchmarks/gpu.sh``'s ``moe`` part measures it); or what ``OMNI_JAX_MOE`` names. The numbers
+are the same every way in float32 (up to summation order); in bfloat16 ``assigned`` rounds as
+``grouped`` does and ``dense`` otherwise, so on a CPU a row's bfloat16 output can depend on how
+many rows its step routes.
 
 Experts are stored stacked, ``gate_proj``/``up_proj`` ``[E, D, I]`` and ``down_proj``
 ``[E, I, D]``, so a mesh axis can split the experts (first axis) or their intermediate width.
@@ -38,7 +46,6 @@ lazily (:class:`StackedExperts`), which :data:`EXPERT_RULES` then map.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -92,18 +99,37 @@ class MoESpec:
 
 MOE_SWITCH = "OMNI_JAX_MOE"
 """Environment variable naming the experts' formulation, read when a block is traced:
-``grouped``, ``dense`` or ``auto`` (unset: ``auto``, :func:`expert_path`)."""
+``grouped``, ``dense``, ``assigned`` or ``auto`` (unset: ``auto``, :func:`expert_forms`)."""
+
+MOE_FORMS = ("grouped", "dense", "assigned")
 
 
-def expert_path() -> str:
-    """How the experts run: ``OMNI_JAX_MOE`` when it names a formulation, else ``grouped``
-    (``ragged_dot``) on TPUs, whose ragged dot is a grouped GEMM, and ``dense`` on CPUs and GPUs,
-    whose ``ragged_dot`` XLA lowers to a masked dense product over every expert for every routed
-    row (``E`` times the routed FLOPs, against ``E / k`` for dense; measured slower than dense at
-    Qwen3-Omni's widths on a GPU: ``benchmarks/RESULTS.md``, MoE formulations). ``ValueError`` on
+def expert_forms() -> tuple[str, ...]:
+    """The formulations a block may run, depending on how many rows a step routes
+    (:func:`expert_path`): the one ``OMNI_JAX_MOE`` names; else ``grouped`` (``ragged_dot``) on
+    TPUs, whose ragged dot is a grouped GEMM; else, where XLA lowers ``ragged_dot`` to a masked
+    dense product over every expert for every routed row (``E`` times the routed FLOPs, against
+    ``E / k`` for dense; measured slower than dense at Qwen3-Omni's widths on a GPU:
+    ``benchmarks/RESULTS.md``, MoE formulations), ``assigned`` and ``dense`` on CPUs (pair by
+    pair measured faster below as many pairs as experts: ``benchmarks/RESULTS.md``, a decode
+    step's experts) and ``dense`` on GPUs (pair by pair unmeasured there). ``ValueError`` on
     another value."""
-    default = "grouped" if jax.default_backend() == "tpu" else "dense"
-    return formulation(MOE_SWITCH, ("grouped", "dense"), default)
+    named = formulation(MOE_SWITCH, MOE_FORMS, "auto")
+    if named != "auto":
+        return (named,)
+    return {"tpu": ("grouped",), "cpu": ("assigned", "dense")}.get(jax.default_backend(), ("dense",))
+
+
+def expert_path(pairs: int, experts: int) -> str:
+    """How a block runs ``pairs`` routed (row, expert) pairs over the ``experts`` one device
+    holds: the one formulation :func:`expert_forms` allows, or of ``assigned`` and ``dense``,
+    ``assigned`` when the pairs are fewer than the experts (it reads one expert's weights per
+    pair, dense reads every expert's: fewer bytes, the same products per pair) and ``dense``
+    otherwise."""
+    forms = expert_forms()
+    if len(forms) == 1:
+        return forms[0]
+    return "assigned" if pairs < experts else "dense"
 
 
 def route(
@@ -133,7 +159,8 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
         """``sum_j weights[n, j] * expert_{experts[n, j]}(x[n])`` for ``x [N, D]``, ``experts``
-        and ``weights`` ``[N, k]``: one grouped matmul per projection (see the module doc).
+        and ``weights`` ``[N, k]``, in the formulation :func:`expert_path` picks for this many
+        pairs (see the module doc).
 
         Under a mesh (``jax.set_mesh``) whose ``model`` axis splits the experts
         (:func:`experts_split`, as :func:`expert_partition_rules` lays them out), each device
@@ -144,13 +171,16 @@ class Experts(nnx.Module):
         mesh = jax.sharding.get_abstract_mesh()
         model = 1 if mesh.empty else dict(mesh.shape).get("model", 1)
         params = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
-        dense = expert_path() == "dense"
         if not experts_split(params[0].shape[0], model):
-            return (dense_experts if dense else grouped_experts)(x, experts, weights, *params)
+            # XLA's partitioner would gather every ``data`` share's pairs into each device's loop
+            # (and reduce over ``model`` inside it): pair by pair only where nothing partitions.
+            one_device = mesh.empty or mesh.size == 1
+            pairs = experts.size if one_device else max(experts.size, params[0].shape[0])
+            return FORMULATIONS[expert_path(pairs, params[0].shape[0])](x, experts, weights, *params)
         data = dict(mesh.shape).get("data", 1)
         rows = P("data") if x.shape[0] % data == 0 else P()
         return jax.shard_map(
-            functools.partial(_local_experts, dense=dense),
+            _local_experts,
             in_specs=(rows, rows, rows, P("model"), P("model"), P("model")),
             out_specs=rows,
             check_vma=False,
@@ -215,6 +245,45 @@ def dense_experts(
     return jnp.sum(out * combine[..., None].astype(out.dtype), axis=0)
 
 
+def assigned_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+) -> jax.Array:
+    """:meth:`Experts.__call__` one (row, expert) pair at a time, in a loop over the ``N * k``
+    pairs: each takes its expert's weights from the stack by a dynamic index (XLA's CPU copies
+    that one expert, ``3 * D * I`` values, and multiplies; a gather of every chosen expert at
+    once would hold ``N * k`` of them), so the step reads only the chosen experts. Each pair's
+    output times its routing weight, summed over the row's k in slot order as
+    :func:`grouped_experts`. An ``experts`` id outside ``[0, E)`` (another device's, under expert
+    parallelism) adds nothing, though its iteration still runs, on expert 0's weights: each
+    device loops over all of its rows' pairs."""
+    n, k = experts.shape
+    ids = experts.reshape(-1)
+    here = (ids >= 0) & (ids < gate.shape[0])
+
+    def pair(_: None, row_and_id: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        row, e = row_and_id
+        g, u, d = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (gate, up, down))
+        return None, (jax.nn.silu(row @ g) * (row @ u)) @ d
+
+    _, out = jax.lax.scan(pair, None, (jnp.repeat(x, k, axis=0), jnp.where(here, ids, 0)))
+    out = jnp.where(here[:, None], out, 0).reshape(n, k, -1) * weights[..., None]
+    return jnp.sum(out, axis=1)
+
+
+FORMULATIONS: dict[str, Callable[..., jax.Array]] = {
+    "grouped": grouped_experts,
+    "dense": dense_experts,
+    "assigned": assigned_experts,
+}
+""":data:`MOE_FORMS` -> the function that runs the experts so, on one device's stack:
+``(x, experts, weights, gate, up, down) -> [N, D]``."""
+
+
 def _local_experts(
     x: jax.Array,
     experts: jax.Array,
@@ -222,15 +291,14 @@ def _local_experts(
     gate: jax.Array,
     up: jax.Array,
     down: jax.Array,
-    *,
-    dense: bool,
 ) -> jax.Array:
     """One device's part under :func:`jax.shard_map`: its experts' outputs (the others' slots
-    zero), summed over the ``model`` axis."""
+    zero), summed over the ``model`` axis; the formulation by this device's pairs and experts."""
     per_device = gate.shape[0]
     local = experts - jax.lax.axis_index("model") * per_device
-    if dense:
-        return jax.lax.psum(dense_experts(x, local, weights, gate, up, down), "model")
+    path = expert_path(local.size, per_device)
+    if path != "grouped":
+        return jax.lax.psum(FORMULATIONS[path](x, local, weights, gate, up, down), "model")
     mine = (local >= 0) & (local < per_device)
     out = grouped_experts(x, jnp.where(mine, local, per_device), weights, gate, up, down, keep=mine)
     return jax.lax.psum(out, "model")

@@ -50,7 +50,7 @@ def run(block: SparseMoeBlock, x: np.ndarray, mesh: jax.sharding.Mesh | None = N
         return np.asarray(step(state, jax.device_put(x, NamedSharding(mesh, P()))))
 
 
-@pytest.mark.parametrize("path", ["grouped", "dense"])
+@pytest.mark.parametrize("path", ["grouped", "dense", "assigned"])
 @pytest.mark.parametrize(
     ("experts", "shared", "rows"),
     [(8, 0, 48), (8, 0, 7), (8, 40, 48), (6, 0, 48)],
@@ -76,6 +76,36 @@ def test_moe_block_on_2x4_mesh_equals_one_device(
         traced = str(jax.make_jaxpr(lambda v: split(v))(jnp.asarray(x)))
     assert ("shard_map" in traced) == (experts % 4 == 0)
     assert rel_err(run(split, x, mesh), want) < SPLIT_ROUNDING
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="pair by pair is a CPU's choice")
+@pytest.mark.parametrize(
+    ("experts", "path"), [(16, "assigned"), (10, "dense")], ids=["experts_split", "width_split"]
+)
+def test_rows_split_over_data_choose_by_each_devices_pairs(experts: int, path: str, monkeypatch) -> None:
+    """Unset ``OMNI_JAX_MOE``, 2 rows laid out over ``data``: with 16 experts split 4 a device,
+    each device routes its 1 row's 3 pairs over its 4 experts and runs them pair by pair inside
+    its ``shard_map`` (one device alone runs its 6 pairs pair by pair too); with 10 experts
+    split by width, XLA partitions the step, which would gather every ``data`` share's
+    pairs into each device's loop, so it runs dense. Both equal one device."""
+    monkeypatch.delenv(MOE_SWITCH, raising=False)
+    spec = MoESpec(32, 24, experts, 3, norm_topk_prob=True)
+    block = SparseMoeBlock(spec, rngs=nnx.Rngs(0))
+    block.gate.kernel.set_value(block.gate.kernel.get_value() * 3.0)
+    x = np.random.default_rng(2).standard_normal((2, 32)).astype(np.float32)
+    want = run(block, x)
+    assert "scan[" in str(jax.make_jaxpr(lambda v: block(v))(jnp.asarray(x)))
+
+    mesh = make_mesh(MESH)
+    split = shard(block, expert_partition_rules("", spec, MESH["model"]), mesh)
+    graphdef, state = nnx.split(split)
+    step = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v))
+    with jax.set_mesh(mesh):
+        rows = jax.device_put(x, NamedSharding(mesh, P("data")))
+        traced = str(jax.make_jaxpr(lambda v: split(v))(rows))
+        got = np.asarray(step(state, rows))
+    assert ("scan[" in traced) == (path == "assigned")
+    assert rel_err(got, want) < SPLIT_ROUNDING
 
 
 def test_text_decoder_on_2x4_mesh_equals_one_device() -> None:

@@ -35,8 +35,8 @@ from omni_jax.models.moe import (
     EXPERT_RULES,
     MoESpec,
     SparseMoeBlock,
+    expert_forms,
     expert_partition_rules,
-    expert_path,
     experts_split,
 )
 from omni_jax.models.param_map import ParamRule, linear_kernel, prefixed
@@ -212,15 +212,18 @@ class Qwen3OmniTextLM(Qwen2ForCausalLM):
         mesh axis of that size splits the MLPs' intermediate width: the widest MLP (a dense
         layer's gate and up outputs and their product, as :meth:`Qwen2ForCausalLM.activation_width`;
         a sparse layer's router logits and, for each expert that runs the row, its input row,
-        gate and up outputs and their product and output row: the ``k`` chosen ones
-        as grouped matmuls, every expert on this device where they run dense,
-        :func:`~omni_jax.models.moe.expert_path`) beside three residual-width vectors."""
+        gate and up outputs and their product and output row: the ``k`` chosen ones as grouped
+        matmuls or pair by pair, every expert on this device where a step may run them dense,
+        :func:`~omni_jax.models.moe.expert_forms`) beside three residual-width vectors. The plan
+        sizes the largest step, so where the rows decide, the dense count stands; it covers the
+        pair loop's copy of one expert (``3 * D * I`` values a step, not a row) from 6 rows on at
+        Qwen3-Omni's widths, and ``OMNI_JAX_MOE=assigned`` (for measuring) leaves it out."""
         spec = self.spec
         widths = [3 * spec.intermediate_size // model] if not all(spec.sparse_layers) else []
         if spec.moe is not None:
             moe = spec.moe
             inner = 3 * moe.intermediate_size // model
-            if expert_path() == "dense":
+            if "dense" in expert_forms():
                 split = experts_split(moe.num_experts, model)
                 experts = moe.num_experts // model if split else moe.num_experts
                 inner = 3 * moe.intermediate_size if split else inner
