@@ -110,6 +110,159 @@ def qwen2_5_omni_7b_config():  # noqa: ANN201 - a transformers config
     return cfg
 
 
+QWEN3_MROPE = {
+    "rope_type": "default",
+    "rope_theta": 1000000,
+    "mrope_section": [24, 20, 20],
+    "interleaved": True,
+}
+QWEN3_IDS = dict(
+    audio_token_id=151675,
+    image_token_id=151655,
+    video_token_id=151656,
+    audio_start_token_id=151669,
+    audio_end_token_id=151670,
+    vision_start_token_id=151652,
+    position_id_per_seconds=13,
+    seconds_per_chunk=2,
+)
+
+
+def qwen3_omni_30b_config():  # noqa: ANN201 - a transformers config
+    """Qwen3-Omni-30B-A3B-Instruct's ``config.json``: the public checkpoint's shapes and token ids."""
+    from transformers import Qwen3OmniMoeConfig
+
+    thinker = dict(
+        text_config=dict(
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=768,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            vocab_size=152064,
+            max_position_embeddings=65536,
+            rope_parameters=QWEN3_MROPE,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+        audio_config=dict(
+            d_model=1280,
+            encoder_layers=32,
+            encoder_attention_heads=20,
+            encoder_ffn_dim=5120,
+            num_mel_bins=128,
+            output_dim=2048,
+            max_source_positions=1500,
+            n_window=50,
+            n_window_infer=800,
+            conv_chunksize=500,
+            downsample_hidden_size=480,
+        ),
+        vision_config=dict(
+            depth=27,
+            hidden_size=1152,
+            num_heads=16,
+            intermediate_size=4304,
+            out_hidden_size=2048,
+            patch_size=16,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            num_position_embeddings=2304,
+            deepstack_visual_indexes=[8, 16, 24],
+            hidden_act="gelu_pytorch_tanh",
+        ),
+        vision_end_token_id=151653,
+        user_token_id=872,
+        **QWEN3_IDS,
+    )
+    talker = dict(
+        text_config=dict(
+            hidden_size=1024,
+            num_hidden_layers=20,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=128,
+            intermediate_size=2048,
+            moe_intermediate_size=384,
+            shared_expert_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=6,
+            norm_topk_prob=True,
+            vocab_size=3072,
+            max_position_embeddings=65536,
+            rope_parameters=QWEN3_MROPE,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+        code_predictor_config=dict(
+            hidden_size=1024,
+            num_hidden_layers=5,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            vocab_size=2048,
+            num_code_groups=16,
+            max_position_embeddings=32768,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000},
+            rms_norm_eps=1e-6,
+        ),
+        accept_hidden_layer=24,
+        num_code_groups=16,
+        thinker_hidden_size=2048,
+        spatial_merge_size=2,
+        codec_bos_id=2149,
+        codec_eos_token_id=2150,
+        codec_nothink_id=2155,
+        codec_pad_id=2148,
+        codec_think_bos_id=2156,
+        codec_think_eos_id=2157,
+        speaker_id={"aiden": 2303, "chelsie": 2301, "ethan": 2302},
+        **QWEN3_IDS,
+    )
+    code2wav = dict(
+        codebook_size=2048,
+        num_quantizers=16,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        sliding_window=72,
+        max_position_embeddings=8000,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000},
+        rms_norm_eps=1e-5,
+        layer_scale_initial_scale=0.01,
+        decoder_dim=1536,
+        upsample_rates=[8, 5, 4, 3],
+        upsampling_ratios=[2, 2],
+    )
+    cfg = Qwen3OmniMoeConfig(
+        thinker_config=thinker,
+        talker_config=talker,
+        code2wav_config=code2wav,
+        enable_audio_output=True,
+        im_start_token_id=151644,
+        im_end_token_id=151645,
+        system_token_id=8948,
+        user_token_id=872,
+        assistant_token_id=77091,
+        tts_bos_token_id=151672,
+        tts_eos_token_id=151673,
+        tts_pad_token_id=151671,
+    )
+    cfg.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
+    cfg.dtype = "bfloat16"
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def omni_7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("omni7b")
@@ -259,6 +412,37 @@ def test_qwen2_5_omni_7b_from_config_alone(plan_7b) -> None:
         r"^ +24 GiB: does not fit: device 0 needs \d+\.\d\d GiB, JAX has 18\.00 GiB$", table, re.M
     )
     assert re.search(r"^ +80 GiB: fits, \d+ sequences? at once$", table, re.M)
+
+
+def test_qwen3_omni_30b_a3b_from_config_alone(tmp_path) -> None:
+    """Qwen3-Omni-30B-A3B from its ``config.json`` alone: each stage's weights are the parameters
+    transformers instantiates for it (35.26 billion, in bfloat16: 65.7 GiB; code2wav's SnakeBeta
+    alpha and beta in float32, as every SnakeBeta of ours holds them), the thinker's cache
+    is its 48 layers of 4 KV heads, the talker's its 20 of 2 (the code predictor keeps its own
+    buffer inside the step), and the whole graph does not fit one 80 GiB GPU at JAX's default
+    share (its weights alone exceed it)."""
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    cfg = qwen3_omni_30b_config()
+    cfg.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = Qwen3OmniMoeForConditionalGeneration(cfg)
+    expected: dict[str, int] = {}
+    params = dict(model.named_parameters())
+    assert sum(p.numel() for p in params.values()) == 35_259_818_545
+    for name, p in params.items():
+        stage = name.split(".")[0]
+        snake = stage == "code2wav" and name.endswith((".alpha", ".beta"))
+        expected[stage] = expected.get(stage, 0) + (4 if snake else 2) * p.numel()
+    plan = plan_memory(tmp_path)
+    assert {s.name: s.weights for s in plan.stages} == expected
+    thinker, talker, code2wav = plan.stages
+    assert plan.max_model_len == 4096
+    assert thinker.sequence_kv == (256 + 1) * 16 * 2 * 48 * 4 * 128 * 2
+    assert talker.sequence_kv == (256 + 1) * 16 * 2 * 20 * 2 * 128 * 2
+    assert code2wav.sequence_kv == 0 and min(s.step for s in plan.stages) > 0
+    assert plan.weights > 60 * GIB >= 80 * GIB * plan.mem_fraction and not plan.fits(80 * GIB)
 
 
 def test_plan_table_columns_line_up_on_many_devices(omni_7b) -> None:
