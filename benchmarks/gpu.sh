@@ -3,7 +3,7 @@
 # them (default: all but c2w_warm), each under its own time limit, each writing its log and
 # results under $OUT as it goes, so a part cut short still reports what it measured:
 #   moe       the MoE block's formulations (grouped ragged_dot, XLA or Pallas Triton lowering;
-#             dense; assigned, pair by pair) at Qwen3-Omni's widths against transformers, decode
+#             dense; assigned, pair by pair; gathered) at Qwen3-Omni's widths against transformers, decode
 #             rows to 128 (benchmarks/moe_lowering.py);
 #   shaped    the real-width AR suite (benchmarks/shaped_suite.py, transformers on the same shapes);
 #   compile   one code2wav program's compile time (benchmarks/compile_time.py), one process each

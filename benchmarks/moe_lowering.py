@@ -3,14 +3,15 @@ formulation of the experts and lowering of ``jax.lax.ragged_dot``.
 
 Our block (:class:`omni_jax.models.moe.SparseMoeBlock`) runs each projection as one grouped
 matmul, ``ragged_dot`` (``grouped``), whose speed is the backend's lowering, as every expert on
-every row (``dense``, ``E / k`` times the routed FLOPs in plain matmuls), or one (row, expert)
-pair at a time, reading only the chosen experts (``assigned``); ``OMNI_JAX_MOE`` picks, else
+every row (``dense``, ``E / k`` times the routed FLOPs in plain matmuls), one (row, expert)
+pair at a time, reading only the chosen experts (``assigned``), or with the chosen experts
+gathered first (``gathered``, a fixed number of operations); ``OMNI_JAX_MOE`` picks, else
 :func:`omni_jax.models.moe.expert_path` (grouped on TPUs; elsewhere assigned where a step routes
 fewer pairs than the experts, dense otherwise). On a GPU, XLA's default lowering of
 ``ragged_dot`` is a masked dense product over every expert for every routed row (``E`` times the
 routed FLOPs), while ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` would make it a grouped
 GEMM (a lowering this jax cannot build is reported as such in its row: jax 0.11.2's wheel lacks
-the module). This measures the four (grouped with either lowering, dense, assigned), at the
+the module). This measures the five (grouped with either lowering, dense, assigned, gathered), at the
 released thinker's widths by default (hidden 2048, experts of width 768, 128 experts, top 8),
 for several token counts (a decode step's rows up to a prefill chunk's), and transformers' block
 on the same weights with each of its experts implementations it can run here (``eager``: a loop
@@ -47,6 +48,7 @@ LOWERINGS = {
     "grouped_pallas_triton": ("grouped", True),
     "dense": ("dense", False),
     "assigned": ("assigned", False),
+    "gathered": ("gathered", False),
 }
 """Ours: the experts' formulation (``OMNI_JAX_MOE``) and the value of
 ``jax_ragged_dot_use_gpu_pallas_triton_lowering``, both read at trace time."""

@@ -119,12 +119,12 @@ def reference(hf: torch.nn.Module, x: np.ndarray) -> np.ndarray:
         return hf(torch.from_numpy(x)).numpy()
 
 
-@pytest.mark.parametrize("path", ["grouped", "dense", "assigned"])
+@pytest.mark.parametrize("path", ["grouped", "dense", "assigned", "gathered"])
 @pytest.mark.parametrize("name", ["thinker_norm_topk", "thinker_raw_topk", "talker_shared"])
 def test_block_matches_transformers(name: str, path: str, monkeypatch) -> None:
     """A ragged-looking ``[B, T, D]`` batch through the block, eager and jitted, from either
     expert layout (transformers' fused in-memory tensors, checkpoints' per-expert ones), with
-    the experts as grouped matmuls, as every expert on every row and pair by pair."""
+    the experts as grouped matmuls, as every expert on every row, pair by pair and gathered."""
     monkeypatch.setenv(MOE_SWITCH, path)
     assert expert_forms() == (path,) and expert_path(1, EXPERTS) == expert_path(10**6, EXPERTS) == path
     hf, spec = make_case(name)
@@ -183,7 +183,7 @@ def test_expert_path_follows_the_switch_the_backend_and_the_pairs(monkeypatch) -
         assert expert_path(127, 128) == forms[0]
         assert expert_path(128, 128) == forms[-1]
     monkeypatch.setenv(MOE_SWITCH, "sparse")
-    with pytest.raises(ValueError, match="OMNI_JAX_MOE='sparse': expected grouped, dense, assigned or auto"):
+    with pytest.raises(ValueError, match="OMNI_JAX_MOE='sparse': expected grouped, dense, assigned, gathered or auto"):
         expert_path(1, 8)
 
 

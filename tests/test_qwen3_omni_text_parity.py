@@ -293,17 +293,19 @@ def test_in_memory_names_attention_bias_and_sparse_step() -> None:
 @pytest.mark.parametrize("model", [1, 2, 4, 3])
 def test_activation_width_counts_the_experts_that_run(model: int, monkeypatch) -> None:
     """A sparse row holds, per expert that runs it, its input row, gate and up outputs and their
-    product and output row: the k chosen as grouped matmuls or pair by pair, every expert on
-    the device when a step may run them dense, as it does unset off TPUs (whole experts per
-    device where the mesh splits them, 8 % 3 != 0 splits their width), beside the router logits
-    and three residual-width rows."""
+    product and output row: the k chosen as grouped matmuls or pair by pair (gathered: with
+    each one's copy of its expert), every expert on the device when a step may run them dense,
+    as it does unset off TPUs (whole experts per device where the mesh splits them, 8 % 3 != 0
+    splits their width), beside the router logits and three residual-width rows."""
     spec = Qwen3OmniTextSpec.from_hf(Qwen3OmniMoeTextConfig(**text_config()))
     lm = Qwen3OmniTextLM(spec, rngs=nnx.Rngs(0))
     inner, experts, top_k = 40, 8, 3
+    here, width = (experts // model, 3 * inner) if model in (2, 4) else (experts, 3 * inner // model)
     for path in ("grouped", "assigned"):
         monkeypatch.setenv(MOE_SWITCH, path)
-        assert lm.activation_width(model) == experts + top_k * (3 * inner // model + 2 * D) + 3 * D
-    here, width = (experts // model, 3 * inner) if model in (2, 4) else (experts, 3 * inner // model)
+        assert lm.activation_width(model) == experts + top_k * (width + 2 * D) + 3 * D
+    monkeypatch.setenv(MOE_SWITCH, "gathered")
+    assert lm.activation_width(model) == experts + top_k * (width + 2 * D + D * width) + 3 * D
     for path in ("dense", "auto") if jax.default_backend() != "tpu" else ("dense",):
         monkeypatch.setenv(MOE_SWITCH, path)
         assert lm.activation_width(model) == experts + here * (width + 2 * D) + 3 * D

@@ -99,9 +99,10 @@ class MoESpec:
 
 MOE_SWITCH = "OMNI_JAX_MOE"
 """Environment variable naming the experts' formulation, read when a block is traced:
-``grouped``, ``dense``, ``assigned`` or ``auto`` (unset: ``auto``, :func:`expert_forms`)."""
+``grouped``, ``dense``, ``assigned``, ``gathered`` or ``auto`` (unset: ``auto``,
+:func:`expert_forms`)."""
 
-MOE_FORMS = ("grouped", "dense", "assigned")
+MOE_FORMS = ("grouped", "dense", "assigned", "gathered")
 
 
 def expert_forms() -> tuple[str, ...]:
@@ -261,24 +262,58 @@ def assigned_experts(
     :func:`grouped_experts`. An ``experts`` id outside ``[0, E)`` (another device's, under expert
     parallelism) adds nothing, though its iteration still runs, on expert 0's weights: each
     device loops over all of its rows' pairs."""
-    n, k = experts.shape
-    ids = experts.reshape(-1)
-    here = (ids >= 0) & (ids < gate.shape[0])
+    rows, ids, here = _pairs(x, experts, gate.shape[0])
 
     def pair(_: None, row_and_id: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         row, e = row_and_id
         g, u, d = (jax.lax.dynamic_index_in_dim(w, e, keepdims=False) for w in (gate, up, down))
         return None, (jax.nn.silu(row @ g) * (row @ u)) @ d
 
-    _, out = jax.lax.scan(pair, None, (jnp.repeat(x, k, axis=0), jnp.where(here, ids, 0)))
-    out = jnp.where(here[:, None], out, 0).reshape(n, k, -1) * weights[..., None]
-    return jnp.sum(out, axis=1)
+    _, out = jax.lax.scan(pair, None, (rows, ids))
+    return _weighted_sum(out, here, weights)
+
+
+def gathered_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+) -> jax.Array:
+    """:meth:`Experts.__call__` with every pair's expert gathered from the stack at once
+    (``N * k`` copies of ``3 * D * I`` values), then one batched matrix-vector product per
+    projection: the chosen experts' bytes, like :func:`assigned_experts`, in a fixed number of
+    operations instead of a loop over the pairs, for backends whose cost is per operation
+    launched (a GPU's kernels). Not chosen by default anywhere yet: ``OMNI_JAX_MOE=gathered``
+    for measuring (``benchmarks/moe_lowering.py``). Ids outside ``[0, E)`` add nothing."""
+    rows, ids, here = _pairs(x, experts, gate.shape[0])
+    g, u, d = (jnp.take(w, ids, axis=0) for w in (gate, up, down))
+    h = jax.nn.silu(jnp.einsum("pd,pdi->pi", rows, g)) * jnp.einsum("pd,pdi->pi", rows, u)
+    return _weighted_sum(jnp.einsum("pi,pid->pd", h, d), here, weights)
+
+
+def _pairs(x: jax.Array, experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The ``N * k`` (row, expert) pairs of ``experts [N, k]`` in (row, slot) order: each pair's
+    row of ``x``, its expert id (0 for an id outside ``[0, num_experts)``), and whether the id
+    names one of these experts."""
+    ids = experts.reshape(-1)
+    here = (ids >= 0) & (ids < num_experts)
+    return jnp.repeat(x, experts.shape[1], axis=0), jnp.where(here, ids, 0), here
+
+
+def _weighted_sum(out: jax.Array, here: jax.Array, weights: jax.Array) -> jax.Array:
+    """Per row, its pairs' outputs ``out [N * k, D]`` (zero where ``here`` is false) times their
+    routing ``weights [N, k]``, summed over the k in slot order, as :func:`grouped_experts`."""
+    n, k = weights.shape
+    return jnp.sum(jnp.where(here[:, None], out, 0).reshape(n, k, -1) * weights[..., None], axis=1)
 
 
 FORMULATIONS: dict[str, Callable[..., jax.Array]] = {
     "grouped": grouped_experts,
     "dense": dense_experts,
     "assigned": assigned_experts,
+    "gathered": gathered_experts,
 }
 """:data:`MOE_FORMS` -> the function that runs the experts so, on one device's stack:
 ``(x, experts, weights, gate, up, down) -> [N, D]``."""

@@ -50,7 +50,7 @@ def run(block: SparseMoeBlock, x: np.ndarray, mesh: jax.sharding.Mesh | None = N
         return np.asarray(step(state, jax.device_put(x, NamedSharding(mesh, P()))))
 
 
-@pytest.mark.parametrize("path", ["grouped", "dense", "assigned"])
+@pytest.mark.parametrize("path", ["grouped", "dense", "assigned", "gathered"])
 @pytest.mark.parametrize(
     ("experts", "shared", "rows"),
     [(8, 0, 48), (8, 0, 7), (8, 40, 48), (6, 0, 48)],

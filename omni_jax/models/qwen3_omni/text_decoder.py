@@ -214,22 +214,24 @@ class Qwen3OmniTextLM(Qwen2ForCausalLM):
         a sparse layer's router logits and, for each expert that runs the row, its input row,
         gate and up outputs and their product and output row: the ``k`` chosen ones as grouped
         matmuls or pair by pair, every expert on this device where a step may run them dense,
-        :func:`~omni_jax.models.moe.expert_forms`) beside three residual-width vectors. The plan
-        sizes the largest step, so where the rows decide, the dense count stands; it covers the
-        pair loop's copy of one expert (``3 * D * I`` values a step, not a row) from 6 rows on at
-        Qwen3-Omni's widths, and ``OMNI_JAX_MOE=assigned`` (for measuring) leaves it out."""
+        :func:`~omni_jax.models.moe.expert_forms`; whole experts where the mesh splits them by
+        expert, a ``model``-th of each where it splits their width; gathered, each pair's copy of
+        its expert too) beside three residual-width vectors. The plan sizes the largest step, so
+        where the rows decide, the dense count stands; it covers the pair loop's copy of one
+        expert (``3 * D * I`` values a step, not a row) from 6 rows on at Qwen3-Omni's widths,
+        and ``OMNI_JAX_MOE=assigned`` (for measuring) leaves it out."""
         spec = self.spec
         widths = [3 * spec.intermediate_size // model] if not all(spec.sparse_layers) else []
         if spec.moe is not None:
-            moe = spec.moe
-            inner = 3 * moe.intermediate_size // model
-            if "dense" in expert_forms():
-                split = experts_split(moe.num_experts, model)
+            moe, forms = spec.moe, expert_forms()
+            split = experts_split(moe.num_experts, model)
+            inner = 3 * moe.intermediate_size // (1 if split else model)
+            if "dense" in forms:
                 experts = moe.num_experts // model if split else moe.num_experts
-                inner = 3 * moe.intermediate_size if split else inner
             else:
                 experts = moe.top_k
-            widths.append(moe.num_experts + experts * (inner + 2 * moe.hidden_size))
+            copies = moe.top_k * moe.hidden_size * inner if "gathered" in forms else 0
+            widths.append(moe.num_experts + experts * (inner + 2 * moe.hidden_size) + copies)
         return max(widths) + 3 * spec.hidden_size
 
     def forward(
