@@ -19,6 +19,7 @@ import yaml
 from flax import nnx
 from stage_yamls import Whole, edited_stages, shipped_config
 
+from benchmarks.models import SMALL_QWEN3_CODE2WAV, SMALL_QWEN3_THINKER_TEXT
 from omni_jax import OmniJaxPipeline
 from omni_jax.cli import main as cli_main
 from omni_jax.engine.memory import GIB
@@ -129,29 +130,13 @@ QWEN3_IDS = dict(
 
 
 def qwen3_omni_30b_config():  # noqa: ANN201 - a transformers config
-    """Qwen3-Omni-30B-A3B-Instruct's ``config.json``: the public checkpoint's shapes and token ids."""
+    """Qwen3-Omni-30B-A3B-Instruct's ``config.json``: the public checkpoint's shapes and token ids
+    (the thinker's decoder is the ``small`` benchmark model's with the release's 48 layers of 128
+    experts, code2wav the release's whole, as ``small`` has it)."""
     from transformers import Qwen3OmniMoeConfig
 
     thinker = dict(
-        text_config=dict(
-            hidden_size=2048,
-            num_hidden_layers=48,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-            intermediate_size=768,
-            moe_intermediate_size=768,
-            num_experts=128,
-            num_experts_per_tok=8,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            vocab_size=152064,
-            max_position_embeddings=65536,
-            rope_parameters=QWEN3_MROPE,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-        ),
+        text_config=dict(SMALL_QWEN3_THINKER_TEXT, num_hidden_layers=48, num_experts=128),
         audio_config=dict(
             d_model=1280,
             encoder_layers=32,
@@ -227,27 +212,10 @@ def qwen3_omni_30b_config():  # noqa: ANN201 - a transformers config
         speaker_id={"aiden": 2303, "chelsie": 2301, "ethan": 2302},
         **QWEN3_IDS,
     )
-    code2wav = dict(
-        codebook_size=2048,
-        num_quantizers=16,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        sliding_window=72,
-        max_position_embeddings=8000,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000},
-        rms_norm_eps=1e-5,
-        layer_scale_initial_scale=0.01,
-        decoder_dim=1536,
-        upsample_rates=[8, 5, 4, 3],
-        upsampling_ratios=[2, 2],
-    )
     cfg = Qwen3OmniMoeConfig(
         thinker_config=thinker,
         talker_config=talker,
-        code2wav_config=code2wav,
+        code2wav_config=SMALL_QWEN3_CODE2WAV,
         enable_audio_output=True,
         im_start_token_id=151644,
         im_end_token_id=151645,
