@@ -96,8 +96,8 @@ seed_cache() {  # a persistent cache's root: AUTOTUNE_SEED's autotuning results 
 }
 
 moe() {
-  echo "== MoE formulations (limit ${MOE_S:-90}s)"
-  timeout -s INT "${MOE_S:-90}" python3 -m benchmarks.moe_lowering --tokens 1,2,4,8,16,32,128 --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
+  echo "== MoE formulations (limit ${MOE_S:-150}s)"
+  timeout -s INT "${MOE_S:-150}" python3 -m benchmarks.moe_lowering --tokens 1,2,4,8,16,32,128 --json "$OUT/moe.json" >"$OUT/moe.log" 2>&1
   echo "moe exit $?"
   grep -E "^N=|cannot run" "$OUT/moe.log"
 }
