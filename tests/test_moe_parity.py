@@ -183,7 +183,8 @@ def test_expert_path_follows_the_switch_the_backend_and_the_pairs(monkeypatch) -
         assert expert_path(127, 128) == forms[0]
         assert expert_path(128, 128) == forms[-1]
     monkeypatch.setenv(MOE_SWITCH, "sparse")
-    with pytest.raises(ValueError, match="OMNI_JAX_MOE='sparse': expected grouped, dense, assigned, gathered or auto"):
+    refused = "OMNI_JAX_MOE='sparse': expected grouped, dense, assigned, gathered or auto"
+    with pytest.raises(ValueError, match=refused):
         expert_path(1, 8)
 
 
