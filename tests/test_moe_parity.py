@@ -26,6 +26,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.moe import (
     EXPERT_RULES,
+    FORMULATIONS,
+    MOE_FORMS,
     MOE_SWITCH,
     MoESpec,
     SparseMoeBlock,
@@ -172,9 +174,9 @@ def test_expert_path_follows_the_switch_the_backend_and_the_pairs(monkeypatch) -
     """Unset or ``auto``: grouped on a TPU (its ragged dot is a grouped GEMM); on a CPU (whose
     ragged dot is E times the routed FLOPs) pair by pair when a step routes fewer (row, expert)
     pairs than the experts, dense from as many; dense on a GPU; a named path is taken as named
-    at any count; anything else is refused."""
+    at any count; anything else is refused (set but empty is unset)."""
     forms = {"tpu": ("grouped",), "cpu": ("assigned", "dense")}.get(jax.default_backend(), ("dense",))
-    for value in (None, "auto"):
+    for value in (None, "auto", ""):
         if value is None:
             monkeypatch.delenv(MOE_SWITCH, raising=False)
         else:
@@ -186,6 +188,37 @@ def test_expert_path_follows_the_switch_the_backend_and_the_pairs(monkeypatch) -
     refused = "OMNI_JAX_MOE='sparse': expected grouped, dense, assigned, gathered or auto"
     with pytest.raises(ValueError, match=refused):
         expert_path(1, 8)
+
+
+@pytest.mark.parametrize("path", MOE_FORMS)
+def test_another_devices_experts_add_nothing_and_no_rows_run(path: str) -> None:
+    """Every formulation, on a stack of 5 of the 8 experts (as one device's under expert
+    parallelism): a pair whose id is outside ``[0, 5)``, above or below (the id another device
+    holds, shifted by this device's first), adds nothing; each row's output is the weighted sum
+    of its pairs here, computed expert by expert in numpy; and a step of no rows gives none."""
+    hf, spec = make_case("thinker_norm_topk")
+    block = load(spec, torch_state_items(hf))
+    gate, up, down = (
+        np.asarray(p[...])[:5]
+        for p in (block.experts.gate_proj, block.experts.up_proj, block.experts.down_proj)
+    )
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, D)).astype(np.float32)
+    experts = rng.integers(-4, 9, size=(6, TOP_K)).astype(np.int32)
+    experts[0] = [-1, 5, 7]  # none of this row's experts are here
+    experts[1] = [0, 1, 4]  # all are
+    weights = rng.random((6, TOP_K)).astype(np.float32)
+    want = np.zeros_like(x)
+    for n, j in np.ndindex(*experts.shape):
+        e = experts[n, j]
+        if 0 <= e < 5:
+            h = x[n] @ gate[e]
+            want[n] += weights[n, j] * ((h / (1 + np.exp(-h))) * (x[n] @ up[e])) @ down[e]
+    got = np.asarray(FORMULATIONS[path](x, experts, weights, gate, up, down))
+    assert not got[0].any()
+    assert rel_err(got, want) < RTOL
+    empty = FORMULATIONS[path](x[:0], experts[:0], weights[:0], gate, up, down)
+    assert empty.shape == (0, D)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="pair by pair is a CPU's choice")

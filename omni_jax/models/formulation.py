@@ -12,9 +12,9 @@ import os
 
 def formulation(switch: str, forms: tuple[str, ...], default: str) -> str:
     """The form the environment variable ``switch`` names among ``forms``, else ``default`` (the
-    variable unset or ``auto``); ``ValueError`` naming the variable on any other value. Read when
+    variable unset, empty or ``auto``); ``ValueError`` naming the variable on any other value. Read when
     a computation is traced, so a process may change it between traces."""
-    asked = os.environ.get(switch, "auto")
+    asked = os.environ.get(switch) or "auto"  # set but empty: unset
     if asked == "auto":
         return default
     if asked not in forms:

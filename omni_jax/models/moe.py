@@ -161,7 +161,8 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
         """``sum_j weights[n, j] * expert_{experts[n, j]}(x[n])`` for ``x [N, D]``, ``experts``
         and ``weights`` ``[N, k]``, in the formulation :func:`expert_path` picks for this many
-        pairs (see the module doc).
+        pairs (see the module doc); on a mesh of several devices that does not split the
+        experts, as for at least as many pairs as experts (XLA partitions the step).
 
         Under a mesh (``jax.set_mesh``) whose ``model`` axis splits the experts
         (:func:`experts_split`, as :func:`expert_partition_rules` lays them out), each device
@@ -201,26 +202,23 @@ def grouped_experts(
     gate: jax.Array,
     up: jax.Array,
     down: jax.Array,
-    keep: jax.Array | None = None,
 ) -> jax.Array:
     """:meth:`Experts.__call__` on stacked ``gate``/``up`` ``[E, D, I]``, ``down`` ``[E, I, D]``.
 
-    An ``experts`` id of ``E`` or more names no expert here: its rows sort last, outside every
-    group; ``keep [N, k]`` (false for those) zeroes their outputs, whatever the backend leaves
-    in rows no group covers.
+    An ``experts`` id outside ``[0, E)`` (another device's) names no expert here: its pairs sort
+    last, outside every group, and their outputs (whatever the backend leaves in rows no group
+    covers) are zeroed, so it adds nothing, as in the other formulations.
     """
-    n, k = experts.shape
-    flat = experts.reshape(-1)
+    k = experts.shape[1]
+    num_experts = gate.shape[0]
+    here = _named_here(experts, num_experts)
+    flat = jnp.where(here, experts.reshape(-1), num_experts)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
-    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)  # ids >= E are dropped
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # the others' are dropped
     rows = x[order // k]
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
     out = jax.lax.ragged_dot(h, down, sizes)
-    out = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(n, k, -1)  # (token, slot)
-    out = out * weights[..., None]
-    if keep is not None:
-        out = jnp.where(keep[..., None], out, 0)
-    return jnp.sum(out, axis=1)
+    return _weighted_sum(jnp.zeros_like(out).at[order].set(out, unique_indices=True), here, weights)
 
 
 def dense_experts(
@@ -297,16 +295,23 @@ def _pairs(x: jax.Array, experts: jax.Array, num_experts: int) -> tuple[jax.Arra
     """The ``N * k`` (row, expert) pairs of ``experts [N, k]`` in (row, slot) order: each pair's
     row of ``x``, its expert id (0 for an id outside ``[0, num_experts)``), and whether the id
     names one of these experts."""
+    here = _named_here(experts, num_experts)
+    return jnp.repeat(x, experts.shape[1], axis=0), jnp.where(here, experts.reshape(-1), 0), here
+
+
+def _named_here(experts: jax.Array, num_experts: int) -> jax.Array:
+    """Whether each of the ``N * k`` ids of ``experts [N, k]``, in (row, slot) order, names one
+    of this device's ``num_experts`` (another device's id, under expert parallelism, does not)."""
     ids = experts.reshape(-1)
-    here = (ids >= 0) & (ids < num_experts)
-    return jnp.repeat(x, experts.shape[1], axis=0), jnp.where(here, ids, 0), here
+    return (ids >= 0) & (ids < num_experts)
 
 
 def _weighted_sum(out: jax.Array, here: jax.Array, weights: jax.Array) -> jax.Array:
     """Per row, its pairs' outputs ``out [N * k, D]`` (zero where ``here`` is false) times their
     routing ``weights [N, k]``, summed over the k in slot order, as :func:`grouped_experts`."""
     n, k = weights.shape
-    return jnp.sum(jnp.where(here[:, None], out, 0).reshape(n, k, -1) * weights[..., None], axis=1)
+    pairs = jnp.where(here[:, None], out, 0).reshape(n, k, out.shape[-1])  # N may be 0
+    return jnp.sum(pairs * weights[..., None], axis=1)
 
 
 FORMULATIONS: dict[str, Callable[..., jax.Array]] = {
@@ -332,11 +337,7 @@ def _local_experts(
     per_device = gate.shape[0]
     local = experts - jax.lax.axis_index("model") * per_device
     path = expert_path(local.size, per_device)
-    if path != "grouped":
-        return jax.lax.psum(FORMULATIONS[path](x, local, weights, gate, up, down), "model")
-    mine = (local >= 0) & (local < per_device)
-    out = grouped_experts(x, jnp.where(mine, local, per_device), weights, gate, up, down, keep=mine)
-    return jax.lax.psum(out, "model")
+    return jax.lax.psum(FORMULATIONS[path](x, local, weights, gate, up, down), "model")
 
 
 class SparseMoeBlock(nnx.Module):

@@ -218,8 +218,10 @@ class Qwen3OmniTextLM(Qwen2ForCausalLM):
         expert, a ``model``-th of each where it splits their width; gathered, each pair's copy of
         its expert too) beside three residual-width vectors. The plan sizes the largest step, so
         where the rows decide, the dense count stands; it covers the pair loop's copy of one
-        expert (``3 * D * I`` values a step, not a row) from 6 rows on at Qwen3-Omni's widths,
-        and ``OMNI_JAX_MOE=assigned`` (for measuring) leaves it out."""
+        expert (``3 * D * I`` values a step, not a row) from 7 rows on at Qwen3-Omni's widths on
+        one device (from 93 where expert parallelism over 8 devices leaves each 16 experts), and
+        ``OMNI_JAX_MOE=assigned`` (for measuring) leaves it out, as ``OMNI_JAX_MOE=grouped`` off
+        a TPU leaves out XLA's expansion of the ragged dot over every expert."""
         spec = self.spec
         widths = [3 * spec.intermediate_size // model] if not all(spec.sparse_layers) else []
         if spec.moe is not None:
