@@ -46,12 +46,19 @@ class InFlight(Generic[T]):
 
     @classmethod
     def dispatch(cls, items: Sequence[T], shape: tuple[int, ...], call: Callable[[], Any]) -> InFlight[T]:
-        """Start ``call`` (the solve of ``items``, row ``i`` item ``i``); a device error raised at
-        once is kept, to be handled where the results are read, as one raised there."""
+        """Start ``call`` (the solve of ``items``, row ``i`` item ``i``) and the copies of its
+        results to the host, which then run as soon as the device has them (as an AR step's do),
+        so the read that lands the solve does not wait for the transfer of its padded batch; a
+        device error raised at once is kept, to be handled where the results are read, as one
+        raised there."""
         started = time.perf_counter()
         rows = dict(enumerate(items))
         try:
-            return cls(rows, shape, call(), None, len(items), started)
+            outputs = call()
+            for leaf in jax.tree.leaves(outputs):
+                if isinstance(leaf, jax.Array):
+                    leaf.copy_to_host_async()
+            return cls(rows, shape, outputs, None, len(items), started)
         except jax.errors.JaxRuntimeError as e:
             return cls(rows, shape, None, e, len(items), started)
 
