@@ -486,9 +486,11 @@ class ThinkerStepInputs:
 def _one_ahead(dispatched: Iterator[tuple[T, jax.Array]]) -> Iterator[tuple[T, np.ndarray]]:
     """The results of encoder calls in order, each read once the next call is dispatched: the
     host packs a call while the device runs the one before, and no more than two calls' buffers
-    are alive at once, however many calls a step makes."""
+    are alive at once, however many calls a step makes. Each result's copy to the host starts
+    as it is dispatched, so its read waits for the call, not for the transfer after it."""
     previous: tuple[T, jax.Array] | None = None
     for current in dispatched:
+        current[1].copy_to_host_async()
         if previous is not None:
             yield previous[0], np.asarray(previous[1])
         previous = current
