@@ -162,7 +162,7 @@ class Experts(nnx.Module):
         """``sum_j weights[n, j] * expert_{experts[n, j]}(x[n])`` for ``x [N, D]``, ``experts``
         and ``weights`` ``[N, k]``, in the formulation :func:`expert_path` picks for this many
         pairs (see the module doc); on a mesh of several devices that does not split the
-        experts, as for at least as many pairs as experts (XLA partitions the step).
+        experts, the one it picks for as many pairs as experts (XLA partitions the step).
 
         Under a mesh (``jax.set_mesh``) whose ``model`` axis splits the experts
         (:func:`experts_split`, as :func:`expert_partition_rules` lays them out), each device
@@ -308,7 +308,7 @@ def _named_here(experts: jax.Array, num_experts: int) -> jax.Array:
 
 def _weighted_sum(out: jax.Array, here: jax.Array, weights: jax.Array) -> jax.Array:
     """Per row, its pairs' outputs ``out [N * k, D]`` (zero where ``here`` is false) times their
-    routing ``weights [N, k]``, summed over the k in slot order, as :func:`grouped_experts`."""
+    routing ``weights [N, k]``, summed over the k in slot order (every formulation's last step)."""
     n, k = weights.shape
     pairs = jnp.where(here[:, None], out, 0).reshape(n, k, out.shape[-1])  # N may be 0
     return jnp.sum(pairs * weights[..., None], axis=1)
