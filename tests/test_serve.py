@@ -1823,7 +1823,12 @@ def test_shutdown_timeout_cuts_what_is_left_and_answers_the_queued(qwen_dir, tmp
                 queued = pool.submit(
                     http.post, "/v1/chat/completions", json=chat_body("drain", "hi", max_tokens=4)
                 )
-                time.sleep(1.0)  # the queued request is in (max_num_seqs 1: it waits)
+                # The queued request is in (max_num_seqs 1: it waits) before the signal.
+                waiting = ("omni_jax:queue_waiting", ())
+                deadline = time.monotonic() + 60
+                while server.metrics()[waiting] < 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert server.metrics()[waiting] == 1, server.log_tail()
                 assert server.proc is not None
                 signalled = time.monotonic()
                 server.proc.terminate()
