@@ -49,6 +49,8 @@ def decode_wav(source: str | Path | BinaryIO, max_seconds: float | None = None) 
         source_rate, data = wavfile.read(source)
     except (ValueError, OSError, EOFError, struct.error) as e:  # truncated or not a WAV at all
         raise ValueError(f"is not a readable WAV file: {e}") from None
+    except Exception as e:  # noqa: BLE001 - scipy's parser on bad headers (0 channels: ZeroDivisionError)
+        raise ValueError(f"is not a readable WAV file: {type(e).__name__}: {e}") from None
     check_clip(len(data), source_rate, max_seconds)
     if data.dtype == np.uint8:
         audio = (data.astype(np.float32) - 128) / 128

@@ -16,16 +16,17 @@ from omni_jax.interrupts import Interrupts
 def _video(path: str) -> Any:
     """A ``--video`` file: frames ``[frames, H, W, 3]`` saved with ``numpy.save`` (decode real
     video files to frames first; no video decoder is a dependency)."""
-    import numpy as np
+    from omni_jax.video_io import read_frames
 
     if not path.endswith(".npy"):
         raise ValueError(f"--video {path}: pass decoded frames as a .npy array [frames, H, W, 3]")
     if not Path(path).is_file():
         raise ValueError(f"--video {path}: no such file")
-    try:
-        return np.load(path)
-    except (ValueError, OSError, EOFError) as e:  # not an .npy array, or a truncated one
-        raise ValueError(f"--video {path}: not a readable .npy array ({e})") from None
+    with open(path, "rb") as f:
+        try:
+            return read_frames(f)
+        except ValueError as e:
+            raise ValueError(f"--video {path}: {e}") from None
 
 
 def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:

@@ -87,6 +87,9 @@ def test_run_refuses_bad_input_in_one_line(omni_dir, tmp_path, capsys) -> None:
     assert err == "error: request 0: unknown speaker 'Nobody'; known speakers: ['Chelsie', 'Ethan']"
     assert main(["run", str(omni_dir), "--prompt", "hi", "--video", str(tmp_path / "clip.mp4")]) == 2
     assert "pass decoded frames as a .npy array" in capsys.readouterr().err
+    (tmp_path / "notes.npy").write_text("not frames")
+    assert main(["run", str(omni_dir), "--prompt", "hi", "--video", str(tmp_path / "notes.npy")]) == 2
+    assert capsys.readouterr().err.strip().endswith("notes.npy: not a .npy array of frames (no .npy header)")
 
 
 def test_demo_runs_end_to_end_and_reuses_its_build(tmp_path, capsys) -> None:

@@ -24,7 +24,9 @@ batched encoder call is retried request by request, so only the culprit ends wit
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +37,7 @@ from omni_reference import frames, picture, tone
 from PIL import Image
 from stand_ins import rows_nearly_free
 from step_counts import count_steps
+from test_serve_units import MALFORMED_PNG_EXIF
 
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.stages import thinker as thinker_module
@@ -147,6 +150,12 @@ THINKER_CASES: dict[str, tuple[str, Callable[[], Any], str, dict[str, Any]]] = {
         {},
     ),
     "unreadable image file": ("image", lambda: __file__, r"image file .* cannot be read", {}),
+    "image file whose EXIF PIL cannot parse": (
+        "image",
+        lambda: written(base64.b64decode(MALFORMED_PNG_EXIF), ".png"),
+        r"image file .* cannot be read: SyntaxError: ",
+        {},
+    ),
     "video without frames": (
         "video",
         lambda: np.zeros((0, 28, 28, 3), np.uint8),
@@ -202,6 +211,14 @@ def test_prompt_keys_that_cannot_both_hold_are_refused(pipe, monkeypatch, prompt
     """A voice asked of a pipeline that only writes text, or a prompt given twice, is a mistake
     to say, not something to pick a side of silently."""
     refused(pipe, monkeypatch, prompt, match)
+
+
+def written(data: bytes, suffix: str) -> str:
+    """A file of ``data`` in the system's temporary folder (the cases are built without a
+    fixture), its path."""
+    with tempfile.NamedTemporaryFile(suffix=suffix, delete=False) as f:
+        f.write(data)
+    return f.name
 
 
 @pytest.mark.parametrize("case", list(THINKER_CASES))

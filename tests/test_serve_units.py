@@ -301,6 +301,43 @@ def test_a_npy_video_data_url_becomes_its_frames() -> None:
         media.video(where, data_url("application/octet-stream", pickled.getvalue()), None)
 
 
+def test_a_npy_header_claiming_more_than_it_holds_is_refused_before_any_allocation() -> None:
+    """A header of a few hundred bytes claiming 27 TiB: numpy would try to allocate them (a
+    ``MemoryError``, an HTTP 500); refused from the header, naming what it claims."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros((1, 1, 1, 3), np.uint8))
+    forged = buffer.getvalue().replace(b"(1, 1, 1, 3)", b"(10000000, 1000, 1000, 3)")  # in the padding
+    where = "messages.0.content.0.video_url"
+    claimed = r"its header claims shape \(10000000, 1000, 1000, 3\) of uint8, 30000000000000 bytes"
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(where)}: not a readable \.npy array of frames \({claimed}"
+    ):
+        media.video(where, data_url("application/octet-stream", forged), None)
+
+
+MALFORMED_PNG_EXIF = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAACGVYSWZnYXJiYWdlIYyZkTkAAAALSURBVHicY2BABgAADgABqZ"
+    "FzsQAAAABJRU5ErkJggg=="
+)
+"""A 2x2 PNG whose ``eXIf`` chunk is garbage: PIL's EXIF parser raises ``SyntaxError``."""
+ZERO_CHANNEL_WAV = "UklGRjgAAABXQVZFZm10IBAAAAABAAAAgD4AAAB9AAACABAAZGF0YRQAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=="
+"""A WAV whose header says 0 channels: scipy's reader divides by them (``ZeroDivisionError``)."""
+
+
+def test_media_a_parser_fails_on_in_its_own_way_is_refused_naming_the_part() -> None:
+    """PIL and scipy raise errors of their own on some malformed files (``SyntaxError``,
+    ``ZeroDivisionError``), not ``OSError`` or ``ValueError``: they were HTTP 500s; now each is
+    the part's 400, naming the parser's error."""
+    where = "messages.0.content.0.image_url"
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)}: not a readable image \(SyntaxError: "):
+        media.image(where, f"data:image/png;base64,{MALFORMED_PNG_EXIF}", None)
+    where = "messages.0.content.0.input_audio.data"
+    with pytest.raises(
+        FieldError, match=rf"^{re.escape(where)}: the WAV file is not a readable WAV file: ZeroDivisionError"
+    ):
+        media.audio(where, ZERO_CHANNEL_WAV)
+
+
 def test_input_audio_is_the_wav_file_it_carries() -> None:
     """Decoded to ``(samples, rate)`` at the file's own rate, so that a file that cannot be read
     is refused naming its field (the stage refused it with ``param: null``)."""

@@ -27,6 +27,7 @@ from omni_jax.audio_io import decode_wav
 from omni_jax.image_io import upright_rgb
 from omni_jax.serve import DEFAULT_MAX_IMAGE_PIXELS
 from omni_jax.serve.protocol import FieldError
+from omni_jax.video_io import read_frames
 
 
 def _base64(where: str, data: str) -> bytes:
@@ -74,6 +75,8 @@ def image(where: str, url: str, allowed: Path | None, room: int | None = None) -
         raise FieldError(where, "not a readable image (no image format recognised)") from None
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise FieldError(where, f"not a readable image ({e})") from None
+    except Exception as e:  # noqa: BLE001 - PIL's parsers raise what they like on bad bytes
+        raise FieldError(where, f"not a readable image ({type(e).__name__}: {e})") from None
     with opened:
         width, height = opened.size
         if room is not None and width * height > room:
@@ -86,6 +89,8 @@ def image(where: str, url: str, allowed: Path | None, room: int | None = None) -
             return upright_rgb(opened)
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise FieldError(where, f"not a readable image ({e})") from None
+        except Exception as e:  # noqa: BLE001 - as above (a bad EXIF block: SyntaxError)
+            raise FieldError(where, f"not a readable image ({type(e).__name__}: {e})") from None
 
 
 def audio(where: str, data: str) -> tuple[np.ndarray, int]:
@@ -106,10 +111,6 @@ def _wav(where: str, raw: bytes) -> tuple[np.ndarray, int]:
         return decode_wav(io.BytesIO(raw))
     except ValueError as e:
         raise FieldError(where, f"the WAV file {e}") from None
-
-
-NPY_MAGIC = b"\x93NUMPY"
-"""The first bytes of every ``.npy`` file."""
 
 
 @dataclasses.dataclass
@@ -142,10 +143,7 @@ def video(where: str, url: str, allowed: Path | None) -> np.ndarray:
     """Decoded frames ``[frames, H, W, 3]`` from a URL of a ``.npy`` array (no video decoder is a
     dependency: decode real video files to frames first)."""
     raw = _url_bytes(where, url, allowed)
-    if not raw.startswith(NPY_MAGIC):  # np.load reads anything else as a pickle, and says so
-        raise FieldError(where, "not a .npy array of frames (no .npy header)")
     try:
-        frames = np.load(io.BytesIO(raw), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise FieldError(where, f"not a readable .npy array of frames ({e})") from None
-    return frames
+        return read_frames(io.BytesIO(raw))
+    except ValueError as e:
+        raise FieldError(where, str(e)) from None

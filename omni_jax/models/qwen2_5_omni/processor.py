@@ -364,6 +364,8 @@ def _image_item(index: int, item: Any) -> Any:
             return read_image(item)
         except (OSError, Image.DecompressionBombError) as e:  # not an image PIL can read, or a bomb
             raise _fail(index, f"image file {str(item)!r} cannot be read: {e}") from None
+        except Exception as e:  # noqa: BLE001 - PIL's parsers raise what they like on bad bytes
+            raise _fail(index, f"image file {str(item)!r} cannot be read: {type(e).__name__}: {e}") from None
     if isinstance(item, Image.Image):
         if min(item.size) < 1:
             raise _fail(index, f"image has an empty dimension: size {item.size}")
