@@ -22,11 +22,10 @@ def _video(path: str) -> Any:
         raise ValueError(f"--video {path}: pass decoded frames as a .npy array [frames, H, W, 3]")
     if not Path(path).is_file():
         raise ValueError(f"--video {path}: no such file")
-    with open(path, "rb") as f:
-        try:
-            return read_frames(f)
-        except ValueError as e:
-            raise ValueError(f"--video {path}: {e}") from None
+    try:
+        return read_frames(Path(path).read_bytes())
+    except ValueError as e:
+        raise ValueError(f"--video {path}: {e}") from None
 
 
 def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:

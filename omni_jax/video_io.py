@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import math
-from typing import BinaryIO
 
 import numpy as np
 
@@ -26,12 +25,11 @@ HEADER_READERS = {
 3.0 only for field names outside latin-1, which frames do not have)."""
 
 
-def read_frames(source: BinaryIO) -> np.ndarray:
-    """The array a ``.npy`` file holds. ``ValueError`` whose message says what is wrong, for the
+def read_frames(raw: bytes) -> np.ndarray:
+    """The array the ``.npy`` file ``raw`` holds. ``ValueError`` whose message says what is wrong, for the
     caller to put after the input's name (``"not a .npy array of frames (no .npy header)"``),
     for what is not a ``.npy`` file, a header that does not parse or claims more bytes than follow
     it, a pickled array, or data numpy cannot read."""
-    raw = source.read()
     if not raw.startswith(NPY_MAGIC):  # np.load reads anything else as a pickle, and says so
         raise ValueError("not a .npy array of frames (no .npy header)")
     fp = io.BytesIO(raw)

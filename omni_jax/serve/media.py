@@ -144,6 +144,6 @@ def video(where: str, url: str, allowed: Path | None) -> np.ndarray:
     dependency: decode real video files to frames first)."""
     raw = _url_bytes(where, url, allowed)
     try:
-        return read_frames(io.BytesIO(raw))
+        return read_frames(raw)
     except ValueError as e:
         raise FieldError(where, str(e)) from None
