@@ -186,7 +186,8 @@ def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
     """The attention backend asked for and the paths it resolved to (``probe``), the CPU kernel's
     switch and compiler, the pixel backend the processor resizes images and videos with, how
     MoE experts may run (:func:`~omni_jax.models.moe.expert_forms`) and how the Qwen2.5-Omni vocoder
-    writes its ``sin^2`` (:func:`~omni_jax.models.qwen2_5_omni.bigvgan.sin_form`)."""
+    writes its ``sin^2`` (:func:`~omni_jax.models.qwen2_5_omni.bigvgan.sin_form`), and whether
+    transformers may load hub kernels into the reference (``benchmarks/__init__.py``)."""
     from omni_jax.models.moe import expert_forms
     from omni_jax.models.qwen2_5_omni.bigvgan import sin_form
     from omni_jax.models.qwen2_5_omni.processor import default_pixel_backend
@@ -200,6 +201,7 @@ def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
         "pixels": default_pixel_backend(),
         "moe_experts": " or ".join(expert_forms()),
         "vocoder_sin": sin_form(),
+        "reference_hub_kernels": os.environ.get("USE_HUB_KERNELS", "unset"),
     }
 
 

@@ -11,6 +11,9 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# transformers 5.25 kernelizes the models it loads with kernels from the hub by default: the
+# references are its own PyTorch modules, and no hub is reachable here.
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 os.environ.setdefault("OMNI_JAX_COMPILATION_CACHE", "0")  # tests must not write to ~/.cache
 # The vocoders trace SnakeBeta's sin natively, the form every accelerator runs: the CPU's own
 # default, a polynomial that vectorises (bigvgan.sin_form), makes each code2wav program about a
