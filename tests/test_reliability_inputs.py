@@ -425,6 +425,15 @@ FULL_PARAMS = [
             [*FULL_PARAMS[:2], Token2WavParams(initial_noise=np.zeros((4, 8, 1), np.float32))],
             r"stage 'code2wav': initial_noise must be a float array",
         ),
+        *(  # no codes the talker may make fit it: refused before the thinker and talker work
+            (
+                {},
+                [*FULL_PARAMS[:2], Token2WavParams(initial_noise=np.zeros(shape, np.float32))],
+                rf"initial_noise has shape \({shape[0]}, {shape[1]}\), which no request's codes fit: "
+                r"\[len\(codes\) \* 2, 8\] \(\[len\(codes\) \* repeats, mel_dim\]\) for 1 to \d+ codes",
+            )
+            for shape in [(10, 7), (7, 8), (0, 8), (2 * 10**5, 8)]  # width, odd frames, none, too many
+        ),
         ({}, [FULL_PARAMS[0], Token2WavParams(), FULL_PARAMS[2]], r"stage 'talker' needs SamplingParams"),
     ],
 )
@@ -457,7 +466,12 @@ def code2wav(omni_dir) -> OmniJaxPipeline:
         (
             {"prompt_token_ids": [1, 2, 3]},
             Token2WavParams(initial_noise=np.full((6, 8), np.nan)),
-            "stage 'code2wav': initial_noise contains non-finite values",
+            "stage 'code2wav': initial_noise contains values that are not finite as float32",
+        ),
+        (
+            {"prompt_token_ids": [1, 2, 3]},
+            Token2WavParams(initial_noise=np.full((6, 8), 1e39)),
+            "stage 'code2wav': initial_noise contains values that are not finite as float32",
         ),
         (
             {"prompt_token_ids": [1, 2, 3]},

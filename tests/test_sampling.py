@@ -234,11 +234,23 @@ def test_a_field_the_params_lack_cannot_be_set(params, name) -> None:
         (SamplingParams(min_tokens=238), "min_tokens=238 must not exceed max_tokens=16"),
         (SamplingParams(min_tokens=9, max_tokens=8), "min_tokens=9 must not exceed max_tokens=8"),
         # refused for not being finite, which the message says (inf is > 0, nan neither way)
-        (SamplingParams(repetition_penalty=float("inf")), "repetition_penalty=inf must be finite and > 0"),
-        (SamplingParams(repetition_penalty=float("nan")), "repetition_penalty=nan must be finite and > 0"),
-        (SamplingParams(temperature=float("nan")), "temperature=nan must be finite and >= 0"),
-        (SamplingParams(temperature=float("inf")), "temperature=inf must be finite and >= 0"),
-        (SamplingParams(temperature=-1.0), "temperature=-1.0 must be finite and >= 0"),
+        (
+            SamplingParams(repetition_penalty=float("inf")),
+            "repetition_penalty=inf must be finite (as a float32) and > 0",
+        ),
+        (
+            SamplingParams(repetition_penalty=float("nan")),
+            "repetition_penalty=nan must be finite (as a float32) and > 0",
+        ),
+        (SamplingParams(temperature=float("nan")), "temperature=nan must be finite (as a float32) and >= 0"),
+        (SamplingParams(temperature=float("inf")), "temperature=inf must be finite (as a float32) and >= 0"),
+        (SamplingParams(temperature=-1.0), "temperature=-1.0 must be finite (as a float32) and >= 0"),
+        # finite as a float64, infinite in the float32 rows the sampler reads
+        (SamplingParams(temperature=1e39), "temperature=1e+39 must be finite (as a float32) and >= 0"),
+        (
+            SamplingParams(repetition_penalty=1e39),
+            "repetition_penalty=1e+39 must be finite (as a float32) and > 0",
+        ),
         (SamplingParams(min_p=1.5), "min_p=1.5 must be in [0, 1]"),
         (SamplingParams(presence_penalty=2.5), "presence_penalty=2.5 must be in [-2, 2]"),
         (SamplingParams(frequency_penalty=-2.5), "frequency_penalty=-2.5 must be in [-2, 2]"),
@@ -252,6 +264,8 @@ def test_a_field_the_params_lack_cannot_be_set(params, name) -> None:
         "temp nan",
         "temp inf",
         "temp < 0",
+        "temp past float32",
+        "rep past float32",
         "min_p > 1",
         "presence > 2",
         "frequency < -2",

@@ -9,7 +9,6 @@ folded with the index of the token being drawn, never a key shared across the ba
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -47,11 +46,15 @@ def is_bool(value: object) -> bool:
     return isinstance(value, (bool, np.bool_))
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def is_finite(value: object) -> bool:
-    """Whether a real ``value`` is finite as a float (an int too large for one is not: the stages
-    pack these values into float rows, where it would fail at run time)."""
+    """Whether a real ``value`` is finite as a float32: the stages pack these values into float32
+    rows, where a larger one (``1e39``, or an int too large for a float) is infinite and the
+    request's arithmetic turns to NaN at run time instead of being refused at admission."""
     try:
-        return math.isfinite(value)  # type: ignore[arg-type]
+        return abs(float(value)) <= FLOAT32_MAX  # type: ignore[arg-type]  # NaN compares False
     except OverflowError:
         return False
 
@@ -198,14 +201,18 @@ class SamplingParams:
                 f"stop strings hold {chars} characters together, at most {MAX_STOP_CHARS}", "stop"
             )
         checks = [
-            ("temperature", is_finite(self.temperature) and self.temperature >= 0, "must be finite and >= 0"),
+            (
+                "temperature",
+                is_finite(self.temperature) and self.temperature >= 0,
+                "must be finite (as a float32) and >= 0",
+            ),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "must be -1 or 0 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             (
                 "repetition_penalty",
                 is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-                "must be finite and > 0",
+                "must be finite (as a float32) and > 0",
             ),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),

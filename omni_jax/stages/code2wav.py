@@ -273,6 +273,8 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
         if prompt is not None:
             self.voices.pick(index, prompt)
         if request is None:
+            if params.initial_noise is not None:
+                self._check_noise_fits_a_request(index, params.initial_noise)
             return
         self.voices.pick(index, request.prompt)
         codes = request.token_ids
@@ -296,6 +298,21 @@ class Code2WavStage(Code2WavStageBase[Code2WavRequest, Code2WavBatch, ChunkedDec
                     f"request {index}: initial_noise has shape {got}, {len(codes)} codes need {want} "
                     "([len(codes) * repeats, mel_dim])"
                 )
+
+    def _check_noise_fits_a_request(self, index: int, noise: np.ndarray) -> None:
+        """Refuse an ``initial_noise`` that no codes the input stage may make would fit: not
+        ``mel_dim`` wide, or not ``repeats`` mel frames for each of 1 to ``max_codes`` codes (a
+        longer request is decoded in chunks, whose noise comes from a seed). Its exact length is
+        checked once the codes it is for come; this check runs at admission, before the stages
+        before this one work for a request that must fail."""
+        g = self.geometry
+        frames, width = np.shape(noise)
+        if width != g.mel_dim or frames % g.repeats or not 0 < frames <= g.max_codes * g.repeats:
+            raise ValueError(
+                f"request {index}: initial_noise has shape {(frames, width)}, which no request's codes "
+                f"fit: [len(codes) * {g.repeats}, {g.mel_dim}] ([len(codes) * repeats, mel_dim]) for "
+                f"1 to {g.max_codes} codes (max_codes)"
+            )
 
     def _chunked(self, params: Token2WavParams, codes: int) -> bool:
         """Whether a request of ``codes`` codes (all there) is decoded chunk by chunk: it asks to

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from omni_jax.engine.sampling import (
+    FLOAT32_MAX,
     SEED_RANGE,
     FieldType,
     ParamError,
@@ -60,7 +61,7 @@ class Token2WavParams:
             )
         for name in ("guidance_scale", "sway_coefficient"):
             if not is_finite(getattr(self, name)):
-                raise ParamError(f"{name}={getattr(self, name)!r} must be finite", name)
+                raise ParamError(f"{name}={getattr(self, name)!r} must be finite (as a float32)", name)
         if not seed_in_range(self.seed):
             raise ParamError(f"seed={self.seed!r} must be an integer {SEED_RANGE}", "seed")
         if self.initial_noise is not None:
@@ -71,8 +72,10 @@ class Token2WavParams:
                     f"{noise.shape}, dtype {noise.dtype}",
                     "initial_noise",
                 )
-            if not np.all(np.isfinite(noise)):
-                raise ParamError("initial_noise contains non-finite values", "initial_noise")
+            if not np.all(np.abs(noise) <= FLOAT32_MAX):  # NaN compares False
+                raise ParamError(
+                    "initial_noise contains values that are not finite as float32", "initial_noise"
+                )
         if self.stream and self.initial_noise is not None:
             raise ParamError("initial_noise cannot be given with stream=True: give a seed", "initial_noise")
         if self.chunk_codes is not None:
