@@ -123,6 +123,16 @@ def test_an_unknown_field_is_refused_by_name() -> None:
     )
 
 
+def test_openais_stream_options_are_taken() -> None:
+    """``include_obfuscation``, which the official client sends to save bytes, is taken (the
+    server never pads chunks); an option no one defines is still refused by name."""
+    options = '"stream_options": {"include_usage": true, "include_obfuscation": false}'
+    parsed = ChatCompletionRequest.model_validate_json(CHAT % f', "stream": true, {options}')
+    assert parsed.stream_options is not None and parsed.stream_options.include_usage
+    body = CHAT % ', "stream": true, "stream_options": {"obfuscate": false}'
+    assert refusal(ChatCompletionRequest, body)[0] == "unsupported field 'stream_options.obfuscate'"
+
+
 @pytest.mark.parametrize("body", ['{"model": "m", "messages": [', "", "not json", "[1, 2]", '"text"'])
 def test_a_body_that_is_not_a_json_object_says_so(body: str) -> None:
     message, param = refusal(ChatCompletionRequest, body)

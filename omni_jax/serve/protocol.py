@@ -150,6 +150,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's: with ``include_usage``, every chunk carries its choice's tokens so far."""
+    include_obfuscation: bool = True
+    """OpenAI's: pads each chunk with random characters against length side channels, which a
+    client may turn off to save bytes. This server never pads, so either value is served."""
 
 
 class _Sampling(_Strict):
