@@ -4,6 +4,9 @@ back at once) and from the code2wav queue."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -117,6 +120,25 @@ def test_ids_in_use_are_refused(pipe) -> None:
     while core.has_work():
         core.step()
     assert not pipe.stages[0].has_work()
+
+
+def test_an_aborted_request_is_not_held_once_the_engine_is_idle(pipe) -> None:
+    """A lone request aborted while its step is unread: the abort reads that step, and nothing
+    in the engine keeps the request afterwards (it once waited, with its tokens and states, for
+    a next step that an idle engine never takes)."""
+    core, engine = pipe.core, pipe.stages[0].engine
+    (lone,) = pipe.intake.admit([prompt(9, 3)], greedy(30), ["lone"])
+    core.add(lone, stream=True)
+    for _ in range(3):
+        core.step()
+    assert engine._unread
+    (request,) = engine.scheduler.running
+    held = weakref.ref(request)
+    del request
+    assert core.abort("lone").finish_reason == "abort"
+    assert not core.has_work()
+    gc.collect()
+    assert held() is None
 
 
 def test_abort_drops_a_request_from_the_code2wav_queue(omni_dir) -> None:

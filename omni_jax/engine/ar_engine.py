@@ -129,11 +129,13 @@ class AREngine(Generic[S]):
         if any(req.request_id == request_id for flight in self._unread for req, _ in flight.step):
             while self._unread:  # every unread step, in order (the scheduler reads steps in order)
                 self._read += self._resolve(self._unread.popleft())
-        if self.scheduler.abort(request_id) is not None:
-            return True
-        ended = [r for r in self._read if r.request_id == request_id]
+        aborted = self.scheduler.abort(request_id)
+        ended = [aborted] if aborted is not None else [r for r in self._read if r.request_id == request_id]
         for r in ended:
-            self._read.remove(r)
+            if aborted is None:
+                self._read.remove(r)
+            # not reported by the next step(), and not held until one: an idle engine takes none
+            self._touched.pop(id(r), None)
         return bool(ended)
 
     def step(self, block: bool = True) -> EngineStep[S]:
