@@ -668,7 +668,8 @@ async def _chat_stream(events: AsyncIterator[tuple[int, Piece | End]], head: _He
         async for index, event in events:
             if index not in said:
                 said[index] = []
-                yield chunk(index, {"role": "assistant", "content": ""}, event.usage)
+                role_usage = None if event.usage is None else Usage(event.usage.prompt_tokens, 0)
+                yield chunk(index, {"role": "assistant", "content": ""}, role_usage)  # before any token
             if isinstance(event, End):
                 if spoken and event.finish_reason != "error" and event.sample_rate is not None:
                     head.transcripts.keep(head.audio_id(index), "".join(said[index]), head.expires_at)
