@@ -69,14 +69,14 @@ def timed_compile(lowered: jax.stages.Lowered, options: dict[str, str]) -> tuple
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One family's code2wav programs for one shape: the model's state, each program's lowering
-    as a thunk (lowering is part of what is timed; the first is the whole program, the others its
-    parts), random inputs of the whole program (its arguments after the state, for ``--runs``) and
-    the shape, for the JSON."""
+    """One family's code2wav programs for one shape: the model's state, each program's trace as a
+    thunk (tracing and lowering are part of what is timed; the first is the whole program, the
+    others its parts; ``benchmarks.dilated_conv`` reads the whole one's jaxpr), random inputs of
+    the whole program (its arguments after the state, for ``--runs``) and the shape, for the JSON."""
 
     model: str
     state: nnx.State
-    programs: dict[str, Callable[[], jax.stages.Lowered]]
+    programs: dict[str, Callable[[], jax.stages.Traced]]
     inputs: tuple[jax.Array, ...]
     shape: dict[str, int]
 
@@ -119,9 +119,9 @@ def token2wav_case(tiny: bool, rows: int, codes: int) -> Case:
         "qwen2_5_omni " + ("tiny" if tiny else "small"),
         state,
         {
-            "whole solve": lambda: token2wav_compiled.lower(StaticGraph(graph), state, *inputs, True),
-            "dit solve": lambda: dit_solve.lower(state, *inputs),
-            "vocoder": lambda: vocoder.lower(state, mel, jnp.ones(rows, jnp.int32)),
+            "whole solve": lambda: token2wav_compiled.trace(StaticGraph(graph), state, *inputs, True),
+            "dit solve": lambda: dit_solve.trace(state, *inputs),
+            "vocoder": lambda: vocoder.trace(state, mel, jnp.ones(rows, jnp.int32)),
         },
         inputs,
         {"rows": rows, "codes": codes, "reference_frames": REFERENCE_FRAMES},
@@ -161,9 +161,9 @@ def qwen3_case(tiny: bool, rows: int, frames: int) -> Case:
         "qwen3_omni " + ("tiny" if tiny else "small"),
         state,
         {
-            "whole decode": lambda: code2wav_compiled.lower(StaticGraph(graph), state, codes, lengths),
-            "transformer + upsampling": lambda: upsampled.lower(state, codes, lengths),
-            "decoder": lambda: decode.lower(state, hidden, lengths),
+            "whole decode": lambda: code2wav_compiled.trace(StaticGraph(graph), state, codes, lengths),
+            "transformer + upsampling": lambda: upsampled.trace(state, codes, lengths),
+            "decoder": lambda: decode.trace(state, hidden, lengths),
         },
         (codes, lengths),
         {"rows": rows, "frames": frames},
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     solve_s = None
     for name in picked:
         start = time.perf_counter()
-        lowered = case.programs[name]()
+        lowered = case.programs[name]().lower()
         lower_s = time.perf_counter() - start
         compile_s, compiled = timed_compile(lowered, options)
         rows.append({"program": name, "lower_s": lower_s, "compile_s": compile_s})

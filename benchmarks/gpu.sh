@@ -17,6 +17,10 @@
 #   pick_flags  after compile or compile3 (PICK_FROM, default compile3): the option set whose
 #             whole program compiled fastest at no more than 1.1x the default's run time goes into
 #             XLA_FLAGS for the parts after it (e.g. PARTS="compile3 pick_flags stream3");
+#   dilated   each code2wav's dilated convolutions alone, as the models compute them and split
+#             into undilated phases, compile and run time side by side, Qwen3-Omni's (1 x 125
+#             frames) then Qwen2.5-Omni's (1 x 125 codes), a process each, and whether XLA padded
+#             the kernel with zeros (benchmarks/dilated_conv.py);
 #   compile_warm  the whole solve twice, from an empty persistent cache ($XLA_CACHE/compile), then
 #             from what the first filled: a cold and a warm start's compile seconds;
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
@@ -56,7 +60,7 @@
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
 # STREAM_TOKENS the stream parts' step budget (text prompts are short: fewer token-row programs),
-# MOE_S, SHAPED_S, STEP_MEMORY_S (each of its runs), COMPILE_S, COMPILE3_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each
+# MOE_S, SHAPED_S, STEP_MEMORY_S (each of its runs), DILATED_S (each family), COMPILE_S, COMPILE3_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each
 # run), PROFILE_S, STREAM_S, STREAM3_S, STREAMS_COLD_S, STREAMS_WARM_S and TESTS_S bound the parts
 # (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's, C2W_BATCHES the
 # code2wav batch sizes, C2W_MODEL its model (small), XLA_CACHE the persistent caches' root, SUITE_MODEL the overlap and stream parts' model (small; tiny for a quick
@@ -129,6 +133,17 @@ compile_options() {  # name (compile, compile3), then compile_time's arguments: 
       --programs $part --json "$OUT/$name/part$part.json") >>"$OUT/$name.log" 2>&1
   done
   grep -E "^--|lower_s|run" "$OUT/$name.log"
+}
+
+dilated() {
+  echo "== dilated convolutions, direct against phased (limit ${DILATED_S:-150}s each)"
+  : >"$OUT/dilated.log"
+  for family in qwen3_omni qwen2_5_omni; do
+    timeout -s INT "${DILATED_S:-150}" python3 -m benchmarks.dilated_conv --family "$family" \
+      --json "$OUT/dilated_$family.json" >>"$OUT/dilated.log" 2>&1
+    echo "$family: exit $?" >>"$OUT/dilated.log"
+  done
+  grep -E "^(qwen|all:|input .*padded kernel True)" "$OUT/dilated.log"
 }
 
 compile() {
