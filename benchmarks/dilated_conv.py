@@ -6,9 +6,10 @@ padded with zeros before cuDNN (7 taps at dilation 9 became 55: 7.9x the multipl
 taps; RESULTS.md, fifth GPU session), and code2wav's first compiles are what a GPU start-up waits
 for. A 1-D convolution of dilation ``d`` is also ``d`` undilated ones: split the padded input
 into its ``d`` phases (every ``d``-th sample), convolve each with the kernel's ``k`` taps as they
-are, interleave the outputs. The same products and sums, so float32 results agree to rounding;
-what the split costs is two transposes. Which form a backend runs faster, and compiles faster,
-is measured here before any model changes its convolutions.
+are, interleave the outputs (:mod:`omni_jax.models.dilated_conv`, which the models compute under
+``OMNI_JAX_DILATED_CONV=phased``). The same products and sums, so float32 results agree to
+rounding; what the split costs is two transposes. Which form a backend runs faster, and compiles
+faster, is measured here, before the models' default (``direct``) changes.
 
 The convolutions are read from the whole program's jaxpr (``benchmarks.compile_time``'s cases:
 Qwen2.5-Omni's token2wav solve or Qwen3-Omni's code2wav decode, ``small``'s widths by default,
@@ -25,7 +26,9 @@ the convolution stands in the program's text (a loop body's once). ``--json`` wr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +41,7 @@ from jax import lax
 
 from benchmarks.compile_time import CASES
 from benchmarks.harness import device, versions, wall_times, write_json
+from omni_jax.models.dilated_conv import DILATED_SWITCH, FLAX_1D, phased_conv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,7 @@ class DilatedConv:
         return 1 + (self.taps - 1) * self.dilation
 
     def direct(self, x: jax.Array, w: jax.Array) -> jax.Array:
-        """The convolution as the model computes it."""
+        """The convolution as the model computes it by default."""
         return lax.conv_general_dilated(
             x,
             w,
@@ -78,26 +82,8 @@ class DilatedConv:
         )
 
     def phased(self, x: jax.Array, w: jax.Array) -> jax.Array:
-        """The same convolution as ``dilation`` undilated ones over the padded input's phases."""
-        d, k = self.dilation, self.taps
-        lhs_spec, rhs_spec, out_spec = self.dimension_numbers
-        x = jnp.transpose(x, (lhs_spec[0], lhs_spec[2], lhs_spec[1]))  # [N, W, C]
-        n, width, channels = x.shape
-        (lo, hi) = self.padding[0]
-        out_width = width + lo + hi - (k - 1) * d
-        padded = width + lo + hi
-        x = jnp.pad(x, ((0, 0), (lo, hi + (-padded) % d), (0, 0)))
-        phases = x.shape[1] // d
-        x = x.reshape(n, phases, d, channels).transpose(0, 2, 1, 3).reshape(n * d, phases, channels)
-        numbers = lax.ConvDimensionNumbers(lhs_spec=(0, 2, 1), rhs_spec=rhs_spec, out_spec=(0, 2, 1))
-        y = lax.conv_general_dilated(
-            x, w, (1,), ((0, 0),), dimension_numbers=numbers, precision=self.precision
-        )
-        y = y.reshape(n, d, phases - k + 1, -1).transpose(0, 2, 1, 3).reshape(n, (phases - k + 1) * d, -1)
-        y = y[:, :out_width]
-        order = [0, 0, 0]
-        order[out_spec[0]], order[out_spec[1]], order[out_spec[2]] = 0, 2, 1
-        return jnp.transpose(y, order)
+        """The same convolution as ``OMNI_JAX_DILATED_CONV=phased`` computes it."""
+        return phased_conv(x, w, self.padding[0], self.dilation, self.precision)
 
 
 def _subjaxprs(value: Any) -> Iterator[Any]:
@@ -112,8 +98,9 @@ def _subjaxprs(value: Any) -> Iterator[Any]:
 
 
 def dilated_convs(jaxpr: Any) -> Iterator[DilatedConv]:
-    """Every 1-D convolution of ``jaxpr`` (nested ones included) with a dilation above 1, stride 1,
-    no input dilation and no feature groups: the form the code2wav models use."""
+    """Every 1-D convolution of ``jaxpr`` (nested ones included) in ``nnx.Conv``'s layout with a
+    dilation above 1, stride 1, no input dilation and no feature groups: the ones
+    ``OMNI_JAX_DILATED_CONV=phased`` splits."""
     for eqn in jaxpr.eqns:
         for value in eqn.params.values():
             for sub in _subjaxprs(value):
@@ -128,6 +115,7 @@ def dilated_convs(jaxpr: Any) -> Iterator[DilatedConv]:
             and tuple(p["lhs_dilation"]) == (1,)
             and p["feature_group_count"] == 1
             and p["batch_group_count"] == 1
+            and p["dimension_numbers"] == FLAX_1D
         ):
             lhs, rhs = (v.aval for v in eqn.invars)
             yield DilatedConv(
@@ -139,6 +127,21 @@ def dilated_convs(jaxpr: Any) -> Iterator[DilatedConv]:
                 p["dimension_numbers"],
                 p["precision"],
             )
+
+
+@contextlib.contextmanager
+def direct_form() -> Iterator[None]:
+    """Trace under the models' default form, whatever the environment asks, so that the
+    program's dilated convolutions are there to find."""
+    asked = os.environ.get(DILATED_SWITCH)
+    os.environ[DILATED_SWITCH] = "direct"
+    try:
+        yield
+    finally:
+        if asked is None:
+            del os.environ[DILATED_SWITCH]
+        else:
+            os.environ[DILATED_SWITCH] = asked
 
 
 def padded_kernel(hlo: str, conv: DilatedConv) -> bool:
@@ -166,7 +169,8 @@ def time_form(fn: Callable[..., jax.Array], x: jax.Array, w: jax.Array, repeats:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     case = CASES[args.family](args.tiny, args.rows, args.codes)
     program = next(iter(case.programs))
-    found = list(dilated_convs(case.programs[program]().jaxpr.jaxpr))
+    with direct_form():
+        found = list(dilated_convs(case.programs[program]().jaxpr.jaxpr))
     counts = {conv: found.count(conv) for conv in dict.fromkeys(found)}
     print(f"{case.model}, {program} {case.shape}: {len(found)} dilated convolutions, {len(counts)} distinct")
     rng = np.random.default_rng(0)

@@ -20,7 +20,9 @@
 #   dilated   each code2wav's dilated convolutions alone, as the models compute them and split
 #             into undilated phases, compile and run time side by side, Qwen3-Omni's (1 x 125
 #             frames) then Qwen2.5-Omni's (1 x 125 codes), a process each, and whether XLA padded
-#             the kernel with zeros (benchmarks/dilated_conv.py);
+#             the kernel with zeros (benchmarks/dilated_conv.py); then each whole program under
+#             each form (OMNI_JAX_DILATED_CONV=direct|phased), its first compile and its run, a
+#             process each (benchmarks/compile_time.py);
 #   compile_warm  the whole solve twice, from an empty persistent cache ($XLA_CACHE/compile), then
 #             from what the first filled: a cold and a warm start's compile seconds;
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
@@ -142,8 +144,13 @@ dilated() {
     timeout -s INT "${DILATED_S:-150}" python3 -m benchmarks.dilated_conv --family "$family" \
       --json "$OUT/dilated_$family.json" >>"$OUT/dilated.log" 2>&1
     echo "$family: exit $?" >>"$OUT/dilated.log"
+    for form in direct phased; do
+      (echo "-- $family whole program, $form"; OMNI_JAX_DILATED_CONV=$form timeout -s INT "${DILATED_S:-150}" \
+        python3 -m benchmarks.compile_time --family "$family" --codes 125 --programs 0 --runs 3 \
+        --json "$OUT/dilated_${family}_$form.json") >>"$OUT/dilated.log" 2>&1
+    done
   done
-  grep -E "^(qwen|all:|input .*padded kernel True)" "$OUT/dilated.log"
+  grep -E "^(qwen|all:|input .*padded kernel True|-- |whole)" "$OUT/dilated.log"
 }
 
 compile() {

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from omni_jax.models import dilated_conv
 from omni_jax.models.formulation import formulation
 from omni_jax.models.param_map import ParamRule, conv1d_kernel, conv_transpose1d_kernel
 
@@ -213,7 +214,13 @@ class AntiAliasedActivation(nnx.Module):
 def _same_conv(channels: int, kernel_size: int, dilation: int, rngs: nnx.Rngs) -> nnx.Conv:
     pad = (kernel_size * dilation - dilation) // 2
     return nnx.Conv(
-        channels, channels, kernel_size, padding=((pad, pad),), kernel_dilation=dilation, rngs=rngs
+        channels,
+        channels,
+        kernel_size,
+        padding=((pad, pad),),
+        kernel_dilation=dilation,
+        conv_general_dilated=dilated_conv.conv_general_dilated,
+        rngs=rngs,
     )
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from omni_jax.models import dilated_conv
 from omni_jax.models.layers import rope_cos_sin, rope_inv_freq, rotate_half
 from omni_jax.models.param_map import ParamRule, conv1d_kernel, linear_kernel
 from omni_jax.parallel.rules import ShardRule, splits
@@ -62,7 +63,13 @@ class TimeDelayNetBlock(nnx.Module):
         total = dilation * (kernel_size - 1)
         self.pad = (total // 2, total - total // 2)
         self.conv = nnx.Conv(
-            in_features, out_features, kernel_size, padding="VALID", kernel_dilation=dilation, rngs=rngs
+            in_features,
+            out_features,
+            kernel_size,
+            padding="VALID",
+            kernel_dilation=dilation,
+            conv_general_dilated=dilated_conv.conv_general_dilated,
+            rngs=rngs,
         )
 
     def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:

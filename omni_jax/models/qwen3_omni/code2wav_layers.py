@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from omni_jax.models import dilated_conv
 from omni_jax.models.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
 from omni_jax.models.qwen2 import GQAProjections
 from omni_jax.models.qwen2_5_omni.audio_encoder import torch_layer_norm
@@ -185,6 +186,7 @@ class CausalConv(nnx.Module):
             padding=(((kernel_size - 1) * dilation, 0),),
             kernel_dilation=dilation,
             feature_group_count=groups,
+            conv_general_dilated=dilated_conv.conv_general_dilated,
             dtype=dtype,
             param_dtype=dtype,
             rngs=rngs,
