@@ -68,6 +68,9 @@ M = TypeVar("M", bound=BaseModel)
 CLIENT_GONE = 499
 """The status logged for a request whose client disconnected first (nginx's convention; the
 client reads nothing)."""
+REQUEST_ID_STATE = "omni_jax_request_id"
+"""The key of a request's id in its ASGI scope's ``state`` (the app's log of a stream cut short
+reads it there)."""
 RETRY_QUEUE_S = 1
 """``Retry-After`` of a 429: a queue place frees as soon as a request ends."""
 RETRY_WARMING_S = 10
@@ -228,6 +231,7 @@ class _Server:
         ``choice(index, reply)``. A client gone before the end gets nothing (499 in the log); a
         request a stage failed is a 500."""
         self.check_room(serve.replies)
+        setattr(request.state, REQUEST_ID_STATE, request_id)  # for the log of a stream cut short
         choices = serve.choices()
         ids = [request_id] if serve.replies == 1 else [f"{request_id}-{i}" for i in range(serve.replies)]
         arrival = time.perf_counter()
@@ -387,7 +391,8 @@ class _Contained:
     stage's failure mid-stream ends the same way; the stream used to stop mid-body, which clients
     read as a broken connection and uvicorn logged as an error), logged in one line. Either way
     the cancellation ends here: the request is answered, and its generation was cancelled with
-    it."""
+    it. A stream that ends before its last byte otherwise, its client gone (which closed it and
+    so aborted its request), is logged in one line, as a whole reply's client gone is."""
 
     def __init__(self, app: ASGIApp, on_error: Callable[[], None]) -> None:
         self.app, self.on_error = app, on_error
@@ -412,6 +417,8 @@ class _Contained:
 
         try:
             await self.app(scope, receive, sending)
+        except ClientDisconnect:  # an ASGI 2.4 server's send once the client has gone
+            _log_gone(scope)
         except asyncio.CancelledError:
             if answered:  # cut as the response's task group ended, after its last byte went out
                 return
@@ -432,6 +439,17 @@ class _Contained:
             if not started:
                 response = JSONResponse(responses.error_json(500, f"internal error: {e!r}"), status_code=500)
                 await response(scope, receive, send)
+        else:
+            if events and not answered:  # an ASGI 2.3 server's stream, ended by the client's going
+                _log_gone(scope)
+
+
+def _log_gone(scope: Scope) -> None:
+    """One line for a stream whose client went away mid-response: closing the stream aborted
+    its request (:func:`~omni_jax.serve.reply.reply`), as a whole reply's client going away does
+    (:meth:`_Server.unless_disconnected`, which logs the same)."""
+    request_id = scope.get("state", {}).get(REQUEST_ID_STATE, f"{scope['method']} {scope['path']}")
+    log.info("%s: client disconnected; its request was aborted", request_id)
 
 
 def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
