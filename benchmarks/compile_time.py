@@ -222,12 +222,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__.split("\n")[0])
+def add_case_arguments(p: argparse.ArgumentParser, codes: int) -> None:
+    """The options that pick a :class:`Case` (``CASES[args.family](args.tiny, args.rows, args.codes)``)."""
     p.add_argument("--family", choices=list(CASES), default="qwen2_5_omni")
     p.add_argument("--rows", type=int, default=1)
-    p.add_argument("--codes", type=int, default=32, help="codes (qwen3_omni: code frames) a row")
+    p.add_argument("--codes", type=int, default=codes, help="codes (qwen3_omni: code frames) a row")
     p.add_argument("--tiny", action="store_true", help="the test checkpoints' code2wav widths")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__.split("\n")[0])
+    add_case_arguments(p, codes=32)
     p.add_argument("--runs", type=int, default=0, help="also time the whole program, best of this many")
     p.add_argument(
         "--option",

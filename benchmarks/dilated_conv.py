@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.compile_time import CASES
+from benchmarks.compile_time import CASES, add_case_arguments
 from benchmarks.harness import device, versions, wall_times, write_json
 from omni_jax.models.dilated_conv import DILATED_SWITCH, FLAX_1D, phased_conv
 
@@ -224,10 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.dilated_conv", description=__doc__.split("\n")[0])
-    p.add_argument("--family", choices=list(CASES), default="qwen2_5_omni")
-    p.add_argument("--rows", type=int, default=1)
-    p.add_argument("--codes", type=int, default=125, help="codes (qwen3_omni: code frames) a row")
-    p.add_argument("--tiny", action="store_true", help="the test checkpoints' code2wav widths")
+    add_case_arguments(p, codes=125)
     p.add_argument("--repeats", type=int, default=5, help="runs of each form, the best kept")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
