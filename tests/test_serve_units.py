@@ -797,6 +797,52 @@ def test_a_stream_the_shutdown_cuts_ends_with_an_error_event_unless_it_had_ended
     assert _cut([start, chunk, end]) == [start, chunk, end]
 
 
+@pytest.mark.parametrize("server_asgi", ["2.3", "2.4"])
+def test_a_stream_whose_client_went_away_is_logged_once_not_failed(
+    server_asgi: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream that stops before its last byte because its client went away (under ASGI 2.3
+    Starlette's response returns; under 2.4 it raises ``ClientDisconnect``) is logged in one line
+    naming the request, as a whole reply's is; nothing more is sent and no failure is counted. A
+    stream that ends is not logged."""
+    from starlette.requests import ClientDisconnect
+
+    from omni_jax.serve.app import REQUEST_ID_STATE, _Contained
+
+    start = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [(b"content-type", b"text/event-stream")],
+    }
+    chunk = {"type": "http.response.body", "body": b'data: {"x":1}\n\n', "more_body": True}
+    end = {"type": "http.response.body", "body": b"", "more_body": False}
+
+    def serve(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            scope["state"][REQUEST_ID_STATE] = "chatcmpl-7"  # as the route leaves it
+            for message in messages:
+                await send(message)
+            if messages[-1] is not end and server_asgi == "2.4":
+                raise ClientDisconnect
+
+        sent: list[dict[str, Any]] = []
+        failures = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "state": {}}
+        asyncio.run(_Contained(app, lambda: failures.append(1))(scope, None, send))  # type: ignore[arg-type]
+        return sent, len(failures)
+
+    gone = "chatcmpl-7: client disconnected; its request was aborted"
+    with caplog.at_level(logging.INFO, logger="omni_jax.serve"):
+        assert serve([start, chunk]) == ([start, chunk], 0)
+        assert caplog.text.count(gone) == 1
+        assert serve([start, chunk, end]) == ([start, chunk, end], 0)
+    assert caplog.text.count(gone) == 1
+
+
 def test_transcripts_are_kept_until_their_audio_expires_and_at_most_so_many() -> None:
     """A spoken reply's transcript answers for its audio id until ``expires_at``; past the
     bound the oldest goes first, so the server's memory holds whatever the traffic."""
