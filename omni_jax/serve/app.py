@@ -292,7 +292,7 @@ class _Server:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        log.info("%s: client disconnected; its request was aborted", request_id)
+        _log_aborted(request_id)
         return None
 
 
@@ -447,8 +447,12 @@ class _Contained:
 def _log_gone(scope: Scope) -> None:
     """One line for a stream whose client went away mid-response: closing the stream aborted
     its request (:func:`~omni_jax.serve.reply.reply`), as a whole reply's client going away does
-    (:meth:`_Server.unless_disconnected`, which logs the same)."""
-    request_id = scope.get("state", {}).get(REQUEST_ID_STATE, f"{scope['method']} {scope['path']}")
+    (:meth:`_Server.unless_disconnected`, which logs the same line)."""
+    _log_aborted(scope.get("state", {}).get(REQUEST_ID_STATE, f"{scope['method']} {scope['path']}"))
+
+
+def _log_aborted(request_id: str) -> None:
+    """The line a request whose client went away leaves in the log, streamed or whole."""
     log.info("%s: client disconnected; its request was aborted", request_id)
 
 
