@@ -22,7 +22,10 @@
 #             frames) then Qwen2.5-Omni's (1 x 125 codes), a process each, and whether XLA padded
 #             the kernel with zeros (benchmarks/dilated_conv.py); then each whole program under
 #             each form (OMNI_JAX_DILATED_CONV=direct|phased), its first compile and its run, a
-#             process each (benchmarks/compile_time.py);
+#             process each (benchmarks/compile_time.py); DILATED_FAMILIES picks the families;
+#   pick_dilated  after dilated: the form whose whole program (PICK_FAMILY's, default Qwen3-Omni's)
+#             compiled faster at no more than 1.1x the direct form's run time goes into
+#             OMNI_JAX_DILATED_CONV for the parts after it (e.g. PARTS="dilated pick_dilated stream3");
 #   compile_warm  the whole solve twice, from an empty persistent cache ($XLA_CACHE/compile), then
 #             from what the first filled: a cold and a warm start's compile seconds;
 #   code2wav  the code2wav suite on `small` (Qwen2.5-Omni-7B's token2wav widths), transformers'
@@ -140,7 +143,7 @@ compile_options() {  # name (compile, compile3), then compile_time's arguments: 
 dilated() {
   echo "== dilated convolutions, direct against phased (limit ${DILATED_S:-150}s each)"
   : >"$OUT/dilated.log"
-  for family in qwen3_omni qwen2_5_omni; do
+  for family in ${DILATED_FAMILIES:-qwen3_omni qwen2_5_omni}; do
     timeout -s INT "${DILATED_S:-150}" python3 -m benchmarks.dilated_conv --family "$family" \
       --json "$OUT/dilated_$family.json" >>"$OUT/dilated.log" 2>&1
     echo "$family: exit $?" >>"$OUT/dilated.log"
@@ -163,21 +166,38 @@ compile3() {
   compile_options compile3 --family qwen3_omni --codes 125
 }
 
+fastest_fit() {
+  # Of compile_time.py JSON files (the first the default), the one whose program compiled fastest
+  # at no more than 1.1x the default's run time (none printed: no run to compare).
+  python3 - "$@" <<'PY'
+import json, pathlib, sys
+runs = [(f, json.loads(pathlib.Path(f).read_text())) for f in sys.argv[1:] if pathlib.Path(f).is_file()]
+runs = [(r["rows"][0]["compile_s"], r["solve_s"], f) for f, r in runs if r["rows"] and r["solve_s"]]
+base = next((s for _, s, f in runs if f == sys.argv[1]), None)
+fit = [(c, f) for c, s, f in runs if base is not None and s <= 1.1 * base]
+print(min(fit)[1] if fit else "")
+PY
+}
+
 pick_flags() {
   # The option set of the last compile part that compiled the whole program fastest, at no more
   # than 1.1x the default's run time, into XLA_FLAGS for every part after it (none: unchanged).
   local best
-  best=$(python3 - "$OUT/${PICK_FROM:-compile3}" <<'PY'
-import json, pathlib, sys
-runs = [json.loads(f.read_text()) for f in sorted(pathlib.Path(sys.argv[1]).glob("[0-9]*.json"))]
-runs = [(r["rows"][0]["compile_s"], r["solve_s"], r["options"]) for r in runs if r["rows"] and r["solve_s"]]
-base = next((s for _, s, o in runs if not o), None)
-fit = [(c, o) for c, s, o in runs if base is not None and s <= 1.1 * base]
-print(" ".join(f"--{k}={v}" for k, v in min(fit, key=lambda t: t[0])[1].items()) if fit else "")
-PY
-)
+  best=$(fastest_fit $(ls "$OUT/${PICK_FROM:-compile3}"/[0-9]*.json 2>/dev/null | sort -V))
+  [ -n "$best" ] && best=$(python3 -c "import json, sys; print(' '.join(f'--{k}={v}' for k, v in \
+json.load(open(sys.argv[1]))['options'].items()))" "$best")
   export XLA_FLAGS="${XLA_FLAGS:-} $best"
   echo "== pick_flags: XLA_FLAGS=$XLA_FLAGS"
+}
+
+pick_dilated() {
+  # After dilated: the form of dilated convolution whose whole program (PICK_FAMILY's, default
+  # Qwen3-Omni's) compiled faster at no more than 1.1x the direct form's run time, into
+  # OMNI_JAX_DILATED_CONV for every part after it (direct when neither ran).
+  local family=${PICK_FAMILY:-qwen3_omni} best
+  best=$(fastest_fit "$OUT/dilated_${family}_direct.json" "$OUT/dilated_${family}_phased.json")
+  export OMNI_JAX_DILATED_CONV=$([ "$best" = "$OUT/dilated_${family}_phased.json" ] && echo phased || echo direct)
+  echo "== pick_dilated: OMNI_JAX_DILATED_CONV=$OMNI_JAX_DILATED_CONV"
 }
 
 compile_warm() {
@@ -255,7 +275,7 @@ stream_suite() {  # name (stream, stream3), limit, then the suite's own argument
   shift 2
   echo "== ${TAG:-}$name: $* --stream, ${SUITE_MODEL:-small} (limit ${limit}s, persistent cache: $cache)"
   seed_cache "$cache"
-  OMNI_JAX_COMPILATION_CACHE=$cache timeout -s INT "$limit" python3 -m benchmarks.run "$@" --stream \
+  OMNI_JAX_COMPILATION_CACHE=$cache timeout -k 30 -s INT "$limit" python3 -m benchmarks.run "$@" --stream \
     --model "${SUITE_MODEL:-small}" --concurrency "${STREAM_LEVELS:-1,4,16}" --repeats 1 \
     --max-num-batched-tokens "${STREAM_TOKENS:-256}" --cache-dir /tmp/omni_jax_bench \
     --json "$OUT/${TAG:-}$name.json" >"$OUT/${TAG:-}$name.log" 2>&1
