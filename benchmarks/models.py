@@ -126,10 +126,12 @@ def build_small_qwen3_omni(path: Path) -> Path:
 
     What stays tiny: the audio and vision encoders, the talker and its code predictor (the AR and
     code2wav suites run text prompts through the thinker and codec frames through code2wav);
-    only their output widths follow the thinker's 2048 and the code predictor fills code2wav's
-    16 codebooks a frame (codes from its tiny codebook, a subset of code2wav's 2048), so the
-    checkpoint is one model that the e2e suites run whole. The tokenizer is the tiny one (451
-    ids): ids past it have no text, as in the ``small`` Qwen2's."""
+    only their output widths follow the thinker's 2048, the talker's positions its 65536 (the
+    pipeline refuses a talker that holds a shorter sequence than the thinker feeding it, as the
+    release's two do not), and the code predictor fills code2wav's 16 codebooks a frame (codes
+    from its tiny codebook, a subset of code2wav's 2048), so the checkpoint is one model that the
+    e2e suites run whole. The tokenizer is the tiny one (451 ids): ids past it have no text, as in
+    the ``small`` Qwen2's."""
     tiny = tiny_qwen3_omni_config(build_qwen3_omni_tokenizer(seed=0))
     width = SMALL_QWEN3_THINKER_TEXT["hidden_size"]
     thinker = tiny.thinker_config.to_dict()
@@ -139,6 +141,7 @@ def build_small_qwen3_omni(path: Path) -> Path:
     thinker["initializer_range"] = SMALL_QWEN3_THINKER_TEXT["initializer_range"]
     groups = SMALL_QWEN3_CODE2WAV["num_quantizers"]
     talker = dict(tiny.talker_config.to_dict(), thinker_hidden_size=width, num_code_groups=groups)
+    talker["text_config"]["max_position_embeddings"] = SMALL_QWEN3_THINKER_TEXT["max_position_embeddings"]
     talker["code_predictor_config"]["num_code_groups"] = groups
     return build_tiny_qwen3_omni(
         path,
