@@ -1,20 +1,20 @@
-"""``python -m benchmarks.dilated_conv``: every dilated convolution of a code2wav program, as the
-model computes it and split into phases, compile and run time side by side on this backend.
+"""``python -m benchmarks.dilated_conv``: every dilated convolution of a code2wav program, as
+written and split into phases, compile and run time side by side on this backend.
 
 A GPU session's XLA dump of Qwen3-Omni's code2wav showed the residual units' dilated kernels
 padded with zeros before cuDNN (7 taps at dilation 9 became 55: 7.9x the multiply-adds of the
 taps; RESULTS.md, fifth GPU session), and code2wav's first compiles are what a GPU start-up waits
 for. A 1-D convolution of dilation ``d`` is also ``d`` undilated ones: split the padded input
 into its ``d`` phases (every ``d``-th sample), convolve each with the kernel's ``k`` taps as they
-are, interleave the outputs (:mod:`omni_jax.models.dilated_conv`, which the models compute under
-``OMNI_JAX_DILATED_CONV=phased``). The same products and sums, so float32 results agree to
+are, interleave the outputs (:mod:`omni_jax.models.dilated_conv`, the models' form on GPUs, or
+under ``OMNI_JAX_DILATED_CONV=phased``). The same products and sums, so float32 results agree to
 rounding; what the split costs is two transposes. Which form a backend runs faster, and compiles
-faster, is measured here, before the models' default (``direct``) changes.
+faster, is measured here: what each platform's default rests on.
 
 The convolutions are read from the whole program's jaxpr (``benchmarks.compile_time``'s cases:
 Qwen2.5-Omni's token2wav solve or Qwen3-Omni's code2wav decode, ``small``'s widths by default,
 ``--tiny`` the test checkpoints', ``--rows`` x ``--codes``), each distinct one (shapes and
-parameters) with a dilation above 1 timed alone: compiled as the model has it and phase-split,
+parameters) with a dilation above 1 timed alone: compiled as written and phase-split,
 each compile timed (the first of its shape in this process: XLA keeps a GPU's autotuning results
 for the process, and the two forms share no convolution shape), then each run best of
 ``--repeats``, and the largest difference between the two outputs relative to the largest
@@ -70,7 +70,7 @@ class DilatedConv:
         return 1 + (self.taps - 1) * self.dilation
 
     def direct(self, x: jax.Array, w: jax.Array) -> jax.Array:
-        """The convolution as the model computes it by default."""
+        """The convolution as written (the models' form off GPUs)."""
         return lax.conv_general_dilated(
             x,
             w,
@@ -131,7 +131,7 @@ def dilated_convs(jaxpr: Any) -> Iterator[DilatedConv]:
 
 @contextlib.contextmanager
 def direct_form() -> Iterator[None]:
-    """Trace under the models' default form, whatever the environment asks, so that the
+    """Trace under the direct form, whatever the platform or the environment asks, so that the
     program's dilated convolutions are there to find."""
     asked = os.environ.get(DILATED_SWITCH)
     os.environ[DILATED_SWITCH] = "direct"

@@ -186,8 +186,10 @@ def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
     """The attention backend asked for and the paths it resolved to (``probe``), the CPU kernel's
     switch and compiler, the pixel backend the processor resizes images and videos with, how
     MoE experts may run (:func:`~omni_jax.models.moe.expert_forms`) and how the Qwen2.5-Omni vocoder
-    writes its ``sin^2`` (:func:`~omni_jax.models.qwen2_5_omni.bigvgan.sin_form`), and whether
-    transformers may load hub kernels into the reference (``benchmarks/__init__.py``)."""
+    writes its ``sin^2`` (:func:`~omni_jax.models.qwen2_5_omni.bigvgan.sin_form`), how the
+    code2wav models' dilated convolutions run (:func:`~omni_jax.models.dilated_conv.dilated_form`),
+    and whether transformers may load hub kernels into the reference (``benchmarks/__init__.py``)."""
+    from omni_jax.models.dilated_conv import dilated_form
     from omni_jax.models.moe import expert_forms
     from omni_jax.models.qwen2_5_omni.bigvgan import sin_form
     from omni_jax.models.qwen2_5_omni.processor import default_pixel_backend
@@ -201,6 +203,7 @@ def backends(probe: AttentionProbe, attention: str = "auto") -> dict[str, Any]:
         "pixels": default_pixel_backend(),
         "moe_experts": " or ".join(expert_forms()),
         "vocoder_sin": sin_form(),
+        "dilated_conv": dilated_form(),
         "reference_hub_kernels": os.environ.get("USE_HUB_KERNELS", "unset"),
     }
 
@@ -220,7 +223,7 @@ def describe(result: dict[str, Any]) -> str:
             f"attention {b['attention']} traced as: {traced or 'none'} (CPU kernel ran: "
             f"{b['cpu_kernel_ran']}; {cpu_kernels.ENV_SWITCH}={b['cpu_kernels_switch']}, compiler "
             f"{b['cxx_compiler']}); pixels {b['pixels']}; MoE experts {b['moe_experts']}; "
-            f"vocoder sin {b['vocoder_sin']}"
+            f"vocoder sin {b['vocoder_sin']}; dilated convolutions {b['dilated_conv']}"
         )
     lines.append("versions: " + ", ".join(f"{k} {x}" for k, x in v.items()))
     return "\n".join(lines)

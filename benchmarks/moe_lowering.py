@@ -6,11 +6,12 @@ matmul, ``ragged_dot`` (``grouped``), whose speed is the backend's lowering, as 
 every row (``dense``, ``E / k`` times the routed FLOPs in plain matmuls), one (row, expert)
 pair at a time, reading only the chosen experts (``assigned``), or with the chosen experts
 gathered first (``gathered``, a fixed number of operations); ``OMNI_JAX_MOE`` picks, else
-:func:`omni_jax.models.moe.expert_path` (grouped on TPUs; elsewhere assigned where a step routes
-fewer pairs than the experts, dense otherwise). On a GPU, XLA's default lowering of
-``ragged_dot`` is a masked dense product over every expert for every routed row (``E`` times the
-routed FLOPs), while ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` would make it a grouped
-GEMM (a lowering this jax cannot build is reported as such in its row: jax 0.11.2's wheel lacks
+:func:`omni_jax.models.moe.expert_path` (grouped on TPUs; on CPUs assigned where a step routes
+fewer pairs than the experts, on GPUs gathered up to an eighth as many, dense otherwise). On a
+GPU, XLA's default lowering of ``ragged_dot`` is a masked dense product over every expert for
+every routed row (``E`` times the routed FLOPs), while
+``jax_ragged_dot_use_gpu_pallas_triton_lowering`` would make it a grouped GEMM (a lowering this
+jax cannot build is reported as such in its row: jax 0.11.2's wheel lacks
 the module). This measures the five (grouped with either lowering, dense, assigned, gathered), at the
 released thinker's widths by default (hidden 2048, experts of width 768, 128 experts, top 8),
 for several token counts (a decode step's rows up to a prefill chunk's), and transformers' block

@@ -47,8 +47,11 @@ def _check_common(result: dict, suite: str) -> None:
     assert backends["attention"] == "auto" and backends["pixels"] in ("pil", "torchvision")
     assert (
         backends["moe_experts"]
-        == {"cpu": "assigned or dense", "tpu": "grouped"}.get(jax.default_backend(), "dense")
+        == {"cpu": "assigned or dense", "gpu": "gathered or dense", "tpu": "grouped"}.get(
+            jax.default_backend(), "dense"
+        )
         and backends["vocoder_sin"] == "native"
+        and backends["dilated_conv"] == ("phased" if jax.default_backend() == "gpu" else "direct")
         and backends["reference_hub_kernels"] == "0"
     )  # conftest's
     ours = result["compile"]["ours"]

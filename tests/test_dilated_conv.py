@@ -64,6 +64,8 @@ def test_phased_is_the_dilated_convolution(
 
 
 def test_the_switch_splits_only_ungrouped_dilated_convolutions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset: split on GPUs, as written elsewhere; a named form on any backend; only dilated,
+    ungrouped convolutions are split; an unknown form is refused."""
     calls: list[int] = []
     split = dilated_conv.phased_conv
     monkeypatch.setattr(dilated_conv, "phased_conv", lambda *a, **k: calls.append(a[3]) or split(*a, **k))
@@ -82,8 +84,18 @@ def test_the_switch_splits_only_ungrouped_dilated_convolutions(monkeypatch: pyte
         )
         return layer(x)
 
+    monkeypatch.delenv(dilated_conv.DILATED_SWITCH, raising=False)
+    backend = jax.default_backend
+    for platform, splits in (("cpu", []), ("tpu", []), ("gpu", [3])):
+        monkeypatch.setattr(jax, "default_backend", lambda p=platform: p)
+        calls.clear()
+        conv(3)
+        assert calls == splits  # the platform's default: phased on GPUs, direct elsewhere
+    monkeypatch.setenv(dilated_conv.DILATED_SWITCH, "direct")
+    calls.clear()
     conv(3)
-    assert calls == []  # the default: direct
+    assert calls == []  # named, on a GPU too
+    monkeypatch.setattr(jax, "default_backend", backend)
     monkeypatch.setenv(dilated_conv.DILATED_SWITCH, "phased")
     conv(3), conv(1), conv(3, groups=2)
     assert calls == [3]  # undilated and grouped convolutions stay as they are

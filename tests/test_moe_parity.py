@@ -170,20 +170,37 @@ def test_route_matches_the_reference_router() -> None:
         assert rel_err(weights, ref_weights.numpy()) < RTOL
 
 
-def test_expert_path_follows_the_switch_the_backend_and_the_pairs(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("backend", "forms", "most"),
+    [
+        ("tpu", ("grouped",), None),
+        ("cpu", ("assigned", "dense"), 127),
+        ("gpu", ("gathered", "dense"), 16),
+        ("other", ("dense",), None),
+    ],
+)
+def test_expert_path_follows_the_switch_the_backend_and_the_pairs(
+    backend: str, forms: tuple[str, ...], most: int | None, monkeypatch
+) -> None:
     """Unset or ``auto``: grouped on a TPU (its ragged dot is a grouped GEMM); on a CPU (whose
     ragged dot is E times the routed FLOPs) pair by pair when a step routes fewer (row, expert)
-    pairs than the experts, dense from as many; dense on a GPU; a named path is taken as named
-    at any count; anything else is refused (set but empty is unset)."""
-    forms = {"tpu": ("grouped",), "cpu": ("assigned", "dense")}.get(jax.default_backend(), ("dense",))
+    pairs than the experts, dense from as many; on a GPU gathered up to an eighth as many pairs
+    as experts, dense above; dense elsewhere; a named path is taken as named at any count on
+    any backend; anything else is refused (set but empty is unset)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     for value in (None, "auto", ""):
         if value is None:
             monkeypatch.delenv(MOE_SWITCH, raising=False)
         else:
             monkeypatch.setenv(MOE_SWITCH, value)
         assert expert_forms() == forms
-        assert expert_path(127, 128) == forms[0]
+        assert expert_path(1, 128) == forms[0]
+        if most is not None:
+            assert expert_path(most, 128) == forms[0] and expert_path(most + 1, 128) == "dense"
         assert expert_path(128, 128) == forms[-1]
+    for named in MOE_FORMS:
+        monkeypatch.setenv(MOE_SWITCH, named)
+        assert expert_path(1, 128) == expert_path(10**6, 128) == named
     monkeypatch.setenv(MOE_SWITCH, "sparse")
     refused = "OMNI_JAX_MOE='sparse': expected grouped, dense, assigned, gathered or auto"
     with pytest.raises(ValueError, match=refused):

@@ -5,9 +5,12 @@ padded input into its ``d`` phases (every ``d``-th sample), convolve each with t
 they are, and interleave the outputs. The products and sums are the same ones, so the results
 agree to rounding (bit-equal on XLA's CPU backend); the split adds two transposes. A GPU dump of
 Qwen3-Omni's code2wav showed XLA padding the dilated kernels with zeros before cuDNN (7 taps at
-dilation 9 as 55, 7.9x the multiply-adds; RESULTS.md), which the split would avoid, at a cost not
-yet measured on a GPU: so ``direct`` stays the default everywhere, ``OMNI_JAX_DILATED_CONV=phased``
-picks the split for measuring (``benchmarks/dilated_conv.py``, ``gpu.sh``'s ``dilated`` part).
+dilation 9 as 55, 7.9x the multiply-adds), which the split avoids. On an H200 the split ran
+Qwen3-Omni's whole decode and each of its dilated convolutions several times faster and compiled
+no slower (RESULTS.md, seventh GPU session); on a CPU, whose XLA convolves dilated kernels as they
+are, it gained nothing measurable. So ``phased`` is GPUs' default (Qwen2.5-Omni's BigVGAN too:
+the same kind of convolutions at dilations 3 and 5, its program not yet timed on a GPU),
+``direct`` every other backend's; ``OMNI_JAX_DILATED_CONV`` overrides.
 
 :func:`conv_general_dilated` is what the code2wav models' dilated ``nnx.Conv`` layers call in
 place of ``lax.conv_general_dilated`` (flax's hook for it), so their weights and parameter names
@@ -27,7 +30,7 @@ from omni_jax.models.formulation import formulation
 
 DILATED_SWITCH = "OMNI_JAX_DILATED_CONV"
 """Environment variable naming how dilated convolutions are computed, read when one is traced:
-``direct``, ``phased`` or ``auto`` (unset: ``auto``, which is ``direct``)."""
+``direct``, ``phased`` or ``auto`` (unset: ``auto``, :func:`dilated_form`'s platform default)."""
 
 DILATED_FORMS = ("direct", "phased")
 
@@ -60,6 +63,14 @@ def phased_conv(
     return y.reshape(n, (phases - taps + 1) * d, -1)[:, :out_width]
 
 
+def dilated_form() -> str:
+    """How dilated convolutions traced now are computed: what ``OMNI_JAX_DILATED_CONV`` names,
+    else ``phased`` on GPUs and ``direct`` elsewhere (the module doc says why)."""
+    return formulation(
+        DILATED_SWITCH, DILATED_FORMS, "phased" if jax.default_backend() == "gpu" else "direct"
+    )
+
+
 def _pair(padding: str | Sequence[tuple[int, int]]) -> tuple[int, int] | None:
     """A 1-D convolution's zero padding as ``(left, right)``; ``None`` for other forms."""
     if padding == "VALID":
@@ -82,11 +93,11 @@ def conv_general_dilated(
     precision: Any = None,
     **conv_kwargs: Any,
 ) -> jax.Array:
-    """``lax.conv_general_dilated``, except that under ``OMNI_JAX_DILATED_CONV=phased`` a dilated
+    """``lax.conv_general_dilated``, except that where :func:`dilated_form` is ``phased`` a dilated
     1-D convolution in ``nnx.Conv``'s layout, stride 1, ungrouped, is :func:`phased_conv`."""
     pair = _pair(padding)
     if (
-        formulation(DILATED_SWITCH, DILATED_FORMS, "direct") == "phased"
+        dilated_form() == "phased"
         and rhs_dilation is not None
         and len(rhs_dilation) == 1
         and rhs_dilation[0] > 1

@@ -27,13 +27,14 @@ routing weight for it, zero where it was not chosen. That reads every expert's w
 step with few rows does not need: a decode step of one row routes ``k`` of Qwen3-Omni's 128
 experts, and its cost is the bytes it reads. So on CPUs a step that routes fewer (row, expert)
 pairs than the experts runs them one pair at a time (:func:`assigned_experts`), reading only
-the chosen experts' weights. :func:`expert_path` picks: ``grouped`` on TPUs; ``assigned`` for
-such steps and ``dense`` for the rest on CPUs; ``dense`` on GPUs, where the pair loop's cost per
-pair (its kernels) is not yet measured against dense's one pass over the experts
-(``benchmarks/gpu.sh``'s ``moe`` part measures it); or what ``OMNI_JAX_MOE`` names. The numbers
+the chosen experts' weights; on GPUs, where a loop's cost is its kernels, a step of few pairs
+gathers their experts at once (:func:`gathered_experts`: a fixed number of kernels). :func:`expert_path`
+picks: ``grouped`` on TPUs; ``assigned`` for such steps and ``dense`` for the rest on CPUs;
+``gathered`` for steps of at most an eighth as many pairs as experts and ``dense`` for the rest
+on GPUs (:data:`GATHERED_SHARE`); or what ``OMNI_JAX_MOE`` names. The numbers
 are the same every way in float32 (up to summation order); in bfloat16 ``assigned`` rounds as
-``grouped`` does and ``dense`` otherwise, so on a CPU a row's bfloat16 output can depend on how
-many rows its step routes.
+``grouped`` does and ``dense`` otherwise, so on a CPU or a GPU a row's bfloat16 output can
+depend on how many rows its step routes.
 
 Experts are stored stacked, ``gate_proj``/``up_proj`` ``[E, D, I]`` and ``down_proj``
 ``[E, I, D]``, so a mesh axis can split the experts (first axis) or their intermediate width.
@@ -105,32 +106,44 @@ MOE_SWITCH = "OMNI_JAX_MOE"
 MOE_FORMS = ("grouped", "dense", "assigned", "gathered")
 
 
+GATHERED_SHARE = 8
+"""On GPUs, ``gathered`` runs a step of at most ``experts // GATHERED_SHARE`` pairs, ``dense``
+the rest: gathering copies each pair's expert before the products read it, and on an H200 at
+Qwen3-Omni's widths it ran faster than dense at 8 and 16 pairs of 128 experts, slower from 32
+(``benchmarks/RESULTS.md``, seventh GPU session)."""
+
+
 def expert_forms() -> tuple[str, ...]:
     """The formulations a block may run, depending on how many rows a step routes
     (:func:`expert_path`): the one ``OMNI_JAX_MOE`` names; else ``grouped`` (``ragged_dot``) on
     TPUs, whose ragged dot is a grouped GEMM; else, where XLA lowers ``ragged_dot`` to a masked
     dense product over every expert for every routed row (``E`` times the routed FLOPs, against
     ``E / k`` for dense; measured slower than dense at Qwen3-Omni's widths on a GPU:
-    ``benchmarks/RESULTS.md``, MoE formulations), ``assigned`` and ``dense`` on CPUs (pair by
-    pair measured faster below as many pairs as experts: ``benchmarks/RESULTS.md``, a decode
-    step's experts) and ``dense`` on GPUs (pair by pair unmeasured there). ``ValueError`` on
+    ``benchmarks/RESULTS.md``, MoE formulations), a sparse form and ``dense``: ``assigned`` on
+    CPUs (pair by pair measured faster below as many pairs as experts: ``benchmarks/RESULTS.md``,
+    a decode step's experts), ``gathered`` on GPUs (:data:`GATHERED_SHARE`). ``ValueError`` on
     another value."""
     named = formulation(MOE_SWITCH, MOE_FORMS, "auto")
     if named != "auto":
         return (named,)
-    return {"tpu": ("grouped",), "cpu": ("assigned", "dense")}.get(jax.default_backend(), ("dense",))
+    return {"tpu": ("grouped",), "cpu": ("assigned", "dense"), "gpu": ("gathered", "dense")}.get(
+        jax.default_backend(), ("dense",)
+    )
 
 
 def expert_path(pairs: int, experts: int) -> str:
     """How a block runs ``pairs`` routed (row, expert) pairs over the ``experts`` one device
-    holds: the one formulation :func:`expert_forms` allows, or of ``assigned`` and ``dense``,
-    ``assigned`` when the pairs are fewer than the experts (it reads one expert's weights per
-    pair, dense reads every expert's: fewer bytes, the same products per pair) and ``dense``
-    otherwise."""
+    holds: the one formulation :func:`expert_forms` allows; else its sparse form where the step
+    routes few enough pairs, ``dense`` otherwise. ``assigned`` reads one expert's weights per
+    pair and dense every expert's once, the same products per pair: it runs below as many pairs
+    as experts; ``gathered`` also copies each pair's expert first: it runs up to
+    ``experts // GATHERED_SHARE`` pairs."""
     forms = expert_forms()
     if len(forms) == 1:
         return forms[0]
-    return "assigned" if pairs < experts else "dense"
+    sparse, dense = forms
+    most = experts // GATHERED_SHARE if sparse == "gathered" else experts - 1
+    return sparse if pairs <= most else dense
 
 
 def route(
@@ -283,8 +296,8 @@ def gathered_experts(
     (``N * k`` copies of ``3 * D * I`` values), then one batched matrix-vector product per
     projection: the chosen experts' bytes, like :func:`assigned_experts`, in a fixed number of
     operations instead of a loop over the pairs, for backends whose cost is per operation
-    launched (a GPU's kernels). Not chosen by default anywhere yet: ``OMNI_JAX_MOE=gathered``
-    for measuring (``benchmarks/moe_lowering.py``). Ids outside ``[0, E)`` add nothing."""
+    launched (a GPU's kernels): a GPU's steps of few pairs (:func:`expert_path`). Ids outside
+    ``[0, E)`` add nothing."""
     rows, ids, here = _pairs(x, experts, gate.shape[0])
     g, u, d = (jnp.take(w, ids, axis=0) for w in (gate, up, down))
     h = jax.nn.silu(jnp.einsum("pd,pdi->pi", rows, g)) * jnp.einsum("pd,pdi->pi", rows, u)
