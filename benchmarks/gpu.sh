@@ -17,8 +17,8 @@
 #   pick_flags  after compile or compile3 (PICK_FROM, default compile3): the option set whose
 #             whole program compiled fastest at no more than 1.1x the default's run time goes into
 #             XLA_FLAGS for the parts after it (e.g. PARTS="compile3 pick_flags stream3");
-#   dilated   each code2wav's dilated convolutions alone, as the models compute them and split
-#             into undilated phases, compile and run time side by side, Qwen3-Omni's (1 x 125
+#   dilated   each code2wav's dilated convolutions alone, as written and split into undilated
+#             phases, compile and run time side by side, Qwen3-Omni's (1 x 125
 #             frames) then Qwen2.5-Omni's (1 x 125 codes), a process each, and whether XLA padded
 #             the kernel with zeros (benchmarks/dilated_conv.py); then each whole program under
 #             each form (OMNI_JAX_DILATED_CONV=direct|phased), its first compile and its run, a
