@@ -65,7 +65,8 @@
 #   tests     the test suite (or the files TESTS names) with JAX_PLATFORMS=cuda.
 # Usage, from the repository root: OUT=/some/dir PARTS="moe tests" bash benchmarks/gpu.sh;
 # STREAM_TOKENS the stream parts' step budget (text prompts are short: fewer token-row programs),
-# STREAM_LEN their max_model_len (unset: the checkpoint's),
+# STREAM_ARGS more of benchmarks.run's arguments for them (e.g. "--max-model-len 1024" or
+# "--stream-sizes first_chunk_frames=4"),
 # MOE_S, SHAPED_S, STEP_MEMORY_S (each of its runs), DILATED_S (each family), COMPILE_S, COMPILE3_S, COMPILE_WARM_S, C2W_S, C2W_WARM_S, OVERLAP_S (each
 # run), PROFILE_S, STREAM_S, STREAM3_S, STREAMS_COLD_S, STREAMS_WARM_S and TESTS_S bound the parts
 # (seconds), TESTS names test files (default: all), WORKERS pytest-xdist's, C2W_BATCHES the
@@ -278,7 +279,7 @@ stream_suite() {  # name (stream, stream3), limit, then the suite's own argument
   seed_cache "$cache"
   OMNI_JAX_COMPILATION_CACHE=$cache timeout -k 30 -s INT "$limit" python3 -m benchmarks.run "$@" --stream \
     --model "${SUITE_MODEL:-small}" --concurrency "${STREAM_LEVELS:-1,4,16}" --repeats 1 \
-    --max-num-batched-tokens "${STREAM_TOKENS:-256}" ${STREAM_LEN:+--max-model-len "$STREAM_LEN"} --cache-dir /tmp/omni_jax_bench \
+    --max-num-batched-tokens "${STREAM_TOKENS:-256}" ${STREAM_ARGS:-} --cache-dir /tmp/omni_jax_bench \
     --json "$OUT/${TAG:-}$name.json" >"$OUT/${TAG:-}$name.log" 2>&1
   echo "${TAG:-}$name exit $?"
   grep -v -E "it/s\]|s/it\]|programs compiled|^\[transformers\]" "$OUT/${TAG:-}$name.log" | tail -25
