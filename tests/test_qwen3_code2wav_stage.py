@@ -24,6 +24,7 @@ from parity import rel_err
 from stage_yamls import Whole, edited_stages, shipped_config
 from stand_ins import on_an_accelerator, rows_nearly_free
 
+from benchmarks.stream_suite import stall_seconds
 from omni_jax import OmniJaxPipeline, SamplingParams, Token2WavParams
 from omni_jax.engine.compilation import CompileCounter
 from omni_jax.models.qwen3_omni.code2wav import code2wav_chunk_compiled, code2wav_compiled
@@ -89,17 +90,14 @@ def forward(reference: torch.nn.Module, f: np.ndarray) -> np.ndarray:
 
 
 def chunk_loop(reference: torch.nn.Module, f: np.ndarray, plan: StreamPlan) -> tuple[np.ndarray, int]:
-    """``chunked_decode``'s loop with ``plan``'s first chunk and later chunks doubling from
-    ``plan.chunk`` up to ``plan.largest_chunk``: ``forward`` on each window, the samples of its
+    """``chunked_decode``'s loop with ``plan``'s chunk sizes (the first, its ramp, then doubling
+    from ``plan.chunk`` up to ``plan.largest_chunk``): ``forward`` on each window, the samples of its
     new frames kept, and before them the ``SHORTFALL`` samples the previous window came out short
     by (``chunked_decode`` skips those: a gap at every join). Returns the waveform and the number
     of chunks."""
     pieces, start = [], 0
     while start < len(f):
-        size = (
-            plan.first_chunk if not pieces else min(plan.chunk * 2 ** (len(pieces) - 1), plan.largest_chunk)
-        )
-        end = min(start + size, len(f))
+        end = min(start + plan.chunk_size(len(pieces)), len(f))
         context = min(plan.left_context, start)
         pieces.append(
             forward(reference, f[start - context : end])[context * HOP - (SHORTFALL if context else 0) :]
@@ -120,25 +118,55 @@ def padded(plan: StreamPlan, n: int) -> tuple[int, int]:
 
 
 def test_shipped_chunks_grow_from_vllm_omnis() -> None:
-    """The shipped YAML's plan: vLLM-omni's first chunk of 1 frame, then 25 after 25 of context,
+    """The shipped YAML's plan: vLLM-omni's first chunk of 1 frame, then a ramp doubling from 2
+    frames while below 25 (no chunk asks for more than twice the frames voiced before it: a
+    jump from 1 to 25 left a listener 0.2 s of silence on an H200), then 25 after 25 of context,
     doubling up to 100; its windows (a solve pads to the smallest holding its chunks) are the
-    first chunk's and a context before each size. A 125-frame (10 s) reply is 4 chunks decoding
-    201 padded frames (1, 1 + 25 -> 50, 25 + 50, 25 + 49 -> 75), against 6 decoding 251 with
-    vLLM-omni's fixed chunks; 375 frames, 6 chunks and 501 against 16 and 751. A request's own
-    chunk fixes every later chunk."""
+    first chunk's and a context before each size, which the ramp's chunks fit. A 125-frame (10 s)
+    reply is 8 chunks decoding 376 padded frames (1; 2, 4, 8 and 16 after what precedes them and
+    25 after 25, each -> 50; 25 + 50; 25 + 19 -> 50), against 9 decoding 401 with vLLM-omni's
+    fixed chunks after the same ramp; 375 frames, 10 chunks and 701 against 19 and 901. A
+    request's own chunk fixes every chunk after the ramp."""
     plan = stream_plan(StageConfig(**shipped_config("qwen3_omni")["stages"][2]), 8000)
     assert (plan.first_chunk, plan.chunk, plan.left_context, plan.largest_chunk) == (1, 25, 25, 100)
-    assert [plan.chunk_size(i) for i in range(6)] == [1, 25, 50, 100, 100, 100]
+    assert plan.ramp == [2, 4, 8, 16]
+    assert [plan.chunk_size(i) for i in range(10)] == [1, 2, 4, 8, 16, 25, 50, 100, 100, 100]
     assert plan.windows == [1, 50, 75, 125] and plan.window_frames == 125
-    assert (padded(plan, 125), padded(plan, 375)) == ((4, 201), (6, 501))
+    assert (padded(plan, 125), padded(plan, 375)) == ((8, 376), (10, 701))
     fixed = plan.with_chunk(25)
-    assert (padded(fixed, 125), padded(fixed, 375)) == ((6, 251), (16, 751))
-    assert [fixed.chunk_size(i) for i in range(4)] == [1, 25, 25, 25] and fixed.windows == [1, 50]
+    assert (padded(fixed, 125), padded(fixed, 375)) == ((9, 401), (19, 901))
+    assert [fixed.chunk_size(i) for i in range(7)] == [1, 2, 4, 8, 16, 25, 25] and fixed.windows == [1, 50]
     small = plan.with_chunk(4)
-    assert (small.first_chunk, small.chunk_size(3), small.windows) == (1, 4, [1, 29])
+    assert (small.first_chunk, small.ramp, small.chunk_size(1), small.chunk_size(3), small.windows) == (
+        1,
+        [2],
+        2,
+        4,
+        [1, 29],
+    )
     # a first chunk larger than the request's own is cut to it (none is longer than the rest)
     late = dataclasses.replace(plan, first_chunk=8).with_chunk(2)
     assert (late.first_chunk, late.chunk_size(0), late.chunk_size(1)) == (2, 2, 2)
+
+
+def test_a_talker_at_twice_real_time_keeps_playback_fed() -> None:
+    """Frames coming at twice the speech rate (25 a second) and decoded at once, a listener
+    playing each chunk as it comes never waits with the shipped plan (375 frames), where
+    vLLM-omni's schedule (1 frame, then 25 at a time) leaves it waiting for the second chunk."""
+    rate, speech = 25.0, 12.5
+
+    def stalled(sizes: list[int]) -> float:
+        ends = np.cumsum(sizes)
+        return stall_seconds([(end / rate, size) for end, size in zip(ends, sizes, strict=True)], 1 / speech)
+
+    plan = stream_plan(StageConfig(**shipped_config("qwen3_omni")["stages"][2]), 8000)
+    sizes, start = [], 0
+    while start < 375:
+        w = plan.window(len(sizes), start, 375, True)
+        sizes.append(w.end - start)
+        start = w.end
+    assert sizes[:6] == [1, 2, 4, 8, 16, 25] and stalled(sizes) < 1e-9  # at the bound: the ramp's sizes
+    assert stalled([1] + [25] * 14 + [24]) > 0.9
 
 
 @pytest.mark.parametrize(
@@ -220,10 +248,10 @@ def test_abort_drops_every_piece(pipe) -> None:
     assert not stage.has_work() and not stage._splits and not stage._submitted
 
 
-STREAMED = [(1, None), (2, None), (6, None), (13, 3), (30, None)]
+STREAMED = [(1, None), (2, None), (8, None), (13, 3), (30, None)]
 """``(frames, chunk_codes)`` of the streamed requests: one frame, exactly the first chunk, a short
 last chunk, a fixed chunk asked for, and more frames than an offline request may hold (chunks of
-2, 5, 10, 10 and 3 frames)."""
+2, 4 (the ramp), 5, 10 and 9 frames)."""
 
 
 def test_streamed_matches_the_chunk_loop(pipe, reference) -> None:
@@ -241,7 +269,7 @@ def test_streamed_matches_the_chunk_loop(pipe, reference) -> None:
         assert err < 1e-5, (n, err)
         metrics = out.metrics["code2wav"]
         assert (metrics["chunks"], metrics["num_frames"]) == (chunks, n)
-    assert [o.metrics["code2wav"]["chunks"] for o in outs] == [1, 1, 2, 5, 5]
+    assert [o.metrics["code2wav"]["chunks"] for o in outs] == [1, 1, 3, 5, 5]
 
 
 def test_first_chunk_as_large_is_transformers_chunked_decode_without_its_gaps(pipe, reference) -> None:
@@ -262,11 +290,11 @@ def test_first_chunk_as_large_is_transformers_chunked_decode_without_its_gaps(pi
 
 def test_streamed_is_the_offline_decode(pipe) -> None:
     """Where every chunk's context reaches back to the first frame (requests of two chunks here:
-    the second's 3 frames of context hold all 2 before it), streamed audio is the offline decode
+    the second's context, up to 3 frames, holds the 2 before it), streamed audio is the offline decode
     of the same frames, sample for sample: the second chunk keeps what the first fell short by, so
     no sample is skipped or repeated at the join (measured: rel err 6.0e-7 at most; a longer
     request's later chunks see 3 frames of context where the offline decode sees all)."""
-    for n in (4, 7):
+    for n in (4, 6):
         offline, streamed = pipe.run(
             [prompt(n, n)] * 2, [Token2WavParams(), Token2WavParams(stream=True)], progress=False
         )
@@ -369,11 +397,12 @@ def test_a_chunk_waits_for_a_frame_due_soon(pipe, monkeypatch) -> None:
             dec.extend(rid, f[have : n * Q])
         return [(o.request_id, o.batch_size) for o in dec.step()]
 
+    second = FIRST + a.plan.chunk_size(1)
     assert step(a=FIRST, b=FIRST) == [("a", 2), ("b", 2)]  # first chunks
-    assert step(a=FIRST + CHUNK) == [("a", 1)]  # one chunk to hear
-    third = FIRST + CHUNK + a.plan.chunk_size(2)
-    assert step(a=third, b=FIRST + CHUNK - 1) == [] and (dec.short_of(a), dec.short_of(b)) == (None, 1)
-    assert step(b=FIRST + CHUNK) == [("a", 2), ("b", 2)]
+    assert step(a=second) == [("a", 1)]  # one chunk to hear
+    third = second + a.plan.chunk_size(2)
+    assert step(a=third, b=second - 1) == [] and (dec.short_of(a), dec.short_of(b)) == (None, 1)
+    assert step(b=second) == [("a", 2), ("b", 2)]
     assert dec.remove("a") and dec.remove("b")
 
 
@@ -382,9 +411,9 @@ def test_fed_frames_stream_as_they_come(pipe, monkeypatch) -> None:
     the stage voices chunks as they complete and ends with the same audio as the request submitted
     whole; a last feed with no new codes after every frame was voiced ends it with no more audio.
     The first chunk's solve decodes its own frames only (the first-chunk program), the later ones
-    pad to their size's window."""
+    pad to the smallest window holding them (the ramp's to the first chunk size's)."""
     stage = pipe.stages[0]
-    f = frames(3, 17).reshape(-1).tolist()
+    f = frames(3, 21).reshape(-1).tolist()
     whole = pipe.run({"prompt_token_ids": f}, Token2WavParams(stream=True), progress=False)[0]
     solve, widths = stage.decoder.solve, []
 
@@ -399,14 +428,14 @@ def test_fed_frames_stream_as_they_come(pipe, monkeypatch) -> None:
         assert stage.feed(0, "fed", f[i : i + 6], None)
         while stage.has_work():
             pieces += list(stage.step().new_audio.values())
-    assert len(pieces) == 3  # frames 0-2, 2-7 and 7-17, each as soon as its frames are there
-    assert widths == [FIRST, LEFT + CHUNK, LEFT + MAX_CHUNK]
+    assert len(pieces) == 4  # frames 0-2, 2-6, 6-11 and 11-21, each as soon as its frames are there
+    assert widths == [FIRST, LEFT + CHUNK, LEFT + CHUNK, LEFT + MAX_CHUNK]
     assert stage.feed(0, "fed", [], talker_result("fed", f))
     more, result = drain(stage)
     assert more == [] and result.finish_reason == "stop"
     np.testing.assert_array_equal(np.concatenate(pieces), whole.audio)
     np.testing.assert_array_equal(result.audio, whole.audio)
-    assert result.token_ids == f and result.metrics["chunks"] == 3
+    assert result.token_ids == f and result.metrics["chunks"] == 4
 
 
 def test_fed_codes_checked(pipe) -> None:
@@ -452,7 +481,7 @@ def test_chunk_faults_end_only_their_request(pipe, reference, monkeypatch) -> No
         if 3 in rows.tolist():  # the second window of the 3-frame request (of 2 + 1 frames)
             raise jax.errors.JaxRuntimeError("device fault")
         wave, kept = solve(graph, state, codes, context, frames, join=join)
-        # the second window of the 4-frame request (2 + 2 frames); the 9-frame one's are 2, 7, 5
+        # the second window of the 4-frame request (2 + 2 frames); the 9-frame one's are 2, 6, 6
         return np.where((rows == 4)[:, None], np.nan, np.asarray(wave)), kept
 
     monkeypatch.setattr(decoder, "solve", faulty)

@@ -9,9 +9,14 @@ skips, a gap at every join that a listener hears (its length: benchmarks/RESULTS
 streamed audio without gaps"), so here the chunks join without one and add up to the whole
 decode's length. The first
 chunk is smaller (``first_chunk``), so a request's first audio comes after a frame or a few
-rather than a whole chunk: streaming from the first frame is what the model was built for. Later
-chunks may double up to ``max_chunk``, so the context decoded again becomes a small share of the
-work (:mod:`omni_jax.chunk_growth`).
+rather than a whole chunk: streaming from the first frame is what the model was built for. The
+chunks after it double from twice its frames while they are below ``chunk`` (the ramp,
+:attr:`StreamPlan.ramp`), so that a talker twice as fast as real time keeps playback fed: a
+one-frame first chunk followed at once by 25 frames left a listener 0.2 s of silence after the
+first 80 ms on an H200 (benchmarks/RESULTS.md, seventh GPU session). Later chunks may double up
+to ``max_chunk``, so the context decoded again becomes a small share of the work
+(:mod:`omni_jax.chunk_growth`). The ramp's chunks, with what context precedes them, fit the
+window of a whole context before a ``chunk``: they add solves, not programs.
 
 :class:`FrameDecoder` holds each streamed request's frames and progress and runs the ready
 chunks of up to ``max_batch`` requests in one call of
@@ -50,10 +55,11 @@ their count [B])``: ``code2wav_chunk_compiled``'s signature (streamed chunks pas
 
 @dataclasses.dataclass(frozen=True)
 class StreamPlan:
-    """Where a streamed request is cut: a first chunk of ``first_chunk`` new frames, then chunks
-    of ``chunk`` doubling up to ``max_chunk`` (``None``: ``chunk`` throughout, vLLM-omni's
-    schedule; :func:`~omni_jax.chunk_growth.doubling` says why they grow), each decoded after up
-    to ``left_context`` earlier frames (the last chunk holds what is left)."""
+    """Where a streamed request is cut: a first chunk of ``first_chunk`` new frames, the
+    :attr:`ramp` up to ``chunk``, then chunks of ``chunk`` doubling up to ``max_chunk``
+    (``None``: ``chunk`` throughout, vLLM-omni's schedule after its first chunk;
+    :func:`~omni_jax.chunk_growth.doubling` says why they grow), each decoded after up to
+    ``left_context`` earlier frames (the last chunk holds what is left)."""
 
     chunk: int
     first_chunk: int
@@ -80,9 +86,20 @@ class StreamPlan:
         when chunks do not grow)."""
         return doubling(self.chunk, self.largest_chunk)
 
+    @property
+    def ramp(self) -> list[int]:
+        """The new frames of chunks ``1, 2, ...`` between the first and ``chunk``: twice the
+        first, doubling while below ``chunk`` (empty when the first is half of it or more). No
+        chunk then asks for more than twice the frames voiced before it, so a talker twice as
+        fast as real time keeps playback fed from the first frame on."""
+        return doubling(2 * self.first_chunk, self.chunk)
+
     def chunk_size(self, index: int) -> int:
         """The new frames of chunk ``index`` when it is not the last."""
-        return grown_size(index, self.first_chunk, self.chunk, self.largest_chunk)
+        ramp = self.ramp
+        if 1 <= index <= len(ramp):
+            return ramp[index - 1]
+        return grown_size(max(0, index - len(ramp)), self.first_chunk, self.chunk, self.largest_chunk)
 
     @property
     def window_frames(self) -> int:
@@ -98,8 +115,8 @@ class StreamPlan:
         return sorted({self.first_chunk, *later})
 
     def with_chunk(self, chunk: int) -> StreamPlan:
-        """This plan with every chunk after the first of ``chunk`` frames (none grow; the first no
-        longer than them): a request's own ``chunk_codes``, which its caller keeps within
+        """This plan with every chunk after the first and its ramp of ``chunk`` frames (none grow;
+        the first no longer than them): a request's own ``chunk_codes``, which its caller keeps within
         :attr:`largest_chunk` (the windows must hold it)."""
         return dataclasses.replace(
             self, chunk=chunk, first_chunk=min(self.first_chunk, chunk), max_chunk=None
