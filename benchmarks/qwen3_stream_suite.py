@@ -235,7 +235,8 @@ def run(path: Path, args: Any) -> dict[str, Any]:
             "talker": f"greedy, repetition penalty {REPETITION_PENALTY}, exactly {args.frames} frames "
             f"(min_tokens = max_tokens), {talker_start(args)}",
             "code2wav": f"max_batch {max_batch}, max_frames {args.frames}; streamed: "
-            + ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(pipe.stages[-1].decoder.plan).items()),
+            + ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(pipe.stages[-1].decoder.plan).items())
+            + f", ramp {pipe.stages[-1].decoder.plan.ramp}",
         },
         "ours": ours,
         "reference": reference,
