@@ -12,8 +12,8 @@ chunk is smaller (``first_chunk``), so a request's first audio comes after a fra
 rather than a whole chunk: streaming from the first frame is what the model was built for. The
 chunks after it double from twice its frames while they are below ``chunk`` (the ramp,
 :attr:`StreamPlan.ramp`), so that a talker twice as fast as real time keeps playback fed: a
-one-frame first chunk followed at once by 25 frames left a listener 0.2 s of silence after the
-first 80 ms on an H200 (benchmarks/RESULTS.md, seventh GPU session). Later chunks may double up
+one-frame first chunk followed at once by 25 frames left a listener waiting for the second on a
+GPU (benchmarks/RESULTS.md, seventh GPU session). Later chunks may double up
 to ``max_chunk``, so the context decoded again becomes a small share of the work
 (:mod:`omni_jax.chunk_growth`). The ramp's chunks, with what context precedes them, fit the
 window of a whole context before a ``chunk``: they add solves, not programs.
