@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from omni_jax.host_copy import contiguous
 from omni_jax.models.param_map import FlaxPath, format_path
 from omni_jax.parallel.rules import put_cast
 from omni_jax.safetensors_io import CheckpointError, TensorReader, first_line
@@ -80,7 +81,7 @@ class DeferredArray:
         return self.size * self.dtype.itemsize
 
     def materialize(self) -> np.ndarray:
-        return np.asarray(self.read(), dtype=self.dtype, order="C")
+        return contiguous(self.read(), self.dtype)
 
 
 class _Budget:

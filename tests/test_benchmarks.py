@@ -896,6 +896,18 @@ def test_host_step_times_each_phase(tmp_path: Path) -> None:
         assert set(phases) == set(host_step.PHASES) and all(0 < t < 1 for t in phases.values())
 
 
+def test_host_copy_times_both_copies_of_every_shape(tmp_path: Path) -> None:
+    """Every weight shape copied both ways into both dtypes, timed, and checked equal (the
+    benchmark exits non-zero where the tiled copy differs from numpy's)."""
+    from benchmarks import host_copy
+
+    out = tmp_path / "copy.json"
+    assert host_copy.main(["--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * len(host_copy.SHAPES)
+    assert all(r["numpy_s"] > 0 and r["tiles_s"] > 0 and r["bytes"] > 0 for r in rows)
+
+
 def test_host_pack_times_each_stages_steps(tmp_path: Path) -> None:
     """The host layout of each omni stage's prompt step and the talkers' decode steps: each
     talker's prompt step holds both prompts whole, the thinker's more than an image's

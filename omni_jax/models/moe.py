@@ -57,6 +57,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from omni_jax.host_copy import copy_into
 from omni_jax.models.formulation import formulation
 from omni_jax.models.layers import SwiGLU
 from omni_jax.models.param_map import ParamMismatchError, ParamRule, linear_kernel
@@ -464,7 +465,12 @@ class StackedExperts:
     def __getitem__(self, index: slice | tuple[slice, ...]) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
         first, rest = index[0], index[1:]
-        return np.stack([self.expert(e)[rest] for e in range(*first.indices(self.shape[0]))])
+        experts = range(*first.indices(self.shape[0]))
+        shape = np.broadcast_to(np.empty((), self.dtype), self.shape[1:])[rest].shape  # no bytes
+        out = np.empty((len(experts), *shape), self.dtype)
+        for k, e in enumerate(experts):
+            copy_into(out[k], self.expert(e)[rest])  # a transposed view, copied in tiles
+        return out
 
     def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
         del copy  # the stack is always a new array

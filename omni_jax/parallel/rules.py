@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from omni_jax.host_copy import contiguous
 from omni_jax.models.param_map import FlaxPath, format_path
 
 
@@ -119,7 +120,7 @@ def put_cast(x: HostArray, sharding: jax.sharding.Sharding | None, dtype: Any) -
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         key = tuple((s.start, s.stop, s.step) for s in index)
         if key not in shards:
-            shards[key] = np.asarray(x[index], dtype=dtype, order="C")
+            shards[key] = contiguous(x[index], dtype)
         return shards[key]
 
     return jax.make_array_from_callback(tuple(x.shape), sharding, shard, dtype=dtype)

@@ -1,0 +1,58 @@
+"""Host copies of array views into C order, tile by tile.
+
+A checkpoint's tensors reach their parameters as views of the memory-mapped file: torch's
+``[out, in]`` linear weights transposed to Flax's ``[in, out]``, convolution kernels permuted,
+experts' weights swapped per expert. numpy copies such a view in the destination's order, so it
+reads the source a whole row apart for each element it writes and uses little of every cache line
+it fetches; those copies were most of loading a checkpoint. Copied in square tiles, each tile's
+source rows stay in cache while the tile is written (``benchmarks/host_copy.py`` times both,
+figures in ``benchmarks/RESULTS.md``). The same holds on any host: a GPU's checkpoint is laid
+out on its host too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+TILE = 256
+"""Elements of a tile's side along the two axes it blocks (256 x 256 of bfloat16 is 128 KiB of
+source rows, within a core's L2)."""
+
+
+def _source_fast_axis(x: np.ndarray) -> int | None:
+    """The axis along which ``x`` steps through memory by the least (of those longer than one)."""
+    axes = [i for i in range(x.ndim) if x.shape[i] > 1]
+    return min(axes, key=lambda i: abs(x.strides[i]), default=None)
+
+
+def copy_into(out: np.ndarray, x: np.ndarray) -> None:
+    """``out[...] = x`` (C-ordered ``out`` of ``x``'s shape, any dtype numpy casts to), blocked
+    over the axis ``x`` is contiguous along and ``out``'s last axis when they differ."""
+    fast, last = _source_fast_axis(x), x.ndim - 1
+    if fast is None or fast == last:
+        out[...] = x
+        return
+    if out.dtype == x.dtype and out.dtype.itemsize in (1, 2, 4, 8):
+        # The bits alone: a plain unsigned copy, whatever the dtype (ml_dtypes' included).
+        bits = np.dtype(f"u{out.dtype.itemsize}")
+        out, x = out.view(bits), x.view(bits)
+    index: list[slice] = [slice(None)] * x.ndim
+    for i in range(0, x.shape[fast], TILE):
+        index[fast] = slice(i, i + TILE)
+        for j in range(0, x.shape[last], TILE):
+            index[last] = slice(j, j + TILE)
+            out[tuple(index)] = x[tuple(index)]
+
+
+def contiguous(x: npt.ArrayLike, dtype: npt.DTypeLike) -> np.ndarray:
+    """``x`` as a C-ordered array of ``dtype``: ``x`` itself when it already is one (a memory map
+    stays mapped), else a copy made by :func:`copy_into`. What is not an ``np.ndarray`` (a lazily
+    stacked tensor) is made one first, by its own ``__array__``."""
+    dtype = np.dtype(dtype)
+    x = x if isinstance(x, np.ndarray) else np.asarray(x)
+    if x.flags.c_contiguous:
+        return np.asarray(x, dtype=dtype, order="C")
+    out = np.empty(x.shape, dtype)
+    copy_into(out, x)
+    return out
