@@ -4,10 +4,13 @@ A checkpoint's tensors reach their parameters as views of the memory-mapped file
 ``[out, in]`` linear weights transposed to Flax's ``[in, out]``, convolution kernels permuted,
 experts' weights swapped per expert. numpy copies such a view in the destination's order, so it
 reads the source a whole row apart for each element it writes and uses little of every cache line
-it fetches; those copies were most of loading a checkpoint. Copied in square tiles, each tile's
-source rows stay in cache while the tile is written (``benchmarks/host_copy.py`` times both,
-figures in ``benchmarks/RESULTS.md``). The same holds on any host: a GPU's checkpoint is laid
-out on its host too.
+it fetches; those copies were most of loading a checkpoint. Here the view is copied in square
+tiles, each tile in two steps: first into a small buffer in the source's own order (a read of
+whole source rows), then from that buffer, which stays in cache, into the destination. The
+buffer matters where the source's rows are a power of two bytes apart (Qwen3-Omni's experts):
+every row of a tile then falls in the same cache sets, and a tile read in place evicts itself.
+``benchmarks/host_copy.py`` times the copies (figures in ``benchmarks/RESULTS.md``). The same
+holds on any host: a GPU's checkpoint is laid out on its host too.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 TILE = 256
-"""Elements of a tile's side along the two axes it blocks (256 x 256 of bfloat16 is 128 KiB of
-source rows, within a core's L2)."""
+"""Elements of a tile's side along the two axes it blocks: a 256 x 256 tile of bfloat16 is a 128
+KiB buffer, within a core's L2 cache."""
 
 
 def _source_fast_axis(x: np.ndarray) -> int | None:
@@ -28,7 +31,8 @@ def _source_fast_axis(x: np.ndarray) -> int | None:
 
 def copy_into(out: np.ndarray, x: np.ndarray) -> None:
     """``out[...] = x`` (C-ordered ``out`` of ``x``'s shape, any dtype numpy casts to), blocked
-    over the axis ``x`` is contiguous along and ``out``'s last axis when they differ."""
+    over the axis ``x`` is contiguous along and ``out``'s last axis when they differ, each tile
+    through a buffer in ``x``'s order (``copy(order="K")``)."""
     fast, last = _source_fast_axis(x), x.ndim - 1
     if fast is None or fast == last:
         out[...] = x
@@ -42,7 +46,7 @@ def copy_into(out: np.ndarray, x: np.ndarray) -> None:
         index[fast] = slice(i, i + TILE)
         for j in range(0, x.shape[last], TILE):
             index[last] = slice(j, j + TILE)
-            out[tuple(index)] = x[tuple(index)]
+            out[tuple(index)] = x[tuple(index)].copy(order="K")
 
 
 def contiguous(x: npt.ArrayLike, dtype: npt.DTypeLike) -> np.ndarray:
