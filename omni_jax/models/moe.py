@@ -469,7 +469,7 @@ class StackedExperts:
         shape = np.broadcast_to(np.empty((), self.dtype), self.shape[1:])[rest].shape  # no bytes
         out = np.empty((len(experts), *shape), self.dtype)
         for k, e in enumerate(experts):
-            copy_into(out[k], self.expert(e)[rest])  # a transposed view, copied in tiles
+            copy_into(out[k], self.expert(e)[rest])  # a swapped view is copied in tiles
         return out
 
     def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
