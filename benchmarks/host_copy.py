@@ -4,8 +4,9 @@ Why: loading an HF checkpoint transposes every linear weight on the host (torch'
 to Flax's ``[in, out]``), and numpy's copy of a transposed view reads its source a whole row
 apart for each element it writes; that copy was most of ``load_part``'s time. Times, for the
 weight shapes of Qwen2.5-Omni-7B's thinker and Qwen3-Omni-30B-A3B's experts (bfloat16, and
-cast to float32 as a float32 load does), the best of ``--repeats`` copies each way, checks they
-agree bit for bit, and prints GB/s of the source's bytes.
+cast to float32 as a float32 load does), the best of ``--repeats`` copies each way after an
+untimed one (:func:`benchmarks.roofline.best_of`), checks they agree bit for bit, and prints GB/s
+of the source's bytes.
 
 Usage: ``python -m benchmarks.host_copy [--repeats 3] [--json FILE]``. End to end, a whole load
 is ``benchmarks.memory_suite``'s (its walls; its peaks show the copies hold no more memory).
@@ -15,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+from benchmarks.roofline import best_of
 from omni_jax.host_copy import contiguous
 
 SHAPES = {
@@ -35,16 +35,6 @@ SHAPES = {
 """Stored ``[out, in]`` shapes: Qwen2.5-Omni-7B's thinker layers, Qwen3-Omni-30B-A3B's experts."""
 
 
-def best_of(repeats: int, copy: Callable[[], np.ndarray]) -> tuple[float, np.ndarray]:
-    """The least seconds of ``repeats`` calls, and the last result."""
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = copy()
-        best = min(best, time.perf_counter() - start)
-    return best, out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -56,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         stored = np.random.default_rng(0).standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
         view = stored.T
         for target in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)):
-            numpy_s, want = best_of(args.repeats, lambda v=view, t=target: np.asarray(v, dtype=t, order="C"))
-            tiles_s, got = best_of(args.repeats, lambda v=view, t=target: contiguous(v, t))
+            want = np.asarray(view, dtype=target, order="C")
+            got = contiguous(view, target)
+            numpy_s = best_of(lambda v=view, t=target: np.asarray(v, dtype=t, order="C"), args.repeats)
+            tiles_s = best_of(lambda v=view, t=target: contiguous(v, t), args.repeats)
             if not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
                 raise SystemExit(f"{name} to {target}: the tiled copy differs from numpy's")
             row = dict(weight=name, to=str(target), numpy_s=numpy_s, tiles_s=tiles_s, bytes=stored.nbytes)
