@@ -11,17 +11,24 @@ prints both. ``tests/test_reliability_limits.py`` holds the estimate to XLA's co
 
 XLA's CPU scheduler decides part of the answer (:mod:`omni_jax.cpu_schedule`): run it again
 with ``XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`` to see the other.
+``--model N`` splits the decoder over a ``model`` mesh axis of N devices by Qwen2's partition
+rules and compares one device's share (on CPU, emulate the devices with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from transformers import Qwen2Config
 
 from omni_jax.cpu_schedule import concurrency_scheduler
@@ -29,7 +36,8 @@ from omni_jax.engine.ar_runner import _forward_fn
 from omni_jax.engine.buckets import max_sequence_rows
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.engine.step import FlatStep
-from omni_jax.models.qwen2 import Qwen2ForCausalLM, Qwen2Spec
+from omni_jax.models.qwen2 import Qwen2ForCausalLM, Qwen2Spec, partition_rules
+from omni_jax.parallel.rules import layout
 from omni_jax.stages.ar import CachePlan
 
 QWEN2_7B = {
@@ -62,32 +70,48 @@ def step_memory(
     max_model_len: int = 4096,
     page_size: int = 16,
     widths: dict[str, int] = QWEN2_7B,
+    model_axis: int = 1,
 ) -> StepMemory:
     """Plan and compile the largest step of a ``layers``-layer decoder of ``widths`` in
     ``dtype`` with a token budget of ``budget`` (``max_num_batched_tokens``) on ``backend``'s
-    attention, on this process's default device."""
+    attention, on this process's default device, or split over a ``model`` axis of the first
+    ``model_axis`` devices (one device's share, as the stage would place it)."""
     config = Qwen2Config(**widths, num_hidden_layers=layers)
-    model = nnx.eval_shape(
-        lambda: Qwen2ForCausalLM(Qwen2Spec.from_hf(config), dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
-    )
+    spec = Qwen2Spec.from_hf(config)
+    model = nnx.eval_shape(lambda: Qwen2ForCausalLM(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+    mesh = None
+    rules = partition_rules(spec, model_axis)
+    if model_axis > 1:
+        mesh = Mesh(np.array(jax.devices()[:model_axis]).reshape(1, model_axis), ("data", "model"))
     plan = CachePlan.of(
         model,
-        None,
+        mesh,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         page_size=page_size,
         max_num_batched_tokens=budget,
+        rules=rules,
     )
     g, mem = plan.geometry, plan.memory
     graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
     n, s, p = mem.max_token_rows, max_sequence_rows(max_num_seqs), g.pages_per_seq
     cache = jax.eval_shape(
         lambda: init_kv_cache(g.num_layers, g.num_kv_heads, p + 1, page_size, g.head_dim, g.dtype)
     )
+    replicated = None
+    if mesh is not None:  # parameters split by the rules, the cache by KV heads, the rest replicated
+        place = layout(rules, mesh)
+        flat = nnx.to_flat_state(state)
+        state = nnx.from_flat_state(
+            {path: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=place(path, v.shape)) for path, v in flat}
+        )
+        on_heads = NamedSharding(mesh, P("model"))
+        cache = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=on_heads), cache)
+        replicated = NamedSharding(mesh, P())
+    leaves, treedef = jax.tree.flatten(state)
 
     def i32(*shape: int) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, jnp.int32)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
 
     step = FlatStep(i32(n, 1), i32(s, p), i32(n), i32(n), i32(n))
     forward = jax.jit(
@@ -95,25 +119,27 @@ def step_memory(
         donate_argnames=("kv_cache", "ids"),
         static_argnames=("backend", "chunk_bytes", "capture_hidden", "capture_layer", "last_hidden"),
     )
-    compiled = forward.lower(
-        leaves,
-        cache,
-        i32(max_num_seqs, g.max_model_len),
-        i32(s),
-        None,
-        i32(n, 1),
-        i32(n),
-        i32(n, 1),
-        step,
-        i32(s),
-        i32(s),
-        None,
-        backend=backend,
-        chunk_bytes=mem.chunk_bytes,
-        capture_hidden=False,
-        capture_layer=None,
-        last_hidden=False,
-    ).compile()
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        lowered = forward.lower(
+            leaves,
+            cache,
+            i32(max_num_seqs, g.max_model_len),
+            i32(s),
+            None,
+            i32(n, 1),
+            i32(n),
+            i32(n, 1),
+            step,
+            i32(s),
+            i32(s),
+            None,
+            backend=backend,
+            chunk_bytes=mem.chunk_bytes,
+            capture_hidden=False,
+            capture_layer=None,
+            last_hidden=False,
+        )
+    compiled = lowered.compile()
     return StepMemory(mem.step_bytes, compiled.memory_analysis().temp_size_in_bytes)
 
 
@@ -125,16 +151,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (a power of two)")
     parser.add_argument("--backend", choices=("jnp", "auto"), default="jnp")
+    parser.add_argument("--model", type=int, default=1, help="devices of a model (tensor-parallel) axis")
     args = parser.parse_args()
-    m = step_memory(args.dtype, args.layers, args.budget, args.backend)
+    if args.model > len(jax.devices()):
+        parser.error(f"--model {args.model}: this process has {len(jax.devices())} devices")
+    m = step_memory(args.dtype, args.layers, args.budget, args.backend, model_axis=args.model)
     mib = 1 << 20
     scheduler = ""
     if jax.default_backend() == "cpu":
         scheduler = f", XLA's {'concurrency' if concurrency_scheduler() else 'depth-first'} scheduler"
     print(
         f"Qwen2-7B widths, {args.layers} layers, {args.dtype}, budget {args.budget}, "
-        f"{args.backend} attention, {jax.default_backend()}{scheduler}: estimate {m.estimate / mib:.0f} MiB, "
-        f"XLA {m.xla / mib:.0f} MiB, ratio {m.ratio:.2f}"
+        f"model axis {args.model}, {args.backend} attention, {jax.default_backend()}{scheduler}: "
+        f"estimate {m.estimate / mib:.0f} MiB, XLA {m.xla / mib:.0f} MiB, ratio {m.ratio:.2f}"
     )
 
 

@@ -56,16 +56,16 @@ def concurrency_scheduler() -> bool:
 
 
 def weight_copies(weights: list[int], itemsize: int) -> int:
-    """The float32 copies a CPU program holds of its ``weights`` (each parameter's element count,
-    whole: a model axis's shards are counted as replicated) when they are narrower (``itemsize``
-    under 4): all at once, or the largest alone with the depth-first scheduler."""
+    """The float32 copies a CPU program holds of its ``weights`` (the elements of each parameter
+    one device holds: a device of a mesh converts its own shards) when they are narrower
+    (``itemsize`` under 4): all at once, or the largest alone with the depth-first scheduler."""
     if itemsize >= 4:
         return 0
     return 4 * (sum(weights) if concurrency_scheduler() else max(weights))
 
 
 def cpu_step_bytes(weights: list[int], itemsize: int, layers: int, token_rows: int, query_width: int) -> int:
-    """What an AR step on CPU holds beyond its own temporaries, given its ``weights`` and their
+    """What an AR step on CPU holds beyond its own temporaries, given one device's ``weights`` and their
     ``itemsize`` (:func:`weight_copies`), its ``layers``, the step's ``token_rows`` and one
     device's ``query_width`` (heads times head size): the weights' float32 copies, and with the
     default scheduler two float32 query-wide rows per token row and layer."""

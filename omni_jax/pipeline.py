@@ -41,7 +41,6 @@ from omni_jax.preflight import (
     check_fed_lengths,
     check_memory_before_loading,
     check_stage_engines,
-    engine_settings,
     stage_graph,
     stage_needs,
 )
@@ -175,10 +174,10 @@ class OmniJaxPipeline:
         check_memory_before_loading(needs, num_pages)
         shares = cache_shares(needs)
         built: list[Stage] = []
-        encoders = {s.name: s.plan.memory.encoder for s in needs if s.plan is not None}
-        # Each AR stage's max_model_len, resolved once by its cache plan: what the stage admits,
-        # and what it hands on at most to the stage it feeds.
-        lengths = {s.name: s.plan.geometry.max_model_len for s in needs if s.plan is not None}
+        # Each AR stage is built with the plan just checked; its max_model_len, resolved there,
+        # is what the stage admits, and what it hands on at most to the stage it feeds.
+        plans = {s.name: s.plan for s in needs if s.plan is not None}
+        lengths = {name: plan.geometry.max_model_len for name, plan in plans.items()}
         check_fed_lengths(config.stages, lengths)
         for sc in config.stages:
             stage_mesh = sharded_or_none(meshes[sc.name])
@@ -190,22 +189,20 @@ class OmniJaxPipeline:
                 )
                 continue
             # The frontend sizes its encoder calls to the prompts the stage admits.
-            stage_engine = {**engine_settings(sc, **engine), "max_model_len": lengths[sc.name]}
             frontend = None
             if part.frontend is not None:
-                frontend = part.frontend(hf_config, model, path, sc, stage_engine["max_model_len"])
+                frontend = part.frontend(hf_config, model, path, sc, lengths[sc.name])
             built.append(
                 ARStage.build(
                     sc,
                     model,
                     path,
+                    plans[sc.name],
                     num_pages=num_pages,
                     backend=attention_backend,
                     mesh=stage_mesh,
                     frontend=frontend,
                     share=shares[sc.name],
-                    encoder=encoders[sc.name],
-                    **stage_engine,
                 )
             )
         connect_stages(built)

@@ -31,7 +31,7 @@ from omni_jax.architectures import Architecture, architecture_names, architectur
 from omni_jax.engine.memory import available_bytes, format_bytes, memory_pools, pool_key
 from omni_jax.models.loading import abstract_model
 from omni_jax.parallel.mesh import AXES, axis_size
-from omni_jax.parallel.rules import ShardRule, partition_spec
+from omni_jax.parallel.rules import ShardRule, shard_size
 from omni_jax.stages.ar import CachePlan, CacheShare, check_engine_options, local_devices
 from omni_jax.stages.config import PipelineConfig, StageConfig, load_pipeline_config
 from omni_jax.stages.thinker import MediaLimits
@@ -114,12 +114,10 @@ class PlannedMesh:
 def device_weight_bytes(model: nnx.Module, rules: tuple[ShardRule, ...], mesh: Mesh | PlannedMesh) -> int:
     """Bytes of ``model``'s parameters one device of ``mesh`` holds under ``rules``: each split
     dimension divided by its axis size, replicated parameters whole (every device holds the same)."""
-    total = 0
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        shape = tuple(var.shape)
-        split = math.prod(mesh.shape[a] for a in partition_spec(path, shape, rules, mesh) if a is not None)
-        total += math.prod(shape) * np.dtype(var.dtype).itemsize // split
-    return total
+    return sum(
+        shard_size(path, tuple(var.shape), rules, mesh) * np.dtype(var.dtype).itemsize
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +179,8 @@ def stage_demand(
     fixed = {f"stage {sc.name!r} weights": device_weight_bytes(model, rules, mesh)}
     plan = None
     if sc.kind == "ar":
-        plan = CachePlan.of(model, mesh, **engine)  # refuses bad sizes before the encoders are counted
+        # Refuses bad sizes before the encoders are counted.
+        plan = CachePlan.of(model, mesh, rules=rules, **engine)
         if part.encoder_memory is not None:
             platform = mesh.devices.flat[0].platform
             plan = plan.with_encoder(

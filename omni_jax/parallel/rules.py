@@ -65,6 +65,13 @@ def partition_spec(
     return PartitionSpec()
 
 
+def shard_size(path: FlaxPath, shape: tuple[int, ...], rules: Iterable[ShardRule], mesh: Mesh) -> int:
+    """Elements of the ``shape`` parameter at ``path`` that one device of ``mesh`` holds under
+    ``rules``: each split dimension divided by its axis size, a replicated parameter whole."""
+    spec = partition_spec(path, shape, rules, mesh)
+    return math.prod(shape) // math.prod(mesh.shape[a] for a in spec if a is not None)
+
+
 Layout = Callable[[FlaxPath, tuple[int, ...]], NamedSharding]
 """``(parameter path, shape) -> sharding``: where a parameter's shards go."""
 

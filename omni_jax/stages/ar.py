@@ -33,7 +33,7 @@ from omni_jax.engine.scheduler import ARRequest
 from omni_jax.engine.step import S, StepInputs
 from omni_jax.models.attention import chunk_bytes
 from omni_jax.parallel.mesh import axis_size
-from omni_jax.parallel.rules import replicated_kv_heads
+from omni_jax.parallel.rules import ShardRule, replicated_kv_heads, shard_size
 from omni_jax.stages.base import (
     HiddenHandoff,
     PromptMedia,
@@ -147,43 +147,32 @@ class ARStage(Generic[S]):
         sc: StageConfig,
         model: Any,
         path: Path,
+        plan: CachePlan,
         *,
-        max_num_seqs: int,
-        max_model_len: int | None,
         num_pages: int | None,
-        page_size: int,
-        max_num_batched_tokens: int,
         backend: str,
         mesh: Mesh | None = None,
         frontend: ARFrontend[Any] | None = None,
         share: CacheShare | None = None,
-        encoder: ProgramBytes | None = None,
     ) -> ARStage[Any]:
         """Size the KV cache for ``model`` and wire scheduler, runner and sampling defaults.
 
-        ``mesh``: where the model's parameters were placed; the cache is split over its
-        ``model`` axis by KV heads (replicated heads when ``model`` exceeds them). A cache and
-        largest step the devices cannot hold next to the weights are refused here, with the
-        numbers (:meth:`CachePlan.num_pages`), before anything is allocated. ``share``: what a
-        default cache leaves to the stages built after this one on the same memory. ``encoder``:
-        the frontend's largest encoder call, which the cache leaves room for (the memory plan's,
-        :class:`~omni_jax.preflight.StageNeeds`).
+        ``plan``: the stage's memory plan, the one the pipeline checked before loading (of the
+        same model, abstract, on the same mesh, its frontend's largest encoder call included:
+        :class:`~omni_jax.preflight.StageNeeds`). ``mesh``: where the model's parameters were
+        placed; the cache is split over its ``model`` axis by KV heads (replicated heads when
+        ``model`` exceeds them). A cache and largest step the devices cannot hold next to the
+        weights are refused here, with the numbers (:meth:`CachePlan.num_pages`), before
+        anything is allocated. ``share``: what a default cache leaves to the stages built after
+        this one on the same memory.
         """
         check_engine_options(sc)
-        plan = CachePlan.of(
-            model,
-            mesh,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            page_size=page_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-        ).with_encoder(encoder)
         num_pages = plan.num_pages(num_pages, local_devices(mesh), sc.name, share)
         runner = ARRunner(
             model,
             CacheConfig(plan.geometry, num_pages),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=plan.max_num_seqs,
+            max_num_batched_tokens=plan.max_num_batched_tokens,
             backend=backend,
             chunk_bytes=plan.memory.chunk_bytes,
             mesh=mesh,
@@ -195,7 +184,7 @@ class ARStage(Generic[S]):
             eos_ids, overrides = generation_defaults(path)
         engine: AREngine[Any] = AREngine(
             runner,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=plan.max_num_batched_tokens,
             eos_token_ids=eos_ids,
             name=sc.name,
         )
@@ -600,6 +589,7 @@ class CachePlan:
 
     geometry: CacheGeometry  # the whole cache (heads stored as the mesh needs them)
     max_num_seqs: int
+    max_num_batched_tokens: int
     memory: ARMemory
 
     @classmethod
@@ -612,7 +602,11 @@ class CachePlan:
         max_model_len: int | None,
         page_size: int,
         max_num_batched_tokens: int,
+        rules: tuple[ShardRule, ...] = (),
     ) -> CachePlan:
+        """The plan of ``model`` on ``mesh`` (``None``: one device) with these engine sizes;
+        ``rules``: how the stage's parameters are split over ``mesh`` (the part's
+        ``shard_rules``), which sizes what a device's step holds of its weights on CPU."""
         layers, kv_heads, head_dim = model.kv_cache_shape()
         tp, data = axis_size(mesh, "model"), axis_size(mesh, "data")
         kv_heads = replicated_kv_heads(kv_heads, model.num_query_heads(), tp)
@@ -623,8 +617,8 @@ class CachePlan:
             raise ValueError(f"max_num_seqs={max_num_seqs} and page_size={page_size} must be >= 1")
         if page_size > max_model_len:  # every sequence would reserve a page it can never fill
             raise ValueError(f"page_size={page_size} exceeds max_model_len={max_model_len}")
-        params = jax.tree.leaves(nnx.state(model, nnx.Param))
-        dtype = jnp.dtype(params[0].dtype)
+        params = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+        dtype = jnp.dtype(params[0][1].dtype)
         geometry = CacheGeometry(layers, kv_heads, head_dim, dtype, page_size, max_model_len)
         platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
         max_rows = max_sequence_rows(max_num_seqs, data)
@@ -643,14 +637,17 @@ class CachePlan:
             cpu_bytes=0
             if platform != "cpu"
             else cpu_step_bytes(
-                [math.prod(p.shape) for p in params],
+                [
+                    math.prod(v.shape) if mesh is None else shard_size(p, tuple(v.shape), rules, mesh)
+                    for p, v in params
+                ],
                 dtype.itemsize,
                 layers,
                 token_rows,
                 model.num_query_heads() // tp * head_dim,
             ),
         )
-        return cls(geometry, max_num_seqs, memory)
+        return cls(geometry, max_num_seqs, max_num_batched_tokens, memory)
 
     def with_encoder(self, encoder: ProgramBytes | None) -> CachePlan:
         """This plan with the frontend's largest encoder call (``ModelPart.encoder_memory``),

@@ -80,3 +80,17 @@ def test_each_device_holds_the_planned_weights(request, which, stage, built) -> 
     held = device_bytes(model)
     assert len(held) == 8
     assert set(held.values()) == {planned.weights}, (held, planned.weights)
+
+
+@pytest.mark.parametrize("dtype,budget,model", [("bfloat16", 16, 4), ("bfloat16", 2048, 2), ("float32", 2048, 4)])
+def test_split_step_estimate_against_xla(dtype: str, budget: int, model: int) -> None:
+    """One device's share of the largest AR step split over a ``model`` axis: the plan's
+    estimate (:meth:`~omni_jax.stages.ar.CachePlan.of` with Qwen2's partition rules) against
+    XLA's count of the partitioned program, at Qwen2-7B's widths (two layers, traced from
+    shapes): at least as large, at most twice, as on one device
+    (``tests/test_reliability_limits.py``). In bfloat16 each device converts only its own shards
+    to float32; counted whole on every device, the estimate was 6.1 times XLA's at ``model`` 4."""
+    from benchmarks.step_memory import step_memory
+
+    m = step_memory(dtype, layers=2, budget=budget, model_axis=model)
+    assert m.xla <= m.estimate <= 2 * m.xla + (64 << 20), m
