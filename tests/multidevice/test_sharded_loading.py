@@ -82,7 +82,9 @@ def test_each_device_holds_the_planned_weights(request, which, stage, built) -> 
     assert set(held.values()) == {planned.weights}, (held, planned.weights)
 
 
-@pytest.mark.parametrize("dtype,budget,model", [("bfloat16", 16, 4), ("bfloat16", 2048, 2), ("float32", 2048, 4)])
+@pytest.mark.parametrize(
+    "dtype,budget,model", [("bfloat16", 16, 4), ("bfloat16", 2048, 2), ("float32", 2048, 4)]
+)
 def test_split_step_estimate_against_xla(dtype: str, budget: int, model: int) -> None:
     """One device's share of the largest AR step split over a ``model`` axis: the plan's
     estimate (:meth:`~omni_jax.stages.ar.CachePlan.of` with Qwen2's partition rules) against
