@@ -179,9 +179,12 @@ class OmniJaxPipeline:
         plans = {s.name: s.plan for s in needs if s.plan is not None}
         lengths = {name: plan.geometry.max_model_len for name, plan in plans.items()}
         check_fed_lengths(config.stages, lengths)
-        for sc in config.stages:
+        for sc, need in zip(config.stages, needs, strict=True):
             stage_mesh = sharded_or_none(meshes[sc.name])
-            model, _ = load_part(path, sc.name, dtype=dtype, mesh=stage_mesh, progress=progress)
+            # Into the abstract model the check was made with: not traced a second time.
+            model, _ = load_part(
+                path, sc.name, dtype=dtype, mesh=stage_mesh, progress=progress, template=need.model
+            )
             part = arch.part(sc.name)
             if sc.kind == "generation":
                 built.append(

@@ -254,9 +254,10 @@ def plan_memory(
     for sc in config.stages:
         shape, devices = layouts[sc.name].shape, layouts[sc.name].indices
         mesh = PlannedMesh(shape, platform)
-        fixed, cache = stage_demand(
+        demand = stage_demand(
             path, hf_config, arch, sc, mesh, dtype, lengths, **engine_settings(sc, **engine)
         )
+        fixed, cache = demand.fixed, demand.plan
         weights = fixed.pop(f"stage {sc.name!r} weights")
         sequence_kv = full_kv = 0
         sizes: tuple[int | None, int | None] = (None, None)

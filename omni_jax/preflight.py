@@ -121,14 +121,28 @@ def device_weight_bytes(model: nnx.Module, rules: tuple[ShardRule, ...], mesh: M
 
 
 @dataclasses.dataclass(frozen=True)
+class StageDemand:
+    """One stage's memory per device of a mesh, from its abstract ``model`` (nothing read or
+    allocated): ``fixed`` (weights, and the largest step's temporaries or the largest solve),
+    and for an AR stage its cache ``plan``."""
+
+    model: nnx.Module
+    fixed: dict[str, int]
+    plan: CachePlan | None
+
+
+@dataclasses.dataclass(frozen=True)
 class StageNeeds:
-    """One stage's memory per device, from its abstract model: ``fixed`` (weights, and the
-    largest step's temporaries or the largest solve), and for an AR stage its cache ``plan``."""
+    """One stage's memory per device, from its abstract ``model``: ``fixed`` (weights, and the
+    largest step's temporaries or the largest solve), and for an AR stage its cache ``plan``.
+    The pipeline loads the weights into that same ``model`` (:func:`~omni_jax.weights.load_part`)
+    and builds the stage with that ``plan``: what is loaded and built is what was checked."""
 
     name: str
     fixed: dict[str, int]
     plan: CachePlan | None
     pools: list[tuple[jax.Device, int]]
+    model: nnx.Module
 
     def demand(self, num_pages: int | None) -> dict[str, int]:
         """Everything per device, a default cache (``num_pages`` None) counted at one sequence."""
@@ -167,10 +181,9 @@ def stage_demand(
     dtype: str | None,
     lengths: dict[str, int],
     **engine: Any,
-) -> tuple[dict[str, int], CachePlan | None]:
-    """One stage's memory per device of ``mesh`` from its abstract model (nothing read or
-    allocated): ``(fixed, plan)``, ``fixed`` its weights and largest step (AR) or largest solve
-    (generation), ``plan`` an AR stage's cache. ``engine``: :meth:`CachePlan.of`'s settings;
+) -> StageDemand:
+    """One stage's memory per device of ``mesh`` from its abstract model, built in ``dtype``
+    (the one :func:`~omni_jax.weights.load_part` loads it in). ``engine``: :meth:`CachePlan.of`'s settings;
     ``lengths``: the ``max_model_len`` of each AR stage built before it (a generation stage's
     solves are bounded by its input stage's)."""
     part = arch.part(sc.name)
@@ -189,7 +202,7 @@ def stage_demand(
         fixed |= {f"stage {sc.name!r} {what}": n for what, n in plan.memory.programs().items()}
     else:
         fixed |= part.generation_stage().demand(sc, model, lengths.get(sc.input))
-    return fixed, plan
+    return StageDemand(model, fixed, plan)
 
 
 def stage_needs(
@@ -211,12 +224,13 @@ def stage_needs(
     lengths: dict[str, int] = {}
     for sc in stages:
         mesh = meshes[sc.name]
-        fixed, plan = stage_demand(
+        demand = stage_demand(
             path, hf_config, arch, sc, mesh, dtype, lengths, **engine_settings(sc, **engine)
         )
-        if plan is not None:
-            lengths[sc.name] = plan.geometry.max_model_len
-        needs.append(StageNeeds(sc.name, fixed, plan, memory_pools(local_devices(mesh))))
+        if demand.plan is not None:
+            lengths[sc.name] = demand.plan.geometry.max_model_len
+        pools = memory_pools(local_devices(mesh))
+        needs.append(StageNeeds(sc.name, demand.fixed, demand.plan, pools, demand.model))
     return needs
 
 

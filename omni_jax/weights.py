@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from omni_jax.architectures import Architecture, ModelPart, architecture_of
 from omni_jax.interrupts import Interrupts
 from omni_jax.models.hf_config import ConfigRefusedError, read_config
-from omni_jax.models.loading import abstract_params, merge_params
+from omni_jax.models.loading import abstract_params, merge_params, split_params
 from omni_jax.models.param_map import (
     FlaxPath,
     MissingParamsError,
@@ -197,6 +197,7 @@ def load_part(
     dtype: str | None = None,
     mesh: Mesh | None = None,
     progress: bool = False,
+    template: nnx.Module | None = None,
 ) -> tuple[nnx.Module, Any]:
     """Build the ``stage`` model from an HF dir or a converted dir; returns ``(model, hf_config)``.
 
@@ -205,6 +206,9 @@ def load_part(
     exists twice. With ``mesh``, every tensor goes straight into its shards under the part's
     partition rules (an HF tensor sliced per device from its memory map, Orbax restored
     directly into the target layout), so no device ever holds more than its share.
+    ``template``: the part's abstract model in the dtype it loads in, when the caller has built
+    it (``from_pretrained``'s memory check has: a large model takes seconds to trace), filled
+    rather than built again; it is not changed.
     """
     model_dir = Path(model_dir)
     cfg = load_hf_config(model_dir)
@@ -224,7 +228,7 @@ def load_part(
                 "convert the HF checkpoint again"
             )
         dtype = part.dtype or dtype or manifest["dtype"]
-        graphdef, abstract = abstract_params(part.make(cfg, dtype))
+        graphdef, abstract = _params_of(template, part, cfg, dtype)
         values = _restore_stage(model_dir, stage, abstract, manifest, dtype, sharding)
     else:
         dtype = part.dtype or dtype or checkpoint_dtype(cfg, model_dir)
@@ -233,8 +237,16 @@ def load_part(
             x = read()
             return put_cast(x, None if sharding is None else sharding(path, x.shape), jnp.dtype(dtype))
 
-        graphdef, abstract, values = _read_hf_part(model_dir, arch, part, cfg, dtype, progress, place)
+        graphdef, abstract = _params_of(template, part, cfg, dtype)
+        values = _read_hf_part(model_dir, arch, part, cfg, abstract, progress, place)
     return merge_params(graphdef, abstract, values), cfg
+
+
+def _params_of(
+    template: nnx.Module | None, part: ModelPart, cfg: Any, dtype: str
+) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable]]:
+    """``part``'s abstract parameters in ``dtype``: ``template``'s, else a model traced now."""
+    return split_params(template) if template is not None else abstract_params(part.make(cfg, dtype))
 
 
 def _read_hf_part(
@@ -242,17 +254,16 @@ def _read_hf_part(
     arch: Architecture,
     part: ModelPart,
     cfg: Any,
-    dtype: str,
+    abstract: dict[FlaxPath, nnx.Variable],
     progress: bool,
     place: Callable[[FlaxPath, TensorReader], Any],
-) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable], dict[FlaxPath, Any]]:
-    """Stream ``part``'s tensors from an HF dir into its parameters (checked by name and shape),
-    each given to ``place`` (see :func:`~omni_jax.models.param_map.fill_params`).
+) -> dict[FlaxPath, Any]:
+    """Stream ``part``'s tensors from an HF dir into its ``abstract`` parameters (checked by
+    name and shape), each given to ``place`` (see :func:`~omni_jax.models.param_map.fill_params`).
 
     A mismatch names the file it was found in and points at ``config.json``, which is what
     the expected shapes come from.
     """
-    graphdef, abstract = abstract_params(part.make(cfg, dtype))
     cursor = _Cursor(checkpoint_files(model_dir))
     try:
         values = fill_params(
@@ -271,7 +282,7 @@ def _read_hf_part(
         else:
             hint = f"; does {model_dir / 'config.json'} match the weights?"
         raise ParamMismatchError(f"{cursor.where(model_dir)}: {e}{hint}") from e
-    return graphdef, abstract, values
+    return values
 
 
 def _restore_stage(
@@ -415,7 +426,8 @@ def _convert(
         for part in parts:
             interrupts.check()
             part_dtype = part.dtype or dtype
-            values = _read_hf_part(src, arch, part, cfg, part_dtype, False, _deferred(part_dtype))[2]
+            _, abstract = abstract_params(part.make(cfg, part_dtype))
+            values = _read_hf_part(src, arch, part, cfg, abstract, False, _deferred(part_dtype))
             write_stage(tmp / "params" / part.stage, values, progress)
             shapes[part.stage] = {format_path(p): list(v.shape) for p, v in values.items()}
             dtypes[part.stage] = {format_path(p): str(v.dtype) for p, v in values.items()}

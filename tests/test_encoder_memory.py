@@ -91,8 +91,7 @@ def _needs(path: Path) -> dict[str, int]:
     (sc,) = stage_graph(path, arch, hf_config, None, ["thinker"]).stages
     mesh = PlannedMesh({"data": 1, "model": 1}, "cpu")
     sizes = dict.fromkeys(("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens"))
-    fixed, _ = stage_demand(path, hf_config, arch, sc, mesh, None, {}, **engine_settings(sc, **sizes))
-    return fixed
+    return stage_demand(path, hf_config, arch, sc, mesh, None, {}, **engine_settings(sc, **sizes)).fixed
 
 
 @pytest.fixture(scope="module")

@@ -176,6 +176,25 @@ def test_accelerators_count_their_own_memory_cpus_the_hosts() -> None:
         memory.refuse_unless_fits("x", {"a": 1 << 30, "b": 1 << 30}, [gpu0, gpu1])  # type: ignore[list-item]
 
 
+def test_each_stage_traced_once(omni_dir, monkeypatch) -> None:
+    """``from_pretrained`` traces each stage's abstract model once: the memory check's model is
+    the one its weights are loaded into (tracing a 7B model's stages takes seconds), and the
+    stage is built with the plan that check made."""
+    from omni_jax.models import loading
+
+    traced: list[object] = []
+    trace = loading.abstract_model
+
+    def counted(ctor):  # noqa: ANN001, ANN202
+        traced.append(ctor)
+        return trace(ctor)
+
+    monkeypatch.setattr(loading, "abstract_model", counted)
+    monkeypatch.setattr("omni_jax.preflight.abstract_model", counted)
+    pipe = OmniJaxPipeline.from_pretrained(omni_dir, max_num_seqs=2, max_model_len=256)
+    assert len(traced) == len(pipe.stages) == 3
+
+
 def test_from_pretrained_refuses_before_reading_weights(omni_dir, monkeypatch, tmp_path) -> None:
     """``from_pretrained`` runs the check above first: an impossible cache is refused with the
     numbers and no weight file is opened."""

@@ -60,7 +60,12 @@ def abstract_model(ctor: Callable[[], nnx.Module]) -> nnx.Module:
 
 def abstract_params(ctor: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable]]:
     """``(graphdef, {path: abstract variable})`` for the model ``ctor`` builds."""
-    graphdef, state = nnx.split(abstract_model(ctor))
+    return split_params(abstract_model(ctor))
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, dict[FlaxPath, nnx.Variable]]:
+    """``(graphdef, {path: variable})`` of ``model`` (abstract or not; it is not changed)."""
+    graphdef, state = nnx.split(model)
     return graphdef, dict(nnx.to_flat_state(state))
 
 
