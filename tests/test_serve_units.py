@@ -1056,3 +1056,22 @@ def test_tokenize_takes_a_prompt_or_messages_not_both() -> None:
         with pytest.raises(ValidationError, match="give 'prompt' or 'messages', one of them"):
             TokenizeRequest.model_validate_json(body)
     TokenizeRequest.model_validate_json('{"prompt": "x"}')
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_the_libraries_bookkeeping_logs_only_when_debugging(level: str, monkeypatch) -> None:
+    """At ``--log-level info`` the server's log holds its own lines, not JAX's backend probing
+    or Orbax's (absl) checkpoint-handler lines; ``debug`` shows them."""
+    from omni_jax.serve.cli import QUIET_LOGGERS, configure_logging
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # basicConfig configures afresh
+    saved = {name: logging.getLogger(name).level for name in (*QUIET_LOGGERS, "")}
+    try:
+        configure_logging(level)
+        shown = logging.DEBUG if level == "debug" else logging.INFO
+        assert logging.getLogger("omni_jax.serve").isEnabledFor(shown)
+        for name in QUIET_LOGGERS:
+            assert logging.getLogger(name).isEnabledFor(logging.INFO) == (level == "debug"), name
+    finally:  # setLevel, which also clears the loggers' cached answers
+        for name, saved_level in saved.items():
+            logging.getLogger(name).setLevel(saved_level)

@@ -102,6 +102,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+QUIET_LOGGERS = ("jax", "absl")
+"""Libraries whose INFO lines are their own bookkeeping, not the server's: JAX's backend probing
+(e.g. "no TPU"), and Orbax's checkpoint handlers (through absl: a dozen lines for each stage of
+a converted checkpoint). They log from WARNING unless ``--log-level debug``."""
+
+
+def configure_logging(level: str) -> None:
+    """The root logger at ``level`` (one of ``--log-level``'s), each line with its time, level and
+    logger; :data:`QUIET_LOGGERS` at WARNING at the least, below ``debug``."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger().level
+    if root > logging.DEBUG:
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(max(logging.WARNING, root))
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve ``args.model`` until interrupted (the order of the module docstring: bind the
     address, build the pipeline, listen); 0 once the server has stopped. A missing ``serve``
@@ -122,11 +138,7 @@ def run(args: argparse.Namespace) -> int:
             allowed = Path(args.allowed_local_media_path).resolve()
             if not allowed.is_dir():
                 raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a folder")
-        logging.basicConfig(
-            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-        if logging.getLogger().level > logging.DEBUG:  # JAX's backend probing, e.g. "no TPU"
-            logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
+        configure_logging(args.log_level)
         pipe = AsyncOmniJaxPipeline.from_pretrained(
             args.model,
             **EngineOptions.from_args(args).pipeline_kwargs(),
