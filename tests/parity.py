@@ -49,6 +49,57 @@ def embed_step(
     )
 
 
+def check_bfloat16_greedy(pipe: Any, hf_bf16: Any, batch: list[list[int]], new_tokens: int) -> None:
+    """``pipe``'s greedy run of ``batch`` (``new_tokens`` each) against transformers ``generate``
+    by ``hf_bf16`` (the same weights, in bfloat16): every request's tokens equal generate's, or
+    differ first where generate's two candidates were within the near-tie bound of each other;
+    up to there (the prefixes being the same), the pipeline's log-probability of each token it
+    chose is generate's to within twice the logit bound (the token's logit and the log-sum-exp
+    may each move by it), which holds the paged decode steps' numbers as a whole-prompt
+    forward's logits are held."""
+    import torch
+
+    from benchmarks import agreement
+    from omni_jax import SamplingParams
+
+    bound = agreement.LOGIT_RTOL["bfloat16"]
+    eos = hf_bf16.generation_config.eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=0)
+    outs = pipe.run([{"prompt_token_ids": p} for p in batch], params, progress=False)
+    ours = [o.token_ids for o in outs]
+    ref, logits = [], []
+    with torch.no_grad():
+        for p in batch:
+            ids = torch.tensor([p])
+            out = hf_bf16.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            ref.append(out.sequences[0, len(p) :].tolist())
+            logits.append(torch.cat(out.logits).double().numpy())  # [steps, vocab], before EOS is held back
+
+    def scores(i: int, k: int) -> np.ndarray:  # what greedy step k chose from: EOS held back
+        s = logits[i][k].copy()
+        s[eos] = -np.inf
+        return s
+
+    result = agreement.compare(ours, ref, scores, agreement.near_tie_bound("bfloat16"))
+    assert not result.disagreements, result.summary()
+    assert all(len(t) == new_tokens for t in ours)
+    for i, out in enumerate(outs):
+        k = agreement.first_difference(ours[i], ref[i])
+        for j in range(new_tokens if k is None else k + 1):
+            x = logits[i][j]
+            want = x[ours[i][j]] - (x.max() + np.log(np.exp(x - x.max()).sum()))
+            got = out.logprobs[j][ours[i][j]]
+            assert abs(got - want) <= 2 * bound * np.abs(x).max(), (i, j, got, want)
+
+
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     """Largest absolute difference relative to the reference's largest magnitude (``ours`` may be
     a jax array)."""

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import rel_err
+from parity import check_bfloat16_greedy, rel_err
 
 from benchmarks import agreement
-from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax import OmniJaxPipeline
 from omni_jax.full_forward import full_forward
 from omni_jax.weights import MANIFEST, convert, load_part
 
@@ -96,45 +96,8 @@ def test_logits_match_transformers_in_bfloat16(bf16_dir, hf_bf16, hf_exact) -> N
 
 
 def test_greedy_tokens_match_transformers_in_bfloat16(bf16_dir, hf_bf16) -> None:
-    """Every request's tokens equal generate's, or differ first where generate's two candidates
-    were within the near-tie bound of each other; up to there (the prefixes being the same), the
-    pipeline's log-probability of each token it chose is generate's to within twice the logit
-    bound (the token's logit and the log-sum-exp may each move by it), which holds the paged
-    decode steps' numbers as the logits test holds a whole-prompt forward."""
-    eos = hf_bf16.generation_config.eos_token_id
+    """Equal to generate's tokens except at checked near-ties, with its log-probabilities to
+    the logit bound (:func:`parity.check_bfloat16_greedy`)."""
     batch = prompts(hf_bf16.config.vocab_size, 8, seed=1)
     pipe = OmniJaxPipeline.from_pretrained(bf16_dir, max_model_len=160, max_num_seqs=8)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)
-    outs = pipe.run([{"prompt_token_ids": p} for p in batch], params, progress=False)
-    ours = [o.token_ids for o in outs]
-    ref, logits = [], []
-    with torch.no_grad():
-        for p in batch:
-            ids = torch.tensor([p])
-            out = hf_bf16.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            ref.append(out.sequences[0, len(p) :].tolist())
-            logits.append(torch.cat(out.logits).double().numpy())  # [steps, vocab], before EOS is held back
-
-    def scores(i: int, k: int) -> np.ndarray:  # what greedy step k chose from: EOS held back
-        s = logits[i][k].copy()
-        s[eos] = -np.inf
-        return s
-
-    result = agreement.compare(ours, ref, scores, agreement.near_tie_bound("bfloat16"))
-    assert not result.disagreements, result.summary()
-    assert all(len(t) == NEW_TOKENS for t in ours)
-    for i, out in enumerate(outs):
-        k = agreement.first_difference(ours[i], ref[i])
-        for j in range(NEW_TOKENS if k is None else k + 1):
-            x = logits[i][j]
-            want = x[ours[i][j]] - (x.max() + np.log(np.exp(x - x.max()).sum()))
-            got = out.logprobs[j][ours[i][j]]
-            assert abs(got - want) <= 2 * LOGIT_RTOL * np.abs(x).max(), (i, j, got, want)
+    check_bfloat16_greedy(pipe, hf_bf16, batch, NEW_TOKENS)

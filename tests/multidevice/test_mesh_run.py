@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from parity import SPLIT_ROUNDING, rel_err
+from parity import SPLIT_ROUNDING, check_bfloat16_greedy, rel_err
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.engine.compilation import CompileCounter
@@ -174,3 +174,21 @@ def _prompt_rows(runner, prompts: list[list[int]]) -> list:  # noqa: ANN001
         )
         for i, p in enumerate(prompts)
     ]
+
+
+@pytest.mark.parametrize("d,m", [(1, 4), (2, 2)])
+def test_bfloat16_split_equals_transformers_in_bfloat16(gqa_dir, d, m) -> None:
+    """The model split in bfloat16 (weights cast as they are loaded into their shards, partial
+    sums all-reduced over ``model``) is held to transformers' bfloat16 ``generate`` on the same
+    weights as one device is in ``tests/test_bf16_parity.py``: equal tokens except at checked
+    near-ties, log-probabilities within the bfloat16 logit bound."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(gqa_dir, dtype=torch.bfloat16).eval()
+    pipe = OmniJaxPipeline.from_pretrained(
+        gqa_dir, dtype="bfloat16", mesh={"data": d, "model": m}, max_model_len=160, max_num_seqs=8
+    )
+    rs = np.random.RandomState(11)
+    batch = [rs.randint(3, 500, size=int(rs.randint(4, 120))).tolist() for _ in range(8)]
+    check_bfloat16_greedy(pipe, hf, batch, 16)
