@@ -7,8 +7,10 @@ inputs are ready. In a decoder step that is at the top of the program for what r
 weights: the CPU multiplies bfloat16 in float32, and every layer's weights are converted at
 once and held together (about 27 GiB at 7B, beside 14 GiB of weights), and the jnp attention's
 chunked output and its reordering, two query-wide float32 rows per token row, are kept for
-every layer. Its depth-first scheduler (the flag set to ``false``) converts each weight just
-before its product and frees it after: a step then holds the largest weight's copy alone. That
+every layer, as is a float32 copy of a bfloat16 cache's gathered K and V
+(:func:`gather_copies`). Its depth-first scheduler (the flag set to ``false``) converts each
+weight just before its product and frees it after: a step then holds the largest weight's copy
+alone. That
 scheduler also makes the vocoders' many independent convolutions slower on CPU (code2wav about
 a fifth slower in ``benchmarks.run --suite code2wav`` on 2 cores, ``benchmarks/RESULTS.md``),
 so it is not imposed: the memory plan (:class:`~omni_jax.engine.memory.ARMemory`) counts what
@@ -62,6 +64,17 @@ def weight_copies(weights: list[int], itemsize: int) -> int:
     if itemsize >= 4:
         return 0
     return 4 * (sum(weights) if concurrency_scheduler() else max(weights))
+
+
+def gather_copies(layers: int, itemsize: int) -> int:
+    """How many float32 copies of one attention chunk's gathered K and V a CPU step of ``layers``
+    layers holds when the cache's ``itemsize`` is under 4 (the CPU computes the scores of a
+    bfloat16 cache in float32): one a layer with the default scheduler (XLA's count of a 1.5B
+    bfloat16 decoder grows by up to one row's float32 K and V a layer), one with the depth-first
+    scheduler."""
+    if itemsize >= 4:
+        return 0
+    return layers if concurrency_scheduler() else 1
 
 
 def cpu_step_bytes(weights: list[int], itemsize: int, layers: int, token_rows: int, query_width: int) -> int:

@@ -11,9 +11,9 @@ wide as the model says, ``activation_width``), the step's float32 logits, and wh
 penalties read: the id table the runner keeps between steps (``max_num_seqs x max_model_len``
 ids, on every device) and a penalised step's rows of it with their token counts. On CPUs,
 what XLA's scheduler holds beside (:mod:`omni_jax.cpu_schedule`): bfloat16 weights' float32
-copies, and rows per layer. Beside the step, the largest program the stage's frontend runs
-between steps (a thinker's encoder call, :class:`ProgramBytes`, counted by the stage:
-:mod:`omni_jax.stages.encoder_programs`).
+copies, rows per layer, and float32 copies of a bfloat16 cache's gathered K and V. Beside the
+step, the largest program the stage's frontend runs between steps (a thinker's encoder call,
+:class:`ProgramBytes`, counted by the stage: :mod:`omni_jax.stages.encoder_programs`).
 
 What a device has left: ``bytes_limit - bytes_in_use`` from ``memory_stats()`` on accelerators;
 CPU devices report no statistics and allocate from host memory, so they count against the
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from omni_jax.engine.kv_cache import CacheGeometry
 
@@ -104,6 +105,7 @@ class ARMemory:
     chunk_bytes: int  # what the jnp path gathers and scores at once (attention.chunk_bytes)
     activation_width: int  # float32 values a token row holds at once on one device (see step_bytes)
     cpu_bytes: int = 0  # what XLA's CPU scheduler holds beside the step (cpu_schedule.cpu_step_bytes)
+    gather_copies: int = 0  # float32 copies of a chunk's gathered K/V on CPU (cpu_schedule.gather_copies)
     encoder: ProgramBytes | None = None  # the frontend's largest encoder call (see beside_cache)
 
     def kv_bytes(self, num_pages: int) -> int:
@@ -115,15 +117,18 @@ class ARMemory:
         """The largest step's temporaries: one chunk of token rows' gathered K/V and float32
         scores (the jnp path, one layer at a time), every token row's activations, the step's
         float32 logits, and for the penalties the id table (int32) with a penalised step's rows
-        of it and their counts (float32) and seen flags; and :attr:`cpu_bytes`."""
+        of it and their counts (float32) and seen flags; and :attr:`cpu_bytes`, with
+        :attr:`gather_copies` float32 copies of a chunk's gathered K and V."""
         context = self.cache.table_tokens
         per_row = context * self.cache.token_bytes + self.num_heads * context * 4
         rows = min(self.max_token_rows, max(1, self.chunk_bytes // per_row))
+        float32_gather = rows * context * self.cache.token_bytes * 4 // jnp.dtype(self.cache.dtype).itemsize
         activations = self.max_token_rows * self.activation_width * 4
         length = self.cache.max_model_len
         penalties = self.max_num_seqs * length * 4 + self.max_rows * (length * 4 + self.vocab_size * 5)
         logits = self.max_rows * self.vocab_size * 4
-        return rows * per_row + activations + logits + penalties + self.cpu_bytes
+        copies = self.gather_copies * float32_gather
+        return rows * per_row + activations + logits + penalties + self.cpu_bytes + copies
 
     def kv_item(self, num_pages: int) -> tuple[str, int]:
         """The cache as one line of a refusal: ``(what, bytes)``."""

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from omni_jax.cpu_schedule import cpu_step_bytes
+from omni_jax.cpu_schedule import cpu_step_bytes, gather_copies
 from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARModel, ARRunner
 from omni_jax.engine.buckets import max_sequence_rows, max_token_rows
@@ -646,6 +646,7 @@ class CachePlan:
                 token_rows,
                 model.num_query_heads() // tp * head_dim,
             ),
+            gather_copies=0 if platform != "cpu" else gather_copies(layers, dtype.itemsize),
         )
         return cls(geometry, max_num_seqs, max_num_batched_tokens, memory)
 
