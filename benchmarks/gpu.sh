@@ -58,7 +58,10 @@
 #             clean ones;
 #   step_memory  the memory plan's largest AR step against XLA's count of the compiled step, at
 #             Qwen2-7B's widths in bfloat16 (STEP_LAYERS layers, default 28), budgets 2048 and 16,
-#             the default attention and the jnp path (benchmarks/step_memory.py); and whether this
+#             the default attention and the jnp path (benchmarks/step_memory.py), then Qwen3-Omni-30B-A3B's
+#             thinker decoder (--decoder qwen3-omni, STEP3_LAYERS layers, default 4: its experts' rows,
+#             which the plan counts as every expert's on every row where a step runs them dense; on CPU
+#             5.3-5.5x XLA's count at two layers); and whether this
 #             jaxlib knows --xla_cpu_enable_concurrency_optimized_scheduler (omni_jax/cpu_schedule.py);
 #             and the plan's encoder calls (the host CPU's float32 count) against XLA's count of the
 #             whole bfloat16 encoder on the GPU, at the released widths (benchmarks/encoder_memory.py);
@@ -322,6 +325,9 @@ step_memory() {
         --layers "${STEP_LAYERS:-28}" --budget "$budget" --backend "$backend" >>"$OUT/step_memory.log" 2>&1
       echo "budget $budget, $backend: exit $?" >>"$OUT/step_memory.log"
     done
+    timeout -s INT "${STEP_MEMORY_S:-120}" python3 -m benchmarks.step_memory --decoder qwen3-omni \
+      --dtype bfloat16 --layers "${STEP3_LAYERS:-4}" --budget "$budget" >>"$OUT/step_memory.log" 2>&1
+    echo "qwen3-omni, budget $budget: exit $?" >>"$OUT/step_memory.log"
   done
   for model in qwen2_5_omni qwen3_omni; do
     for encoder in audio vision; do
@@ -330,7 +336,7 @@ step_memory() {
       echo "$model $encoder: exit $?" >>"$OUT/step_memory.log"
     done
   done
-  grep -E "^Qwen2|^qwen|exit" "$OUT/step_memory.log"
+  grep -E "^Qwen[23]|^qwen|exit" "$OUT/step_memory.log"
 }
 
 for part in $PARTS; do

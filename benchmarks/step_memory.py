@@ -11,9 +11,12 @@ prints both. ``tests/test_reliability_limits.py`` holds the estimate to XLA's co
 
 XLA's CPU scheduler decides part of the answer (:mod:`omni_jax.cpu_schedule`): run it again
 with ``XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`` to see the other.
-``--model N`` splits the decoder over a ``model`` mesh axis of N devices by Qwen2's partition
-rules and compares one device's share (on CPU, emulate the devices with
-``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
+``--model N`` splits the decoder over a ``model`` mesh axis of N devices by its partition rules
+and compares one device's share (on CPU, emulate the devices with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``). ``--decoder qwen3-omni`` compiles
+Qwen3-Omni-30B-A3B's thinker decoder instead (its released widths and 128 experts, M-RoPE
+positions), whose step the plan sizes by the experts' rows
+(:meth:`~omni_jax.models.qwen3_omni.text_decoder.Qwen3OmniTextLM.activation_width`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +35,21 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from transformers import Qwen2Config
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
 
+from benchmarks.models import SMALL_QWEN3_THINKER_TEXT
 from omni_jax.cpu_schedule import concurrency_scheduler
 from omni_jax.engine.ar_runner import _forward_fn
 from omni_jax.engine.buckets import max_sequence_rows
 from omni_jax.engine.kv_cache import init_kv_cache
 from omni_jax.engine.step import FlatStep
 from omni_jax.models.qwen2 import Qwen2ForCausalLM, Qwen2Spec, partition_rules
-from omni_jax.parallel.rules import layout
+from omni_jax.models.qwen3_omni.text_decoder import (
+    Qwen3OmniTextLM,
+    Qwen3OmniTextSpec,
+    text_lm_partition_rules,
+)
+from omni_jax.parallel.rules import ShardRule, layout
 from omni_jax.stages.ar import CachePlan
 
 QWEN2_7B = {
@@ -49,6 +61,45 @@ QWEN2_7B = {
     "max_position_embeddings": 32768,
 }
 """Qwen2-7B's (and the Qwen2.5-Omni-7B thinker's) decoder widths."""
+
+QWEN3_OMNI_30B = {**SMALL_QWEN3_THINKER_TEXT, "num_experts": 128}
+"""Qwen3-Omni-30B-A3B's thinker decoder widths, the release's 128 experts (``small`` has 16)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """A decoder the step is compiled for: its default ``widths`` (a transformers text config's
+    fields), its ``spec`` from them at a number of layers, its ``model`` class and partition
+    ``rules``, and the leading axes of a token's rotary position (``()`` RoPE, ``(3,)`` M-RoPE)."""
+
+    label: str
+    widths: dict[str, Any]
+    spec: Callable[[dict[str, Any], int], Qwen2Spec]
+    model: type[Qwen2ForCausalLM]
+    rules: Callable[[Any, int], tuple[ShardRule, ...]]
+    position_axes: tuple[int, ...]
+
+
+DECODERS = {
+    "qwen2": Decoder(
+        "Qwen2-7B widths",
+        QWEN2_7B,
+        lambda widths, layers: Qwen2Spec.from_hf(Qwen2Config(**widths, num_hidden_layers=layers)),
+        Qwen2ForCausalLM,
+        partition_rules,
+        (),
+    ),
+    "qwen3-omni": Decoder(
+        "Qwen3-Omni-30B-A3B thinker widths",
+        QWEN3_OMNI_30B,
+        lambda widths, layers: Qwen3OmniTextSpec.from_hf(
+            Qwen3OmniMoeTextConfig(**{**widths, "num_hidden_layers": layers})
+        ),
+        Qwen3OmniTextLM,
+        text_lm_partition_rules,
+        (3,),
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +120,20 @@ def step_memory(
     max_num_seqs: int = 16,
     max_model_len: int = 4096,
     page_size: int = 16,
-    widths: dict[str, int] = QWEN2_7B,
+    widths: dict[str, Any] | None = None,
     model_axis: int = 1,
+    decoder: str = "qwen2",
 ) -> StepMemory:
-    """Plan and compile the largest step of a ``layers``-layer decoder of ``widths`` in
-    ``dtype`` with a token budget of ``budget`` (``max_num_batched_tokens``) on ``backend``'s
-    attention, on this process's default device, or split over a ``model`` axis of the first
-    ``model_axis`` devices (one device's share, as the stage would place it)."""
-    config = Qwen2Config(**widths, num_hidden_layers=layers)
-    spec = Qwen2Spec.from_hf(config)
-    model = nnx.eval_shape(lambda: Qwen2ForCausalLM(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+    """Plan and compile the largest step of a ``layers``-layer ``decoder`` (:data:`DECODERS`) of
+    ``widths`` (default: its own) in ``dtype`` with a token budget of ``budget``
+    (``max_num_batched_tokens``) on ``backend``'s attention, on this process's default device, or
+    split over a ``model`` axis of the first ``model_axis`` devices (one device's share, as the
+    stage would place it)."""
+    family = DECODERS[decoder]
+    spec = family.spec(family.widths if widths is None else widths, layers)
+    model = nnx.eval_shape(lambda: family.model(spec, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
     mesh = None
-    rules = partition_rules(spec, model_axis)
+    rules = family.rules(spec, model_axis)
     if model_axis > 1:
         mesh = Mesh(np.array(jax.devices()[:model_axis]).reshape(1, model_axis), ("data", "model"))
     plan = CachePlan.of(
@@ -128,7 +181,7 @@ def step_memory(
             None,
             i32(n, 1),
             i32(n),
-            i32(n, 1),
+            i32(*family.position_axes, n, 1),
             step,
             i32(s),
             i32(s),
@@ -152,16 +205,19 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (a power of two)")
     parser.add_argument("--backend", choices=("jnp", "auto"), default="jnp")
     parser.add_argument("--model", type=int, default=1, help="devices of a model (tensor-parallel) axis")
+    parser.add_argument("--decoder", choices=sorted(DECODERS), default="qwen2")
     args = parser.parse_args()
     if args.model > len(jax.devices()):
         parser.error(f"--model {args.model}: this process has {len(jax.devices())} devices")
-    m = step_memory(args.dtype, args.layers, args.budget, args.backend, model_axis=args.model)
+    m = step_memory(
+        args.dtype, args.layers, args.budget, args.backend, model_axis=args.model, decoder=args.decoder
+    )
     mib = 1 << 20
     scheduler = ""
     if jax.default_backend() == "cpu":
         scheduler = f", XLA's {'concurrency' if concurrency_scheduler() else 'depth-first'} scheduler"
     print(
-        f"Qwen2-7B widths, {args.layers} layers, {args.dtype}, budget {args.budget}, "
+        f"{DECODERS[args.decoder].label}, {args.layers} layers, {args.dtype}, budget {args.budget}, "
         f"model axis {args.model}, {args.backend} attention, {jax.default_backend()}{scheduler}: "
         f"estimate {m.estimate / mib:.0f} MiB, XLA {m.xla / mib:.0f} MiB, ratio {m.ratio:.2f}"
     )
