@@ -10,15 +10,14 @@ chunked output and its reordering, two query-wide float32 rows per token row, ar
 every layer, as is a float32 copy of a bfloat16 cache's gathered K and V
 (:func:`gather_copies`). Its depth-first scheduler (the flag set to ``false``) converts each
 weight just before its product and frees it after: a step then holds the largest weight's copy
-alone. That
-scheduler also makes the vocoders' many independent convolutions slower on CPU (code2wav about
-a fifth slower in ``benchmarks.run --suite code2wav`` on 2 cores, ``benchmarks/RESULTS.md``),
-so it is not imposed: the memory plan (:class:`~omni_jax.engine.memory.ARMemory`) counts what
-the scheduler in effect holds. Which one is in effect is asked of XLA itself
-(:func:`concurrency_scheduler`): it reads the flag once, when its CPU backend starts, from
-``XLA_FLAGS`` alone (a per-program compile option does not change the schedule), so the
-variable as it is now may not be what XLA took. Accelerators convert nothing and keep no
-per-layer rows, and add nothing.
+alone. That scheduler also makes the vocoders' many independent convolutions slower on CPU
+(code2wav about a fifth slower in ``benchmarks.run --suite code2wav`` on 2 cores,
+``benchmarks/RESULTS.md``), so it is not imposed: the memory plan
+(:class:`~omni_jax.engine.memory.ARMemory`) counts what the scheduler in effect holds. Which one
+is in effect is asked of XLA itself (:func:`concurrency_scheduler`): it reads the flag once,
+when its CPU backend starts, from ``XLA_FLAGS`` alone (a per-program compile option does not
+change the schedule), so the variable as it is now may not be what XLA took. Accelerators
+convert nothing and keep no per-layer rows, and add nothing.
 """
 
 from __future__ import annotations
@@ -78,9 +77,9 @@ def gather_copies(layers: int, itemsize: int) -> int:
 
 
 def cpu_step_bytes(weights: list[int], itemsize: int, layers: int, token_rows: int, query_width: int) -> int:
-    """What an AR step on CPU holds beyond its own temporaries, given one device's ``weights`` and their
-    ``itemsize`` (:func:`weight_copies`), its ``layers``, the step's ``token_rows`` and one
-    device's ``query_width`` (heads times head size): the weights' float32 copies, and with the
-    default scheduler two float32 query-wide rows per token row and layer."""
+    """What an AR step on CPU holds beyond its own temporaries, given one device's ``weights``
+    and their ``itemsize`` (:func:`weight_copies`), its ``layers``, the step's ``token_rows``
+    and one device's ``query_width`` (heads times head size): the weights' float32 copies, and
+    with the default scheduler two float32 query-wide rows per token row and layer."""
     rows = 2 * layers * token_rows * query_width * 4 if concurrency_scheduler() else 0
     return weight_copies(weights, itemsize) + rows

@@ -183,9 +183,9 @@ def stage_demand(
     **engine: Any,
 ) -> StageDemand:
     """One stage's memory per device of ``mesh`` from its abstract model, built in ``dtype``
-    (the one :func:`~omni_jax.weights.load_part` loads it in). ``engine``: :meth:`CachePlan.of`'s settings;
-    ``lengths``: the ``max_model_len`` of each AR stage built before it (a generation stage's
-    solves are bounded by its input stage's)."""
+    (the one :func:`~omni_jax.weights.load_part` loads it in). ``engine``:
+    :meth:`CachePlan.of`'s settings; ``lengths``: the ``max_model_len`` of each AR stage built
+    before it (a generation stage's solves are bounded by its input stage's)."""
     part = arch.part(sc.name)
     rules = part.shard_rules(hf_config, axis_size(mesh, "model"))  # refuses a split before tracing
     model = abstract_model(part.make(hf_config, part_dtype(path, hf_config, part.dtype, dtype)))
