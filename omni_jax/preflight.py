@@ -132,17 +132,14 @@ class StageDemand:
 
 
 @dataclasses.dataclass(frozen=True)
-class StageNeeds:
-    """One stage's memory per device, from its abstract ``model``: ``fixed`` (weights, and the
-    largest step's temporaries or the largest solve), and for an AR stage its cache ``plan``.
-    The pipeline loads the weights into that same ``model`` (:func:`~omni_jax.weights.load_part`)
-    and builds the stage with that ``plan``: what is loaded and built is what was checked."""
+class StageNeeds(StageDemand):
+    """Stage ``name``'s :class:`StageDemand` on its mesh, and the memory ``pools`` its devices
+    allocate from. The pipeline loads the weights into that same ``model``
+    (:func:`~omni_jax.weights.load_part`) and builds the stage with that ``plan``: what is
+    loaded and built is what was checked."""
 
     name: str
-    fixed: dict[str, int]
-    plan: CachePlan | None
     pools: list[tuple[jax.Device, int]]
-    model: nnx.Module
 
     def demand(self, num_pages: int | None) -> dict[str, int]:
         """Everything per device, a default cache (``num_pages`` None) counted at one sequence."""
@@ -230,7 +227,7 @@ def stage_needs(
         if demand.plan is not None:
             lengths[sc.name] = demand.plan.geometry.max_model_len
         pools = memory_pools(local_devices(mesh))
-        needs.append(StageNeeds(sc.name, demand.fixed, demand.plan, pools, demand.model))
+        needs.append(StageNeeds(demand.model, demand.fixed, demand.plan, sc.name, pools))
     return needs
 
 
