@@ -1,8 +1,10 @@
-"""WAV in and out: what a user's audio file becomes, and what a waveform becomes as bytes.
+"""Audio files in, WAV out: what a user's audio file becomes, and what a waveform becomes as bytes.
 
 One place for both directions, so the CLI's ``--audio`` files, the server's base64 ``input_audio``,
 ``OmniRequestOutput.save_wav`` and the server's ``audio.data`` decode and encode alike.
-``scipy.io.wavfile`` (a dependency of jax) reads and writes; nothing here knows a model.
+``scipy.io.wavfile`` (a dependency of jax) reads and writes WAV; any other audio file (mp3, flac,
+ogg, m4a, a video's track) is read through FFmpeg (:mod:`omni_jax.media_files`). Nothing here
+knows a model.
 """
 
 from __future__ import annotations
@@ -25,12 +27,41 @@ ratio to the target (a prime rate of millions of Hz took seconds and gigabytes),
 rate is refused before any is done."""
 
 
-def read_wav(source: str | Path | BinaryIO, rate: int, max_seconds: float | None = None) -> np.ndarray:
-    """A WAV file (a path or an open binary file) as float32 mono at ``rate`` Hz: the file as
-    :func:`decode_wav` reads it, at another rate resampled (:func:`resample`). ``ValueError`` as
-    :func:`decode_wav`'s."""
-    audio, source_rate = decode_wav(source, max_seconds)
+def read_audio_file(
+    source: str | Path | bytes | BinaryIO, rate: int, max_seconds: float | None = None
+) -> np.ndarray:
+    """An audio file (a path, its bytes or an open binary file) as float32 mono at ``rate`` Hz:
+    the file as :func:`decode_audio` reads it, at another rate resampled (:func:`resample`).
+    ``ValueError`` as :func:`decode_audio`'s."""
+    audio, source_rate = decode_audio(source, max_seconds)
     return resample(audio, source_rate, rate)
+
+
+def is_wav(head: bytes) -> bool:
+    """Whether a file's first 12 bytes are a WAV file's (RIFF, form type WAVE)."""
+    return head[:4] == b"RIFF" and head[8:12] == b"WAVE"
+
+
+def decode_audio(
+    source: str | Path | bytes | BinaryIO, max_seconds: float | None = None
+) -> tuple[np.ndarray, int]:
+    """An audio file as float32 mono at its own rate, and the rate: a WAV file as
+    :func:`decode_wav` reads it, any other as :func:`~omni_jax.media_files.decode_audio_file`
+    (told apart by the file's first bytes, not its name). ``ValueError`` as theirs."""
+    if isinstance(source, (str, Path)):
+        with open(source, "rb") as f:
+            head = f.read(12)
+    elif isinstance(source, bytes):
+        head, source = source[:12], io.BytesIO(source)
+    else:
+        start = source.tell()
+        head = source.read(12)
+        source.seek(start)
+    if is_wav(head):
+        return decode_wav(source, max_seconds)
+    from omni_jax.media_files import decode_audio_file
+
+    return decode_audio_file(source, max_seconds)
 
 
 def decode_wav(source: str | Path | BinaryIO, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
@@ -66,7 +97,7 @@ def decode_wav(source: str | Path | BinaryIO, max_seconds: float | None = None) 
 
 
 def check_clip(samples: int, source_rate: int, max_seconds: float | None) -> None:
-    """``ValueError`` (a predicate, as :func:`read_wav`'s) for a rate outside :data:`WAV_RATES`
+    """``ValueError`` (a predicate, as :func:`decode_wav`'s) for a rate outside :data:`WAV_RATES`
     or a clip over ``max_seconds``: what must be refused before :func:`resample` pays for it."""
     low, high = WAV_RATES
     if not low <= source_rate <= high:

@@ -13,19 +13,12 @@ from omni_jax.cli_errors import OneLineParser, output_folder, run_command
 from omni_jax.interrupts import Interrupts
 
 
-def _video(path: str) -> Any:
-    """A ``--video`` file: frames ``[frames, H, W, 3]`` saved with ``numpy.save`` (decode real
-    video files to frames first; no video decoder is a dependency)."""
-    from omni_jax.video_io import read_frames
-
-    if not path.endswith(".npy"):
-        raise ValueError(f"--video {path}: pass decoded frames as a .npy array [frames, H, W, 3]")
+def _media_file(flag: str, path: str) -> str:
+    """A media file named on the command line, which the processor reads (a video file sampled at
+    ``--fps``, else the model's rate; a ``.npy`` array of frames as saved)."""
     if not Path(path).is_file():
-        raise ValueError(f"--video {path}: no such file")
-    try:
-        return read_frames(Path(path).read_bytes())
-    except ValueError as e:
-        raise ValueError(f"--video {path}: {e}") from None
+        raise ValueError(f"{flag} {path}: no such file")
+    return path
 
 
 def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
@@ -37,11 +30,14 @@ def _prompt(pipe: Any, args: argparse.Namespace) -> str | dict[str, Any]:
     if not first.accepts_text:
         raise ValueError(f"the {first.config.name!r} stage takes token ids, not --prompt text")
     if args.audio or args.image or args.video or pipe.speaks:
-        content = [{"type": "audio", "audio": a} for a in args.audio]
+        content = [{"type": "audio", "audio": _media_file("--audio", a)} for a in args.audio]
         content += [{"type": "image", "image": i} for i in args.image]
-        content += [{"type": "video", "video": _video(v)} for v in args.video]
+        content += [{"type": "video", "video": _media_file("--video", v)} for v in args.video]
         content.append({"type": "text", "text": args.prompt})
-        prompt: dict[str, Any] = pipe.chat_prompt([{"role": "user", "content": content}])
+        kwargs: dict[str, Any] = {"use_audio_in_video": True} if args.use_audio_in_video else {}
+        if args.fps is not None:
+            kwargs["fps"] = args.fps
+        prompt: dict[str, Any] = pipe.chat_prompt([{"role": "user", "content": content}], **kwargs)
     elif args.speaker is None:
         return args.prompt
     else:
@@ -163,9 +159,25 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--temperature", type=float, default=0.0, help="of the text (first) stage")
     r.add_argument("--seed", type=int, default=None, help="seeds every stage's sampling (reproducible runs)")
     r.add_argument("--output-dir", default=None, help="write <request_id>.txt (and .wav when it speaks)")
-    r.add_argument("--audio", action="append", default=[], help="a .wav file (repeatable)")
+    r.add_argument(
+        "--audio", action="append", default=[], help="an audio file: WAV, mp3, flac, ... (repeatable)"
+    )
     r.add_argument("--image", action="append", default=[], help="an image file (repeatable)")
-    r.add_argument("--video", action="append", default=[], help="video frames as .npy (repeatable)")
+    r.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        help="a video file (mp4, webm, ...) or frames as .npy (repeatable)",
+    )
+    r.add_argument(
+        "--use-audio-in-video", action="store_true", help="each video file's own audio track is heard with it"
+    )
+    r.add_argument(
+        "--fps",
+        type=float,
+        default=None,
+        help="frames a second video files are sampled at (default: the model's)",
+    )
     r.add_argument(
         "--speaker",
         default=None,

@@ -239,8 +239,8 @@ class OmniJaxPipeline:
         """A prompt dict for :meth:`run` from chat messages, with the checkpoint's chat template.
 
         A message's ``content`` is a string or a list of items ``{"type": "text", "text": ...}``,
-        ``{"type": "audio", "audio": array | path | WAV bytes}``, ``{"type": "image", "image": ...}``,
-        ``{"type": "video", "video": frames}``; the template writes each media item's
+        ``{"type": "audio", "audio": array | path | file bytes}``, ``{"type": "image", "image": ...}``,
+        ``{"type": "video", "video": frames | path | file bytes}``; the template writes each media item's
         placeholder and the item goes to ``multi_modal_data`` in the same order.
         ``mm_processor_kwargs`` (e.g. ``use_audio_in_video=True``, ``fps=2``) are passed on.
         """

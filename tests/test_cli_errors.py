@@ -175,7 +175,7 @@ CASES = {
     ),
     "missing audio": (
         ["run", "{o}", "--stages", "thinker", "--prompt", "hi", "--audio", "{t}/a.wav"],
-        r"request 0: audio file '.*a.wav' does not exist",
+        r"--audio .*a.wav: no such file",
     ),
     "missing image": (
         ["run", "{o}", "--stages", "thinker", "--prompt", "hi", "--image", "{t}/a.png"],

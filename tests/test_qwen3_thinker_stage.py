@@ -253,7 +253,7 @@ def test_audio_past_max_model_len_is_refused_before_it_is_featurised(pipe, monke
     bad(
         pipe,
         pipe.chat_prompt(user({"type": "audio", "audio": wav.getvalue()})),
-        r"^request 1: audio \(WAV bytes\) is 80.00 s long \(3528000 samples at 44100 Hz\), "
+        r"^request 1: audio \(file bytes\) is 80.00 s long \(3528000 samples at 44100 Hz\), "
         r"over the 78.7299 s",
     )
     bad(

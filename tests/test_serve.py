@@ -49,6 +49,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from media_samples import gradient_frames, tone, write_audio, write_video
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from scipy.io import wavfile
@@ -56,7 +57,7 @@ from stage_yamls import Whole, edited_stages
 
 import omni_jax
 from omni_jax import OmniJaxPipeline, OmniRequestOutput, Token2WavParams
-from omni_jax.audio_io import pcm16, read_wav, wav_bytes
+from omni_jax.audio_io import pcm16, read_audio_file, wav_bytes
 from omni_jax.testing import OMNI_CODEC, build_tiny_qwen2
 
 START_TIMEOUT_S = 400
@@ -1684,7 +1685,7 @@ def test_image_and_audio_input_in_one_message(omni) -> None:
     image = Image.open(io.BytesIO(PNG.getvalue())).convert("RGB")
     media = [
         {"type": "image", "image": image},
-        {"type": "audio", "audio": read_wav(io.BytesIO(wav), 16_000)},
+        {"type": "audio", "audio": read_audio_file(io.BytesIO(wav), 16_000)},
         {"type": "text", "text": "what do you see and hear"},
     ]
     client = omni.server.client()
@@ -1704,6 +1705,55 @@ def test_image_and_audio_input_in_one_message(omni) -> None:
     with omni.server.http() as http:
         counted = http.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()
     assert counted["tokens"] == ref.prompt_token_ids and counted["count"] == r.usage.prompt_tokens
+
+
+def test_a_video_file_with_its_own_sound_and_an_mp3(omni, tmp_path) -> None:
+    """An mp4 (sampled at the model's rate, its AAC track heard with it: vLLM's
+    ``mm_processor_kwargs``) and an mp3 ``input_audio``, as run() reads the same files."""
+    clip = write_video(tmp_path / "clip.mp4", gradient_frames(50, 48, 64), 25, tone(2, 22050, channels=2))
+    mp3 = write_audio(tmp_path / "a.mp3", tone(1.5, 44100, hz=330), 44100, "mp3")
+    url = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
+    said = {"data": base64.b64encode(mp3.read_bytes()).decode(), "format": "mp3"}
+    watch = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "what happens"}]
+    listen = [{"type": "input_audio", "input_audio": said}, {"type": "text", "text": "and this"}]
+    client = omni.server.client()
+    for parts, media, kwargs in (
+        (watch, [{"type": "video", "video": str(clip)}, watch[1]], {"use_audio_in_video": True}),
+        (listen, [{"type": "audio", "audio": str(mp3)}, listen[1]], {}),
+    ):
+        body = omni_request([{"role": "user", "content": parts}], "Chelsie", "wav", seed=3, max_tokens=8)
+        prompt = omni.ref.chat_prompt([{"role": "user", "content": media}], **kwargs)
+        prompt.update(modalities=["text", "audio"], speaker="Chelsie")
+        params = stage_params(omni.ref, 3, False, temperature=0.0, max_tokens=8)
+        r, ref = alongside(
+            lambda body=body, kwargs=kwargs: client.chat.completions.create(
+                **body, extra_body={"mm_processor_kwargs": kwargs} if kwargs else None
+            ),
+            lambda prompt=prompt, params=params: run_one(omni.ref, prompt, params),
+        )
+        assert r.choices[0].message.content == ref.text
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        np.testing.assert_array_equal(decode_audio(r.choices[0].message.audio.data, "wav"), pcm16(ref.audio))
+    with omni.server.http() as http:
+        body = dict(model="tiny-omni", messages=[{"role": "user", "content": watch}], max_tokens=4)
+        body["mm_processor_kwargs"] = {"use_audio_in_video": True, "fps": 0}
+        check_error(
+            http.post("/v1/chat/completions", json=body),
+            400,
+            "invalid_request_error",
+            "mm_processor_kwargs.fps: ",
+        )
+        silent = write_video(tmp_path / "silent.mp4", gradient_frames(50, 48, 64), 25)
+        watch[0]["video_url"]["url"] = (
+            "data:video/mp4;base64," + base64.b64encode(silent.read_bytes()).decode()
+        )
+        body["mm_processor_kwargs"] = {"use_audio_in_video": True}
+        check_error(
+            http.post("/v1/chat/completions", json=body),
+            400,
+            "invalid_request_error",
+            "video 0 (bytes) holds no audio stream",
+        )
 
 
 def test_an_unknown_voice_is_refused_and_the_next_request_served(omni) -> None:

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from scipy.io import wavfile
 
 from omni_jax import SamplingParams
-from omni_jax.audio_io import PCM16_SCALE, pcm16, read_wav, wav_bytes
+from omni_jax.audio_io import PCM16_SCALE, pcm16, read_audio_file, wav_bytes
 from omni_jax.engine.sampling import MAX_LOGPROBS
 from omni_jax.engine_core import EngineStats
 from omni_jax.outputs import OmniRequestOutput
@@ -87,7 +87,7 @@ UNION_FIELDS = [
     (
         ChatCompletionRequest,
         '{"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", '
-        '"input_audio": {"data": "UklGRg==", "format": "mp3"}}]}]}',
+        '"input_audio": {"data": "UklGRg==", "format": "ogg"}}]}]}',
         "messages.0.content.0.input_audio.format",
     ),
     (
@@ -298,11 +298,9 @@ def test_a_npy_video_data_url_becomes_its_frames() -> None:
     assert got.dtype == frames.dtype
     np.testing.assert_array_equal(got, frames)
     where = "messages.0.content.0.video_url"
-    # anything but a .npy file: numpy would read it as a pickle and speak of allow_pickle
-    with pytest.raises(
-        ValueError, match=rf"^{re.escape(where)}: not a \.npy array of frames \(no \.npy header\)$"
-    ):
-        media.video(where, data_url("video/mp4", b"\x00\x00\x00 ftypisom"), None)
+    # anything but a .npy file is a video file's bytes, which the processor decodes at the prompt's rate
+    mp4 = b"\x00\x00\x00 ftypisom"
+    assert media.video(where, data_url("video/mp4", mp4), None) == mp4
     with pytest.raises(ValueError, match=rf"^{re.escape(where)}: not a readable \.npy array of frames"):
         media.video(where, data_url("application/octet-stream", buffer.getvalue()[:-10]), None)  # truncated
     pickled = io.BytesIO()  # a .npy header over a pickle: loading it would run the client's code
@@ -343,7 +341,8 @@ def test_media_a_parser_fails_on_in_its_own_way_is_refused_naming_the_part() -> 
         media.image(where, f"data:image/png;base64,{MALFORMED_PNG_EXIF}", None)
     where = "messages.0.content.0.input_audio.data"
     with pytest.raises(
-        FieldError, match=rf"^{re.escape(where)}: the WAV file is not a readable WAV file: ZeroDivisionError"
+        FieldError,
+        match=rf"^{re.escape(where)}: the audio file is not a readable WAV file: ZeroDivisionError",
     ):
         media.audio(where, ZERO_CHANNEL_WAV)
 
@@ -359,9 +358,9 @@ def test_input_audio_is_the_wav_file_it_carries() -> None:
     where = "messages.0.content.2.input_audio.data"
     with pytest.raises(ValueError, match=rf"^{re.escape(where)}: not valid base64"):
         media.audio(where, "UklGR@@@")
-    with pytest.raises(FieldError, match=rf"^{re.escape(where)}: the WAV file is not a readable WAV file"):
+    with pytest.raises(FieldError, match=rf"^{re.escape(where)}: the audio file is not a readable WAV file"):
         media.audio(where, base64.b64encode(raw[:30]).decode())
-    with pytest.raises(FieldError, match=rf"^{re.escape(where)}: the WAV file holds no samples$"):
+    with pytest.raises(FieldError, match=rf"^{re.escape(where)}: the audio file holds no samples$"):
         media.audio(where, base64.b64encode(wav_bytes(np.zeros(0, np.float32), 16_000)).decode())
 
 
@@ -376,7 +375,7 @@ def test_a_wav_round_trip_is_pcm16_quantisation() -> None:
     assert rate == 24_000 and data.dtype == np.int16
     np.testing.assert_array_equal(data, pcm16(samples))
     assert pcm16(np.float32([1.0, -1.0, 2.0, -2.0])).tolist() == [PCM16_SCALE, -PCM16_SCALE] * 2
-    back = read_wav(io.BytesIO(raw), 24_000)
+    back = read_audio_file(io.BytesIO(raw), 24_000)
     assert back.dtype == np.float32
     np.testing.assert_array_equal(back, pcm16(samples).astype(np.float32) / 32768)
     # written at 32767 full scale, read at 32768 (libsndfile's convention): round(c * 32767) / 32768
@@ -384,7 +383,7 @@ def test_a_wav_round_trip_is_pcm16_quantisation() -> None:
     np.testing.assert_allclose(back, np.clip(samples, -1, 1), rtol=0, atol=1.5 / 32768)
     # float32 WAVs keep the samples as they are
     np.testing.assert_array_equal(
-        read_wav(io.BytesIO(wav_bytes(samples, 24_000, "float32")), 24_000), samples
+        read_audio_file(io.BytesIO(wav_bytes(samples, 24_000, "float32")), 24_000), samples
     )
 
 
@@ -393,7 +392,7 @@ def test_audio_at_8khz_is_resampled_to_the_rate_asked(rate: int, factor: int) ->
     seconds, freq = 0.5, 440.0
     t = np.arange(int(8_000 * seconds)) / 8_000
     raw = wav_bytes((0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32), 8_000)
-    audio = read_wav(io.BytesIO(raw), rate)
+    audio = read_audio_file(io.BytesIO(raw), rate)
     assert audio.dtype == np.float32 and audio.shape == (t.size * factor,)
     spectrum = np.abs(np.fft.rfft(audio))
     assert np.fft.rfftfreq(audio.size, 1 / rate)[spectrum.argmax()] == pytest.approx(freq, abs=2.0)
@@ -403,20 +402,22 @@ def test_a_stereo_wav_is_averaged_and_an_empty_one_refused() -> None:
     buffer = io.BytesIO()
     wavfile.write(buffer, 16_000, np.array([[1000, 3000], [-2000, 0]], np.int16))
     np.testing.assert_array_equal(
-        read_wav(io.BytesIO(buffer.getvalue()), 16_000), np.float32([2000, -1000]) / 32768
+        read_audio_file(io.BytesIO(buffer.getvalue()), 16_000), np.float32([2000, -1000]) / 32768
     )
     empty = io.BytesIO()
     wavfile.write(empty, 16_000, np.zeros(0, np.int16))
     with pytest.raises(ValueError, match="holds no samples"):
-        read_wav(io.BytesIO(empty.getvalue()), 16_000)
+        read_audio_file(io.BytesIO(empty.getvalue()), 16_000)
     with pytest.raises(ValueError, match="is not a readable WAV file"):
-        read_wav(io.BytesIO(b"RIFF...."), 16_000)
+        read_audio_file(io.BytesIO(b"RIFF....WAVE"), 16_000)
+    with pytest.raises(ValueError, match="is not a media file FFmpeg can read"):  # not told to be a WAV
+        read_audio_file(io.BytesIO(b"RIFF...."), 16_000)
 
 
 def test_a_truncated_wav_is_not_a_readable_one() -> None:
     """scipy reads a header cut short with ``struct`` and raises its error, not a ``ValueError``."""
     with pytest.raises(ValueError, match="is not a readable WAV file: unpack requires a buffer"):
-        read_wav(io.BytesIO(wav_bytes(np.zeros(100, np.float32), 16_000)[:30]), 16_000)
+        read_audio_file(io.BytesIO(wav_bytes(np.zeros(100, np.float32), 16_000)[:30]), 16_000)
 
 
 @pytest.mark.parametrize("rate", [999, 384_001, 2**31 - 1])
@@ -430,7 +431,7 @@ def test_a_rate_outside_what_audio_is_recorded_at_is_refused_before_resampling(r
     with pytest.raises(
         ValueError, match=f"^has a sample rate of {rate} Hz; audio is read at 1000 to 384000 Hz$"
     ):
-        read_wav(io.BytesIO(forged), 16_000)
+        read_audio_file(io.BytesIO(forged), 16_000)
 
 
 def test_a_wav_over_the_length_asked_is_refused_before_resampling(monkeypatch) -> None:
@@ -445,9 +446,11 @@ def test_a_wav_over_the_length_asked_is_refused_before_resampling(monkeypatch) -
     with pytest.raises(
         ValueError, match=r"^is 1\.50 s long \(12000 samples at 8000 Hz\), over the 1 s it may last$"
     ):
-        read_wav(io.BytesIO(raw), 16_000, max_seconds=1)
+        read_audio_file(io.BytesIO(raw), 16_000, max_seconds=1)
     assert (
-        read_wav(io.BytesIO(wav_bytes(np.zeros(8_000, np.float32), 16_000)), 16_000, max_seconds=1).size
+        read_audio_file(
+            io.BytesIO(wav_bytes(np.zeros(8_000, np.float32), 16_000)), 16_000, max_seconds=1
+        ).size
         == 8_000
     )
 
@@ -1022,14 +1025,16 @@ def test_integer_wavs_are_read_on_their_own_full_scale(stored: np.ndarray, want:
     buf = io.BytesIO()
     wavfile.write(buf, 16_000, stored)
     buf.seek(0)
-    np.testing.assert_array_equal(read_wav(buf, 16_000), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(read_audio_file(buf, 16_000), np.asarray(want, np.float32))
 
 
 def test_a_clip_of_exactly_the_longest_length_is_taken() -> None:
     """``max_seconds`` is the longest a clip may last, itself included (30 s for the encoder)."""
-    assert read_wav(io.BytesIO(wav_bytes(np.zeros(16_000), 16_000)), 16_000, max_seconds=1).size == 16_000
+    assert (
+        read_audio_file(io.BytesIO(wav_bytes(np.zeros(16_000), 16_000)), 16_000, max_seconds=1).size == 16_000
+    )
     with pytest.raises(ValueError, match=r"over the 1 s it may last"):
-        read_wav(io.BytesIO(wav_bytes(np.zeros(16_001), 16_000)), 16_000, max_seconds=1)
+        read_audio_file(io.BytesIO(wav_bytes(np.zeros(16_001), 16_000)), 16_000, max_seconds=1)
 
 
 def test_the_cpu_kernel_is_refused_on_an_accelerator() -> None:

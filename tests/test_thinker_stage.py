@@ -262,7 +262,17 @@ def test_wrong_inputs_name_the_request(pipe, tmp_path) -> None:
         pipe, dict(good, multi_modal_data={"audio": np.zeros((2, 100), np.float32)}), r"request 1: audio must"
     )
     bad(pipe, dict(good, multi_modal_data={"audio": np.zeros(100, np.int16)}), r"request 1: audio must")
-    bad(pipe, dict(good, multi_modal_data={"audio": str(tmp_path / "x.mp3")}), r"request 1: .*only \.wav")
+    bad(
+        pipe,
+        dict(good, multi_modal_data={"audio": str(tmp_path / "x.mp3")}),
+        r"request 1: .*x\.mp3' does not exist",
+    )
+    (tmp_path / "notes.txt").write_text("not audio")
+    bad(
+        pipe,
+        dict(good, multi_modal_data={"audio": str(tmp_path / "notes.txt")}),
+        r"request 1: audio file '.*notes\.txt' is not a media file FFmpeg can read",
+    )
     bad(pipe, dict(good, multi_modal_data={"audio": [AUDIO, AUDIO]}), r"request 1: 1 audio placeholder")
     bad(pipe, dict(good, multi_modal_data={"speech": AUDIO}), r"request 1: .*unknown keys \['speech'\]")
     bad(pipe, {"prompt": text}, r"request 1: 1 audio placeholder\(s\) in the prompt but 0")
@@ -293,7 +303,13 @@ def test_wav_files_are_read(pipe, tmp_path, expected) -> None:
     path = tmp_path / "a.wav"
     wavfile.write(path, 16_000, np.round(AUDIO * 32767).astype(np.int16))
     args = argparse.Namespace(
-        prompt="the cat and the dog", audio=[str(path)], image=[], video=[], speaker=None
+        prompt="the cat and the dog",
+        audio=[str(path)],
+        image=[],
+        video=[],
+        speaker=None,
+        use_audio_in_video=False,
+        fps=None,
     )
     prompt = _prompt(pipe, args)
     assert prompt["prompt"] == our_prompt(pipe, "audio")["prompt"]

@@ -242,7 +242,8 @@ def chat_request(
         raise FieldError("top_logprobs", "asked without logprobs: true")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _stage_params(pipeline, request, logprobs)
-    prompt = pipeline.chat_prompt(messages)
+    kwargs = request.mm_processor_kwargs
+    prompt = pipeline.chat_prompt(messages, **(kwargs.model_dump(exclude_defaults=True) if kwargs else {}))
     if pipeline.speaks or wants_audio:
         prompt["modalities"] = list(modalities)
     if wants_audio and request.audio is not None:

@@ -2,9 +2,10 @@
 
 The server fetches nothing over the network: an image or video is a ``data:`` URL, or a
 ``file://`` URL under the folder ``--allowed-local-media-path`` names (refused without it, and
-for any path that resolves outside it); audio is base64 WAV (``input_audio``). Each decoder
-returns what :meth:`OmniJaxPipeline.chat_prompt` takes (a PIL image, a WAV file's
-``(samples, sample_rate)``, a frame array)
+for any path that resolves outside it); audio is a base64 audio file (``input_audio``: WAV, mp3,
+...). Each decoder returns what :meth:`OmniJaxPipeline.chat_prompt` takes (a PIL image, an audio
+file's ``(samples, sample_rate)``, a ``.npy`` file's frame array, a video file's bytes, which
+the processor samples at the prompt's frame rate)
 or raises :class:`~omni_jax.serve.protocol.FieldError` naming the content part, so a bad item
 is a 400 naming it before any work. A request's images together may decode to at most
 ``--max-image-pixels`` (:class:`MediaReader`), checked from each file's header before it is
@@ -23,11 +24,11 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from omni_jax.audio_io import decode_wav
+from omni_jax.audio_io import decode_audio
 from omni_jax.image_io import upright_rgb
 from omni_jax.serve import DEFAULT_MAX_IMAGE_PIXELS
 from omni_jax.serve.protocol import FieldError
-from omni_jax.video_io import read_frames
+from omni_jax.video_io import NPY_MAGIC, read_frames
 
 
 def _base64(where: str, data: str) -> bytes:
@@ -94,23 +95,24 @@ def image(where: str, url: str, allowed: Path | None, room: int | None = None) -
 
 
 def audio(where: str, data: str) -> tuple[np.ndarray, int]:
-    """The WAV file an ``input_audio`` carries, decoded: ``(samples, sample_rate)``, the form
+    """The audio file an ``input_audio`` carries, decoded: ``(samples, sample_rate)``, the form
     ``multi_modal_data`` takes (the stage resamples it as it would the file)."""
-    return _wav(where, _base64(where, data))
+    return _audio(where, _base64(where, data))
 
 
 def audio_file(where: str, url: str, allowed: Path | None) -> tuple[np.ndarray, int]:
-    """The WAV file an ``audio_url`` points at (a data URL, or an allowed file URL), decoded as
+    """The audio file an ``audio_url`` points at (a data URL, or an allowed file URL), decoded as
     :func:`audio`'s."""
-    return _wav(where, _url_bytes(where, url, allowed))
+    return _audio(where, _url_bytes(where, url, allowed))
 
 
-def _wav(where: str, raw: bytes) -> tuple[np.ndarray, int]:
-    """Decoded here, so that a WAV file that cannot be read is refused naming its field."""
+def _audio(where: str, raw: bytes) -> tuple[np.ndarray, int]:
+    """Decoded here (:func:`~omni_jax.audio_io.decode_audio`), so that an audio file that cannot
+    be read is refused naming its field."""
     try:
-        return decode_wav(io.BytesIO(raw))
+        return decode_audio(raw)
     except ValueError as e:
-        raise FieldError(where, f"the WAV file {e}") from None
+        raise FieldError(where, f"the audio file {e}") from None
 
 
 @dataclasses.dataclass
@@ -135,14 +137,17 @@ class MediaReader:
     def audio_file(self, where: str, url: str) -> tuple[np.ndarray, int]:
         return audio_file(where, url, self.allowed)
 
-    def video(self, where: str, url: str) -> np.ndarray:
+    def video(self, where: str, url: str) -> np.ndarray | bytes:
         return video(where, url, self.allowed)
 
 
-def video(where: str, url: str, allowed: Path | None) -> np.ndarray:
-    """Decoded frames ``[frames, H, W, 3]`` from a URL of a ``.npy`` array (no video decoder is a
-    dependency: decode real video files to frames first)."""
+def video(where: str, url: str, allowed: Path | None) -> np.ndarray | bytes:
+    """Frames ``[frames, H, W, 3]`` from a URL of a ``.npy`` array; any other file's bytes, which
+    the processor decodes and samples at the prompt's frame rate (``mm_processor_kwargs.fps``,
+    else the model's), naming the video in what it refuses."""
     raw = _url_bytes(where, url, allowed)
+    if not raw.startswith(NPY_MAGIC):
+        return raw
     try:
         return read_frames(raw)
     except ValueError as e:

@@ -67,8 +67,8 @@ class ImagePart(_Strict):
 
 
 class InputAudio(_Strict):
-    data: str = Field(description="base64 of a WAV file")
-    format: Literal["wav"]
+    data: str = Field(description="base64 of an audio file (told apart by its bytes)")
+    format: Literal["wav", "mp3"]
 
 
 class AudioPart(_Strict):
@@ -77,7 +77,7 @@ class AudioPart(_Strict):
 
 
 class AudioURL(_Strict):
-    url: str = Field(description="a data URL (or an allowed file URL) of a WAV file")
+    url: str = Field(description="a data URL (or an allowed file URL) of an audio file: WAV, mp3, flac, ...")
 
 
 class AudioURLPart(_Strict):
@@ -88,7 +88,10 @@ class AudioURLPart(_Strict):
 
 
 class VideoURL(_Strict):
-    url: str = Field(description="a data URL (or an allowed file URL) of a .npy array [frames, H, W, 3]")
+    url: str = Field(
+        description="a data URL (or an allowed file URL) of a video file (mp4, webm, ...) or a .npy array "
+        "[frames, H, W, 3]"
+    )
 
 
 class VideoPart(_Strict):
@@ -192,8 +195,16 @@ class _Sampling(_Strict):
         return store
 
 
+class ProcessorKwargs(_Strict):
+    """vLLM's ``mm_processor_kwargs`` of a chat request: how its media are read."""
+
+    use_audio_in_video: bool = False
+    fps: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    mm_processor_kwargs: ProcessorKwargs | None = None
     modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
     audio: AudioOutput | None = None
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -22,7 +22,6 @@ tokenizer splits text at them and expanding before or after tokenizing gives the
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -31,11 +30,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from omni_jax.audio_io import check_clip, read_wav, resample
+from omni_jax.audio_io import check_clip, read_audio_file, resample
 from omni_jax.image_io import composite_rgb, composite_rgb_array, read_image
+from omni_jax.media_files import VideoFile, decode_video_file
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
 from omni_jax.models.qwen2_5_omni.rope_index import chunk_bounds
 from omni_jax.models.tokenizer import load_tokenizer, no_tokenizer
+from omni_jax.video_io import NPY_MAGIC, read_frames
 
 SAMPLE_RATE = 16_000
 """The feature extractor's (and so every audio input's) sampling rate."""
@@ -50,6 +51,10 @@ when none is given (it is not saved in the official checkpoint)."""
 VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
 """Pixel bounds the composite processor passes to its video processor on every call
 (``Qwen2_5OmniProcessor.videos_kwargs``), whatever the checkpoint's own config says."""
+
+MAX_VIDEO_FILE_FRAMES = 768
+"""The most frames a video file is sampled to when the caller names no context (``max_tokens``):
+Qwen's own ``qwen-omni-utils`` caps a video at as many (its ``FPS_MAX_FRAMES``)."""
 
 SECONDS_PER_CHUNK = 2.0
 POSITION_ID_PER_SECONDS = 25
@@ -184,15 +189,13 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def read_audio(index: int, path: str | Path, max_seconds: float | None = None) -> np.ndarray:
-    """A WAV file as float32 mono at 16 kHz (:func:`omni_jax.audio_io.read_wav`; other formats
-    are refused)."""
+    """An audio file (WAV, or any FFmpeg reads) as float32 mono at 16 kHz
+    (:func:`omni_jax.audio_io.read_audio_file`)."""
     path = Path(path)
-    if path.suffix.lower() != ".wav":
-        raise _fail(index, f"audio file {str(path)!r}: only .wav files can be read; pass a float array")
-    if not path.exists():
+    if not path.is_file():
         raise _fail(index, f"audio file {str(path)!r} does not exist")
     try:
-        return read_wav(path, SAMPLE_RATE, max_seconds)
+        return read_audio_file(path, SAMPLE_RATE, max_seconds)
     except ValueError as e:
         raise _fail(index, f"audio file {str(path)!r} {e}") from None
 
@@ -244,7 +247,7 @@ def _audio_item(
     index: int, item: Any, max_samples: int | None, track: bool, fills: str | None = None
 ) -> np.ndarray:
     """A 1-D real float array at 16 kHz (or a list of numbers; or a ``(clip, sample_rate)``
-    tuple, resampled as a WAV file is; or a .wav path, or a WAV file's bytes), not empty,
+    tuple, resampled as an audio file is; or an audio file's path or bytes: WAV, mp3, flac, ...), not empty,
     finite, at most ``max_samples`` long. ``track``: the clip is a video's one audio track
     (``use_audio_in_video``), so a longer one is refused with advice to split the video, not
     the clip. ``fills``: ``max_samples`` is not the extractor's window but the longest clip
@@ -265,16 +268,16 @@ def _audio_item(
         audio = read_audio(index, item, max_seconds)
     elif isinstance(item, bytes) and rate == SAMPLE_RATE:
         try:
-            audio = read_wav(io.BytesIO(item), SAMPLE_RATE, max_seconds)
+            audio = read_audio_file(item, SAMPLE_RATE, max_seconds)
         except ValueError as e:
-            raise _fail(index, f"audio (WAV bytes) {e}") from None
+            raise _fail(index, f"audio (file bytes) {e}") from None
     elif isinstance(item, np.ndarray) and item.ndim == 1 and np.issubdtype(item.dtype, np.floating):
         audio = item
     else:
         raise _fail(
             index,
             f"audio must be a 1-D float array at {SAMPLE_RATE} Hz (or a (array, sample_rate) tuple), "
-            f"a .wav path or WAV bytes, got {_describe(item)}",
+            f"an audio file's path or bytes, got {_describe(item)}",
         )
     if audio.size == 0:
         raise _fail(index, "audio is empty")
@@ -396,6 +399,40 @@ def _video_items(value: Any) -> list[Any]:
     return [value] if pil else _as_list(value)
 
 
+def _is_file(value: Any) -> bool:
+    """A video given as a file: its path, or its bytes."""
+    return isinstance(value, (str, Path, bytes))
+
+
+def _video_file(
+    index: int,
+    v: int,
+    item: str | Path | bytes,
+    fps: float,
+    most: int,
+    track: bool,
+    track_seconds: float | None,
+) -> VideoFile:
+    """Video ``v`` of request ``index`` read from its file: a ``.npy`` array of frames
+    (:func:`~omni_jax.video_io.read_frames`), any other video sampled at ``fps``
+    (:func:`~omni_jax.media_files.decode_video_file`, at most ``most`` frames; with ``track``
+    also its audio track, at most ``track_seconds`` long)."""
+    name = "bytes" if isinstance(item, bytes) else f"file {str(item)!r}"
+    if not isinstance(item, bytes):
+        if not Path(item).is_file():
+            raise _fail(index, f"video {v}: {name} does not exist")
+        with open(item, "rb") as f:
+            npy = f.read(len(NPY_MAGIC)) == NPY_MAGIC or Path(item).suffix.lower() == ".npy"
+    else:
+        npy = item.startswith(NPY_MAGIC)
+    try:
+        if npy:
+            return VideoFile(read_frames(item if isinstance(item, bytes) else Path(item).read_bytes()))
+        return decode_video_file(item, fps, most, track=track, max_track_seconds=track_seconds)
+    except ValueError as e:
+        raise _fail(index, f"video {v} ({name}) {e}") from None
+
+
 def _stacked_frames(index: int, frames: Sequence[Any]) -> np.ndarray:
     """A video given frame by frame as one ``[frames, H, W, 3]`` array: PIL frames as RGB
     (:func:`~omni_jax.image_io.composite_rgb`), array frames as images are (:func:`_rgb_array`)."""
@@ -428,7 +465,7 @@ def _video_item(index: int, item: Any) -> np.ndarray:
         raise _fail(
             index,
             "video must be a frame array [frames, H, W, 3] or [frames, 3, H, W], or a list of frames "
-            f"(PIL images or [H, W, C] arrays; decode files first); got {_describe(item)}",
+            f"(PIL images or [H, W, C] arrays), or a video file's path or bytes; got {_describe(item)}",
         )
     _pixel_array(index, "video", item)
     if item.shape[-1] != 3:
@@ -664,6 +701,9 @@ class OmniProcessor:
             raise _fail(index, f"use_audio_in_video must be true or false, got {use_audio_in_video!r}")
         if fps is not None and not (_is_number(fps) and 0 < fps < math.inf):
             raise _fail(index, f"fps must be a positive finite number, got {fps!r}")
+        multi_modal_data = self._read_video_files(
+            index, multi_modal_data, fps or self.default_fps, use_audio_in_video, max_tokens
+        )
         data = self._check_forms(index, multi_modal_data, use_audio_in_video, max_tokens)
         ids = [int(t) for t in token_ids]
         audios, images, videos = data.get("audio", []), data.get("image", []), data.get("video", [])
@@ -739,9 +779,7 @@ class OmniProcessor:
             return {}
         if not isinstance(mm, dict):
             raise _fail(index, f"multi_modal_data must be a dict, got {type(mm).__name__}")
-        max_samples, fills = self.max_audio_samples, None
-        if max_samples is None and max_tokens is not None:
-            max_samples, fills = self.longest_clip(max_tokens), f"max_model_len {max_tokens}"
+        max_samples, fills = self._longest_audio(max_tokens)
         tracks = use_audio_in_video and mm.get("video") is not None and bool(_video_items(mm["video"]))
         checks = {
             "audio": lambda i, item: _audio_item(i, item, max_samples, tracks, fills),
@@ -753,6 +791,58 @@ class OmniProcessor:
             raise _fail(index, f"multi_modal_data has unknown keys {sorted(unknown)} (known: {list(checks)})")
         items = {"audio": _audio_items, "image": _as_list, "video": _video_items}
         return {k: [checks[k](index, item) for item in items[k](v)] for k, v in mm.items() if v is not None}
+
+    def _longest_audio(self, max_tokens: int | None) -> tuple[int | None, str | None]:
+        """``(samples, what bounds them)``: the longest clip a prompt takes (``None``: any), and
+        ``None`` where that is the extractor's window, else the context ``max_tokens`` it would fill."""
+        if self.max_audio_samples is None and max_tokens is not None:
+            return self.longest_clip(max_tokens), f"max_model_len {max_tokens}"
+        return self.max_audio_samples, None
+
+    def _read_video_files(
+        self, index: int, mm: Any, fps: float, use_audio_in_video: bool, max_tokens: int | None
+    ) -> Any:
+        """``mm`` with each video given as a file read (:func:`_video_file`): sampled at ``fps``,
+        at most the frames whose fewest tokens fit ``max_tokens`` (else
+        :data:`MAX_VIDEO_FILE_FRAMES`). With ``use_audio_in_video`` and no audio of the prompt's
+        own, each file's own audio track is its video's (every video must then be a file that has
+        one); given audio is used as given."""
+        if not isinstance(mm, dict) or mm.get("video") is None:
+            return mm
+        videos = _video_items(mm["video"])
+        if not any(_is_file(v) for v in videos):
+            return mm
+        vp = self.video_processor
+        most = (
+            MAX_VIDEO_FILE_FRAMES
+            if max_tokens is None
+            else vp.temporal_patch_size * (max_tokens // vp.least_tokens(1))
+        )
+        tracks = use_audio_in_video and mm.get("audio") is None
+        samples, _ = self._longest_audio(max_tokens)
+        track_seconds = None if samples is None else samples / SAMPLE_RATE
+        read: list[Any] = []
+        audio: list[tuple[np.ndarray, int]] = []
+        for v, item in enumerate(videos):
+            if not _is_file(item):
+                if tracks:
+                    raise _fail(
+                        index,
+                        f"use_audio_in_video without audio takes each video's track from its file, and "
+                        f"video {v} is frames: give multi_modal_data['audio'] one track per video",
+                    )
+                read.append(item)
+                continue
+            clip = _video_file(index, v, item, fps, most, tracks, track_seconds)
+            if tracks and clip.track is None:
+                raise _fail(index, f"video {v} is a .npy array of frames, with no audio track to use")
+            read.append(clip.frames)
+            if clip.track is not None:
+                audio.append((clip.track, clip.track_rate))
+        out = {**mm, "video": read}
+        if tracks:
+            out["audio"] = audio
+        return out
 
     def _check_counts(
         self, index: int, ids: list[int], audios: int, images: int, videos: int, use_audio_in_video: bool
