@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
@@ -189,3 +189,40 @@ def decode_video_file(
         return VideoFile(np.stack(frames))
     audio, audio_rate = decode_audio_file(source, max_track_seconds)
     return VideoFile(np.stack(frames), audio, audio_rate)
+
+
+ENCODINGS = {
+    "mp3": ("mp3", "libmp3lame", "fltp"),
+    "flac": ("flac", "flac", "s16"),
+    "opus": ("ogg", "libopus", "flt"),
+    "aac": ("adts", "aac", "fltp"),
+}
+"""OpenAI's compressed audio output formats: ``(container, FFmpeg encoder, sample format)``.
+FLAC is fed 16-bit samples (what a WAV reply carries, so it decodes to the same), the lossy
+codecs float samples clipped to [-1, 1]."""
+
+EncodedFormat = Literal["mp3", "flac", "opus", "aac"]
+
+
+def encode_audio(samples: np.ndarray, rate: int, fmt: EncodedFormat) -> bytes:
+    """Mono float ``samples`` at ``rate`` Hz as a whole file of ``fmt`` (:data:`ENCODINGS`):
+    an mp3, a FLAC, an Ogg Opus or an ADTS AAC stream."""
+    import av
+
+    from omni_jax.audio_io import pcm16
+
+    container_format, codec, sample_format = ENCODINGS[fmt]
+    if sample_format == "s16":
+        data = pcm16(samples)[None]
+    else:
+        data = np.clip(np.asarray(samples, np.float32), -1.0, 1.0)[None]
+    out = io.BytesIO()
+    with av.open(out, mode="w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.layout = "mono"
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=sample_format, layout="mono")
+        frame.sample_rate = rate
+        frame.pts = 0
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    return out.getvalue()

@@ -207,3 +207,20 @@ def test_qwen3_omni_samples_a_video_file_at_its_own_rate(qwen3_omni_dir, clip) -
     assert got.input_ids == expected.input_ids and got.video_grid_thw == expected.video_grid_thw
     np.testing.assert_array_equal(got.video_patches[0], expected.video_patches[0])
     np.testing.assert_array_equal(got.audio_features[0], expected.audio_features[0])
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "flac", "opus", "aac"])
+def test_encoded_audio_decodes_to_its_samples(fmt) -> None:
+    """A reply encoded as OpenAI's compressed formats: flac is its 16-bit samples exactly, the
+    lossy ones the same tone (Opus decodes at 48 kHz)."""
+    from omni_jax.audio_io import pcm16
+    from omni_jax.media_files import encode_audio
+
+    samples = tone(2, 24_000, hz=330)[0]
+    audio, rate = decode_audio(encode_audio(samples, 24_000, fmt))
+    if fmt == "flac":
+        np.testing.assert_array_equal(audio, pcm16(samples) / np.float32(32768))
+        return
+    assert rate == (48_000 if fmt == "opus" else 24_000)
+    assert abs(audio.size * 24_000 / rate - samples.size) <= 2048
+    assert dominant_hz(audio, rate) == pytest.approx(330, abs=2)

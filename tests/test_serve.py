@@ -57,7 +57,8 @@ from stage_yamls import Whole, edited_stages
 
 import omni_jax
 from omni_jax import OmniJaxPipeline, OmniRequestOutput, Token2WavParams
-from omni_jax.audio_io import pcm16, read_audio_file, wav_bytes
+from omni_jax.audio_io import decode_audio as read_audio
+from omni_jax.audio_io import pcm16, read_audio_file, resample, wav_bytes
 from omni_jax.testing import OMNI_CODEC, build_tiny_qwen2
 
 START_TIMEOUT_S = 400
@@ -1753,6 +1754,35 @@ def test_a_video_file_with_its_own_sound_and_an_mp3(omni, tmp_path) -> None:
             400,
             "invalid_request_error",
             "video 0 (bytes) holds no audio stream",
+        )
+
+
+def test_a_whole_reply_speaks_in_openais_compressed_formats(omni) -> None:
+    """mp3, flac, opus and aac, as OpenAI serves them, encoded from the reply's samples: flac
+    decodes to the WAV reply's 16-bit samples exactly, the lossy ones to the same tone; a streamed
+    reply asking for one is refused (its chunks are wav or pcm16)."""
+    ref = omni_ref(omni, STORY, "Chelsie", seed=5, max_tokens=10)
+    expected = pcm16(ref.audio).astype(np.float32) / 32768
+    client = omni.server.client()
+    for fmt in ("flac", "mp3", "opus", "aac"):
+        r = client.chat.completions.create(**omni_request(STORY, "Chelsie", fmt, seed=5, max_tokens=10))
+        assert r.choices[0].message.content == ref.text
+        got, rate = read_audio(base64.b64decode(r.choices[0].message.audio.data))
+        if fmt == "flac":
+            assert rate == 24_000
+            np.testing.assert_array_equal(got, expected)
+            continue
+        assert rate == (48_000 if fmt == "opus" else 24_000)  # Opus decodes at 48 kHz
+        got = resample(got, rate, 24_000)
+        assert abs(got.size - expected.size) <= 2048 + expected.size // 100  # codec delay and padding
+        assert 0.5 < np.sqrt(np.mean(got**2) / np.mean(expected**2)) < 2  # the reply, not silence
+    with omni.server.http() as http:
+        body = omni_request(STORY, "Chelsie", "mp3", seed=5, max_tokens=4)
+        check_error(
+            http.post("/v1/chat/completions", json={**body, "stream": True}),
+            400,
+            "invalid_request_error",
+            "audio.format: a streamed reply's audio comes in ['wav', 'pcm16'] chunks",
         )
 
 

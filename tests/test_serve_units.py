@@ -74,7 +74,7 @@ def test_a_field_of_the_wrong_type_is_named_by_its_path() -> None:
     body = '{"model": "m", "messages": [{"role": "robot", "content": "hi"}]}'
     message, param = refusal(ChatCompletionRequest, body)
     assert param == "messages.0.role" and message.startswith("messages.0.role: ")
-    body = CHAT % ', "audio": {"voice": "Ethan", "format": "mp3"}'
+    body = CHAT % ', "audio": {"voice": "Ethan", "format": "ogg"}'
     assert refusal(ChatCompletionRequest, body)[1] == "audio.format"
 
 

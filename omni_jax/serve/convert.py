@@ -15,13 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from omni_jax import Token2WavParams
 from omni_jax.intake import StageParams
 from omni_jax.pipeline import OmniJaxPipeline
 from omni_jax.serve import media
-from omni_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, FieldError, Message
+from omni_jax.serve.protocol import (
+    STREAMED_AUDIO_FORMATS,
+    AudioFormat,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    Message,
+)
 
 SAMPLING_FIELDS = (
     "temperature",
@@ -62,7 +69,7 @@ class ServeRequest:
 
     prompts: list[dict[str, Any]]
     sampling_params_list: list[StageParams] | StageParams
-    audio_format: Literal["wav", "pcm16"] | None
+    audio_format: AudioFormat | None
     stream: bool
     include_usage: bool
     continuous_usage: bool
@@ -236,6 +243,13 @@ def chat_request(
             f"this server's stages {[s.config.name for s in pipeline.stages]} write text only: "
             "it answers with text, not audio",
         )
+    if wants_audio and request.stream and request.audio is not None:
+        if request.audio.format not in STREAMED_AUDIO_FORMATS:
+            raise FieldError(
+                "audio.format",
+                f"a streamed reply's audio comes in {list(STREAMED_AUDIO_FORMATS)} chunks (OpenAI streams "
+                f"pcm16 alone); {request.audio.format} is served whole, with stream: false",
+            )
     if _stop(request.stop) and wants_audio:
         raise FieldError("stop", "stop strings are served for text output only (modalities ['text'])")
     if request.top_logprobs is not None and not request.logprobs:

@@ -137,9 +137,15 @@ class Message(_Strict):
         return audio
 
 
+AudioFormat = Literal["wav", "pcm16", "mp3", "flac", "opus", "aac"]
+"""OpenAI's audio output formats; a streamed reply's chunks are ``wav`` or ``pcm16``."""
+
+STREAMED_AUDIO_FORMATS = ("wav", "pcm16")
+
+
 class AudioOutput(_Strict):
     voice: str
-    format: Literal["wav", "pcm16"] = "wav"
+    format: AudioFormat = "wav"
 
 
 class TextFormat(_Strict):

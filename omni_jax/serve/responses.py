@@ -2,19 +2,23 @@
 
 Audio goes out as OpenAI's ``audio`` object (``id``, base64 ``data``, ``transcript``,
 ``expires_at``) in the format asked: ``"wav"``, a whole WAV file (in a stream, each chunk is a
-WAV file of its own, playable alone), or ``"pcm16"``, raw little-endian 16-bit samples at the
-stage's rate (24 kHz for Qwen2.5-Omni), which concatenate.
+WAV file of its own, playable alone), ``"pcm16"``, raw little-endian 16-bit samples at the
+stage's rate (24 kHz for Qwen2.5-Omni), which concatenate, or, for a reply served whole,
+``"mp3"``, ``"flac"`` (the WAV's 16-bit samples, losslessly), ``"opus"`` (Ogg) or ``"aac"``
+(ADTS), encoded with FFmpeg (:func:`~omni_jax.media_files.encode_audio`).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from omni_jax.audio_io import pcm16, wav_bytes
+from omni_jax.media_files import encode_audio
+from omni_jax.serve.protocol import AudioFormat
 
 AUDIO_EXPIRY_S = 3600
 """``expires_at`` is an hour after the request: until then a later request may refer to the
@@ -45,8 +49,14 @@ def error_json(status: int, message: str, param: str | None = None) -> dict[str,
     }
 
 
-def audio_data(samples: np.ndarray, rate: int, fmt: Literal["wav", "pcm16"]) -> str:
-    raw = wav_bytes(samples, rate) if fmt == "wav" else pcm16(samples).astype("<i2").tobytes()
+def audio_data(samples: np.ndarray, rate: int, fmt: AudioFormat) -> str:
+    """Base64 of ``samples`` at ``rate`` Hz in ``fmt`` (see the module docstring)."""
+    if fmt == "wav":
+        raw = wav_bytes(samples, rate)
+    elif fmt == "pcm16":
+        raw = pcm16(samples).astype("<i2").tobytes()
+    else:
+        raw = encode_audio(samples, rate, fmt)
     return base64.b64encode(raw).decode("ascii")
 
 
