@@ -1735,6 +1735,9 @@ def test_a_video_file_with_its_own_sound_and_an_mp3(omni, tmp_path) -> None:
         assert r.choices[0].message.content == ref.text
         assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
         np.testing.assert_array_equal(decode_audio(r.choices[0].message.audio.data, "wav"), pcm16(ref.audio))
+        with omni.server.http() as http:  # vLLM's /tokenize counts them as the request was counted
+            body = {"messages": [{"role": "user", "content": parts}], "mm_processor_kwargs": kwargs}
+            assert http.post("/tokenize", json=body).json()["tokens"] == ref.prompt_token_ids
     with omni.server.http() as http:
         body = dict(model="tiny-omni", messages=[{"role": "user", "content": watch}], max_tokens=4)
         body["mm_processor_kwargs"] = {"use_audio_in_video": True, "fps": 0}

@@ -569,7 +569,9 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
                     convert.chat_messages, parsed.messages, settings.media_reader(), server.transcripts.said
                 )
                 prompt = pipe.pipeline.chat_prompt(
-                    messages, add_generation_prompt=parsed.add_generation_prompt
+                    messages,
+                    add_generation_prompt=parsed.add_generation_prompt,
+                    **convert.processor_kwargs(parsed.mm_processor_kwargs),
                 )
             else:
                 prompt = {"prompt": parsed.prompt}

@@ -28,6 +28,7 @@ from omni_jax.serve.protocol import (
     CompletionRequest,
     FieldError,
     Message,
+    ProcessorKwargs,
 )
 
 SAMPLING_FIELDS = (
@@ -224,6 +225,12 @@ def chat_messages(
     ]
 
 
+def processor_kwargs(kwargs: ProcessorKwargs | None) -> dict[str, Any]:
+    """A request's ``mm_processor_kwargs`` as :meth:`OmniJaxPipeline.chat_prompt` takes them: those
+    it sets (a text model's prompt then holds none)."""
+    return kwargs.model_dump(exclude_defaults=True) if kwargs is not None else {}
+
+
 def chat_request(
     pipeline: OmniJaxPipeline,
     request: ChatCompletionRequest,
@@ -256,8 +263,7 @@ def chat_request(
         raise FieldError("top_logprobs", "asked without logprobs: true")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _stage_params(pipeline, request, logprobs)
-    kwargs = request.mm_processor_kwargs
-    prompt = pipeline.chat_prompt(messages, **(kwargs.model_dump(exclude_defaults=True) if kwargs else {}))
+    prompt = pipeline.chat_prompt(messages, **processor_kwargs(request.mm_processor_kwargs))
     if pipeline.speaks or wants_audio:
         prompt["modalities"] = list(modalities)
     if wants_audio and request.audio is not None:

@@ -230,6 +230,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
+    mm_processor_kwargs: ProcessorKwargs | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
