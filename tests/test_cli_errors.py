@@ -143,6 +143,11 @@ CASES = {
         ["serve", "{q}", "--api-key", ""],
         r"omni-jax serve: argument --api-key: must not be empty \(omit --api-key to serve without a key\)",
     ),
+    "serve mm-processor-kwargs": (
+        ["serve", "{q}", "--mm-processor-kwargs", '{{"fps": 0}}'],
+        r"omni-jax serve: argument --mm-processor-kwargs: must be a JSON object such as .*: "
+        r"fps: Input should be greater than 0",
+    ),
     "serve port": (
         ["serve", "{q}", "--port", "99999"],
         r"omni-jax serve: argument --port: must be a TCP port \(0 to 65535\), got 99999",

@@ -41,6 +41,7 @@ from omni_jax.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     FieldError,
+    ProcessorKwargs,
     invalid_request_message,
 )
 from omni_jax.serve.reply import End, Piece, Usage, reply
@@ -1080,3 +1081,19 @@ def test_the_libraries_bookkeeping_logs_only_when_debugging(level: str, monkeypa
     finally:  # setLevel, which also clears the loggers' cached answers
         for name, saved_level in saved.items():
             logging.getLogger(name).setLevel(saved_level)
+
+
+def test_the_server_s_processor_kwargs_are_a_request_s_unless_it_sets_its_own() -> None:
+    """vLLM's ``--mm-processor-kwargs`` under a request's ``mm_processor_kwargs``, field by field
+    (a request's explicit ``false`` overrides the server's ``true``); only fields set reach the
+    prompt, so a text model's prompt holds none."""
+    server = ProcessorKwargs(use_audio_in_video=True)
+    assert convert.processor_kwargs(None, None) == {}
+    assert convert.processor_kwargs(server, None) == {"use_audio_in_video": True}
+    assert convert.processor_kwargs(server, ProcessorKwargs(fps=1)) == {
+        "use_audio_in_video": True,
+        "fps": 1.0,
+    }
+    asked = ProcessorKwargs.model_validate({"use_audio_in_video": False})
+    assert convert.processor_kwargs(server, asked) == {"use_audio_in_video": False}
+    assert convert.processor_kwargs(None, ProcessorKwargs()) == {}

@@ -53,6 +53,7 @@ from omni_jax.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     FieldError,
+    ProcessorKwargs,
     TokenizeRequest,
     invalid_request_message,
 )
@@ -85,7 +86,9 @@ class ServeSettings:
     to together (``None``: no limit); ``warmup``: compile every program before ``/health`` turns 200;
     ``allowed_origins``: the web origins whose pages a browser lets call the server (CORS;
     ``"*"``: any). None by default, unlike vLLM's ``*``: a server on a laptop's loopback
-    without a key would otherwise answer any web page its user opens."""
+    without a key would otherwise answer any web page its user opens. ``mm_processor_kwargs``:
+    every chat request's, where the request does not set its own (vLLM's
+    ``--mm-processor-kwargs``)."""
 
     model_name: str
     api_key: str | None = None
@@ -94,6 +97,7 @@ class ServeSettings:
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
     warmup: bool = True
     allowed_origins: tuple[str, ...] = ()
+    mm_processor_kwargs: ProcessorKwargs | None = None
 
     def media_reader(self) -> media.MediaReader:
         """A reader for one request's media."""
@@ -571,7 +575,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
                 prompt = pipe.pipeline.chat_prompt(
                     messages,
                     add_generation_prompt=parsed.add_generation_prompt,
-                    **convert.processor_kwargs(parsed.mm_processor_kwargs),
+                    **convert.processor_kwargs(settings.mm_processor_kwargs, parsed.mm_processor_kwargs),
                 )
             else:
                 prompt = {"prompt": parsed.prompt}
@@ -607,7 +611,12 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         parsed = await server.admit(request, ChatCompletionRequest)
         try:
             serve = await asyncio.to_thread(
-                convert.chat_request, pipe.pipeline, parsed, settings.media_reader(), server.transcripts.said
+                convert.chat_request,
+                pipe.pipeline,
+                parsed,
+                settings.media_reader(),
+                server.transcripts.said,
+                settings.mm_processor_kwargs,
             )
         except ValueError as e:
             raise _bad_request(e) from None

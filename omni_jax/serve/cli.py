@@ -13,9 +13,13 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omni_jax.cli_engine import EngineOptions, add_engine_arguments, positive
 from omni_jax.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IMAGE_PIXELS
+
+if TYPE_CHECKING:
+    from omni_jax.serve.protocol import ProcessorKwargs
 
 
 def _port(value: str) -> int:
@@ -36,6 +40,21 @@ def _api_key(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError("must not be empty (omit --api-key to serve without a key)")
     return value
+
+
+def _processor_kwargs(value: str) -> ProcessorKwargs:
+    """``--mm-processor-kwargs``' JSON object (vLLM's flag), checked as a request's field is."""
+    from pydantic import ValidationError
+
+    from omni_jax.serve.protocol import ProcessorKwargs, invalid_request_message
+
+    try:
+        return ProcessorKwargs.model_validate_json(value)
+    except ValidationError as e:
+        message, _ = invalid_request_message(e)
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"use_audio_in_video\": true}}': {message}"
+        ) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--allowed-local-media-path", default=None, help="a folder file:// media URLs may be read from"
+    )
+    p.add_argument(
+        "--mm-processor-kwargs",
+        type=_processor_kwargs,
+        default=None,
+        help="every chat request's, where it sets none of its own, e.g. '{\"use_audio_in_video\": true}'",
     )
     p.add_argument(
         "--max-image-pixels",
@@ -153,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             max_image_pixels=args.max_image_pixels,
             warmup=not args.no_warmup,
             allowed_origins=tuple(args.allowed_origins),
+            mm_processor_kwargs=args.mm_processor_kwargs,
         )
         config = uvicorn.Config(
             build_app(pipe, settings),

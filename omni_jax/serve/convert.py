@@ -225,10 +225,14 @@ def chat_messages(
     ]
 
 
-def processor_kwargs(kwargs: ProcessorKwargs | None) -> dict[str, Any]:
-    """A request's ``mm_processor_kwargs`` as :meth:`OmniJaxPipeline.chat_prompt` takes them: those
-    it sets (a text model's prompt then holds none)."""
-    return kwargs.model_dump(exclude_defaults=True) if kwargs is not None else {}
+def processor_kwargs(server: ProcessorKwargs | None, request: ProcessorKwargs | None) -> dict[str, Any]:
+    """``mm_processor_kwargs`` as :meth:`OmniJaxPipeline.chat_prompt` takes them: the server's
+    (``--mm-processor-kwargs``, vLLM's flag), each overridden by the request's where it sets it;
+    only those set (a text model's prompt then holds none)."""
+    return {
+        **(server.model_dump(exclude_unset=True) if server is not None else {}),
+        **(request.model_dump(exclude_unset=True) if request is not None else {}),
+    }
 
 
 def chat_request(
@@ -236,10 +240,11 @@ def chat_request(
     request: ChatCompletionRequest,
     reader: media.MediaReader,
     said: Callable[[str], str | None],
+    defaults: ProcessorKwargs | None = None,
 ) -> ServeRequest:
     """``ValueError`` naming the field for what the server cannot serve. ``reader``: the
     request's media reader; ``said``: what an earlier spoken reply said, by its audio's id
-    (``None``: not kept)."""
+    (``None``: not kept); ``defaults``: the server's ``mm_processor_kwargs``."""
     _common(request)
     messages = chat_messages(request.messages, reader, said)
     modalities = request.modalities or (["text", "audio"] if request.audio is not None else ["text"])
@@ -263,7 +268,7 @@ def chat_request(
         raise FieldError("top_logprobs", "asked without logprobs: true")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _stage_params(pipeline, request, logprobs)
-    prompt = pipeline.chat_prompt(messages, **processor_kwargs(request.mm_processor_kwargs))
+    prompt = pipeline.chat_prompt(messages, **processor_kwargs(defaults, request.mm_processor_kwargs))
     if pipeline.speaks or wants_audio:
         prompt["modalities"] = list(modalities)
     if wants_audio and request.audio is not None:
