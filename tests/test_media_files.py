@@ -224,3 +224,19 @@ def test_encoded_audio_decodes_to_its_samples(fmt) -> None:
     assert rate == (48_000 if fmt == "opus" else 24_000)
     assert abs(audio.size * 24_000 / rate - samples.size) <= 2048
     assert dominant_hz(audio, rate) == pytest.approx(330, abs=2)
+
+
+def test_a_prompt_over_the_caller_s_limits_is_refused_before_its_files_are_decoded(processor) -> None:
+    """``admit`` (the stage's per-prompt limits, ``limit_mm_per_prompt``) sees the items' counts,
+    the videos' tracks among the audio, before a byte of a video file is decoded."""
+    calls = []
+
+    def admit(counts: dict[str, int], least: int) -> None:
+        calls.append((counts, least))
+        raise ValueError("request 0: over the limit")
+
+    with pytest.raises(ValueError, match="^request 0: over the limit$"):
+        processor.process(
+            0, video_prompt(processor), {"video": b"not a video" * 10}, use_audio_in_video=True, admit=admit
+        )
+    assert calls == [({"audio": 1, "image": 0, "video": 1}, 0)]

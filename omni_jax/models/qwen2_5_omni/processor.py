@@ -399,6 +399,14 @@ def _video_items(value: Any) -> list[Any]:
     return [value] if pil else _as_list(value)
 
 
+ITEMS: dict[str, Callable[[Any], list[Any]]] = {
+    "audio": _audio_items,
+    "image": _as_list,
+    "video": _video_items,
+}
+"""How each ``multi_modal_data`` value splits into its items."""
+
+
 def _is_file(value: Any) -> bool:
     """A video given as a file: its path, or its bytes."""
     return isinstance(value, (str, Path, bytes))
@@ -702,7 +710,7 @@ class OmniProcessor:
         if fps is not None and not (_is_number(fps) and 0 < fps < math.inf):
             raise _fail(index, f"fps must be a positive finite number, got {fps!r}")
         multi_modal_data = self._read_video_files(
-            index, multi_modal_data, fps or self.default_fps, use_audio_in_video, max_tokens
+            index, multi_modal_data, fps or self.default_fps, use_audio_in_video, max_tokens, admit
         )
         data = self._check_forms(index, multi_modal_data, use_audio_in_video, max_tokens)
         ids = [int(t) for t in token_ids]
@@ -789,8 +797,7 @@ class OmniProcessor:
         unknown = set(mm) - set(checks)
         if unknown:
             raise _fail(index, f"multi_modal_data has unknown keys {sorted(unknown)} (known: {list(checks)})")
-        items = {"audio": _audio_items, "image": _as_list, "video": _video_items}
-        return {k: [checks[k](index, item) for item in items[k](v)] for k, v in mm.items() if v is not None}
+        return {k: [checks[k](index, item) for item in ITEMS[k](v)] for k, v in mm.items() if v is not None}
 
     def _longest_audio(self, max_tokens: int | None) -> tuple[int | None, str | None]:
         """``(samples, what bounds them)``: the longest clip a prompt takes (``None``: any), and
@@ -800,25 +807,36 @@ class OmniProcessor:
         return self.max_audio_samples, None
 
     def _read_video_files(
-        self, index: int, mm: Any, fps: float, use_audio_in_video: bool, max_tokens: int | None
+        self,
+        index: int,
+        mm: Any,
+        fps: float,
+        use_audio_in_video: bool,
+        max_tokens: int | None,
+        admit: Callable[[dict[str, int], int], None] | None,
     ) -> Any:
         """``mm`` with each video given as a file read (:func:`_video_file`): sampled at ``fps``,
         at most the frames whose fewest tokens fit ``max_tokens`` (else
         :data:`MAX_VIDEO_FILE_FRAMES`). With ``use_audio_in_video`` and no audio of the prompt's
         own, each file's own audio track is its video's (every video must then be a file that has
-        one); given audio is used as given."""
+        one); given audio is used as given. ``admit`` (:meth:`process`'s) is first called with the
+        items' counts, so that a prompt over the caller's limits is refused before any file is
+        decoded."""
         if not isinstance(mm, dict) or mm.get("video") is None:
             return mm
         videos = _video_items(mm["video"])
         if not any(_is_file(v) for v in videos):
             return mm
+        tracks = use_audio_in_video and mm.get("audio") is None
+        if admit is not None:
+            given = {k: 0 if mm.get(k) is None else len(split(mm[k])) for k, split in ITEMS.items()}
+            admit({**given, "audio": len(videos) if tracks else given["audio"]}, 0)
         vp = self.video_processor
         most = (
             MAX_VIDEO_FILE_FRAMES
             if max_tokens is None
             else vp.temporal_patch_size * (max_tokens // vp.least_tokens(1))
         )
-        tracks = use_audio_in_video and mm.get("audio") is None
         samples, _ = self._longest_audio(max_tokens)
         track_seconds = None if samples is None else samples / SAMPLE_RATE
         read: list[Any] = []
