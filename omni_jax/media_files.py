@@ -45,10 +45,12 @@ class VideoFile:
 
 
 def _errors() -> tuple[type[Exception], ...]:
-    """What PyAV raises on data it cannot read (FFmpeg's errors, and its own on bad arguments)."""
+    """What PyAV raises on data it cannot read: FFmpeg's errors (opening, it also raises
+    ``ValueError`` and ``EOFError`` of its own, caught there alone, so that this module's
+    ``ValueError`` of a file over its limits is not taken for one)."""
     import av
 
-    return (av.error.FFmpegError, ValueError, EOFError)
+    return (av.error.FFmpegError,)
 
 
 def _open(source: Source) -> Any:
@@ -57,7 +59,7 @@ def _open(source: Source) -> Any:
     opened = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
         return av.open(str(opened) if isinstance(opened, Path) else opened, mode="r")
-    except _errors() as e:
+    except (*_errors(), ValueError, EOFError) as e:
         raise ValueError(f"is not a media file FFmpeg can read ({e})") from None
 
 
