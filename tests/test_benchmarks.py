@@ -908,6 +908,19 @@ def test_host_copy_times_both_copies_of_every_shape(tmp_path: Path) -> None:
     assert all(r["numpy_s"] > 0 and r["tiles_s"] > 0 and r["bytes"] > 0 for r in rows)
 
 
+def test_media_files_times_a_clip_against_transformers_load_video(omni_dir, tmp_path: Path) -> None:
+    """A small clip built, sampled as transformers samples it (the benchmark exits non-zero where
+    the frames differ), and each part of its host cost timed."""
+    from benchmarks import media_files
+
+    out = tmp_path / "media.json"
+    argv = ["--seconds", "3", "--width", "160", "--height", "96", "--repeats", "1", "--model", str(omni_dir)]
+    assert media_files.main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["frames"], result["width"], result["height"]) == (6, 160, 96)
+    assert len(result["times_s"]) == 4 and all(t > 0 for t in result["times_s"].values())
+
+
 def test_host_pack_times_each_stages_steps(tmp_path: Path) -> None:
     """The host layout of each omni stage's prompt step and the talkers' decode steps: each
     talker's prompt step holds both prompts whole, the thinker's more than an image's
