@@ -11,7 +11,7 @@ with the track (ours), and ``OmniProcessor.process`` of the file with ``use_audi
 sizes a video is resized to are the released model's whatever the checkpoint:
 ``processor.VIDEO_SIZE``).
 
-Usage: ``python -m benchmarks.media_files [--seconds 30] [--width 1280 --height 720] [--fps 2]``.
+Usage: ``python -m benchmarks.media_files [--seconds 20] [--width 1280 --height 720] [--fps 2]``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def build_clip(path: Path, seconds: int, width: int, height: int) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clip", type=Path, default=None, help="a video file (default: one built here)")
-    parser.add_argument("--seconds", type=int, default=30)
+    parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--width", type=int, default=1280)
     parser.add_argument("--height", type=int, default=720)
     parser.add_argument("--fps", type=float, default=2.0)
