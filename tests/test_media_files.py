@@ -88,13 +88,14 @@ def test_compressed_audio_files_decode_to_their_tone(tmp_path, name, codec, rate
 
 
 def test_flac_is_lossless(tmp_path) -> None:
-    """FLAC keeps 16-bit samples exactly: decoded, each channel is its source rounded to 16 bits,
-    and the mono mix their mean (as a WAV's channels are mixed)."""
+    """FLAC keeps 16-bit samples exactly: decoded, each channel is its source as FFmpeg made it
+    16-bit (``round(x * 32768)``, clipped), read back at 32768 full scale, and the mono mix their
+    float32 mean (as a WAV's channels are mixed)."""
     source = tone(1.0, 16000, channels=2)
     path = write_audio(tmp_path / "a.flac", source, 16000, "flac")
     audio, _ = decode_audio(path)
-    rounded = np.round(np.clip(source, -1, 1) * 32767) / 32768
-    np.testing.assert_allclose(audio, rounded.mean(axis=0), atol=1.5 / 32768)
+    s16 = np.clip(np.round(source * np.float32(32768)), -32768, 32767)
+    np.testing.assert_array_equal(audio, (s16 / np.float32(32768)).mean(axis=0, dtype=np.float32))
 
 
 def test_what_ffmpeg_cannot_read_or_would_decode_past_its_limits_is_refused(tmp_path, clip) -> None:
