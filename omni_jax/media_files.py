@@ -70,6 +70,16 @@ def _seconds(stream: Any) -> float | None:
     return float(stream.duration * stream.time_base)
 
 
+def check_audio_file(source: Source) -> None:
+    """``ValueError`` (as :func:`decode_audio_file`'s) for a file FFmpeg cannot open, with no
+    audio stream, or at a rate outside :data:`~omni_jax.audio_io.WAV_RATES`, from its header
+    alone: a file checked here is decoded later by a reader that knows how long it may last."""
+    with _open(source) as container:
+        if not container.streams.audio:
+            raise ValueError("holds no audio stream")
+        check_clip(0, int(container.streams.audio[0].rate or 0), None)
+
+
 def decode_audio_file(source: Source, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
     """The first audio stream of ``source`` as float32 mono at its own rate, and the rate.
 

@@ -241,3 +241,18 @@ def test_a_prompt_over_the_caller_s_limits_is_refused_before_its_files_are_decod
             0, video_prompt(processor), {"video": b"not a video" * 10}, use_audio_in_video=True, admit=admit
         )
     assert calls == [({"audio": 1, "image": 0, "video": 1}, 0)]
+
+
+def test_a_compressed_clip_past_the_longest_a_prompt_takes_is_refused_from_its_header(
+    processor, tmp_path
+) -> None:
+    """A few kilobytes of mp3 can hold hours: bytes given to the stage (as the server gives it an
+    mp3) are refused from the header's duration, over the extractor's window (the tiny
+    checkpoint's 30 s), before any sample is decoded."""
+    mp3 = write_audio(tmp_path / "long.mp3", tone(40, 8000), 8000, "mp3")
+    text = processor.tokenizer.encode("listen")
+    ids = [*text, processor.audio_bos_id, processor.audio_id, *text]
+    with pytest.raises(
+        ValueError, match=r"^request 2: audio \(file bytes\) is 40\.\d+ s long .* over the 30 s it may"
+    ):
+        processor.process(2, ids, {"audio": [mp3.read_bytes()]})

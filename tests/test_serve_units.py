@@ -1097,3 +1097,20 @@ def test_the_server_s_processor_kwargs_are_a_request_s_unless_it_sets_its_own() 
     asked = ProcessorKwargs.model_validate({"use_audio_in_video": False})
     assert convert.processor_kwargs(server, asked) == {"use_audio_in_video": False}
     assert convert.processor_kwargs(None, ProcessorKwargs()) == {}
+
+
+def test_a_compressed_audio_file_goes_to_the_stage_as_its_bytes_its_header_checked(tmp_path) -> None:
+    """Its samples are decoded by the stage, which stops at the longest clip it takes; what FFmpeg
+    cannot open, or holds no audio stream, is refused here naming the field."""
+    from media_samples import gradient_frames, tone, write_audio, write_video
+
+    raw = write_audio(tmp_path / "a.mp3", tone(1, 16_000), 16_000, "mp3").read_bytes()
+    where = "messages.0.content.1.input_audio.data"
+    assert media.audio(where, base64.b64encode(raw).decode()) == raw
+    with pytest.raises(
+        FieldError, match=rf"^{re.escape(where)}: the audio file is not a media file FFmpeg can read"
+    ):
+        media.audio(where, base64.b64encode(b"\x00 not audio" * 20).decode())
+    silent = write_video(tmp_path / "silent.mp4", gradient_frames(10, 32, 32), 25).read_bytes()
+    with pytest.raises(FieldError, match=rf"^{re.escape(where)}: the audio file holds no audio stream$"):
+        media.audio(where, base64.b64encode(silent).decode())

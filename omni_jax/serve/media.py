@@ -3,9 +3,9 @@
 The server fetches nothing over the network: an image or video is a ``data:`` URL, or a
 ``file://`` URL under the folder ``--allowed-local-media-path`` names (refused without it, and
 for any path that resolves outside it); audio is a base64 audio file (``input_audio``: WAV, mp3,
-...). Each decoder returns what :meth:`OmniJaxPipeline.chat_prompt` takes (a PIL image, an audio
-file's ``(samples, sample_rate)``, a ``.npy`` file's frame array, a video file's bytes, which
-the processor samples at the prompt's frame rate)
+...). Each decoder returns what :meth:`OmniJaxPipeline.chat_prompt` takes (a PIL image, a WAV
+file's ``(samples, sample_rate)``, a ``.npy`` file's frame array, another audio or video file's
+bytes, which the processor decodes within its limits, a video sampled at the prompt's rate)
 or raises :class:`~omni_jax.serve.protocol.FieldError` naming the content part, so a bad item
 is a 400 naming it before any work. A request's images together may decode to at most
 ``--max-image-pixels`` (:class:`MediaReader`), checked from each file's header before it is
@@ -24,8 +24,9 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from omni_jax.audio_io import decode_audio
+from omni_jax.audio_io import decode_wav, is_wav
 from omni_jax.image_io import upright_rgb
+from omni_jax.media_files import check_audio_file
 from omni_jax.serve import DEFAULT_MAX_IMAGE_PIXELS
 from omni_jax.serve.protocol import FieldError
 from omni_jax.video_io import NPY_MAGIC, read_frames
@@ -94,25 +95,31 @@ def image(where: str, url: str, allowed: Path | None, room: int | None = None) -
             raise FieldError(where, f"not a readable image ({type(e).__name__}: {e})") from None
 
 
-def audio(where: str, data: str) -> tuple[np.ndarray, int]:
-    """The audio file an ``input_audio`` carries, decoded: ``(samples, sample_rate)``, the form
-    ``multi_modal_data`` takes (the stage resamples it as it would the file)."""
+def audio(where: str, data: str) -> tuple[np.ndarray, int] | bytes:
+    """The audio file an ``input_audio`` carries, as ``multi_modal_data`` takes it (see
+    :func:`_audio`)."""
     return _audio(where, _base64(where, data))
 
 
-def audio_file(where: str, url: str, allowed: Path | None) -> tuple[np.ndarray, int]:
-    """The audio file an ``audio_url`` points at (a data URL, or an allowed file URL), decoded as
+def audio_file(where: str, url: str, allowed: Path | None) -> tuple[np.ndarray, int] | bytes:
+    """The audio file an ``audio_url`` points at (a data URL, or an allowed file URL), as
     :func:`audio`'s."""
     return _audio(where, _url_bytes(where, url, allowed))
 
 
-def _audio(where: str, raw: bytes) -> tuple[np.ndarray, int]:
-    """Decoded here (:func:`~omni_jax.audio_io.decode_audio`), so that an audio file that cannot
-    be read is refused naming its field."""
+def _audio(where: str, raw: bytes) -> tuple[np.ndarray, int] | bytes:
+    """A WAV file decoded here, ``(samples, sample_rate)`` (the stage resamples it as it would the
+    file), so that one that cannot be read is refused naming its field; any other file's bytes,
+    its header checked here (:func:`~omni_jax.media_files.check_audio_file`) and its samples
+    decoded by the stage, which stops at the longest clip it takes: a few megabytes of mp3 can
+    hold hours, gigabytes of samples, where a WAV's samples are its bytes."""
     try:
-        return decode_audio(raw)
+        if is_wav(raw[:12]):
+            return decode_wav(io.BytesIO(raw))
+        check_audio_file(raw)
     except ValueError as e:
         raise FieldError(where, f"the audio file {e}") from None
+    return raw
 
 
 @dataclasses.dataclass
@@ -131,10 +138,10 @@ class MediaReader:
         self.pixels += img.width * img.height
         return img
 
-    def audio(self, where: str, data: str) -> tuple[np.ndarray, int]:
+    def audio(self, where: str, data: str) -> tuple[np.ndarray, int] | bytes:
         return audio(where, data)
 
-    def audio_file(self, where: str, url: str) -> tuple[np.ndarray, int]:
+    def audio_file(self, where: str, url: str) -> tuple[np.ndarray, int] | bytes:
         return audio_file(where, url, self.allowed)
 
     def video(self, where: str, url: str) -> np.ndarray | bytes:
