@@ -53,12 +53,21 @@ def _errors() -> tuple[type[Exception], ...]:
     return (av.error.FFmpegError,)
 
 
+def open_options(source: Source) -> dict[str, str]:
+    """FFmpeg's options for opening ``source``: no protocol but the file's own. Some containers
+    name other files or URLs to read (an HLS playlist its segments), and FFmpeg would open them:
+    bytes from a client could make the server fetch a URL or read a local file. A path may name
+    local files only (it is the user's own); bytes and open files nothing at all."""
+    return {"protocol_whitelist": "file" if isinstance(source, (str, Path)) else "none"}
+
+
 def _open(source: Source) -> Any:
     import av
 
+    options = open_options(source)
     opened = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
-        return av.open(str(opened) if isinstance(opened, Path) else opened, mode="r")
+        return av.open(str(opened) if isinstance(opened, Path) else opened, mode="r", options=options)
     except (*_errors(), ValueError, EOFError) as e:
         raise ValueError(f"is not a media file FFmpeg can read ({e})") from None
 

@@ -256,3 +256,41 @@ def test_a_compressed_clip_past_the_longest_a_prompt_takes_is_refused_from_its_h
         ValueError, match=r"^request 2: audio \(file bytes\) is 40\.\d+ s long .* over the 30 s it may"
     ):
         processor.process(2, ids, {"audio": [mp3.read_bytes()]})
+
+
+def test_a_file_naming_urls_to_read_makes_ffmpeg_fetch_nothing() -> None:
+    """An HLS playlist names its segments' URLs, which FFmpeg opens: opened with
+    :func:`open_options`, bytes fetch nothing (without them the same playlist reaches a listener
+    on this machine: the check can fail)."""
+    import http.server
+    import io
+    import socketserver
+    import threading
+
+    import av
+
+    from omni_jax.media_files import open_options
+
+    hits: list[str] = []
+
+    class Listener(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            hits.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with socketserver.TCPServer(("127.0.0.1", 0), Listener) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/segment.ts"
+        playlist = f"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\n{url}\n#EXT-X-ENDLIST\n".encode()
+        for options in (open_options(playlist), {}):
+            with pytest.raises(av.error.FFmpegError):
+                av.open(io.BytesIO(playlist), format="hls", options=options)
+            hits.append("--")
+        server.shutdown()
+    assert hits == ["--", "/segment.ts", "--"]
+    with pytest.raises(ValueError, match="^is not a media file FFmpeg can read"):
+        decode_video_file(playlist, 2.0, 10)
