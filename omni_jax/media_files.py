@@ -162,7 +162,8 @@ def decode_video_file(
     ``ValueError`` (a predicate, as :func:`decode_audio_file`'s) for what FFmpeg cannot read, a
     file with no video stream (or, with ``track``, no audio stream), one whose sampling would
     give more than ``max_frames`` frames or more than ``max_bytes`` bytes of them (from the
-    header, before decoding), or whose frames change size.
+    header, before decoding), or a frame of another size than its header states (which would
+    take it past ``max_bytes``; transformers could not stack such frames either).
     """
     if not 0 < fps < float("inf"):
         raise ValueError(f"cannot be sampled at {fps!r} frames a second")
@@ -194,18 +195,23 @@ def decode_video_file(
         indices = np.arange(wanted, dtype=np.int64) * total // wanted
         keep = set(indices.tolist())
         frames: list[np.ndarray] = []
+        size = (int(stream.width), int(stream.height))
         try:
             for i, frame in enumerate(container.decode(stream)):
                 if i > indices[-1]:
                     break
-                if i in keep:
-                    frames.append(frame.to_ndarray(format="rgb24"))
+                if i not in keep:
+                    continue
+                if (frame.width, frame.height) != size:  # the header's size is what was bounded
+                    raise ValueError(
+                        f"has a frame of {frame.width}x{frame.height} pixels where its header states "
+                        f"{size[0]}x{size[1]}"
+                    )
+                frames.append(frame.to_ndarray(format="rgb24"))
         except _errors() as e:
             raise ValueError(f"is not a readable video file ({e})") from None
     if not frames:
         raise ValueError("holds no frame that decodes")
-    if len({f.shape for f in frames}) > 1:
-        raise ValueError(f"has frames of several sizes {sorted({f.shape[:2] for f in frames})}")
     if not track:
         return VideoFile(np.stack(frames))
     audio, audio_rate = decode_audio_file(source, max_track_seconds)

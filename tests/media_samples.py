@@ -68,8 +68,8 @@ def write_video(
     codec: str = "mpeg4",
 ) -> Path:
     """Frames ``[n, H, W, 3]`` uint8 at ``fps`` as a video file of ``codec`` (container from the
-    suffix: ``.mp4``, ``.webm`` with ``"libvpx"``, ``.mkv``), with ``audio`` ``[channels, n]`` at
-    ``rate`` as its AAC (Opus in WebM) track when given."""
+    suffix: ``.mp4``, ``.webm`` with ``"libvpx"``, ``.mkv``, ``.ts`` with ``"mpeg2video"``), with
+    ``audio`` ``[channels, n]`` at ``rate`` as its AAC (Opus in WebM) track when given."""
     import av
 
     with av.open(str(path), mode="w") as container:

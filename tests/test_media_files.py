@@ -119,6 +119,12 @@ def test_what_ffmpeg_cannot_read_or_would_decode_past_its_limits_is_refused(tmp_
         decode_video_file(clip, 2.0, max_frames=10, max_bytes=36000)
     with pytest.raises(ValueError, match=r"fewer than the 100 sampling it at 50 a second takes$"):
         decode_video_file(clip, 50.0, max_frames=1000)
+    # MPEG-TS files join by their bytes: a stream whose frames grow past the size its header states
+    # (what the bytes limit was checked against) is refused at the first such frame kept
+    small = write_video(tmp_path / "small.ts", FRAMES[:4, :32, :32], 10, codec="mpeg2video")
+    large = write_video(tmp_path / "large.ts", FRAMES[:40], 10, codec="mpeg2video")
+    with pytest.raises(ValueError, match=r"^has a frame of 64x48 pixels where its header states 32x32$"):
+        decode_video_file(small.read_bytes() + large.read_bytes(), 2.0, max_frames=100)
 
 
 @pytest.fixture(scope="module")
