@@ -79,9 +79,9 @@
 # Autotuning results outlast the machine: with a persistent cache on, XLA keeps the GPU autotuner's
 # results in its xla_gpu_per_fusion_autotune_cache_dir (JAX's default), and a program's first
 # compile in a process spends most of its time finding them (RESULTS.md, sixth session). Every
-# call leaves autotune.tgz beside its other files: the results in all its parts' caches, merged
-# (their files are named by what they tune). AUTOTUNE_SEED=file.tgz, such a file from an earlier
-# call (carried), fills the caches of the code2wav, overlap, profile and stream parts with them
+# call leaves autotune.tgz beside its other files, refreshed after each part: the results in all
+# its parts' caches, merged (their files are named by what they tune). AUTOTUNE_SEED=file.tgz,
+# such a file from an earlier call (carried), fills the caches of the code2wav, overlap, profile and stream parts with them
 # before they run, so that their warm-ups tune only what is new; compile, compile3 and
 # compile_warm measure first compiles and are never seeded.
 set -u
@@ -339,17 +339,25 @@ step_memory() {
   grep -E "^Qwen[23]|^qwen|exit" "$OUT/step_memory.log"
 }
 
+save_autotune() {
+  # The autotuning results in every part's cache, merged, into $OUT/autotune.tgz: after each part,
+  # so that a call cut by its limit still brings back what its finished parts tuned.
+  rm -rf /tmp/omni_jax_autotune && mkdir -p /tmp/omni_jax_autotune
+  find "$XLA_CACHE" -type d -name xla_gpu_per_fusion_autotune_cache_dir -exec cp -r {}/. /tmp/omni_jax_autotune \; \
+    2>/dev/null
+  if [ -n "$(ls -A /tmp/omni_jax_autotune)" ]; then
+    tar czf "$OUT/autotune.tgz" -C /tmp/omni_jax_autotune .
+    echo "autotune.tgz: $(ls /tmp/omni_jax_autotune | wc -l) autotuning results, $(du -h "$OUT/autotune.tgz" | cut -f1)"
+  fi
+}
+
 for part in $PARTS; do
   "$part"
+  save_autotune
 done
-# The device returns at most 8 files: PACK=1 leaves one, all.tgz, holding the rest.
+# The device returns at most 8 files: PACK=1 leaves two, all.tgz holding the rest and autotune.tgz.
 if [ "${PACK:-0}" = 1 ]; then
+  mv "$OUT/autotune.tgz" /tmp/omni_jax_autotune.tgz 2>/dev/null
   tar czf /tmp/omni_jax_gpu_all.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/omni_jax_gpu_all.tgz "$OUT/all.tgz"
-fi
-rm -rf /tmp/omni_jax_autotune && mkdir -p /tmp/omni_jax_autotune
-find "$XLA_CACHE" -type d -name xla_gpu_per_fusion_autotune_cache_dir -exec cp -r {}/. /tmp/omni_jax_autotune \; \
-  2>/dev/null
-if [ -n "$(ls -A /tmp/omni_jax_autotune)" ]; then
-  tar czf "$OUT/autotune.tgz" -C /tmp/omni_jax_autotune .
-  echo "autotune.tgz: $(ls /tmp/omni_jax_autotune | wc -l) autotuning results, $(du -h "$OUT/autotune.tgz" | cut -f1)"
+  mv /tmp/omni_jax_autotune.tgz "$OUT/autotune.tgz" 2>/dev/null
 fi
