@@ -79,14 +79,25 @@ def _seconds(stream: Any) -> float | None:
     return float(stream.duration * stream.time_base)
 
 
+def _first_audio(container: Any, max_seconds: float | None) -> tuple[Any, int]:
+    """The container's first audio stream and its rate; ``ValueError`` (a predicate) when it has
+    none, when its rate is outside :data:`~omni_jax.audio_io.WAV_RATES`, or when the duration its
+    header states is over ``max_seconds``: what its header alone can tell."""
+    if not container.streams.audio:
+        raise ValueError("holds no audio stream")
+    stream = container.streams.audio[0]
+    rate = int(stream.rate or 0)
+    stated = _seconds(stream)
+    check_clip(0 if stated is None else int(stated * rate), rate, max_seconds)
+    return stream, rate
+
+
 def check_audio_file(source: Source) -> None:
     """``ValueError`` (as :func:`decode_audio_file`'s) for a file FFmpeg cannot open, with no
     audio stream, or at a rate outside :data:`~omni_jax.audio_io.WAV_RATES`, from its header
     alone: a file checked here is decoded later by a reader that knows how long it may last."""
     with _open(source) as container:
-        if not container.streams.audio:
-            raise ValueError("holds no audio stream")
-        check_clip(0, int(container.streams.audio[0].rate or 0), None)
+        _first_audio(container, None)
 
 
 def decode_audio_file(source: Source, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
@@ -101,12 +112,7 @@ def decode_audio_file(source: Source, max_seconds: float | None = None) -> tuple
     import av
 
     with _open(source) as container:
-        if not container.streams.audio:
-            raise ValueError("holds no audio stream")
-        stream = container.streams.audio[0]
-        rate = int(stream.rate or 0)
-        stated = _seconds(stream)
-        check_clip(0 if stated is None else int(stated * rate), rate, max_seconds)
+        stream, rate = _first_audio(container, max_seconds)
         resampler = av.AudioResampler(format="fltp")  # float planar; layout and rate kept
         parts: list[np.ndarray] = []
         samples = 0
