@@ -79,13 +79,23 @@ def _seconds(stream: Any) -> float | None:
     return float(stream.duration * stream.time_base)
 
 
+def _decodable(stream: Any) -> Any:
+    """``stream`` when FFmpeg has a decoder for it; else ``ValueError`` (a predicate). A stream
+    whose codec FFmpeg does not know (a corrupt header can name any) has no codec context, and
+    PyAV then answers its rate, width or height with ``AttributeError``."""
+    if stream.codec_context is None:
+        article = "an" if stream.type[:1] in ("a", "e", "i", "o", "u") else "a"
+        raise ValueError(f"has {article} {stream.type} stream of a codec FFmpeg cannot decode")
+    return stream
+
+
 def _first_audio(container: Any, max_seconds: float | None) -> tuple[Any, int]:
     """The container's first audio stream and its rate; ``ValueError`` (a predicate) when it has
     none, when its rate is outside :data:`~omni_jax.audio_io.WAV_RATES`, or when the duration its
     header states is over ``max_seconds``: what its header alone can tell."""
     if not container.streams.audio:
         raise ValueError("holds no audio stream")
-    stream = container.streams.audio[0]
+    stream = _decodable(container.streams.audio[0])
     rate = int(stream.rate or 0)
     stated = _seconds(stream)
     check_clip(0 if stated is None else int(stated * rate), rate, max_seconds)
@@ -178,7 +188,7 @@ def decode_video_file(
     with _open(source) as container:
         if not container.streams.video:
             raise ValueError("holds no video stream")
-        stream = container.streams.video[0]
+        stream = _decodable(container.streams.video[0])
         total, rate = _frame_count(container, stream)
         wanted = max(1, int(total / rate * fps))
         seconds = total / rate

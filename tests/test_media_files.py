@@ -14,7 +14,7 @@ import pytest
 from media_samples import gradient_frames, tone, write_audio, write_video
 
 from omni_jax.audio_io import decode_audio, resample
-from omni_jax.media_files import decode_audio_file, decode_video_file
+from omni_jax.media_files import check_audio_file, decode_audio_file, decode_video_file
 from omni_jax.models.qwen2_5_omni.processor import OmniProcessor
 
 FRAMES = gradient_frames(50, 48, 64)
@@ -125,6 +125,32 @@ def test_what_ffmpeg_cannot_read_or_would_decode_past_its_limits_is_refused(tmp_
     large = write_video(tmp_path / "large.ts", FRAMES[:40], 10, codec="mpeg2video")
     with pytest.raises(ValueError, match=r"^has a frame of 64x48 pixels where its header states 32x32$"):
         decode_video_file(small.read_bytes() + large.read_bytes(), 2.0, max_frames=100)
+
+
+def with_unknown_codec(data: bytes, stream: int) -> bytes:
+    """An mp4's bytes with its ``stream``-th stream's codec (the object type in its ``esds`` box,
+    21 bytes in) set to one FFmpeg does not know, as a corrupt file can: PyAV then gives that
+    stream no codec context."""
+    at = [i for i in range(len(data)) if data[i : i + 4] == b"esds"][stream] + 21
+    return data[:at] + b"\x01" + data[at + 1 :]
+
+
+def test_a_stream_of_a_codec_ffmpeg_cannot_decode_is_refused(clip) -> None:
+    """Not an ``AttributeError`` from PyAV (a server's 500): its rate and size come from a
+    decoder it does not have."""
+    data = clip.read_bytes()
+    video, audio = with_unknown_codec(data, 0), with_unknown_codec(data, 1)
+    with pytest.raises(ValueError, match=r"^has a video stream of a codec FFmpeg cannot decode$"):
+        decode_video_file(video, 2.0, max_frames=100)
+    for call in (
+        lambda: check_audio_file(audio),
+        lambda: decode_audio_file(audio),
+        lambda: decode_audio(audio),
+        lambda: decode_video_file(audio, 2.0, max_frames=100, track=True),
+    ):
+        with pytest.raises(ValueError, match=r"^has an audio stream of a codec FFmpeg cannot decode$"):
+            call()
+    assert decode_video_file(audio, 2.0, max_frames=100).frames.shape[0] == 4
 
 
 @pytest.fixture(scope="module")
