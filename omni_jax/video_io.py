@@ -1,5 +1,5 @@
-"""Video frames from a ``.npy`` file (``numpy.save`` of ``[frames, H, W, 3]``): no video decoder is
-a dependency, so real video files are decoded to frames first.
+"""Video frames from a ``.npy`` file (``numpy.save`` of ``[frames, H, W, 3]``), frames a caller
+decoded or made itself (video files are read by :mod:`omni_jax.media_files`).
 
 The bytes are the sender's (a server's client, a CLI user's file): the header is read and checked
 against the bytes that follow it before any array is allocated, since a header of a few hundred
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+import tokenize
 
 import numpy as np
 
@@ -38,8 +39,13 @@ def read_frames(raw: bytes) -> np.ndarray:
         if version not in HEADER_READERS:
             raise ValueError(f".npy format version {version[0]}.{version[1]} is not read (1.0 and 2.0 are)")
         shape, _, dtype = HEADER_READERS[version](fp)
-    except ValueError as e:
-        raise ValueError(f"not a readable .npy array of frames ({e})") from None
+    except (
+        ValueError,
+        SyntaxError,
+        TypeError,
+        tokenize.TokenError,
+    ) as e:  # numpy parses the header as Python
+        raise ValueError(f"not a readable .npy array of frames ({type(e).__name__}: {e})") from None
     if dtype.hasobject:
         raise ValueError("not a readable .npy array of frames (it holds Python objects: allow_pickle is off)")
     claimed, held = math.prod(shape) * dtype.itemsize, len(raw) - fp.tell()

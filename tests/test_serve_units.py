@@ -324,6 +324,26 @@ def test_a_npy_header_claiming_more_than_it_holds_is_refused_before_any_allocati
         media.video(where, data_url("application/octet-stream", forged), None)
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "error"),
+    [
+        (b"3), }", b"3), ?", "TokenError"),  # an unclosed brace
+        (b", 'shape'", b",B'shape'", "TypeError"),  # a bytes key among str keys
+    ],
+)
+def test_a_npy_header_numpy_cannot_parse_is_a_value_error(old, new, error) -> None:
+    """numpy parses a ``.npy`` header as a Python literal, and a malformed one raises what the
+    tokenizer or its sort of the keys raise (not ``ValueError``: a 500 before this was caught)."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros((2, 8, 8, 3), np.uint8))
+    assert old in buffer.getvalue()
+    where = "messages.0.content.0.video_url"
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(where)}: not a readable \.npy array of frames \({error}: "
+    ):
+        media.video(where, data_url("application/octet-stream", buffer.getvalue().replace(old, new)), None)
+
+
 MALFORMED_PNG_EXIF = (
     "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAACGVYSWZnYXJiYWdlIYyZkTkAAAALSURBVHicY2BABgAADgABqZ"
     "FzsQAAAABJRU5ErkJggg=="
