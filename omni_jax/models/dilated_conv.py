@@ -8,9 +8,10 @@ Qwen3-Omni's code2wav showed XLA padding the dilated kernels with zeros before c
 dilation 9 as 55, 7.9x the multiply-adds), which the split avoids. On an H200 the split ran
 Qwen3-Omni's whole decode and each of its dilated convolutions several times faster and compiled
 no slower (RESULTS.md, seventh GPU session); on a CPU, whose XLA convolves dilated kernels as they
-are, it gained nothing measurable. So ``phased`` is GPUs' default (Qwen2.5-Omni's BigVGAN too:
-the same kind of convolutions at dilations 3 and 5, its program not yet timed on a GPU),
-``direct`` every other backend's; ``OMNI_JAX_DILATED_CONV`` overrides.
+are, it gained nothing measurable. So ``phased`` is GPUs' default, ``direct`` every other backend's;
+``OMNI_JAX_DILATED_CONV`` overrides. Qwen2.5-Omni's code2wav keeps the GPUs' default for one
+rule over both families: XLA left its dilated kernels unpadded, and the nine of them timed on an
+H200 ran as fast split as written (RESULTS.md, eighth GPU session; its whole program not timed).
 
 :func:`conv_general_dilated` is what the code2wav models' dilated ``nnx.Conv`` layers call in
 place of ``lax.conv_general_dilated`` (flax's hook for it), so their weights and parameter names
