@@ -9,6 +9,10 @@ be read, or would decode past its limits, is refused from the header before it i
 
 from __future__ import annotations
 
+import collections
+import random
+from functools import partial
+
 import numpy as np
 import pytest
 from media_samples import gradient_frames, tone, write_audio, write_video
@@ -326,3 +330,55 @@ def test_a_file_naming_urls_to_read_makes_ffmpeg_fetch_nothing() -> None:
     assert hits == ["--", "/segment.ts", "--"]
     with pytest.raises(ValueError, match="^is not a media file FFmpeg can read"):
         decode_video_file(playlist, 2.0, 10)
+
+
+def mutated(data: bytes, rng: random.Random) -> bytes:
+    """``data`` cut short, with bytes overwritten or zeroed, or with a span taken out: what a
+    corrupt upload or a client's forgery can look like."""
+    out = bytearray(data)
+    kind = rng.randrange(4)
+    if kind == 0:
+        return bytes(out[: rng.randrange(len(out))])
+    if kind == 1:
+        for _ in range(rng.randint(1, 60)):
+            out[rng.randrange(len(out))] = rng.randrange(256)
+    elif kind == 2:
+        at = rng.randrange(len(out))
+        out[at : at + 64] = bytes(len(out[at : at + 64]))
+    else:
+        start, end = sorted(rng.randrange(len(out)) for _ in range(2))
+        del out[start:end]
+    return bytes(out)
+
+
+def test_mutated_files_are_refused_with_value_errors_alone(tmp_path) -> None:
+    """Whatever FFmpeg and PyAV make of a damaged file, a reader answers with its result or a
+    ``ValueError`` (the server's 400), never another exception (a 500): a seeded sample of
+    damaged audio and video files of several containers (400 each)."""
+    rng = random.Random(0)
+    audio_files = [
+        write_audio(tmp_path / "a.mp3", tone(1.0, 22050), 22050, "mp3"),
+        write_audio(tmp_path / "a.flac", tone(1.0, 16000, channels=2), 16000, "flac"),
+        write_audio(tmp_path / "a.ogg", tone(1.0, 48000), 48000, "libopus"),
+    ]
+    video_files = [
+        write_video(tmp_path / "v.mp4", FRAMES[:12], 6, tone(2.0, 22050)),
+        write_video(tmp_path / "v.webm", FRAMES[:12], 6, tone(2.0, 48000), 48000, "libvpx"),
+        write_video(tmp_path / "v.mkv", FRAMES[:12], 6),
+    ]
+    others: collections.Counter[str] = collections.Counter()
+    for path in audio_files + video_files:
+        data = path.read_bytes()
+        for _ in range(400):
+            damaged = mutated(data, rng)
+            calls = [partial(decode_audio, damaged, 60.0), partial(check_audio_file, damaged)]
+            if path in video_files:
+                calls.append(partial(decode_video_file, damaged, 2.0, 64, track=path.suffix != ".mkv"))
+            for call in calls:
+                try:
+                    call()
+                except ValueError:
+                    pass
+                except Exception as e:  # noqa: BLE001 - what the test counts
+                    others[f"{path.name}: {type(e).__name__}: {e}"] += 1
+    assert not others, others
