@@ -39,12 +39,8 @@ def read_frames(raw: bytes) -> np.ndarray:
         if version not in HEADER_READERS:
             raise ValueError(f".npy format version {version[0]}.{version[1]} is not read (1.0 and 2.0 are)")
         shape, _, dtype = HEADER_READERS[version](fp)
-    except (
-        ValueError,
-        SyntaxError,
-        TypeError,
-        tokenize.TokenError,
-    ) as e:  # numpy parses the header as Python
+    # numpy parses the header as a Python literal: its tokenizer and its sort of the keys raise too
+    except (ValueError, TypeError, tokenize.TokenError) as e:
         raise ValueError(f"not a readable .npy array of frames ({type(e).__name__}: {e})") from None
     if dtype.hasobject:
         raise ValueError("not a readable .npy array of frames (it holds Python objects: allow_pickle is off)")
