@@ -81,9 +81,9 @@
 # compile in a process spends most of its time finding them (RESULTS.md, sixth session). Every
 # call leaves autotune.tgz beside its other files, refreshed after each part: the results in all
 # its parts' caches, merged (their files are named by what they tune). AUTOTUNE_SEED=file.tgz,
-# such a file from an earlier call (carried), fills the caches of the code2wav, overlap, profile and stream parts with them
-# before they run, so that their warm-ups tune only what is new; compile, compile3 and
-# compile_warm measure first compiles and are never seeded.
+# such a file from an earlier call (carried), fills the caches of the code2wav, overlap, profile
+# and stream parts with them before they run, so that their warm-ups tune only what is new;
+# compile, compile3 and compile_warm measure first compiles and are never seeded.
 set -u
 OUT=${OUT:-/tmp/omni_jax_gpu}
 PARTS=${PARTS:-moe shaped compile compile_warm code2wav tests}
