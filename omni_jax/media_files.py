@@ -202,7 +202,8 @@ def decode_video_file(
                 f"lasts {seconds:.2f} s: sampled at {fps:g} frames a second that is {wanted} frames, "
                 f"over the {max_frames} a prompt can hold"
             )
-        frame_bytes = 3 * int(stream.width) * int(stream.height)
+        size = (int(stream.width), int(stream.height))
+        frame_bytes = 3 * size[0] * size[1]
         if wanted * frame_bytes > max_bytes:
             raise ValueError(
                 f"gives {wanted} frames of {stream.width}x{stream.height} pixels, {wanted * frame_bytes} "
@@ -211,7 +212,6 @@ def decode_video_file(
         indices = np.arange(wanted, dtype=np.int64) * total // wanted
         keep = set(indices.tolist())
         frames: list[np.ndarray] = []
-        size = (int(stream.width), int(stream.height))
         try:
             for i, frame in enumerate(container.decode(stream)):
                 if i > indices[-1]:
