@@ -3,9 +3,11 @@
 PyAV, FFmpeg's Python binding, is what transformers' ``load_video`` decodes with by default;
 WAV files stay with scipy (:mod:`omni_jax.audio_io`), which reads them exactly. A video's frames
 are sampled as ``transformers.video_utils.load_video(path, fps=...)`` samples them with that
-backend: ``int(frames / rate * fps)`` frames (at least one) at indices ``arange(n) * frames // n``
-of the container's stated frame count and average rate, decoded in order and made RGB
-(``rgb24``), so a file gives the same frames here as there.
+backend: ``int(frames / rate * fps)`` frames (at least one) of the container's stated frame
+count and average rate, at the indices transformers' own ``default_sample_indices_fn`` picks
+for that count (called, not rewritten: ``arange(n) * frames // n`` from transformers 5.18, while
+5.17 stepped by the whole part of ``frames / n``), decoded in order and made RGB (``rgb24``), so
+a file gives the same frames here as there, whichever transformers is installed.
 
 The bytes are the sender's (a server's client, a CLI user's file): what a file would decode to
 is checked from its container's header before any frame or sample is decoded (a few kilobytes of
@@ -181,6 +183,8 @@ def decode_video_file(
     header, before decoding), or a frame of another size than its header states (which would
     take it past ``max_bytes``; transformers could not stack such frames either).
     """
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
     if not 0 < fps < float("inf"):
         raise ValueError(f"cannot be sampled at {fps!r} frames a second")
     if not isinstance(source, (str, Path, bytes)):
@@ -197,6 +201,10 @@ def decode_video_file(
                 f"has {total} frames ({seconds:.2f} s at {rate:g} a second), fewer than the {wanted} "
                 f"sampling it at {fps:g} a second takes"
             )
+        indices = default_sample_indices_fn(
+            VideoMetadata(total_num_frames=total, fps=rate), num_frames=wanted
+        )
+        wanted = len(indices)  # 5.17's float step could give one index more than asked
         if wanted > max_frames:
             raise ValueError(
                 f"lasts {seconds:.2f} s: sampled at {fps:g} frames a second that is {wanted} frames, "
@@ -209,7 +217,6 @@ def decode_video_file(
                 f"gives {wanted} frames of {stream.width}x{stream.height} pixels, {wanted * frame_bytes} "
                 f"bytes decoded, over the {max_bytes} one video may take: send it smaller or shorter"
             )
-        indices = np.arange(wanted, dtype=np.int64) * total // wanted
         keep = set(indices.tolist())
         frames: list[np.ndarray] = []
         try:
