@@ -125,10 +125,6 @@ class VisionEncoderSpec(PatchGeometry):
         return self.window_size // self.spatial_merge_size // self.patch_size
 
     @property
-    def window_tokens(self) -> int:
-        return self.window_units**2 * self.merge_unit
-
-    @property
     def band_tile(self) -> int:
         """Query tile of the window layers: whole merge units (a power of two of them) holding a
         whole window, so that a window starting or ending in a tile lies within that tile and its
