@@ -80,6 +80,7 @@ from benchmarks.harness import (
     compile_entry,
     measured_window,
     sized_code2wav_config,
+    steps_setting,
     talker_start,
     warmed_up,
 )
@@ -622,6 +623,7 @@ def build_pipeline(
         stage_config=stage_config,
         limit_mm_per_prompt=limit_mm_per_prompt,
     )
+    pipe.core.overlap = pipe.core.overlap and not args.sequential_steps
     names = [s.config.name for s in pipe.stages]
     if names != list(STAGES):
         raise SystemExit(f"--model {args.model}: the {suite} suite needs stages {list(STAGES)}, got {names}")
@@ -738,6 +740,7 @@ def run(path: Path, args: Any, family: Family | None = None) -> dict[str, Any]:
             f"{work.talker_min_tokens} to {work.talker_max_tokens} {family.talker_unit}, "
             f"{talker_start(args)}",
             "token2wav": family.token2wav_settings(work),
+            "steps": steps_setting(args),
         },
         "repeats": args.repeats,
         "ceilings": {},

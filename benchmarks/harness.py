@@ -424,6 +424,16 @@ def talker_start(args: Any) -> str:
     )
 
 
+def steps_setting(args: Any) -> str:
+    """How the engine's stages step (``--sequential-steps``), as the settings say it."""
+    return (
+        "each stage's step read before the next stage steps (--sequential-steps): a stage's seconds "
+        "are its own device time"
+        if args.sequential_steps
+        else "a stage's step or solve left in flight while the others step (the engine's default)"
+    )
+
+
 def sized_code2wav_config(
     workdir: Path,
     max_batch: int,

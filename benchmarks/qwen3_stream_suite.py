@@ -65,7 +65,7 @@ from benchmarks.e2e_suite import (
     token_agreement,
 )
 from benchmarks.e2e_suite import Workload as ReferenceWork
-from benchmarks.harness import sized_code2wav_config, talker_start
+from benchmarks.harness import sized_code2wav_config, steps_setting, talker_start
 from benchmarks.qwen3_e2e_suite import Qwen3Reference
 from benchmarks.stream_suite import (
     MAX_CODE2WAV_BATCH,
@@ -237,6 +237,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
             "code2wav": f"max_batch {max_batch}, max_frames {args.frames}; streamed: "
             + ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(pipe.stages[-1].decoder.plan).items())
             + f", ramp {pipe.stages[-1].decoder.plan.ramp}",
+            "steps": steps_setting(args),
         },
         "ours": ours,
         "reference": reference,

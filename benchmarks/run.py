@@ -238,7 +238,8 @@ def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
         "--sequential-steps",
         action="store_true",
         help="ar: read each of our steps before scheduling the next (AREngine overlap off), to "
-        "measure what overlapping them saves",
+        "measure what overlapping them saves; e2e suites: each stage's step read before the next "
+        "stage steps (EngineCore.overlap off), so that a stage's seconds are its own device time",
     )
     c2w = p.add_argument_group(
         "code2wav suites (--num-steps, --guidance-scale: Qwen2.5-Omni's only; --repeats: e2e too)"

@@ -88,6 +88,7 @@ from benchmarks.harness import (
     backends,
     measured_window,
     sized_code2wav_config,
+    steps_setting,
     talker_start,
     warmed_up,
 )
@@ -614,6 +615,7 @@ def run(path: Path, args: Any) -> dict[str, Any]:
                 if args.code2wav_device is None
                 else f"; on device {args.code2wav_device} of {len(jax.devices())}, the others on device 0"
             ),
+            "steps": steps_setting(args),
         },
         "stream": {
             "first_chunk_codes": planner.first_chunk // planner.repeats,

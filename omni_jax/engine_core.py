@@ -138,9 +138,11 @@ class EngineCore:
         codes too; one a frame for a talker that draws frames, whose outputs are the frames' codes)."""
         self._flights: dict[str, _Flight] = {}
         self._updates: dict[str, OmniRequestOutput] = {}  # this step's, by request
-        self._lockstep = jax.process_count() > 1
-        """Several processes step the graph in the same order, so no stage may choose by the
-        device's timing whether to wait for it: every step blocks."""
+        self.overlap = jax.process_count() == 1
+        """Whether a stage may leave a step or solve in flight while the others step. Off, every
+        step blocks: as it must when several processes step the graph in the same order (no
+        stage may choose by the device's timing whether to wait for it), and as a benchmark sets
+        it to see each stage's own device time in its step (``--sequential-steps``)."""
         self._stalled = False
         """The last step did nothing in any stage (each waited for its device or for another
         stage): the next one blocks, so the loop waits for a device instead of spinning."""
@@ -189,11 +191,11 @@ class EngineCore:
         A stage steps with ``block=False`` while another stage had work when this step began:
         it may leave a solve or step in flight and report it in a later step, so the other
         stages' steps are dispatched meanwhile (on another device, they run at the same time)
-        instead of waiting behind it. With nothing else to do, with several processes in
-        lockstep, or after a step in which every stage was idle (``StageStep.idle``), it
-        blocks."""
+        instead of waiting behind it. With nothing else to do, without :attr:`overlap` (several
+        processes in lockstep), or after a step in which every stage was idle
+        (``StageStep.idle``), it blocks."""
         busy = [stage.has_work() for stage in self.stages]  # once a step: a has_work may walk its requests
-        wait, self._stalled = self._lockstep or self._stalled, any(busy)
+        wait, self._stalled = not self.overlap or self._stalled, any(busy)
         for si, stage in enumerate(self.stages):
             if not stage.has_work():
                 continue

@@ -185,3 +185,15 @@ def test_a_step_in_which_every_stage_was_idle_makes_the_next_one_block() -> None
     for _ in range(4):
         assert core.step() == []
     assert [s.blocks for s in stages] == [[False, True, False, True]] * 2
+
+
+def test_without_overlap_every_step_blocks() -> None:
+    """``EngineCore.overlap`` off (several processes in lockstep, or a benchmark's
+    ``--sequential-steps``): every stage steps with ``block``, other stages' work or not."""
+    stages = [Waiting("first"), Waiting("second")]
+    core = EngineCore(stages, tokenizer=None)
+    assert core.overlap
+    core.overlap = False
+    for _ in range(3):
+        assert core.step() == []
+    assert [s.blocks for s in stages] == [[True, True, True]] * 2
