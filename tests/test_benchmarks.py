@@ -962,7 +962,8 @@ def test_a_suite_can_place_code2wav_on_its_own_device(tmp_path: Path) -> None:
 def test_text_prompts_turn_the_encoders_off(omni_dir: Path, tmp_path: Path) -> None:
     """The stream suites' prompts are text: they build the pipeline with every kind of media
     capped at 0 (no encoder compiled at warm-up), beside code2wav's sizes from their stage YAML;
-    without it the thinker's media are the shipped ones (no limit)."""
+    without it the thinker's media are the shipped ones (no limit). ``--sequential-steps``
+    turns the engine core's overlap off."""
     import argparse
 
     from benchmarks.e2e_suite import TEXT_PROMPTS, build_pipeline
@@ -970,12 +971,20 @@ def test_text_prompts_turn_the_encoders_off(omni_dir: Path, tmp_path: Path) -> N
 
     assert TEXT_PROMPTS == {"audio": 0, "image": 0, "video": 0}
     args = argparse.Namespace(
-        dtype=None, mesh=None, max_model_len=None, max_num_batched_tokens=None, model="tiny"
+        dtype=None,
+        mesh=None,
+        max_model_len=None,
+        max_num_batched_tokens=None,
+        model="tiny",
+        sequential_steps=True,
     )
     config = harness.sized_code2wav_config(tmp_path, 2, 50)
     text = build_pipeline(omni_dir, args, config, 2, "stream", TEXT_PROMPTS)
     assert text.stages[0].frontend.step_inputs.buckets == EncoderBuckets((), ())
     assert text.stages[-1].config.engine["max_batch"] == 2
+    assert not text.core.overlap
+    args.sequential_steps = False
     shipped = build_pipeline(omni_dir, args, config, 2, "stream")
     assert shipped.stages[0].frontend.limits == MediaLimits()
+    assert shipped.core.overlap
     assert shipped.stages[0].frontend.step_inputs.buckets.vision_tokens
