@@ -64,6 +64,8 @@ class AsyncOmniJaxPipeline:
         self._ids = itertools.count()
         self._live: set[str] = set()
         self._admitting = 0
+        self._unheld: set[str] = set()  # claimed, still being admitted: the engine holds none
+        self._aborted_unheld: set[str] = set()  # of those, aborted: ended as the engine takes them
         self.max_waiting = max_waiting
         self._compiles = CompileCounter().__enter__()  # until close(): what serving compiled
         self._counting = True
@@ -135,6 +137,7 @@ class AsyncOmniJaxPipeline:
         if self.max_waiting is not None and self.waiting >= self.max_waiting:
             raise QueueFullError(f"{self.waiting} requests wait already (max_waiting={self.max_waiting})")
         request_id = self._claim(request_id)
+        self._unheld.add(request_id)
         self._admitting += 1
         admitting = True
         try:
@@ -154,7 +157,11 @@ class AsyncOmniJaxPipeline:
 
             finished = False
             try:
-                await asyncio.wrap_future(self._engine.add(admission, sink))
+                added = self._engine.add(admission, sink)
+                self._unheld.discard(request_id)
+                if request_id in self._aborted_unheld:  # the engine runs commands in order
+                    self._engine.abort(request_id)
+                await asyncio.wrap_future(added)
                 self._admitting -= 1  # the engine's stats count it from here
                 admitting = False
                 if admitted is not None:
@@ -168,6 +175,8 @@ class AsyncOmniJaxPipeline:
                     self._engine.abort(request_id)
         finally:
             self._live.discard(request_id)
+            self._unheld.discard(request_id)
+            self._aborted_unheld.discard(request_id)
             if admitting:
                 self._admitting -= 1
 
@@ -179,8 +188,12 @@ class AsyncOmniJaxPipeline:
 
     async def abort(self, request_id: str) -> None:
         """Take the request out of whichever stage holds it, freeing its KV pages or its place in
-        the solve queue; its ``generate`` ends with ``finish_reason="abort"``. Nothing happens for
-        a request that is not running."""
+        the solve queue; its ``generate`` ends with ``finish_reason="abort"``. A request still
+        being admitted (its prompt processed, its media decoded) is ended the moment the engine
+        takes it in, before it runs a step. Nothing happens for a request that is not running."""
+        if request_id in self._unheld:
+            self._aborted_unheld.add(request_id)
+            return
         await asyncio.wrap_future(self._engine.abort(request_id))
 
     def close(self) -> None:

@@ -138,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     """The ``omni-jax`` console script; a user's mistake is one line on stderr and exit code 2
     (:mod:`omni_jax.cli_errors`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # all of the rest is benchmarks.run's (REMAINDER rejects leading options)
-        rest = [a for a in argv[1:] if a != "--debug"]
+    lead = 0  # ``omni-jax --debug bench ...`` as ``omni-jax bench ... --debug``
+    while argv[lead : lead + 1] == ["--debug"]:
+        lead += 1
+    if argv[lead : lead + 1] == ["bench"]:  # the rest is benchmarks.run's (REMAINDER rejects leading options)
+        rest = [a for a in argv[lead + 1 :] if a != "--debug"]
         return run_command(_bench, argparse.Namespace(rest=rest, debug=len(rest) < len(argv) - 1))
     from checkpoints_convert import cli as convert_cli
     from omni_jax.demo import DEMO_MODELS

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -237,6 +238,38 @@ def test_a_consumer_that_goes_away_aborts_its_request(pipe, how) -> None:
         assert not pipe.pipeline.core.has_work() and pipe.pipeline.core.generated_tokens == generated
 
     run_async(scenario)
+
+
+def test_abort_while_the_request_is_admitted_ends_it(pipe, monkeypatch) -> None:
+    """An abort that comes while ``generate`` still admits its request (the prompt processed, the
+    media decoded, on the intake thread) is not lost: the request ends ``"abort"`` as the engine
+    takes it in, with no token, and holds no page."""
+    pages = allocator(pipe)
+    started, release = threading.Event(), threading.Event()
+    admit = pipe.pipeline.intake.admit
+
+    def slow_admit(*args: Any) -> Any:
+        started.set()
+        release.wait(60)
+        return admit(*args)
+
+    monkeypatch.setattr(pipe.pipeline.intake, "admit", slow_admit)
+
+    async def scenario() -> list[OmniRequestOutput]:
+        generated = pipe.pipeline.core.generated_tokens
+        task = asyncio.create_task(collect(pipe, ids(40, 10), greedy(200), request_id="early"))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        await pipe.abort("early")
+        release.set()
+        updates = await task
+        await pipe.abort("no such request")  # commands run in order: the engine is idle after it
+        assert not pipe.pipeline.core.has_work() and pipe.pipeline.core.generated_tokens == generated
+        return updates
+
+    out = check_stream(run_async(scenario))
+    assert out.finish_reason == "abort" and out.token_ids == []
+    assert pages.num_free == pages.num_pages
 
 
 BAD = [

@@ -834,6 +834,9 @@ def test_omni_jax_bench_passes_through(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("benchmarks.run.main", lambda argv, prog: seen.update(argv=argv, prog=prog) or 0)
     assert cli.main(["bench", "--suite", "code2wav", "--model", "tiny"]) == 0
     assert seen == {"argv": ["--suite", "code2wav", "--model", "tiny"], "prog": "omni-jax bench"}
+    for argv in (["--debug", "bench", "--suite", "ar"], ["bench", "--suite", "ar", "--debug"]):
+        assert cli.main(argv) == 0  # --debug before the subcommand, as for every other one
+        assert seen == {"argv": ["--suite", "ar"], "prog": "omni-jax bench"}
 
 
 def test_shaped_suite_on_small_widths(tmp_path: Path) -> None:
