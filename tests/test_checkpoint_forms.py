@@ -28,7 +28,8 @@ from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.architectures import architecture_of, auto_architectures
 from omni_jax.planning import plan_memory
 from omni_jax.safetensors_io import CheckpointError
-from omni_jax.testing import build_tiny_qwen2
+from omni_jax.testing import build_tiny_qwen2, build_tiny_qwen2_5_omni
+from omni_jax.testing_qwen3_omni import build_tiny_qwen3_omni
 from omni_jax.weights import MANIFEST, checkpoint_dtype, convert, load_hf_config, load_part
 
 
@@ -273,3 +274,26 @@ def test_a_qwen2_5_omni_that_does_not_speak_verifies_its_thinker(omni_dir, tmp_p
     checks = [line for line in capsys.readouterr().out.splitlines() if line.startswith("verify: ")]
     assert len(checks) == 1 and checks[0].startswith("verify: thinker logits over 16 tokens"), checks
     assert json.loads((dst / MANIFEST).read_text())["stages"] == ["thinker"]
+
+
+BUILDERS = {
+    "qwen2_dir": build_tiny_qwen2,
+    "omni_dir": build_tiny_qwen2_5_omni,
+    "qwen3_omni_dir": build_tiny_qwen3_omni,
+}
+
+
+@pytest.mark.parametrize("fixture", list(BUILDERS))
+def test_the_tiny_builders_are_deterministic_in_their_seed(fixture, request, tmp_path) -> None:
+    """The contract's ``omni_jax.testing``: a seed gives the same checkpoint, file for file and byte
+    for byte (the session's fixture is seed 0, built earlier in another directory), and another
+    seed other weights."""
+    built = request.getfixturevalue(fixture)
+    again = BUILDERS[fixture](tmp_path / "again", seed=0)
+    files = sorted(p.relative_to(built) for p in built.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    for f in files:
+        assert (built / f).read_bytes() == (again / f).read_bytes(), f
+    other = BUILDERS[fixture](tmp_path / "other", seed=1)
+    weights = [f for f in files if f.suffix == ".safetensors"]
+    assert weights and all((built / f).read_bytes() != (other / f).read_bytes() for f in weights)

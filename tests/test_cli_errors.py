@@ -19,10 +19,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from omni_jax import OmniJaxPipeline
 from omni_jax.cli import main
+from omni_jax.models.qwen2 import Qwen2ForCausalLM
 from omni_jax.weights import convert
 
 
@@ -228,6 +230,26 @@ def test_mistake_is_one_line_and_exit_2(
     line = one_error_line(capsys)
     assert re.search(pattern, line), line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_request_that_fails_at_run_time_exits_1_naming_it(
+    qwen2_converted, tmp_path, monkeypatch, capsys
+) -> None:
+    """A fault inside the run (every embedding NaN: the stage ends the request with
+    ``finish_reason="error"``) is not a usage mistake: its message on stderr, exit code 1, no
+    reply printed and nothing written."""
+    embed = Qwen2ForCausalLM.embed
+
+    def nan_embed(self, tokens, extra=None):  # noqa: ANN001, ANN202 - the patched method's signature
+        return embed(self, tokens, extra) * jnp.nan
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "embed", nan_embed)
+    out = tmp_path / "out"
+    argv = ["run", str(qwen2_converted), "--prompt", "hi", "--max-tokens", "4", "--output-dir", str(out)]
+    assert exit_code(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "error: stage 'llm': non-finite logits at output token 0\n"
+    assert captured.out == "" and not list(out.iterdir())
 
 
 def test_serve_refuses_a_port_in_use_before_loading(tmp_path, capsys) -> None:

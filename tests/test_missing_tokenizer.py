@@ -44,7 +44,7 @@ def test_text_prompt_without_a_tokenizer_names_it_and_the_path(qwen2_dir, tmp_pa
     with pytest.raises(ValueError, match=re.escape(f"request 0: stop strings need a tokenizer, and {path}")):
         pipe.run([{"prompt_token_ids": [1, 2, 3]}], stopped)
     (out,) = pipe.run([{"prompt_token_ids": [1, 2, 3]}], greedy)  # token ids are still served
-    assert len(out.token_ids) == 2
+    assert len(out.token_ids) == 2 and out.text is None  # the contract: no tokenizer, no text
 
 
 def test_omni_processor_without_a_tokenizer_is_refused_at_load(omni_dir, tmp_path) -> None:
