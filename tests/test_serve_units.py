@@ -124,6 +124,18 @@ def test_an_unknown_field_is_refused_by_name() -> None:
     )
 
 
+@pytest.mark.parametrize("schema", [ChatCompletionRequest, CompletionRequest])
+def test_n_and_stream_sent_as_null_take_their_defaults(schema: type) -> None:
+    """OpenAI types both as nullable, and clients that send every field send them as null: vLLM
+    serves such a request (it was a 400 "n: Input should be a valid integer"); a wrong value is
+    still refused."""
+    body = CHAT if schema is ChatCompletionRequest else '{"model": "m", "prompt": "hi"%s}'
+    parsed = schema.model_validate_json(body % ', "n": null, "stream": null')
+    assert parsed.n == 1 and parsed.stream is False
+    assert refusal(schema, body % ', "n": 0')[1] == "n"
+    assert refusal(schema, body % ', "stream": "yes"')[1] == "stream"
+
+
 def test_openais_stream_options_are_taken() -> None:
     """``include_obfuscation``, which the official client sends to save bytes, is taken (the
     server never pads chunks); an option no one defines is still refused by name."""

@@ -191,6 +191,14 @@ class _Sampling(_Strict):
     store: bool | None = Field(None, description="no reply is stored: a request asking to store is refused")
     service_tier: str | None = Field(None, description="one tier is served, whatever is asked")
 
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: object, info: ValidationInfo) -> object:
+        """OpenAI types ``n`` and ``stream`` as nullable, null meaning the default (vLLM's
+        ``Optional[int] = 1``, ``Optional[bool] = False``): clients that send every field send
+        them as null."""
+        return cls.model_fields[info.field_name].default if value is None else value
+
     @field_validator("store")
     @classmethod
     def _nothing_stored(cls, store: bool | None) -> bool | None:
