@@ -196,8 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("convert", help="HF checkpoint -> Orbax checkpoint")
     convert_cli.add_arguments(c)
     c.set_defaults(fn=convert_cli.run)
-    pl = sub.add_parser("plan", help="per-device bytes of weights, KV cache and largest step (config.json)")
-    pl.add_argument("model", help="a checkpoint directory (only its config.json is read)")
+    pl = sub.add_parser(
+        "plan", help="per-device bytes of weights, KV cache and largest step (from the configs, no weights)"
+    )
+    pl.add_argument(
+        "model",
+        help="a checkpoint directory: its config.json, preprocessor_config.json (the thinker's encoder "
+        "calls) and, without a config dtype, a weight file's header are read; no weights",
+    )
     pl.add_argument(
         "--gpu-memory",
         type=gib,

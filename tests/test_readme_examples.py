@@ -34,7 +34,7 @@ def _video() -> np.ndarray:
 
 
 def _qwen3_frames() -> list[int]:
-    """Two codec frames of the tiny Qwen3-Omni's quantizers, flattened frame-major."""
+    """Eight codec frames of the tiny Qwen3-Omni's four quantizers, flattened frame-major."""
     return [int(c) for c in np.random.default_rng(2).integers(0, 16, 2 * 16)]
 
 
