@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from test_checkpoint_forms import assert_same_params
 
 from omni_jax import OmniJaxPipeline, SamplingParams
 from omni_jax.cli import main as cli_main
@@ -20,12 +21,6 @@ from omni_jax.weights import MANIFEST, convert, load_part
 
 def params_of(model) -> dict:
     return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,7 @@ def test_converted_dir_loads_the_same_params_as_hf_dir(which, request, tmp_path)
     assert not list(dst.glob("*.safetensors"))
     from_hf, _ = load_part(src, "llm")
     from_conv, _ = load_part(dst, "llm")
-    assert_same(params_of(from_hf), params_of(from_conv))
+    assert_same_params(params_of(from_hf), params_of(from_conv))
 
 
 def test_pipeline_on_converted_and_hf_dirs_agree(qwen2_dir, tmp_path) -> None:
@@ -81,7 +76,7 @@ def test_both_commands_convert_as_the_api_does(qwen2_dir, tmp_path) -> None:
     weights; ``python -m checkpoints_convert SRC DST --dtype bfloat16`` each one cast to bfloat16."""
     assert cli_main(["convert", str(qwen2_dir), str(tmp_path / "f32"), "--quiet"]) == 0
     f32 = params_of(load_part(qwen2_dir, "llm")[0])
-    assert_same(params_of(load_part(tmp_path / "f32", "llm")[0]), f32)
+    assert_same_params(params_of(load_part(tmp_path / "f32", "llm")[0]), f32)
     cmd = [sys.executable, "-m", "checkpoints_convert", str(qwen2_dir), str(tmp_path / "bf16")]
     done = subprocess.run(
         [*cmd, "--dtype", "bfloat16", "--quiet"], capture_output=True, text=True, timeout=300
@@ -90,7 +85,7 @@ def test_both_commands_convert_as_the_api_does(qwen2_dir, tmp_path) -> None:
     assert json.loads((tmp_path / "bf16" / MANIFEST).read_text())["dtype"] == "bfloat16"
     bf16 = params_of(load_part(tmp_path / "bf16", "llm")[0])
     assert {v.dtype for v in bf16.values()} == {np.dtype(ml_dtypes.bfloat16)}
-    assert_same(bf16, {k: v.astype(ml_dtypes.bfloat16) for k, v in f32.items()})
+    assert_same_params(bf16, {k: v.astype(ml_dtypes.bfloat16) for k, v in f32.items()})
 
 
 def test_missing_and_misshaped_tensors_are_named(qwen2_dir, tmp_path) -> None:
