@@ -19,6 +19,8 @@ import pytest
 from PIL import Image
 from scipy.io import wavfile
 
+from omni_jax.testing_qwen3_omni import NUM_CODE_GROUPS
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
@@ -34,8 +36,8 @@ def _video() -> np.ndarray:
 
 
 def _qwen3_frames() -> list[int]:
-    """Eight codec frames of the tiny Qwen3-Omni's four quantizers, flattened frame-major."""
-    return [int(c) for c in np.random.default_rng(2).integers(0, 16, 2 * 16)]
+    """Eight codec frames of the tiny Qwen3-Omni's quantizers, flattened frame-major."""
+    return [int(c) for c in np.random.default_rng(2).integers(0, 16, 8 * NUM_CODE_GROUPS)]
 
 
 # A line that names the block -> the names it leaves to the reader and the files it must write.
