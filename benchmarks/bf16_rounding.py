@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from omni_jax.cli_errors import plain_text
+
 U = 2.0**-8
 
 
@@ -26,7 +28,7 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.bf16_rounding", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.bf16_rounding", description=plain_text(__doc__.split("\n\n")[0])
     )
     p.add_argument("--model", default="tiny")
     p.add_argument("--prompts", type=int, default=12)

@@ -25,6 +25,7 @@ import numpy as np
 
 from benchmarks.roofline import best_of
 from omni_jax import OmniJaxPipeline, Token2WavParams
+from omni_jax.cli_errors import plain_text
 
 
 def chunk_table(pipe: OmniJaxPipeline, num_steps: int, repeats: int) -> dict[tuple[int, int], float]:
@@ -70,7 +71,9 @@ def report(pipe: OmniJaxPipeline, codes: int, max_batch: int, num_steps: int, re
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chunk_costs", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.chunk_costs", description=plain_text(__doc__.split("\n\n")[0])
+    )
     p.add_argument("--model", default="tiny", help="tiny, small, or a Qwen2.5-Omni checkpoint directory")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "bench"))
     p.add_argument("--codes", type=int, default=500, help="codes a request (500: 10 s of speech)")

@@ -41,6 +41,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 
 from benchmarks.harness import device, persistent_cache, versions, write_json
 from benchmarks.models import SMALL_QWEN3_CODE2WAV, SMALL_TOKEN2WAV
+from omni_jax.cli_errors import plain_text
 from omni_jax.engine.compilation import enable_persistent_cache
 from omni_jax.jit import StaticGraph, exact_matmuls
 from omni_jax.models.qwen2_5_omni.token2wav import Token2Wav, sample_mel, token2wav_compiled
@@ -231,7 +232,9 @@ def add_case_arguments(p: argparse.ArgumentParser, codes: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_time", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.compile_time", description=plain_text(__doc__.split("\n\n")[0])
+    )
     add_case_arguments(p, codes=32)
     p.add_argument("--runs", type=int, default=0, help="also time the whole program, best of this many")
     p.add_argument(

@@ -41,6 +41,7 @@ from jax import lax
 
 from benchmarks.compile_time import CASES, add_case_arguments
 from benchmarks.harness import device, versions, wall_times, write_json
+from omni_jax.cli_errors import plain_text
 from omni_jax.models.dilated_conv import DILATED_SWITCH, FLAX_1D, phased_conv
 
 
@@ -223,7 +224,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.dilated_conv", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.dilated_conv", description=plain_text(__doc__.split("\n\n")[0])
+    )
     add_case_arguments(p, codes=125)
     p.add_argument("--repeats", type=int, default=5, help="runs of each form, the best kept")
     p.add_argument("--json", default=None)

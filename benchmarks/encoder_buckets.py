@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from omni_jax.cli_errors import plain_text
+
 REAL_VISION = dict(
     depth=32,
     hidden_size=1280,
@@ -181,7 +183,9 @@ def measured(path: Path) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.encoder_buckets", description=plain_text(__doc__.split("\n\n")[0])
+    )
     p.add_argument("--model", default="tiny", help="tiny, or a Qwen2.5-Omni checkpoint directory")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "omni_jax" / "bench"))
     args = p.parse_args()

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.encoder_buckets import REAL_VISION
+from omni_jax.cli_errors import plain_text
 from omni_jax.cpu_schedule import concurrency_scheduler
 from omni_jax.models.qwen2_5_omni import audio_encoder as audio25
 from omni_jax.models.qwen2_5_omni import vision_encoder as vision25
@@ -143,7 +144,7 @@ def with_layers(spec: Any, layers: int) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.encoder_memory", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.encoder_memory", description=plain_text(__doc__.split("\n\n")[0])
     )
     parser.add_argument("--model", choices=("qwen2_5_omni", "qwen3_omni"), default="qwen2_5_omni")
     parser.add_argument("--encoder", choices=("audio", "vision"), default="audio")

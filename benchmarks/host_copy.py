@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from benchmarks.roofline import best_of
+from omni_jax.cli_errors import plain_text
 from omni_jax.host_copy import contiguous
 
 SHAPES = {
@@ -36,7 +37,9 @@ SHAPES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_copy", description=plain_text(__doc__.split("\n\n")[0])
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

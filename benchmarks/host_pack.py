@@ -30,6 +30,7 @@ from benchmarks.e2e_suite import picture
 from benchmarks.harness import wall_times
 from benchmarks.models import QWEN3_OMNI, resolve_model
 from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax.cli_errors import plain_text
 from omni_jax.engine.ar_engine import AREngine
 from omni_jax.engine.ar_runner import ARRunner
 from omni_jax.engine.kv_cache import pages_needed
@@ -166,7 +167,7 @@ def qwen3_talker_requests(pipe: OmniJaxPipeline, count: int, prompt: int) -> lis
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_pack", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_pack", description=plain_text(__doc__))
     parser.add_argument("--requests", type=int, default=4, help="prompts in the step")
     parser.add_argument(
         "--prompt", type=int, default=448, help="tokens of each talker prompt (below 512 - 8)"

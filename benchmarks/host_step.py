@@ -25,6 +25,7 @@ import numpy as np
 
 from benchmarks.models import resolve_model
 from omni_jax import OmniJaxPipeline, SamplingParams
+from omni_jax.cli_errors import plain_text
 from omni_jax.engine.kv_cache import pages_needed
 from omni_jax.engine.scheduler import ARRequest, Scheduler
 from omni_jax.engine.step import StepResult
@@ -88,7 +89,7 @@ def decode_phases(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_step", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_step", description=plain_text(__doc__))
     parser.add_argument("--rows", default="1,32,256", help="decoding requests a step, comma-separated")
     parser.add_argument("--prompt", type=int, default=100, help="prompt tokens of each request")
     parser.add_argument("--repeats", type=int, default=50, help="steps timed per batch size")

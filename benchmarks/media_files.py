@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.roofline import best_of
+from omni_jax.cli_errors import plain_text
 from omni_jax.media_files import decode_video_file
 
 FRAME_RATE = 30
@@ -58,7 +59,9 @@ def build_clip(path: Path, seconds: int, width: int, height: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.media_files", description=plain_text(__doc__.split("\n\n")[0])
+    )
     parser.add_argument("--clip", type=Path, default=None, help="a video file (default: one built here)")
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--width", type=int, default=1280)

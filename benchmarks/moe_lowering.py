@@ -40,6 +40,7 @@ import torch
 from flax import nnx
 
 from benchmarks.harness import torch_device, torch_synchronize, wall_times, write_json
+from omni_jax.cli_errors import plain_text
 from omni_jax.jit import compute_dtype, exact_matmuls
 from omni_jax.models.loading import build_model, torch_state_items
 from omni_jax.models.moe import EXPERT_RULES, MOE_SWITCH, MoESpec, SparseMoeBlock, stack_expert_arrays
@@ -174,7 +175,9 @@ def table_row(row: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.moe_lowering", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.moe_lowering", description=plain_text(__doc__.split("\n\n")[0])
+    )
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inner", type=int, default=768)
     p.add_argument("--experts", type=int, default=128)

@@ -45,6 +45,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omni_jax.cli_errors import plain_text
 from omni_jax.serve.responses import audio_data, error_json, sse
 
 SAMPLE_RATE = 24_000
@@ -385,7 +386,7 @@ def build_app(engine: Engine, model_name: str, default_max: int = 64) -> FastAPI
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.reference_server", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.reference_server", description=plain_text(__doc__))
     p.add_argument("model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)

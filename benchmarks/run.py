@@ -39,7 +39,7 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.load_generator import parse_rates
-from omni_jax.cli_errors import OneLineParser
+from omni_jax.cli_errors import OneLineParser, plain_text
 from omni_jax.parallel.mesh import parse_mesh
 
 
@@ -167,7 +167,7 @@ def parse_stream_sizes(text: str) -> dict[str, int]:
 
 
 def parser(prog: str = "python -m benchmarks.run") -> argparse.ArgumentParser:
-    p = OneLineParser(prog=prog, description=__doc__.split("\n\n", 1)[1])
+    p = OneLineParser(prog=prog, description=plain_text(__doc__.split("\n\n", 1)[1]))
     p.add_argument(
         "--suite",
         choices=[*SUITES, "all"],

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from omni_jax.cli_errors import plain_text
+
 QWEN2_5_7B = dict(
     vocab_size=152064,
     hidden_size=3584,
@@ -341,7 +343,7 @@ def _reference_process(argv: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.shaped_suite", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.shaped_suite", description=plain_text(__doc__.split("\n\n")[0])
     )
     p.add_argument("--json", type=Path, default=None, help="write the result here (rewritten as it grows)")
     p.add_argument("--checkpoint", type=Path, default=Path("/tmp/omni_jax_shaped"), help="where to write it")

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omni_jax.cli_errors import OneLineParser
+from omni_jax.cli_errors import OneLineParser, plain_text
 
 
 def padding(size_of: Callable[[int], int], largest: int) -> dict[str, float]:
@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from benchmarks.models import resolve_model
 
-    p = OneLineParser(prog="python -m benchmarks.startup", description=__doc__.split("\n\n", 1)[0])
+    p = OneLineParser(
+        prog="python -m benchmarks.startup", description=plain_text(__doc__.split("\n\n", 1)[0])
+    )
     p.add_argument("--model", default="tiny", help="tiny | small | a checkpoint directory")
     p.add_argument(
         "--kind", default="qwen2_5_omni", help="the model_type of tiny/small (qwen2, qwen2_5_omni)"

@@ -38,6 +38,7 @@ from transformers import Qwen2Config
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
 
 from benchmarks.models import SMALL_QWEN3_THINKER_TEXT
+from omni_jax.cli_errors import plain_text
 from omni_jax.cpu_schedule import concurrency_scheduler
 from omni_jax.engine.ar_runner import _forward_fn
 from omni_jax.engine.buckets import max_sequence_rows
@@ -198,7 +199,7 @@ def step_memory(
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.step_memory", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.step_memory", description=plain_text(__doc__.split("\n\n")[0])
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--layers", type=int, default=4)

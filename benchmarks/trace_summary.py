@@ -23,6 +23,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from omni_jax.cli_errors import plain_text
+
 WINDOW_PREFIX = "bench/"
 """Names of the measured spans :func:`benchmarks.harness.measured_window` opens."""
 
@@ -140,7 +142,9 @@ def report(summaries: Sequence[ThreadSummary], length_us: float, name: str) -> s
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.trace_summary", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.trace_summary", description=plain_text(__doc__)
+    )
     parser.add_argument("path", type=Path, help="a *.trace.json.gz, or the --profile directory")
     parser.add_argument("--top", type=int, default=12, help="names listed per thread")
     args = parser.parse_args(argv)

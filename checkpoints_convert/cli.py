@@ -9,6 +9,13 @@ import sys
 from omni_jax.cli_engine import DTYPE_CHOICES
 from omni_jax.cli_errors import OneLineParser, run_command
 
+DESCRIPTION = (
+    "Convert a Hugging Face checkpoint (config.json with safetensors or .bin weights) into an "
+    "omni_jax checkpoint (Orbax), which omni-jax run and OmniJaxPipeline.from_pretrained load "
+    "without converting again."
+)
+"""``--help``'s description: plain text, where the module docstring is markup for a reader of the code."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="HF checkpoint directory (config.json + safetensors or .bin)")
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m checkpoints_convert", description=__doc__)
+    p = OneLineParser(prog="python -m checkpoints_convert", description=DESCRIPTION)
     add_arguments(p)
     args = p.parse_args(argv)
     return run_command(run, args)

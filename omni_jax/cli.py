@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_jax.cli_engine import EngineOptions, add_engine_arguments, gib
-from omni_jax.cli_errors import OneLineParser, output_folder, run_command
+from omni_jax.cli_errors import OneLineParser, make_output_folder, output_folder, run_command
 from omni_jax.interrupts import Interrupts
 
 
@@ -98,6 +98,7 @@ def _generate(
             file=sys.stderr,
         )
     if out_dir is not None:
+        make_output_folder("--output-dir", out_dir)
         (out_dir / f"{out.request_id}.txt").write_text(out.text or " ".join(map(str, out.token_ids)))
         print(f"wrote {out_dir / (out.request_id + '.txt')}", file=sys.stderr)
         wav = out_dir / f"{out.request_id}.wav"
@@ -193,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("--process-id", type=int, default=None, help="this process's index, 0 on the coordinator")
     r.set_defaults(fn=_run)
-    c = sub.add_parser("convert", help="HF checkpoint -> Orbax checkpoint")
+    c = sub.add_parser(
+        "convert", help="HF checkpoint -> Orbax checkpoint", description=convert_cli.DESCRIPTION
+    )
     convert_cli.add_arguments(c)
     c.set_defaults(fn=convert_cli.run)
     pl = sub.add_parser(

@@ -11,13 +11,16 @@ place where errors become messages. What user input causes is reported as ``erro
 - ``SystemExit("message")``: how the benchmark harness refuses its arguments.
 
 Anything else is a bug and keeps its traceback; ``--debug`` shows the traceback of these too.
-Warnings print as ``warning: <message>`` lines.
+Warnings print as ``warning: <message>`` lines. Help texts taken from a docstring go through
+:func:`plain_text`, so that ``--help`` shows no reStructuredText markup.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -36,6 +39,29 @@ USER_ERRORS = (ValueError, OSError)
 def one_line(message: str) -> str:
     """``message`` with its lines joined: a refusal is one line, whatever the raiser wrote."""
     return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+_ROLE = re.compile(r":(?:\w+:)?\w+:`([^`]+)`")  # :func:`x`, :py:meth:`~a.b`
+_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+_INTERPRETED = re.compile(r"`([^`]+)`")  # the default role's `text`, once the others are gone
+_TITLED = re.compile(r"(.+?)\s*<[^<>]+>", re.DOTALL)  # :doc:`the guide <guide>`
+
+
+def _role_text(role: re.Match[str]) -> str:
+    """What Sphinx shows for a cross-reference: its title, else its target (only the last dotted
+    part of a ``~`` target)."""
+    target = role.group(1)
+    if titled := _TITLED.fullmatch(target):
+        return titled.group(1)
+    return target.rsplit(".", 1)[-1] if target.startswith("~") else target
+
+
+def plain_text(doc: str) -> str:
+    """``doc``, a docstring's reStructuredText, as a command's ``--help`` shows it: without the
+    markup of roles (``:func:`name```), literals (text in double backquotes) and interpreted
+    text (in single ones), which Sphinx renders but a terminal would print as typed; their text
+    stays."""
+    return _INTERPRETED.sub(r"\1", _LITERAL.sub(r"\1", _ROLE.sub(_role_text, doc)))
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -66,19 +92,38 @@ def _warning_line(
     print(f"warning: {one_line(str(message))}", file=sys.stderr if file is None else file)
 
 
+def _unmakeable(flag: str, path: str | Path, reason: str) -> OSError:
+    """The refusal of a folder ``flag`` names, in one wording whether the check or ``mkdir`` finds it."""
+    return OSError(f"{flag} {path}: cannot be made a folder ({reason})")
+
+
 def output_folder(flag: str, path: str | Path) -> Path:
-    """The folder ``flag`` names, made now (with its parents), before any work: a path that
-    cannot be a folder (a file is there), or a folder this process cannot write into (read-only,
-    another user's), is a mistake to say at once, not after the run."""
+    """The folder ``flag`` names, checked before any work but not made: a path that cannot be a
+    folder (a file is there or above it), or a folder this process cannot write into or create
+    (read-only, another user's), is a mistake to say at once, not after the run; and a command
+    that refuses its request leaves nothing behind (:func:`make_output_folder` makes the folder
+    when there is something to write into it). The path is checked as ``mkdir`` will meet it:
+    its nearest part that is there (a link too, even a broken one) must be a folder to write in."""
     if not str(path):
         raise OSError(f"{flag}: an empty path names no folder")
     folder = Path(path)
+    there = next(p for p in (folder, *folder.absolute().parents) if os.path.lexists(p))
+    if not there.is_dir():
+        raise _unmakeable(flag, path, os.strerror(errno.EEXIST if there == folder else errno.ENOTDIR))
+    if not os.access(there, os.W_OK | os.X_OK):
+        if there == folder:
+            raise OSError(f"{flag} {path}: this process cannot write into it")
+        raise _unmakeable(flag, path, os.strerror(errno.EACCES))
+    return folder
+
+
+def make_output_folder(flag: str, folder: Path) -> Path:
+    """``folder``, which :func:`output_folder` checked, made (with its parents) when the first
+    file is to be written into it; what changed on disk since the check is said as it was."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise OSError(f"{flag} {path}: cannot be made a folder ({e.strerror or e})") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise OSError(f"{flag} {path}: this process cannot write into it")
+        raise _unmakeable(flag, folder, e.strerror or str(e)) from None
     return folder
 
 

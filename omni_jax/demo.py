@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from omni_jax.cli_errors import make_output_folder
+
 
 def _build_qwen2_5_omni(path: Path) -> None:
-    from omni_jax.models.hf_config import own_fields_unflagged
     from omni_jax.testing import build_tiny_qwen2_5_omni
 
-    with own_fields_unflagged():  # the builder makes the config, which transformers checks
-        build_tiny_qwen2_5_omni(path, seed=0)
+    build_tiny_qwen2_5_omni(path, seed=0)
 
 
 def _build_qwen3_omni(path: Path) -> None:
@@ -111,8 +111,9 @@ def demo_prompts(pipe: Any, media_request: str) -> list[dict[str, Any]]:
 
 def run_demo(cache_dir: Path, output_dir: Path, model: str = "qwen2.5-omni") -> int:
     """Build (once) and run ``model`` (a :data:`DEMO_MODELS` key) on :func:`demo_prompts`, writing
-    ``demo_<i>.txt``, ``demo_<i>.wav`` and the report ``demo.txt`` under ``output_dir`` (a
-    folder that exists); 1 when a request failed."""
+    ``demo_<i>.txt``, ``demo_<i>.wav`` and the report ``demo.txt`` under ``output_dir`` (checked
+    by :func:`~omni_jax.cli_errors.output_folder`, and made only once the requests have run, so
+    that a failed build leaves no folder behind); 1 when a request failed."""
     from omni_jax import OmniJaxPipeline
 
     demo_model = DEMO_MODELS[model]
@@ -123,6 +124,7 @@ def run_demo(cache_dir: Path, output_dir: Path, model: str = "qwen2.5-omni") -> 
     t0 = time.perf_counter()
     outs = pipe.run(prompts, params)
     dt = time.perf_counter() - t0
+    make_output_folder("--output-dir", output_dir)
     lines, failed = [], 0
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         kinds = "+".join(["text", *prompt.get("multi_modal_data", {})])

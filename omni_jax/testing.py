@@ -14,6 +14,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from omni_jax.models.hf_config import own_fields_unflagged
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 _WORDS = (
@@ -406,6 +408,7 @@ within 40 tokens at seed 0); with its LM-head row tripled, replies end after 2 t
 end-to-end tests and the demo see the thinker stop on its EOS as a trained one does."""
 
 
+@own_fields_unflagged()  # the config it builds is the release's, which transformers warns about
 def build_tiny_qwen2_5_omni(path: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
     """Write a random-weight ``Qwen2_5OmniForConditionalGeneration`` checkpoint to ``path``.
 

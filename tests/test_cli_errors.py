@@ -232,6 +232,72 @@ def test_mistake_is_one_line_and_exit_2(
     assert not (tmp_path / "out").exists()
 
 
+# (argv as in CASES, each a refusal that comes after the output folder is checked)
+REFUSED_WITH_AN_OUTPUT_FOLDER = {
+    "missing checkpoint": ["run", "{t}/nope", "--prompt", "hi", "--output-dir", "{t}/out/deeper"],
+    "context over the model's": [
+        "run",
+        "{q}",
+        "--prompt",
+        "hi",
+        "--max-model-len",
+        "100000",
+        "--output-dir",
+        "{t}/out",
+    ],
+    "unknown speaker": ["run", "{o}", "--prompt", "hi", "--speaker", "Nobody", "--output-dir", "{t}/out"],
+    "missing audio": [
+        "run",
+        "{o}",
+        "--stages",
+        "thinker",
+        "--prompt",
+        "hi",
+        "--audio",
+        "{t}/a.wav",
+        "--output-dir",
+        "{t}/out",
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "argv", list(REFUSED_WITH_AN_OUTPUT_FOLDER.values()), ids=list(REFUSED_WITH_AN_OUTPUT_FOLDER)
+)
+def test_a_refused_request_makes_no_output_folder(argv, qwen2_converted, omni_dir, tmp_path, capsys) -> None:
+    """``--output-dir`` is checked before any work but made only when something is written into
+    it: a refusal (exit 2, its one line) leaves no folder behind, nor its parents."""
+    paths = dict(q=qwen2_converted, o=omni_dir, t=tmp_path)
+    assert exit_code([a.format(**paths) for a in argv]) == 2
+    one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refused_demo_makes_no_default_output_folder(tmp_path, monkeypatch, capsys) -> None:
+    """The demo's default ``--output-dir`` (``omni_jax_demo_output`` in the working folder) is
+    not made by a demo that is refused (here its cache folder cannot be made)."""
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.chdir(tmp_path)
+    assert exit_code(["demo", "--cache-dir", str(tmp_path / "file" / "cache")]) == 2
+    assert "Not a directory" in one_error_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_an_output_folder_under_a_file_is_refused_before_the_run(
+    qwen2_converted, tmp_path, monkeypatch, capsys
+) -> None:
+    """The check finds what ``mkdir`` would, before the checkpoint is read: a file above the
+    folder is said in one line (exit 2) and nothing is loaded."""
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setattr(OmniJaxPipeline, "from_pretrained", lambda *a, **k: pytest.fail("it loaded"))
+    argv = ["run", str(qwen2_converted), "--prompt", "hi", "--output-dir", str(tmp_path / "file" / "out")]
+    assert exit_code(argv) == 2
+    line = one_error_line(capsys)
+    assert (
+        line == f"error: --output-dir {tmp_path / 'file' / 'out'}: cannot be made a folder (Not a directory)"
+    )
+
+
 def test_a_request_that_fails_at_run_time_exits_1_naming_it(
     qwen2_converted, tmp_path, monkeypatch, capsys
 ) -> None:
@@ -249,7 +315,7 @@ def test_a_request_that_fails_at_run_time_exits_1_naming_it(
     assert exit_code(argv) == 1
     captured = capsys.readouterr()
     assert captured.err == "error: stage 'llm': non-finite logits at output token 0\n"
-    assert captured.out == "" and not list(out.iterdir())
+    assert captured.out == "" and not out.exists()
 
 
 def test_serve_refuses_a_port_in_use_before_loading(tmp_path, capsys) -> None:

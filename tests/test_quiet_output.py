@@ -5,13 +5,18 @@
   fields), while such an id outside the thinker's vocabulary is refused by name.
 - Loading a Qwen3-Omni checkpoint prints none of transformers' rope warnings about its M-RoPE
   keys (``mrope_section``), which transformers itself writes and its validation does not know.
+- Building the tiny Qwen2.5-Omni or Qwen3-Omni checkpoint (``omni_jax.testing``) prints neither,
+  whoever calls the builder (the demo, a test, a user).
 - ``run()``'s requests bar says when XLA is compiling, and how many programs it compiled.
 - ``save_wav`` writes 16-bit PCM that Python's ``wave`` opens; float32 on request.
+- Each ``python -m`` helper's ``--help`` (the benchmarks, the converter) names the command a user
+  types and shows plain text, not its docstring's reStructuredText markup.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +33,7 @@ from omni_jax.outputs import OmniRequestOutput
 from omni_jax.safetensors_io import CheckpointError
 from omni_jax.weights import load_hf_config
 
+ROOT = Path(__file__).resolve().parents[1]
 WARNING = "may result in unexpected behavior"
 ROPE_WARNING = "Unrecognized keys in `rope_parameters` for 'rope_type'='default': {'mrope_section'}"
 
@@ -73,6 +79,22 @@ def test_loading_qwen3_omni_prints_no_rope_warnings(qwen3_omni_dir) -> None:
         f"OmniJaxPipeline.from_pretrained({str(qwen3_omni_dir)!r}, max_model_len=128)"
     )
     assert "rope_parameters" not in err, err
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        "from omni_jax.testing import build_tiny_qwen2_5_omni as build",
+        "from omni_jax.testing_qwen3_omni import build_tiny_qwen3_omni as build",
+    ],
+    ids=["qwen2_5_omni", "qwen3_omni"],
+)
+def test_building_a_tiny_checkpoint_prints_no_config_warnings(build, tmp_path) -> None:
+    """The builders make the release's configs, which transformers warns about (the talker's
+    thinker-vocabulary ids, the M-RoPE keys); called directly, not only through the demo, they
+    print none of those warnings."""
+    err = stderr_of(f"{build}\nbuild({str(tmp_path / 'hf')!r}, seed=0)")
+    assert WARNING not in err and "rope_parameters" not in err, err
 
 
 def test_thinker_id_outside_the_thinker_vocabulary_is_refused(omni_dir, tmp_path) -> None:
@@ -165,3 +187,43 @@ def test_warmup_bar_names_the_stage_and_counts_compilations(qwen2_dir, capsys) -
     assert "1/1" in states[-1]
     pipe.warmup(progress=False)
     assert capsys.readouterr().err == ""
+
+
+def helper_modules() -> list[str]:
+    """The ``python -m`` commands with a parser of their own: the converter and each benchmark
+    module that makes one (found in the sources, so that a new one is checked too)."""
+    made = re.compile(r"\b(?:ArgumentParser|OneLineParser)\(")
+    benchmarks = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if made.search(p.read_text()))
+    return ["checkpoints_convert", *(f"benchmarks.{m}" for m in benchmarks)]
+
+
+HELPS = """
+import contextlib, io, json, runpy, sys
+helps = {}
+for name in sys.argv[1:]:
+    sys.argv = [name, "--help"]
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        try:
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            assert e.code == 0, (name, e.code)
+    helps[name] = shown.getvalue()
+print(json.dumps(helps))
+"""
+
+
+def test_helper_helps_name_their_command_in_plain_text() -> None:
+    """``--help`` printed ``usage: host_copy.py`` for a command run as ``python -m
+    benchmarks.host_copy``, and descriptions taken from docstrings printed their markup as typed
+    (``:func:`run_isolated```, double backquotes). Every helper's help, in one fresh process."""
+    modules = helper_modules()
+    assert {"checkpoints_convert", "benchmarks.run", "benchmarks.host_copy"} <= set(modules)
+    done = subprocess.run(
+        [sys.executable, "-c", HELPS, *modules], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    helps = json.loads(done.stdout)
+    for module in modules:
+        assert helps[module].startswith(f"usage: python -m {module} "), helps[module]
+        assert "`" not in helps[module], helps[module]

@@ -110,8 +110,8 @@ class _RefusalUnlogged(logging.Filter):
 @contextlib.contextmanager
 def own_fields_unflagged() -> Iterator[None]:
     """While open, transformers' config validation does not warn about the talker's
-    thinker-vocabulary ids or the M-RoPE keys (for loads that build the config themselves,
-    e.g. ``AutoTokenizer``)."""
+    thinker-vocabulary ids or the M-RoPE keys (for code that builds the config itself:
+    ``AutoTokenizer``, and the tiny checkpoints' builders, which it decorates)."""
     filters = [
         (logging.getLogger(_VALIDATION_LOGGER), _ThinkerIdsUnflagged()),
         (logging.getLogger(_ROPE_LOGGER), _MropeKeysUnflagged()),
