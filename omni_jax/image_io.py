@@ -4,7 +4,9 @@ Files (a prompt's path, the CLI's ``--image``, the server's image URLs) are read
 ``load_image`` reads them: turned upright by their EXIF orientation (a phone photo's rotation
 lives there), then RGB with any alpha dropped. Images given in memory (a PIL image, an array)
 become RGB as transformers' image processors make them since 5.21, and as vLLM does: any
-transparency composited onto white (5.17 to 5.20 dropped the alpha instead).
+transparency composited onto white (5.17 to 5.20 dropped the alpha instead). Also here: the
+refusal of one image of a prompt (:class:`ImageItemError`, naming which), and the most pixels a
+header may claim for PIL to open it (:func:`pil_pixel_bound`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,33 @@ import numpy as np
 from PIL import Image, ImageOps
 
 
+class ImageItemError(ValueError):
+    """A prompt's image its processor refuses (an aspect ratio its resize does not take):
+    ``item`` is its place among the prompt's images (``multi_modal_data["image"]``, in the
+    order a chat prompt's content holds them) and ``problem`` what is wrong, so that a caller
+    can name the input it came from (the server's 400 names its content part)."""
+
+    def __init__(self, index: int, item: int, problem: str):
+        super().__init__(f"request {index}: image {item}: {problem}")
+        self.item = item
+        self.problem = problem
+
+
 def read_image(source: str | Path | BinaryIO) -> Image.Image:
     """An image file as RGB, upright. PIL's errors pass through (``OSError`` and
     ``UnidentifiedImageError`` for what it cannot read, ``DecompressionBombError`` for a header
     of too many pixels) for the caller to name the input."""
     with Image.open(source) as img:
         return upright_rgb(img)
+
+
+def pil_pixel_bound() -> int | None:
+    """The most pixels an image file's header may claim for ``Image.open`` to open it: twice
+    PIL's ``Image.MAX_IMAGE_PIXELS`` (past it PIL raises ``DecompressionBombError`` from the
+    header, before any pixel is decoded, and says so in its own words); ``None`` when PIL's
+    check is off. Read when asked, as PIL reads it: a program may set its own limit."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return None if limit is None else 2 * limit
 
 
 def upright_rgb(img: Image.Image) -> Image.Image:

@@ -643,8 +643,9 @@ def test_a_completion_of_several_prompts_has_their_choices_in_order(qwen, stream
 
 
 def test_one_prompt_refused_refuses_the_whole_request(qwen, good_ref) -> None:
-    """A completion of two prompts, the second too long: a 400 naming it, and the first, which
-    the stage admitted, is aborted, not left running (its KV pages free again)."""
+    """A completion of two prompts, the second too long: a 400 naming it by its place in the
+    list (``prompt.1``, in ``param`` and in the message), and the first, which the stage
+    admitted, is aborted, not left running (its KV pages free again)."""
     with qwen.server.http() as http:
         body = {
             "model": "tiny-qwen2",
@@ -655,7 +656,8 @@ def test_one_prompt_refused_refuses_the_whole_request(qwen, good_ref) -> None:
         error = check_error(
             http.post("/v1/completions", json=body), 400, "invalid_request_error", "17000 tokens"
         )
-        assert error["param"] == "prompt"
+        assert error["param"] == "prompt.1"
+        assert error["message"].startswith("prompt.1: prompt has 17000 tokens")
         check_good_request(http, good_ref)
     metrics = qwen.server.metrics()
     assert metrics[("omni_jax:num_requests", ())] == 0
@@ -826,7 +828,8 @@ def test_chat_logprobs_are_runs(qwen) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_completion_logprobs_are_runs(qwen, stream) -> None:
     """A completion's ``logprobs: N``: OpenAI's legacy lists. ``top_logprobs`` maps texts to
-    log-probabilities, a piece of a character written as its bytes (``bytes:\\x..``), so that
+    log-probabilities, the sampled token's first and then the ``N`` most likely (as vLLM's), a
+    piece of a character written as its bytes (``bytes:\\x..``), so that
     the pieces at a step keep a key each (vLLM reads them all U+FFFD, one key). ``text_offset``
     is where each whole token's text stands in the completion's (a stream's chunks continue
     the count)."""
@@ -853,9 +856,10 @@ def test_completion_logprobs_are_runs(qwen, stream) -> None:
     assert tokens == [t for t, _, _ in want]
     assert [v for c in lists for v in c.token_logprobs] == [v for _, v, _ in want]
     tops = [top for c in lists for top in c.top_logprobs]
-    assert [list(top.items()) for top in tops] == [list(dict(top).items()) for _, _, top in want]
+    sampled_first = [dict([(token, logprob), *top]) for token, logprob, top in want]
+    assert [list(top.items()) for top in tops] == [list(top.items()) for top in sampled_first]
     assert sum(t.startswith("bytes:") for t in tokens) > 0  # this reply has pieces of characters
-    assert all(len(top) == TOP for top in tops)
+    assert all(len(top) == TOP for top in tops)  # greedy: the sampled token is the most likely
     offsets = [o for c in lists for o in c.text_offset]
     assert offsets[0] == 0 and offsets == sorted(offsets)
     assert all(
@@ -1706,6 +1710,29 @@ def test_image_and_audio_input_in_one_message(omni) -> None:
     with omni.server.http() as http:
         counted = http.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()
     assert counted["tokens"] == ref.prompt_token_ids and counted["count"] == r.usage.prompt_tokens
+
+
+def test_an_image_the_processor_refuses_is_named_by_its_content_part(omni) -> None:
+    """An image whose aspect ratio the image processor's resize refuses (past 200:1), the second
+    of a message's two: the 400 names its content part, as a part the server cannot read is
+    named, on a request and on vLLM's ``/tokenize`` alike; the server serves on."""
+    wide = io.BytesIO()
+    Image.new("RGB", (500, 2)).save(wide, format="PNG")
+    wide_url = f"data:image/png;base64,{base64.b64encode(wide.getvalue()).decode()}"
+    parts = [
+        {"type": "image_url", "image_url": {"url": PNG_URL}},
+        {"type": "text", "text": "and this one"},
+        {"type": "image_url", "image_url": {"url": wide_url}},
+    ]
+    messages = [{"role": "user", "content": parts}]
+    says = "messages.0.content.2.image_url: absolute aspect ratio must be smaller than 200, got 250.0"
+    with omni.server.http() as http:
+        body = {"model": "tiny-omni", "messages": messages, "max_tokens": 2}
+        for path, sent in (("/v1/chat/completions", body), ("/tokenize", {"messages": messages})):
+            error = check_error(http.post(path, json=sent), 400, "invalid_request_error", says)
+            assert (error["message"], error["param"]) == (says, "messages.0.content.2.image_url"), path
+        parts[2] = parts[0]
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
 
 
 def test_a_video_file_with_its_own_sound_and_an_mp3(omni, tmp_path) -> None:

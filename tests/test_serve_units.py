@@ -28,10 +28,11 @@ from PIL import Image
 from pydantic import ValidationError
 from scipy.io import wavfile
 
-from omni_jax import SamplingParams
+from omni_jax import ParamError, SamplingParams
 from omni_jax.audio_io import PCM16_SCALE, pcm16, read_audio_file, wav_bytes
 from omni_jax.engine.sampling import MAX_LOGPROBS
 from omni_jax.engine_core import EngineStats
+from omni_jax.image_io import ImageItemError
 from omni_jax.outputs import OmniRequestOutput
 from omni_jax.serve import convert, fanout, logprobs, media
 from omni_jax.serve.convert import Choice, ServeRequest
@@ -234,6 +235,28 @@ def test_an_image_claiming_too_many_pixels_is_refused_naming_the_part() -> None:
     """PIL refuses a header of 400 M pixels as a decompression bomb (not an ``OSError``)."""
     with pytest.raises(ValueError, match=r"^img: not a readable image \(Image size \(400000000 pixels\)"):
         media.image("img", data_url("image/png", png_claiming(20_000, 20_000)), None)
+
+
+def test_an_image_past_pils_own_bound_is_refused_by_the_servers_limit(monkeypatch) -> None:
+    """A header past PIL's bomb bound (twice ``Image.MAX_IMAGE_PIXELS``), which PIL refuses to
+    open, is past ``--max-image-pixels`` too: the server's message, naming its limit, nothing
+    decoded. Only a limit above PIL's bound leaves PIL's own refusal (the server cannot tell
+    whether the image is within its limit)."""
+    bomb = data_url("image/png", png_claiming(20_000, 20_000))
+    bound = 2 * Image.MAX_IMAGE_PIXELS
+    assert 20_000 * 20_000 > bound > 33_554_432  # the server's default limit is within PIL's bound
+    decoded = []
+    monkeypatch.setattr(media, "upright_rgb", lambda img: decoded.append(img.size) or img.convert("RGB"))
+    with pytest.raises(ValueError) as e:
+        media.MediaReader().image("messages.0.content.0.image_url", bomb)
+    assert str(e.value) == (
+        f"messages.0.content.0.image_url: an image of more than {bound} pixels takes the request's images "
+        "past the 33554432 pixels left of the server's limit (--max-image-pixels)"
+    )
+    assert e.value.param == "messages.0.content.0.image_url"
+    with pytest.raises(ValueError, match=r"^img: not a readable image \(Image size \(400000000 pixels\)"):
+        media.MediaReader(max_image_pixels=bound + 1).image("img", bomb)
+    assert decoded == []
 
 
 def test_a_requests_images_share_a_pixel_budget_checked_before_decoding(monkeypatch) -> None:
@@ -535,10 +558,29 @@ def test_completion_logprobs_count_text_offsets_on_across_pieces() -> None:
     assert first == {
         "tokens": ["token_id:7"],
         "token_logprobs": [-2.5],
-        "top_logprobs": [{"token_id:3": -0.5}],
+        "top_logprobs": [{"token_id:7": -2.5, "token_id:3": -0.5}],
         "text_offset": [0],
     }
     assert lists.json(ENTRIES[1:])["text_offset"] == [len("token_id:7")]
+
+
+@pytest.mark.parametrize(
+    "top,want",
+    [
+        (0, [{"t7": -2.5}, {"t3": -0.1}]),
+        (1, [{"t7": -2.5, "t3": -0.5}, {"t3": -0.1}]),
+        (2, [{"t7": -2.5, "t3": -0.5, "t9": -1.0}, {"t3": -0.1, "t9": -3.0}]),
+    ],
+)
+def test_completion_top_logprobs_hold_the_sampled_token_and_the_most_likely(
+    top: int, want: list[dict[str, float]]
+) -> None:
+    """vLLM's ``/v1/completions`` (and OpenAI's legacy API: "up to logprobs + 1" entries): each
+    ``top_logprobs`` entry is the sampled token, then the ``logprobs`` most likely, once each; with
+    ``logprobs: 0``, the sampled token alone, not an empty dict."""
+    reader = logprobs.TokenReader(lambda t: f"t{t}", lambda t: f"t{t}".encode())
+    got = logprobs.CompletionLogprobs(top, reader).json(ENTRIES)["top_logprobs"]
+    assert [list(entry.items()) for entry in got] == [list(entry.items()) for entry in want]
 
 
 def test_the_byte_level_alphabet_is_the_tokenizers() -> None:
@@ -949,14 +991,91 @@ def test_a_request_is_admitted_without_waiting_for_its_first_tokens() -> None:
 
 
 def test_one_reply_refused_closes_the_others_and_refuses_the_request() -> None:
+    """The refusal names the reply refused, so that the request's 400 can name its prompt."""
+
     async def main() -> list[str]:
         closed: list[str] = []
         signals = _signals(2)
-        with pytest.raises(ValueError, match="empty prompt"):
+        with pytest.raises(fanout.Refused) as e:
             await fanout.admit([_slow(closed, "a", signals[0]), _refused()], signals)
+        assert e.value.index == 1
+        assert isinstance(e.value.error, ValueError) and str(e.value.error) == "request 0: empty prompt"
         return list(closed)  # as the loop runs on: asyncio.run's end closes what is left
 
     assert asyncio.run(main()) == ["a"]
+
+
+def _completion(prompts: int, n: int) -> ServeRequest:
+    """What a completion of ``prompts`` prompts (a list of them), ``n`` choices each, asks."""
+    params = SamplingParams()
+    return ServeRequest(
+        [{"prompt": "hi"}] * prompts,
+        params,
+        None,
+        False,
+        False,
+        False,
+        n=n,
+        prompt_field="prompt",
+        listed=True,
+    )
+
+
+def test_a_refused_prompt_of_several_is_named_by_its_place() -> None:
+    """Choice 5 of three prompts with ``n=2`` each is the third prompt's: ``prompt.2``, as the
+    schema names a list's item, in the message too; a prompt alone (a chat's, or a completion's
+    single prompt) is named by its field, as OpenAI's context-length errors are."""
+    from omni_jax.serve.app import _refusal
+
+    too_long = ValueError("request 0: prompt has 17000 tokens, max_model_len is 16384")
+    refused = _refusal(fanout.Refused(5, too_long), _completion(3, 2))
+    assert (refused.status, refused.param) == (400, "prompt.2")
+    assert refused.message == "prompt.2: prompt has 17000 tokens, max_model_len is 16384"
+    alone = ServeRequest(
+        [{"prompt": "hi"}], SamplingParams(), None, False, False, False, prompt_field="prompt"
+    )
+    refused = _refusal(fanout.Refused(0, too_long), alone)
+    assert (refused.param, refused.message) == ("prompt", "prompt has 17000 tokens, max_model_len is 16384")
+    past = ParamError("stage 'llm': max_tokens=9 does not fit", "max_tokens")
+    assert _refusal(fanout.Refused(3, past), _completion(3, 2)).param == "max_tokens"  # a field of all
+
+
+def test_an_image_the_processor_refuses_is_named_by_its_content_part() -> None:
+    """The processor says which of the prompt's images it refuses (:class:`ImageItemError`);
+    the server names the content part that image came from, as it names a part it cannot read."""
+    from omni_jax.serve.app import _refusal
+
+    parts = [
+        {"type": "image_url", "image_url": {"url": data_url("image/png", png_bytes(PIXELS[..., :3], "RGB"))}},
+        {"type": "text", "text": "and this"},
+        {
+            "type": "image_url",
+            "image_url": {"url": data_url("image/png", png_bytes(PIXELS[:1, :, :3], "RGB"))},
+        },
+    ]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+    reader = media.MediaReader()
+    convert.chat_messages(body.messages, reader, Transcripts().said)
+    assert reader.image_parts == ["messages.0.content.0.image_url", "messages.0.content.2.image_url"]
+    chat = ServeRequest(
+        [{}], SamplingParams(), None, False, False, False, image_parts=tuple(reader.image_parts)
+    )
+    wide = ImageItemError(0, 1, "absolute aspect ratio must be smaller than 200, got 250.0")
+    refused = _refusal(fanout.Refused(0, wide), chat)
+    assert (refused.status, refused.param) == (400, "messages.0.content.2.image_url")
+    assert (
+        refused.message
+        == "messages.0.content.2.image_url: absolute aspect ratio must be smaller than 200, got 250.0"
+    )
+
+
+def test_what_is_no_refusal_is_raised_as_it_came() -> None:
+    from omni_jax.serve.app import _refusal
+
+    broken = RuntimeError("the engine is closed")
+    with pytest.raises(RuntimeError) as e:
+        _refusal(fanout.Refused(0, broken), _completion(1, 1))
+    assert e.value is broken
 
 
 def test_a_failed_reply_ends_its_siblings_at_once() -> None:

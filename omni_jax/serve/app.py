@@ -23,7 +23,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_jax import ParamError, __version__
 from omni_jax.async_pipeline import AsyncOmniJaxPipeline, QueueFullError
+from omni_jax.image_io import ImageItemError
 from omni_jax.serve import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -246,14 +247,8 @@ class _Server:
         ]
         try:
             first = await self.unless_disconnected(request, request_id, fanout.admit(replies, admitted))
-        except QueueFullError as e:
-            raise HTTPError(
-                429, f"the server's queue is full ({e}); retry later", retry_after=RETRY_QUEUE_S
-            ) from None
-        except UnknownSpeakerError as e:
-            raise _bad_request(e, "audio.voice") from None
-        except ValueError as e:  # a sampling field's, or else the prompt's
-            raise _bad_request(e, serve.prompt_field, {"max_tokens": serve.max_tokens_field}) from None
+        except fanout.Refused as refused:
+            raise _refusal(refused, serve) from None
         if first is None:  # admit ended what it had started
             return Response(status_code=CLIENT_GONE)
         if serve.stream:
@@ -341,19 +336,51 @@ STAGE_NAME = re.compile(r"^stage '[^']*': ")
 request, not on a stage it never sees."""
 
 
+def _problem(e: ValueError) -> str:
+    """``e``'s message without the pipeline's index of the prompt (:data:`REQUEST_INDEX`)."""
+    return REQUEST_INDEX.sub("", str(e), count=1)
+
+
 def _bad_request(
-    e: ValueError, param: str | None = None, renamed: Mapping[str, str] | None = None
+    e: ValueError,
+    param: str | None = None,
+    renamed: Mapping[str, str] | None = None,
+    images: Sequence[str] = (),
 ) -> HTTPError:
     """A refusal as a 400 naming the request field it is about where that is known: a
     :class:`FieldError`'s, a stage's :class:`ParamError` (a sampling field: the request field of
-    its name, or the one ``renamed`` gives it), or ``param``."""
-    message = REQUEST_INDEX.sub("", str(e), count=1)
+    its name, or the one ``renamed`` gives it), an :class:`ImageItemError`'s image (its content
+    part, of the prompt's ``images`` in order, named in the message as a :class:`FieldError`
+    names its field), or ``param``."""
+    message = _problem(e)
     if isinstance(e, FieldError):
         param = e.param
     elif isinstance(e, ParamError):
         param = (renamed or {}).get(e.field, e.field)
         message = STAGE_NAME.sub("", message, count=1)
+    elif isinstance(e, ImageItemError):
+        param = images[e.item]
+        message = f"{param}: {e.problem}"
     return HTTPError(400, message, param)
+
+
+def _refusal(refused: fanout.Refused, serve: convert.ServeRequest) -> HTTPError:
+    """What a request answers when admission refused one of its replies: 429 for a full queue,
+    else a 400 naming the field at fault: ``audio.voice`` for an unknown voice, a sampling
+    field, an image's content part, or else the prompt (too long, media the model takes none
+    of): one of a list of prompts by its place, in the message too. What is no refusal (a
+    failure) is raised as it came."""
+    e = refused.error
+    if isinstance(e, QueueFullError):
+        return HTTPError(429, f"the server's queue is full ({e}); retry later", retry_after=RETRY_QUEUE_S)
+    if isinstance(e, UnknownSpeakerError):
+        return _bad_request(e, "audio.voice")
+    if isinstance(e, (ParamError, ImageItemError)):
+        return _bad_request(e, renamed={"max_tokens": serve.max_tokens_field}, images=serve.image_parts)
+    if not isinstance(e, ValueError):
+        raise e from None
+    param = serve.prompt_param(refused.index)
+    return HTTPError(400, f"{param}: {_problem(e)}" if serve.listed else _problem(e), param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -567,10 +594,11 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
         read as, a media item's placeholder expanded to its length as a request's would be, and
         the context they count against."""
         parsed = await server.admit(request, TokenizeRequest)
+        reader = settings.media_reader()
         try:
             if parsed.messages is not None:
                 messages = await asyncio.to_thread(
-                    convert.chat_messages, parsed.messages, settings.media_reader(), server.transcripts.said
+                    convert.chat_messages, parsed.messages, reader, server.transcripts.said
                 )
                 prompt = pipe.pipeline.chat_prompt(
                     messages,
@@ -581,7 +609,7 @@ def build_app(pipe: AsyncOmniJaxPipeline, settings: ServeSettings) -> FastAPI:
                 prompt = {"prompt": parsed.prompt}
             ids = await pipe.prompt_token_ids(prompt)
         except ValueError as e:
-            raise _bad_request(e) from None
+            raise _bad_request(e, images=reader.image_parts) from None
         return JSONResponse(
             {
                 "count": len(ids),

@@ -84,6 +84,12 @@ class ServeRequest:
     """The request field the prompt came from (``messages``, or a completion's ``prompt``): what
     a refusal of the prompt (too long, media a model takes no) names as its ``param``, as
     OpenAI's context-length errors do."""
+    listed: bool = False
+    """The prompts came as a list (a completion's ``prompt`` of several): a refusal of one names
+    it by its place, ``prompt.2``, as a schema error names a list's item."""
+    image_parts: tuple[str, ...] = ()
+    """The content part each of the prompt's images came from, in the prompt's order of images:
+    what a refusal of one (:class:`~omni_jax.image_io.ImageItemError`) names."""
     max_tokens_field: str = "max_tokens"
     """The field the reply's length came from (``max_completion_tokens`` when a chat request
     gave it): what a refusal of that length names."""
@@ -92,6 +98,12 @@ class ServeRequest:
     def replies(self) -> int:
         """How many engine requests it makes: ``n`` per prompt."""
         return len(self.prompts) * self.n
+
+    def prompt_param(self, choice: int) -> str:
+        """What a refusal of choice ``choice``'s prompt names: :attr:`prompt_field`, with the
+        prompt's place in the list when :attr:`listed` (:meth:`choices` holds each prompt's
+        ``n`` together)."""
+        return f"{self.prompt_field}.{choice // self.n}" if self.listed else self.prompt_field
 
     def choices(self) -> list[Choice]:
         """The engine requests, in OpenAI's order of ``choices`` (each prompt's ``n`` together).
@@ -283,6 +295,7 @@ def chat_request(
         within_context=_max_tokens(request) is not None,
         n=request.n,
         max_tokens_field="max_completion_tokens" if request.max_completion_tokens else "max_tokens",
+        image_parts=tuple(reader.image_parts),
     )
 
 
@@ -309,4 +322,5 @@ def completion_request(pipeline: OmniJaxPipeline, request: CompletionRequest) ->
         within_context=_max_tokens(request) is not None,
         n=request.n,
         prompt_field="prompt",
+        listed=several,
     )

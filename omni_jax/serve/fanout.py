@@ -4,7 +4,8 @@ prompts, each an engine request of its own (:meth:`~omni_jax.serve.convert.Serve
 They run side by side in the engine (batched like any other requests). A request is admitted
 when all of its replies are (:func:`admit`: each taken in by the engine, not yet its first
 token, so that a reply queued behind a full batch does not hold back the others): one refused
-closes the others (aborting them) and its refusal is the request's. A streamed response
+closes the others (aborting them) and its refusal is the request's (:class:`Refused`, naming
+the reply, so that a refusal of one of several prompts can say which). A streamed response
 interleaves their events as they come, each with its choice's index (:func:`merged`); a whole one
 waits for all of them, or for the first that fails (:func:`gathered`), which ends the others.
 
@@ -27,20 +28,31 @@ Firsts = list["asyncio.Future[Piece | End]"]
 """Each reply's first event, being awaited since its admission."""
 
 
+class Refused(Exception):
+    """Reply ``index`` (its choice's index) raised ``error`` before it was admitted: what the
+    engine refuses it with (``ValueError``, ``QueueFullError``), or what failed."""
+
+    def __init__(self, index: int, error: BaseException):
+        super().__init__(f"reply {index}: {error}")
+        self.index = index
+        self.error = error
+
+
 async def admit(replies: Replies, admitted: Sequence[asyncio.Event]) -> Firsts:
     """Start every reply and return once each is admitted (its ``admitted`` set) or has ended
     early; when any is refused (or this is cancelled), every reply is closed and the first
-    refusal raised."""
+    refusal, in the replies' order, raised as :class:`Refused`."""
     firsts: Firsts = [asyncio.ensure_future(anext(r)) for r in replies]  # type: ignore[arg-type]
     try:
-        for first, signal in zip(firsts, admitted, strict=True):
+        for index, (first, signal) in enumerate(zip(firsts, admitted, strict=True)):
             waiting = asyncio.ensure_future(signal.wait())
             try:
                 await asyncio.wait({first, waiting}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 waiting.cancel()
-            if first.done() and not first.cancelled() and first.exception() is not None:
-                raise first.exception()  # type: ignore[misc]
+            error = first.exception() if first.done() and not first.cancelled() else None
+            if error is not None:
+                raise Refused(index, error) from error
     except BaseException:
         await end(firsts, replies)
         raise

@@ -4,7 +4,9 @@ The pipeline gives, per output token, ``{token id: log-probability}``: the sampl
 then the ``SamplingParams.logprobs`` most likely ones (:class:`~omni_jax.OmniRequestOutput`).
 Chat completions show them as ``logprobs.content``: per token its text, log-probability, bytes
 and ``top_logprobs`` (the most likely first); completions as the legacy lists ``tokens``,
-``token_logprobs``, ``top_logprobs`` (text -> log-probability) and ``text_offset``.
+``token_logprobs``, ``top_logprobs`` (text -> log-probability: the sampled token first, then
+the most likely, as vLLM lists them and as OpenAI's legacy API promises "up to logprobs + 1"
+of them; with ``logprobs: 0`` the sampled token alone) and ``text_offset``.
 
 A token's ``bytes`` are the token's own, so that, as OpenAI means them, a reply's tokens' bytes
 joined are its text's UTF-8 even where a character spans tokens (for byte-level BPE
@@ -129,7 +131,7 @@ class CompletionLogprobs:
             sampled, logprob = next(iter(entry.items()))
             tokens.append(self.tokens.text(sampled))
             logprobs.append(logprob)
-            tops.append({self.tokens.text(t): v for t, v in _top(entry, self.top)})
+            tops.append({self.tokens.text(t): v for t, v in [(sampled, logprob), *_top(entry, self.top)]})
             offsets.append(self.offset)
             self.offset += len(self.spelled.decode(self.tokens.raw(sampled)))
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

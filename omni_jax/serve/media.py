@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from omni_jax.audio_io import decode_wav, is_wav
-from omni_jax.image_io import upright_rgb
+from omni_jax.image_io import pil_pixel_bound, upright_rgb
 from omni_jax.media_files import check_audio_file
 from omni_jax.serve import DEFAULT_MAX_IMAGE_PIXELS
 from omni_jax.serve.protocol import FieldError
@@ -66,27 +66,41 @@ def _url_bytes(where: str, url: str, allowed: Path | None) -> bytes:
     return path.read_bytes()
 
 
+def _past_room(where: str, pixels: str, room: int) -> FieldError:
+    """The refusal of an image of ``pixels`` (its size, as the message says it) where ``room``
+    pixels are left of the request's ``--max-image-pixels``."""
+    return FieldError(
+        where,
+        f"an image of {pixels} pixels takes the request's images past the {room} pixels left of the "
+        "server's limit (--max-image-pixels)",
+    )
+
+
 def image(where: str, url: str, allowed: Path | None, room: int | None = None) -> Image.Image:
     """A PIL image, RGB, from an image URL: its file read as a prompt's image path is
     (:func:`~omni_jax.image_io.read_image`: upright by its EXIF orientation, alpha dropped).
-    ``room``: the most pixels it may have, checked before it is decoded."""
+    ``room``: the most pixels it may have, checked before it is decoded. A header past PIL's own
+    bound (:func:`~omni_jax.image_io.pil_pixel_bound`), which PIL refuses to open, is refused as
+    past ``room`` too where that bound is within it: the limit the client can act on is the
+    server's."""
     raw = _url_bytes(where, url, allowed)
     try:
         opened = Image.open(io.BytesIO(raw))
     except UnidentifiedImageError:
         raise FieldError(where, "not a readable image (no image format recognised)") from None
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:
+        bound = pil_pixel_bound()
+        if room is not None and bound is not None and bound >= room:
+            raise _past_room(where, f"more than {bound}", room) from None
+        raise FieldError(where, f"not a readable image ({e})") from None
+    except (OSError, ValueError) as e:
         raise FieldError(where, f"not a readable image ({e})") from None
     except Exception as e:  # noqa: BLE001 - PIL's parsers raise what they like on bad bytes
         raise FieldError(where, f"not a readable image ({type(e).__name__}: {e})") from None
     with opened:
         width, height = opened.size
         if room is not None and width * height > room:
-            raise FieldError(
-                where,
-                f"an image of {width}x{height} pixels takes the request's images past the {room} "
-                "pixels left of the server's limit (--max-image-pixels)",
-            )
+            raise _past_room(where, f"{width}x{height}", room)
         try:
             return upright_rgb(opened)
         except (OSError, ValueError, Image.DecompressionBombError) as e:
@@ -126,16 +140,19 @@ def _audio(where: str, raw: bytes) -> tuple[np.ndarray, int] | bytes:
 class MediaReader:
     """One request's media, read by the server's rules: file URLs under ``allowed`` only, and
     its images together at most ``max_image_pixels`` (``None``: no limit); ``pixels`` counts
-    those read so far."""
+    those read so far, and ``image_parts`` names the content part of each, in the order read
+    (the prompt's order of images: what a refusal of one at admission names)."""
 
     allowed: Path | None = None
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
     pixels: int = 0
+    image_parts: list[str] = dataclasses.field(default_factory=list)
 
     def image(self, where: str, url: str) -> Image.Image:
         room = None if self.max_image_pixels is None else self.max_image_pixels - self.pixels
         img = image(where, url, self.allowed, room)
         self.pixels += img.width * img.height
+        self.image_parts.append(where)
         return img
 
     def audio(self, where: str, data: str) -> tuple[np.ndarray, int] | bytes:

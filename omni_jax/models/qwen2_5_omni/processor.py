@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from omni_jax.audio_io import check_clip, read_audio_file, resample
-from omni_jax.image_io import composite_rgb, composite_rgb_array, read_image
+from omni_jax.image_io import ImageItemError, composite_rgb, composite_rgb_array, read_image
 from omni_jax.media_files import VideoFile, decode_video_file
 from omni_jax.models.qwen2_5_omni.audio_encoder import audio_output_lengths
 from omni_jax.models.qwen2_5_omni.rope_index import chunk_bounds
@@ -645,6 +645,19 @@ class OmniProcessor:
         pixels = np.asarray(out["pixel_values"], np.float32)
         return [pixels[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)], grids
 
+    def check_image_size(self, index: int, item: int, image: Any) -> None:
+        """Refuse request ``index``'s image ``item`` (an RGB PIL image or ``[H, W, 3]`` array, as
+        :meth:`process` checks them into) if the image processor's resize refuses its size (an
+        aspect ratio past 200:1), from its size alone, by the processor's own rule
+        (``get_number_of_image_patches``, which vLLM sizes placeholders with): :meth:`images`
+        featurises a prompt's images in one call, whose refusal does not say which image it is
+        about (:class:`~omni_jax.image_io.ImageItemError` does)."""
+        width, height = (image.shape[1], image.shape[0]) if isinstance(image, np.ndarray) else image.size
+        try:
+            self.image_processor.get_number_of_image_patches(height, width, {})
+        except ValueError as e:
+            raise ImageItemError(index, item, str(e)) from None
+
     def video_tokens(self, grid: tuple[int, int, int]) -> int:
         return int(np.prod(grid)) // self.video_processor.merge_size**2
 
@@ -725,6 +738,8 @@ class OmniProcessor:
                 + sum(self.video_processor.least_tokens(len(v)) for v in videos)
             )
             admit({"audio": len(audios), "image": len(images), "video": len(videos)}, least)
+        for item, image in enumerate(images):
+            self.check_image_size(index, item, image)
         out = OmniInputs(input_ids=[], use_audio_in_video=use_audio_in_video and bool(videos))
         try:
             if audios:
